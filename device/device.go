@@ -1,0 +1,66 @@
+// Package device is the lowest layer of tiercache: the block devices that the
+// cache engine stores data on and that back each export.
+//
+// A Device is deliberately small (pread, pwrite, fsync, size) so that a file,
+// a block device, a memory device with crash semantics, a fault injector or a
+// performance model of an HDD can all stand in for one another. Capabilities
+// that only some devices have (discard, write-zeroes) are separate one-method
+// interfaces found by type assertion, so callers degrade gracefully instead of
+// every implementation faking them.
+//
+// Concurrency contract: ReadAt, WriteAt, Sync, Discard and WriteZeroes may be
+// called from many goroutines at once. Overlapping concurrent writes leave the
+// overlapped range with either writer's bytes (per sector), as a real disk
+// would; callers that need ordering must provide it. Sync makes durable every
+// write that completed before Sync was called.
+package device
+
+import (
+	"errors"
+	"io"
+)
+
+// Device is a fixed-size, randomly addressable block store.
+type Device interface {
+	// ReadAt reads len(p) bytes at off. A read wholly inside the device
+	// returns len(p), nil. A read past Size is an error (ErrOutOfRange).
+	io.ReaderAt
+	// WriteAt writes len(p) bytes at off. The data is not durable until a
+	// later Sync returns nil. A write past Size is an error (ErrOutOfRange).
+	io.WriterAt
+	// Sync makes every previously completed write durable (fdatasync).
+	Sync() error
+	// Size is the device size in bytes. It does not change while open.
+	Size() int64
+	// Close releases the device. It does not imply Sync.
+	Close() error
+}
+
+// Discarder is implemented by devices that can deallocate a range (hole
+// punching on a file, BLKDISCARD on a block device). After Discard the
+// range's contents are unspecified (zeroes on a file, possibly old data on a
+// block device): use Zeroer when zeroes are required.
+type Discarder interface {
+	Discard(off, length int64) error
+}
+
+// Zeroer is implemented by devices that can zero a range faster than writing
+// zero buffers (FALLOC_FL_ZERO_RANGE, BLKZEROOUT). After WriteZeroes the
+// range reads as zeroes.
+type Zeroer interface {
+	WriteZeroes(off, length int64) error
+}
+
+// ErrOutOfRange is returned for I/O that does not lie inside the device.
+var ErrOutOfRange = errors.New("device: I/O out of range")
+
+// ErrClosed is returned for I/O on a closed device.
+var ErrClosed = errors.New("device: closed")
+
+// CheckRange reports ErrOutOfRange unless [off, off+n) lies within [0, size).
+func CheckRange(off, n, size int64) error {
+	if off < 0 || n < 0 || off > size || n > size-off {
+		return ErrOutOfRange
+	}
+	return nil
+}

@@ -1,0 +1,41 @@
+package nbd
+
+// Backend is what an export serves: the cache engine's volume, or a plain
+// device. It is the only way the protocol layer reaches storage, so the
+// ordering rules of NBD (FLUSH covers every write completed before it, FUA
+// makes one write durable before its reply) are the Backend's contract:
+//
+//   - ReadAt fills p entirely or returns an error.
+//   - WriteAt returns only when the write is complete (visible to every later
+//     ReadAt on any connection); with fua it is also durable.
+//   - Flush returns only when every write completed before the call is
+//     durable, whichever connection sent it. That is what lets an export
+//     advertise NBD_FLAG_CAN_MULTI_CONN.
+//
+// Implementations must be safe for concurrent use.
+type Backend interface {
+	Size() int64
+	ReadAt(p []byte, off int64) error
+	WriteAt(p []byte, off int64, fua bool) error
+	Flush() error
+}
+
+// Trimmer is implemented by backends that support NBD_CMD_TRIM. After a
+// successful Trim the range may read as zeroes or as the old data.
+type Trimmer interface {
+	Trim(off, length int64, fua bool) error
+}
+
+// ZeroWriter is implemented by backends that support NBD_CMD_WRITE_ZEROES.
+// mayTrim is false when the client sent NBD_CMD_FLAG_NO_HOLE. When fastOnly
+// is set (NBD_CMD_FLAG_FAST_ZERO) the backend must fail with an error that
+// wraps errors.ErrUnsupported unless it can zero faster than writing zeroes.
+type ZeroWriter interface {
+	WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) error
+}
+
+// Prefetcher is implemented by backends that support NBD_CMD_CACHE: bring
+// the range into the cache tier without returning data.
+type Prefetcher interface {
+	Prefetch(off, length int64) error
+}
