@@ -17,7 +17,9 @@ package device
 
 import (
 	"errors"
+	"fmt"
 	"io"
+	"syscall"
 )
 
 // Device is a fixed-size, randomly addressable block store.
@@ -57,10 +59,45 @@ var ErrOutOfRange = errors.New("device: I/O out of range")
 // ErrClosed is returned for I/O on a closed device.
 var ErrClosed = errors.New("device: closed")
 
+// ErrReadOnly is returned for writes, discards and write-zeroes on a device
+// opened read-only. It wraps syscall.EPERM so that errno mapping (for an NBD
+// error reply, say) needs no special case.
+var ErrReadOnly = fmt.Errorf("device: read-only: %w", syscall.EPERM)
+
 // CheckRange reports ErrOutOfRange unless [off, off+n) lies within [0, size).
+// It allocates nothing; use RangeError to build the error returned to a
+// caller.
 func CheckRange(off, n, size int64) error {
 	if off < 0 || n < 0 || off > size || n > size-off {
 		return ErrOutOfRange
 	}
 	return nil
 }
+
+// RangeError returns an error wrapping ErrOutOfRange that names the
+// operation, the request and the device size, for an implementation to return
+// once CheckRange has failed.
+func RangeError(op string, off, n, size int64) error {
+	return fmt.Errorf("device: %s at offset %d length %d (device size %d): %w",
+		op, off, n, size, ErrOutOfRange)
+}
+
+// IOError describes a failed operation on a named device. Err is the cause
+// (a syscall.Errno, io.EOF, ErrClosed, ...) and is reachable with errors.Is
+// and errors.As.
+type IOError struct {
+	Op   string // "read", "write", "sync", "discard", "write-zeroes"
+	Path string // device path or name
+	Off  int64  // offset of the request (0 for sync)
+	Len  int64  // length of the request (0 for sync)
+	Err  error
+}
+
+func (e *IOError) Error() string {
+	if e.Op == "sync" || e.Op == "close" {
+		return fmt.Sprintf("device %s: %s: %v", e.Path, e.Op, e.Err)
+	}
+	return fmt.Sprintf("device %s: %s at offset %d length %d: %v", e.Path, e.Op, e.Off, e.Len, e.Err)
+}
+
+func (e *IOError) Unwrap() error { return e.Err }
