@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Installs what `make test` needs on a fresh Debian machine: the real NBD
+# clients and peers the interop tests run (fio, qemu-utils, libnbd-bin,
+# nbdkit), the kernel-path tools (fuse3, e2fsprogs, util-linux for losetup)
+# and staticcheck. Idempotent: installs only what is missing.
+set -euo pipefail
+
+need=()
+have() { command -v "$1" >/dev/null 2>&1; }
+have fio      || need+=(fio)
+have qemu-img || need+=(qemu-utils)
+have qemu-io  || need+=(qemu-utils)
+have nbdinfo  || need+=(libnbd-bin)
+have nbdfuse  || need+=(libnbd-bin)
+have nbdkit   || need+=(nbdkit)
+have fusermount3 || need+=(fuse3)
+have mkfs.ext4 || need+=(e2fsprogs)
+have losetup  || need+=(mount)
+have certtool || need+=(gnutls-bin)
+
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "install-deps: missing ${need[*]} and not root; install them or run as root" >&2
+    exit 1
+  fi
+  echo "install-deps: installing ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null
+fi
+
+GOBIN=$(go env GOPATH)/bin
+if [ ! -x "$GOBIN/staticcheck" ]; then
+  echo "install-deps: installing staticcheck"
+  GOFLAGS= go install honnef.co/go/tools/cmd/staticcheck@v0.8.2
+fi
+echo "install-deps: ok"
