@@ -1,0 +1,452 @@
+package nbd
+
+// Invariants of a connection in the transmission phase:
+//
+//  1. Only the reader goroutine (serve/transmit) reads from c.br and sends
+//     on c.work; it alone closes c.work, after which it waits for workers.
+//  2. A reply is written only under c.wmu, header and payload in one
+//     writev, so replies of different requests never interleave.
+//  3. A success reply is written only after the backend call returned nil;
+//     a READ's data is complete before its header is sent.
+//  4. Every request dispatched to a worker holds r.charge bytes of c.sem,
+//     released after its reply was written (or failed to be).
+//  5. The connection is closed only after every worker has exited.
+
+import (
+	"bufio"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"time"
+)
+
+type conn struct {
+	s   *Server
+	raw net.Conn // the accepted connection; never replaced
+	nc  net.Conn // what we speak NBD over (raw, or later a tls.Conn)
+	br  *bufio.Reader
+	log *slog.Logger
+
+	mu struct {
+		sync.Mutex        // guards the fields below and deadline changes
+		transmission bool // the option phase is over
+		shutdown     bool // Shutdown was called
+	}
+
+	// Negotiated during the handshake; read-only afterwards.
+	noZeroes     bool
+	structured   bool
+	metaSelected bool   // base:allocation selected by SET_META_CONTEXT...
+	metaExport   string // ...for this export name
+	optBuf       []byte
+	x            *export
+	size         uint64
+	flags        uint16
+	blockStatus  bool
+
+	// Transmission phase.
+	sem      *byteSem
+	work     chan *request
+	nworkers int            // reader-owned
+	wg       sync.WaitGroup // running workers
+	hdr      [requestHeaderSize]byte
+
+	wmu  sync.Mutex // serializes reply writes; guards werr
+	werr error      // first write error; later replies are dropped
+}
+
+// request is one command being executed by a worker. Requests are pooled.
+type request struct {
+	h      requestHeader
+	buf    *[]byte // payload (WRITE) or reply data (READ); nil otherwise
+	charge int64   // bytes held in c.sem
+	hdr    [32]byte
+	bufArr [2][]byte
+	bufs   net.Buffers
+}
+
+var requestPool = sync.Pool{New: func() any { return new(request) }}
+
+func newConn(s *Server, nc net.Conn) *conn {
+	c := &conn{
+		s:   s,
+		raw: nc,
+		nc:  nc,
+		br:  bufio.NewReaderSize(nc, 64<<10),
+		log: s.log.With("remote", nc.RemoteAddr().String()),
+		sem: newByteSem(s.cfg.MaxInFlightBytes),
+	}
+	return c
+}
+
+func (c *conn) shuttingDown() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.mu.shutdown
+}
+
+// beginShutdown is called by Server.Shutdown: a connection still in the
+// handshake is closed; one in transmission stops reading new requests and
+// drains.
+func (c *conn) beginShutdown() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.mu.shutdown = true
+	if !c.mu.transmission {
+		c.raw.Close()
+		return
+	}
+	c.raw.SetReadDeadline(time.Now())
+	c.sem.abort()
+}
+
+// serve runs the connection to its end.
+func (c *conn) serve() {
+	defer c.raw.Close()
+	if err := c.handshake(); err != nil {
+		if !errors.Is(err, errAbort) && !errors.Is(err, io.EOF) {
+			c.log.Debug("nbd: handshake failed", "err", err)
+		}
+		return
+	}
+	c.log = c.log.With("export", c.x.Name)
+	c.log.Debug("nbd: transmission", "size", c.size, "flags", c.flags, "structured", c.structured)
+	c.transmit()
+}
+
+// transmit is the reader loop of the transmission phase.
+func (c *conn) transmit() {
+	c.work = make(chan *request)
+	disc := false
+	for {
+		if _, err := io.ReadFull(c.br, c.hdr[:]); err != nil {
+			if !c.quietReadErr(err) {
+				c.log.Debug("nbd: read request", "err", err)
+			}
+			break
+		}
+		h, ok := decodeRequest(c.hdr[:])
+		if !ok {
+			c.log.Warn("nbd: bad request magic, closing connection")
+			break
+		}
+		if h.Type == cmdDisc {
+			disc = true
+			break
+		}
+		if !c.dispatch(h) {
+			break
+		}
+	}
+	close(c.work)
+	c.wg.Wait()
+	if disc {
+		if err := c.x.Backend.Flush(); err != nil {
+			c.log.Error("nbd: backend error", "cmd", "FLUSH (disconnect)", "err", err)
+		}
+	}
+}
+
+func (c *conn) quietReadErr(err error) bool {
+	if errors.Is(err, io.EOF) || errors.Is(err, net.ErrClosed) {
+		return true
+	}
+	return errors.Is(err, os.ErrDeadlineExceeded) && c.shuttingDown()
+}
+
+// dispatch validates a request, reads its payload and hands it to a worker.
+// It returns false when the connection must be closed.
+func (c *conn) dispatch(h requestHeader) bool {
+	errno, msg := c.validate(h)
+	if h.Type == cmdWrite && errno != 0 {
+		if h.Length > hardMaxPayload {
+			c.log.Warn("nbd: write payload too large, closing connection", "length", h.Length)
+			return false
+		}
+		if _, err := io.CopyN(io.Discard, c.br, int64(h.Length)); err != nil {
+			return false
+		}
+	}
+	if errno != 0 {
+		c.log.Debug("nbd: invalid request", "cmd", cmdName(h.Type), "flags", h.Flags, "offset", h.Offset, "length", h.Length, "errno", errno, "why", msg)
+		c.sendError(h.Handle, errno, msg)
+		return c.writeOK()
+	}
+
+	var charge int64
+	if h.Type == cmdRead || h.Type == cmdWrite {
+		charge = int64(h.Length)
+	}
+	if !c.sem.acquire(charge) {
+		return false
+	}
+	r := requestPool.Get().(*request)
+	r.h = h
+	r.charge = charge
+	if charge > 0 {
+		r.buf = getBuf(int(h.Length))
+		if h.Type == cmdWrite {
+			if _, err := io.ReadFull(c.br, *r.buf); err != nil {
+				c.finish(r)
+				return false
+			}
+		}
+	}
+	select {
+	case c.work <- r:
+	default:
+		if c.nworkers < c.s.cfg.MaxWorkers {
+			c.nworkers++
+			c.wg.Add(1)
+			go c.worker(r)
+		} else {
+			c.work <- r
+		}
+	}
+	return true
+}
+
+func (c *conn) writeOK() bool {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	return c.werr == nil
+}
+
+// validate checks a request against the spec and the export's
+// constraints. It returns the errno to reply with, or 0.
+func (c *conn) validate(h requestHeader) (uint32, string) {
+	x := c.x
+	allowed := CmdFlagFUA // FUA is valid on every command
+	supported, writes, lenLimited := true, false, false
+	rangeErr := EINVAL
+	switch h.Type {
+	case cmdRead:
+		if c.structured {
+			allowed |= CmdFlagDF
+		}
+		lenLimited = true
+	case cmdWrite:
+		writes, lenLimited, rangeErr = true, true, ENOSPC
+	case cmdFlush:
+		if h.Flags&^allowed != 0 {
+			return EINVAL, "unsupported command flags"
+		}
+		if h.Offset != 0 || h.Length != 0 {
+			return EINVAL, "FLUSH offset and length must be zero"
+		}
+		return 0, ""
+	case cmdTrim:
+		supported, writes = x.trimmer != nil, true
+	case cmdCache:
+		supported, lenLimited = x.prefetcher != nil, true
+	case cmdWriteZeroes:
+		allowed |= CmdFlagNoHole | CmdFlagFastZero
+		supported, writes, rangeErr = x.zeroWriter != nil, true, ENOSPC
+		lenLimited = h.Flags&CmdFlagFastZero == 0
+	case cmdBlockStatus:
+		allowed |= CmdFlagReqOne
+		supported = c.blockStatus
+	default:
+		return EINVAL, "unknown command"
+	}
+	switch {
+	case writes && x.ReadOnly:
+		return EPERM, "export is read-only"
+	case !supported:
+		return EINVAL, "command not supported by this export"
+	case h.Flags&^allowed != 0:
+		return EINVAL, "unsupported command flags"
+	case lenLimited && h.Length > x.MaxBlockSize:
+		return EINVAL, "length exceeds maximum block size"
+	case (h.Offset|uint64(h.Length))&uint64(x.MinBlockSize-1) != 0:
+		return EINVAL, "request not aligned to minimum block size"
+	case h.Offset > c.size || uint64(h.Length) > c.size-h.Offset:
+		return rangeErr, "request beyond end of export"
+	case h.Type == cmdBlockStatus && h.Length == 0:
+		return EINVAL, "zero-length block status"
+	}
+	return 0, ""
+}
+
+func (c *conn) worker(r *request) {
+	defer c.wg.Done()
+	c.handle(r)
+	for r := range c.work {
+		c.handle(r)
+	}
+}
+
+// handle executes one request and replies.
+func (c *conn) handle(r *request) {
+	x := c.x
+	h := &r.h
+	off, n := int64(h.Offset), int64(h.Length)
+	fua := h.Flags&CmdFlagFUA != 0
+	var err error
+	switch h.Type {
+	case cmdRead:
+		if n > 0 {
+			err = x.Backend.ReadAt(*r.buf, off)
+		}
+		if err == nil {
+			c.sendRead(r)
+			c.finish(r)
+			return
+		}
+	case cmdWrite:
+		if n > 0 {
+			err = x.Backend.WriteAt(*r.buf, off, fua)
+		} else if fua {
+			err = x.Backend.Flush()
+		}
+	case cmdFlush:
+		err = x.Backend.Flush()
+	case cmdTrim:
+		if n > 0 {
+			err = x.trimmer.Trim(off, n, fua)
+			if errors.Is(err, errors.ErrUnsupported) {
+				err = nil // TRIM is a hint; ignoring it is allowed
+			}
+		}
+	case cmdWriteZeroes:
+		if n > 0 {
+			err = c.writeZeroes(off, n, fua, h.Flags)
+		}
+	case cmdCache:
+		if n > 0 {
+			err = x.prefetcher.Prefetch(off, n)
+		}
+	case cmdBlockStatus:
+		c.sendBlockStatus(r)
+		c.finish(r)
+		return
+	}
+	if err != nil {
+		errno := errnoFor(err)
+		if !(errno == ENOTSUP && h.Type == cmdWriteZeroes) {
+			c.log.Error("nbd: backend error", "cmd", cmdName(h.Type), "offset", h.Offset, "length", h.Length, "errno", errno, "err", err)
+		}
+		c.sendError(h.Handle, errno, errnoString(errno))
+	} else {
+		putSimpleReply(r.hdr[:], 0, h.Handle)
+		r.bufArr[0] = r.hdr[:simpleReplySize]
+		r.bufs = r.bufArr[:1]
+		c.write(&r.bufs)
+	}
+	c.finish(r)
+}
+
+// zeroBuf backs the WRITE_ZEROES fallback. Backends never modify the
+// buffer passed to WriteAt.
+var zeroBuf = make([]byte, 1<<20)
+
+func (c *conn) writeZeroes(off, n int64, fua bool, flags uint16) error {
+	fast := flags&CmdFlagFastZero != 0
+	err := c.x.zeroWriter.WriteZeroes(off, n, fua, flags&CmdFlagNoHole == 0, fast)
+	if err == nil || fast || !errors.Is(err, errors.ErrUnsupported) {
+		return err
+	}
+	// Without FAST_ZERO the server must not fail with ENOTSUP: write the
+	// zeroes.
+	for n > 0 {
+		k := min(n, int64(len(zeroBuf)))
+		if err := c.x.Backend.WriteAt(zeroBuf[:k], off, fua); err != nil {
+			return err
+		}
+		off += k
+		n -= k
+	}
+	return nil
+}
+
+// finish releases a request's resources.
+func (c *conn) finish(r *request) {
+	c.sem.release(r.charge)
+	putBuf(r.buf)
+	*r = request{}
+	requestPool.Put(r)
+}
+
+func (c *conn) sendRead(r *request) {
+	h := &r.h
+	if !c.structured {
+		putSimpleReply(r.hdr[:], 0, h.Handle)
+		r.bufArr[0] = r.hdr[:simpleReplySize]
+	} else if h.Length == 0 {
+		putChunkHeader(r.hdr[:], replyFlagDone, replyTypeNone, h.Handle, 0)
+		r.bufArr[0] = r.hdr[:structuredReplyHdrLen]
+	} else {
+		putChunkHeader(r.hdr[:], replyFlagDone, replyTypeOffsetData, h.Handle, 8+h.Length)
+		putUint64(r.hdr[structuredReplyHdrLen:], h.Offset)
+		r.bufArr[0] = r.hdr[:structuredReplyHdrLen+8]
+	}
+	r.bufs = r.bufArr[:1]
+	if h.Length > 0 {
+		r.bufArr[1] = *r.buf
+		r.bufs = r.bufArr[:2]
+	}
+	c.write(&r.bufs)
+}
+
+// sendBlockStatus reports the whole range as allocated data: one extent
+// with status 0 (base:allocation).
+func (c *conn) sendBlockStatus(r *request) {
+	h := &r.h
+	putChunkHeader(r.hdr[:], replyFlagDone, replyTypeBlockStatus, h.Handle, 12)
+	putUint32(r.hdr[20:], baseAllocationID)
+	putUint32(r.hdr[24:], h.Length)
+	putUint32(r.hdr[28:], 0)
+	r.bufArr[0] = r.hdr[:32]
+	r.bufs = r.bufArr[:1]
+	c.write(&r.bufs)
+}
+
+// sendError replies with an error: a structured NBD_REPLY_TYPE_ERROR chunk
+// carrying msg when structured replies were negotiated, else a simple
+// reply (with no payload, also for READ).
+func (c *conn) sendError(handle uint64, errno uint32, msg string) {
+	var b []byte
+	if c.structured {
+		msg = msg[:min(len(msg), maxStringLen)]
+		b = make([]byte, structuredReplyHdrLen+6, structuredReplyHdrLen+6+len(msg))
+		putChunkHeader(b, replyFlagDone, replyTypeError, handle, uint32(6+len(msg)))
+		putUint32(b[20:], errno)
+		b[24], b[25] = byte(len(msg)>>8), byte(len(msg))
+		b = append(b, msg...)
+	} else {
+		b = make([]byte, simpleReplySize)
+		putSimpleReply(b, errno, handle)
+	}
+	bufs := net.Buffers{b}
+	c.write(&bufs)
+}
+
+// write sends one reply. After the first failure the connection is closed
+// (which also stops the reader) and later replies are dropped.
+func (c *conn) write(bufs *net.Buffers) {
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	if c.werr != nil {
+		return
+	}
+	if _, err := bufs.WriteTo(c.nc); err != nil {
+		c.werr = err
+		c.raw.Close()
+		if !errors.Is(err, net.ErrClosed) {
+			c.log.Debug("nbd: write reply", "err", err)
+		}
+	}
+}
+
+func putUint32(b []byte, v uint32) {
+	_ = b[3]
+	b[0], b[1], b[2], b[3] = byte(v>>24), byte(v>>16), byte(v>>8), byte(v)
+}
+
+func putUint64(b []byte, v uint64) {
+	putUint32(b, uint32(v>>32))
+	putUint32(b[4:], uint32(v))
+}

@@ -1,0 +1,56 @@
+// Package nbd implements the Network Block Device protocol: a server that
+// exports Backends to the Linux kernel, QEMU, libnbd and fio, and a client
+// used by tests, as a remote backing device and by the crash harness.
+//
+// The protocol is doc/proto.md of github.com/NetworkBlockDevice/nbd. Only
+// fixed newstyle negotiation is spoken, with NBD_OPT_EXPORT_NAME, INFO, GO,
+// LIST, ABORT, STRUCTURED_REPLY and the base:allocation meta context;
+// STARTTLS is refused with NBD_REP_ERR_POLICY for now (the handshake reads
+// nothing ahead of an option, so the connection can later be swapped for a
+// tls.Conn at that point).
+//
+// # Server design
+//
+// Each connection has three roles:
+//
+//   - One reader goroutine parses request headers through a bufio.Reader,
+//     validates them (command, flags, alignment, range, read-only, block
+//     size limits) and answers invalid ones with an error at once. A WRITE
+//     payload is read into a pooled buffer before the request is handed
+//     on; an invalid WRITE's payload is read and discarded so the stream
+//     stays in sync. Only the reader touches the input stream, so request
+//     framing needs no lock.
+//   - Workers (a per-connection pool, grown on demand up to
+//     Config.MaxWorkers and kept until the connection ends, so the steady
+//     state allocates nothing) execute requests against the Backend
+//     concurrently. A slow request never holds up the others: replies go out
+//     in completion order, matched by handle, as the protocol allows.
+//   - A mutex-serialized writer: each reply is one writev of header and
+//     data (net.Buffers). A success header is only ever written after the
+//     backend call succeeded, and a READ's data is complete before its
+//     header is sent, so an error can always still be reported.
+//
+// The reader acquires the bytes of every READ and WRITE from a per-connection
+// budget (Config.MaxInFlightBytes) and blocks while the budget is used up:
+// a client cannot make the server buffer unbounded data. Buffers come from
+// size-classed sync.Pools.
+//
+// # Ordering and durability
+//
+// The server never reorders a request relative to its reply: a reply is sent
+// only when the backend call has returned. The Backend contract makes a
+// completed WriteAt visible to every later ReadAt on any connection, and
+// makes Flush cover every write completed before it on any connection. So
+// NBD_CMD_FLUSH, which must cover every write already replied to, is a plain
+// Backend.Flush with no barrier in the server, FUA is passed down to the
+// backend, and NBD_FLAG_CAN_MULTI_CONN is advertised.
+//
+// NBD_CMD_DISC stops the reader; the in-flight requests finish and are
+// replied to, the backend is flushed and the connection closed. A client
+// that vanishes is handled the same way minus the flush. Server.Shutdown
+// stops accepting, closes connections still negotiating, drains the others
+// the same way and then flushes every export.
+//
+// Backend errors are mapped to NBD error values by errnoFor alone, and
+// logged with export, command, offset and length.
+package nbd
