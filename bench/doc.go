@@ -1,0 +1,26 @@
+// Package bench is tiercache's benchmark harness: the code behind `make bench`.
+//
+// Why it exists: tiercache only earns its complexity if serving a device
+// through it costs no more than serving it through the NBD servers people
+// already use. On a small, shared, noisy machine a single run proves nothing,
+// so the harness fixes the method instead of leaving it to whoever runs it:
+//
+//   - one data file (random bytes, not sparse) is served in turn by tiercache
+//     and by the peers qemu-nbd and nbdkit's file plugin, each on a unix
+//     socket, all with the host page cache in use;
+//   - the same fio workloads (fio's nbd engine, one connection) run against
+//     each server for a fixed time after a ramp;
+//   - servers are interleaved round by round, the order rotating each round,
+//     so that machine noise falls on all of them alike, and the report gives
+//     the median of the rounds, the ratios of tiercache to each peer and the
+//     server's CPU seconds per GiB moved (from /proc/PID/stat);
+//   - fio run directly on the file (O_DIRECT and buffered) gives baselines.
+//
+// Every command line the harness runs is printed and written into the report,
+// so a result can be reproduced by hand.
+//
+// The pure parts (fio JSON, /proc stat, size parsing, medians and ratios, the
+// report) are unit tested. The harness itself is slow and needs fio, qemu-nbd
+// and nbdkit, so it is not part of `go test`; `go run ./cmd/tcbench --quick`
+// runs it end to end in well under a minute.
+package bench
