@@ -1,0 +1,267 @@
+package cache
+
+import (
+	"fmt"
+	"hash/crc32"
+
+	"github.com/google/btree"
+	"github.com/tiercache/tiercache/device"
+)
+
+// A checkpoint is a full image of the index and the bucket generations,
+// written to the slot gen%2. The journal of generation gen starts at the
+// checkpoint's journal position; nothing of generation gen is written to the
+// journal before the checkpoint is durable, so the previous checkpoint and
+// its journal stay intact until then.
+
+const (
+	ckptMagic     = "TIERCCK\x01"
+	ckptHdrLen    = 64
+	ckptEntrySize = 16
+	ckptVolHdr    = 2 + 8 + 8
+)
+
+// ckptLenFor is the slot size needed for a full cache.
+func ckptLenFor(nbuckets, bpb int64, nvols int) int64 {
+	n := blockSize + 4 + 4*nbuckets + 2 + int64(nvols)*ckptVolHdr + nbuckets*bpb*ckptEntrySize
+	return (n + blockSize - 1) / blockSize * blockSize
+}
+
+type ckptHeader struct {
+	nonce   uint64
+	gen     uint64
+	jpos    journalPos
+	bodyLen uint64
+	bodyCRC uint32
+}
+
+func (h *ckptHeader) encode() []byte {
+	b := make([]byte, blockSize)
+	copy(b, ckptMagic)
+	le.PutUint32(b[8:], formatVersion)
+	le.PutUint64(b[16:], h.nonce)
+	le.PutUint64(b[24:], h.gen)
+	le.PutUint64(b[32:], uint64(h.jpos.blk))
+	le.PutUint64(b[40:], h.jpos.seq)
+	le.PutUint64(b[48:], h.bodyLen)
+	le.PutUint32(b[56:], h.bodyCRC)
+	le.PutUint32(b[12:], crc32c(b[:ckptHdrLen]))
+	return b
+}
+
+// decodeCkptHeader validates a checkpoint header block. ok is false for a
+// slot that was never written or belongs to another set (not an error).
+func decodeCkptHeader(b []byte, off int64) (h ckptHeader, err error) {
+	if len(b) < ckptHdrLen || string(b[:8]) != ckptMagic {
+		return h, corruptf("checkpoint header", off, blockSize, "no checkpoint magic")
+	}
+	want := le.Uint32(b[12:])
+	tmp := make([]byte, ckptHdrLen)
+	copy(tmp, b)
+	le.PutUint32(tmp[12:], 0)
+	if got := crc32c(tmp); got != want {
+		return h, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "checkpoint header", Offset: off,
+			Length: ckptHdrLen, Expected: want, Actual: got, HaveSums: true}
+	}
+	if v := le.Uint32(b[8:]); v != formatVersion {
+		return h, corruptf("checkpoint header", off, blockSize, "version %d", v)
+	}
+	h.nonce = le.Uint64(b[16:])
+	h.gen = le.Uint64(b[24:])
+	h.jpos.blk = int64(le.Uint64(b[32:]))
+	h.jpos.seq = le.Uint64(b[40:])
+	h.bodyLen = le.Uint64(b[48:])
+	h.bodyCRC = le.Uint32(b[56:])
+	return h, nil
+}
+
+// ckptVol is one volume's part of a checkpoint.
+type ckptVol struct {
+	epoch uint64
+	ents  []ent
+}
+
+// ckptData is a decoded checkpoint body.
+type ckptData struct {
+	gens []uint32
+	vols []ckptVol
+}
+
+// encodeCkptBody streams the body to w in chunks (the index of a large cache
+// is tens of MiB; it is never held twice in memory).
+func encodeCkptBody(gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent], w func([]byte) error) error {
+	const chunk = 1 << 20
+	e := enc{b: make([]byte, 0, chunk+64)}
+	flush := func(force bool) error {
+		if len(e.b) >= chunk || (force && len(e.b) > 0) {
+			if err := w(e.b); err != nil {
+				return err
+			}
+			e.b = e.b[:0]
+		}
+		return nil
+	}
+	e.u32(uint32(len(gens)))
+	for _, g := range gens {
+		e.u32(g)
+		if err := flush(false); err != nil {
+			return err
+		}
+	}
+	e.u16(uint16(len(trees)))
+	for i, t := range trees {
+		e.u64(epochs[i])
+		e.u64(uint64(t.Len()))
+		var err error
+		t.Ascend(func(x ent) bool {
+			e.u64(x.lba)
+			e.u32(x.loc)
+			e.u32(x.crc)
+			err = flush(false)
+			return err == nil
+		})
+		if err != nil {
+			return err
+		}
+	}
+	return flush(true)
+}
+
+// decodeCkptBody parses and validates a checkpoint body against the layout:
+// every entry must name a cache block inside the bucket area and an LBA inside
+// its volume, in strictly increasing LBA order, and no cache block may be
+// named twice. It never panics.
+func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*ckptData, error) {
+	d := dec{b: b}
+	nb := int64(d.u32())
+	if d.bad || nb != nbuckets {
+		return nil, fmt.Errorf("checkpoint has %d buckets, superblock %d", nb, nbuckets)
+	}
+	cd := &ckptData{gens: make([]uint32, nb)}
+	for i := range cd.gens {
+		cd.gens[i] = d.u32()
+	}
+	nv := int(d.u16())
+	if d.bad || nv != len(volBlocks) {
+		return nil, fmt.Errorf("checkpoint has %d volumes, superblock %d", nv, len(volBlocks))
+	}
+	total := uint64(nbuckets * bpb)
+	seen := newBitset(int(total))
+	for v := 0; v < nv; v++ {
+		var cv ckptVol
+		cv.epoch = d.u64()
+		n := d.u64()
+		if d.bad || n > total || n*ckptEntrySize > uint64(d.remaining()) {
+			return nil, fmt.Errorf("volume %d: %d entries", v, n)
+		}
+		cv.ents = make([]ent, n)
+		for i := range cv.ents {
+			x := ent{lba: d.u64(), loc: d.u32(), crc: d.u32()}
+			if x.lba >= volBlocks[v] || uint64(x.block()) >= total || (i > 0 && x.lba <= cv.ents[i-1].lba) || seen.get(int(x.block())) {
+				return nil, fmt.Errorf("volume %d entry %d (lba %d loc %d) out of order or out of range", v, i, x.lba, x.block())
+			}
+			seen.set(int(x.block()))
+			cv.ents[i] = x
+		}
+		cd.vols = append(cd.vols, cv)
+	}
+	if d.bad || d.remaining() != 0 {
+		return nil, fmt.Errorf("malformed checkpoint body")
+	}
+	return cd, nil
+}
+
+// writeCheckpoint writes a checkpoint into slot h.gen%2 and syncs. The
+// caller has already made everything the snapshot depends on durable.
+func writeCheckpoint(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent]) error {
+	slot := sb.CkptOff[h.gen%2]
+	off := slot + blockSize
+	crc := uint32(0)
+	var n int64
+	err := encodeCkptBody(gens, epochs, trees, func(p []byte) error {
+		if n+int64(len(p)) > sb.CkptLen-blockSize {
+			return fmt.Errorf("%w: checkpoint larger than its slot (%d bytes)", ErrInvalid, sb.CkptLen)
+		}
+		if _, err := dev.WriteAt(p, off+n); err != nil {
+			return fmt.Errorf("writing checkpoint at %d: %w", off+n, err)
+		}
+		crc = crc32.Update(crc, castagnoli, p)
+		n += int64(len(p))
+		return nil
+	})
+	if err != nil {
+		return err
+	}
+	// Body durable before the header that vouches for it: a valid header
+	// with a bad body is then corruption, not a crash.
+	if err := dev.Sync(); err != nil {
+		return fmt.Errorf("syncing checkpoint body: %w", err)
+	}
+	h.bodyLen, h.bodyCRC = uint64(n), crc
+	if _, err := dev.WriteAt(h.encode(), slot); err != nil {
+		return fmt.Errorf("writing checkpoint header at %d: %w", slot, err)
+	}
+	if err := dev.Sync(); err != nil {
+		return fmt.Errorf("syncing checkpoint: %w", err)
+	}
+	return nil
+}
+
+// readCheckpoint loads the newest valid checkpoint. A slot that fails its
+// checksums is skipped (a crash while writing it is expected); it is
+// corruption only if neither slot is valid.
+func readCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (ckptHeader, *ckptData, error) {
+	var best *ckptHeader
+	var errs [2]error
+	for i := 0; i < 2; i++ {
+		buf := make([]byte, blockSize)
+		if _, err := dev.ReadAt(buf, sb.CkptOff[i]); err != nil {
+			errs[i] = fmt.Errorf("reading checkpoint slot %d: %w", i, err)
+			continue
+		}
+		h, err := decodeCkptHeader(buf, sb.CkptOff[i])
+		if err == nil && (h.nonce != sb.nonce() || h.gen%2 != uint64(i)) {
+			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "slot %d holds generation %d of another set", i, h.gen)
+		}
+		if err == nil && (h.bodyLen > uint64(sb.CkptLen-blockSize) || h.jpos.blk < 0 || h.jpos.blk >= sb.JournalLen/blockSize) {
+			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "body length %d, journal block %d", h.bodyLen, h.jpos.blk)
+		}
+		if err != nil {
+			errs[i] = err
+			continue
+		}
+		if best == nil || h.gen > best.gen {
+			hh := h
+			best = &hh
+		}
+	}
+	// Try the newest first, then the other.
+	try := func(h *ckptHeader) (*ckptData, error) {
+		slot := sb.CkptOff[h.gen%2]
+		body := make([]byte, h.bodyLen)
+		if _, err := dev.ReadAt(body, slot+blockSize); err != nil {
+			return nil, fmt.Errorf("reading checkpoint body: %w", err)
+		}
+		if got := crc32c(body); got != h.bodyCRC {
+			return nil, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "checkpoint body", Offset: slot + blockSize,
+				Length: int64(h.bodyLen), Expected: h.bodyCRC, Actual: got, HaveSums: true}
+		}
+		cd, err := decodeCkptBody(body, sb.NBuckets, sb.blocksPerBucket(), volBlocks)
+		if err != nil {
+			return nil, corruptf("checkpoint body", slot+blockSize, int64(h.bodyLen), "%v", err)
+		}
+		return cd, nil
+	}
+	if best == nil {
+		return ckptHeader{}, nil, fmt.Errorf("no valid checkpoint: slot 0: %v; slot 1: %w", errs[0], errs[1])
+	}
+	cd, err := try(best)
+	if err == nil {
+		return *best, cd, nil
+	}
+	// The newest header is valid but its body is not. The header is written
+	// only after the body is durable, so a crash cannot explain this: report
+	// it rather than silently fall back to an older generation whose journal
+	// may have been overwritten.
+	return ckptHeader{}, nil, err
+}

@@ -1,0 +1,315 @@
+package cache
+
+import (
+	"fmt"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+// Journal records. Each describes one change to the index; replaying them in
+// order over the checkpoint they follow rebuilds the index exactly. See the
+// package comment for the framing.
+const (
+	recInsert     = 1 // a run of blocks now lives at (loc.., gen); dirty or clean
+	recClean      = 2 // block lba at loc was written back: clear dirty if still there
+	recInvalidate = 3 // drop any cached blocks in [lba, lba+n)
+	recReuse      = 4 // bucket starts generation gen: drop everything in it
+)
+
+const (
+	jHeaderSize  = 48
+	jPayload     = blockSize - jHeaderSize
+	jMagic       = 0x4C4E524A // "JRNL"
+	recHdrSize   = 3          // type u8, body length u16
+	maxInsertRun = 256
+	insertFixed  = 2 + 8 + 4 + 4 + 1 + 8 + 2
+)
+
+// rec is one decoded journal record.
+type rec struct {
+	typ    uint8
+	vol    uint16
+	lba    uint64
+	n      uint64 // invalidate: block count
+	loc    uint32 // insert: first cache block of the run; clean: cache block
+	gen    uint32 // insert: bucket generation; reuse: new generation
+	bucket uint32 // reuse
+	dirty  bool
+	epoch  uint64   // insert: client flush epoch of the write
+	crcs   []uint32 // insert: one per block
+}
+
+func (r *rec) String() string {
+	switch r.typ {
+	case recInsert:
+		return fmt.Sprintf("insert vol=%d lba=%d n=%d loc=%d gen=%d dirty=%t epoch=%d", r.vol, r.lba, len(r.crcs), r.loc, r.gen, r.dirty, r.epoch)
+	case recClean:
+		return fmt.Sprintf("clean vol=%d lba=%d loc=%d", r.vol, r.lba, r.loc)
+	case recInvalidate:
+		return fmt.Sprintf("invalidate vol=%d lba=%d n=%d", r.vol, r.lba, r.n)
+	case recReuse:
+		return fmt.Sprintf("reuse bucket=%d gen=%d", r.bucket, r.gen)
+	}
+	return fmt.Sprintf("rec(%d)", r.typ)
+}
+
+// appendRec encodes r onto b.
+func appendRec(b []byte, r *rec) []byte {
+	e := enc{b: b}
+	start := len(e.b)
+	e.u8(r.typ)
+	e.u16(0) // body length, patched below
+	switch r.typ {
+	case recInsert:
+		e.u16(r.vol)
+		e.u64(r.lba)
+		e.u32(r.loc)
+		e.u32(r.gen)
+		if r.dirty {
+			e.u8(1)
+		} else {
+			e.u8(0)
+		}
+		e.u64(r.epoch)
+		e.u16(uint16(len(r.crcs)))
+		for _, c := range r.crcs {
+			e.u32(c)
+		}
+	case recClean:
+		e.u16(r.vol)
+		e.u64(r.lba)
+		e.u32(r.loc)
+	case recInvalidate:
+		e.u16(r.vol)
+		e.u64(r.lba)
+		e.u64(r.n)
+	case recReuse:
+		e.u32(r.bucket)
+		e.u32(r.gen)
+	}
+	le.PutUint16(e.b[start+1:], uint16(len(e.b)-start-recHdrSize))
+	return e.b
+}
+
+// decodeRec decodes one record from the front of b and returns the rest.
+func decodeRec(b []byte) (*rec, []byte, error) {
+	if len(b) < recHdrSize {
+		return nil, nil, fmt.Errorf("record header truncated")
+	}
+	typ, n := b[0], int(le.Uint16(b[1:]))
+	if n > len(b)-recHdrSize {
+		return nil, nil, fmt.Errorf("record body of %d bytes exceeds block", n)
+	}
+	d := dec{b: b[recHdrSize : recHdrSize+n]}
+	r := &rec{typ: typ}
+	switch typ {
+	case recInsert:
+		r.vol = d.u16()
+		r.lba = d.u64()
+		r.loc = d.u32()
+		r.gen = d.u32()
+		switch d.u8() {
+		case 0:
+		case 1:
+			r.dirty = true
+		default:
+			d.bad = true
+		}
+		r.epoch = d.u64()
+		cnt := int(d.u16())
+		if cnt == 0 || cnt > maxInsertRun {
+			return nil, nil, fmt.Errorf("insert record with %d blocks", cnt)
+		}
+		r.crcs = make([]uint32, 0, cnt)
+		for i := 0; i < cnt && !d.bad; i++ {
+			r.crcs = append(r.crcs, d.u32())
+		}
+	case recClean:
+		r.vol = d.u16()
+		r.lba = d.u64()
+		r.loc = d.u32()
+	case recInvalidate:
+		r.vol = d.u16()
+		r.lba = d.u64()
+		r.n = d.u64()
+	case recReuse:
+		r.bucket = d.u32()
+		r.gen = d.u32()
+	default:
+		return nil, nil, fmt.Errorf("unknown record type %d", typ)
+	}
+	if d.bad || d.remaining() != 0 {
+		return nil, nil, fmt.Errorf("malformed record type %d (%d bytes)", typ, n)
+	}
+	return r, b[recHdrSize+n:], nil
+}
+
+// jhdr is a journal block header.
+type jhdr struct {
+	nonce      uint64
+	gen        uint64 // checkpoint generation the block follows
+	seq        uint64 // block sequence number within the generation, from the checkpoint's start
+	batchStart uint64 // seq of the first block of the commit this block belongs to
+	used       int    // payload bytes
+}
+
+// blockStatus classifies a journal block read during replay.
+type blockStatus int
+
+const (
+	blockOK      blockStatus = iota
+	blockZero                // never written (zeroed tail)
+	blockForeign             // valid frame of another set or generation: end of log
+	blockBad                 // checksum or framing mismatch: torn write or corruption
+)
+
+// encodeJournalBlock frames payload (whole records) into a 4 KiB block.
+func encodeJournalBlock(h jhdr, payload []byte) []byte {
+	b := make([]byte, blockSize)
+	le.PutUint32(b[0:], jMagic)
+	le.PutUint64(b[8:], h.nonce)
+	le.PutUint64(b[16:], h.gen)
+	le.PutUint64(b[24:], h.seq)
+	le.PutUint64(b[32:], h.batchStart)
+	le.PutUint16(b[40:], uint16(len(payload)))
+	copy(b[jHeaderSize:], payload)
+	le.PutUint32(b[4:], crc32c(b[8:]))
+	return b
+}
+
+// decodeJournalBlock validates the frame of b and returns its header and
+// records. It never panics. For blockBad, want/got are the checksums.
+func decodeJournalBlock(b []byte, nonce, gen uint64) (h jhdr, recs []*rec, st blockStatus, want, got uint32, err error) {
+	if len(b) != blockSize {
+		return h, nil, blockBad, 0, 0, fmt.Errorf("journal block of %d bytes", len(b))
+	}
+	if isZero(b) {
+		return h, nil, blockZero, 0, 0, nil
+	}
+	want = le.Uint32(b[4:])
+	got = crc32c(b[8:])
+	if le.Uint32(b[0:]) != jMagic || want != got {
+		return h, nil, blockBad, want, got, nil
+	}
+	h.nonce = le.Uint64(b[8:])
+	h.gen = le.Uint64(b[16:])
+	h.seq = le.Uint64(b[24:])
+	h.batchStart = le.Uint64(b[32:])
+	h.used = int(le.Uint16(b[40:]))
+	if h.nonce != nonce || h.gen != gen {
+		return h, nil, blockForeign, want, got, nil
+	}
+	if h.used > jPayload || h.batchStart > h.seq {
+		return h, nil, blockBad, want, got, fmt.Errorf("journal block header: used %d, batch start %d, seq %d", h.used, h.batchStart, h.seq)
+	}
+	p := b[jHeaderSize : jHeaderSize+h.used]
+	for len(p) > 0 {
+		var r *rec
+		r, p, err = decodeRec(p)
+		if err != nil {
+			// The frame checksum is good, so this is not a torn write.
+			return h, nil, blockBad, want, got, err
+		}
+		recs = append(recs, r)
+	}
+	return h, recs, blockOK, want, got, nil
+}
+
+func isZero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
+}
+
+// packRecords splits an encoded record stream into block payloads.
+func packRecords(stream []byte) [][]byte {
+	var out [][]byte
+	cur := make([]byte, 0, jPayload)
+	for len(stream) > 0 {
+		n := recHdrSize + int(le.Uint16(stream[1:]))
+		if len(cur)+n > jPayload {
+			out = append(out, cur)
+			cur = make([]byte, 0, jPayload)
+		}
+		cur = append(cur, stream[:n]...)
+		stream = stream[n:]
+	}
+	if len(cur) > 0 {
+		out = append(out, cur)
+	}
+	return out
+}
+
+// journalPos is a position in the circular journal: block index within the
+// region and the sequence number of the block written there.
+type journalPos struct {
+	blk int64
+	seq uint64
+}
+
+// maxBatchBlocks is the largest number of journal blocks written between two
+// syncs. Replay looks this far past a bad block: a valid block of a later
+// batch there proves the bad block was once durable (corruption), otherwise
+// the bad block is the torn tail of the last, unacknowledged batch.
+func maxBatchBlocks(jblocks int64) int64 { return min(64, jblocks/4) }
+
+// replayJournal applies the records of generation gen from start until the
+// end of the log. It returns the position after the last applied block.
+func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalPos, apply func(*rec) error) (journalPos, int, error) {
+	nonce := sb.nonce()
+	jblocks := sb.JournalLen / blockSize
+	pos := start
+	buf := make([]byte, blockSize)
+	applied := 0
+	readBlk := func(i int64) ([]byte, int64, error) {
+		off := sb.JournalOff + (i%jblocks)*blockSize
+		_, err := dev.ReadAt(buf, off)
+		return buf, off, err
+	}
+	for n := int64(0); n < jblocks; n++ {
+		b, off, err := readBlk(pos.blk)
+		if err != nil {
+			return pos, applied, fmt.Errorf("reading journal block at %d: %w", off, err)
+		}
+		h, recs, st, want, got, derr := decodeJournalBlock(b, nonce, gen)
+		if st == blockOK && h.seq != pos.seq {
+			return pos, applied, corruptf("journal", off, blockSize, "block sequence %d, expected %d", h.seq, pos.seq)
+		}
+		if st == blockOK {
+			for _, r := range recs {
+				if err := apply(r); err != nil {
+					return pos, applied, fmt.Errorf("journal block at offset %d (seq %d), %v: %w", off, h.seq, r, err)
+				}
+				applied++
+			}
+			pos = journalPos{blk: (pos.blk + 1) % jblocks, seq: pos.seq + 1}
+			continue
+		}
+		// End of the log or damage. A later batch of this generation beyond
+		// this block means this block was durable once: corruption.
+		for j := int64(1); j <= maxBatchBlocks(jblocks) && n+j < jblocks; j++ {
+			b2, _, err := readBlk(pos.blk + j)
+			if err != nil {
+				return pos, applied, fmt.Errorf("reading journal: %w", err)
+			}
+			h2, _, st2, _, _, _ := decodeJournalBlock(b2, nonce, gen)
+			if st2 == blockOK && h2.seq > pos.seq && h2.batchStart > pos.seq {
+				ce := &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "journal block", Offset: off, Length: blockSize,
+					Detail: fmt.Sprintf("block seq %d unreadable but later batch (seq %d) is durable", pos.seq, h2.seq)}
+				if st == blockBad && derr == nil {
+					ce.Expected, ce.Actual, ce.HaveSums = want, got, true
+				}
+				return pos, applied, ce
+			}
+		}
+		if derr != nil {
+			// Checksum fine but contents invalid: not a torn write.
+			return pos, applied, corruptf("journal block", off, blockSize, "%v", derr)
+		}
+		return pos, applied, nil
+	}
+	return pos, applied, nil
+}

@@ -1,0 +1,677 @@
+package cache
+
+import (
+	"crypto/rand"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/btree"
+	"github.com/tiercache/tiercache/device"
+)
+
+// BackingSpec names a backing device supplied to Format or Open.
+type BackingSpec struct {
+	Name string
+	Dev  device.Device
+	// ID is a stable identity supplied by the caller (e.g. a UUID kept in
+	// an xattr or a partition label). It may be empty; when both the
+	// superblock and the spec have one, Open requires them to match.
+	ID string
+}
+
+// FormatOptions configure Format.
+type FormatOptions struct {
+	BucketSize int64 // default 1 MiB; a multiple of 4 KiB, at least 8 KiB
+	Mode       Mode  // initial mode of every volume (zero value: Writeback)
+	Force      bool  // overwrite an existing cache set
+	Progress   func(done, total int64)
+	// JournalSize is the journal region size; 0 picks cache size/64
+	// clamped to [256 KiB, 64 MiB]. (Added beyond the API: tests
+	// use a tiny journal to force checkpoints.)
+	JournalSize int64
+}
+
+// OpenOptions configure Open.
+type OpenOptions struct {
+	// Force accepts a backing device whose ID differs from the one recorded
+	// at Format (e.g. after the ID was regenerated). A size mismatch is
+	// always refused: the index would address blocks beyond the device.
+	Force  bool
+	Logger *slog.Logger
+}
+
+const (
+	defaultBucketSize = 1 << 20
+	minBuckets        = 4
+	minJournalLen     = 64 << 10
+	commitInterval    = time.Second // bound on unflushed work lost in a crash
+	pendingKick       = 256 << 10   // journal bytes that wake the committer
+)
+
+// Format writes a new, empty cache set onto cacheDev. It writes only the
+// cache device: backing devices keep their bytes (they are only measured).
+func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) (*Superblock, error) {
+	if len(backings) == 0 || len(backings) > maxBackings {
+		return nil, fmt.Errorf("%w: %d backing devices (want 1..%d)", ErrInvalid, len(backings), maxBackings)
+	}
+	if !opts.Mode.valid() {
+		return nil, fmt.Errorf("%w: mode %v", ErrInvalid, opts.Mode)
+	}
+	if !opts.Force {
+		if sb, err := ReadSuperblock(cacheDev); err == nil {
+			return nil, fmt.Errorf("%w (set %x, %d backing devices); use force to overwrite", ErrAlreadyFormatted, sb.SetUUID, len(sb.Backings))
+		}
+	}
+	progress := func(done int64) {
+		if opts.Progress != nil {
+			opts.Progress(done, 3)
+		}
+	}
+	progress(0)
+	bs := opts.BucketSize
+	if bs == 0 {
+		bs = defaultBucketSize
+	}
+	if bs < 2*blockSize || bs%blockSize != 0 || bs > 1<<30 {
+		return nil, fmt.Errorf("%w: bucket size %d (want a multiple of 4096 between 8 KiB and 1 GiB)", ErrInvalid, bs)
+	}
+	devSize := cacheDev.Size()
+	jl := opts.JournalSize
+	if jl == 0 {
+		jl = min(max(devSize/64, 256<<10), 64<<20)
+	}
+	jl = jl / blockSize * blockSize
+	if jl < minJournalLen {
+		return nil, fmt.Errorf("%w: journal size %d (at least %d)", ErrInvalid, jl, minJournalLen)
+	}
+	sb := &Superblock{Version: formatVersion, Seq: 1, BlockSize: blockSize, BucketSize: bs,
+		JournalOff: 2 * sbCopySize, JournalLen: jl}
+	if _, err := rand.Read(sb.SetUUID[:]); err != nil {
+		return nil, err
+	}
+	for _, b := range backings {
+		if b.Dev == nil || b.Name == "" {
+			return nil, fmt.Errorf("%w: backing %q without name or device", ErrInvalid, b.Name)
+		}
+		sb.Backings = append(sb.Backings, BackingInfo{Name: b.Name, ID: b.ID, Size: b.Dev.Size(), Mode: opts.Mode})
+	}
+	// Solve for the bucket count: each bucket costs its size plus its share
+	// of two checkpoint slots.
+	bpb := bs / blockSize
+	fixed := sb.JournalOff + jl + 2*ckptLenFor(0, bpb, len(backings)) + bs
+	per := bs + 2*(4+bpb*ckptEntrySize)
+	n := (devSize - fixed) / per
+	for ; n >= minBuckets; n-- {
+		sb.NBuckets = n
+		sb.CkptOff[0] = sb.JournalOff + jl
+		sb.CkptLen = ckptLenFor(n, bpb, len(backings))
+		sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
+		align := min(bs, 1<<20)
+		sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + align - 1) / align * align
+		if sb.BucketsOff+n*bs <= devSize {
+			break
+		}
+	}
+	if n > maxCacheBlocks/bpb {
+		n = maxCacheBlocks / bpb
+		sb.NBuckets = n
+	}
+	if n < minBuckets {
+		return nil, fmt.Errorf("%w: cache device of %d bytes holds fewer than %d buckets of %d bytes", ErrInvalid, devSize, minBuckets, bs)
+	}
+	if err := sb.validate(devSize); err != nil {
+		return nil, fmt.Errorf("format: computed layout invalid: %w", err)
+	}
+	// Empty checkpoint of generation 1, then the superblock copies.
+	trees := make([]*btree.BTreeG[ent], len(backings))
+	for i := range trees {
+		trees[i] = newTree()
+	}
+	// Invalidate the other slot so a stale checkpoint of an earlier set on
+	// this device is never considered (the nonce would reject it too).
+	if _, err := cacheDev.WriteAt(make([]byte, blockSize), sb.CkptOff[0]); err != nil {
+		return nil, fmt.Errorf("format: %w", err)
+	}
+	h := ckptHeader{nonce: sb.nonce(), gen: 1}
+	if err := writeCheckpoint(cacheDev, sb, h, make([]uint32, n), make([]uint64, len(backings)), trees); err != nil {
+		return nil, fmt.Errorf("format: %w", err)
+	}
+	progress(1)
+	if err := writeSuperblock(cacheDev, sb); err != nil {
+		return nil, fmt.Errorf("format: %w", err)
+	}
+	progress(2)
+	sb.Seq++
+	if err := writeSuperblock(cacheDev, sb); err != nil {
+		return nil, fmt.Errorf("format: %w", err)
+	}
+	progress(3)
+	return sb.clone(), nil
+}
+
+// Set is an open cache set: one cache device serving several volumes.
+//
+// Lock order: Volume.rmw, then Set.commitMu, then Set.sbMu, then Set.mu.
+// No device I/O is done while holding Set.mu.
+type Set struct {
+	dev   device.Device
+	lay   *Superblock // layout; immutable after Open (modes live in sb)
+	nonce uint64
+	bpb   int64
+	log   *slog.Logger
+	vols  []*Volume
+	byNm  map[string]*Volume
+
+	// commitMu serializes journal writes and checkpoints (group commit:
+	// callers queue here and the holder writes everything pending).
+	commitMu sync.Mutex
+	jr       struct { // REQUIRES: commitMu
+		gen  uint64
+		pos  journalPos // where the next block goes
+		used int64      // blocks written in this generation
+	}
+	durable atomic.Uint64 // records durable on the cache device
+	failed  atomic.Pointer[error]
+
+	// sbMu serializes superblock updates.
+	sbMu sync.Mutex
+	sb   *Superblock // REQUIRES: sbMu
+
+	mu struct {
+		sync.Mutex
+		cond    *sync.Cond // free bucket, claim released, pins dropped
+		buckets []bucket
+		owner   []uint64 // per cache block: ownerKey or 0
+		free    []uint32 // free buckets whose generation bump is durable
+		sealed  []uint32 // FIFO of sealed buckets, oldest first
+		open    int64    // open bucket or -1
+		pending []byte   // encoded records not yet written
+		seq     uint64   // records appended so far
+		closed  bool
+	}
+
+	kickGC     chan struct{}
+	kickCommit chan struct{}
+	stop       chan struct{}
+	wg         sync.WaitGroup
+	stats      setStats
+}
+
+type setStats struct {
+	commits, journalBlocks, checkpoints, evictions, writebackBlocks atomic.Uint64
+}
+
+// Open recovers a cache set: newest valid checkpoint plus journal replay.
+// Then it writes a fresh checkpoint (so leftovers of a torn journal tail can
+// never be replayed later), clears the clean flag and starts the background
+// writeback/eviction and commit goroutines.
+func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Set, error) {
+	sb, _, err := readSuperblock(cacheDev)
+	if err != nil {
+		return nil, err
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	byName := map[string]BackingSpec{}
+	for _, b := range backings {
+		byName[b.Name] = b
+	}
+	s := &Set{dev: cacheDev, lay: sb.clone(), sb: sb, nonce: sb.nonce(), bpb: sb.blocksPerBucket(), log: log,
+		byNm: map[string]*Volume{}, kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1), stop: make(chan struct{})}
+	s.mu.cond = sync.NewCond(&s.mu.Mutex)
+	volBlocks := make([]uint64, len(sb.Backings))
+	for i, bi := range sb.Backings {
+		spec, ok := byName[bi.Name]
+		if !ok || spec.Dev == nil {
+			return nil, &BackingMismatchError{Name: bi.Name, Field: "missing"}
+		}
+		delete(byName, bi.Name)
+		if got := spec.Dev.Size(); got != bi.Size {
+			return nil, &BackingMismatchError{Name: bi.Name, Field: "size", Expected: fmt.Sprint(bi.Size), Actual: fmt.Sprint(got)}
+		}
+		if bi.ID != "" && spec.ID != "" && bi.ID != spec.ID && !opts.Force {
+			return nil, &BackingMismatchError{Name: bi.Name, Field: "id", Expected: bi.ID, Actual: spec.ID}
+		}
+		v := &Volume{s: s, vi: i, name: bi.Name, size: bi.Size, nblocks: uint64((bi.Size + blockSize - 1) / blockSize), back: spec.Dev}
+		v.mode.Store(int32(bi.Mode))
+		v.idx.tree = newTree()
+		volBlocks[i] = v.nblocks
+		s.vols = append(s.vols, v)
+		s.byNm[v.name] = v
+	}
+	for name := range byName {
+		return nil, &BackingMismatchError{Name: name, Field: "unknown"}
+	}
+	start := time.Now()
+	hdr, cd, err := readCheckpoint(cacheDev, sb, volBlocks)
+	if err != nil {
+		return nil, fmt.Errorf("open: %w", err)
+	}
+	total := sb.NBuckets * s.bpb
+	s.mu.buckets = make([]bucket, sb.NBuckets)
+	s.mu.owner = make([]uint64, total)
+	s.mu.open = -1
+	for i, g := range cd.gens {
+		s.mu.buckets[i].gen = g
+	}
+	for vi, cv := range cd.vols {
+		s.vols[vi].idx.epoch = cv.epoch
+		for _, e := range cv.ents {
+			s.insertLocked(vi, e.lba, e.block(), e.crc, e.dirty())
+		}
+		cd.vols[vi].ents = nil
+	}
+	end, nrec, err := replayJournal(cacheDev, sb, hdr.gen, hdr.jpos, s.applyLocked)
+	if err != nil {
+		return nil, fmt.Errorf("open: replaying journal: %w", err)
+	}
+	for i := range s.mu.buckets {
+		if s.mu.buckets[i].live > 0 {
+			s.mu.buckets[i].state = bucketSealed
+			s.mu.sealed = append(s.mu.sealed, uint32(i))
+		} else {
+			s.mu.free = append(s.mu.free, uint32(i))
+		}
+	}
+	if err := s.checkLocked(); err != nil {
+		return nil, fmt.Errorf("open: recovered index inconsistent: %w", err)
+	}
+	// New generation: the next journal block follows the replayed end, so
+	// any torn leftovers of the old generation are foreign from now on.
+	s.jr.gen, s.jr.pos = hdr.gen, journalPos{blk: end.blk}
+	s.commitMu.Lock()
+	err = s.checkpointLocked()
+	s.commitMu.Unlock()
+	if err != nil {
+		return nil, fmt.Errorf("open: %w", err)
+	}
+	log.Info("cache set recovered", "checkpoint_gen", hdr.gen, "journal_records", nrec,
+		"entries", s.entries(), "took", time.Since(start))
+	s.sbMu.Lock()
+	s.sb.Clean = false
+	s.sb.Seq++
+	err = writeSuperblock(cacheDev, s.sb)
+	s.sbMu.Unlock()
+	if err != nil {
+		return nil, fmt.Errorf("open: %w", err)
+	}
+	s.wg.Add(2)
+	go s.gcLoop()
+	go s.commitLoop()
+	return s, nil
+}
+
+func (s *Set) entries() (n int64) {
+	for _, v := range s.vols {
+		n += v.idx.cached
+	}
+	return n
+}
+
+// applyLocked replays one journal record. Records come from a checksummed
+// block, but their contents are still validated before use.
+// REQUIRES: s.mu (or exclusive access during Open)
+func (s *Set) applyLocked(r *rec) error {
+	total := uint64(len(s.mu.owner))
+	vol := func() (*Volume, error) {
+		if int(r.vol) >= len(s.vols) {
+			return nil, corruptf("journal record", 0, 0, "volume %d of %d", r.vol, len(s.vols))
+		}
+		return s.vols[r.vol], nil
+	}
+	switch r.typ {
+	case recInsert:
+		v, err := vol()
+		if err != nil {
+			return err
+		}
+		n := uint64(len(r.crcs))
+		loc := uint64(r.loc)
+		if r.lba+n > v.nblocks || r.lba+n < r.lba || loc+n > total || loc/uint64(s.bpb) != (loc+n-1)/uint64(s.bpb) {
+			return corruptf("journal record", 0, 0, "insert out of range: %v", r)
+		}
+		b := &s.mu.buckets[loc/uint64(s.bpb)]
+		if b.gen != r.gen {
+			return corruptf("journal record", 0, 0, "insert into bucket %d generation %d, bucket is at %d", loc/uint64(s.bpb), r.gen, b.gen)
+		}
+		for i := uint64(0); i < n; i++ {
+			if k := s.mu.owner[loc+i]; k != 0 {
+				// The block is being reused within its generation only if
+				// the journal is wrong.
+				return corruptf("journal record", 0, 0, "insert into owned cache block %d", loc+i)
+			}
+			s.insertLocked(int(r.vol), r.lba+i, uint32(loc+i), r.crcs[i], r.dirty)
+		}
+		v.idx.epoch = max(v.idx.epoch, r.epoch)
+	case recClean:
+		if _, err := vol(); err != nil {
+			return err
+		}
+		if uint64(r.loc) >= total {
+			return corruptf("journal record", 0, 0, "clean out of range: %v", r)
+		}
+		s.markCleanLocked(int(r.vol), r.lba, r.loc)
+	case recInvalidate:
+		if _, err := vol(); err != nil {
+			return err
+		}
+		s.invalidateLocked(int(r.vol), r.lba, min(r.n, 1<<48))
+	case recReuse:
+		if int64(r.bucket) >= int64(len(s.mu.buckets)) {
+			return corruptf("journal record", 0, 0, "reuse of bucket %d", r.bucket)
+		}
+		if d := s.dropBucketLocked(int64(r.bucket), false); d > 0 {
+			s.log.Error("journal reuses a bucket holding dirty data; dropped", "bucket", r.bucket, "dirty_blocks", d)
+		}
+		s.mu.buckets[r.bucket].gen = r.gen
+	default:
+		return corruptf("journal record", 0, 0, "type %d", r.typ)
+	}
+	return nil
+}
+
+// appendLocked queues a journal record; it becomes durable at the next
+// commit (Flush, FUA, a full buffer, or the periodic commit).
+// REQUIRES: s.mu
+func (s *Set) appendLocked(r *rec) {
+	s.mu.pending = appendRec(s.mu.pending, r)
+	s.mu.seq++
+	if len(s.mu.pending) >= pendingKick {
+		select {
+		case s.kickCommit <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// appendInsertLocked journals a run, split into records of maxInsertRun.
+// REQUIRES: s.mu
+func (s *Set) appendInsertLocked(vi int, lba uint64, loc uint32, dirty bool, crcs []uint32) {
+	gen := s.mu.buckets[int64(loc)/s.bpb].gen
+	for len(crcs) > 0 {
+		k := min(len(crcs), maxInsertRun)
+		s.appendLocked(&rec{typ: recInsert, vol: uint16(vi), lba: lba, loc: loc, gen: gen, dirty: dirty,
+			epoch: s.vols[vi].idx.epoch, crcs: crcs[:k]})
+		lba += uint64(k)
+		loc += uint32(k)
+		crcs = crcs[k:]
+	}
+}
+
+func (s *Set) err() error {
+	if p := s.failed.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// fail makes err sticky: after a failed journal or sync write the set can no
+// longer promise durability, so every later Flush and write fails too.
+func (s *Set) fail(err error) error {
+	s.failed.CompareAndSwap(nil, &err)
+	s.log.Error("cache set failed", "err", err)
+	return err
+}
+
+// commit makes durable every record appended up to target and every backing
+// write completed so far (invariant 2). Concurrent callers share one journal
+// write and one device sync: whoever holds commitMu writes everything
+// pending, and the callers queued behind it usually find their records
+// already durable.
+func (s *Set) commit(target uint64) error {
+	if err := s.err(); err != nil {
+		return err
+	}
+	if s.durable.Load() >= target && !s.backingsUnsynced() {
+		return nil
+	}
+	s.commitMu.Lock()
+	defer s.commitMu.Unlock()
+	if s.durable.Load() >= target && !s.backingsUnsynced() {
+		return s.err()
+	}
+	return s.commitLocked(false)
+}
+
+func (s *Set) backingsUnsynced() bool {
+	for _, v := range s.vols {
+		if v.backingUnsynced.Load() {
+			return true
+		}
+	}
+	return false
+}
+
+// commitLocked is the flush protocol:
+//
+//  1. take the pending records (under mu);
+//  2. sync every backing device written since its last sync, so that a
+//     record that depends on backing data (a clean insert, an invalidation)
+//     is never durable before that data;
+//  3. sync the cache device, making the data of every taken record durable;
+//  4. write the records as journal blocks (or a checkpoint when the journal
+//     is full), and sync again.
+//
+// REQUIRES: s.commitMu
+func (s *Set) commitLocked(forceCkpt bool) error {
+	if err := s.err(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	stream := s.mu.pending
+	s.mu.pending = nil
+	upto := s.mu.seq
+	blocks := packRecords(stream)
+	jblocks := s.lay.JournalLen / blockSize
+	if forceCkpt || int64(len(blocks)) > jblocks-s.jr.used {
+		s.mu.Unlock()
+		// A checkpoint covers the taken records (it snapshots the index,
+		// which already reflects them).
+		return s.checkpointLockedUnlocked(upto)
+	}
+	s.mu.Unlock()
+	for _, v := range s.vols {
+		if v.backingUnsynced.Swap(false) {
+			if err := v.back.Sync(); err != nil {
+				return s.fail(fmt.Errorf("syncing backing %s: %w", v.name, err))
+			}
+		}
+	}
+	if len(blocks) == 0 {
+		s.setDurable(upto)
+		return nil
+	}
+	if err := s.dev.Sync(); err != nil {
+		return s.fail(fmt.Errorf("syncing cache device: %w", err))
+	}
+	mb := int(maxBatchBlocks(jblocks))
+	for len(blocks) > 0 {
+		k := min(len(blocks), mb)
+		batch := blocks[:k]
+		blocks = blocks[k:]
+		batchStart := s.jr.pos.seq
+		buf := make([]byte, 0, k*blockSize)
+		for i, p := range batch {
+			buf = append(buf, encodeJournalBlock(jhdr{nonce: s.nonce, gen: s.jr.gen, seq: batchStart + uint64(i), batchStart: batchStart}, p)...)
+		}
+		// The region is circular: at most two writes.
+		first := min(int64(k), jblocks-s.jr.pos.blk)
+		off := s.lay.JournalOff + s.jr.pos.blk*blockSize
+		if _, err := s.dev.WriteAt(buf[:first*blockSize], off); err != nil {
+			return s.fail(fmt.Errorf("writing journal at %d: %w", off, err))
+		}
+		if first < int64(k) {
+			if _, err := s.dev.WriteAt(buf[first*blockSize:], s.lay.JournalOff); err != nil {
+				return s.fail(fmt.Errorf("writing journal at %d: %w", s.lay.JournalOff, err))
+			}
+		}
+		if err := s.dev.Sync(); err != nil {
+			return s.fail(fmt.Errorf("syncing journal: %w", err))
+		}
+		s.jr.pos = journalPos{blk: (s.jr.pos.blk + int64(k)) % jblocks, seq: s.jr.pos.seq + uint64(k)}
+		s.jr.used += int64(k)
+		s.stats.journalBlocks.Add(uint64(k))
+	}
+	s.stats.commits.Add(1)
+	s.setDurable(upto)
+	return nil
+}
+
+func (s *Set) setDurable(upto uint64) {
+	if upto > s.durable.Load() {
+		s.durable.Store(upto)
+	}
+}
+
+// checkpointLocked writes a checkpoint of the current state, covering every
+// record appended so far.
+// REQUIRES: s.commitMu
+func (s *Set) checkpointLocked() error {
+	s.mu.Lock()
+	s.mu.pending = nil
+	upto := s.mu.seq
+	s.mu.Unlock()
+	return s.checkpointLockedUnlocked(upto)
+}
+
+// checkpointLockedUnlocked snapshots the index (B-tree clones are
+// copy-on-write, so this is cheap under mu), makes every dependency
+// durable, writes the checkpoint into the other slot and starts a new
+// journal generation at the current journal position.
+// REQUIRES: s.commitMu, not s.mu; the records up to upto were taken.
+func (s *Set) checkpointLockedUnlocked(upto uint64) error {
+	s.mu.Lock()
+	// Records appended between taking them and now are also reflected in
+	// the snapshot; taking them again keeps them out of the new journal.
+	s.mu.pending = nil
+	upto = s.mu.seq
+	gens := make([]uint32, len(s.mu.buckets))
+	for i := range s.mu.buckets {
+		gens[i] = s.mu.buckets[i].gen
+	}
+	trees := make([]*btree.BTreeG[ent], len(s.vols))
+	epochs := make([]uint64, len(s.vols))
+	for i, v := range s.vols {
+		trees[i] = v.idx.tree.Clone()
+		epochs[i] = v.idx.epoch
+	}
+	s.mu.Unlock()
+	for _, v := range s.vols {
+		if v.backingUnsynced.Swap(false) {
+			if err := v.back.Sync(); err != nil {
+				return s.fail(fmt.Errorf("syncing backing %s: %w", v.name, err))
+			}
+		}
+	}
+	if err := s.dev.Sync(); err != nil {
+		return s.fail(fmt.Errorf("syncing cache device: %w", err))
+	}
+	h := ckptHeader{nonce: s.nonce, gen: s.jr.gen + 1, jpos: journalPos{blk: s.jr.pos.blk}}
+	if err := writeCheckpoint(s.dev, s.lay, h, gens, epochs, trees); err != nil {
+		return s.fail(err)
+	}
+	s.jr.gen, s.jr.pos, s.jr.used = h.gen, h.jpos, 0
+	s.stats.checkpoints.Add(1)
+	s.setDurable(upto)
+	return nil
+}
+
+// commitLoop commits periodically and when enough records are pending, so
+// that unflushed work lost in a crash is bounded even without FLUSH.
+func (s *Set) commitLoop() {
+	defer s.wg.Done()
+	t := time.NewTicker(commitInterval)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-t.C:
+		case <-s.kickCommit:
+		}
+		s.mu.Lock()
+		target := s.mu.seq
+		s.mu.Unlock()
+		_ = s.commit(target) // a failure is sticky and reported to clients
+	}
+}
+
+// Volume returns the volume of the named backing device.
+func (s *Set) Volume(name string) (*Volume, bool) {
+	v, ok := s.byNm[name]
+	return v, ok
+}
+
+// Volumes returns the volumes in superblock order.
+func (s *Set) Volumes() []*Volume { return append([]*Volume(nil), s.vols...) }
+
+// Superblock returns a copy of the current superblock.
+func (s *Set) Superblock() *Superblock {
+	s.sbMu.Lock()
+	defer s.sbMu.Unlock()
+	return s.sb.clone()
+}
+
+// Close shuts the set down cleanly: it stops the background goroutines,
+// commits, writes a final checkpoint and sets the clean flag. Dirty data
+// stays in the cache (use Drain first to detach). Close does not close the
+// devices, which belong to the caller.
+func (s *Set) Close() error {
+	s.mu.Lock()
+	if s.mu.closed {
+		s.mu.Unlock()
+		return ErrClosed
+	}
+	s.mu.closed = true
+	s.mu.cond.Broadcast()
+	s.mu.Unlock()
+	close(s.stop)
+	s.wg.Wait()
+	s.commitMu.Lock()
+	err := s.checkpointLocked()
+	s.commitMu.Unlock()
+	if err != nil {
+		return fmt.Errorf("close: %w", err)
+	}
+	s.sbMu.Lock()
+	defer s.sbMu.Unlock()
+	s.sb.Clean = true
+	s.sb.Seq++
+	if err := writeSuperblock(s.dev, s.sb); err != nil {
+		return fmt.Errorf("close: %w", err)
+	}
+	return nil
+}
+
+// SetStats are whole-set counters.
+type SetStats struct {
+	Buckets, FreeBuckets, SealedBuckets int64
+	CachedBlocks, DirtyBlocks           int64
+	Commits, JournalBlocks, Checkpoints uint64
+	Evictions, WritebackBlocks          uint64
+}
+
+// Stats returns whole-set counters.
+func (s *Set) Stats() SetStats {
+	s.mu.Lock()
+	st := SetStats{Buckets: int64(len(s.mu.buckets)), FreeBuckets: int64(len(s.mu.free)), SealedBuckets: int64(len(s.mu.sealed))}
+	for _, v := range s.vols {
+		st.CachedBlocks += v.idx.cached
+		st.DirtyBlocks += v.idx.dirty
+	}
+	s.mu.Unlock()
+	st.Commits = s.stats.commits.Load()
+	st.JournalBlocks = s.stats.journalBlocks.Load()
+	st.Checkpoints = s.stats.checkpoints.Load()
+	st.Evictions = s.stats.evictions.Load()
+	st.WritebackBlocks = s.stats.writebackBlocks.Load()
+	return st
+}
+
+var errNoSpace = errors.New("cache: no free bucket")

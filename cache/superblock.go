@@ -1,0 +1,268 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+// Superblock is the static description of a cache set: its identity, its
+// layout on the cache device and the backing devices it serves. It changes
+// rarely (mode changes, clean-shutdown flag), and every change writes the
+// older of the two copies with the next sequence number (bbolt's meta pages),
+// so a torn superblock write always leaves the other copy intact.
+type Superblock struct {
+	Version    uint32
+	Seq        uint64   // higher wins; copies alternate
+	SetUUID    [16]byte // identity of the cache set
+	BlockSize  int64    // always 4096
+	BucketSize int64
+	NBuckets   int64
+	JournalOff int64 // journal region (circular)
+	JournalLen int64
+	CkptOff    [2]int64 // two checkpoint slots, written alternately
+	CkptLen    int64
+	BucketsOff int64 // first bucket
+	Clean      bool  // set by Close after a final checkpoint; cleared by Open
+	Backings   []BackingInfo
+}
+
+// BackingInfo identifies one backing device of the set (invariant 6).
+type BackingInfo struct {
+	Name string
+	ID   string // caller-supplied stable identity; may be empty
+	Size int64
+	Mode Mode
+}
+
+const (
+	blockSize     = 4096
+	blockShift    = 12
+	sbCopySize    = 64 << 10
+	sbHeaderSize  = 24
+	sbMagic       = "TIERCSB\x01"
+	formatVersion = 1
+	maxBackings   = 64
+	maxNameLen    = 255
+	// maxLBABlocks bounds a backing device: owner keys pack (volume, LBA)
+	// into 64 bits with 48 bits of block number (1 EiB).
+	maxLBABlocks = 1 << 48
+	// maxCacheBlocks: the dirty flag lives in the top bit of a 32-bit cache
+	// block number.
+	maxCacheBlocks = 1 << 31
+)
+
+// Nonce derives the 64-bit value that tags journal blocks and checkpoints
+// of this set, so that metadata left over from an earlier Format of the same
+// device is never mistaken for ours.
+func (sb *Superblock) nonce() uint64 { return le.Uint64(sb.SetUUID[:8]) ^ le.Uint64(sb.SetUUID[8:]) }
+
+func (sb *Superblock) blocksPerBucket() int64 { return sb.BucketSize / blockSize }
+
+func (sb *Superblock) encode() ([]byte, error) {
+	e := enc{b: make([]byte, sbHeaderSize, 1024)}
+	e.u64(sb.Seq)
+	e.b = append(e.b, sb.SetUUID[:]...)
+	e.u32(uint32(sb.BlockSize))
+	e.u64(uint64(sb.BucketSize))
+	e.u64(uint64(sb.NBuckets))
+	e.u64(uint64(sb.JournalOff))
+	e.u64(uint64(sb.JournalLen))
+	e.u64(uint64(sb.CkptOff[0]))
+	e.u64(uint64(sb.CkptOff[1]))
+	e.u64(uint64(sb.CkptLen))
+	e.u64(uint64(sb.BucketsOff))
+	if sb.Clean {
+		e.u8(1)
+	} else {
+		e.u8(0)
+	}
+	if len(sb.Backings) > maxBackings {
+		return nil, fmt.Errorf("%w: %d backing devices, at most %d", ErrInvalid, len(sb.Backings), maxBackings)
+	}
+	e.u16(uint16(len(sb.Backings)))
+	for _, b := range sb.Backings {
+		if len(b.Name) > maxNameLen || len(b.ID) > maxNameLen {
+			return nil, fmt.Errorf("%w: backing name or id longer than %d bytes", ErrInvalid, maxNameLen)
+		}
+		e.str(b.Name)
+		e.str(b.ID)
+		e.u64(uint64(b.Size))
+		e.u8(uint8(b.Mode))
+	}
+	b := e.b
+	copy(b[0:8], sbMagic)
+	le.PutUint32(b[8:], formatVersion)
+	le.PutUint32(b[12:], uint32(len(b)-sbHeaderSize))
+	le.PutUint32(b[16:], 0)
+	le.PutUint32(b[16:], crc32c(b))
+	return b, nil
+}
+
+// decodeSuperblock parses one superblock copy. Any failure wraps ErrCorrupt
+// (or ErrNotFormatted when the magic is absent). off is only for messages.
+func decodeSuperblock(b []byte, off int64) (*Superblock, error) {
+	if len(b) < sbHeaderSize || string(b[0:8]) != sbMagic {
+		return nil, ErrNotFormatted
+	}
+	version := le.Uint32(b[8:])
+	plen := int(le.Uint32(b[12:]))
+	if plen > len(b)-sbHeaderSize || plen > sbCopySize-sbHeaderSize {
+		return nil, corruptf("superblock", off, sbCopySize, "payload length %d too large", plen)
+	}
+	want := le.Uint32(b[16:])
+	tmp := make([]byte, sbHeaderSize+plen)
+	copy(tmp, b)
+	le.PutUint32(tmp[16:], 0)
+	if got := crc32c(tmp); got != want {
+		return nil, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "superblock", Offset: off,
+			Length: int64(sbHeaderSize + plen), Expected: want, Actual: got, HaveSums: true}
+	}
+	if version != formatVersion {
+		return nil, corruptf("superblock", off, sbCopySize, "unsupported format version %d", version)
+	}
+	d := dec{b: b[sbHeaderSize : sbHeaderSize+plen]}
+	sb := &Superblock{Version: version}
+	sb.Seq = d.u64()
+	copy(sb.SetUUID[:], d.take(16))
+	sb.BlockSize = int64(d.u32())
+	sb.BucketSize = int64(d.u64())
+	sb.NBuckets = int64(d.u64())
+	sb.JournalOff = int64(d.u64())
+	sb.JournalLen = int64(d.u64())
+	sb.CkptOff[0] = int64(d.u64())
+	sb.CkptOff[1] = int64(d.u64())
+	sb.CkptLen = int64(d.u64())
+	sb.BucketsOff = int64(d.u64())
+	sb.Clean = d.u8() == 1
+	n := int(d.u16())
+	if n > maxBackings {
+		return nil, corruptf("superblock", off, sbCopySize, "%d backings", n)
+	}
+	for i := 0; i < n && !d.bad; i++ {
+		var bi BackingInfo
+		bi.Name = d.str()
+		bi.ID = d.str()
+		bi.Size = int64(d.u64())
+		bi.Mode = Mode(d.u8())
+		sb.Backings = append(sb.Backings, bi)
+	}
+	if d.bad || d.remaining() != 0 {
+		return nil, corruptf("superblock", off, sbCopySize, "malformed payload")
+	}
+	if err := sb.validate(-1); err != nil {
+		return nil, fmt.Errorf("superblock at offset %d: %w", off, err)
+	}
+	return sb, nil
+}
+
+// validate checks the layout for internal consistency, and against the
+// device size when devSize >= 0. Data from disk goes through here before any
+// of it is used as an offset.
+func (sb *Superblock) validate(devSize int64) error {
+	bad := func(f string, a ...any) error { return corruptf("superblock", 0, sbCopySize, f, a...) }
+	if sb.BlockSize != blockSize {
+		return bad("block size %d", sb.BlockSize)
+	}
+	if sb.BucketSize < 2*blockSize || sb.BucketSize%blockSize != 0 || sb.BucketSize > 1<<30 {
+		return bad("bucket size %d", sb.BucketSize)
+	}
+	if sb.NBuckets < minBuckets || sb.NBuckets*sb.blocksPerBucket() > maxCacheBlocks {
+		return bad("%d buckets", sb.NBuckets)
+	}
+	if sb.JournalOff != 2*sbCopySize || sb.JournalLen < minJournalLen || sb.JournalLen%blockSize != 0 || sb.JournalLen > 1<<40 {
+		return bad("journal region %d+%d", sb.JournalOff, sb.JournalLen)
+	}
+	if sb.CkptOff[0] != sb.JournalOff+sb.JournalLen || sb.CkptLen < ckptLenFor(sb.NBuckets, sb.blocksPerBucket(), len(sb.Backings)) ||
+		sb.CkptLen%blockSize != 0 || sb.CkptOff[1] != sb.CkptOff[0]+sb.CkptLen || sb.CkptLen > 1<<40 {
+		return bad("checkpoint slots %v+%d", sb.CkptOff, sb.CkptLen)
+	}
+	if sb.BucketsOff < sb.CkptOff[1]+sb.CkptLen || sb.BucketsOff%blockSize != 0 || sb.BucketsOff > 1<<50 {
+		return bad("bucket area at %d", sb.BucketsOff)
+	}
+	end := sb.BucketsOff + sb.NBuckets*sb.BucketSize
+	if devSize >= 0 && end > devSize {
+		return bad("layout ends at %d beyond device size %d", end, devSize)
+	}
+	for i, b := range sb.Backings {
+		if b.Size <= 0 || (b.Size+blockSize-1)/blockSize >= maxLBABlocks || !b.Mode.valid() || b.Name == "" {
+			return bad("backing %d (%q): size %d mode %d", i, b.Name, b.Size, b.Mode)
+		}
+		for _, o := range sb.Backings[:i] {
+			if o.Name == b.Name {
+				return bad("duplicate backing name %q", b.Name)
+			}
+		}
+	}
+	return nil
+}
+
+// ReadSuperblock returns the newest valid superblock copy of cacheDev. It
+// returns ErrNotFormatted (wrapped) when neither copy has the magic, and a
+// corruption error when a copy has the magic but no copy is valid.
+func ReadSuperblock(cacheDev device.Device) (*Superblock, error) {
+	sb, _, err := readSuperblock(cacheDev)
+	return sb, err
+}
+
+// readSuperblock also returns which copy (0 or 1) was chosen.
+func readSuperblock(dev device.Device) (*Superblock, int, error) {
+	if dev.Size() < 2*sbCopySize {
+		return nil, 0, fmt.Errorf("%w: cache device of %d bytes", ErrNotFormatted, dev.Size())
+	}
+	var best *Superblock
+	bestIdx := 0
+	var errs [2]error
+	buf := make([]byte, sbCopySize)
+	for i := 0; i < 2; i++ {
+		off := int64(i) * sbCopySize
+		if _, err := dev.ReadAt(buf, off); err != nil {
+			errs[i] = fmt.Errorf("reading superblock copy %d: %w", i, err)
+			continue
+		}
+		sb, err := decodeSuperblock(buf, off)
+		if err == nil {
+			err = sb.validate(dev.Size())
+		}
+		if err != nil {
+			errs[i] = err
+			continue
+		}
+		if best == nil || sb.Seq > best.Seq {
+			best, bestIdx = sb, i
+		}
+	}
+	if best != nil {
+		return best, bestIdx, nil
+	}
+	if errors.Is(errs[0], ErrNotFormatted) && errors.Is(errs[1], ErrNotFormatted) {
+		return nil, 0, ErrNotFormatted
+	}
+	return nil, 0, fmt.Errorf("no valid superblock: copy 0: %v; copy 1: %w", errs[0], errs[1])
+}
+
+// writeSuperblock writes sb (with sb.Seq already advanced) into copy
+// sb.Seq%2, then syncs. The other copy still holds the previous version.
+func writeSuperblock(dev device.Device, sb *Superblock) error {
+	b, err := sb.encode()
+	if err != nil {
+		return err
+	}
+	buf := make([]byte, sbCopySize)
+	copy(buf, b)
+	off := int64(sb.Seq%2) * sbCopySize
+	if _, err := dev.WriteAt(buf, off); err != nil {
+		return fmt.Errorf("writing superblock copy at %d: %w", off, err)
+	}
+	if err := dev.Sync(); err != nil {
+		return fmt.Errorf("syncing superblock: %w", err)
+	}
+	return nil
+}
+
+func (sb *Superblock) clone() *Superblock {
+	c := *sb
+	c.Backings = append([]BackingInfo(nil), sb.Backings...)
+	return &c
+}

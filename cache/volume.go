@@ -1,0 +1,645 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+// Volume is one backing device seen through the cache: what an NBD export
+// serves. It satisfies nbd.Backend, nbd.Trimmer, nbd.ZeroWriter and
+// nbd.Prefetcher (checked in volume_test.go; cache does not import nbd).
+//
+// The cache works in 4 KiB blocks. A write that covers part of a block
+// reads the rest of the block through the index first (read-modify-write);
+// such writes take rmw exclusively so that two of them never merge with a
+// stale copy of each other's block.
+type Volume struct {
+	s       *Set
+	vi      int
+	name    string
+	size    int64
+	nblocks uint64
+	back    device.Device
+	mode    atomic.Int32
+
+	// rmw is held shared by every write and exclusively by writes that
+	// read-modify-write a partial block.
+	rmw sync.RWMutex
+	// backingUnsynced is set after every write to the backing device and
+	// cleared (then synced) by commit.
+	backingUnsynced atomic.Bool
+	st              volStats
+
+	idx volIndex // guarded by s.mu
+}
+
+type volStats struct {
+	readOps, writeOps, flushOps, trimOps, zeroOps     atomic.Uint64
+	readBytes, writeBytes, hitBytes, missBytes        atomic.Uint64
+	bypassBytes, promoteBytes, writebackBytes         atomic.Uint64
+	checksumErrors, checksumRepairs, promoteSkipBytes atomic.Uint64
+}
+
+// VolumeStats are a volume's counters.
+type VolumeStats struct {
+	Mode                                       Mode
+	ReadOps, WriteOps, FlushOps                uint64
+	TrimOps, ZeroOps                           uint64
+	ReadBytes, WriteBytes                      uint64
+	ReadHitBytes, ReadMissBytes                uint64
+	BypassBytes     uint64 // written straight to the backing device (writearound, none, zeroes)
+	PromoteBytes    uint64 // read misses copied into the cache
+	WritebackBytes  uint64
+	ChecksumErrors  uint64 // cached blocks that failed verification (clean ones were repaired)
+	ChecksumRepairs uint64 // of those, clean blocks re-read from the backing device
+	CachedBlocks    int64
+	DirtyBlocks     int64
+}
+
+// Name is the backing device's name in the cache set.
+func (v *Volume) Name() string { return v.name }
+
+// Size is the volume size in bytes (the backing device's size).
+func (v *Volume) Size() int64 { return v.size }
+
+// Mode returns the current cache mode.
+func (v *Volume) Mode() Mode { return Mode(v.mode.Load()) }
+
+// SetMode switches the cache mode at run time and records it in the
+// superblock. Leaving writeback keeps dirty data readable (reads consult the
+// index in every mode); the gc goroutine writes it back in the background.
+func (v *Volume) SetMode(m Mode) error {
+	if !m.valid() {
+		return fmt.Errorf("%w: mode %d", ErrInvalid, int(m))
+	}
+	// Exclude writes in flight so that none straddles the switch.
+	v.rmw.Lock()
+	defer v.rmw.Unlock()
+	s := v.s
+	s.sbMu.Lock()
+	defer s.sbMu.Unlock()
+	nsb := s.sb.clone()
+	nsb.Backings[v.vi].Mode = m
+	nsb.Seq++
+	if err := writeSuperblock(s.dev, nsb); err != nil {
+		return fmt.Errorf("set mode of %s: %w", v.name, err)
+	}
+	s.sb = nsb
+	v.mode.Store(int32(m))
+	return nil
+}
+
+// Stats returns the volume's counters.
+func (v *Volume) Stats() VolumeStats {
+	st := VolumeStats{Mode: v.Mode(),
+		ReadOps: v.st.readOps.Load(), WriteOps: v.st.writeOps.Load(), FlushOps: v.st.flushOps.Load(),
+		TrimOps: v.st.trimOps.Load(), ZeroOps: v.st.zeroOps.Load(),
+		ReadBytes: v.st.readBytes.Load(), WriteBytes: v.st.writeBytes.Load(),
+		ReadHitBytes: v.st.hitBytes.Load(), ReadMissBytes: v.st.missBytes.Load(),
+		BypassBytes: v.st.bypassBytes.Load(), PromoteBytes: v.st.promoteBytes.Load(),
+		WritebackBytes: v.st.writebackBytes.Load(),
+		ChecksumErrors: v.st.checksumErrors.Load(), ChecksumRepairs: v.st.checksumRepairs.Load()}
+	v.s.mu.Lock()
+	st.CachedBlocks, st.DirtyBlocks = v.idx.cached, v.idx.dirty
+	v.s.mu.Unlock()
+	return st
+}
+
+func (v *Volume) checkIO(off int64, n int64) error {
+	if err := v.s.err(); err != nil {
+		return err
+	}
+	if off < 0 || n < 0 || off > v.size || n > v.size-off {
+		return fmt.Errorf("volume %s: %d bytes at %d: %w", v.name, n, off, device.ErrOutOfRange)
+	}
+	return nil
+}
+
+// blockSpan returns the blocks covering [off, off+n).
+func blockSpan(off, n int64) (first uint64, count int) {
+	first = uint64(off >> blockShift)
+	last := uint64((off + n - 1) >> blockShift)
+	return first, int(last - first + 1)
+}
+
+// readBacking reads whole blocks from the backing device; the part of the
+// last block beyond the device's end reads as zeroes.
+func (v *Volume) readBacking(p []byte, lba uint64) error {
+	off := int64(lba) << blockShift
+	n := min(int64(len(p)), v.size-off)
+	if n < int64(len(p)) {
+		clear(p[max(n, 0):])
+	}
+	if n <= 0 {
+		return nil
+	}
+	if _, err := v.back.ReadAt(p[:n], off); err != nil {
+		return fmt.Errorf("reading %s at %d: %w", v.name, off, err)
+	}
+	return nil
+}
+
+// writeBacking writes whole blocks, clipped at the device's end.
+func (v *Volume) writeBacking(p []byte, lba uint64) error {
+	off := int64(lba) << blockShift
+	n := min(int64(len(p)), v.size-off)
+	if n <= 0 {
+		return nil
+	}
+	if _, err := v.back.WriteAt(p[:n], off); err != nil {
+		return fmt.Errorf("writing %s at %d: %w", v.name, off, err)
+	}
+	v.backingUnsynced.Store(true)
+	return nil
+}
+
+// ReadAt fills p with the volume's data at off.
+func (v *Volume) ReadAt(p []byte, off int64) error {
+	if err := v.checkIO(off, int64(len(p))); err != nil {
+		return err
+	}
+	if len(p) == 0 {
+		return nil
+	}
+	v.st.readOps.Add(1)
+	v.st.readBytes.Add(uint64(len(p)))
+	first, n := blockSpan(off, int64(len(p)))
+	if off%blockSize == 0 && len(p)%blockSize == 0 {
+		return v.readBlocks(p, first, n, true)
+	}
+	buf := make([]byte, n*blockSize)
+	if err := v.readBlocks(buf, first, n, true); err != nil {
+		return err
+	}
+	copy(p, buf[off-int64(first)<<blockShift:])
+	return nil
+}
+
+// readBlocks reads n whole blocks. Cached blocks come from the cache and are
+// verified (invariant 4); the rest come from the backing device and may be
+// promoted into the cache.
+func (v *Volume) readBlocks(buf []byte, lba uint64, n int, promote bool) error {
+	s := v.s
+	var hits []ent
+	s.mu.Lock()
+	v.idx.tree.AscendRange(ent{lba: lba}, ent{lba: lba + uint64(n)}, func(e ent) bool {
+		hits = append(hits, e)
+		s.mu.buckets[int64(e.block())/s.bpb].pins++
+		return true
+	})
+	muts := v.idx.mutations
+	busy := v.busyLocked(lba, uint64(n))
+	s.mu.Unlock()
+	var drop []ent
+	defer func() {
+		s.mu.Lock()
+		for _, e := range hits {
+			s.unpinLocked(e.block())
+		}
+		for _, e := range drop {
+			if cur, ok := v.idx.tree.Get(e); ok && cur == e {
+				v.idx.tree.Delete(e)
+				s.unaccountLocked(v.vi, e)
+			}
+		}
+		s.mu.Unlock()
+	}()
+	// Cached pieces, merging runs that are consecutive in both spaces.
+	for i := 0; i < len(hits); {
+		j := i + 1
+		for j < len(hits) && hits[j].lba == hits[j-1].lba+1 && hits[j].block() == hits[j-1].block()+1 {
+			j++
+		}
+		at := int(hits[i].lba-lba) * blockSize
+		if _, err := s.dev.ReadAt(buf[at:at+(j-i)*blockSize], s.cacheOff(hits[i].block())); err != nil {
+			return fmt.Errorf("volume %s: reading cache: %w", v.name, err)
+		}
+		i = j
+	}
+	// Gaps from the backing device.
+	var misses []blockRange
+	next := lba
+	for k := 0; k <= len(hits); k++ {
+		end := lba + uint64(n)
+		if k < len(hits) {
+			end = hits[k].lba
+		}
+		if end > next {
+			misses = append(misses, blockRange{next, end - next})
+		}
+		if k < len(hits) {
+			next = hits[k].lba + 1
+		}
+	}
+	for _, m := range misses {
+		at := int(m.lba-lba) * blockSize
+		if err := v.readBacking(buf[at:at+int(m.n)*blockSize], m.lba); err != nil {
+			return fmt.Errorf("volume %s: %w", v.name, err)
+		}
+	}
+	// Verify every cached block.
+	for _, e := range hits {
+		at := int(e.lba-lba) * blockSize
+		p := buf[at : at+blockSize]
+		got := crc32c(p)
+		if got == e.crc {
+			continue
+		}
+		v.st.checksumErrors.Add(1)
+		cerr := &CorruptionError{Err: ErrChecksum, Device: "cache", What: fmt.Sprintf("data block of %s lba %d", v.name, e.lba),
+			Offset: s.cacheOff(e.block()), Length: blockSize, Expected: e.crc, Actual: got, HaveSums: true}
+		if e.dirty() {
+			s.log.Error("dirty cached block fails its checksum", "err", cerr)
+			return cerr
+		}
+		s.log.Warn("clean cached block fails its checksum; re-reading backing device", "err", cerr)
+		if err := v.readBacking(p, e.lba); err != nil {
+			return fmt.Errorf("volume %s: %w", v.name, err)
+		}
+		v.st.checksumRepairs.Add(1)
+		drop = append(drop, e)
+	}
+	hitBytes := uint64(len(hits)) * blockSize
+	v.st.hitBytes.Add(hitBytes)
+	v.st.missBytes.Add(uint64(n)*blockSize - hitBytes)
+	if promote && !busy && len(misses) > 0 && v.Mode() != None {
+		for _, m := range misses {
+			at := int(m.lba-lba) * blockSize
+			v.promote(buf[at:at+int(m.n)*blockSize], m.lba, muts)
+		}
+	}
+	return nil
+}
+
+// promote copies blocks just read from the backing device into the cache as
+// clean entries, unless anything was written to the volume since the read
+// looked up the index (the copy could then be stale). Best effort: it never
+// waits for space.
+func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
+	s := v.s
+	n := len(data) / blockSize
+	for done := 0; done < n; {
+		r, err := s.alloc(n-done, false)
+		if err != nil {
+			v.st.promoteSkipBytes.Add(uint64(n-done) * blockSize)
+			return
+		}
+		// Our own copy: data is the caller's buffer, which it may reuse
+		// after ReadAt returns, but not before we return.
+		p := data[done*blockSize : (done+r.n)*blockSize]
+		crcs := make([]uint32, r.n)
+		for i := range crcs {
+			crcs[i] = crc32c(p[i*blockSize : (i+1)*blockSize])
+		}
+		_, werr := s.dev.WriteAt(p, s.cacheOff(r.loc))
+		s.mu.Lock()
+		ok := werr == nil && v.idx.mutations == muts
+		if ok {
+			v.idx.tree.AscendRange(ent{lba: lba + uint64(done)}, ent{lba: lba + uint64(done+r.n)}, func(ent) bool {
+				ok = false
+				return false
+			})
+		}
+		if ok {
+			for i := 0; i < r.n; i++ {
+				s.insertLocked(v.vi, lba+uint64(done+i), r.loc+uint32(i), crcs[i], false)
+			}
+			s.appendInsertLocked(v.vi, lba+uint64(done), r.loc, false, crcs)
+		}
+		s.unpinLocked(r.loc)
+		s.mu.Unlock()
+		if !ok {
+			v.st.promoteSkipBytes.Add(uint64(n-done) * blockSize)
+			return
+		}
+		v.st.promoteBytes.Add(uint64(r.n) * blockSize)
+		done += r.n
+	}
+}
+
+// REQUIRES: s.mu
+func (v *Volume) busyLocked(lba, n uint64) bool {
+	for _, r := range v.idx.busy {
+		if r.overlaps(lba, n) {
+			return true
+		}
+	}
+	return false
+}
+
+// claim marks [lba, lba+n) as having a backing write in flight, waiting for
+// overlapping claims (writeback or another passthrough write) to finish.
+func (v *Volume) claim(lba, n uint64) {
+	s := v.s
+	s.mu.Lock()
+	for v.busyLocked(lba, n) {
+		s.mu.cond.Wait()
+	}
+	v.idx.busy = append(v.idx.busy, blockRange{lba, n})
+	v.idx.mutations++
+	s.mu.Unlock()
+}
+
+// REQUIRES: s.mu
+func (v *Volume) releaseLocked(rs []blockRange) {
+	for _, r := range rs {
+		for i, b := range v.idx.busy {
+			if b == r {
+				v.idx.busy = append(v.idx.busy[:i], v.idx.busy[i+1:]...)
+				break
+			}
+		}
+	}
+	v.s.mu.cond.Broadcast()
+}
+
+// WriteAt writes p at off. With fua the write is durable when WriteAt
+// returns; otherwise at the next Flush (invariant 2).
+func (v *Volume) WriteAt(p []byte, off int64, fua bool) error {
+	if err := v.checkIO(off, int64(len(p))); err != nil {
+		return err
+	}
+	if len(p) > 0 {
+		v.st.writeOps.Add(1)
+		v.st.writeBytes.Add(uint64(len(p)))
+		if err := v.write(p, off); err != nil {
+			return err
+		}
+	}
+	if fua {
+		return v.s.commit(v.s.appended())
+	}
+	return nil
+}
+
+func (s *Set) appended() uint64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.mu.seq
+}
+
+func (v *Volume) write(p []byte, off int64) error {
+	first, n := blockSpan(off, int64(len(p)))
+	aligned := off%blockSize == 0 && len(p)%blockSize == 0
+	if aligned {
+		v.rmw.RLock()
+		defer v.rmw.RUnlock()
+	} else {
+		v.rmw.Lock()
+		defer v.rmw.Unlock()
+	}
+	// The engine's own copy: checksums are computed over bytes no client
+	// can change any more.
+	buf := make([]byte, n*blockSize)
+	if !aligned {
+		if off%blockSize != 0 {
+			if err := v.readBlocks(buf[:blockSize], first, 1, false); err != nil {
+				return err
+			}
+		}
+		if end := off + int64(len(p)); end%blockSize != 0 && (n > 1 || off%blockSize == 0) {
+			last := first + uint64(n-1)
+			if err := v.readBlocks(buf[(n-1)*blockSize:], last, 1, false); err != nil {
+				return err
+			}
+		}
+	}
+	copy(buf[off-int64(first)<<blockShift:], p)
+	switch v.Mode() {
+	case Writeback:
+		return v.writeCache(buf, first, true)
+	case Writethrough:
+		return v.writeCache(buf, first, false)
+	default:
+		return v.writeAround(buf, first)
+	}
+}
+
+// writeCache writes whole blocks into the cache, dirty (writeback) or, for
+// writethrough, to the backing device too and clean. A write larger than the
+// open bucket goes in pieces; NBD does not promise atomic writes.
+func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
+	s := v.s
+	n := len(buf) / blockSize
+	for done := 0; done < n; {
+		r, err := s.alloc(n-done, true)
+		if err != nil {
+			return fmt.Errorf("volume %s: %w", v.name, err)
+		}
+		p := buf[done*blockSize : (done+r.n)*blockSize]
+		at := lba + uint64(done)
+		crcs := make([]uint32, r.n)
+		for i := range crcs {
+			crcs[i] = crc32c(p[i*blockSize : (i+1)*blockSize])
+		}
+		fail := func(err error) error {
+			s.mu.Lock()
+			s.unpinLocked(r.loc)
+			s.mu.Unlock()
+			return fmt.Errorf("volume %s: %w", v.name, err)
+		}
+		if _, err := s.dev.WriteAt(p, s.cacheOff(r.loc)); err != nil {
+			return fail(fmt.Errorf("writing cache at %d: %w", s.cacheOff(r.loc), err))
+		}
+		var claim []blockRange
+		if !dirty {
+			// Writethrough: the backing write must not interleave with a
+			// writeback of an older version of these blocks.
+			v.claim(at, uint64(r.n))
+			claim = []blockRange{{at, uint64(r.n)}}
+			if err := v.writeBacking(p, at); err != nil {
+				s.mu.Lock()
+				v.releaseLocked(claim)
+				s.mu.Unlock()
+				return fail(err)
+			}
+		}
+		s.mu.Lock()
+		for i := 0; i < r.n; i++ {
+			s.insertLocked(v.vi, at+uint64(i), r.loc+uint32(i), crcs[i], dirty)
+		}
+		s.appendInsertLocked(v.vi, at, r.loc, dirty, crcs)
+		v.idx.mutations++
+		v.releaseLocked(claim)
+		s.unpinLocked(r.loc)
+		s.mu.Unlock()
+		done += r.n
+	}
+	return nil
+}
+
+// writeAround writes whole blocks to the backing device and invalidates
+// them in the cache (writearound and none modes). The invalidation is
+// journaled after the backing write, and commit syncs the backing device
+// before writing the journal, so a durable invalidation never exposes older
+// backing data than what it replaced.
+func (v *Volume) writeAround(buf []byte, lba uint64) error {
+	return v.passthrough(lba, uint64(len(buf)/blockSize), func() error {
+		v.st.bypassBytes.Add(uint64(len(buf)))
+		return v.writeBacking(buf, lba)
+	})
+}
+
+// passthrough runs op (a backing write of [lba, lba+n)) under a claim, then
+// drops the cached blocks of the range and journals that.
+func (v *Volume) passthrough(lba, n uint64, op func() error) error {
+	s := v.s
+	v.claim(lba, n)
+	err := op()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	claim := []blockRange{{lba, n}}
+	if err == nil {
+		s.invalidateLocked(v.vi, lba, n)
+		// Journaled even if nothing is cached now: replay may resurrect
+		// clean entries that eviction dropped only in memory.
+		s.appendLocked(&rec{typ: recInvalidate, vol: uint16(v.vi), lba: lba, n: n})
+		v.idx.mutations++
+	}
+	v.releaseLocked(claim)
+	if err != nil {
+		return fmt.Errorf("volume %s: %w", v.name, err)
+	}
+	return nil
+}
+
+// Flush makes every write completed before the call durable, whichever
+// connection sent it. It also advances the volume's flush epoch, recorded in
+// every later journal insert.
+func (v *Volume) Flush() error {
+	if err := v.s.err(); err != nil {
+		return err
+	}
+	v.st.flushOps.Add(1)
+	s := v.s
+	s.mu.Lock()
+	v.idx.epoch++
+	target := s.mu.seq
+	s.mu.Unlock()
+	return s.commit(target)
+}
+
+// Trim discards whole blocks inside [off, off+length): they are dropped from
+// the cache and discarded on the backing device. Afterwards they read as
+// zeroes or old data. Partial blocks at the edges are left alone. When the
+// backing device cannot discard, Trim does nothing (allowed by NBD).
+func (v *Volume) Trim(off, length int64, fua bool) error {
+	if err := v.checkIO(off, length); err != nil {
+		return err
+	}
+	v.st.trimOps.Add(1)
+	d, ok := v.back.(device.Discarder)
+	a := (off + blockSize - 1) / blockSize
+	b := (off + length) / blockSize
+	if (off+length) == v.size && v.size%blockSize != 0 {
+		b = int64(v.nblocks)
+	}
+	if ok && a < b {
+		v.rmw.RLock()
+		err := v.passthrough(uint64(a), uint64(b-a), func() error {
+			start := a * blockSize
+			end := min(b*blockSize, v.size)
+			if err := d.Discard(start, end-start); err != nil {
+				return fmt.Errorf("discarding %s at %d: %w", v.name, start, err)
+			}
+			v.backingUnsynced.Store(true)
+			return nil
+		})
+		v.rmw.RUnlock()
+		if err != nil {
+			return err
+		}
+	}
+	if fua {
+		return v.s.commit(v.s.appended())
+	}
+	return nil
+}
+
+// WriteZeroes zeroes [off, off+length). Whole blocks are zeroed on the
+// backing device (its Zeroer, or zero buffers) and dropped from the cache,
+// in every mode; partial edge blocks go through the normal write path.
+func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) error {
+	if err := v.checkIO(off, length); err != nil {
+		return err
+	}
+	z, isZeroer := v.back.(device.Zeroer)
+	if fastOnly && !isZeroer {
+		return fmt.Errorf("volume %s: fast zero: %w", v.name, errors.ErrUnsupported)
+	}
+	v.st.zeroOps.Add(1)
+	end := off + length
+	a := (off + blockSize - 1) / blockSize * blockSize
+	b := end / blockSize * blockSize
+	if end == v.size {
+		b = end // the tail block is whole as far as the volume goes
+	}
+	if a >= b {
+		a, b = end, end // no whole block: all of it is edge
+	}
+	if a > off {
+		if err := v.write(make([]byte, min(a, end)-off), off); err != nil {
+			return err
+		}
+	}
+	if b < end && b >= a {
+		if err := v.write(make([]byte, end-b), b); err != nil {
+			return err
+		}
+	}
+	if a < b {
+		lba, n := uint64(a/blockSize), uint64((b-a+blockSize-1)/blockSize)
+		v.rmw.RLock()
+		err := v.passthrough(lba, n, func() error {
+			v.st.bypassBytes.Add(uint64(b - a))
+			if isZeroer {
+				if err := z.WriteZeroes(a, b-a); err != nil {
+					return fmt.Errorf("zeroing %s at %d: %w", v.name, a, err)
+				}
+				v.backingUnsynced.Store(true)
+				return nil
+			}
+			zero := make([]byte, min(b-a, 1<<20))
+			for at := a; at < b; at += int64(len(zero)) {
+				k := min(int64(len(zero)), b-at)
+				if _, err := v.back.WriteAt(zero[:k], at); err != nil {
+					return fmt.Errorf("zeroing %s at %d: %w", v.name, at, err)
+				}
+				v.backingUnsynced.Store(true)
+			}
+			return nil
+		})
+		v.rmw.RUnlock()
+		if err != nil {
+			return err
+		}
+	}
+	if fua {
+		return v.s.commit(v.s.appended())
+	}
+	return nil
+}
+
+// Prefetch brings [off, off+length) into the cache (NBD_CMD_CACHE).
+func (v *Volume) Prefetch(off, length int64) error {
+	if err := v.checkIO(off, length); err != nil {
+		return err
+	}
+	if length == 0 || v.Mode() == None {
+		return nil
+	}
+	first, n := blockSpan(off, length)
+	const chunk = 256
+	buf := make([]byte, chunk*blockSize)
+	for done := 0; done < n; done += chunk {
+		k := min(chunk, n-done)
+		if err := v.readBlocks(buf[:k*blockSize], first+uint64(done), k, true); err != nil {
+			return err
+		}
+	}
+	return nil
+}
