@@ -391,6 +391,55 @@ func tear(old, cur *[MemBlockSize]byte, rng *rand.Rand) *[MemBlockSize]byte {
 	return res
 }
 
+// Check verifies the invariants of the type comment and of the bookkeeping
+// behind them, for tests to run after a workload (t.Cleanup). It returns the
+// first violation found.
+func (m *Mem) Check() error {
+	nblocks := (m.size + MemBlockSize - 1) / MemBlockSize
+	for i := range m.shards {
+		s := &m.shards[i]
+		s.mu.Lock()
+		err := m.checkShardLocked(s, nblocks)
+		s.mu.Unlock()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// checkShardLocked checks one shard. REQUIRES: s.mu held.
+func (m *Mem) checkShardLocked(s *memShard, nblocks int64) error {
+	listed := make(map[int64]bool, len(s.dirty))
+	for _, idx := range s.dirty {
+		b := s.blocks[idx]
+		switch {
+		case listed[idx]:
+			return fmt.Errorf("device: mem: block %d listed dirty twice", idx)
+		case b == nil:
+			return fmt.Errorf("device: mem: dirty block %d has no state", idx)
+		case !b.dirty:
+			return fmt.Errorf("device: mem: block %d listed dirty but not marked", idx)
+		}
+		listed[idx] = true
+	}
+	for idx, b := range s.blocks {
+		switch {
+		case idx < 0 || idx >= nblocks:
+			return fmt.Errorf("device: mem: block %d outside the device (%d blocks)", idx, nblocks)
+		case m.shard(idx) != s:
+			return fmt.Errorf("device: mem: block %d in the wrong shard", idx)
+		case b.dirty && !listed[idx]:
+			return fmt.Errorf("device: mem: block %d marked dirty but not listed", idx)
+		case !b.dirty && b.cur != b.synced:
+			return fmt.Errorf("device: mem: clean block %d has current content apart from its synced content", idx)
+		case !b.dirty && b.cur == nil:
+			return fmt.Errorf("device: mem: clean zero block %d kept (should be absent)", idx)
+		}
+	}
+	return nil
+}
+
 // String describes the device for test logs.
 func (m *Mem) String() string {
 	return fmt.Sprintf("mem(%d bytes, %d unsynced blocks)", m.size, m.Unsynced())

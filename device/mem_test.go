@@ -13,7 +13,12 @@ import (
 func TestMemConformance(t *testing.T) {
 	devicetest.RunConformance(t, func(t *testing.T, size int64) device.Device {
 		m := device.NewMem(size)
-		t.Cleanup(func() { m.Close() })
+		t.Cleanup(func() {
+			m.Close()
+			if err := m.Check(); err != nil {
+				t.Error(err)
+			}
+		})
 		return m
 	})
 }
@@ -53,6 +58,11 @@ func crashSetup(t *testing.T) *device.Mem {
 			t.Fatal(err)
 		}
 	}
+	t.Cleanup(func() {
+		if err := m.Check(); err != nil {
+			t.Error(err)
+		}
+	})
 	if got := m.Unsynced(); got != 10 {
 		t.Fatalf("Unsynced() = %d, want 10", got)
 	}
@@ -86,6 +96,9 @@ func TestMemCrashDropsUnsynced(t *testing.T) {
 		if !bytes.Equal(readBlock(t, m, i), newBlock(i)) {
 			t.Errorf("CrashClone changed block %d of the original", i)
 		}
+	}
+	if err := c.Check(); err != nil {
+		t.Error(err)
 	}
 	if c.Unsynced() != 0 {
 		t.Errorf("clone has %d unsynced blocks, want 0", c.Unsynced())
@@ -278,6 +291,9 @@ func TestMemCorrupt(t *testing.T) {
 	}
 	if bytes.Equal(readBlock(t, m, 7)[:4], make([]byte, 4)) {
 		t.Error("corrupting a zero block left zeroes")
+	}
+	if err := m.Check(); err != nil {
+		t.Error(err)
 	}
 }
 

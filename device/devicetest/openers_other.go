@@ -1,0 +1,5 @@
+//go:build !linux
+
+package devicetest
+
+func addFileOpeners(map[string]Opener) {}
