@@ -3,6 +3,7 @@ package bench
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -117,8 +118,17 @@ func (p *process) logTail() string {
 	return strings.TrimSpace(string(data))
 }
 
-// nbdMagic opens every NBD handshake.
-var nbdMagic = []byte("NBDMAGIC")
+// NBD handshake constants used by the readiness probe.
+var (
+	nbdMagic = []byte("NBDMAGIC")
+	nbdOpt   = []byte("IHAVEOPT")
+)
+
+const (
+	nbdFlagFixedNewstyle = 1 << 0 // server and client handshake flag
+	nbdFlagNoZeroes      = 1 << 1
+	nbdOptAbort          = 2
+)
 
 // waitNBD waits until a server answers on unix socket sock with the NBD
 // greeting, the process exits, ctx is done or timeout passes. The probe
@@ -144,6 +154,9 @@ func waitNBD(ctx context.Context, p *process, sock string, timeout time.Duration
 	}
 }
 
+// probeNBD checks that an NBD server answers on sock: it reads the
+// fixed-newstyle greeting, then ends the handshake politely with
+// NBD_OPT_ABORT, so that servers do not log a broken connection.
 func probeNBD(sock string) error {
 	c, err := net.DialTimeout("unix", sock, time.Second)
 	if err != nil {
@@ -153,13 +166,24 @@ func probeNBD(sock string) error {
 	if err := c.SetDeadline(time.Now().Add(2 * time.Second)); err != nil {
 		return err
 	}
-	buf := make([]byte, len(nbdMagic))
-	if _, err := io.ReadFull(c, buf); err != nil {
+	greeting := make([]byte, 18) // NBDMAGIC, IHAVEOPT, 16-bit handshake flags
+	if _, err := io.ReadFull(c, greeting); err != nil {
 		return fmt.Errorf("read NBD greeting: %w", err)
 	}
-	if !bytes.Equal(buf, nbdMagic) {
-		return fmt.Errorf("greeting %q is not NBD", buf)
+	if !bytes.Equal(greeting[:8], nbdMagic) || !bytes.Equal(greeting[8:16], nbdOpt) {
+		return fmt.Errorf("greeting %q is not fixed-newstyle NBD", greeting[:16])
 	}
+	flags := uint32(binary.BigEndian.Uint16(greeting[16:]) & (nbdFlagFixedNewstyle | nbdFlagNoZeroes))
+	msg := binary.BigEndian.AppendUint32(nil, flags)
+	msg = append(msg, nbdOpt...)
+	msg = binary.BigEndian.AppendUint32(msg, nbdOptAbort)
+	msg = binary.BigEndian.AppendUint32(msg, 0) // option length
+	if _, err := c.Write(msg); err != nil {
+		return fmt.Errorf("send NBD_OPT_ABORT: %w", err)
+	}
+	// The server may acknowledge the abort or just close; either is fine,
+	// and waiting for it lets the server finish before the socket closes.
+	_, _ = io.Copy(io.Discard, io.LimitReader(c, 64))
 	return nil
 }
 
