@@ -8,6 +8,22 @@
 // interfaces found by type assertion, so callers degrade gracefully instead of
 // every implementation faking them.
 //
+// Implementations:
+//
+//   - File (Linux): a regular file or block device, O_DIRECT where the file
+//     system allows it, with any buffer, offset and length accepted.
+//   - Mem: memory with crash semantics (CrashClone) for durability tests.
+//   - faultdev.Device: a decorator injecting errors, latency, bit flips and
+//     torn writes.
+//
+// Package devicetest holds the conformance suite all of them pass.
+//
+// Errors: out-of-range requests wrap ErrOutOfRange, requests on a closed
+// device wrap ErrClosed, modifying requests on a read-only device wrap
+// ErrReadOnly (and syscall.EPERM); failures of the underlying system call are
+// an *IOError naming the device, offset and length and wrapping the
+// syscall.Errno. Match with errors.Is and errors.As, never ==.
+//
 // Concurrency contract: ReadAt, WriteAt, Sync, Discard and WriteZeroes may be
 // called from many goroutines at once. Overlapping concurrent writes leave the
 // overlapped range with either writer's bytes (per sector), as a real disk

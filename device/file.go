@@ -11,6 +11,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/tiercache/tiercache/internal/invariants"
 )
 
 // This file is the production Device: a regular file or a block device,
@@ -683,7 +685,15 @@ func getBounce(n int) *bounceBuf {
 	return &bounceBuf{b: alignedBytes(1<<(minBounceShift+c), int(pageSize))}
 }
 
-func putBounce(b *bounceBuf) { bouncePools[bounceClass(len(b.b))].Put(b) }
+func putBounce(b *bounceBuf) {
+	if invariants.Enabled {
+		// Poison, so data from a buffer used after its return shows.
+		for i := range b.b {
+			b.b[i] = 0xde
+		}
+	}
+	bouncePools[bounceClass(len(b.b))].Put(b)
+}
 
 var zeroBuf = sync.OnceValue(func() []byte { return alignedBytes(maxBounce, int(pageSize)) })
 
