@@ -63,3 +63,39 @@ func truncate(b []byte, n int) []byte {
 	}
 	return b
 }
+
+// parseSystemCPU returns the busy and total clock ticks of all CPUs from
+// the contents of /proc/stat (its first, "cpu", line). Busy is everything
+// but idle and iowait; guest time is already inside user and nice.
+func parseSystemCPU(data []byte) (busy, total uint64, err error) {
+	line, _, _ := bytes.Cut(data, []byte("\n"))
+	fields := bytes.Fields(line)
+	if len(fields) < 8 || string(fields[0]) != "cpu" {
+		return 0, 0, fmt.Errorf("/proc/stat: first line %q is not the cpu total", truncate(line, 80))
+	}
+	// user nice system idle iowait irq softirq [steal [guest [guest_nice]]]
+	for i, f := range fields[1:min(len(fields), 9)] {
+		v, err := strconv.ParseUint(string(f), 10, 64)
+		if err != nil {
+			return 0, 0, fmt.Errorf("/proc/stat: cpu field %d: %w", i+1, err)
+		}
+		total += v
+		if i != 3 && i != 4 { // idle, iowait
+			busy += v
+		}
+	}
+	return busy, total, nil
+}
+
+// systemBusy returns the CPU time all CPUs spent busy so far.
+func systemBusy() (time.Duration, error) {
+	data, err := os.ReadFile("/proc/stat")
+	if err != nil {
+		return 0, fmt.Errorf("read machine cpu time: %w", err)
+	}
+	busy, _, err := parseSystemCPU(data)
+	if err != nil {
+		return 0, err
+	}
+	return ticksToDuration(busy), nil
+}

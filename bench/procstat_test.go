@@ -74,3 +74,22 @@ func TestTicksToDuration(t *testing.T) {
 		t.Errorf("250 ticks = %v, want 2.5s", got)
 	}
 }
+
+func TestParseSystemCPU(t *testing.T) {
+	data := "cpu  100 5 50 1000 20 3 2 7 0 0\ncpu0 50 2 25 500 10 1 1 3 0 0\nintr 1 2 3\n"
+	busy, total, err := parseSystemCPU([]byte(data))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if busy != 100+5+50+3+2+7 || total != 100+5+50+1000+20+3+2+7 {
+		t.Errorf("busy, total = %d, %d", busy, total)
+	}
+	for _, bad := range []string{"", "cpu0 1 2 3 4 5 6 7\n", "cpu 1 2 x 4 5 6 7\n", "cpu 1 2\n"} {
+		if _, _, err := parseSystemCPU([]byte(bad)); err == nil {
+			t.Errorf("parseSystemCPU(%q) succeeded", bad)
+		}
+	}
+	if d, err := systemBusy(); err != nil || d <= 0 {
+		t.Errorf("systemBusy() = %v, %v", d, err)
+	}
+}

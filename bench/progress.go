@@ -61,8 +61,8 @@ func (p *lineProgress) finish(desc string, s Sample, w Workload) {
 	if v := s.cpuPerGiB(); v == v { // not NaN
 		cpu = fmt.Sprintf(", server %.2f CPU s/GiB", v)
 	}
-	fmt.Fprintf(p.w, "[%d/%d] %s: %s %s, mean lat %.0f µs%s\n",
-		p.done, p.total, desc, formatValue(s.value(w.Metric)), w.Metric, s.LatMeanUs, cpu)
+	fmt.Fprintf(p.w, "[%d/%d] %s: %s %s, mean lat %.0f µs%s, other load %.2f cores\n",
+		p.done, p.total, desc, formatValue(s.value(w.Metric)), w.Metric, s.LatMeanUs, cpu, s.OtherCores)
 }
 
 func (p *lineProgress) close() {}

@@ -41,6 +41,7 @@ type summary struct {
 	cpu       map[key]stat // server CPU s/GiB
 	lat       map[key]stat // mean completion latency, µs
 	p99       map[key]stat // p99 completion latency, µs
+	other     map[key]stat // CPU cores busy with other work
 }
 
 func summarize(samples []Sample, rounds int, servers, baselineNames []string) summary {
@@ -52,20 +53,23 @@ func summarize(samples []Sample, rounds int, servers, baselineNames []string) su
 	cpu := map[key][]float64{}
 	lat := map[key][]float64{}
 	p99 := map[key][]float64{}
+	other := map[key][]float64{}
 	for _, s := range samples {
 		k := key{s.Target, s.Workload}
 		perf[k] = append(perf[k], s.value(metric[s.Workload]))
 		cpu[k] = append(cpu[k], s.cpuPerGiB())
 		lat[k] = append(lat[k], s.LatMeanUs)
 		p99[k] = append(p99[k], s.LatP99Us)
+		other[k] = append(other[k], s.OtherCores)
 	}
 	sum := summary{rounds: rounds, servers: servers, baselines: baselineNames,
-		perf: map[key]stat{}, cpu: map[key]stat{}, lat: map[key]stat{}, p99: map[key]stat{}}
+		perf: map[key]stat{}, cpu: map[key]stat{}, lat: map[key]stat{}, p99: map[key]stat{}, other: map[key]stat{}}
 	for k := range perf {
 		sum.perf[k] = newStat(perf[k])
 		sum.cpu[k] = newStat(cpu[k])
 		sum.lat[k] = newStat(lat[k])
 		sum.p99[k] = newStat(p99[k])
+		sum.other[k] = newStat(other[k])
 	}
 	return sum
 }

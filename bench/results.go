@@ -149,6 +149,11 @@ func (r *runner) renderMarkdown(w io.Writer, sum summary, env envInfo, elapsed t
 	if err := writeMarkdown(w, sum.latencyTable()); err != nil {
 		return err
 	}
+	p("\n## Other load: CPU cores busy outside the server and fio (median of rounds)\n\n")
+	p("All CPUs' busy time from /proc/stat over the measured time, minus the server's and fio's own CPU, per second of wall time (of %d CPUs). High values mean other work on the shared machine competed with the run.\n\n", env.CPUs)
+	if err := writeMarkdown(w, sum.statTable(sum.other, true)); err != nil {
+		return err
+	}
 	p("\n## Spread: min–max over rounds\n\n")
 	if err := writeMarkdown(w, sum.spreadTable()); err != nil {
 		return err
@@ -158,11 +163,11 @@ func (r *runner) renderMarkdown(w io.Writer, sum summary, env envInfo, elapsed t
 		p("%s\n", c)
 	}
 	p("```\n\n## All runs\n\n")
-	rows := [][]string{{"Round", "Target", "Workload", "IOPS", "MiB/s", "Mean lat µs", "p99 lat µs", "Server CPU s/GiB", "fio CPU %"}}
+	rows := [][]string{{"Round", "Target", "Workload", "IOPS", "MiB/s", "Mean lat µs", "p99 lat µs", "Server CPU s/GiB", "fio CPU %", "Other cores"}}
 	for _, s := range r.samples {
 		rows = append(rows, []string{
 			fmt.Sprint(s.Round), s.Target, s.Workload, formatValue(s.IOPS), formatValue(s.MiBps),
-			formatValue(s.LatMeanUs), formatValue(s.LatP99Us), formatValue(s.cpuPerGiB()), formatValue(s.ClientCPUPct),
+			formatValue(s.LatMeanUs), formatValue(s.LatP99Us), formatValue(s.cpuPerGiB()), formatValue(s.ClientCPUPct), formatValue(s.OtherCores),
 		})
 	}
 	return writeMarkdown(w, rows)

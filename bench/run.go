@@ -31,6 +31,11 @@ type Sample struct {
 	ServerCPUSec float64 `json:"server_cpu_s"`
 	HasServerCPU bool    `json:"has_server_cpu"`
 	ClientCPUPct float64 `json:"fio_cpu_pct"`
+	// OtherCores estimates the CPUs kept busy by everything else on the
+	// machine during the measured time: all CPUs' busy time, minus the
+	// server's and fio's, divided by the wall time. The machine is
+	// shared; this says how much it was.
+	OtherCores float64 `json:"other_cores"`
 }
 
 // value returns the sample's figure for metric m.
@@ -131,7 +136,14 @@ func (r *runner) settle() error {
 // serverPID is positive, the server's CPU time is sampled when the ramp ends
 // and after fio exits, so that it covers the measured time (plus fio's
 // teardown, which is short).
-func (r *runner) runFio(ctx context.Context, args []string, outPath string, serverPID int, ramp time.Duration) (fioResult, float64, error) {
+// cpuWindow is what runFio measured around the fio run.
+type cpuWindow struct {
+	server time.Duration // the server's CPU time
+	system time.Duration // all CPUs' busy time
+	wall   time.Duration
+}
+
+func (r *runner) runFio(ctx context.Context, args []string, outPath string, serverPID int, ramp time.Duration) (fioResult, cpuWindow, error) {
 	argv := append([]string{"fio"}, args...)
 	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
 	var out bytes.Buffer
@@ -140,18 +152,27 @@ func (r *runner) runFio(ctx context.Context, args []string, outPath string, serv
 	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
 	cmd.WaitDelay = 5 * time.Second
 
-	cpuAt := func() (time.Duration, error) {
-		if serverPID <= 0 {
-			return 0, nil
+	type point struct {
+		server, system time.Duration
+		at             time.Time
+	}
+	cpuAt := func() (point, error) {
+		p := point{at: time.Now()}
+		var err error
+		if p.system, err = systemBusy(); err != nil {
+			return p, err
 		}
-		return processCPU(serverPID)
+		if serverPID > 0 {
+			p.server, err = processCPU(serverPID)
+		}
+		return p, err
 	}
 	cpu0, err := cpuAt()
 	if err != nil {
-		return fioResult{}, 0, err
+		return fioResult{}, cpuWindow{}, err
 	}
 	if err := cmd.Start(); err != nil {
-		return fioResult{}, 0, fmt.Errorf("start fio: %w", err)
+		return fioResult{}, cpuWindow{}, fmt.Errorf("start fio: %w", err)
 	}
 	waitc := make(chan error, 1)
 	go func() { waitc <- cmd.Wait() }()
@@ -163,7 +184,7 @@ func (r *runner) runFio(ctx context.Context, args []string, outPath string, serv
 			if cpu0, err = cpuAt(); err != nil {
 				_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
 				<-waitc
-				return fioResult{}, 0, fmt.Errorf("at end of ramp: %w", err)
+				return fioResult{}, cpuWindow{}, fmt.Errorf("at end of ramp: %w", err)
 			}
 		case werr = <-waitc:
 			waited = true
@@ -175,22 +196,22 @@ func (r *runner) runFio(ctx context.Context, args []string, outPath string, serv
 	cpu1, cerr := cpuAt()
 	if werr != nil {
 		if ctx.Err() != nil {
-			return fioResult{}, 0, ctx.Err()
+			return fioResult{}, cpuWindow{}, ctx.Err()
 		}
-		return fioResult{}, 0, fmt.Errorf("fio: %w; output:\n%s", werr, strings.TrimSpace(out.String()))
+		return fioResult{}, cpuWindow{}, fmt.Errorf("fio: %w; output:\n%s", werr, strings.TrimSpace(out.String()))
 	}
 	if cerr != nil {
-		return fioResult{}, 0, fmt.Errorf("after fio: %w", cerr)
+		return fioResult{}, cpuWindow{}, fmt.Errorf("after fio: %w", cerr)
 	}
 	data, err := os.ReadFile(outPath)
 	if err != nil {
-		return fioResult{}, 0, fmt.Errorf("read fio result: %w", err)
+		return fioResult{}, cpuWindow{}, fmt.Errorf("read fio result: %w", err)
 	}
 	res, err := parseFioJSON(data)
 	if err != nil {
-		return fioResult{}, 0, fmt.Errorf("%s: %w", outPath, err)
+		return fioResult{}, cpuWindow{}, fmt.Errorf("%s: %w", outPath, err)
 	}
-	return res, (cpu1 - cpu0).Seconds(), nil
+	return res, cpuWindow{server: cpu1.server - cpu0.server, system: cpu1.system - cpu0.system, wall: cpu1.at.Sub(cpu0.at)}, nil
 }
 
 func (r *runner) timing() fioTiming {
@@ -230,15 +251,15 @@ func (r *runner) serverTurn(ctx context.Context, round int, name string) (err er
 		out := filepath.Join(r.workdir, fmt.Sprintf("fio.r%d.%s.%s.json", round, name, w.Name))
 		args := fioArgs(w, r.timing(), []string{"--ioengine=nbd", "--uri=" + nbdURI(sock)}, out)
 		r.noteCommand(append([]string{"fio"}, fioArgs(w, r.timing(), []string{"--ioengine=nbd", "--uri=" + nbdURI(sock)}, "OUT.json")...))
-		res, cpu, err := r.runFio(ctx, args, out, p.pid(), r.opts.Ramp)
+		res, win, err := r.runFio(ctx, args, out, p.pid(), r.opts.Ramp)
 		if err != nil {
 			if p.exited() {
 				return fmt.Errorf("%s %s: %w; server exited (%v), its output:\n%s", name, w.Name, err, p.err, p.logTail())
 			}
 			return fmt.Errorf("%s %s: %w", name, w.Name, err)
 		}
-		s := newSample(round, name, w, res)
-		s.ServerCPUSec, s.HasServerCPU = cpu, true
+		s := newSample(round, name, w, res, win)
+		s.ServerCPUSec, s.HasServerCPU = win.server.Seconds(), true
 		r.samples = append(r.samples, s)
 		r.prog.finish(desc, s, w)
 	}
@@ -259,19 +280,24 @@ func (r *runner) baselineTurn(ctx context.Context, round int, b baseline) error 
 		out := filepath.Join(r.workdir, fmt.Sprintf("fio.r%d.%s.%s.json", round, b.Name, w.Name))
 		args := fioArgs(w, r.timing(), b.args(r.file, w.IODepth), out)
 		r.noteCommand(append([]string{"fio"}, fioArgs(w, r.timing(), b.args(r.file, w.IODepth), "OUT.json")...))
-		res, _, err := r.runFio(ctx, args, out, 0, 0)
+		res, win, err := r.runFio(ctx, args, out, 0, r.opts.Ramp)
 		if err != nil {
 			return fmt.Errorf("%s %s: %w", b.Name, w.Name, err)
 		}
-		s := newSample(round, b.Name, w, res)
+		s := newSample(round, b.Name, w, res, win)
 		r.samples = append(r.samples, s)
 		r.prog.finish(desc, s, w)
 	}
 	return nil
 }
 
-func newSample(round int, target string, w Workload, res fioResult) Sample {
+func newSample(round int, target string, w Workload, res fioResult, win cpuWindow) Sample {
+	other := 0.0 // JSON has no NaN; wall is never zero in practice
+	if win.wall > 0 {
+		other = max(0, (win.system-win.server).Seconds()/win.wall.Seconds()-res.ClientCPU/100)
+	}
 	return Sample{
+		OtherCores:   other,
 		Round:        round,
 		Target:       target,
 		Workload:     w.Name,
