@@ -416,3 +416,32 @@ func TestFileSubPageMixedIO(t *testing.T) {
 		}
 	}
 }
+
+// TestFileConformanceTmpfs runs the suite on tmpfs (/dev/shm) with
+// DirectAuto: tmpfs refuses O_DIRECT before Linux 6.6 (then File must fall
+// back to buffered I/O) and accepts it after.
+func TestFileConformanceTmpfs(t *testing.T) {
+	var sfs syscall.Statfs_t
+	const tmpfsMagic = 0x01021994
+	if err := syscall.Statfs("/dev/shm", &sfs); err != nil || sfs.Type != tmpfsMagic {
+		t.Skip("/dev/shm is not tmpfs")
+	}
+	devicetest.RunConformance(t, func(t *testing.T, size int64) device.Device {
+		dir, err := os.MkdirTemp("/dev/shm", "tiercache-device-test-")
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { os.RemoveAll(dir) })
+		path := filepath.Join(dir, "dev.img")
+		if err := device.CreateSparse(path, size); err != nil {
+			t.Fatal(err)
+		}
+		f, err := device.OpenFile(path, device.FileOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		t.Logf("tmpfs: direct=%v logical block size %d", f.Direct(), f.LogicalBlockSize())
+		return f
+	})
+}
