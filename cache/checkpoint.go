@@ -91,7 +91,7 @@ type ckptData struct {
 // is tens of MiB; it is never held twice in memory).
 func encodeCkptBody(gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent], w func([]byte) error) error {
 	const chunk = 1 << 20
-	e := enc{b: make([]byte, 0, chunk+64)}
+	e := enc{b: make([]byte, 0, 64<<10)}
 	flush := func(force bool) error {
 		if len(e.b) >= chunk || (force && len(e.b) > 0) {
 			if err := w(e.b); err != nil {

@@ -84,9 +84,9 @@ func (r blockRange) overlaps(lba, n uint64) bool { return r.lba < lba+n && lba <
 
 type bitset []uint64
 
-func newBitset(n int) bitset      { return make(bitset, (n+63)/64) }
-func (b bitset) get(i int) bool   { return b[i/64]&(1<<(i%64)) != 0 }
-func (b bitset) set(i int)        { b[i/64] |= 1 << (i % 64) }
+func newBitset(n int) bitset    { return make(bitset, (n+63)/64) }
+func (b bitset) get(i int) bool { return b[i/64]&(1<<(i%64)) != 0 }
+func (b bitset) set(i int)      { b[i/64] |= 1 << (i % 64) }
 func (b bitset) count() (n int) {
 	for _, w := range b {
 		n += bits.OnesCount64(w)

@@ -214,10 +214,17 @@ func readSuperblock(dev device.Device) (*Superblock, int, error) {
 	var best *Superblock
 	bestIdx := 0
 	var errs [2]error
-	buf := make([]byte, sbCopySize)
 	for i := 0; i < 2; i++ {
 		off := int64(i) * sbCopySize
-		if _, err := dev.ReadAt(buf, off); err != nil {
+		buf := make([]byte, blockSize)
+		_, err := dev.ReadAt(buf, off)
+		if err == nil && string(buf[:8]) == sbMagic {
+			if n := sbHeaderSize + int(le.Uint32(buf[12:])); n > blockSize && n <= sbCopySize {
+				buf = make([]byte, (n+blockSize-1)/blockSize*blockSize)
+				_, err = dev.ReadAt(buf, off)
+			}
+		}
+		if err != nil {
 			errs[i] = fmt.Errorf("reading superblock copy %d: %w", i, err)
 			continue
 		}
@@ -249,7 +256,8 @@ func writeSuperblock(dev device.Device, sb *Superblock) error {
 	if err != nil {
 		return err
 	}
-	buf := make([]byte, sbCopySize)
+	// Only the blocks holding the encoding: decode ignores what follows.
+	buf := make([]byte, (len(b)+blockSize-1)/blockSize*blockSize)
 	copy(buf, b)
 	off := int64(sb.Seq%2) * sbCopySize
 	if _, err := dev.WriteAt(buf, off); err != nil {

@@ -46,18 +46,18 @@ type volStats struct {
 
 // VolumeStats are a volume's counters.
 type VolumeStats struct {
-	Mode                                       Mode
-	ReadOps, WriteOps, FlushOps                uint64
-	TrimOps, ZeroOps                           uint64
-	ReadBytes, WriteBytes                      uint64
-	ReadHitBytes, ReadMissBytes                uint64
-	BypassBytes     uint64 // written straight to the backing device (writearound, none, zeroes)
-	PromoteBytes    uint64 // read misses copied into the cache
-	WritebackBytes  uint64
-	ChecksumErrors  uint64 // cached blocks that failed verification (clean ones were repaired)
-	ChecksumRepairs uint64 // of those, clean blocks re-read from the backing device
-	CachedBlocks    int64
-	DirtyBlocks     int64
+	Mode                        Mode
+	ReadOps, WriteOps, FlushOps uint64
+	TrimOps, ZeroOps            uint64
+	ReadBytes, WriteBytes       uint64
+	ReadHitBytes, ReadMissBytes uint64
+	BypassBytes                 uint64 // written straight to the backing device (writearound, none, zeroes)
+	PromoteBytes                uint64 // read misses copied into the cache
+	WritebackBytes              uint64
+	ChecksumErrors              uint64 // cached blocks that failed verification (clean ones were repaired)
+	ChecksumRepairs             uint64 // of those, clean blocks re-read from the backing device
+	CachedBlocks                int64
+	DirtyBlocks                 int64
 }
 
 // Name is the backing device's name in the cache set.
@@ -634,7 +634,7 @@ func (v *Volume) Prefetch(off, length int64) error {
 	}
 	first, n := blockSpan(off, length)
 	const chunk = 256
-	buf := make([]byte, chunk*blockSize)
+	buf := make([]byte, min(chunk, n)*blockSize)
 	for done := 0; done < n; done += chunk {
 		k := min(chunk, n-done)
 		if err := v.readBlocks(buf[:k*blockSize], first+uint64(done), k, true); err != nil {

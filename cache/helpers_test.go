@@ -1,0 +1,50 @@
+package cache
+
+import (
+	"testing"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+// cacheSizeFor returns a cache device size that formats to n buckets of bs.
+func cacheSizeFor(n, bs, journal int64, nvols int) int64 {
+	bpb := bs / blockSize
+	ckpt := ckptLenFor(n, bpb, nvols)
+	off := 2*sbCopySize + journal + 2*ckpt
+	align := min(bs, 1<<20)
+	off = (off + align - 1) / align * align
+	return off + n*bs + 2*bs
+}
+
+// checkAfter runs Set.Check when the test ends (bbolt's btesting pattern).
+func checkAfter(t testing.TB, s *Set) {
+	t.Cleanup(func() {
+		if err := s.Check(); err != nil {
+			t.Errorf("Set.Check after test: %v", err)
+		}
+	})
+}
+
+// newTestSet formats and opens a set over fresh memory devices.
+func newTestSet(t testing.TB, nBuckets, bucketSize int64, backSizes ...int64) (*Set, *device.Mem, []*device.Mem) {
+	t.Helper()
+	jl := int64(minJournalLen)
+	cache := device.NewMem(cacheSizeFor(nBuckets, bucketSize, jl, len(backSizes)))
+	var backs []*device.Mem
+	var specs []BackingSpec
+	for i, sz := range backSizes {
+		b := device.NewMem(sz)
+		backs = append(backs, b)
+		specs = append(specs, BackingSpec{Name: string(rune('a' + i)), Dev: b})
+	}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: bucketSize, JournalSize: jl}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(cache, specs, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.crashStop() })
+	checkAfter(t, s)
+	return s, cache, backs
+}
