@@ -21,6 +21,9 @@ type BackingSpec struct {
 	// an xattr or a partition label). It may be empty; when both the
 	// superblock and the spec have one, Open requires them to match.
 	ID string
+	// Path is recorded in the superblock at Format as a hint for finding
+	// the device again; it is not checked.
+	Path string
 }
 
 // FormatOptions configure Format.
@@ -97,7 +100,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		if b.Dev == nil || b.Name == "" {
 			return nil, fmt.Errorf("%w: backing %q without name or device", ErrInvalid, b.Name)
 		}
-		sb.Backings = append(sb.Backings, BackingInfo{Name: b.Name, ID: b.ID, Size: b.Dev.Size(), Mode: opts.Mode})
+		sb.Backings = append(sb.Backings, BackingInfo{Name: b.Name, ID: b.ID, Size: b.Dev.Size(), Mode: opts.Mode, Path: b.Path})
 	}
 	// Solve for the bucket count: each bucket costs its size plus its share
 	// of two checkpoint slots.

@@ -32,6 +32,10 @@ type Superblock struct {
 type BackingInfo struct {
 	Name string
 	ID   string // caller-supplied stable identity; may be empty
+	// Path is where the device was found at Format: a hint that lets
+	// `serve --cache` find it again. Identity is checked by ID and Size,
+	// never by path.
+	Path string
 	Size int64
 	Mode Mode
 }
@@ -45,6 +49,7 @@ const (
 	formatVersion = 1
 	maxBackings   = 64
 	maxNameLen    = 255
+	maxPathLen    = 4096
 	// maxLBABlocks bounds a backing device: owner keys pack (volume, LBA)
 	// into 64 bits with 48 bits of block number (1 EiB).
 	maxLBABlocks = 1 << 48
@@ -83,13 +88,14 @@ func (sb *Superblock) encode() ([]byte, error) {
 	}
 	e.u16(uint16(len(sb.Backings)))
 	for _, b := range sb.Backings {
-		if len(b.Name) > maxNameLen || len(b.ID) > maxNameLen {
-			return nil, fmt.Errorf("%w: backing name or id longer than %d bytes", ErrInvalid, maxNameLen)
+		if len(b.Name) > maxNameLen || len(b.ID) > maxNameLen || len(b.Path) > maxPathLen {
+			return nil, fmt.Errorf("%w: backing name or id longer than %d bytes, or path longer than %d", ErrInvalid, maxNameLen, maxPathLen)
 		}
 		e.str(b.Name)
 		e.str(b.ID)
 		e.u64(uint64(b.Size))
 		e.u8(uint8(b.Mode))
+		e.str(b.Path)
 	}
 	b := e.b
 	copy(b[0:8], sbMagic)
@@ -146,6 +152,7 @@ func decodeSuperblock(b []byte, off int64) (*Superblock, error) {
 		bi.ID = d.str()
 		bi.Size = int64(d.u64())
 		bi.Mode = Mode(d.u8())
+		bi.Path = d.str()
 		sb.Backings = append(sb.Backings, bi)
 	}
 	if d.bad || d.remaining() != 0 {
