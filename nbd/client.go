@@ -44,7 +44,12 @@ type Client struct {
 	name        string
 	description string
 
-	wmu sync.Mutex // serializes request writes
+	wmu     sync.Mutex  // guards the fields below
+	wq      []*call     // requests waiting to be written
+	wspare  []*call     // the other queue buffer, swapped with wq
+	writing bool        // a goroutine is writing; it will drain wq
+	iov     [][]byte    // owned by the goroutine with writing set
+	wbufs   net.Buffers // likewise; a field so that WriteTo does not allocate
 
 	mu struct {
 		sync.Mutex // guards the fields below
@@ -53,6 +58,7 @@ type Client struct {
 		err        error // terminal error; set once
 	}
 	readerDone chan struct{}
+	rscratch   [16]byte // reader goroutine only
 	closeOnce  sync.Once
 }
 
@@ -515,14 +521,43 @@ func (c *Client) start(typ, flags uint16, off uint64, length uint32, wdata, rdat
 		cl.bufArr[1] = wdata
 		cl.bufs = cl.bufArr[:2]
 	}
-	c.wmu.Lock()
-	_, err := cl.bufs.WriteTo(c.nc)
-	c.wmu.Unlock()
-	if err != nil {
-		// The reader fails every pending call, including this one.
-		c.fail(fmt.Errorf("nbd: send request: %w", err))
-	}
+	c.send(cl)
 	return cl, nil
+}
+
+// send queues cl's request for writing. As on the server, the goroutine
+// that finds the writer idle writes everything queued, so concurrent
+// requests share writev calls. cl's buffers stay untouched until its reply
+// (or failure) completes it, which cannot happen before it is written.
+func (c *Client) send(cl *call) {
+	c.wmu.Lock()
+	c.wq = append(c.wq, cl)
+	if c.writing {
+		c.wmu.Unlock()
+		return
+	}
+	c.writing = true
+	for len(c.wq) > 0 {
+		batch := c.wq
+		c.wq = c.wspare[:0]
+		c.wmu.Unlock()
+		c.iov = c.iov[:0]
+		for _, cl := range batch {
+			c.iov = append(c.iov, cl.bufs...)
+		}
+		clear(batch)
+		c.wbufs = c.iov
+		_, err := c.wbufs.WriteTo(c.nc)
+		clear(c.iov[:cap(c.iov)])
+		if err != nil {
+			// The reader fails every pending call, including these.
+			c.fail(fmt.Errorf("nbd: send request: %w", err))
+		}
+		c.wmu.Lock()
+		c.wspare = batch[:0]
+	}
+	c.writing = false
+	c.wmu.Unlock()
 }
 
 // fail makes the client unusable with err and closes the connection.
@@ -546,16 +581,13 @@ func (c *Client) Close() error {
 		}
 		c.mu.Unlock()
 		if alive {
-			var b [requestHeaderSize]byte
-			encodeRequest(b[:], requestHeader{Type: cmdDisc})
-			c.wmu.Lock()
-			_, err := c.nc.Write(b[:])
-			c.wmu.Unlock()
-			if err == nil {
-				select {
-				case <-c.readerDone:
-				case <-time.After(5 * time.Second):
-				}
+			disc := &call{}
+			encodeRequest(disc.hdr[:], requestHeader{Type: cmdDisc})
+			disc.bufs = net.Buffers{disc.hdr[:]}
+			c.send(disc)
+			select {
+			case <-c.readerDone:
+			case <-time.After(5 * time.Second):
 			}
 		}
 		c.nc.Close()
@@ -657,7 +689,7 @@ func (c *Client) readReplies() error {
 
 // readChunk consumes one structured chunk's payload for cl.
 func (c *Client) readChunk(cl *call, typ uint16, n uint32) error {
-	var b [16]byte
+	b := c.rscratch[:]
 	switch typ {
 	case replyTypeNone:
 		if n != 0 {
@@ -671,7 +703,7 @@ func (c *Client) readChunk(cl *call, typ uint16, n uint32) error {
 		if _, err := io.ReadFull(c.br, b[:8]); err != nil {
 			return err
 		}
-		o := binary.BigEndian.Uint64(b[:])
+		o := binary.BigEndian.Uint64(b)
 		dlen := uint64(n - 8)
 		if typ == replyTypeOffsetHole {
 			if _, err := io.ReadFull(c.br, b[8:12]); err != nil {

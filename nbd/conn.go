@@ -4,12 +4,14 @@ package nbd
 //
 //  1. Only the reader goroutine (serve/transmit) reads from c.br and sends
 //     on c.work; it alone closes c.work, after which it waits for workers.
-//  2. A reply is written only under c.wmu, header and payload in one
-//     writev, so replies of different requests never interleave.
+//  2. Replies are queued on c.wq and written by one goroutine at a time
+//     (the worker that found the writer idle), whole replies in one writev,
+//     so replies never interleave and a burst of replies costs one syscall.
 //  3. A success reply is written only after the backend call returned nil;
 //     a READ's data is complete before its header is sent.
 //  4. Every request dispatched to a worker holds r.charge bytes of c.sem,
-//     released after its reply was written (or failed to be).
+//     released (with its buffers) by the writer after its reply was written
+//     or failed to be.
 //  5. The connection is closed only after every worker has exited.
 
 import (
@@ -54,8 +56,13 @@ type conn struct {
 	wg       sync.WaitGroup // running workers
 	hdr      [requestHeaderSize]byte
 
-	wmu  sync.Mutex // serializes reply writes; guards werr
-	werr error      // first write error; later replies are dropped
+	wmu     sync.Mutex  // guards the fields below
+	wq      []*request  // replies waiting for the writer
+	wspare  []*request  // the other queue buffer, swapped with wq
+	writing bool        // a goroutine is writing; it will drain wq
+	werr    error       // first write error; later replies are dropped
+	iov     [][]byte    // owned by the goroutine with writing set
+	wbufs   net.Buffers // likewise; a field so that WriteTo does not allocate
 }
 
 // request is one command being executed by a worker. Requests are pooled.
@@ -172,7 +179,9 @@ func (c *conn) dispatch(h requestHeader) bool {
 	}
 	if errno != 0 {
 		c.log.Debug("nbd: invalid request", "cmd", cmdName(h.Type), "flags", h.Flags, "offset", h.Offset, "length", h.Length, "errno", errno, "why", msg)
-		c.sendError(h.Handle, errno, msg)
+		r := requestPool.Get().(*request)
+		r.h = h
+		c.sendError(r, errno, msg)
 		return c.writeOK()
 	}
 
@@ -293,7 +302,6 @@ func (c *conn) handle(r *request) {
 		}
 		if err == nil {
 			c.sendRead(r)
-			c.finish(r)
 			return
 		}
 	case cmdWrite:
@@ -321,7 +329,6 @@ func (c *conn) handle(r *request) {
 		}
 	case cmdBlockStatus:
 		c.sendBlockStatus(r)
-		c.finish(r)
 		return
 	}
 	if err != nil {
@@ -329,14 +336,13 @@ func (c *conn) handle(r *request) {
 		if !(errno == ENOTSUP && h.Type == cmdWriteZeroes) {
 			c.log.Error("nbd: backend error", "cmd", cmdName(h.Type), "offset", h.Offset, "length", h.Length, "errno", errno, "err", err)
 		}
-		c.sendError(h.Handle, errno, errnoString(errno))
-	} else {
-		putSimpleReply(r.hdr[:], 0, h.Handle)
-		r.bufArr[0] = r.hdr[:simpleReplySize]
-		r.bufs = r.bufArr[:1]
-		c.write(&r.bufs)
+		c.sendError(r, errno, errnoString(errno))
+		return
 	}
-	c.finish(r)
+	putSimpleReply(r.hdr[:], 0, h.Handle)
+	r.bufArr[0] = r.hdr[:simpleReplySize]
+	r.bufs = r.bufArr[:1]
+	c.queueReply(r)
 }
 
 // zeroBuf backs the WRITE_ZEROES fallback. Backends never modify the
@@ -388,7 +394,7 @@ func (c *conn) sendRead(r *request) {
 		r.bufArr[1] = *r.buf
 		r.bufs = r.bufArr[:2]
 	}
-	c.write(&r.bufs)
+	c.queueReply(r)
 }
 
 // sendBlockStatus reports the whole range as allocated data: one extent
@@ -401,46 +407,74 @@ func (c *conn) sendBlockStatus(r *request) {
 	putUint32(r.hdr[28:], 0)
 	r.bufArr[0] = r.hdr[:32]
 	r.bufs = r.bufArr[:1]
-	c.write(&r.bufs)
+	c.queueReply(r)
 }
 
-// sendError replies with an error: a structured NBD_REPLY_TYPE_ERROR chunk
-// carrying msg when structured replies were negotiated, else a simple
+// sendError replies to r with an error: a structured NBD_REPLY_TYPE_ERROR
+// chunk carrying msg when structured replies were negotiated, else a simple
 // reply (with no payload, also for READ).
-func (c *conn) sendError(handle uint64, errno uint32, msg string) {
-	var b []byte
+func (c *conn) sendError(r *request, errno uint32, msg string) {
+	h := &r.h
 	if c.structured {
 		msg = msg[:min(len(msg), maxStringLen)]
-		b = make([]byte, structuredReplyHdrLen+6, structuredReplyHdrLen+6+len(msg))
-		putChunkHeader(b, replyFlagDone, replyTypeError, handle, uint32(6+len(msg)))
-		putUint32(b[20:], errno)
-		b[24], b[25] = byte(len(msg)>>8), byte(len(msg))
-		b = append(b, msg...)
+		putChunkHeader(r.hdr[:], replyFlagDone, replyTypeError, h.Handle, uint32(6+len(msg)))
+		putUint32(r.hdr[20:], errno)
+		r.hdr[24], r.hdr[25] = byte(len(msg)>>8), byte(len(msg))
+		r.bufArr[0] = r.hdr[:structuredReplyHdrLen+6]
+		r.bufArr[1] = []byte(msg)
+		r.bufs = r.bufArr[:2]
 	} else {
-		b = make([]byte, simpleReplySize)
-		putSimpleReply(b, errno, handle)
+		putSimpleReply(r.hdr[:], errno, h.Handle)
+		r.bufArr[0] = r.hdr[:simpleReplySize]
+		r.bufs = r.bufArr[:1]
 	}
-	bufs := net.Buffers{b}
-	c.write(&bufs)
+	c.queueReply(r)
 }
 
-// write sends one reply. After the first failure the connection is closed
-// (which also stops the reader) and later replies are dropped.
-func (c *conn) write(bufs *net.Buffers) {
+// queueReply hands r, with r.bufs ready, to the writer, which finishes r
+// once it is written. If no goroutine is writing, the caller becomes the
+// writer and sends everything queued, in as few writev calls as possible,
+// until the queue is empty: under load replies are batched, and with a
+// single request in flight the reply goes out at once.
+func (c *conn) queueReply(r *request) {
 	c.wmu.Lock()
-	defer c.wmu.Unlock()
-	if c.werr != nil {
+	c.wq = append(c.wq, r)
+	if c.writing {
+		c.wmu.Unlock()
 		return
 	}
-	if _, err := bufs.WriteTo(c.nc); err != nil {
-		c.werr = err
-		c.raw.Close()
-		if !errors.Is(err, net.ErrClosed) {
-			c.log.Debug("nbd: write reply", "err", err)
+	c.writing = true
+	for len(c.wq) > 0 {
+		batch := c.wq
+		c.wq = c.wspare[:0]
+		err := c.werr
+		c.wmu.Unlock()
+		if err == nil {
+			c.iov = c.iov[:0]
+			for _, r := range batch {
+				c.iov = append(c.iov, r.bufs...)
+			}
+			c.wbufs = c.iov
+			_, err = c.wbufs.WriteTo(c.nc)
+			clear(c.iov[:cap(c.iov)])
 		}
+		for i, r := range batch {
+			c.finish(r)
+			batch[i] = nil
+		}
+		c.wmu.Lock()
+		if err != nil && c.werr == nil {
+			c.werr = err
+			c.raw.Close() // stops the reader too
+			if !errors.Is(err, net.ErrClosed) {
+				c.log.Debug("nbd: write reply", "err", err)
+			}
+		}
+		c.wspare = batch[:0]
 	}
+	c.writing = false
+	c.wmu.Unlock()
 }
-
 func putUint32(b []byte, v uint32) {
 	_ = b[3]
 	b[0], b[1], b[2], b[3] = byte(v>>24), byte(v>>16), byte(v>>8), byte(v)
