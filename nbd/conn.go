@@ -75,6 +75,9 @@ type request struct {
 	bufs   net.Buffers
 }
 
+// minCharge is the least a request counts against Config.MaxInFlightBytes.
+const minCharge = 1024
+
 var requestPool = sync.Pool{New: func() any { return new(request) }}
 
 func newConn(s *Server, nc net.Conn) *conn {
@@ -185,9 +188,12 @@ func (c *conn) dispatch(h requestHeader) bool {
 		return c.writeOK()
 	}
 
-	var charge int64
+	// Every request costs at least minCharge, so that requests without
+	// payload (whose replies may queue behind a client that does not read)
+	// are bounded too.
+	charge := int64(minCharge)
 	if h.Type == cmdRead || h.Type == cmdWrite {
-		charge = int64(h.Length)
+		charge = max(charge, int64(h.Length))
 	}
 	if !c.sem.acquire(charge) {
 		return false
@@ -195,7 +201,7 @@ func (c *conn) dispatch(h requestHeader) bool {
 	r := requestPool.Get().(*request)
 	r.h = h
 	r.charge = charge
-	if charge > 0 {
+	if (h.Type == cmdRead || h.Type == cmdWrite) && h.Length > 0 {
 		r.buf = getBuf(int(h.Length))
 		if h.Type == cmdWrite {
 			if _, err := io.ReadFull(c.br, *r.buf); err != nil {

@@ -36,6 +36,7 @@ type memBackend struct {
 	readHook  func(off int64, n int) error
 	writeHook func(off int64, n int) error
 	flushErr  error
+	flushHook func()
 	zeroHook  func(fastOnly bool) error
 }
 
@@ -69,6 +70,9 @@ func (m *memBackend) WriteAt(p []byte, off int64, fua bool) error {
 
 func (m *memBackend) Flush() error {
 	m.flushes.Add(1)
+	if m.flushHook != nil {
+		m.flushHook()
+	}
 	return m.flushErr
 }
 

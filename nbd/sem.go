@@ -36,9 +36,6 @@ func (s *byteSem) acquire(n int64) bool {
 }
 
 func (s *byteSem) release(n int64) {
-	if n == 0 {
-		return
-	}
 	s.mu.Lock()
 	s.used -= n
 	s.mu.Unlock()

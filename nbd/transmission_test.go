@@ -414,6 +414,35 @@ func TestInFlightBytesBound(t *testing.T) {
 	}
 }
 
+// TestRequestCountBound: requests without payload count too, so a client
+// flooding FLUSHes cannot queue unbounded work.
+func TestRequestCountBound(t *testing.T) {
+	mem := newMem(1 << 20)
+	block := make(chan struct{})
+	mem.flushHook = func() { <-block }
+	ts := startServer(t, Config{MaxInFlightBytes: 8 * minCharge}, Export{Name: "d", Backend: mem})
+	r := ts.raw(t)
+	r.greet(flagCFixedNewstyle | flagCNoZeroes)
+	r.goExport("d")
+	for i := range 20 {
+		r.request(requestHeader{Type: cmdFlush, Handle: uint64(i)}, nil)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for mem.flushes.Load() < 8 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(30 * time.Millisecond)
+	if n := mem.flushes.Load(); n != 8 {
+		t.Errorf("%d flushes in flight with a budget of 8 requests", n)
+	}
+	close(block)
+	for range 20 {
+		if errno, _ := r.simpleReply(); errno != 0 {
+			t.Fatalf("errno %d", errno)
+		}
+	}
+}
+
 func TestShutdownDrainsAndFlushes(t *testing.T) {
 	mem := newMem(1 << 20)
 	copy(mem.data[8192:], "hello")
