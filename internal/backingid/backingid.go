@@ -160,3 +160,25 @@ func blockID(fi os.FileInfo) string {
 	}
 	return ""
 }
+
+// EnsureID returns the device's identity, giving a file a new ID if it had
+// none. It does not claim the file for a set.
+func EnsureID(path string) (Identity, error) {
+	cur, err := Read(path)
+	if err != nil || cur.ID != "" {
+		return cur, err
+	}
+	fi, err := os.Stat(path)
+	if err != nil {
+		return cur, err
+	}
+	if fi.Mode()&os.ModeDevice != 0 {
+		return cur, nil
+	}
+	id := NewUUID()
+	if err := setxattr(path, xattrID, id); err != nil {
+		return cur, err
+	}
+	// Read back: on a file system without xattrs the ID stays empty.
+	return Read(path)
+}

@@ -79,7 +79,7 @@ directory and serves them, so you can try it at once:
 	pf.StringVar(&g.logFormat, "log-format", "text", "log format: text or json")
 	pf.StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn or error")
 
-	root.AddCommand(newServeCmd(g))
+	root.AddCommand(newServeCmd(g), newFormatCmd(g))
 	return root
 }
 

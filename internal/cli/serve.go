@@ -18,7 +18,9 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 
+	"github.com/tiercache/tiercache/cache"
 	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/internal/backingid"
 	"github.com/tiercache/tiercache/internal/plain"
 	"github.com/tiercache/tiercache/nbd"
 )
@@ -32,6 +34,9 @@ const (
 )
 
 type serveOptions struct {
+	cache      string
+	backings   []string
+	force      bool
 	exports    []string
 	listens    []string
 	readOnly   bool
@@ -47,11 +52,18 @@ func newServeCmd(g *globals) *cobra.Command {
 		Short: "Serve exports over NBD until SIGINT or SIGTERM",
 		Long: `Serve exports over NBD.
 
-With no arguments, serve creates (once) sparse files under --data-dir and
-serves them as the export "default" on the unix socket
+With no arguments, serve creates (once) a cache set under --data-dir: a
+sparse 1 GiB cache file in front of a sparse 8 GiB backing file, in writeback
+mode, and serves it as the export "default" on the unix socket
 DATA_DIR/tiercache.sock.
 
+--cache PATH opens the cache set on PATH (see 'tiercache format'), recovers
+it, and exports every backing device under its name. The backing devices are
+found at the paths recorded by format; --backing NAME=PATH overrides one.
+
 --export NAME=PATH serves a file or block device directly, without a cache.
+A backing file that belongs to a cache set is refused (the set may hold
+newer, dirty data for it) unless --force.
 
 On SIGINT or SIGTERM the server stops accepting connections, lets in-flight
 requests finish, flushes every export and exits 0.`,
@@ -59,6 +71,9 @@ requests finish, flushes every export and exits 0.`,
 		RunE: func(cmd *cobra.Command, _ []string) error { return serve(cmd.Context(), g, o) },
 	}
 	f := cmd.Flags()
+	f.StringVar(&o.cache, "cache", "", "serve the cache set on this cache device")
+	f.StringArrayVar(&o.backings, "backing", nil, "path of a cache set's backing device `NAME=PATH`, overriding the recorded one; repeatable")
+	f.BoolVar(&o.force, "force", false, "serve despite identity mismatches or a backing device that belongs to a cache set (may serve stale data)")
 	f.StringArrayVar(&o.exports, "export", nil, "serve `NAME=PATH` (a file or block device) without a cache; repeatable")
 	f.StringArrayVar(&o.listens, "listen", nil, "listen on `unix:PATH` or tcp:HOST:PORT (host defaults to 127.0.0.1); repeatable (default unix:DATA_DIR/tiercache.sock)")
 	f.BoolVar(&o.readOnly, "read-only", false, "serve every export read-only")
@@ -121,46 +136,62 @@ func serve(ctx context.Context, g *globals, o *serveOptions) error {
 		specs = append(specs, listenSpec{"unix", filepath.Join(g.dataDir, "tiercache.sock")})
 	}
 
-	exports := o.exports
-	if len(exports) == 0 {
-		path, err := prepareDefault(g.dataDir, log)
-		if err != nil {
+	cachePath := o.cache
+	if cachePath == "" && len(o.exports) == 0 {
+		if cachePath, err = prepareDefault(g.dataDir, log); err != nil {
 			return err
 		}
-		exports = []string{defaultExportName + "=" + path}
 	}
 
 	setIOFlusher(log)
 
 	srv := nbd.NewServer(nbd.Config{Logger: log})
-	var devs []device.Device
+	var closers []func() error
 	defer func() {
-		for _, d := range devs {
-			d.Close()
+		for i := len(closers) - 1; i >= 0; i-- {
+			if err := closers[i](); err != nil {
+				log.Error("close", "err", err)
+			}
 		}
 	}()
-	seen := map[string]bool{}
-	for _, e := range exports {
+	if cachePath != "" {
+		set, closeSet, err := openSet(log, cachePath, o, direct)
+		if err != nil {
+			return err
+		}
+		closers = append(closers, closeSet)
+		for _, v := range set.Volumes() {
+			if err := srv.AddExport(nbd.Export{
+				Name:        v.Name(),
+				Description: fmt.Sprintf("tiercache volume %s (%s)", v.Name(), v.Mode()),
+				Backend:     v,
+				ReadOnly:    o.readOnly,
+			}); err != nil {
+				return err
+			}
+			log.Info("export", "name", v.Name(), "size", v.Size(), "mode", v.Mode().String(), "cache", cachePath)
+		}
+	}
+	for _, e := range o.exports {
 		name, path, err := parseNamePath("export", e)
 		if err != nil {
 			return err
 		}
-		if seen[name] {
-			return fmt.Errorf("--export: export %q given twice", name)
+		if err := refuseClaimed(log, name, path, o.force); err != nil {
+			return err
 		}
-		seen[name] = true
 		dev, err := device.OpenFile(path, device.FileOptions{ReadOnly: o.readOnly, Direct: direct})
 		if err != nil {
 			return fmt.Errorf("export %q: %w", name, err)
 		}
-		devs = append(devs, dev)
+		closers = append(closers, dev.Close)
 		if err := srv.AddExport(nbd.Export{
 			Name:        name,
 			Description: "tiercache plain export of " + path,
 			Backend:     plain.New(dev),
 			ReadOnly:    o.readOnly,
 		}); err != nil {
-			return err
+			return fmt.Errorf("export %q: %w", name, err)
 		}
 		log.Info("export", "name", name, "path", path, "size", dev.Size(), "direct", dev.Direct(), "read_only", o.readOnly)
 	}
@@ -225,19 +256,152 @@ func run2(ctx context.Context, log *slog.Logger, srv *nbd.Server, specs []listen
 	return err
 }
 
-// prepareDefault creates the embedded default's backing file once.
+// prepareDefault creates the embedded default once: a sparse cache file in
+// front of a sparse backing file, formatted as a writeback cache set. It
+// returns the cache device path.
 func prepareDefault(dir string, log *slog.Logger) (string, error) {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return "", fmt.Errorf("data directory: %w", err)
 	}
-	path := filepath.Join(dir, "backing.img")
-	if _, err := os.Stat(path); errors.Is(err, os.ErrNotExist) {
-		if err := device.CreateSparse(path, defaultBackingSize); err != nil {
-			return "", err
+	backing := filepath.Join(dir, "backing.img")
+	cachePath := filepath.Join(dir, "cache.img")
+	for _, f := range []struct {
+		path string
+		size int64
+	}{{backing, defaultBackingSize}, {cachePath, defaultCacheSize}} {
+		if _, err := os.Stat(f.path); errors.Is(err, os.ErrNotExist) {
+			if err := device.CreateSparse(f.path, f.size); err != nil {
+				return "", err
+			}
+			log.Info("created sparse file", "path", f.path, "size", f.size)
 		}
-		log.Info("created sparse backing file", "path", path, "size", defaultBackingSize)
 	}
-	return path, nil
+	cdev, err := device.OpenFile(cachePath, device.FileOptions{Direct: device.DirectOff})
+	if err != nil {
+		return "", err
+	}
+	defer cdev.Close()
+	if _, err := cache.ReadSuperblock(cdev); err == nil {
+		return cachePath, nil
+	}
+	bdev, err := device.OpenFile(backing, device.FileOptions{ReadOnly: true, Direct: device.DirectOff})
+	if err != nil {
+		return "", err
+	}
+	defer bdev.Close()
+	id, err := backingid.EnsureID(backing)
+	if err != nil {
+		return "", err
+	}
+	sb, err := cache.Format(cdev, []cache.BackingSpec{{Name: defaultExportName, Dev: bdev, ID: id.ID, Path: backing}}, cache.FormatOptions{Mode: cache.Writeback})
+	if err != nil {
+		return "", fmt.Errorf("formatting the default cache set: %w", err)
+	}
+	if err := cdev.Sync(); err != nil {
+		return "", err
+	}
+	if _, err := backingid.Claim(backing, fmtUUID(sb.SetUUID), true); err != nil {
+		return "", err
+	}
+	log.Info("formatted the default cache set", "cache", cachePath, "backing", backing, "set", fmtUUID(sb.SetUUID))
+	return cachePath, nil
+}
+
+// openSet opens and recovers the cache set on cachePath with its backing
+// devices, and returns it with the function that closes it cleanly.
+func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.DirectMode) (*cache.Set, func() error, error) {
+	overrides := map[string]string{}
+	for _, b := range o.backings {
+		name, path, err := parseNamePath("backing", b)
+		if err != nil {
+			return nil, nil, err
+		}
+		overrides[name] = path
+	}
+	cdev, err := device.OpenFile(cachePath, device.FileOptions{Direct: direct})
+	if err != nil {
+		return nil, nil, fmt.Errorf("cache device: %w", err)
+	}
+	sb, err := cache.ReadSuperblock(cdev)
+	if errors.Is(err, cache.ErrNotFormatted) {
+		cdev.Close()
+		return nil, nil, fmt.Errorf("%s is not a tiercache cache device (no superblock); create a cache set with 'tiercache format'", cachePath)
+	}
+	if err != nil {
+		cdev.Close()
+		return nil, nil, fmt.Errorf("cache device %s: %w", cachePath, err)
+	}
+	setUUID := fmtUUID(sb.SetUUID)
+	devs := []device.Device{cdev}
+	closeDevs := func() {
+		for _, d := range devs {
+			d.Close()
+		}
+	}
+	var specs []cache.BackingSpec
+	for _, bi := range sb.Backings {
+		path := bi.Path
+		if p, ok := overrides[bi.Name]; ok {
+			path = p
+			delete(overrides, bi.Name)
+		}
+		if path == "" {
+			closeDevs()
+			return nil, nil, fmt.Errorf("cache set %s: no path for backing device %q; give --backing %s=PATH", setUUID, bi.Name, bi.Name)
+		}
+		id, err := backingid.Read(path)
+		if err != nil {
+			closeDevs()
+			return nil, nil, fmt.Errorf("backing %q: %w", bi.Name, err)
+		}
+		if id.Set != "" && id.Set != setUUID && !o.force {
+			closeDevs()
+			return nil, nil, fmt.Errorf("backing %q (%s) belongs to cache set %s, not %s; use --force to serve it anyway", bi.Name, path, id.Set, setUUID)
+		}
+		bdev, err := device.OpenFile(path, device.FileOptions{ReadOnly: o.readOnly, Direct: direct})
+		if err != nil {
+			closeDevs()
+			return nil, nil, fmt.Errorf("backing %q: %w", bi.Name, err)
+		}
+		devs = append(devs, bdev)
+		specs = append(specs, cache.BackingSpec{Name: bi.Name, Dev: bdev, ID: id.ID, Path: path})
+	}
+	for name := range overrides {
+		closeDevs()
+		return nil, nil, fmt.Errorf("--backing %s: cache set %s has no backing device of that name", name, setUUID)
+	}
+	start := time.Now()
+	set, err := cache.Open(cdev, specs, cache.OpenOptions{Force: o.force, Logger: log})
+	if err != nil {
+		closeDevs()
+		return nil, nil, fmt.Errorf("opening cache set %s on %s: %w", setUUID, cachePath, err)
+	}
+	st := set.Stats()
+	log.Info("cache set open", "set", setUUID, "cache", cachePath, "recovery", time.Since(start).Round(time.Millisecond),
+		"cached_blocks", st.CachedBlocks, "dirty_blocks", st.DirtyBlocks)
+	return set, func() error {
+		err := set.Close()
+		closeDevs()
+		return err
+	}, nil
+}
+
+// refuseClaimed refuses to serve a cache set's backing device alone: the set
+// may hold newer (dirty) data for it, so reads would be stale, and writes
+// made now would be overwritten by that data's writeback later.
+func refuseClaimed(log *slog.Logger, name, path string, force bool) error {
+	id, err := backingid.Read(path)
+	if err != nil {
+		return fmt.Errorf("export %q: %w", name, err)
+	}
+	if id.Set == "" {
+		return nil
+	}
+	if !force {
+		return fmt.Errorf("export %q: %s is a backing device of cache set %s, which may hold newer (dirty) data for it; serve the set with --cache, or detach it first (--force serves it alone anyway)", name, path, id.Set)
+	}
+	log.Warn("serving a cache set's backing device alone (--force): reads may return data older than clients wrote through the set, and the set's dirty data will overwrite what is written now when it is served again", "export", name, "path", path, "set", id.Set)
+	return nil
 }
 
 // setIOFlusher marks the process as an I/O flusher (PR_SET_IO_FLUSHER, Linux

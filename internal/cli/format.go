@@ -1,0 +1,230 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"text/tabwriter"
+
+	"github.com/spf13/cobra"
+
+	"github.com/tiercache/tiercache/cache"
+	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/internal/backingid"
+)
+
+type formatOptions struct {
+	cache      string
+	backings   []string
+	mode       string
+	bucketSize string
+	force      bool
+	direct     string
+}
+
+func newFormatCmd(g *globals) *cobra.Command {
+	o := &formatOptions{}
+	cmd := &cobra.Command{
+		Use:   "format --cache PATH --backing NAME=PATH [--backing NAME=PATH ...]",
+		Short: "Create a cache set on a cache device for one or more backing devices",
+		Long: `Create a cache set: a superblock (two copies), journal and checkpoint areas
+and buckets on the cache device, naming each backing device with its size and
+identity.
+
+Only the cache device is written. Backing devices keep every byte: an existing
+disk can be accelerated as it is, and is usable alone again after a clean
+detach. A backing file is marked with extended attributes (user.tiercache.id,
+user.tiercache.set), which are not part of its data.
+
+format refuses a cache device that already holds a cache set, or a backing
+file that belongs to another cache set, unless --force.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error { return runFormat(g, o) },
+	}
+	f := cmd.Flags()
+	f.StringVar(&o.cache, "cache", "", "cache device: a file or block device (required)")
+	f.StringArrayVar(&o.backings, "backing", nil, "backing device `NAME=PATH`, exported as NAME; repeatable (at least one)")
+	f.StringVar(&o.mode, "mode", "writeback", "cache mode: writeback, writethrough, writearound or none")
+	f.StringVar(&o.bucketSize, "bucket-size", "1M", "bucket size (a multiple of 4K, e.g. 512K, 1M, 4M)")
+	f.BoolVar(&o.force, "force", false, "overwrite an existing cache set / take over backing devices of another set")
+	f.StringVar(&o.direct, "direct", "auto", "O_DIRECT for the cache device: auto, on, off")
+	return cmd
+}
+
+// parseSize parses 4096, 4K, 1M, 2G (binary units).
+func parseSize(s string) (int64, error) {
+	u := strings.ToUpper(strings.TrimSpace(s))
+	mult := int64(1)
+	for _, suf := range []struct {
+		s string
+		m int64
+	}{{"KIB", 1 << 10}, {"MIB", 1 << 20}, {"GIB", 1 << 30}, {"TIB", 1 << 40}, {"K", 1 << 10}, {"M", 1 << 20}, {"G", 1 << 30}, {"T", 1 << 40}} {
+		if strings.HasSuffix(u, suf.s) {
+			u, mult = strings.TrimSuffix(u, suf.s), suf.m
+			break
+		}
+	}
+	var n int64
+	if _, err := fmt.Sscan(u, &n); err != nil || n < 0 || fmt.Sprint(n) != u {
+		return 0, fmt.Errorf("bad size %q (want e.g. 4096, 512K, 1M)", s)
+	}
+	if n > (1<<62)/mult {
+		return 0, fmt.Errorf("size %q too large", s)
+	}
+	return n * mult, nil
+}
+
+func runFormat(g *globals, o *formatOptions) error {
+	if o.cache == "" {
+		return errors.New("format: --cache is required")
+	}
+	if len(o.backings) == 0 {
+		return errors.New("format: at least one --backing NAME=PATH is required")
+	}
+	mode, err := cache.ParseMode(o.mode)
+	if err != nil {
+		return fmt.Errorf("--mode: %w", err)
+	}
+	bs, err := parseSize(o.bucketSize)
+	if err != nil {
+		return fmt.Errorf("--bucket-size: %w", err)
+	}
+	direct, err := parseDirect(o.direct)
+	if err != nil {
+		return err
+	}
+	type backing struct {
+		name, path string
+		dev        device.Device
+		id         backingid.Identity
+	}
+	var bks []backing
+	defer func() {
+		for _, b := range bks {
+			b.dev.Close()
+		}
+	}()
+	seen := map[string]bool{}
+	for _, s := range o.backings {
+		name, path, err := parseNamePath("backing", s)
+		if err != nil {
+			return err
+		}
+		if seen[name] {
+			return fmt.Errorf("--backing: name %q given twice", name)
+		}
+		seen[name] = true
+		if same, _ := sameFile(path, o.cache); same {
+			return fmt.Errorf("--backing %s: %s is the cache device", name, path)
+		}
+		id, err := backingid.Read(path)
+		if err != nil {
+			return fmt.Errorf("backing %q: %w", name, err)
+		}
+		if id.Set != "" && !o.force {
+			return fmt.Errorf("backing %q (%s) already belongs to cache set %s; detach it there first, or use --force if that set is gone", name, path, id.Set)
+		}
+		// Backing devices are opened read-only: format only measures them.
+		dev, err := device.OpenFile(path, device.FileOptions{ReadOnly: true, Direct: device.DirectOff})
+		if err != nil {
+			return fmt.Errorf("backing %q: %w", name, err)
+		}
+		bks = append(bks, backing{name: name, path: path, dev: dev})
+	}
+	cdev, err := device.OpenFile(o.cache, device.FileOptions{Direct: direct})
+	if err != nil {
+		return fmt.Errorf("cache device: %w", err)
+	}
+	defer cdev.Close()
+	if sb, err := cache.ReadSuperblock(cdev); err == nil && !o.force {
+		return fmt.Errorf("%s already holds cache set %x with %d backing device(s); use --force to overwrite it (its cached data, dirty data included, is lost)", o.cache, sb.SetUUID, len(sb.Backings))
+	}
+
+	specs := make([]cache.BackingSpec, len(bks))
+	for i := range bks {
+		id, err := backingid.EnsureID(bks[i].path)
+		if err != nil {
+			return fmt.Errorf("backing %q: %w", bks[i].name, err)
+		}
+		bks[i].id = id
+		specs[i] = cache.BackingSpec{Name: bks[i].name, Dev: bks[i].dev, ID: id.ID, Path: absPath(bks[i].path)}
+	}
+	pr := newProgress(g.stderr, "format", 3)
+	sb, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: bs, Mode: mode, Force: o.force, Progress: pr.set})
+	pr.finish()
+	if err != nil {
+		return fmt.Errorf("format %s: %w", o.cache, err)
+	}
+	if err := cdev.Sync(); err != nil {
+		return fmt.Errorf("format %s: sync: %w", o.cache, err)
+	}
+	setUUID := fmtUUID(sb.SetUUID)
+	for _, b := range bks {
+		if _, err := backingid.Claim(b.path, setUUID, true); err != nil {
+			return fmt.Errorf("backing %q: %w", b.name, err)
+		}
+	}
+
+	w := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(w, "cache set\t%s\n", setUUID)
+	fmt.Fprintf(w, "cache device\t%s (%s)\n", o.cache, human(cdev.Size()))
+	fmt.Fprintf(w, "buckets\t%d x %s = %s\n", sb.NBuckets, human(sb.BucketSize), human(sb.NBuckets*sb.BucketSize))
+	fmt.Fprintf(w, "journal\t%s\n", human(sb.JournalLen))
+	fmt.Fprintf(w, "mode\t%s\n", mode)
+	for _, b := range bks {
+		fmt.Fprintf(w, "backing %s\t%s (%s, id %s)\n", b.name, b.path, human(b.dev.Size()), orNone(b.id.ID))
+	}
+	return w.Flush()
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "none"
+	}
+	return s
+}
+
+// fmtUUID prints a 16-byte UUID in its canonical form.
+func fmtUUID(u [16]byte) string {
+	return fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
+}
+
+// human prints a byte count in binary units.
+func human(n int64) string {
+	const unit = 1024
+	if n < unit {
+		return fmt.Sprintf("%d B", n)
+	}
+	div, exp := int64(unit), 0
+	for m := n / unit; m >= unit; m /= unit {
+		div *= unit
+		exp++
+	}
+	v := float64(n) / float64(div)
+	if v == float64(int64(v)) {
+		return fmt.Sprintf("%d %ciB", int64(v), "KMGTPE"[exp])
+	}
+	return fmt.Sprintf("%.1f %ciB", v, "KMGTPE"[exp])
+}
+
+// sameFile reports whether two paths name the same file.
+func sameFile(a, b string) (bool, error) {
+	fa, err := os.Stat(a)
+	if err != nil {
+		return false, err
+	}
+	fb, err := os.Stat(b)
+	if err != nil {
+		return false, err
+	}
+	return os.SameFile(fa, fb), nil
+}
+
+func absPath(p string) string {
+	if a, err := filepath.Abs(p); err == nil {
+		return a
+	}
+	return p
+}
