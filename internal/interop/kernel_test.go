@@ -19,19 +19,29 @@ import (
 func TestKernelExt4(t *testing.T) {
 	needRoot(t)
 	need(t, "nbdfuse", "losetup", "mkfs.ext4", "mount", "umount", "fusermount3")
+	t.Run("plain", func(t *testing.T) {
+		img := sparseFile(t, t.TempDir(), "disk.img", 256*mib)
+		kernelExt4(t, startServer(t, "--export", "disk="+img), "disk")
+	})
+	t.Run("cache", func(t *testing.T) {
+		// A writeback cache smaller than the data written.
+		cs := formatSet(t, 16*mib, 256*mib, []string{"disk"}, "--bucket-size", "256K")
+		kernelExt4(t, cs.serve(t), "disk")
+	})
+}
+
+func kernelExt4(t *testing.T, s *server, export string) {
 	if _, err := os.Stat("/dev/fuse"); err != nil {
 		t.Fatalf("/dev/fuse missing: %v", err)
 	}
 	dir := t.TempDir()
-	img := sparseFile(t, dir, "disk.img", 256*mib)
-	s := startServer(t, "--export", "disk="+img)
 
 	fuseDir := filepath.Join(dir, "fuse")
 	mnt := filepath.Join(dir, "mnt")
 	os.Mkdir(fuseDir, 0o700)
 	os.Mkdir(mnt, 0o700)
 	pidfile := filepath.Join(dir, "nbdfuse.pid")
-	fuse := exec.Command("nbdfuse", "-P", pidfile, filepath.Join(fuseDir, "disk"), s.uri("disk"))
+	fuse := exec.Command("nbdfuse", "-P", pidfile, filepath.Join(fuseDir, "disk"), s.uri(export))
 	fuseLog := &syncBuffer{}
 	fuse.Stdout, fuse.Stderr = fuseLog, fuseLog
 	if err := fuse.Start(); err != nil {
