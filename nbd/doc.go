@@ -25,15 +25,23 @@
 //     state allocates nothing) execute requests against the Backend
 //     concurrently. A slow request never holds up the others: replies go out
 //     in completion order, matched by handle, as the protocol allows.
-//   - A mutex-serialized writer: each reply is one writev of header and
-//     data (net.Buffers). A success header is only ever written after the
-//     backend call succeeded, and a READ's data is complete before its
-//     header is sent, so an error can always still be reported.
+//   - One writer at a time: a finished worker queues its reply; if nobody
+//     is writing it becomes the writer and sends everything queued, header
+//     and data of each reply together, with one writev (net.Buffers) per
+//     batch, until the queue is empty. Replies never interleave; with one
+//     request in flight the reply goes out at once, and under load many
+//     replies share a syscall. A success header is only ever queued after
+//     the backend call succeeded, and a READ's data is complete before its
+//     header is queued, so an error can always still be reported.
 //
-// The reader acquires the bytes of every READ and WRITE from a per-connection
-// budget (Config.MaxInFlightBytes) and blocks while the budget is used up:
-// a client cannot make the server buffer unbounded data. Buffers come from
-// size-classed sync.Pools.
+// The reader acquires the bytes of every READ and WRITE (and 1 KiB for any
+// other request) from a per-connection budget (Config.MaxInFlightBytes),
+// released when the reply has been written, and stops reading while the
+// budget is used up: a client cannot make the server buffer unbounded data,
+// even one that never reads its replies. Buffers come from size-classed
+// sync.Pools; requests, buffers and workers are reused, so a request costs
+// no allocation in the steady state. The Client uses the same batching for
+// requests.
 //
 // # Ordering and durability
 //
