@@ -1,0 +1,166 @@
+package cache
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+func TestSuperblockRoundTrip(t *testing.T) {
+	sb := testSuperblock()
+	b, err := sb.encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := decodeSuperblock(b, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b2, _ := got.encode()
+	if string(b) != string(b2) {
+		t.Fatal("round trip changed the encoding")
+	}
+	// Every single-bit flip is detected.
+	for i := 0; i < len(b); i += 7 {
+		c := append([]byte(nil), b...)
+		c[i] ^= 0x10
+		if _, err := decodeSuperblock(c, 0); err == nil {
+			t.Fatalf("flip at byte %d not detected", i)
+		}
+	}
+}
+
+func testSuperblock() *Superblock {
+	bs := int64(16 << 10)
+	sb := &Superblock{Version: formatVersion, Seq: 7, BlockSize: blockSize, BucketSize: bs, NBuckets: 8,
+		JournalOff: 2 * sbCopySize, JournalLen: minJournalLen,
+		Backings: []BackingInfo{{Name: "a", ID: "uuid-a", Size: 1 << 20, Mode: Writeback}, {Name: "b", Size: 5<<20 + 512, Mode: None}}}
+	sb.SetUUID[3] = 9
+	sb.CkptOff[0] = sb.JournalOff + sb.JournalLen
+	sb.CkptLen = ckptLenFor(8, bs/blockSize, 2)
+	sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
+	sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + bs - 1) / bs * bs
+	return sb
+}
+
+// TestSuperblockTwoCopies: Open takes the newest valid copy and falls back
+// to the other when the newest is damaged (bbolt's meta pages).
+func TestSuperblockTwoCopies(t *testing.T) {
+	s, cache, backs := newTestSet(t, 6, 4*blockSize, 1<<20)
+	v := s.vols[0]
+	if err := v.SetMode(Writearound); err != nil { // seq advances, other copy
+		t.Fatal(err)
+	}
+	s.crashStop()
+	sb, idx, err := readSuperblock(cache)
+	if err != nil || sb.Backings[0].Mode != Writearound {
+		t.Fatalf("newest copy: %+v %v", sb, err)
+	}
+	// Damage the newest copy: the previous one (mode writeback) is used.
+	if err := cache.Corrupt(int64(idx)*sbCopySize+30, 4); err != nil {
+		t.Fatal(err)
+	}
+	sb2, idx2, err := readSuperblock(cache)
+	if err != nil || idx2 == idx || sb2.Seq != sb.Seq-1 || sb2.Backings[0].Mode != Writeback {
+		t.Fatalf("fallback: copy %d seq %d (newest was %d), err %v", idx2, sb2.Seq, sb.Seq, err)
+	}
+	s2, err := Open(cache, []BackingSpec{{Name: "a", Dev: backs[0]}}, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	checkAfter(t, s2)
+	defer s2.crashStop()
+	// The next update rewrites the damaged copy.
+	if err := s2.vols[0].SetMode(Writethrough); err != nil {
+		t.Fatal(err)
+	}
+	// Both damaged: a corruption error, not ErrNotFormatted.
+	s2.crashStop()
+	for i := 0; i < 2; i++ {
+		if err := cache.Corrupt(int64(i)*sbCopySize+40, 2); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := ReadSuperblock(cache); !IsCorruption(err) {
+		t.Fatalf("both copies damaged: %v, want corruption", err)
+	}
+}
+
+func TestFormatRefusesFormatted(t *testing.T) {
+	cache := device.NewMem(cacheSizeFor(8, 16<<10, minJournalLen, 1))
+	back := device.NewMem(1 << 20)
+	specs := []BackingSpec{{Name: "a", Dev: back, ID: "x"}}
+	if _, err := ReadSuperblock(cache); !errors.Is(err, ErrNotFormatted) {
+		t.Fatalf("blank device: %v", err)
+	}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 << 10, JournalSize: minJournalLen}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 << 10, JournalSize: minJournalLen}); !errors.Is(err, ErrAlreadyFormatted) {
+		t.Fatalf("second format: %v, want ErrAlreadyFormatted", err)
+	}
+	old, _ := ReadSuperblock(cache)
+	sb, err := Format(cache, specs, FormatOptions{BucketSize: 16 << 10, JournalSize: minJournalLen, Force: true})
+	if err != nil || sb.SetUUID == old.SetUUID {
+		t.Fatalf("forced format: %v", err)
+	}
+	if back.Stats().Writes != 0 {
+		t.Fatal("format wrote the backing device")
+	}
+}
+
+// TestOpenRefusesMismatch: invariant 6.
+func TestOpenRefusesMismatch(t *testing.T) {
+	cache := device.NewMem(cacheSizeFor(8, 16<<10, minJournalLen, 1))
+	back := device.NewMem(1 << 20)
+	if _, err := Format(cache, []BackingSpec{{Name: "a", Dev: back, ID: "id-1"}}, FormatOptions{BucketSize: 16 << 10, JournalSize: minJournalLen}); err != nil {
+		t.Fatal(err)
+	}
+	var bm *BackingMismatchError
+	for _, tc := range []struct {
+		name  string
+		specs []BackingSpec
+		force bool
+		field string
+	}{
+		{"size", []BackingSpec{{Name: "a", Dev: device.NewMem(2 << 20), ID: "id-1"}}, false, "size"},
+		{"size-forced", []BackingSpec{{Name: "a", Dev: device.NewMem(2 << 20), ID: "id-1"}}, true, "size"},
+		{"id", []BackingSpec{{Name: "a", Dev: back, ID: "id-2"}}, false, "id"},
+		{"missing", []BackingSpec{{Name: "b", Dev: back}}, false, "missing"},
+		{"unknown", []BackingSpec{{Name: "a", Dev: back}, {Name: "c", Dev: back}}, false, "unknown"},
+	} {
+		_, err := Open(cache, tc.specs, OpenOptions{Force: tc.force})
+		if !errors.Is(err, ErrBackingMismatch) || !errors.As(err, &bm) || bm.Field != tc.field {
+			t.Errorf("%s: %v", tc.name, err)
+		} else {
+			t.Logf("%s: %v", tc.name, err)
+		}
+	}
+	// Empty ID on either side, or Force, is accepted.
+	for _, o := range []struct {
+		id    string
+		force bool
+	}{{"", false}, {"id-2", true}} {
+		s, err := Open(cache, []BackingSpec{{Name: "a", Dev: back, ID: o.id}}, OpenOptions{Force: o.force})
+		if err != nil {
+			t.Fatalf("id %q force %t: %v", o.id, o.force, err)
+		}
+		checkAfter(t, s)
+		if err := s.Close(); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+func TestParseMode(t *testing.T) {
+	for m := Writeback; m <= None; m++ {
+		got, err := ParseMode(m.String())
+		if err != nil || got != m {
+			t.Errorf("%v: %v %v", m, got, err)
+		}
+	}
+	if _, err := ParseMode("sometimes"); !errors.Is(err, ErrInvalid) {
+		t.Errorf("bad mode: %v", err)
+	}
+}
