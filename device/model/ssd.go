@@ -1,0 +1,329 @@
+package model
+
+import (
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+// SSDParams are the parameters of the SSD model. A zero field takes the
+// value of the preset (SATASSD for NewSSD).
+type SSDParams struct {
+	// ReadLatency is the flash read time of a request, before its data
+	// crosses the host link. WriteLatency is the time to take a request's
+	// data into the drive's (DRAM or SLC) write cache after the link.
+	ReadLatency, WriteLatency time.Duration
+	// Channels is how many requests the drive serves at once (its internal
+	// parallelism: channels × dies, as far as a queue of requests can use
+	// them).
+	Channels int
+	// ReadRate and WriteRate cap the host link's throughput (bytes/s); the
+	// link carries one request's data at a time.
+	ReadRate, WriteRate float64
+	// FlushLatency is the time a flush takes once every completed write has
+	// reached the write cache.
+	FlushLatency time.Duration
+	// TimeScale is wall-clock time per model time (1: real time).
+	TimeScale float64
+
+	virtual bool // tests: wait with Go timers only, which testing/synctest fakes
+}
+
+// SATASSD returns the parameters of a SATA SSD of the Samsung 860 EVO
+// class (550/520 MB/s, 98k/90k IOPS at QD32, ~10k read IOPS at QD1).
+func SATASSD() SSDParams {
+	return SSDParams{
+		ReadLatency:  80 * time.Microsecond,
+		WriteLatency: 30 * time.Microsecond,
+		Channels:     8,
+		ReadRate:     530e6,
+		WriteRate:    500e6,
+		FlushLatency: time.Millisecond,
+		TimeScale:    1,
+	}
+}
+
+// NVMeSSD returns the parameters of an NVMe SSD of the Samsung 970 EVO Plus
+// class (3,500/3,300 MB/s, ~19k read IOPS at QD1, 600k at high depth).
+func NVMeSSD() SSDParams {
+	return SSDParams{
+		ReadLatency:  50 * time.Microsecond,
+		WriteLatency: 15 * time.Microsecond,
+		Channels:     32,
+		ReadRate:     3500e6,
+		WriteRate:    3300e6,
+		FlushLatency: 300 * time.Microsecond,
+		TimeScale:    1,
+	}
+}
+
+// withDefaults returns p with its zero fields taken from base.
+func (p SSDParams) withDefaults(base SSDParams) SSDParams {
+	if p.ReadLatency == 0 {
+		p.ReadLatency = base.ReadLatency
+	}
+	if p.WriteLatency == 0 {
+		p.WriteLatency = base.WriteLatency
+	}
+	if p.Channels == 0 {
+		p.Channels = base.Channels
+	}
+	if p.ReadRate == 0 {
+		p.ReadRate = base.ReadRate
+	}
+	if p.WriteRate == 0 {
+		p.WriteRate = base.WriteRate
+	}
+	if p.FlushLatency == 0 {
+		p.FlushLatency = base.FlushLatency
+	}
+	if p.TimeScale == 0 {
+		p.TimeScale = base.TimeScale
+	}
+	p.virtual = p.virtual || base.virtual
+	return p
+}
+
+// SSD is a device.Device that stores data on an inner device and completes
+// each request when the modelled SSD would (see the package comment). It is
+// safe for concurrent use.
+//
+// Invariants (s.mu held):
+//
+//  1. At most Channels requests are in flash at once: chans[i] is the model
+//     time channel i becomes free, and a request starts on the channel that
+//     frees first, no earlier than its arrival.
+//  2. The host link carries one request's data at a time: link is the
+//     model time it becomes free.
+//  3. A flush completes no earlier than every write that completed before
+//     it arrived (lastWrite), plus FlushLatency.
+type SSD struct {
+	inner device.Device
+	p     SSDParams
+	tl    *timeline
+
+	closed    atomic.Bool
+	closeOnce sync.Once
+	closeErr  error
+
+	// mu guards the drive's state and the timeline's waiters.
+	mu struct {
+		sync.Mutex
+		closed    bool
+		chans     []int64
+		link      int64
+		lastWrite int64 // completion of the latest write
+		lastEnd   int64 // latest completion, for BusyTime
+		stats     Stats
+	}
+}
+
+// NewSSD returns inner behind a model of an SSD with parameters p (zero
+// fields take SATASSD's values). The model starts a goroutine; Close stops
+// it and closes inner.
+func NewSSD(inner device.Device, p SSDParams) (*SSD, error) {
+	if inner == nil {
+		return nil, fmt.Errorf("model: nil inner device")
+	}
+	p = p.withDefaults(SATASSD())
+	switch {
+	case p.ReadLatency < 0 || p.WriteLatency < 0 || p.FlushLatency < 0:
+		return nil, fmt.Errorf("model: negative SSD latency")
+	case p.Channels < 1 || p.Channels > 4096:
+		return nil, fmt.Errorf("model: %d channels, want 1..4096", p.Channels)
+	case !(p.ReadRate > 0) || !(p.WriteRate > 0) || !(p.TimeScale > 0):
+		return nil, fmt.Errorf("model: SSD rates and time scale must be positive")
+	}
+	s := &SSD{inner: inner, p: p}
+	s.mu.chans = make([]int64, p.Channels)
+	s.tl = newTimeline(&s.mu.Mutex, s, p.TimeScale, p.virtual)
+	go s.tl.run()
+	return s, nil
+}
+
+// Params returns the model's parameters, defaults filled in.
+func (s *SSD) Params() SSDParams { p := s.p; p.virtual = false; return p }
+
+// Unwrap returns the inner device.
+func (s *SSD) Unwrap() device.Device { return s.inner }
+
+// Size returns the inner device's size.
+func (s *SSD) Size() int64 { return s.inner.Size() }
+
+// String describes the model.
+func (s *SSD) String() string {
+	return fmt.Sprintf("ssd model (read %v, write %v, %d channels, %.0f/%.0f MB/s) over %v",
+		s.p.ReadLatency, s.p.WriteLatency, s.p.Channels, s.p.ReadRate/1e6, s.p.WriteRate/1e6, s.inner)
+}
+
+// Stats returns the counters so far (times in model time).
+func (s *SSD) Stats() Stats {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.mu.stats
+}
+
+// advanceLocked: the SSD computes each completion when the request
+// arrives, so it has no decisions to make later.
+func (s *SSD) advanceLocked(int64) int64 { return never }
+
+func (s *SSD) check(op string, off, n int64) error {
+	if s.closed.Load() {
+		return device.ErrClosed
+	}
+	if device.CheckRange(off, n, s.inner.Size()) != nil {
+		return device.RangeError(op, off, n, s.inner.Size())
+	}
+	return nil
+}
+
+// ReadAt reads from the inner device and returns when the model's read
+// completes.
+func (s *SSD) ReadAt(p []byte, off int64) (int, error) {
+	if err := s.check("read", off, int64(len(p))); err != nil {
+		return 0, err
+	}
+	if len(p) == 0 {
+		return s.inner.ReadAt(p, off)
+	}
+	done, err := s.submit(opRead, int64(len(p)))
+	if err != nil {
+		return 0, err
+	}
+	n, err := s.inner.ReadAt(p, off)
+	<-done
+	return n, err
+}
+
+// WriteAt writes to the inner device and returns when the model's write
+// completes.
+func (s *SSD) WriteAt(p []byte, off int64) (int, error) {
+	if err := s.check("write", off, int64(len(p))); err != nil {
+		return 0, err
+	}
+	if len(p) == 0 {
+		return s.inner.WriteAt(p, off)
+	}
+	done, err := s.submit(opWrite, int64(len(p)))
+	if err != nil {
+		return 0, err
+	}
+	n, err := s.inner.WriteAt(p, off)
+	<-done
+	return n, err
+}
+
+// Sync flushes the model's write cache, then syncs the inner device.
+func (s *SSD) Sync() error {
+	if s.closed.Load() {
+		return device.ErrClosed
+	}
+	done, err := s.submit(opSync, 0)
+	if err != nil {
+		return err
+	}
+	<-done
+	return s.inner.Sync()
+}
+
+// Discard costs a write command without data; the inner device discards
+// if it can.
+func (s *SSD) Discard(off, length int64) error {
+	if err := s.check("discard", off, length); err != nil {
+		return err
+	}
+	done, err := s.submit(opNop, 0)
+	if err != nil {
+		return err
+	}
+	<-done
+	if dd, ok := s.inner.(device.Discarder); ok {
+		return dd.Discard(off, length)
+	}
+	_, err = s.inner.WriteAt(nil, off)
+	return err
+}
+
+// WriteZeroes costs what a write command without data costs (SSDs zero by
+// unmapping).
+func (s *SSD) WriteZeroes(off, length int64) error {
+	if err := s.check("write-zeroes", off, length); err != nil {
+		return err
+	}
+	done, err := s.submit(opWrite, 0)
+	if err != nil {
+		return err
+	}
+	err = writeZeroes(s.inner, off, length)
+	<-done
+	return err
+}
+
+// Close stops the model (releasing any waiting request) and closes the
+// inner device. A second Close returns the first's result.
+func (s *SSD) Close() error {
+	s.closeOnce.Do(func() {
+		s.closed.Store(true)
+		s.mu.Lock()
+		s.mu.closed = true
+		s.mu.Unlock()
+		s.tl.shutdown()
+		s.closeErr = s.inner.Close()
+	})
+	return s.closeErr
+}
+
+// submit computes the completion of a request of n bytes arriving now and
+// returns a channel closed at that model time.
+func (s *SSD) submit(op opKind, n int64) (<-chan struct{}, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.mu.closed {
+		return nil, device.ErrClosed
+	}
+	now := s.tl.now()
+	st := &s.mu.stats
+	// The channel that frees first.
+	c := 0
+	for i, t := range s.mu.chans {
+		if t < s.mu.chans[c] {
+			c = i
+		}
+	}
+	var start, end int64
+	switch op {
+	case opRead:
+		st.Reads++
+		st.BytesRead += uint64(n)
+		start = max(now, s.mu.chans[c])
+		s.mu.chans[c] = start + int64(s.p.ReadLatency)
+		link := max(s.mu.chans[c], s.mu.link)
+		end = link + int64(float64(n)*1e9/s.p.ReadRate)
+		s.mu.link = end
+	case opWrite:
+		if n > 0 {
+			st.Writes++
+			st.BytesWritten += uint64(n)
+		}
+		start = max(now, s.mu.link)
+		s.mu.link = start + int64(float64(n)*1e9/s.p.WriteRate)
+		end = max(s.mu.link, s.mu.chans[c]) + int64(s.p.WriteLatency)
+		s.mu.chans[c] = end
+		s.mu.lastWrite = max(s.mu.lastWrite, end)
+	case opSync:
+		st.Syncs++
+		start = max(now, s.mu.lastWrite)
+		end = start + int64(s.p.FlushLatency)
+	case opNop:
+		st.Discards++
+		start = max(now, s.mu.chans[c])
+		end = start + int64(s.p.WriteLatency)
+		s.mu.chans[c] = end
+	}
+	st.BusyTime += time.Duration(max(0, end-max(start, s.mu.lastEnd)))
+	s.mu.lastEnd = max(s.mu.lastEnd, end)
+	return s.tl.addLocked(end), nil
+}

@@ -1,0 +1,231 @@
+package model
+
+import (
+	"container/heap"
+	"math"
+	"sync"
+	"time"
+
+	"golang.org/x/sys/unix"
+)
+
+// never is the model time of an event that is not scheduled.
+const never = int64(math.MaxInt64)
+
+// timeline maps model time (ns since the model was created, scaled) to the
+// wall clock, and releases waiters at model times from a single goroutine.
+//
+// Why one goroutine: on a shared 2-core machine Go's timers fire up to a
+// millisecond late when the process is idle, and 32 goroutines each
+// sleeping in nanosleep cost 32 threads and their context switches. One loop
+// sleeps until the earliest event (a Go timer for the bulk of a long wait,
+// nanosleep for the last millisecond) and releases every waiter that is due,
+// in batches when it wakes late. Lateness delays a notification but never
+// moves model time: every completion time is computed from model state
+// alone, so it cannot accumulate into drift.
+//
+// Invariants (owner's mu held for waiters):
+//
+//  1. Every waiter's done channel is closed exactly once: by the loop at or
+//     after its model time, or by stop.
+//  2. The loop is the only goroutine that sleeps for the model.
+type timeline struct {
+	t0                    time.Time
+	scale                 float64               // wall ns per model ns (1: real time)
+	fine                  func(d time.Duration) // precise short sleep (nanosleep); nil under a virtual clock
+	kick                  chan struct{}         // cap 1: the owner's state changed
+	stop                  chan struct{}         // closed by shutdown
+	done                  chan struct{}         // closed when the loop has exited
+	wait                  waiterHeap            // REQUIRES: owner's mu
+	eng                   engine                // the model's decisions
+	mu                    *sync.Mutex           // the owner's lock
+	coarse, margin, chunk time.Duration
+	slack                 time.Duration // a notification may come this much early (0 under a virtual clock)
+}
+
+// engine is the part of a model that makes decisions at model times (the
+// HDD's actuator). advanceLocked makes every decision due at or before now
+// and returns the model time of the next one, or never.
+type engine interface {
+	advanceLocked(now int64) int64
+}
+
+type waiter struct {
+	at   int64
+	done chan struct{}
+}
+
+type waiterHeap []waiter
+
+func (h waiterHeap) Len() int           { return len(h) }
+func (h waiterHeap) Less(i, j int) bool { return h[i].at < h[j].at }
+func (h waiterHeap) Swap(i, j int)      { h[i], h[j] = h[j], h[i] }
+func (h *waiterHeap) Push(x any)        { *h = append(*h, x.(waiter)) }
+func (h *waiterHeap) Pop() any {
+	old := *h
+	w := old[len(old)-1]
+	*h = old[:len(old)-1]
+	return w
+}
+
+// nanosleep is the precise short sleep on the real clock.
+func nanosleep(d time.Duration) {
+	ts := unix.NsecToTimespec(int64(d))
+	_ = unix.Nanosleep(&ts, nil) // EINTR: waking early is harmless, the loop rechecks
+}
+
+// newTimeline returns a timeline for the model eng guarded by mu. Under a
+// virtual clock (testing/synctest) every wait is a Go timer, which the
+// bubble fakes exactly; on the real clock the last stretch of each wait is
+// a nanosleep.
+func newTimeline(mu *sync.Mutex, eng engine, scale float64, virtual bool) *timeline {
+	if !(scale > 0) || math.IsInf(scale, 0) {
+		scale = 1
+	}
+	fine, slack := nanosleep, 20*time.Microsecond
+	if virtual {
+		fine, slack = nil, 0
+	}
+	return &timeline{
+		t0:     time.Now(),
+		scale:  scale,
+		fine:   fine,
+		kick:   make(chan struct{}, 1),
+		stop:   make(chan struct{}),
+		done:   make(chan struct{}),
+		eng:    eng,
+		mu:     mu,
+		coarse: 2 * time.Millisecond,
+		margin: 1200 * time.Microsecond,
+		chunk:  100 * time.Microsecond,
+		slack:  slack,
+	}
+}
+
+// now is the current model time.
+func (tl *timeline) now() int64 {
+	return int64(float64(time.Since(tl.t0)) / tl.scale)
+}
+
+// wall converts a model duration into a wall-clock one.
+func (tl *timeline) wall(d int64) time.Duration {
+	return time.Duration(float64(d) * tl.scale)
+}
+
+// poke tells the loop that the owner's state changed.
+func (tl *timeline) poke() {
+	select {
+	case tl.kick <- struct{}{}:
+	default:
+	}
+}
+
+// closedCh is a done channel for waits that are already over.
+var closedCh = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// addLocked returns a channel closed at model time at.
+// REQUIRES: tl.mu
+func (tl *timeline) addLocked(at int64) <-chan struct{} {
+	if at <= tl.now() {
+		return closedCh
+	}
+	c := make(chan struct{})
+	tl.releaseAtLocked(at, c)
+	return c
+}
+
+// releaseAtLocked arranges for c to be closed at model time at.
+// REQUIRES: tl.mu
+func (tl *timeline) releaseAtLocked(at int64, c chan struct{}) {
+	earliest := len(tl.wait) == 0 || at < tl.wait[0].at
+	heap.Push(&tl.wait, waiter{at: at, done: c})
+	if earliest {
+		tl.poke()
+	}
+}
+
+// run is the loop; it returns after shutdown.
+func (tl *timeline) run() {
+	defer close(tl.done)
+	var timer *time.Timer
+	for {
+		tl.mu.Lock()
+		now := tl.now()
+		next := tl.eng.advanceLocked(now)
+		// Waiters due within the slack are released now: a sleep that
+		// short would overshoot by more than it waits.
+		due := now + int64(float64(tl.slack)/tl.scale)
+		for len(tl.wait) > 0 && tl.wait[0].at <= due {
+			close(heap.Pop(&tl.wait).(waiter).done)
+		}
+		if len(tl.wait) > 0 {
+			next = min(next, tl.wait[0].at)
+		}
+		tl.mu.Unlock()
+		if next == never {
+			select {
+			case <-tl.kick:
+				continue
+			case <-tl.stop:
+				return
+			}
+		}
+		// Sleep until next, waking early when kicked.
+		for {
+			d := tl.wall(next - tl.now())
+			if d <= 0 {
+				break
+			}
+			if tl.fine == nil || d > tl.coarse {
+				// A Go timer: for the bulk of a long wait (it may fire up
+				// to a millisecond late, so stop margin short of next), or
+				// for all of it under a virtual clock, where it is exact.
+				if tl.fine != nil {
+					d -= tl.margin
+				}
+				if timer == nil {
+					timer = time.NewTimer(d)
+				} else {
+					timer.Reset(d)
+				}
+				select {
+				case <-timer.C:
+					continue
+				case <-tl.kick:
+				case <-tl.stop:
+					timer.Stop()
+					return
+				}
+				timer.Stop()
+				break
+			}
+			// The last stretch in short precise sleeps, checking for
+			// kicks between them.
+			tl.fine(min(d, tl.chunk))
+			select {
+			case <-tl.kick:
+			case <-tl.stop:
+				return
+			default:
+				continue
+			}
+			break
+		}
+	}
+}
+
+// shutdown stops the loop, waits for it and releases every waiter.
+func (tl *timeline) shutdown() {
+	select {
+	case <-tl.stop:
+	default:
+		close(tl.stop)
+	}
+	<-tl.done
+	tl.mu.Lock()
+	for _, w := range tl.wait {
+		close(w.done)
+	}
+	tl.wait = nil
+	tl.mu.Unlock()
+}
