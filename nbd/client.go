@@ -48,6 +48,8 @@ type Client struct {
 	wq      []*call     // requests waiting to be written
 	wspare  []*call     // the other queue buffer, swapped with wq
 	writing bool        // a goroutine is writing; it will drain wq
+	wdead   bool        // the reader has exited: nothing more is written
+	wcond   sync.Cond   // signalled when writing becomes false
 	iov     [][]byte    // owned by the goroutine with writing set
 	wbufs   net.Buffers // likewise; a field so that WriteTo does not allocate
 
@@ -122,6 +124,7 @@ func NewClient(ctx context.Context, nc net.Conn, exportName string, opts ClientO
 	}
 	c := &Client{nc: nc, br: bufio.NewReaderSize(nc, 64<<10), readerDone: make(chan struct{})}
 	c.mu.pending = make(map[uint64]*call)
+	c.wcond.L = &c.wmu
 	stop := watchCtx(ctx, nc)
 	err := c.handshake(exportName, opts)
 	if !stop() && err != nil {
@@ -531,6 +534,12 @@ func (c *Client) start(typ, flags uint16, off uint64, length uint32, wdata, rdat
 // (or failure) completes it, which cannot happen before it is written.
 func (c *Client) send(cl *call) {
 	c.wmu.Lock()
+	if c.wdead {
+		// The reader has failed (or is failing) every pending call,
+		// including this one.
+		c.wmu.Unlock()
+		return
+	}
 	c.wq = append(c.wq, cl)
 	if c.writing {
 		c.wmu.Unlock()
@@ -557,6 +566,7 @@ func (c *Client) send(cl *call) {
 		c.wspare = batch[:0]
 	}
 	c.writing = false
+	c.wcond.Broadcast()
 	c.wmu.Unlock()
 }
 
@@ -609,6 +619,14 @@ func (c *Client) readLoop() {
 	c.mu.pending = make(map[uint64]*call)
 	c.mu.Unlock()
 	c.nc.Close()
+	// Let a writer still sending (to the closed connection) finish before
+	// completing calls, whose buffers their owners may then reuse.
+	c.wmu.Lock()
+	c.wdead = true
+	for c.writing {
+		c.wcond.Wait()
+	}
+	c.wmu.Unlock()
 	for _, cl := range pending {
 		cl.err = ferr
 		cl.done <- struct{}{}

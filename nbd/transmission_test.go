@@ -692,3 +692,40 @@ func TestClientSplitsLargeRequests(t *testing.T) {
 		t.Fatalf("split read: %v", err)
 	}
 }
+
+// TestClientSurvivesServerDeath: requests in flight when the connection
+// dies all fail cleanly (and the race detector sees no buffer reuse while a
+// writer still holds it).
+func TestClientSurvivesServerDeath(t *testing.T) {
+	ts := startServer(t, Config{}, Export{Name: "d", Backend: newMem(1 << 20)})
+	c := ts.dial(t, "d", ClientOptions{StructuredReplies: true})
+	var wg sync.WaitGroup
+	var failed atomic.Int64
+	for g := range 16 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			buf := make([]byte, 4096)
+			for i := 0; ; i++ {
+				var err error
+				if i%2 == 0 {
+					err = c.WriteAt(buf, int64(g)*4096, false)
+				} else {
+					err = c.ReadAt(buf, int64(g)*4096)
+				}
+				if err != nil {
+					failed.Add(1)
+					return
+				}
+			}
+		}()
+	}
+	time.Sleep(20 * time.Millisecond)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	ts.Shutdown(ctx) // force-close everything
+	wg.Wait()
+	if failed.Load() != 16 {
+		t.Fatalf("%d goroutines saw the failure", failed.Load())
+	}
+}
