@@ -1,0 +1,127 @@
+package cache
+
+import (
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+var flagMeasure = flagBool("measure", false, "run TestMeasure* (index memory, recovery time with 1M extents)")
+
+// TestMeasureIndexMemory fills a cache with 4 KiB random writes and reports
+// the heap bytes the index costs per cached block and per GiB of cache.
+// Figures only; nothing is asserted. Run with -measure.
+func TestMeasureIndexMemory(t *testing.T) {
+	if !*flagMeasure {
+		t.Skip("use -measure")
+	}
+	for _, nblocks := range []int{1 << 16, 1 << 20} {
+		heapIndexFigure(t, nblocks)
+	}
+}
+
+func heapIndexFigure(t *testing.T, nblocks int) {
+	const bs = 1 << 20
+	bpb := int64(bs / blockSize)
+	nb := int64(nblocks) / bpb
+	s := &Set{bpb: bpb}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	s.mu.buckets = make([]bucket, nb)
+	s.mu.owner = make([]uint64, nb*bpb)
+	v := &Volume{s: s, nblocks: 1 << 30}
+	v.idx.tree = newTree()
+	s.vols = []*Volume{v}
+	rng := rand.New(rand.NewPCG(1, 2))
+	perm := rng.Perm(nblocks * 4) // random LBAs in a 4x larger volume
+	for i := 0; i < nblocks; i++ {
+		s.insertLocked(0, uint64(perm[i]), uint32(i), uint32(i), i%2 == 0)
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	used := float64(after.HeapAlloc - before.HeapAlloc)
+	perBlock := used / float64(nblocks)
+	cacheBytes := float64(nblocks) * blockSize
+	t.Logf("%d cached 4 KiB blocks (%.0f MiB cache): index %.1f MiB = %.1f B/block = %.2f%% of cache = %.1f MiB per GiB of cache (btree %d items)",
+		nblocks, cacheBytes/(1<<20), used/(1<<20), perBlock, 100*used/cacheBytes, perBlock*(1<<30)/blockSize/(1<<20), v.idx.tree.Len())
+	runtime.KeepAlive(s)
+}
+
+// TestMeasureRecovery builds a set whose index holds about 1M extents (4 KiB
+// random writes, half of them after the last checkpoint so they replay from
+// the journal), crashes it and times Open.
+func TestMeasureRecovery(t *testing.T) {
+	if !*flagMeasure {
+		t.Skip("use -measure")
+	}
+	const (
+		bs      = 1 << 20
+		nblocks = 1 << 20 // 4 GiB of cache
+	)
+	nb := int64(nblocks*blockSize/bs) + 8
+	jl := int64(64 << 20)
+	cache := device.NewMem(cacheSizeFor(nb, bs, jl, 1))
+	back := device.NewMem(int64(nblocks) * 8 * blockSize)
+	specs := []BackingSpec{{Name: "a", Dev: back}}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: bs, JournalSize: jl}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(cache, specs, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Index changes are made directly (with their journal records) rather
+	// than through WriteAt: recovery never reads cached data, and a memory
+	// device holding 4 GiB of data would not fit a CI machine.
+	rng := rand.New(rand.NewPCG(3, 4))
+	lbas := rng.Perm(nblocks * 8)[:nblocks]
+	start := time.Now()
+	crcs := make([]uint32, 1)
+	for i := 0; i < nblocks; i++ {
+		s.mu.Lock()
+		s.insertLocked(0, uint64(lbas[i]), uint32(i), uint32(i), true)
+		crcs[0] = uint32(i)
+		s.appendInsertLocked(0, uint64(lbas[i]), uint32(i), true, crcs)
+		s.mu.Unlock()
+		if i == nblocks/2 {
+			s.commitMu.Lock()
+			if err := s.checkpointLocked(); err != nil {
+				t.Fatal(err)
+			}
+			s.commitMu.Unlock()
+		}
+		if i%4096 == 4095 {
+			if err := s.commit(s.appended()); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := s.commit(s.appended()); err != nil {
+		t.Fatal(err)
+	}
+	fill := time.Since(start)
+	st := s.Stats()
+	s.crashStop()
+	start = time.Now()
+	s2, err := Open(cache, specs, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	took := time.Since(start)
+	st2 := s2.Stats()
+	t.Logf("filled %d dirty extents in %v (%d checkpoints, %d journal blocks); recovery of %d extents took %v",
+		st.DirtyBlocks, fill, st.Checkpoints, st.JournalBlocks, st2.DirtyBlocks, took)
+	s2.crashStop()
+}
+
+func flagBool(name string, def bool, usage string) *bool {
+	return flag.Bool(name, def, usage)
+}
+
+var _ = fmt.Sprint
