@@ -27,6 +27,7 @@ type Workload struct {
 	Total      int64         // bytes; 0: until Duration
 	Duration   time.Duration // model time; 0: until Total
 	SyncEach   bool          // Sync after every write (fsync per write)
+	Ramp       time.Duration // model time run before measuring (fio's ramp_time), not part of Duration
 	Seed       uint64
 }
 
@@ -71,7 +72,7 @@ func Run(d device.Device, w Workload, scale float64) (Result, error) {
 		errMu sync.Mutex
 		first error
 	)
-	wallLimit := time.Duration(float64(w.Duration) * scale)
+	wallLimit := time.Duration(float64(w.Duration+w.Ramp) * scale)
 	start := time.Now()
 	for q := range w.QueueDepth {
 		wg.Add(1)
@@ -109,9 +110,25 @@ func Run(d device.Device, w Workload, scale float64) (Result, error) {
 			}
 		}()
 	}
-	wg.Wait()
-	wall := time.Since(start)
-	r := Result{Workload: w, Ops: done.Load()}
+	// After the ramp, measuring starts afresh.
+	finished := make(chan struct{})
+	go func() { wg.Wait(); close(finished) }()
+	from, opsBefore := start, int64(0)
+	if w.Ramp > 0 {
+		ramp := time.NewTimer(time.Duration(float64(w.Ramp) * scale))
+		select {
+		case <-ramp.C:
+			from, opsBefore = time.Now(), done.Load()
+			if isModel {
+				before = m.Stats()
+			}
+		case <-finished:
+			ramp.Stop()
+		}
+	}
+	<-finished
+	wall := time.Since(from)
+	r := Result{Workload: w, Ops: done.Load() - opsBefore}
 	r.Bytes = r.Ops * w.BlockSize
 	r.Elapsed = time.Duration(float64(wall) / scale)
 	if s := r.Elapsed.Seconds(); s > 0 {
@@ -257,23 +274,26 @@ func Calibrate(w io.Writer, o CalibrationOptions) ([]CalibrationRow, error) {
 		rnd := func(write bool, qd int) Workload {
 			return Workload{Write: write, Random: true, BlockSize: 4096, QueueDepth: qd, Duration: d, Seed: 1}
 		}
+		ramped := func(w Workload) Workload { w.Ramp = 2 * time.Second; return w }
+		first := func(w Workload) Workload { w.Duration = time.Second; return w }
 		const seqRef = "156 max sustained (datasheet); 137 (ext4, published experiment)"
 		jobs := []job{
 			{"seq read 1M QD1", "MB/s", seqRef, seq(false, 1)},
 			{"seq read 1M QD32", "MB/s", seqRef, seq(false, 32)},
-			{"seq write 1M QD1", "MB/s", seqRef, seq(true, 1)},
-			{"seq write 1M QD32", "MB/s", seqRef, seq(true, 32)},
+			{"seq write 1M QD1 (after 2 s ramp)", "MB/s", seqRef, ramped(seq(true, 1))},
+			{"seq write 1M QD32 (after 2 s ramp)", "MB/s", seqRef, ramped(seq(true, 32))},
 			{"rand read 4K QD1", "IOPS", "75-120 (7200 rpm: 1/(8.5+4.17 ms) = 79)", rnd(false, 1)},
 			{"rand read 4K QD32", "IOPS", "no datasheet figure; NCQ roughly doubles QD1 (estimate)", rnd(false, 32)},
-			{"rand write 4K QD1", "IOPS", "no datasheet figure; write cache absorbs bursts", rnd(true, 1)},
-			{"rand write 4K QD32", "IOPS", "no datasheet figure", rnd(true, 32)},
+			{"rand write 4K QD1 (after 2 s ramp)", "IOPS", "no datasheet figure; 4K QD1 write benchmarks of 7200 rpm disks: ~1.2-1.5 MB/s (300-370 IOPS, estimate)", ramped(rnd(true, 1))},
+			{"rand write 4K QD32 (after 2 s ramp)", "IOPS", "no datasheet figure", ramped(rnd(true, 32))},
+			{"rand write 4K QD1, first 1 s (cache absorbs)", "IOPS", "", first(rnd(true, 1))},
 		}
 		if err := run("hdd 8 GiB", hdd(0, false), jobs); err != nil {
 			return rows, err
 		}
 		wt := []job{
 			{"rand write 4K QD1", "IOPS", "~ random read (write cache off)", rnd(true, 1)},
-			{"seq write 1M QD1", "MB/s", "loses a revolution per request", seq(true, 1)},
+			{"seq write 1M QD1", "MB/s", "loses a revolution per request: ~1/(7.5+8.3 ms) x 1 MiB", seq(true, 1)},
 			{"seq write 1M QD32", "MB/s", seqRef, seq(true, 32)},
 		}
 		if err := run("hdd 8 GiB, write cache off", hdd(0, true), wt); err != nil {

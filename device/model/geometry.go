@@ -205,8 +205,8 @@ func (g *geometry) rotWait(t, theta int64) int64 {
 type access struct {
 	end                   int64 // model time the last byte is transferred
 	track                 int64 // where the head is left
-	seeks                 int64 // seeks of at least one track
-	seekTracks            int64 // total seek distance
+	seeks                 int64 // seeks (not counting sequential track switches)
+	seekTracks            int64 // their total distance in tracks
 	seekTime, rotTime, xf int64 // ns spent seeking, waiting, transferring
 }
 
@@ -219,8 +219,12 @@ func (g *geometry) access(head, t, off, n int64) access {
 		if trk != a.track {
 			d := trk - a.track
 			s := g.seek(d)
-			a.seeks++
-			a.seekTracks += max(d, -d)
+			// A one-track move onto a track's first byte is the switch of
+			// a sequential transfer, not a seek.
+			if d != 1 || within != 0 {
+				a.seeks++
+				a.seekTracks += max(d, -d)
+			}
 			a.seekTime += s
 			t += s
 			a.track = trk

@@ -50,8 +50,10 @@ type HDDParams struct {
 	// DestageQueue is how many of the oldest cached writes the drive
 	// orders by positioning time when it destages. Default 64.
 	DestageQueue int
-	// CommandOverhead is the controller's time per command served from its
-	// buffer (a read-ahead hit, a cached write, a flush). Default 20 µs.
+	// CommandOverhead is the controller's time per command: a command
+	// served from the buffer (a read-ahead hit, a cached write, a flush)
+	// takes this plus its transfer, and one for the platter reaches the
+	// actuator's queue this long after it arrives. Default 20 µs.
 	CommandOverhead time.Duration
 	// InterfaceRate is the host link's rate (bytes/s) for buffer hits and
 	// cached writes. Default 600e6 (SATA 6 Gb/s).
@@ -449,7 +451,10 @@ func (h *HDD) submit(op opKind, off, n int64) (<-chan struct{}, error) {
 	case opNop:
 		return h.tl.addLocked(h.ifaceLocked(now, 0)), nil
 	}
-	r := &hreq{write: op == opWrite, off: off, n: n, arrival: now, done: make(chan struct{})}
+	// The command reaches the actuator's queue once the drive has decoded
+	// it: at QD1 a sequential request that follows a completed one misses
+	// its sector (a lost revolution), while a queued one does not.
+	r := &hreq{write: op == opWrite, off: off, n: n, arrival: now + int64(h.p.CommandOverhead), done: make(chan struct{})}
 	h.mu.queue = append(h.mu.queue, r)
 	st.MaxQueue = max(st.MaxQueue, len(h.mu.queue))
 	h.tl.poke()

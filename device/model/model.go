@@ -46,8 +46,9 @@ type Stats struct {
 	CachedWrites, Destages uint64
 	// DirtyBytes is the data in the HDD's write cache now.
 	DirtyBytes int64
-	// Seeks counts head movements of at least one track, SeekTracks their
-	// total distance in tracks.
+	// Seeks counts head movements to another track, except the one-track
+	// switches of a sequential transfer; SeekTracks is their total
+	// distance in tracks.
 	Seeks, SeekTracks uint64
 	// AgeForced counts requests served out of positioning order because
 	// they had waited longer than AgeLimit.

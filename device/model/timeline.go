@@ -3,6 +3,7 @@ package model
 import (
 	"container/heap"
 	"math"
+	"runtime"
 	"sync"
 	"time"
 
@@ -40,7 +41,7 @@ type timeline struct {
 	eng                   engine                // the model's decisions
 	mu                    *sync.Mutex           // the owner's lock
 	coarse, margin, chunk time.Duration
-	slack                 time.Duration // a notification may come this much early (0 under a virtual clock)
+	stopped               bool // REQUIRES: owner's mu; no waiter will be released any more
 }
 
 // engine is the part of a model that makes decisions at model times (the
@@ -82,9 +83,9 @@ func newTimeline(mu *sync.Mutex, eng engine, scale float64, virtual bool) *timel
 	if !(scale > 0) || math.IsInf(scale, 0) {
 		scale = 1
 	}
-	fine, slack := nanosleep, 20*time.Microsecond
+	fine := nanosleep
 	if virtual {
-		fine, slack = nil, 0
+		fine = nil
 	}
 	return &timeline{
 		t0:     time.Now(),
@@ -98,7 +99,6 @@ func newTimeline(mu *sync.Mutex, eng engine, scale float64, virtual bool) *timel
 		coarse: 2 * time.Millisecond,
 		margin: 1200 * time.Microsecond,
 		chunk:  100 * time.Microsecond,
-		slack:  slack,
 	}
 }
 
@@ -144,18 +144,41 @@ func (tl *timeline) releaseAtLocked(at int64, c chan struct{}) {
 	}
 }
 
+// waitUntil returns at model time at (at once if it has passed, or if the
+// timeline has shut down).
+func (tl *timeline) waitUntil(at int64) {
+	if at <= tl.now() {
+		return
+	}
+	tl.mu.Lock()
+	if tl.stopped {
+		tl.mu.Unlock()
+		return
+	}
+	c := make(chan struct{})
+	tl.releaseAtLocked(at, c)
+	tl.mu.Unlock()
+	<-c
+}
+
 // run is the loop; it returns after shutdown.
 func (tl *timeline) run() {
 	defer close(tl.done)
+	if tl.fine != nil {
+		// The loop's nanosleeps overshoot by the thread's timer slack
+		// (50 µs by default), as much as an SSD's whole latency. Lower it
+		// on a thread of the loop's own: the thread exits with the loop
+		// (a goroutine that returns while locked takes its thread along),
+		// so no other goroutine ever runs with the setting.
+		runtime.LockOSThread()
+		_ = unix.Prctl(unix.PR_SET_TIMERSLACK, 1, 0, 0, 0) // best effort
+	}
 	var timer *time.Timer
 	for {
 		tl.mu.Lock()
 		now := tl.now()
 		next := tl.eng.advanceLocked(now)
-		// Waiters due within the slack are released now: a sleep that
-		// short would overshoot by more than it waits.
-		due := now + int64(float64(tl.slack)/tl.scale)
-		for len(tl.wait) > 0 && tl.wait[0].at <= due {
+		for len(tl.wait) > 0 && tl.wait[0].at <= now {
 			close(heap.Pop(&tl.wait).(waiter).done)
 		}
 		if len(tl.wait) > 0 {
@@ -227,5 +250,6 @@ func (tl *timeline) shutdown() {
 		close(w.done)
 	}
 	tl.wait = nil
+	tl.stopped = true
 	tl.mu.Unlock()
 }
