@@ -1,10 +1,13 @@
 package cache
 
 import (
+	"bytes"
 	"flag"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -109,10 +112,12 @@ func TestMeasureRecovery(t *testing.T) {
 	st := s.Stats()
 	s.crashStop()
 	start = time.Now()
-	s2, err := Open(cache, specs, OpenOptions{})
+	var logBuf bytes.Buffer
+	s2, err := Open(cache, specs, OpenOptions{Logger: slog.New(slog.NewTextHandler(&logBuf, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Log(strings.TrimSpace(logBuf.String()))
 	took := time.Since(start)
 	st2 := s2.Stats()
 	t.Logf("filled %d dirty extents in %v (%d checkpoints, %d journal blocks); recovery of %d extents took %v",

@@ -270,6 +270,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		}
 		cd.vols[vi].ents = nil
 	}
+	loaded := time.Now()
 	end, nrec, err := replayJournal(cacheDev, sb, hdr.gen, hdr.jpos, s.applyLocked)
 	if err != nil {
 		return nil, fmt.Errorf("open: replaying journal: %w", err)
@@ -292,6 +293,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	// New generation: the next journal block follows the replayed end, so
 	// any torn leftovers of the old generation are foreign from now on.
 	s.jr.gen, s.jr.pos = hdr.gen, journalPos{blk: end.blk}
+	replayed := time.Now()
 	s.commitMu.Lock()
 	err = s.checkpointLocked()
 	s.commitMu.Unlock()
@@ -299,7 +301,8 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		return nil, fmt.Errorf("open: %w", err)
 	}
 	log.Info("cache set recovered", "checkpoint_gen", hdr.gen, "journal_records", nrec,
-		"entries", s.entries(), "dropped_clean", dropped, "took", time.Since(start))
+		"entries", s.entries(), "dropped_clean", dropped, "took", time.Since(start),
+		"load_checkpoint", loaded.Sub(start), "replay_journal", replayed.Sub(loaded), "write_checkpoint", time.Since(replayed))
 	s.sbMu.Lock()
 	s.sb.Clean = false
 	s.sb.Seq++
