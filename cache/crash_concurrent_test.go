@@ -1,0 +1,275 @@
+package cache
+
+import (
+	"bytes"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+// TestCrashConcurrent crash-clones the devices at a random instant while
+// several goroutines write, flush, FUA-write, zero and read their own
+// regions and another switches modes, so crashes land in the middle of group
+// commits, writeback and eviction. Durability is judged per block from what
+// each goroutine had been told before the clone started: the allowed
+// contents of a block are its last version covered by a Flush or FUA reply
+// that returned before the clone, and every version written after it
+// (including writes still in flight). Replay: -run TestCrashConcurrent -seed N.
+func TestCrashConcurrent(t *testing.T) {
+	n := 150
+	if testing.Short() || raceEnabled {
+		n = 30
+	}
+	first := uint64(0)
+	if *flagSeed >= 0 {
+		first, n = uint64(*flagSeed), 1
+	}
+	for seed := first; seed < first+uint64(n); seed++ {
+		if !t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) { runCrashConcurrent(t, seed) }) {
+			return
+		}
+	}
+}
+
+type ccVersion struct {
+	idx  uint64
+	data []byte
+}
+
+type ccWorker struct {
+	id      int
+	base    int64 // byte offset of the region
+	size    int64
+	mu      sync.Mutex
+	cur     []byte
+	hist    [][]ccVersion // per block
+	durable []uint64      // per block: highest version idx known durable
+	idx     uint64        // versions issued
+	done    uint64        // highest write idx completed
+}
+
+func (w *ccWorker) reset(content []byte) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.cur = bytes.Clone(content)
+	nb := int(w.size / blockSize)
+	w.hist = make([][]ccVersion, nb)
+	w.durable = make([]uint64, nb)
+	w.idx++
+	for b := 0; b < nb; b++ {
+		w.hist[b] = []ccVersion{{w.idx, bytes.Clone(w.cur[b*blockSize : (b+1)*blockSize])}}
+		w.durable[b] = w.idx
+	}
+	w.done = w.idx
+}
+
+// issue records a write of p at region offset off as a candidate before it
+// is sent, and returns its version idx.
+func (w *ccWorker) issue(p []byte, off int64) uint64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.idx++
+	copy(w.cur[off:], p)
+	for b := off / blockSize; b <= (off+int64(len(p))-1)/blockSize; b++ {
+		w.hist[b] = append(w.hist[b], ccVersion{w.idx, bytes.Clone(w.cur[b*blockSize : (b+1)*blockSize])})
+	}
+	return w.idx
+}
+
+func (w *ccWorker) completed(idx uint64, off, n int64, fua bool) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.done = max(w.done, idx)
+	if fua {
+		for b := off / blockSize; b <= (off+n-1)/blockSize; b++ {
+			w.durable[b] = max(w.durable[b], idx)
+		}
+	}
+}
+
+func (w *ccWorker) flushed(upto uint64) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	for b := range w.durable {
+		w.durable[b] = max(w.durable[b], upto)
+	}
+}
+
+func runCrashConcurrent(t *testing.T, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 0xcc))
+	const (
+		nworkers = 3
+		region   = 16 * blockSize
+	)
+	bs := int64(blockSize) * int64(2+rng.IntN(3))
+	nb := int64(minBuckets + rng.IntN(4))
+	cache := device.NewMem(cacheSizeFor(nb, bs, minJournalLen, 1))
+	back := device.NewMem(nworkers * region)
+	specs := func() []BackingSpec { return []BackingSpec{{Name: "a", Dev: back}} }
+	if _, err := Format(cache, specs(), FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Mode(rng.IntN(4))}); err != nil {
+		t.Fatal(err)
+	}
+	workers := make([]*ccWorker, nworkers)
+	for i := range workers {
+		workers[i] = &ccWorker{id: i, base: int64(i) * region, size: region}
+		workers[i].reset(make([]byte, region))
+	}
+	for round := 0; round < 3; round++ {
+		s, err := Open(cache, specs(), OpenOptions{})
+		if err != nil {
+			t.Fatalf("seed %d round %d: open: %v", seed, round, err)
+		}
+		v := s.vols[0]
+		var stop atomic.Bool
+		var wg sync.WaitGroup
+		errc := make(chan error, nworkers+1)
+		for _, w := range workers {
+			wg.Add(1)
+			wseed := rng.Uint64()
+			go func() {
+				defer wg.Done()
+				if err := w.run(v, rand.New(rand.NewPCG(wseed, 1)), &stop); err != nil {
+					errc <- err
+				}
+			}()
+		}
+		wg.Add(1)
+		mseed := rng.Uint64()
+		go func() {
+			defer wg.Done()
+			r := rand.New(rand.NewPCG(mseed, 2))
+			for !stop.Load() {
+				time.Sleep(time.Duration(r.IntN(2000)) * time.Microsecond)
+				if err := v.SetMode(Mode(r.IntN(4))); err != nil {
+					errc <- err
+					return
+				}
+			}
+		}()
+		time.Sleep(time.Duration(rng.IntN(8000)) * time.Microsecond)
+		// Durability as the workers know it now, before the clone starts.
+		snap := make([][]uint64, nworkers)
+		for i, w := range workers {
+			w.mu.Lock()
+			snap[i] = append([]uint64(nil), w.durable...)
+			w.mu.Unlock()
+		}
+		cfg := device.CrashConfig{UnsyncedKeep: []float64{0, 0.5, 1}[rng.IntN(3)], TornProb: []float64{0, 0.2}[rng.IntN(2)], Rand: rng}
+		cache2 := cache.CrashClone(cfg)
+		back2 := back.CrashClone(cfg)
+		stop.Store(true)
+		wg.Wait()
+		s.crashStop()
+		close(errc)
+		for err := range errc {
+			t.Fatalf("seed %d round %d: %v", seed, round, err)
+		}
+		if err := s.Check(); err != nil {
+			t.Fatalf("seed %d round %d: Check: %v", seed, round, err)
+		}
+		cache, back = cache2, back2
+		s2, err := Open(cache, specs(), OpenOptions{})
+		if err != nil {
+			t.Fatalf("seed %d round %d: reopen after crash: %v", seed, round, err)
+		}
+		for i, w := range workers {
+			got := make([]byte, region)
+			if err := s2.vols[0].ReadAt(got, w.base); err != nil {
+				t.Fatalf("seed %d round %d: read: %v", seed, round, err)
+			}
+			w.mu.Lock()
+			for b := range w.hist {
+				allowed := w.hist[b]
+				// Drop versions older than the newest durable one.
+				k := 0
+				for j, ver := range allowed {
+					if ver.idx <= snap[i][b] {
+						k = j
+					}
+				}
+				allowed = allowed[k:]
+				g := got[b*blockSize : (b+1)*blockSize]
+				for sct := 0; sct < blockSize; sct += 512 {
+					ok := false
+					for _, ver := range allowed {
+						if bytes.Equal(g[sct:sct+512], ver.data[sct:sct+512]) {
+							ok = true
+							break
+						}
+					}
+					if !ok {
+						var names []string
+						for _, ver := range allowed {
+							names = append(names, describeSectors(ver.data))
+						}
+						w.mu.Unlock()
+						t.Fatalf("seed %d round %d: worker %d block %d sector %d holds %s; allowed %v",
+							seed, round, i, b, sct/512, describeSectors(g), names)
+					}
+				}
+			}
+			w.mu.Unlock()
+			w.reset(got)
+		}
+		if err := s2.Check(); err != nil {
+			t.Fatalf("seed %d round %d: Check after reopen: %v", seed, round, err)
+		}
+		s2.crashStop()
+	}
+}
+
+func (w *ccWorker) run(v *Volume, rng *rand.Rand, stop *atomic.Bool) error {
+	for op := uint64(0); !stop.Load(); op++ {
+		off := rng.Int64N(w.size/512) * 512
+		if rng.IntN(2) == 0 {
+			off = off / blockSize * blockSize
+		}
+		n := min(int64(1+rng.IntN(16))*512, w.size-off)
+		switch rng.IntN(10) {
+		case 0, 1, 2, 3, 4:
+			p := make([]byte, n)
+			fua := rng.IntN(5) == 0
+			w.mu.Lock()
+			tag := w.idx + 1
+			w.mu.Unlock()
+			stamp(p, uint64(w.id)<<40|tag, 0, w.base+off)
+			idx := w.issue(p, off)
+			if err := v.WriteAt(p, w.base+off, fua); err != nil {
+				return fmt.Errorf("worker %d: write: %w", w.id, err)
+			}
+			w.completed(idx, off, n, fua)
+		case 5:
+			p := make([]byte, n)
+			idx := w.issue(p, off)
+			if err := v.WriteZeroes(w.base+off, n, false, true, false); err != nil {
+				return fmt.Errorf("worker %d: write-zeroes: %w", w.id, err)
+			}
+			w.completed(idx, off, n, false)
+		case 6:
+			w.mu.Lock()
+			upto := w.done
+			w.mu.Unlock()
+			if err := v.Flush(); err != nil {
+				return fmt.Errorf("worker %d: flush: %w", w.id, err)
+			}
+			w.flushed(upto)
+		default:
+			got := make([]byte, n)
+			if err := v.ReadAt(got, w.base+off); err != nil {
+				return fmt.Errorf("worker %d: read: %w", w.id, err)
+			}
+			w.mu.Lock()
+			want := bytes.Clone(w.cur[off : off+n])
+			w.mu.Unlock()
+			if !bytes.Equal(got, want) {
+				return fmt.Errorf("worker %d: read at %d+%d: %s", w.id, w.base+off, n, describeSectors(got))
+			}
+		}
+	}
+	return nil
+}
