@@ -34,8 +34,11 @@ type Config struct {
 	Seed uint64
 	// Cycles is the number of kill/restart/verify cycles.
 	Cycles int
-	// Conns is the number of concurrent client connections (default 4).
+	// Conns is the number of client connections (default 4).
 	Conns int
+	// Depth is the number of writers per connection, each with one
+	// request in flight; the client pipelines them (default 2).
+	Depth int
 	// Blocks is the working area in 4 KiB blocks from offset 0 (default:
 	// the whole export). The export must read as zeroes there at the start.
 	Blocks int64
@@ -47,7 +50,8 @@ type Config struct {
 	OpsPerCycle int
 	// Percentages of operations; the rest are writes. Defaults: 8% flush,
 	// 5% read-and-check; FUA is a share of writes (default 10%). Trim and
-	// write-zeroes are off unless set.
+	// write-zeroes are off unless set. Zero selects the default, a negative
+	// value turns the operation off.
 	FlushPercent, ReadPercent, TrimPercent, ZeroPercent, FUAPercent int
 	// HangTimeout fails the run when operations are outstanding and none
 	// completes for this long (default 60 s).
@@ -133,6 +137,9 @@ func Run(ctx context.Context, cfg Config) (Stats, error) {
 	if cfg.Conns <= 0 {
 		cfg.Conns = 4
 	}
+	if cfg.Depth <= 0 {
+		cfg.Depth = 2
+	}
 	if cfg.MaxWriteBlocks <= 0 {
 		cfg.MaxWriteBlocks = 16
 	}
@@ -147,6 +154,9 @@ func Run(ctx context.Context, cfg Config) (Stats, error) {
 	}
 	if cfg.FUAPercent == 0 {
 		cfg.FUAPercent = 10
+	}
+	for _, p := range []*int{&cfg.FlushPercent, &cfg.ReadPercent, &cfg.TrimPercent, &cfg.ZeroPercent, &cfg.FUAPercent} {
+		*p = max(*p, 0)
 	}
 	if cfg.HangTimeout <= 0 {
 		cfg.HangTimeout = 60 * time.Second
@@ -176,7 +186,7 @@ func Run(ctx context.Context, cfg Config) (Stats, error) {
 		return r.st, fmt.Errorf("crashtest: working area of %d blocks is too small", cfg.Blocks)
 	}
 	r.oracle = NewOracle(cfg.Blocks, multi)
-	r.logf("run seed %d: %d blocks, %d conns, multi-conn %t", cfg.Seed, cfg.Blocks, cfg.Conns, multi)
+	r.logf("run seed %d: %d blocks, %d conns x %d writers, multi-conn %t", cfg.Seed, cfg.Blocks, cfg.Conns, cfg.Depth, multi)
 	for cycle := 1; cycle <= cfg.Cycles; cycle++ {
 		if err := ctx.Err(); err != nil {
 			return r.st, err
@@ -311,11 +321,13 @@ func (r *run) cycle(ctx context.Context, cycle int) error {
 	}
 	var wg sync.WaitGroup
 	for i, c := range clients {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			r.worker(cs, c, i, rand.New(rand.NewPCG(cfg.Seed^uint64(cycle)<<20, uint64(i)+1)))
-		}()
+		for d := range cfg.Depth {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				r.worker(cs, c, i, rand.New(rand.NewPCG(cfg.Seed^uint64(cycle)<<20, uint64(i*cfg.Depth+d)+1)))
+			}()
+		}
 	}
 	workersDone := make(chan struct{})
 	go func() { wg.Wait(); close(workersDone) }()
