@@ -63,7 +63,8 @@ type HDDParams struct {
 	// benchmarks). Stats are in model time.
 	TimeScale float64
 
-	virtual bool // tests: wait with Go timers only, which testing/synctest fakes
+	virtual bool                 // tests: wait with Go timers only, which testing/synctest fakes
+	late    func() time.Duration // tests: make the loop wake this late
 }
 
 // DefaultHDD returns the default HDD parameters, every field filled in.
@@ -244,12 +245,13 @@ func NewHDD(inner device.Device, p HDDParams) (*HDD, error) {
 	}
 	h := &HDD{inner: inner, p: p, g: g}
 	h.tl = newTimeline(&h.mu.Mutex, h, p.TimeScale, p.virtual)
+	h.tl.late = p.late
 	go h.tl.run()
 	return h, nil
 }
 
 // Params returns the model's parameters, defaults filled in.
-func (h *HDD) Params() HDDParams { p := h.p; p.virtual = false; return p }
+func (h *HDD) Params() HDDParams { p := h.p; p.virtual, p.late = false, nil; return p }
 
 // Unwrap returns the inner device.
 func (h *HDD) Unwrap() device.Device { return h.inner }

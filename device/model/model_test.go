@@ -3,6 +3,7 @@ package model
 import (
 	"errors"
 	"math"
+	"math/rand/v2"
 	"sync"
 	"testing"
 	"testing/synctest"
@@ -413,4 +414,51 @@ func TestSSD(t *testing.T) {
 			t.Errorf("flush took %v, want %v", el, SATASSD().FlushLatency)
 		}
 	})
+}
+
+// TestHDDNoDrift: the loop wakes up late (here by up to 3 ms, every time),
+// yet the model loses nothing, because decisions are taken at the model's
+// busyUntil, considering what had arrived by then, not at the late
+// wake-up. With the actuator always busy (QD32) the model's throughput and
+// busy time are those of a punctual loop.
+func TestHDDNoDrift(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		w := Workload{Random: true, BlockSize: 4096, QueueDepth: 32, Duration: 5 * time.Second, Seed: 7}
+		punctual := run(t, virtualHDD(t, 8*gib, nil), w)
+		rng := rand.New(rand.NewPCG(5, 6))
+		late := run(t, virtualHDD(t, 8*gib, func(p *HDDParams) {
+			p.late = func() time.Duration { return time.Duration(rng.Int64N(int64(3 * time.Millisecond))) }
+		}), w)
+		busy := float64(late.Stats.BusyTime) / float64(late.Elapsed)
+		t.Logf("QD32 random reads: punctual loop %.1f IOPS, late loop %.1f IOPS (actuator busy %.0f%%)", punctual.IOPS, late.IOPS, 100*busy)
+		if !near(late.IOPS, punctual.IOPS, 0.05) || busy < 0.98 {
+			t.Errorf("late loop: %.1f IOPS, busy %.0f%%; want the punctual %.1f IOPS and ~100%%", late.IOPS, 100*busy, punctual.IOPS)
+		}
+	})
+}
+
+// TestHDDRealClock runs the model on the real clock, 20 times faster than
+// real time, with the actuator always busy: each decision falls due every
+// ~250 µs of wall time. A loaded machine delays the clients as well as the
+// loop, so the bound is loose; a model that lost each late wake-up would
+// fall to ~110 IOPS.
+func TestHDDRealClock(t *testing.T) {
+	if testing.Short() {
+		t.Skip("real clock")
+	}
+	const scale = 0.05
+	h, err := NewHDD(nullDevice{8 * gib}, HDDParams{TimeScale: scale})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	r, err := Run(h, Workload{Random: true, BlockSize: 4096, QueueDepth: 32, Duration: 20 * time.Second, Seed: 7}, scale)
+	if err != nil {
+		t.Fatal(err)
+	}
+	busy := float64(r.Stats.BusyTime) / float64(r.Elapsed)
+	t.Logf("real clock x20: %.0f IOPS (model time), actuator busy %.0f%%", r.IOPS, 100*busy)
+	if r.IOPS < 130 {
+		t.Errorf("%.0f IOPS, actuator busy %.0f%% of the time; want ~190", r.IOPS, 100*busy)
+	}
 }

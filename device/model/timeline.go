@@ -41,7 +41,8 @@ type timeline struct {
 	eng                   engine                // the model's decisions
 	mu                    *sync.Mutex           // the owner's lock
 	coarse, margin, chunk time.Duration
-	stopped               bool // REQUIRES: owner's mu; no waiter will be released any more
+	stopped               bool                 // REQUIRES: owner's mu; no waiter will be released any more
+	late                  func() time.Duration // tests: how late the loop wakes up each time
 }
 
 // engine is the part of a model that makes decisions at model times (the
@@ -175,6 +176,9 @@ func (tl *timeline) run() {
 	}
 	var timer *time.Timer
 	for {
+		if tl.late != nil {
+			time.Sleep(tl.late())
+		}
 		tl.mu.Lock()
 		now := tl.now()
 		next := tl.eng.advanceLocked(now)
