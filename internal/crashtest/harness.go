@@ -46,7 +46,8 @@ type Config struct {
 	// i.e. 64 KiB).
 	MaxWriteBlocks int
 	// OpsPerCycle is the mean number of operations before the kill
-	// (default 200; each cycle draws from [1, 2*OpsPerCycle]).
+	// (default 200; each cycle draws from [1, 2*OpsPerCycle], one cycle in
+	// ten from [1, 5] to kill soon after a restart).
 	OpsPerCycle int
 	// Percentages of operations; the rest are writes. Defaults: 8% flush,
 	// 5% read-and-check; FUA is a share of writes (default 10%). Trim and
@@ -73,13 +74,14 @@ type Stats struct {
 	BlocksVerified, BytesVerified                 int64 // read back and checked after restarts
 	InFlightAtKill                                int64 // modifying operations without a reply when killed
 	KillsDuringWrites, KillsAfterFlush, KillsIdle int
+	KillsAfterRestart                             int // second kills right after a restart, before any client I/O
 	// Outcomes of the blocks checked after restarts.
 	FoundDurable, FoundMaybeLatest, FoundMaybeOlder int64
 }
 
 func (s Stats) String() string {
-	return fmt.Sprintf("%d cycles (kills: %d during writes, %d right after a flush, %d idle), %d writes (%d FUA), %d flushes, %d trims, %d write-zeroes, %d MiB written, %d blocks / %d MiB verified after restarts (%d durable, %d latest maybe-new, %d older maybe-new), %d ops in flight at kills, %d blocks live-checked",
-		s.Cycles, s.KillsDuringWrites, s.KillsAfterFlush, s.KillsIdle, s.Writes, s.FUAWrites, s.Flushes, s.Trims, s.Zeroes,
+	return fmt.Sprintf("%d cycles (kills: %d during writes, %d right after a flush, %d idle, %d more right after a restart), %d writes (%d FUA), %d flushes, %d trims, %d write-zeroes, %d MiB written, %d blocks / %d MiB verified after restarts (%d durable, %d latest maybe-new, %d older maybe-new), %d ops in flight at kills, %d blocks live-checked",
+		s.Cycles, s.KillsDuringWrites, s.KillsAfterFlush, s.KillsIdle, s.KillsAfterRestart, s.Writes, s.FUAWrites, s.Flushes, s.Trims, s.Zeroes,
 		s.BytesWritten>>20, s.BlocksVerified, s.BytesVerified>>20, s.FoundDurable, s.FoundMaybeLatest, s.FoundMaybeOlder,
 		s.InFlightAtKill, s.LiveReads)
 }
@@ -296,6 +298,11 @@ func (r *run) cycle(ctx context.Context, cycle int) error {
 		killAt:  1 + prng.Int64N(int64(2*cfg.OpsPerCycle)),
 		busy:    make([]bool, cfg.Blocks),
 	}
+	if prng.IntN(10) == 0 {
+		// Soon after the restart: recovery's writeback and the first
+		// writes after it.
+		cs.killAt = 1 + prng.Int64N(5)
+	}
 	switch k := prng.IntN(10); {
 	case k < 5:
 		cs.kind = killDuringWrites
@@ -304,6 +311,8 @@ func (r *run) cycle(ctx context.Context, cycle int) error {
 	default:
 		cs.kind = killIdle
 	}
+	doubleKill := prng.IntN(10) == 0
+	doubleWait := time.Duration(prng.IntN(100)) * time.Millisecond
 	idleFlush := prng.IntN(2) == 0
 	idleWait := time.Duration(prng.IntN(300)) * time.Millisecond
 	r.logf("cycle %d: kill %s after %d ops", cycle, killNames[cs.kind], cs.killAt)
@@ -394,6 +403,19 @@ func (r *run) cycle(ctx context.Context, cycle int) error {
 
 	if err := cfg.Server.Start(ctx); err != nil {
 		return r.fail(cycle, fmt.Errorf("restart after kill: %w", err))
+	}
+	if doubleKill {
+		// Again, before any client I/O: whatever recovery started (journal
+		// replay, writeback of recovered dirty data, checkpoints) is cut.
+		time.Sleep(doubleWait)
+		r.logf("c%d KILL again %v after the restart", cycle, doubleWait)
+		if err := cfg.Server.Kill(); err != nil {
+			return r.fail(cycle, fmt.Errorf("second kill: %w", err))
+		}
+		if err := cfg.Server.Start(ctx); err != nil {
+			return r.fail(cycle, fmt.Errorf("restart after the second kill: %w", err))
+		}
+		r.st.KillsAfterRestart++
 	}
 	before := r.st
 	if err := r.verify(ctx, cs); err != nil {
