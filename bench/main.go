@@ -32,6 +32,7 @@ type Options struct {
 	Publish   bool   // copy the report and charts into docs/bench
 	Tiercache string // prebuilt tiercache binary; "" = go build
 	Quick     bool
+	Replot    string // re-render the report from this results.json; run nothing
 }
 
 const usage = `tcbench runs tiercache's NBD benchmark: the same fio workloads against
@@ -96,6 +97,7 @@ func parseFlags(args []string, errOut io.Writer) (Options, error) {
 	fs.StringVar(&o.Out, "out", "", "report directory (default: bench/out in the module)")
 	fs.BoolVar(&o.Publish, "publish", false, "copy RESULTS.md, results.json and the charts into docs/bench in the module")
 	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
+	fs.StringVar(&o.Replot, "replot", "", "run nothing: re-render RESULTS.md and the charts into --out from this results.json (with --publish, also into docs/bench)")
 	fs.BoolVar(&o.Quick, "quick", false, "CI smoke run: 1 round, 2 s per workload, no ramp, 64 MiB file (flags given explicitly still win)")
 	if err := fs.Parse(args); err != nil {
 		return Options{}, err
@@ -163,6 +165,12 @@ func Run(ctx context.Context, o Options, stdout io.Writer) (err error) {
 			return fmt.Errorf("--out not given: %w", rootErr)
 		}
 		o.Out = filepath.Join(root, "bench", "out")
+	}
+	if o.Replot != "" {
+		if err := replot(o.Replot, o.Out, stdout); err != nil {
+			return err
+		}
+		return publishIf(o, root, rootErr, stdout)
 	}
 	if err := checkTools(o.Servers); err != nil {
 		return err
@@ -250,16 +258,22 @@ func Run(ctx context.Context, o Options, stdout io.Writer) (err error) {
 		return err
 	}
 	fmt.Fprintf(stdout, "\ntcbench: report in %s (took %v)\n", filepath.Join(o.Out, "RESULTS.md"), elapsed.Round(time.Second))
-	if o.Publish {
-		if rootErr != nil {
-			return fmt.Errorf("--publish: %w", rootErr)
-		}
-		dst := filepath.Join(root, "docs", "bench")
-		if err := publish(o.Out, dst); err != nil {
-			return err
-		}
-		fmt.Fprintf(stdout, "tcbench: published to %s\n", dst)
+	return publishIf(o, root, rootErr, stdout)
+}
+
+// publishIf copies the report into docs/bench when --publish is set.
+func publishIf(o Options, root string, rootErr error, stdout io.Writer) error {
+	if !o.Publish {
+		return nil
 	}
+	if rootErr != nil {
+		return fmt.Errorf("--publish: %w", rootErr)
+	}
+	dst := filepath.Join(root, "docs", "bench")
+	if err := publish(o.Out, dst); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "tcbench: published to %s\n", dst)
 	return nil
 }
 

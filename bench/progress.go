@@ -3,6 +3,7 @@ package bench
 import (
 	"fmt"
 	"io"
+	"math"
 	"os"
 
 	"github.com/schollz/progressbar/v3"
@@ -58,7 +59,7 @@ func (p *lineProgress) start(string) {}
 func (p *lineProgress) finish(desc string, s Sample, w Workload) {
 	p.done++
 	cpu := ""
-	if v := s.cpuPerGiB(); v == v { // not NaN
+	if v := s.cpuPerGiB(); !math.IsNaN(v) {
 		cpu = fmt.Sprintf(", server %.2f CPU s/GiB", v)
 	}
 	fmt.Fprintf(p.w, "[%d/%d] %s: %s %s, mean lat %.0f µs%s, other load %.2f cores\n",
