@@ -97,8 +97,8 @@ func newTimeline(mu *sync.Mutex, eng engine, scale float64, virtual bool) *timel
 		done:   make(chan struct{}),
 		eng:    eng,
 		mu:     mu,
-		coarse: 2 * time.Millisecond,
-		margin: 1200 * time.Microsecond,
+		coarse: 3 * time.Millisecond,
+		margin: 2500 * time.Microsecond,
 		chunk:  100 * time.Microsecond,
 	}
 }
