@@ -22,6 +22,15 @@ type Server interface {
 	Kill() error
 }
 
+// StartKiller is optionally implemented by a Server that can be killed
+// while it starts, before it accepts connections (for tiercache: while it
+// replays the journal and recovers the index).
+type StartKiller interface {
+	// StartAndKill starts the server and kills it after delay, listening
+	// or not by then, and returns once it is gone.
+	StartAndKill(ctx context.Context, delay time.Duration) error
+}
+
 // Config describes one run.
 type Config struct {
 	// Server is started by Run, killed and restarted every cycle, and left
@@ -75,13 +84,14 @@ type Stats struct {
 	InFlightAtKill                                int64 // modifying operations without a reply when killed
 	KillsDuringWrites, KillsAfterFlush, KillsIdle int
 	KillsAfterRestart                             int // second kills right after a restart, before any client I/O
+	KillsDuringStart                              int // kills before the restarted server listened (StartKiller)
 	// Outcomes of the blocks checked after restarts.
 	FoundDurable, FoundMaybeLatest, FoundMaybeOlder int64
 }
 
 func (s Stats) String() string {
-	return fmt.Sprintf("%d cycles (kills: %d during writes, %d right after a flush, %d idle, %d more right after a restart), %d writes (%d FUA), %d flushes, %d trims, %d write-zeroes, %d MiB written, %d blocks / %d MiB verified after restarts (%d durable, %d latest maybe-new, %d older maybe-new), %d ops in flight at kills, %d blocks live-checked",
-		s.Cycles, s.KillsDuringWrites, s.KillsAfterFlush, s.KillsIdle, s.KillsAfterRestart, s.Writes, s.FUAWrites, s.Flushes, s.Trims, s.Zeroes,
+	return fmt.Sprintf("%d cycles (kills: %d during writes, %d right after a flush, %d idle; %d more during start, %d right after a restart), %d writes (%d FUA), %d flushes, %d trims, %d write-zeroes, %d MiB written, %d blocks / %d MiB verified after restarts (%d durable, %d latest maybe-new, %d older maybe-new), %d ops in flight at kills, %d blocks live-checked",
+		s.Cycles, s.KillsDuringWrites, s.KillsAfterFlush, s.KillsIdle, s.KillsDuringStart, s.KillsAfterRestart, s.Writes, s.FUAWrites, s.Flushes, s.Trims, s.Zeroes,
 		s.BytesWritten>>20, s.BlocksVerified, s.BytesVerified>>20, s.FoundDurable, s.FoundMaybeLatest, s.FoundMaybeOlder,
 		s.InFlightAtKill, s.LiveReads)
 }
@@ -119,10 +129,11 @@ var killNames = []string{"during writes", "after flush", "idle"}
 
 // run is the state of one Run.
 type run struct {
-	cfg    Config
-	oracle *Oracle
-	st     Stats
-	stMu   sync.Mutex // guards st during a cycle's workload
+	cfg       Config
+	oracle    *Oracle
+	startTime time.Duration // how long the last Start took
+	st        Stats
+	stMu      sync.Mutex // guards st during a cycle's workload
 
 	logMu sync.Mutex // guards the ring below
 	ring  []string
@@ -170,7 +181,7 @@ func Run(ctx context.Context, cfg Config) (Stats, error) {
 		cfg.Logf = func(string, ...any) {}
 	}
 	r := &run{cfg: cfg, ring: make([]string, cfg.LogTail)}
-	if err := cfg.Server.Start(ctx); err != nil {
+	if err := r.start(ctx); err != nil {
 		return r.st, r.fail(0, fmt.Errorf("starting the server: %w", err))
 	}
 	c, err := cfg.Dial(ctx)
@@ -199,6 +210,16 @@ func Run(ctx context.Context, cfg Config) (Stats, error) {
 		r.st.Cycles++
 	}
 	return r.st, nil
+}
+
+// start starts the server, remembering how long it took to listen.
+func (r *run) start(ctx context.Context) error {
+	t0 := time.Now()
+	if err := r.cfg.Server.Start(ctx); err != nil {
+		return err
+	}
+	r.startTime = time.Since(t0)
+	return nil
 }
 
 func (r *run) logf(format string, args ...any) {
@@ -311,6 +332,8 @@ func (r *run) cycle(ctx context.Context, cycle int) error {
 	default:
 		cs.kind = killIdle
 	}
+	startKill := prng.IntN(10) == 0
+	startFrac := prng.Float64() * 1.5
 	doubleKill := prng.IntN(10) == 0
 	doubleWait := time.Duration(prng.IntN(100)) * time.Millisecond
 	idleFlush := prng.IntN(2) == 0
@@ -401,7 +424,15 @@ func (r *run) cycle(ctx context.Context, cycle int) error {
 	}
 	r.st.InFlightAtKill += inflight
 
-	if err := cfg.Server.Start(ctx); err != nil {
+	if sk, ok := cfg.Server.(StartKiller); ok && startKill {
+		delay := time.Duration(float64(r.startTime) * startFrac)
+		r.logf("c%d KILL during start, %v after exec", cycle, delay)
+		if err := sk.StartAndKill(ctx, delay); err != nil {
+			return r.fail(cycle, fmt.Errorf("start and kill: %w", err))
+		}
+		r.st.KillsDuringStart++
+	}
+	if err := r.start(ctx); err != nil {
 		return r.fail(cycle, fmt.Errorf("restart after kill: %w", err))
 	}
 	if doubleKill {
@@ -412,7 +443,7 @@ func (r *run) cycle(ctx context.Context, cycle int) error {
 		if err := cfg.Server.Kill(); err != nil {
 			return r.fail(cycle, fmt.Errorf("second kill: %w", err))
 		}
-		if err := cfg.Server.Start(ctx); err != nil {
+		if err := r.start(ctx); err != nil {
 			return r.fail(cycle, fmt.Errorf("restart after the second kill: %w", err))
 		}
 		r.st.KillsAfterRestart++

@@ -143,6 +143,15 @@ func (f *fakeServer) Kill() error {
 	return nil
 }
 
+// StartAndKill: the fake has no recovery to interrupt; it starts and
+// crashes at once.
+func (f *fakeServer) StartAndKill(ctx context.Context, _ time.Duration) error {
+	if err := f.Start(ctx); err != nil {
+		return err
+	}
+	return f.Kill()
+}
+
 func newFake(t *testing.T, blocks int64, seed uint64, bug string) (*fakeServer, func(context.Context) (*nbd.Client, error)) {
 	f := &fakeServer{
 		sock: filepath.Join(t.TempDir(), "nbd.sock"),

@@ -116,6 +116,32 @@ func (s *killableServer) Start(ctx context.Context) error {
 	}
 }
 
+// StartAndKill starts the server and SIGKILLs it after delay, listening or
+// not: a crash during recovery (crashtest.StartKiller).
+func (s *killableServer) StartAndKill(ctx context.Context, delay time.Duration) error {
+	if s.cur != nil {
+		return errors.New("server already running")
+	}
+	s.log = &syncBuffer{}
+	done := make(chan struct{})
+	s.done = done
+	cmd := exec.Command(bin, append([]string{"serve", "--listen", "unix:" + s.sock}, s.args...)...)
+	cmd.Stdout, cmd.Stderr = s.log, s.log
+	cmd.Env = append(os.Environ(), "GORACE=halt_on_error=1")
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	go func() { s.err = cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+		return fmt.Errorf("tiercache exited by itself %v into its start: %v\n%s", delay, s.err, s.log)
+	case <-time.After(delay):
+	}
+	cmd.Process.Signal(syscall.SIGKILL)
+	<-done
+	return s.checkLog()
+}
+
 // Kill sends SIGKILL. It fails if the process had already exited (it died
 // on its own) or its log shows a race or a panic.
 func (s *killableServer) Kill() error {
