@@ -55,6 +55,20 @@ func crashConfig(t *testing.T) (seed uint64, cycles int) {
 	return seed, cycles
 }
 
+// envInt reads a positive integer knob from the environment, or def.
+func envInt(t *testing.T, name string, def int) int {
+	t.Helper()
+	s := os.Getenv(name)
+	if s == "" {
+		return def
+	}
+	v, err := strconv.Atoi(s)
+	if err != nil || v <= 0 {
+		t.Fatalf("%s=%q: want a positive number", name, s)
+	}
+	return v
+}
+
 // killableServer runs `tiercache serve ARGS --listen unix:SOCK` as a
 // crashtest.Server: Start waits until the socket accepts, Kill sends
 // SIGKILL and reaps the process. The socket path stays the same across
@@ -206,6 +220,11 @@ func (s *killableServer) dial(export string) func(context.Context) (*nbd.Client,
 // with TIERCACHE_CRASH_CYCLES, as make stress does), each other mode and a
 // plain uncached export a fifth of that.
 //
+// TIERCACHE_CRASH_AREA_MIB (default 24, at most 64), TIERCACHE_CRASH_OPS
+// (mean operations per cycle, default 150) and TIERCACHE_CRASH_MAX_BLOCKS
+// (largest write in 4 KiB blocks, default 16) vary the set-up for
+// exploration; a failure's replay line needs the same values.
+//
 // Not covered: kills during a run-time mode switch (there is no CLI or API
 // to switch modes on a running server yet).
 //
@@ -214,7 +233,14 @@ func (s *killableServer) dial(export string) func(context.Context) (*nbd.Client,
 //	go test ./internal/interop -run 'TestKillCycles/writeback' -seed N -v
 func TestKillCycles(t *testing.T) {
 	seed, cycles := crashConfig(t)
-	t.Logf("seed %d, %d writeback cycles", seed, cycles)
+	// Exploration knobs (defaults are the CI set-up).
+	areaMiB := envInt(t, "TIERCACHE_CRASH_AREA_MIB", 24)
+	ops := envInt(t, "TIERCACHE_CRASH_OPS", 150)
+	maxBlocks := envInt(t, "TIERCACHE_CRASH_MAX_BLOCKS", 16)
+	if areaMiB > 64 {
+		t.Fatalf("TIERCACHE_CRASH_AREA_MIB=%d: the backing file is 64 MiB", areaMiB)
+	}
+	t.Logf("seed %d, %d writeback cycles, %d MiB area, ~%d ops per cycle, writes up to %d KiB", seed, cycles, areaMiB, ops, maxBlocks*4)
 	cases := []struct {
 		name   string
 		cycles int
@@ -240,17 +266,18 @@ func TestKillCycles(t *testing.T) {
 			srv := newKillableServer(t, args...)
 			start := time.Now()
 			st, err := crashtest.Run(context.Background(), crashtest.Config{
-				Server:      srv,
-				Dial:        srv.dial(export),
-				Seed:        seed,
-				Cycles:      c.cycles,
-				Conns:       4,
-				Blocks:      24 * mib / crashtest.BlockSize,
-				OpsPerCycle: 150,
-				TrimPercent: 2,
-				ZeroPercent: 2,
-				Replay:      fmt.Sprintf("go test ./internal/interop -run 'TestKillCycles/%s$' -seed %d -cycles %d -v", c.name, seed-uint64(i), cycles),
-				Logf:        t.Logf,
+				Server:         srv,
+				Dial:           srv.dial(export),
+				Seed:           seed,
+				Cycles:         c.cycles,
+				Conns:          4,
+				Blocks:         int64(areaMiB) * mib / crashtest.BlockSize,
+				OpsPerCycle:    ops,
+				MaxWriteBlocks: maxBlocks,
+				TrimPercent:    2,
+				ZeroPercent:    2,
+				Replay:         fmt.Sprintf("go test ./internal/interop -run 'TestKillCycles/%s$' -seed %d -cycles %d -v", c.name, seed-uint64(i), cycles),
+				Logf:           t.Logf,
 			})
 			t.Logf("%s: %v in %v", c.name, st, time.Since(start).Round(time.Millisecond))
 			if err != nil {
