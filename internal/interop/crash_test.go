@@ -276,8 +276,9 @@ func TestKillCycles(t *testing.T) {
 				MaxWriteBlocks: maxBlocks,
 				TrimPercent:    2,
 				ZeroPercent:    2,
-				Replay:         fmt.Sprintf("go test ./internal/interop -run 'TestKillCycles/%s$' -seed %d -cycles %d -v", c.name, seed-uint64(i), cycles),
-				Logf:           t.Logf,
+				Replay: fmt.Sprintf("TIERCACHE_CRASH_AREA_MIB=%d TIERCACHE_CRASH_OPS=%d TIERCACHE_CRASH_MAX_BLOCKS=%d go test ./internal/interop -run 'TestKillCycles/%s$' -seed %d -cycles %d -v",
+					areaMiB, ops, maxBlocks, c.name, seed-uint64(i), cycles),
+				Logf: t.Logf,
 			})
 			t.Logf("%s: %v in %v", c.name, st, time.Since(start).Round(time.Millisecond))
 			if err != nil {
