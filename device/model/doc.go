@@ -77,9 +77,11 @@
 // max(busyUntil, arrival of the request), decisions are made only once the
 // wall clock has passed that time, and a late wake-up delays a
 // notification without moving the model. One goroutine per model releases
-// waiting requests: a Go timer for the bulk of a wait, nanosleep for the
-// last millisecond (Go's timers fire up to ~1 ms late on an idle process).
-// There is no busy-waiting. On a shared 2-core machine a notification is
+// waiting requests: a Go timer for the bulk of a long wait, then one ppoll
+// with a nanosecond timeout on the loop's own thread (timer slack 1 ns),
+// which a new request interrupts through an eventfd. (Go's timers fire up to
+// ~1 ms late on an idle process, too late for an SSD.) There is no
+// busy-waiting. On a shared 2-core machine a notification is
 // typically 50-150 µs late, which matters for the SSD at QD1 and not for the
 // HDD.
 //

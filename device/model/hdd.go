@@ -60,7 +60,7 @@ type HDDParams struct {
 	InterfaceRate float64
 	// TimeScale is wall-clock time per model time: 1 (the default) is real
 	// time, 0.001 runs the model 1000 times faster (for tests and quick
-	// benchmarks). Stats are in model time.
+	// benchmarks); 1e-4 to 1e4. Stats are in model time.
 	TimeScale float64
 
 	virtual bool                 // tests: wait with Go timers only, which testing/synctest fakes
@@ -236,8 +236,10 @@ func NewHDD(inner device.Device, p HDDParams) (*HDD, error) {
 		return nil, fmt.Errorf("model: queue depth %d, destage queue %d: want 1..1024 and 1..65536", p.QueueDepth, p.DestageQueue)
 	case p.AgeLimit < 0 || p.CommandOverhead < 0:
 		return nil, fmt.Errorf("model: negative age limit or command overhead")
-	case !(p.InterfaceRate > 0) || !(p.TimeScale > 0):
-		return nil, fmt.Errorf("model: interface rate and time scale must be positive")
+	case !(p.InterfaceRate > 0):
+		return nil, fmt.Errorf("model: interface rate %v is not positive", p.InterfaceRate)
+	case !(p.TimeScale >= minTimeScale && p.TimeScale <= maxTimeScale):
+		return nil, fmt.Errorf("model: time scale %v out of range [%v, %v]", p.TimeScale, minTimeScale, maxTimeScale)
 	}
 	g, err := newGeometry(capacity, p.RPM, p.Zones, p.OuterRate, p.InnerRate, p.TrackToTrack, p.AvgSeek, p.FullStroke)
 	if err != nil {

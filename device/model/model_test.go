@@ -133,6 +133,7 @@ func TestBadParams(t *testing.T) {
 		{AvgSeek: time.Second, FullStroke: time.Millisecond},
 		{OuterRate: 1e6, InnerRate: 2e6},
 		{TimeScale: -1},
+		{TimeScale: 1e-9},
 		{AgeLimit: -time.Second},
 	}
 	for _, p := range bad {
@@ -141,7 +142,7 @@ func TestBadParams(t *testing.T) {
 			t.Errorf("NewHDD(%+v) succeeded", p)
 		}
 	}
-	for _, p := range []SSDParams{{Channels: -1}, {ReadRate: -5}, {ReadLatency: -time.Second}} {
+	for _, p := range []SSDParams{{Channels: -1}, {ReadRate: -5}, {ReadLatency: -time.Second}, {TimeScale: 1e9}} {
 		if d, err := NewSSD(m, p); err == nil {
 			d.Close()
 			t.Errorf("NewSSD(%+v) succeeded", p)

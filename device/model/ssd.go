@@ -31,7 +31,8 @@ type SSDParams struct {
 	// FlushLatency is the time a flush takes once every completed write has
 	// reached the write cache.
 	FlushLatency time.Duration
-	// TimeScale is wall-clock time per model time (1: real time).
+	// TimeScale is wall-clock time per model time (1: real time; 1e-4 to
+	// 1e4).
 	TimeScale float64
 
 	virtual bool // tests: wait with Go timers only, which testing/synctest fakes
@@ -144,8 +145,10 @@ func NewSSD(inner device.Device, p SSDParams) (*SSD, error) {
 		return nil, fmt.Errorf("model: negative SSD latency")
 	case p.Channels < 1 || p.Channels > 4096:
 		return nil, fmt.Errorf("model: %d channels, want 1..4096", p.Channels)
-	case !(p.ReadRate > 0) || !(p.WriteRate > 0) || !(p.TimeScale > 0):
-		return nil, fmt.Errorf("model: SSD rates and time scale must be positive")
+	case !(p.ReadRate > 0) || !(p.WriteRate > 0):
+		return nil, fmt.Errorf("model: SSD rates must be positive")
+	case !(p.TimeScale >= minTimeScale && p.TimeScale <= maxTimeScale):
+		return nil, fmt.Errorf("model: time scale %v out of range [%v, %v]", p.TimeScale, minTimeScale, maxTimeScale)
 	}
 	s := &SSD{inner: inner, p: p}
 	s.mu.chans = make([]int64, p.Channels)

@@ -10,6 +10,13 @@ import (
 	"golang.org/x/sys/unix"
 )
 
+// The range of TimeScale. Model time is int64 nanoseconds: at the smallest
+// scale it lasts 10 days of wall time.
+const (
+	minTimeScale = 1e-4
+	maxTimeScale = 1e4
+)
+
 // never is the model time of an event that is not scheduled.
 const never = int64(math.MaxInt64)
 
@@ -19,11 +26,15 @@ const never = int64(math.MaxInt64)
 // Why one goroutine: on a shared 2-core machine Go's timers fire up to a
 // millisecond late when the process is idle, and 32 goroutines each
 // sleeping in nanosleep cost 32 threads and their context switches. One loop
-// sleeps until the earliest event (a Go timer for the bulk of a long wait,
-// nanosleep for the last millisecond) and releases every waiter that is due,
-// in batches when it wakes late. Lateness delays a notification but never
-// moves model time: every completion time is computed from model state
-// alone, so it cannot accumulate into drift.
+// per model sleeps until the earliest event and releases every waiter that
+// is due, in batches when it wakes late. On the real clock it waits on a Go
+// timer for the bulk of a long wait (the goroutine parks, freeing its P),
+// then for the last few milliseconds in one ppoll with a nanosecond timeout
+// on its own thread (timer slack lowered to 1 ns), which a poke interrupts
+// through an eventfd (see waker); without an eventfd it uses short
+// nanosleeps instead. Lateness delays a notification but never moves
+// model time: every completion time is computed from model state alone, so
+// it cannot accumulate into drift.
 //
 // Invariants (owner's mu held for waiters):
 //
@@ -43,6 +54,7 @@ type timeline struct {
 	coarse, margin, chunk time.Duration
 	stopped               bool                 // REQUIRES: owner's mu; no waiter will be released any more
 	late                  func() time.Duration // tests: how late the loop wakes up each time
+	waker                 *waker               // the real clock's interruptible sleep; nil: timers and nanosleep
 }
 
 // engine is the part of a model that makes decisions at model times (the
@@ -85,8 +97,11 @@ func newTimeline(mu *sync.Mutex, eng engine, scale float64, virtual bool) *timel
 		scale = 1
 	}
 	fine := nanosleep
+	var w *waker
 	if virtual {
 		fine = nil
+	} else if wk, err := newWaker(); err == nil {
+		w = wk // else: timers and nanosleep chunks
 	}
 	return &timeline{
 		t0:     time.Now(),
@@ -96,6 +111,7 @@ func newTimeline(mu *sync.Mutex, eng engine, scale float64, virtual bool) *timel
 		stop:   make(chan struct{}),
 		done:   make(chan struct{}),
 		eng:    eng,
+		waker:  w,
 		mu:     mu,
 		coarse: 3 * time.Millisecond,
 		margin: 2500 * time.Microsecond,
@@ -118,6 +134,9 @@ func (tl *timeline) poke() {
 	select {
 	case tl.kick <- struct{}{}:
 	default:
+	}
+	if tl.waker != nil {
+		tl.waker.wake()
 	}
 }
 
@@ -176,6 +195,11 @@ func (tl *timeline) run() {
 	}
 	var timer *time.Timer
 	for {
+		select {
+		case <-tl.stop:
+			return
+		default:
+		}
 		if tl.late != nil {
 			time.Sleep(tl.late())
 		}
@@ -202,6 +226,12 @@ func (tl *timeline) run() {
 			d := tl.wall(next - tl.now())
 			if d <= 0 {
 				break
+			}
+			if tl.waker != nil && d <= tl.coarse {
+				if tl.waker.sleep(d, tl.kick, tl.stop) {
+					break
+				}
+				continue
 			}
 			if tl.fine == nil || d > tl.coarse {
 				// A Go timer: for the bulk of a long wait (it may fire up
@@ -248,7 +278,13 @@ func (tl *timeline) shutdown() {
 	default:
 		close(tl.stop)
 	}
+	if tl.waker != nil {
+		tl.waker.wake()
+	}
 	<-tl.done
+	if tl.waker != nil {
+		tl.waker.close()
+	}
 	tl.mu.Lock()
 	for _, w := range tl.wait {
 		close(w.done)
