@@ -17,6 +17,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/tiercache/tiercache/internal/invariants"
 )
 
 // run is a contiguous piece of cache blocks inside one bucket.
@@ -159,6 +161,11 @@ func (s *Set) evictOne() bool {
 	s.mu.Lock()
 	b := &s.mu.buckets[victim]
 	s.dropBucketLocked(victim, true)
+	if invariants.Enabled {
+		if err := s.checkLocked(); err != nil {
+			invariants.AssertionFailedf("after evicting bucket %d: %v", victim, err)
+		}
+	}
 	if b.live > 0 || b.pins > 0 || b.state != bucketSealed {
 		// Dirty blocks that could not be written back yet (claimed by a
 		// passthrough write, or failing), or reads in flight: retry later,

@@ -23,6 +23,7 @@ import (
 	"math/bits"
 
 	"github.com/google/btree"
+	"github.com/tiercache/tiercache/internal/invariants"
 )
 
 // ent maps one 4 KiB block of a volume to a cache block.
@@ -106,6 +107,9 @@ func (s *Set) insertLocked(vi int, lba uint64, loc uint32, crc uint32, dirty boo
 	if old, ok := v.idx.tree.ReplaceOrInsert(e); ok {
 		s.unaccountLocked(vi, old)
 	}
+	if invariants.Enabled && s.mu.owner[loc] != 0 {
+		invariants.AssertionFailedf("cache block %d given to vol %d lba %d is owned (%#x)", loc, vi, lba, s.mu.owner[loc])
+	}
 	s.mu.owner[loc] = ownerKey(vi, lba)
 	b := &s.mu.buckets[int64(loc)/s.bpb]
 	b.live++
@@ -122,6 +126,10 @@ func (s *Set) insertLocked(vi int, lba uint64, loc uint32, crc uint32, dirty boo
 func (s *Set) unaccountLocked(vi int, old ent) {
 	v := s.vols[vi]
 	loc := old.block()
+	if invariants.Enabled && (s.mu.owner[loc] != ownerKey(vi, old.lba) || s.mu.buckets[int64(loc)/s.bpb].live == 0) {
+		invariants.AssertionFailedf("releasing cache block %d of vol %d lba %d: owner %#x, bucket live %d",
+			loc, vi, old.lba, s.mu.owner[loc], s.mu.buckets[int64(loc)/s.bpb].live)
+	}
 	s.mu.owner[loc] = 0
 	b := &s.mu.buckets[int64(loc)/s.bpb]
 	b.live--

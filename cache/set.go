@@ -11,6 +11,7 @@ import (
 
 	"github.com/google/btree"
 	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/internal/invariants"
 )
 
 // BackingSpec names a backing device supplied to Format or Open.
@@ -453,6 +454,11 @@ func (s *Set) err() error {
 func (s *Set) fail(err error) error {
 	s.failed.CompareAndSwap(nil, &err)
 	s.log.Error("cache set failed", "err", err)
+	// Wake writers waiting for space: they return the error now.
+	// REQUIRES: not s.mu (fail is only called from the commit path).
+	s.mu.Lock()
+	s.mu.cond.Broadcast()
+	s.mu.Unlock()
 	return err
 }
 
@@ -506,7 +512,9 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 	upto := s.mu.seq
 	blocks := packRecords(stream)
 	jblocks := s.lay.JournalLen / blockSize
-	if forceCkpt || int64(len(blocks)) > jblocks-s.jr.used {
+	// In invariants builds, checkpoint at random to exercise generation
+	// switches and slot alternation far more often than a full journal does.
+	if forceCkpt || int64(len(blocks)) > jblocks-s.jr.used || invariants.Sometimes(3) {
 		s.mu.Unlock()
 		// A checkpoint covers the taken records (it snapshots the index,
 		// which already reflects them).
@@ -684,6 +692,12 @@ func (s *Set) Close() error {
 		return fmt.Errorf("close: %w", err)
 	}
 	return nil
+}
+
+// Flush makes every write completed so far, on every volume, durable (one
+// group commit for the whole set).
+func (s *Set) Flush() error {
+	return s.commit(s.appended())
 }
 
 // crashStop stops the background goroutines without writing anything, as if
