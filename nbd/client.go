@@ -633,17 +633,23 @@ func (c *Client) readLoop() {
 	}
 }
 
-func (c *Client) lookup(handle uint64, remove bool) (*call, error) {
+// lookup finds the call a reply is for. The call stays pending until
+// complete, so that if the reply turns out to be broken, readLoop fails it.
+func (c *Client) lookup(handle uint64) (*call, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	cl, ok := c.mu.pending[handle]
 	if !ok {
 		return nil, fmt.Errorf("nbd: reply for unknown handle %d", handle)
 	}
-	if remove {
-		delete(c.mu.pending, handle)
-	}
 	return cl, nil
+}
+
+func (c *Client) complete(cl *call) {
+	c.mu.Lock()
+	delete(c.mu.pending, cl.h.Handle)
+	c.mu.Unlock()
+	cl.done <- struct{}{}
 }
 
 func (c *Client) readReplies() error {
@@ -658,12 +664,13 @@ func (c *Client) readReplies() error {
 				return err
 			}
 			errno := binary.BigEndian.Uint32(b[4:])
-			cl, err := c.lookup(binary.BigEndian.Uint64(b[8:]), true)
+			cl, err := c.lookup(binary.BigEndian.Uint64(b[8:]))
 			if err != nil {
 				return err
 			}
+			var cerr error
 			if errno != 0 {
-				cl.err = &Error{Errno: errno, Op: cmdName(cl.h.Type), Offset: cl.h.Offset, Length: cl.h.Length}
+				cerr = &Error{Errno: errno, Op: cmdName(cl.h.Type), Offset: cl.h.Offset, Length: cl.h.Length}
 			} else if cl.h.Type == cmdRead {
 				if c.structured {
 					return errors.New("nbd: simple reply to READ with structured replies")
@@ -675,7 +682,8 @@ func (c *Client) readReplies() error {
 					return err
 				}
 			}
-			cl.done <- struct{}{}
+			cl.err = cerr
+			c.complete(cl)
 
 		case structuredReplyMagic:
 			if !c.structured {
@@ -686,7 +694,7 @@ func (c *Client) readReplies() error {
 			}
 			flags := binary.BigEndian.Uint16(b[4:])
 			done := flags&replyFlagDone != 0
-			cl, err := c.lookup(binary.BigEndian.Uint64(b[8:]), done)
+			cl, err := c.lookup(binary.BigEndian.Uint64(b[8:]))
 			if err != nil {
 				return err
 			}
@@ -697,7 +705,7 @@ func (c *Client) readReplies() error {
 				if cl.err == nil && cl.h.Type == cmdRead && cl.got != uint64(cl.h.Length) {
 					return fmt.Errorf("nbd: READ reply covered %d of %d bytes", cl.got, cl.h.Length)
 				}
-				cl.done <- struct{}{}
+				c.complete(cl)
 			}
 		default:
 			return errors.New("nbd: bad reply magic")
@@ -754,8 +762,8 @@ func (c *Client) readChunk(cl *call, typ uint16, n uint32) error {
 	if typ&replyTypeErrorBit == 0 {
 		return fmt.Errorf("nbd: unknown reply chunk type %d", typ)
 	}
-	if n < 6 {
-		return errors.New("nbd: short error chunk")
+	if n < 6 || n > 6+maxStringLen+8 {
+		return fmt.Errorf("nbd: error chunk length %d", n)
 	}
 	p := make([]byte, n)
 	if _, err := io.ReadFull(c.br, p); err != nil {
