@@ -185,8 +185,15 @@ func (c *conn) dispatch(h requestHeader) bool {
 	}
 	if errno != 0 {
 		c.log.Debug("nbd: invalid request", "cmd", cmdName(h.Type), "flags", h.Flags, "offset", h.Offset, "length", h.Length, "errno", errno, "why", msg)
+		// Error replies hold budget too: a client sending only invalid
+		// requests, and reading no replies, must be bounded as well.
+		if !c.sem.acquire(minCharge) {
+			return false
+		}
 		r := requestPool.Get().(*request)
 		r.h = h
+		r.charge = minCharge
+		c.running.Add(1)
 		c.sendError(r, errno, msg)
 		return c.writeOK()
 	}
@@ -450,9 +457,7 @@ func (c *conn) sendError(r *request, errno uint32, msg string) {
 // request by a third); with a single request in flight the reply goes out
 // at once.
 func (c *conn) queueReply(r *request) {
-	if r.charge > 0 {
-		c.running.Add(-1)
-	}
+	c.running.Add(-1)
 	c.wmu.Lock()
 	c.wq = append(c.wq, r)
 	if c.writing {
