@@ -440,9 +440,10 @@ func TestHDDNoDrift(t *testing.T) {
 
 // TestHDDRealClock runs the model on the real clock, 20 times faster than
 // real time, with the actuator always busy: each decision falls due every
-// ~250 µs of wall time. A loaded machine delays the clients as well as the
-// loop, so the bound is loose; a model that lost each late wake-up would
-// fall to ~110 IOPS.
+// ~250 µs of wall time. On an unloaded machine it gives ~190 IOPS, the
+// virtual-time figure. A loaded machine delays the clients as well as the
+// loop (a load average of 15 on 2 cores gave ~120), so the bound only
+// catches a collapse; TestHDDNoDrift checks lateness deterministically.
 func TestHDDRealClock(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real clock")
@@ -459,7 +460,7 @@ func TestHDDRealClock(t *testing.T) {
 	}
 	busy := float64(r.Stats.BusyTime) / float64(r.Elapsed)
 	t.Logf("real clock x20: %.0f IOPS (model time), actuator busy %.0f%%", r.IOPS, 100*busy)
-	if r.IOPS < 130 {
+	if r.IOPS < 60 {
 		t.Errorf("%.0f IOPS, actuator busy %.0f%% of the time; want ~190", r.IOPS, 100*busy)
 	}
 }
