@@ -442,8 +442,8 @@ func TestHDDNoDrift(t *testing.T) {
 // real time, with the actuator always busy: each decision falls due every
 // ~250 µs of wall time. On an unloaded machine it gives ~190 IOPS, the
 // virtual-time figure. A loaded machine delays the clients as well as the
-// loop (a load average of 15 on 2 cores gave ~120), so the bound only
-// catches a collapse; TestHDDNoDrift checks lateness deterministically.
+// loop, so the bound only catches a collapse; TestHDDNoDrift checks
+// lateness deterministically.
 func TestHDDRealClock(t *testing.T) {
 	if testing.Short() {
 		t.Skip("real clock")
