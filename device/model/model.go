@@ -111,6 +111,27 @@ func Wrap(kind string, inner device.Device, p Params) (Model, error) {
 	return nil, fmt.Errorf("model: unknown kind %q (want %s, %s or %s)", kind, KindHDD, KindSSD, KindNVMe)
 }
 
+// Open opens a device spec for the CLI: "KIND:PATH" (see Parse) opens PATH
+// with device.OpenFile and wraps it in the model, with parameters p. For
+// any other spec it returns ok=false and opens nothing, so the caller can
+// treat spec as a plain path. Closing the model closes the file.
+func Open(spec string, fo device.FileOptions, p Params) (m Model, ok bool, err error) {
+	kind, path, ok := Parse(spec)
+	if !ok {
+		return nil, false, nil
+	}
+	f, err := device.OpenFile(path, fo)
+	if err != nil {
+		return nil, true, err
+	}
+	m, err = Wrap(kind, f, p)
+	if err != nil {
+		f.Close()
+		return nil, true, err
+	}
+	return m, true, nil
+}
+
 // writeZeroes zeroes [off, off+length) of d, through its Zeroer if it has
 // one.
 func writeZeroes(d device.Device, off, length int64) error {

@@ -121,6 +121,35 @@ func TestParse(t *testing.T) {
 	}
 }
 
+func TestOpen(t *testing.T) {
+	path := t.TempDir() + "/disk.img"
+	if err := device.CreateSparse(path, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	m, ok, err := Open("hdd:"+path, device.FileOptions{}, Params{TimeScale: 1e-3})
+	if err != nil || !ok {
+		t.Fatalf("Open(hdd:...) = %v, %v", ok, err)
+	}
+	if _, ok := m.(*HDD); !ok || m.Size() != 1<<20 {
+		t.Errorf("Open(hdd:...) gave %T of size %d", m, m.Size())
+	}
+	if _, err := m.WriteAt([]byte("data"), 4096); err != nil {
+		t.Error(err)
+	}
+	if err := m.Close(); err != nil {
+		t.Error(err)
+	}
+	if m, ok, err := Open(path, device.FileOptions{}, Params{}); ok || m != nil || err != nil {
+		t.Errorf("Open(plain path) = %v, %v, %v; want nil, false, nil", m, ok, err)
+	}
+	if _, ok, err := Open("ssd:"+path+".missing", device.FileOptions{}, Params{}); !ok || err == nil {
+		t.Errorf("Open(ssd:missing) = %v, %v; want true and an error", ok, err)
+	}
+	if _, ok, err := Open("nvme:"+path, device.FileOptions{}, Params{TimeScale: -1}); !ok || err == nil {
+		t.Errorf("Open with a bad time scale = %v, %v; want true and an error", ok, err)
+	}
+}
+
 func TestBadParams(t *testing.T) {
 	m := device.NewMem(1 << 20)
 	if _, err := Wrap("tape", m, Params{}); err == nil {
