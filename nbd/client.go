@@ -3,6 +3,7 @@ package nbd
 import (
 	"bufio"
 	"context"
+	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -23,6 +24,9 @@ type ClientOptions struct {
 	// BlockStatus selects the base:allocation meta context (implies
 	// StructuredReplies), enabling Client.BlockStatus.
 	BlockStatus bool
+	// TLSConfig makes the client start with NBD_OPT_STARTTLS and fail if
+	// the server refuses TLS.
+	TLSConfig *tls.Config
 }
 
 // Client is an NBD client connection to one export. Its methods are safe
@@ -224,6 +228,27 @@ func (c *Client) handshake(name string, opts ClientOptions) error {
 	noZeroes, err := clientHello(c.nc, c.br)
 	if err != nil {
 		return err
+	}
+	if opts.TLSConfig != nil {
+		if err := sendOption(c.nc, optStartTLS, nil); err != nil {
+			return err
+		}
+		typ, data, err := readOptReply(c.br, optStartTLS)
+		if err != nil {
+			return err
+		}
+		if typ != repAck {
+			return fmt.Errorf("nbd: server refused TLS: %w", optError(optStartTLS, typ, data))
+		}
+		if c.br.Buffered() != 0 {
+			return errors.New("nbd: server sent data before the TLS handshake")
+		}
+		tc := tls.Client(c.nc, opts.TLSConfig)
+		if err := tc.Handshake(); err != nil {
+			return fmt.Errorf("nbd: TLS handshake: %w", err)
+		}
+		c.nc = tc
+		c.br.Reset(tc)
 	}
 	if opts.StructuredReplies || opts.BlockStatus {
 		if err := sendOption(c.nc, optStructuredReply, nil); err != nil {

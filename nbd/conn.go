@@ -41,6 +41,8 @@ type conn struct {
 	}
 
 	// Negotiated during the handshake; read-only afterwards.
+	tlsOn        bool          // c.nc is a *tls.Conn
+	bw           *bufio.Writer // with TLS: coalesces a batch into few records
 	noZeroes     bool
 	structured   bool
 	metaSelected bool   // base:allocation selected by SET_META_CONTEXT...
@@ -118,7 +120,12 @@ func (c *conn) beginShutdown() {
 
 // serve runs the connection to its end.
 func (c *conn) serve() {
-	defer c.raw.Close()
+	defer func() {
+		if c.tlsOn {
+			c.nc.Close() // sends close_notify, then closes c.raw
+		}
+		c.raw.Close()
+	}()
 	if err := c.handshake(); err != nil {
 		if !errors.Is(err, errAbort) && !errors.Is(err, io.EOF) {
 			c.log.Debug("nbd: handshake failed", "err", err)
@@ -482,8 +489,12 @@ func (c *conn) queueReply(r *request) {
 			for _, r := range batch {
 				c.iov = append(c.iov, r.bufs...)
 			}
-			c.wbufs = c.iov
-			_, err = c.wbufs.WriteTo(c.nc)
+			if c.bw != nil {
+				err = c.writeBuffered()
+			} else {
+				c.wbufs = c.iov
+				_, err = c.wbufs.WriteTo(c.nc)
+			}
 			clear(c.iov[:cap(c.iov)])
 		}
 		for i, r := range batch {
@@ -503,6 +514,18 @@ func (c *conn) queueReply(r *request) {
 	c.writing = false
 	c.wmu.Unlock()
 }
+
+// writeBuffered writes c.iov through c.bw: over TLS, net.Buffers would
+// make one record per buffer.
+func (c *conn) writeBuffered() error {
+	for _, b := range c.iov {
+		if _, err := c.bw.Write(b); err != nil {
+			return err
+		}
+	}
+	return c.bw.Flush()
+}
+
 func putUint32(b []byte, v uint32) {
 	_ = b[3]
 	b[0], b[1], b[2], b[3] = byte(v>>24), byte(v>>16), byte(v>>8), byte(v)

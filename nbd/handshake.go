@@ -1,6 +1,8 @@
 package nbd
 
 import (
+	"bufio"
+	"crypto/tls"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -12,8 +14,7 @@ import (
 // The option phase (fixed newstyle only). It runs on the connection's own
 // goroutine, reading through c.br and writing directly to c.nc. Nothing is
 // read ahead of an option's data, so after an NBD_OPT_STARTTLS reply the
-// buffer is empty and c.nc/c.br can be swapped for a tls.Conn (see
-// upgradeTLS, still to be written).
+// buffer is empty and c.nc/c.br are swapped for a tls.Conn (upgradeTLS).
 
 var (
 	errAbort    = errors.New("client sent NBD_OPT_ABORT")
@@ -79,6 +80,15 @@ func (c *conn) handshake() error {
 		if _, err := io.ReadFull(c.br, data); err != nil {
 			return err
 		}
+		if c.s.cfg.RequireTLS && !c.tlsOn && opt != optStartTLS && opt != optAbort {
+			if opt == optExportName {
+				return errors.New("NBD_OPT_EXPORT_NAME before TLS")
+			}
+			if err := c.optReply(opt, repErrTLSReqd, []byte("TLS required")); err != nil {
+				return err
+			}
+			continue
+		}
 		if c.shuttingDown() && opt != optAbort && opt != optExportName {
 			if err := c.optReply(opt, repErrShutdown, []byte("server shutting down")); err != nil {
 				return err
@@ -133,10 +143,18 @@ func (c *conn) option(opt uint32, data []byte) (done bool, err error) {
 		return false, c.optReply(opt, repAck, nil)
 
 	case optStartTLS:
-		if len(data) != 0 {
+		switch {
+		case len(data) != 0:
 			return false, c.optReply(opt, repErrInvalid, []byte("NBD_OPT_STARTTLS takes no data"))
+		case c.s.cfg.TLSConfig == nil:
+			return false, c.optReply(opt, repErrPolicy, []byte("TLS is not configured"))
+		case c.tlsOn:
+			return false, c.optReply(opt, repErrInvalid, []byte("TLS already negotiated"))
 		}
-		return false, c.optReply(opt, repErrPolicy, []byte("TLS is not configured"))
+		if err := c.optReply(opt, repAck, nil); err != nil {
+			return false, err
+		}
+		return false, c.upgradeTLS()
 
 	case optInfo, optGo:
 		return c.optInfoGo(opt, data)
@@ -342,5 +360,24 @@ func (c *conn) enterTransmission() error {
 	}
 	c.mu.transmission = true
 	c.raw.SetDeadline(time.Time{})
+	return nil
+}
+
+// upgradeTLS runs the TLS handshake after an NBD_OPT_STARTTLS ACK and
+// continues the session over it. Negotiation state from before is dropped,
+// as the spec requires.
+func (c *conn) upgradeTLS() error {
+	if c.br.Buffered() != 0 {
+		return errors.New("client sent data before the TLS handshake")
+	}
+	tc := tls.Server(c.raw, c.s.cfg.TLSConfig)
+	if err := tc.Handshake(); err != nil {
+		return fmt.Errorf("TLS handshake: %w", err)
+	}
+	c.nc = tc
+	c.br.Reset(tc)
+	c.bw = bufio.NewWriterSize(tc, 64<<10)
+	c.tlsOn = true
+	c.structured, c.metaSelected, c.metaExport = false, false, ""
 	return nil
 }

@@ -2,6 +2,7 @@ package nbd
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -53,6 +54,14 @@ type Config struct {
 	// DefaultExport is the export that the empty name ("") selects, if no
 	// export is named "".
 	DefaultExport string
+	// TLSConfig enables NBD_OPT_STARTTLS (else it is refused with
+	// NBD_REP_ERR_POLICY).
+	TLSConfig *tls.Config
+	// RequireTLS selects the spec's FORCEDTLS mode: until TLS is up, every
+	// option but STARTTLS and ABORT fails with NBD_REP_ERR_TLS_REQD (and
+	// NBD_OPT_EXPORT_NAME closes the connection). Without TLSConfig nobody
+	// can connect.
+	RequireTLS bool
 }
 
 // Server serves exports over NBD (fixed newstyle handshake only). It is
