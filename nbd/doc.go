@@ -4,10 +4,22 @@
 //
 // The protocol is doc/proto.md of github.com/NetworkBlockDevice/nbd. Only
 // fixed newstyle negotiation is spoken, with NBD_OPT_EXPORT_NAME, INFO, GO,
-// LIST, ABORT, STRUCTURED_REPLY and the base:allocation meta context;
-// STARTTLS is refused with NBD_REP_ERR_POLICY for now (the handshake reads
-// nothing ahead of an option, so the connection can later be swapped for a
-// tls.Conn at that point).
+// LIST, ABORT, STRUCTURED_REPLY, the base:allocation meta context (reported
+// as one allocated extent) and STARTTLS. TLS is off unless Config.TLSConfig
+// is set (STARTTLS then gets NBD_REP_ERR_POLICY); with Config.RequireTLS
+// the server runs the spec's FORCEDTLS mode. The handshake reads nothing
+// ahead of an option's data, so after the STARTTLS reply the connection is
+// swapped for a tls.Conn in place. Extended headers are not supported
+// (NBD_REP_ERR_UNSUP), so lengths are 32-bit.
+//
+// Block sizes: an export advertises its minimum, preferred and maximum
+// block size (default 1, 4096, 32 MiB) in every NBD_OPT_INFO/GO reply and
+// enforces them on every request: misaligned requests, and READ, WRITE,
+// CACHE or WRITE_ZEROES (without FAST_ZERO) longer than the maximum fail
+// with EINVAL; a WRITE payload is discarded to keep the stream in sync,
+// unless longer than 64 MiB, which closes the connection. Requests beyond
+// the end fail with ENOSPC for WRITE and WRITE_ZEROES, EINVAL otherwise;
+// writes, trims and zeroes on a read-only export with EPERM.
 //
 // # Server design
 //
