@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	mrand "math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -266,7 +267,11 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	for vi, cv := range cd.vols {
 		s.vols[vi].idx.epoch = cv.epoch
-		for _, e := range cv.ents {
+		// Insert in random order: B-tree nodes split at the middle, so
+		// inserting in LBA order would leave them half full (43.7 instead
+		// of 32.8 bytes per block measured at 1M entries).
+		for _, i := range mrand.Perm(len(cv.ents)) {
+			e := cv.ents[i]
 			s.insertLocked(vi, e.lba, e.block(), e.crc, e.dirty())
 		}
 		cd.vols[vi].ents = nil
