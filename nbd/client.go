@@ -9,7 +9,9 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -64,7 +66,8 @@ type Client struct {
 		err        error // terminal error; set once
 	}
 	readerDone chan struct{}
-	rscratch   [16]byte // reader goroutine only
+	inflight   atomic.Int64 // calls sent and not yet completed by a reply
+	rscratch   [16]byte     // reader goroutine only
 	closeOnce  sync.Once
 }
 
@@ -541,6 +544,7 @@ func (c *Client) start(typ, flags uint16, off uint64, length uint32, wdata, rdat
 	cl.h = requestHeader{Flags: flags, Type: typ, Handle: c.mu.next, Offset: off, Length: length}
 	c.mu.pending[cl.h.Handle] = cl
 	c.mu.Unlock()
+	c.inflight.Add(1)
 
 	encodeRequest(cl.hdr[:], cl.h)
 	cl.bufArr[0] = cl.hdr[:]
@@ -571,6 +575,13 @@ func (c *Client) send(cl *call) {
 		return
 	}
 	c.writing = true
+	if c.inflight.Load() > int64(len(c.wq)) {
+		// Callers woken by the same burst of replies are likely about to
+		// send too: let them join this batch.
+		c.wmu.Unlock()
+		runtime.Gosched()
+		c.wmu.Lock()
+	}
 	for len(c.wq) > 0 {
 		batch := c.wq
 		c.wq = c.wspare[:0]
@@ -652,6 +663,7 @@ func (c *Client) readLoop() {
 		c.wcond.Wait()
 	}
 	c.wmu.Unlock()
+	c.inflight.Add(-int64(len(pending)))
 	for _, cl := range pending {
 		cl.err = ferr
 		cl.done <- struct{}{}
@@ -674,6 +686,7 @@ func (c *Client) complete(cl *call) {
 	c.mu.Lock()
 	delete(c.mu.pending, cl.h.Handle)
 	c.mu.Unlock()
+	c.inflight.Add(-1)
 	cl.done <- struct{}{}
 }
 
