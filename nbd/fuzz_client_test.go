@@ -154,3 +154,37 @@ func FuzzClientReplies(f *testing.F) {
 }
 
 var _ io.Reader = (*serverConn)(nil)
+
+// TestClientExportNameFallback: a server without NBD_OPT_GO gets
+// NBD_OPT_EXPORT_NAME.
+func TestClientExportNameFallback(t *testing.T) {
+	for _, noZeroes := range []bool{true, false} {
+		g := greeting()
+		if !noZeroes {
+			g[17] &^= byte(flagNoZeroes)
+		}
+		reply := binary.BigEndian.AppendUint64(nil, 12345)
+		reply = binary.BigEndian.AppendUint16(reply, FlagHasFlags|FlagReadOnly)
+		if !noZeroes {
+			reply = append(reply, make([]byte, 124)...)
+		}
+		sc := newServerConn(cat(g, optRep(optGo, repErrUnsup, nil), reply), simpleRep(0, 1, nil))
+		c, err := NewClient(t.Context(), sc, "old", ClientOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.Size() != 12345 || c.Flags() != FlagHasFlags|FlagReadOnly {
+			t.Fatalf("size %d flags %#x", c.Size(), c.Flags())
+		}
+		cl, err := c.start(cmdFlush, 0, 0, 0, nil, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		sc.release() // the scripted reply follows the request
+		<-cl.done
+		if cl.err != nil {
+			t.Fatalf("noZeroes=%v: flush: %v", noZeroes, cl.err)
+		}
+		c.Close()
+	}
+}

@@ -229,16 +229,15 @@ func (s *Server) Serve(l net.Listener) error {
 			if shut {
 				return ErrServerClosed
 			}
-			var ne net.Error
-			if errors.As(err, &ne) && ne.Timeout() {
-				// Transient (e.g. EMFILE surfaces as a temporary error):
-				// back off like net/http.
-				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
-				s.log.Warn("nbd: accept", "err", err, "retry", delay)
-				time.Sleep(delay)
-				continue
+			if errors.Is(err, net.ErrClosed) {
+				return err
 			}
-			return err
+			// Anything else (EMFILE, ECONNABORTED, ...) may pass: back
+			// off and retry, as net/http does.
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			s.log.Warn("nbd: accept", "err", err, "retry", delay)
+			time.Sleep(delay)
+			continue
 		}
 		delay = 0
 		s.startConn(nc)

@@ -729,3 +729,43 @@ func TestClientSurvivesServerDeath(t *testing.T) {
 		t.Fatalf("%d goroutines saw the failure", failed.Load())
 	}
 }
+
+// flakyListener fails its first Accept calls with a non-timeout error.
+type flakyListener struct {
+	net.Listener
+	fails atomic.Int64
+}
+
+func (l *flakyListener) Accept() (net.Conn, error) {
+	if l.fails.Add(-1) >= 0 {
+		return nil, &net.OpError{Op: "accept", Err: syscall.EMFILE}
+	}
+	return l.Listener.Accept()
+}
+
+func TestServeSurvivesAcceptErrors(t *testing.T) {
+	s := NewServer(Config{})
+	if err := s.AddExport(Export{Name: "d", Backend: newMem(4096)}); err != nil {
+		t.Fatal(err)
+	}
+	path := sockPath(t)
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fl := &flakyListener{Listener: l}
+	fl.fails.Store(3)
+	served := make(chan error, 1)
+	go func() { served <- s.Serve(fl) }()
+	c, err := Dial(t.Context(), "unix", path, "d", ClientOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c.Close()
+	if err := s.Shutdown(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if err := <-served; !errors.Is(err, ErrServerClosed) {
+		t.Fatal(err)
+	}
+}
