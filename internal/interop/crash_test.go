@@ -11,6 +11,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strconv"
 	"strings"
 	"syscall"
@@ -81,6 +82,38 @@ type killableServer struct {
 	log  *syncBuffer
 	done chan struct{}
 	err  error // Wait's result, valid after done is closed
+
+	// From each start's "cache set open" log line: evidence that kills
+	// left dirty data for recovery and writeback.
+	starts, dirtyStarts, maxDirty int64
+	maxRecovery                   time.Duration
+}
+
+var (
+	dirtyRE    = regexp.MustCompile(`dirty_blocks=(\d+)`)
+	recoveryRE = regexp.MustCompile(`recovery=(\S+)`)
+)
+
+// noteStart records the recovery figures the server logged.
+func (s *killableServer) noteStart() {
+	l := s.log.String()
+	s.starts++
+	if m := dirtyRE.FindStringSubmatch(l); m != nil {
+		if n, _ := strconv.ParseInt(m[1], 10, 64); n > 0 {
+			s.dirtyStarts++
+			s.maxDirty = max(s.maxDirty, n)
+		}
+	}
+	if m := recoveryRE.FindStringSubmatch(l); m != nil {
+		if d, err := time.ParseDuration(m[1]); err == nil {
+			s.maxRecovery = max(s.maxRecovery, d)
+		}
+	}
+}
+
+func (s *killableServer) recoveryStats() string {
+	return fmt.Sprintf("%d starts, %d of them recovering dirty blocks (at most %d), longest recovery %v",
+		s.starts, s.dirtyStarts, s.maxDirty, s.maxRecovery)
 }
 
 func newKillableServer(t *testing.T, args ...string) *killableServer {
@@ -113,6 +146,7 @@ func (s *killableServer) Start(ctx context.Context) error {
 		c, err := net.Dial("unix", s.sock)
 		if err == nil {
 			c.Close()
+			s.noteStart()
 			return nil
 		}
 		select {
@@ -280,7 +314,7 @@ func TestKillCycles(t *testing.T) {
 					areaMiB, ops, maxBlocks, c.name, seed-uint64(i), cycles),
 				Logf: t.Logf,
 			})
-			t.Logf("%s: %v in %v", c.name, st, time.Since(start).Round(time.Millisecond))
+			t.Logf("%s: %v in %v; server: %s", c.name, st, time.Since(start).Round(time.Millisecond), srv.recoveryStats())
 			if err != nil {
 				log := ""
 				if srv.log != nil {
