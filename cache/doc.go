@@ -25,7 +25,7 @@
 //	magic "TIERCSB\x01" | version u32 | payload len u32 | crc32c u32 | pad u32 |
 //	seq u64 | set uuid [16] | block size u32 | bucket size u64 | nbuckets u64 |
 //	journal off, len u64 | ckpt off[2], len u64 | buckets off u64 | clean u8 |
-//	nbackings u16 | { name str16 | id str16 | size u64 | mode u8 } ...
+//	nbackings u16 | { name str16 | id str16 | size u64 | mode u8 | path str16 } ...
 //
 // The crc32c covers header (crc field zeroed) and payload. Updates write the
 // copy seq%2 with seq+1, so the other copy always holds the previous

@@ -98,6 +98,9 @@ func (sb *Superblock) encode() ([]byte, error) {
 		e.str(b.Path)
 	}
 	b := e.b
+	if len(b) > sbCopySize {
+		return nil, fmt.Errorf("%w: superblock of %d bytes exceeds its %d-byte slot (too many backings or long paths)", ErrInvalid, len(b), sbCopySize)
+	}
 	copy(b[0:8], sbMagic)
 	le.PutUint32(b[8:], formatVersion)
 	le.PutUint32(b[12:], uint32(len(b)-sbHeaderSize))

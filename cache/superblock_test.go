@@ -2,6 +2,7 @@ package cache
 
 import (
 	"errors"
+	"fmt"
 	"testing"
 
 	"github.com/tiercache/tiercache/device"
@@ -35,7 +36,7 @@ func testSuperblock() *Superblock {
 	bs := int64(16 << 10)
 	sb := &Superblock{Version: formatVersion, Seq: 7, BlockSize: blockSize, BucketSize: bs, NBuckets: 8,
 		JournalOff: 2 * sbCopySize, JournalLen: minJournalLen,
-		Backings: []BackingInfo{{Name: "a", ID: "uuid-a", Size: 1 << 20, Mode: Writeback}, {Name: "b", Size: 5<<20 + 512, Mode: None}}}
+		Backings: []BackingInfo{{Name: "a", ID: "uuid-a", Size: 1 << 20, Mode: Writeback, Path: "/dev/disk/by-id/a"}, {Name: "b", Size: 5<<20 + 512, Mode: None}}}
 	sb.SetUUID[3] = 9
 	sb.CkptOff[0] = sb.JournalOff + sb.JournalLen
 	sb.CkptLen = ckptLenFor(8, bs/blockSize, 2)
@@ -150,6 +151,17 @@ func TestOpenRefusesMismatch(t *testing.T) {
 		if err := s.Close(); err != nil {
 			t.Fatal(err)
 		}
+	}
+}
+
+func TestSuperblockTooLarge(t *testing.T) {
+	sb := testSuperblock()
+	long := string(make([]byte, maxPathLen))
+	for i := 0; i < 20; i++ {
+		sb.Backings = append(sb.Backings, BackingInfo{Name: fmt.Sprint("b", i), Size: 1 << 20, Path: long})
+	}
+	if _, err := sb.encode(); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("oversized superblock: %v", err)
 	}
 }
 
