@@ -769,3 +769,45 @@ func TestServeSurvivesAcceptErrors(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestManyConnections: many clients at once, each on its own region, with
+// multi-conn flush semantics (a flush on one connection after writes
+// completed on others).
+func TestManyConnections(t *testing.T) {
+	mem := newMem(4 << 20)
+	ts := startServer(t, Config{}, Export{Name: "d", Backend: mem})
+	const n = 32
+	clients := make([]*Client, n)
+	for i := range clients {
+		clients[i] = ts.dial(t, "d", ClientOptions{StructuredReplies: i%2 == 0})
+	}
+	var wg sync.WaitGroup
+	for i, c := range clients {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			buf := bytes.Repeat([]byte{byte(i)}, 64<<10)
+			off := int64(i) * (128 << 10)
+			for j := range 4 {
+				if err := c.WriteAt(buf, off+int64(j%2)*(64<<10), false); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	flushes := mem.flushes.Load()
+	if err := clients[0].Flush(); err != nil || mem.flushes.Load() != flushes+1 {
+		t.Fatalf("flush: %v", err)
+	}
+	got := make([]byte, 128<<10)
+	for i, c := range clients {
+		if err := c.ReadAt(got, int64((i+1)%n)*(128<<10)); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, bytes.Repeat([]byte{byte((i + 1) % n)}, len(got))) {
+			t.Fatalf("client %d sees wrong data for region %d", i, (i+1)%n)
+		}
+	}
+}
