@@ -70,6 +70,7 @@ func fastHDD(tune func(*HDDParams)) func(t *testing.T, size int64) device.Device
 type plain struct{ device.Device }
 
 func TestHDDConformance(t *testing.T) {
+	t.Parallel()
 	t.Run("WriteCache", func(t *testing.T) { devicetest.RunConformance(t, fastHDD(nil)) })
 	// Write-through and FIFO, over a device without Discard and
 	// WriteZeroes (the fallbacks).
@@ -89,6 +90,7 @@ func TestHDDConformance(t *testing.T) {
 // The SSD and NVMe models share their code; the conformance suite runs on
 // one.
 func TestSSDConformance(t *testing.T) {
+	t.Parallel()
 	devicetest.RunConformance(t, func(t *testing.T, size int64) device.Device {
 		d, err := Wrap(KindNVMe, device.NewMem(size), Params{TimeScale: 0.01})
 		if err != nil {
