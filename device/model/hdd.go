@@ -641,9 +641,10 @@ func (h *HDD) decideLocked(td int64) bool {
 	clear(h.mu.queue[len(q):])
 	h.mu.queue = q
 
-	// Candidates: the oldest QueueDepth host requests, and dirty extents
-	// near the head. The oldest host request goes first once it is older
-	// than AgeLimit (starvation protection).
+	// Candidates: the oldest QueueDepth host requests and the oldest
+	// DestageQueue cached writes, by shortest positioning time. The oldest
+	// host request goes first once it is older than AgeLimit (starvation
+	// protection).
 	var (
 		best      *hreq
 		bestDirty = -1
