@@ -118,6 +118,17 @@ func (c *conn) beginShutdown() {
 	c.sem.abort()
 }
 
+// servedExport returns the export of a connection that reached the
+// transmission phase, else nil.
+func (c *conn) servedExport() *export {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.mu.transmission {
+		return nil
+	}
+	return c.x // written before transmission was set under c.mu
+}
+
 // serve runs the connection to its end.
 func (c *conn) serve() {
 	defer func() {

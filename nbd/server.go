@@ -165,7 +165,8 @@ func (s *Server) AddExport(e Export) error {
 }
 
 // RemoveExport makes the export unavailable to new connections. Existing
-// connections to it keep being served; they flush it on NBD_CMD_DISC.
+// connections to it keep being served (and flush it on NBD_CMD_DISC);
+// Shutdown still flushes it if it had connections.
 func (s *Server) RemoveExport(name string) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -309,9 +310,17 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		return ctx.Err()
 	}
 
+	// Flush every export, and those that were removed but still had
+	// connections.
+	xs := s.exportList()
+	for _, c := range conns {
+		if x := c.servedExport(); x != nil {
+			xs = append(xs, x)
+		}
+	}
 	var errs []error
 	seen := make(map[Backend]bool)
-	for _, x := range s.exportList() {
+	for _, x := range xs {
 		if seen[x.Backend] {
 			continue
 		}

@@ -811,3 +811,21 @@ func TestManyConnections(t *testing.T) {
 		}
 	}
 }
+
+func TestShutdownFlushesRemovedExportInUse(t *testing.T) {
+	mem := newMem(4096)
+	ts := startServer(t, Config{}, Export{Name: "d", Backend: mem})
+	c := ts.dial(t, "d", ClientOptions{})
+	if err := ts.RemoveExport("d"); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.WriteAt([]byte("x"), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := ts.Shutdown(t.Context()); err != nil {
+		t.Fatal(err)
+	}
+	if mem.flushes.Load() != 1 {
+		t.Fatalf("flushes = %d", mem.flushes.Load())
+	}
+}
