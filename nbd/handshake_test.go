@@ -3,6 +3,7 @@ package nbd
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"slices"
 	"testing"
 )
@@ -247,8 +248,8 @@ func TestHandshakeDefaultExport(t *testing.T) {
 	if c.Size() != 4096 || c.ExportName() != "d" {
 		t.Fatalf("size %d name %q", c.Size(), c.ExportName())
 	}
-	if _, err := Dial(t.Context(), "unix", ts.addr, "x", ClientOptions{}); err == nil {
-		t.Fatal("Dial of unknown export succeeded")
+	if _, err := Dial(t.Context(), "unix", ts.addr, "x", ClientOptions{}); !errors.Is(err, ErrUnknownExport) {
+		t.Fatalf("Dial of unknown export: %v", err)
 	}
 }
 

@@ -49,10 +49,3 @@ func (s *byteSem) abort() {
 	s.mu.Unlock()
 	s.cond.Broadcast()
 }
-
-// inUse reports the bytes currently acquired (for tests).
-func (s *byteSem) inUse() int64 {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.used
-}
