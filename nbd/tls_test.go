@@ -11,6 +11,7 @@ import (
 	"crypto/x509/pkix"
 	"errors"
 	"math/big"
+	"net"
 	"testing"
 	"time"
 )
@@ -26,7 +27,8 @@ func testTLS(t *testing.T) (server, client *tls.Config) {
 	tmpl := &x509.Certificate{
 		SerialNumber:          big.NewInt(1),
 		Subject:               pkix.Name{CommonName: "nbd-test"},
-		DNSNames:              []string{"nbd-test"},
+		DNSNames:              []string{"nbd-test", "localhost"},
+		IPAddresses:           []net.IP{net.IPv4(127, 0, 0, 1)},
 		NotBefore:             time.Now().Add(-time.Hour),
 		NotAfter:              time.Now().Add(time.Hour),
 		KeyUsage:              x509.KeyUsageDigitalSignature | x509.KeyUsageCertSign,
