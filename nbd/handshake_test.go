@@ -6,6 +6,7 @@ import (
 	"errors"
 	"slices"
 	"testing"
+	"time"
 )
 
 func handshakeServer(t *testing.T, cfg Config) *testServer {
@@ -294,5 +295,23 @@ func TestHandshakeMetaContext(t *testing.T) {
 		binary.BigEndian.Uint16(b[6:]) != replyTypeBlockStatus || binary.BigEndian.Uint32(b[16:]) != 12 ||
 		binary.BigEndian.Uint32(b[20:]) != baseAllocationID || binary.BigEndian.Uint32(b[24:]) != 8192 || binary.BigEndian.Uint32(b[28:]) != 0 {
 		t.Fatalf("block status reply % x", b)
+	}
+}
+
+func TestHandshakeTimeout(t *testing.T) {
+	ts := handshakeServer(t, Config{HandshakeTimeout: 50 * time.Millisecond})
+	r := ts.raw(t)
+	r.greet(flagCFixedNewstyle)
+	r.opt(optList, nil) // options do not extend the deadline
+	r.expect(optList, repServer)
+	r.expect(optList, repServer)
+	r.expect(optList, repAck)
+	r.expectClosed() // after 50 ms of no GO
+
+	// Once in transmission, the deadline no longer applies.
+	c := ts.dial(t, "disk", ClientOptions{})
+	time.Sleep(100 * time.Millisecond)
+	if err := c.Flush(); err != nil {
+		t.Fatal(err)
 	}
 }
