@@ -4,7 +4,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"path/filepath"
 	"strings"
 	"text/tabwriter"
 
@@ -116,10 +115,10 @@ func runFormat(g *globals, o *formatOptions) error {
 			return fmt.Errorf("--backing: name %q given twice", name)
 		}
 		seen[name] = true
-		if same, _ := sameFile(path, o.cache); same {
+		if same, _ := sameFile(devicePath(path), devicePath(o.cache)); same {
 			return fmt.Errorf("--backing %s: %s is the cache device", name, path)
 		}
-		id, err := backingid.Read(path)
+		id, err := backingid.Read(devicePath(path))
 		if err != nil {
 			return fmt.Errorf("backing %q: %w", name, err)
 		}
@@ -127,13 +126,13 @@ func runFormat(g *globals, o *formatOptions) error {
 			return fmt.Errorf("backing %q (%s) already belongs to cache set %s; detach it there first, or use --force if that set is gone", name, path, id.Set)
 		}
 		// Backing devices are opened read-only: format only measures them.
-		dev, err := device.OpenFile(path, device.FileOptions{ReadOnly: true, Direct: device.DirectOff})
+		dev, err := device.OpenFile(devicePath(path), device.FileOptions{ReadOnly: true, Direct: device.DirectOff})
 		if err != nil {
 			return fmt.Errorf("backing %q: %w", name, err)
 		}
 		bks = append(bks, backing{name: name, path: path, dev: dev})
 	}
-	cdev, err := device.OpenFile(o.cache, device.FileOptions{Direct: direct})
+	cdev, err := openDevice(o.cache, device.FileOptions{Direct: direct})
 	if err != nil {
 		return fmt.Errorf("cache device: %w", err)
 	}
@@ -144,12 +143,12 @@ func runFormat(g *globals, o *formatOptions) error {
 
 	specs := make([]cache.BackingSpec, len(bks))
 	for i := range bks {
-		id, err := backingid.EnsureID(bks[i].path)
+		id, err := backingid.EnsureID(devicePath(bks[i].path))
 		if err != nil {
 			return fmt.Errorf("backing %q: %w", bks[i].name, err)
 		}
 		bks[i].id = id
-		specs[i] = cache.BackingSpec{Name: bks[i].name, Dev: bks[i].dev, ID: id.ID, Path: absPath(bks[i].path)}
+		specs[i] = cache.BackingSpec{Name: bks[i].name, Dev: bks[i].dev, ID: id.ID, Path: absSpec(bks[i].path)}
 	}
 	pr := newProgress(g.stderr, "format", 3)
 	sb, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: bs, Mode: mode, Force: o.force, Progress: pr.set})
@@ -162,7 +161,7 @@ func runFormat(g *globals, o *formatOptions) error {
 	}
 	setUUID := fmtUUID(sb.SetUUID)
 	for _, b := range bks {
-		if _, err := backingid.Claim(b.path, setUUID, true); err != nil {
+		if _, err := backingid.Claim(devicePath(b.path), setUUID, true); err != nil {
 			return fmt.Errorf("backing %q: %w", b.name, err)
 		}
 	}
@@ -222,9 +221,3 @@ func sameFile(a, b string) (bool, error) {
 	return os.SameFile(fa, fb), nil
 }
 
-func absPath(p string) string {
-	if a, err := filepath.Abs(p); err == nil {
-		return a
-	}
-	return p
-}

@@ -62,6 +62,9 @@ it, and exports every backing device under its name. The backing devices are
 found at the paths recorded by format; --backing NAME=PATH overrides one.
 
 --export NAME=PATH serves a file or block device directly, without a cache.
+
+Any device PATH may be written hdd:PATH, ssd:PATH or nvme:PATH to put a
+performance model of such a disk over the file (see docs/MODELS.md).
 A backing file that belongs to a cache set is refused (the set may hold
 newer, dirty data for it) unless --force.
 
@@ -180,7 +183,7 @@ func serve(ctx context.Context, g *globals, o *serveOptions) error {
 		if err := refuseClaimed(log, name, path, o.force); err != nil {
 			return err
 		}
-		dev, err := device.OpenFile(path, device.FileOptions{ReadOnly: o.readOnly, Direct: direct})
+		dev, err := openDevice(path, device.FileOptions{ReadOnly: o.readOnly, Direct: direct})
 		if err != nil {
 			return fmt.Errorf("export %q: %w", name, err)
 		}
@@ -193,7 +196,7 @@ func serve(ctx context.Context, g *globals, o *serveOptions) error {
 		}); err != nil {
 			return fmt.Errorf("export %q: %w", name, err)
 		}
-		log.Info("export", "name", name, "path", path, "size", dev.Size(), "direct", dev.Direct(), "read_only", o.readOnly)
+		log.Info("export", "name", name, "device", path, "size", dev.Size(), "read_only", o.readOnly)
 	}
 	return run2(ctx, log, srv, specs, os.FileMode(mode), o.drainWait)
 }
@@ -318,7 +321,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		}
 		overrides[name] = path
 	}
-	cdev, err := device.OpenFile(cachePath, device.FileOptions{Direct: direct})
+	cdev, err := openDevice(cachePath, device.FileOptions{Direct: direct})
 	if err != nil {
 		return nil, nil, fmt.Errorf("cache device: %w", err)
 	}
@@ -349,7 +352,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 			closeDevs()
 			return nil, nil, fmt.Errorf("cache set %s: no path for backing device %q; give --backing %s=PATH", setUUID, bi.Name, bi.Name)
 		}
-		id, err := backingid.Read(path)
+		id, err := backingid.Read(devicePath(path))
 		if err != nil {
 			closeDevs()
 			return nil, nil, fmt.Errorf("backing %q: %w", bi.Name, err)
@@ -358,7 +361,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 			closeDevs()
 			return nil, nil, fmt.Errorf("backing %q (%s) belongs to cache set %s, not %s; use --force to serve it anyway", bi.Name, path, id.Set, setUUID)
 		}
-		bdev, err := device.OpenFile(path, device.FileOptions{ReadOnly: o.readOnly, Direct: direct})
+		bdev, err := openDevice(path, device.FileOptions{ReadOnly: o.readOnly, Direct: direct})
 		if err != nil {
 			closeDevs()
 			return nil, nil, fmt.Errorf("backing %q: %w", bi.Name, err)
@@ -390,7 +393,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 // may hold newer (dirty) data for it, so reads would be stale, and writes
 // made now would be overwritten by that data's writeback later.
 func refuseClaimed(log *slog.Logger, name, path string, force bool) error {
-	id, err := backingid.Read(path)
+	id, err := backingid.Read(devicePath(path))
 	if err != nil {
 		return fmt.Errorf("export %q: %w", name, err)
 	}
