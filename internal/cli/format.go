@@ -220,4 +220,3 @@ func sameFile(a, b string) (bool, error) {
 	}
 	return os.SameFile(fa, fb), nil
 }
-
