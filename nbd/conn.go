@@ -9,10 +9,13 @@ package nbd
 //     so replies never interleave and a burst of replies costs one syscall.
 //  3. A success reply is written only after the backend call returned nil;
 //     a READ's data is complete before its header is sent.
-//  4. Every request dispatched to a worker holds r.charge bytes of c.sem,
-//     released (with its buffers) by the writer after its reply was written
-//     or failed to be.
-//  5. The connection is closed only after every worker has exited.
+//  4. Every request dispatched to a worker, and every error reply sent by
+//     the reader, holds r.charge (>= minCharge) bytes of c.sem, released
+//     with its buffers by the writer after the reply was written or failed
+//     to be. c.running counts the same requests.
+//  5. serve closes the connection only after every worker has exited. A
+//     failed reply write or a forced Shutdown closes it earlier; that only
+//     makes the reader and later writes fail.
 
 import (
 	"bufio"
