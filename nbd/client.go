@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"runtime"
 	"sync"
 	"sync/atomic"
@@ -134,10 +135,17 @@ func NewClient(ctx context.Context, nc net.Conn, exportName string, opts ClientO
 	c.wcond.L = &c.wmu
 	stop := watchCtx(ctx, nc)
 	err := c.handshake(exportName, opts)
-	if !stop() && err != nil {
-		err = fmt.Errorf("%w (%w)", err, ctx.Err())
+	if !stop() && err == nil {
+		// ctx ended at the last moment; its deadline poisoning may still
+		// land, so the connection is unusable.
+		err = errors.New("nbd: handshake interrupted")
 	}
 	if err != nil {
+		if cerr := context.Cause(ctx); cerr != nil {
+			err = fmt.Errorf("%w (%w)", err, cerr)
+		} else if _, ok := ctx.Deadline(); ok && errors.Is(err, os.ErrDeadlineExceeded) {
+			err = fmt.Errorf("%w (%w)", err, context.DeadlineExceeded)
+		}
 		return nil, err
 	}
 	nc.SetDeadline(time.Time{})

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"io"
 	"net"
 	"sync"
@@ -186,5 +187,32 @@ func TestClientExportNameFallback(t *testing.T) {
 			t.Fatalf("noZeroes=%v: flush: %v", noZeroes, cl.err)
 		}
 		c.Close()
+	}
+}
+
+func TestDialContext(t *testing.T) {
+	// A server that never answers: Dial gives up when ctx ends.
+	path := sockPath(t)
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() {
+		c, err := l.Accept()
+		if err == nil {
+			defer c.Close()
+			io.Copy(io.Discard, c)
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err = Dial(ctx, "unix", path, "x", ClientOptions{})
+	if err == nil || time.Since(start) > 5*time.Second {
+		t.Fatalf("Dial: %v after %v", err, time.Since(start))
+	}
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Dial error %v does not wrap the context's", err)
 	}
 }
