@@ -90,6 +90,7 @@ type resultsFile struct {
 	Env        envInfo  `json:"env"`
 	Options    Options  `json:"options"`
 	ElapsedSec float64  `json:"elapsed_s"`
+	Retries    int      `json:"fio_retries"`
 	Commands   []string `json:"commands"`
 	Samples    []Sample `json:"samples"`
 }
@@ -107,7 +108,7 @@ func replot(path, out string, stdout io.Writer) error {
 	if len(rf.Samples) == 0 {
 		return fmt.Errorf("replot %s: no samples", path)
 	}
-	r := &runner{opts: rf.Options, commands: rf.Commands, samples: rf.Samples}
+	r := &runner{opts: rf.Options, commands: rf.Commands, samples: rf.Samples, retries: rf.Retries}
 	r.opts.Out = out
 	var baseNames []string
 	if rf.Options.Baselines {
@@ -139,7 +140,7 @@ func (r *runner) writeReport(dir string, sum summary, env envInfo, elapsed time.
 		return fmt.Errorf("write RESULTS.md: %w", err)
 	}
 	raw, err := json.MarshalIndent(resultsFile{
-		Env: env, Options: r.opts, ElapsedSec: elapsed.Seconds(), Commands: r.commands, Samples: r.samples,
+		Env: env, Options: r.opts, ElapsedSec: elapsed.Seconds(), Retries: r.retries, Commands: r.commands, Samples: r.samples,
 	}, "", "  ")
 	if err != nil {
 		return fmt.Errorf("encode results.json: %w", err)
@@ -169,6 +170,9 @@ func (r *runner) renderMarkdown(w io.Writer, sum summary, env envInfo, elapsed t
 	p("- Load average (1/5/15 min): %s at the start, %s at the end (the machine is shared)\n", env.LoadStart, env.LoadEnd)
 	p("- Rounds: %d, servers interleaved and the order rotated each round; each fio run: %v measured after %v ramp\n",
 		o.Rounds, o.Runtime, o.Ramp)
+	if r.retries > 0 {
+		p("- fio runs interrupted from outside the harness (signal, cut short) and run again: %d\n", r.retries)
+	}
 	p("- Data file: %d MiB of pseudo-random bytes in %s, fsynced before every fio run\n\n", o.FileSize>>20, env.Workdir)
 
 	p("## Throughput (median of %d rounds; higher is better)\n\n", sum.rounds)

@@ -70,6 +70,7 @@ type runner struct {
 	log      io.Writer
 	samples  []Sample
 	commands []string // every distinct command line, for the report
+	retries  int      // fio runs rerun after an outside signal
 	seenCmd  map[string]bool
 }
 
@@ -198,6 +199,9 @@ func (r *runner) runFio(ctx context.Context, args []string, outPath string, serv
 		if ctx.Err() != nil {
 			return fioResult{}, cpuWindow{}, ctx.Err()
 		}
+		if data, _ := os.ReadFile(outPath); bytes.Contains(append(out.Bytes(), data...), []byte("terminating on signal")) {
+			return fioResult{}, cpuWindow{}, fmt.Errorf("%w: signalled (%v)", errFioInterrupted, werr)
+		}
 		return fioResult{}, cpuWindow{}, fmt.Errorf("fio: %w; output:\n%s", werr, strings.TrimSpace(out.String()))
 	}
 	if cerr != nil {
@@ -211,8 +215,34 @@ func (r *runner) runFio(ctx context.Context, args []string, outPath string, serv
 	if err != nil {
 		return fioResult{}, cpuWindow{}, fmt.Errorf("%s: %w", outPath, err)
 	}
+	if want := r.opts.Runtime.Seconds(); res.RuntimeSec < 0.9*want {
+		return fioResult{}, cpuWindow{}, fmt.Errorf("%w: measured %.2fs of %.0fs", errFioInterrupted, res.RuntimeSec, want)
+	}
 	return res, cpuWindow{server: cpu1.server - cpu0.server, system: cpu1.system - cpu0.system, wall: cpu1.at.Sub(cpu0.at)}, nil
 }
+
+// maxFioRetries bounds reruns of a fio run that something outside the
+// harness killed.
+const maxFioRetries = 2
+
+// runFioRetry runs fio, and runs it again when a signal from outside the
+// harness ended it (on a shared machine, someone's `pkill fio`). Any other
+// failure is returned at once.
+func (r *runner) runFioRetry(ctx context.Context, args []string, outPath string, serverPID int) (fioResult, cpuWindow, error) {
+	for attempt := 0; ; attempt++ {
+		res, win, err := r.runFio(ctx, args, outPath, serverPID, r.opts.Ramp)
+		if err == nil || ctx.Err() != nil || attempt == maxFioRetries || !errors.Is(err, errFioInterrupted) {
+			return res, win, err
+		}
+		r.retries++
+		fmt.Fprintf(r.log, "tcbench: %v; running it again\n", err)
+	}
+}
+
+// errFioInterrupted marks a fio run ended early by something outside the
+// harness: a signal it did not send, or a measured time well short of the
+// requested one.
+var errFioInterrupted = errors.New("fio was interrupted from outside the harness")
 
 func (r *runner) timing() fioTiming {
 	return fioTiming{Runtime: r.opts.Runtime, Ramp: r.opts.Ramp}
@@ -251,7 +281,7 @@ func (r *runner) serverTurn(ctx context.Context, round int, name string) (err er
 		out := filepath.Join(r.workdir, fmt.Sprintf("fio.r%d.%s.%s.json", round, name, w.Name))
 		args := fioArgs(w, r.timing(), []string{"--ioengine=nbd", "--uri=" + nbdURI(sock)}, out)
 		r.noteCommand(append([]string{"fio"}, fioArgs(w, r.timing(), []string{"--ioengine=nbd", "--uri=" + nbdURI(sock)}, "OUT.json")...))
-		res, win, err := r.runFio(ctx, args, out, p.pid(), r.opts.Ramp)
+		res, win, err := r.runFioRetry(ctx, args, out, p.pid())
 		if err != nil {
 			if p.exited() {
 				return fmt.Errorf("%s %s: %w; server exited (%v), its output:\n%s", name, w.Name, err, p.err, p.logTail())
@@ -280,7 +310,7 @@ func (r *runner) baselineTurn(ctx context.Context, round int, b baseline) error 
 		out := filepath.Join(r.workdir, fmt.Sprintf("fio.r%d.%s.%s.json", round, b.Name, w.Name))
 		args := fioArgs(w, r.timing(), b.args(r.file, w.IODepth), out)
 		r.noteCommand(append([]string{"fio"}, fioArgs(w, r.timing(), b.args(r.file, w.IODepth), "OUT.json")...))
-		res, win, err := r.runFio(ctx, args, out, 0, r.opts.Ramp)
+		res, win, err := r.runFioRetry(ctx, args, out, 0)
 		if err != nil {
 			return fmt.Errorf("%s %s: %w", b.Name, w.Name, err)
 		}
