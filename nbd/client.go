@@ -51,14 +51,15 @@ type Client struct {
 	name        string
 	description string
 
-	wmu     sync.Mutex  // guards the fields below
-	wq      []*call     // requests waiting to be written
-	wspare  []*call     // the other queue buffer, swapped with wq
-	writing bool        // a goroutine is writing; it will drain wq
-	wdead   bool        // the reader has exited: nothing more is written
-	wcond   sync.Cond   // signalled when writing becomes false
-	iov     [][]byte    // owned by the goroutine with writing set
-	wbufs   net.Buffers // likewise; a field so that WriteTo does not allocate
+	wmu     sync.Mutex    // guards the fields below
+	wq      []*call       // requests waiting to be written
+	wspare  []*call       // the other queue buffer, swapped with wq
+	writing bool          // a goroutine is writing; it will drain wq
+	wdead   bool          // the reader has exited: nothing more is written
+	wcond   sync.Cond     // signalled when writing becomes false
+	iov     [][]byte      // owned by the goroutine with writing set
+	wbufs   net.Buffers   // likewise; a field so that WriteTo does not allocate
+	bw      *bufio.Writer // with TLS: one record per batch, not per buffer
 
 	mu struct {
 		sync.Mutex // guards the fields below
@@ -260,6 +261,7 @@ func (c *Client) handshake(name string, opts ClientOptions) error {
 		}
 		c.nc = tc
 		c.br.Reset(tc)
+		c.bw = bufio.NewWriterSize(tc, 64<<10)
 	}
 	if opts.StructuredReplies || opts.BlockStatus {
 		if err := sendOption(c.nc, optStructuredReply, nil); err != nil {
@@ -599,8 +601,13 @@ func (c *Client) send(cl *call) {
 			c.iov = append(c.iov, cl.bufs...)
 		}
 		clear(batch)
-		c.wbufs = c.iov
-		_, err := c.wbufs.WriteTo(c.nc)
+		var err error
+		if c.bw != nil {
+			err = writeAllBuffered(c.bw, c.iov)
+		} else {
+			c.wbufs = c.iov
+			_, err = c.wbufs.WriteTo(c.nc)
+		}
 		clear(c.iov[:cap(c.iov)])
 		if err != nil {
 			// The reader fails every pending call, including these.

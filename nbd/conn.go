@@ -504,7 +504,7 @@ func (c *conn) queueReply(r *request) {
 				c.iov = append(c.iov, r.bufs...)
 			}
 			if c.bw != nil {
-				err = c.writeBuffered()
+				err = writeAllBuffered(c.bw, c.iov)
 			} else {
 				c.wbufs = c.iov
 				_, err = c.wbufs.WriteTo(c.nc)
@@ -529,15 +529,15 @@ func (c *conn) queueReply(r *request) {
 	c.wmu.Unlock()
 }
 
-// writeBuffered writes c.iov through c.bw: over TLS, net.Buffers would
-// make one record per buffer.
-func (c *conn) writeBuffered() error {
-	for _, b := range c.iov {
-		if _, err := c.bw.Write(b); err != nil {
+// writeAllBuffered writes bufs through bw and flushes: over TLS,
+// net.Buffers would make one record per buffer.
+func writeAllBuffered(bw *bufio.Writer, bufs [][]byte) error {
+	for _, b := range bufs {
+		if _, err := bw.Write(b); err != nil {
 			return err
 		}
 	}
-	return c.bw.Flush()
+	return bw.Flush()
 }
 
 func putUint32(b []byte, v uint32) {
