@@ -10,6 +10,7 @@ import (
 	"slices"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -121,10 +122,15 @@ func TestMeasureRecovery(t *testing.T) {
 	s.crashStop()
 	start = time.Now()
 	var logBuf bytes.Buffer
+	var ru0, ru1 syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru0)
 	s2, err := Open(cache, specs, OpenOptions{Logger: slog.New(slog.NewTextHandler(&logBuf, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru1)
+	cpu := time.Duration(ru1.Utime.Nano()+ru1.Stime.Nano()-ru0.Utime.Nano()-ru0.Stime.Nano()) * time.Nanosecond
+	t.Logf("recovery CPU time (all threads, incl. GC): %v", cpu)
 	t.Log(strings.TrimSpace(logBuf.String()))
 	took := time.Since(start)
 	st2 := s2.Stats()

@@ -1,0 +1,251 @@
+package cache
+
+// Read-only views of a cache device for `tiercache inspect` and the offline
+// `tiercache check`. Nothing here writes to the device, so it may be run
+// against a copy or a device that is not being served. Run against a device
+// that is being served, it sees a moving target: the result may be
+// inconsistent (reported as problems), but the device is not harmed.
+//
+// OpenImage rebuilds the index the way Open does (newest checkpoint plus
+// journal replay) into a Set that is never started: no goroutines, no
+// writes, no backing devices.
+//
+// NOTE for the engine: OpenImage repeats the first half of Open. If Open is
+// split into a pure "load" step and a "start" step, OpenImage should call
+// the load step instead.
+
+import (
+	"fmt"
+	"log/slog"
+	"sync"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+// SuperblockCopy is one of the two superblock copies as found on disk.
+type SuperblockCopy struct {
+	Index  int
+	Offset int64
+	SB     *Superblock // nil when the copy is invalid
+	Err    error       // why the copy is invalid
+}
+
+// ReadSuperblockCopies decodes both superblock copies independently.
+func ReadSuperblockCopies(dev device.Device) [2]SuperblockCopy {
+	var out [2]SuperblockCopy
+	for i := range out {
+		off := int64(i) * sbCopySize
+		out[i] = SuperblockCopy{Index: i, Offset: off}
+		if dev.Size() < 2*sbCopySize {
+			out[i].Err = fmt.Errorf("%w: cache device of %d bytes", ErrNotFormatted, dev.Size())
+			continue
+		}
+		buf := make([]byte, blockSize)
+		if _, err := dev.ReadAt(buf, off); err != nil {
+			out[i].Err = fmt.Errorf("reading superblock copy %d: %w", i, err)
+			continue
+		}
+		if string(buf[:8]) == sbMagic {
+			if n := sbHeaderSize + int(le.Uint32(buf[12:])); n > blockSize && n <= sbCopySize {
+				buf = make([]byte, (n+blockSize-1)/blockSize*blockSize)
+				if _, err := dev.ReadAt(buf, off); err != nil {
+					out[i].Err = fmt.Errorf("reading superblock copy %d: %w", i, err)
+					continue
+				}
+			}
+		}
+		sb, err := decodeSuperblock(buf, off)
+		if err == nil {
+			err = sb.validate(dev.Size())
+		}
+		if err != nil {
+			out[i].Err = err
+			continue
+		}
+		out[i].SB = sb
+	}
+	return out
+}
+
+// CheckpointSlot describes one checkpoint slot's header.
+type CheckpointSlot struct {
+	Index        int
+	Offset       int64
+	Generation   uint64
+	JournalBlock int64  // where the journal of this generation starts
+	JournalSeq   uint64 // its first sequence number
+	BodyLen      uint64
+	BodyCRC      uint32
+	Err          error // header invalid (never written, torn, or foreign)
+}
+
+// ReadCheckpointSlots decodes both checkpoint headers (not the bodies).
+func ReadCheckpointSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
+	var out [2]CheckpointSlot
+	for i := range out {
+		out[i] = CheckpointSlot{Index: i, Offset: sb.CkptOff[i]}
+		buf := make([]byte, blockSize)
+		if _, err := dev.ReadAt(buf, sb.CkptOff[i]); err != nil {
+			out[i].Err = fmt.Errorf("reading checkpoint slot %d: %w", i, err)
+			continue
+		}
+		h, err := decodeCkptHeader(buf, sb.CkptOff[i])
+		if err == nil && (h.nonce != sb.nonce() || h.gen%2 != uint64(i)) {
+			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "slot %d holds generation %d of another set", i, h.gen)
+		}
+		if err != nil {
+			out[i].Err = err
+			continue
+		}
+		out[i].Generation, out[i].JournalBlock, out[i].JournalSeq = h.gen, h.jpos.blk, h.jpos.seq
+		out[i].BodyLen, out[i].BodyCRC = h.bodyLen, h.bodyCRC
+	}
+	return out
+}
+
+// Image is a cache set rebuilt read-only from a cache device.
+type Image struct {
+	SB            *Superblock
+	Copies        [2]SuperblockCopy
+	Slots         [2]CheckpointSlot
+	Generation    uint64 // checkpoint generation the index was loaded from
+	JournalStart  int64  // journal block where replay started
+	JournalEnd    int64  // block after the last replayed one
+	JournalBlocks int64  // blocks replayed
+	Records       int    // journal records replayed
+	s             *Set
+}
+
+// ImageOptions configure OpenImage.
+type ImageOptions struct {
+	// OnRecord, if set, sees every replayed journal record in order, as a
+	// one-line description, before it is applied.
+	OnRecord func(string)
+}
+
+// OpenImage reads the superblock, the newest checkpoint and the journal of
+// dev and rebuilds the index in memory, without writing anything.
+func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
+	im := &Image{Copies: ReadSuperblockCopies(dev)}
+	sb, _, err := readSuperblock(dev)
+	if err != nil {
+		return im, err
+	}
+	im.SB = sb
+	im.Slots = ReadCheckpointSlots(dev, sb)
+	s := &Set{dev: dev, lay: sb.clone(), sb: sb.clone(), nonce: sb.nonce(), bpb: sb.blocksPerBucket(),
+		log: slog.New(slog.DiscardHandler), byNm: map[string]*Volume{}, stop: make(chan struct{})}
+	s.mu.cond = sync.NewCond(&s.mu.Mutex)
+	volBlocks := make([]uint64, len(sb.Backings))
+	for i, bi := range sb.Backings {
+		v := &Volume{s: s, vi: i, name: bi.Name, size: bi.Size, nblocks: uint64((bi.Size + blockSize - 1) / blockSize)}
+		v.mode.Store(int32(bi.Mode))
+		v.idx.tree = newTree()
+		volBlocks[i] = v.nblocks
+		s.vols = append(s.vols, v)
+		s.byNm[v.name] = v
+	}
+	hdr, cd, err := readCheckpoint(dev, sb, volBlocks)
+	if err != nil {
+		return im, err
+	}
+	im.Generation = hdr.gen
+	im.JournalStart = hdr.jpos.blk
+	total := sb.NBuckets * s.bpb
+	s.mu.buckets = make([]bucket, sb.NBuckets)
+	s.mu.owner = make([]uint64, total)
+	s.mu.open = -1
+	for i, g := range cd.gens {
+		s.mu.buckets[i].gen = g
+	}
+	for vi, cv := range cd.vols {
+		s.vols[vi].idx.epoch = cv.epoch
+		for _, e := range cv.ents {
+			s.insertLocked(vi, e.lba, e.block(), e.crc, e.dirty())
+		}
+	}
+	apply := s.applyLocked
+	if opts.OnRecord != nil {
+		apply = func(r *rec) error {
+			opts.OnRecord(r.String())
+			return s.applyLocked(r)
+		}
+	}
+	end, nrec, err := replayJournal(dev, sb, hdr.gen, hdr.jpos, apply)
+	im.Records = nrec
+	im.JournalEnd = end.blk
+	im.JournalBlocks = int64(end.seq - hdr.jpos.seq)
+	if err != nil {
+		return im, fmt.Errorf("replaying journal: %w", err)
+	}
+	for i := range s.mu.buckets {
+		if s.mu.buckets[i].live > 0 {
+			s.mu.buckets[i].state = bucketSealed
+			s.mu.sealed = append(s.mu.sealed, uint32(i))
+		} else {
+			s.mu.free = append(s.mu.free, uint32(i))
+		}
+	}
+	im.s = s
+	if err := s.checkLocked(); err != nil {
+		return im, fmt.Errorf("recovered index inconsistent: %w", err)
+	}
+	return im, nil
+}
+
+// IndexEntry is one cached 4 KiB block.
+type IndexEntry struct {
+	Volume      string
+	LBA         uint64 // block number on the backing device (offset / 4096)
+	CacheBlock  uint32
+	CacheOffset int64 // byte offset on the cache device
+	Bucket      int64
+	Generation  uint32 // the bucket's current generation
+	CRC         uint32
+	Dirty       bool
+}
+
+// VolumeSummary counts a volume's entries in the rebuilt index.
+type VolumeSummary struct {
+	Name          string
+	Size          int64
+	Mode          Mode
+	CachedBlocks  int64
+	DirtyBlocks   int64
+	FlushEpoch    uint64
+	DirtyIfServed int64 // = DirtyBlocks; clean entries are dropped by Open after a crash
+}
+
+// Volumes summarizes the rebuilt index per volume.
+func (im *Image) Volumes() []VolumeSummary {
+	if im.s == nil {
+		return nil
+	}
+	var out []VolumeSummary
+	for _, v := range im.s.vols {
+		out = append(out, VolumeSummary{Name: v.name, Size: v.size, Mode: v.Mode(), CachedBlocks: v.idx.cached,
+			DirtyBlocks: v.idx.dirty, FlushEpoch: v.idx.epoch, DirtyIfServed: v.idx.dirty})
+	}
+	return out
+}
+
+// Index calls fn for every entry of the rebuilt index, volume by volume in
+// LBA order, until fn returns false.
+func (im *Image) Index(fn func(IndexEntry) bool) {
+	if im.s == nil {
+		return
+	}
+	s := im.s
+	for _, v := range s.vols {
+		cont := true
+		v.idx.tree.Ascend(func(e ent) bool {
+			b := int64(e.block()) / s.bpb
+			cont = fn(IndexEntry{Volume: v.name, LBA: e.lba, CacheBlock: e.block(), CacheOffset: s.cacheOff(e.block()),
+				Bucket: b, Generation: s.mu.buckets[b].gen, CRC: e.crc, Dirty: e.dirty()})
+			return cont
+		})
+		if !cont {
+			return
+		}
+	}
+}

@@ -1,0 +1,181 @@
+package cache
+
+// Scrub and check: verify every cached block's checksum, online (a served
+// set) or offline (an Image rebuilt read-only from the cache device).
+//
+// Online, scrub pins the buckets of the blocks it reads, exactly like a
+// client read, so a bucket cannot be reused under it; a mismatch is
+// reported only if the entry is still the same after the read (otherwise
+// the block was rewritten or evicted meanwhile and the mismatch is not
+// real). A clean block that fails is dropped from the index, as a client
+// read would do (the next read goes to the backing device); a dirty one is
+// reported and kept (it exists nowhere else).
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+// maxReported bounds the problems listed in a report (all are counted).
+const maxReported = 100
+
+// ScrubReport is the result of a scrub.
+type ScrubReport struct {
+	Blocks        int64    // cached blocks verified
+	DirtyBlocks   int64    // of those, dirty
+	Bad           int64    // blocks whose checksum did not match
+	BadDirty      int64    // of those, dirty (data loss if the cache is dropped)
+	ReadErrors    int64    // blocks the cache device failed to read
+	Problems      []string // the first maxReported problems
+	ProblemsTotal int64
+}
+
+// OK reports whether the scrub found nothing wrong.
+func (r *ScrubReport) OK() bool { return r.ProblemsTotal == 0 }
+
+func (r *ScrubReport) problem(format string, args ...any) {
+	r.ProblemsTotal++
+	if len(r.Problems) < maxReported {
+		r.Problems = append(r.Problems, fmt.Sprintf(format, args...))
+	}
+}
+
+// Scrub verifies the checksum of every cached block of every volume.
+// progress, if set, is called with blocks done and the total (which may
+// move while the set serves).
+func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (ScrubReport, error) {
+	var rep ScrubReport
+	s.mu.Lock()
+	total := s.entries()
+	s.mu.Unlock()
+	const chunk = 256
+	buf := make([]byte, blockSize)
+	for vi, v := range s.vols {
+		from := uint64(0)
+		for {
+			if err := ctx.Err(); err != nil {
+				return rep, err
+			}
+			var ents []ent
+			s.mu.Lock()
+			v.idx.tree.AscendGreaterOrEqual(ent{lba: from}, func(e ent) bool {
+				ents = append(ents, e)
+				s.mu.buckets[int64(e.block())/s.bpb].pins++
+				return len(ents) < chunk
+			})
+			s.mu.Unlock()
+			if len(ents) == 0 {
+				break
+			}
+			from = ents[len(ents)-1].lba + 1
+			type bad struct {
+				e        ent
+				got      uint32
+				readFail error
+			}
+			var bads []bad
+			for _, e := range ents {
+				off := s.cacheOff(e.block())
+				if _, err := s.dev.ReadAt(buf, off); err != nil {
+					bads = append(bads, bad{e: e, readFail: err})
+					continue
+				}
+				if got := crc32c(buf); got != e.crc {
+					bads = append(bads, bad{e: e, got: got})
+				}
+			}
+			s.mu.Lock()
+			for _, e := range ents {
+				s.unpinLocked(e.block())
+			}
+			for _, b := range bads {
+				cur, ok := v.idx.tree.Get(b.e)
+				if !ok || cur != b.e {
+					continue // rewritten or evicted while we read: not a finding
+				}
+				off := s.cacheOff(b.e.block())
+				kind := "clean"
+				if b.e.dirty() {
+					kind = "dirty"
+				}
+				if b.readFail != nil {
+					rep.ReadErrors++
+					rep.problem("volume %s lba %d (%s): reading cache offset %d: %v", v.name, b.e.lba, kind, off, b.readFail)
+					continue
+				}
+				rep.Bad++
+				cerr := &CorruptionError{Err: ErrChecksum, Device: "cache", What: fmt.Sprintf("%s data block of %s lba %d", kind, v.name, b.e.lba),
+					Offset: off, Length: blockSize, Expected: b.e.crc, Actual: b.got, HaveSums: true}
+				if b.e.dirty() {
+					rep.BadDirty++
+				} else {
+					// As a client read would: drop the clean copy.
+					v.idx.tree.Delete(b.e)
+					s.unaccountLocked(vi, b.e)
+				}
+				rep.problem("%v", cerr)
+				v.st.checksumErrors.Add(1)
+			}
+			s.mu.Unlock()
+			for _, e := range ents {
+				rep.Blocks++
+				if e.dirty() {
+					rep.DirtyBlocks++
+				}
+			}
+			if progress != nil {
+				progress(rep.Blocks, max(total, rep.Blocks))
+			}
+		}
+	}
+	if progress != nil {
+		progress(rep.Blocks, rep.Blocks)
+	}
+	return rep, nil
+}
+
+// CheckReport is the result of an offline check.
+type CheckReport struct {
+	Image    *Image
+	Scrub    ScrubReport
+	Problems []string // metadata problems (superblock, checkpoint, journal, index)
+}
+
+// OK reports whether the check found nothing wrong.
+func (r *CheckReport) OK() bool { return len(r.Problems) == 0 && r.Scrub.OK() }
+
+// CheckOffline verifies a cache device that is not being served: both
+// superblock copies, both checkpoint slots, the journal (replayed into a
+// rebuilt index, whose invariants are checked) and the checksum of every
+// cached block. It writes nothing. An error is returned only when the check
+// could not run at all (the device is not a cache set, or ctx ended);
+// everything found is in the report.
+func CheckOffline(ctx context.Context, dev device.Device, progress func(done, total int64)) (*CheckReport, error) {
+	rep := &CheckReport{}
+	im, err := OpenImage(dev, ImageOptions{})
+	rep.Image = im
+	if errors.Is(err, ErrNotFormatted) {
+		return rep, err
+	}
+	for _, c := range im.Copies {
+		if c.Err != nil {
+			rep.Problems = append(rep.Problems, fmt.Sprintf("superblock copy %d at offset %d: %v", c.Index, c.Offset, c.Err))
+		}
+	}
+	// The slot that is not current may legitimately be empty or torn (a
+	// crash while writing it), so only OpenImage's verdict on the current
+	// one counts.
+	if err != nil {
+		rep.Problems = append(rep.Problems, err.Error())
+		return rep, nil
+	}
+	sr, err := im.s.Scrub(ctx, progress)
+	rep.Scrub = sr
+	if err != nil {
+		return rep, err
+	}
+	return rep, nil
+}

@@ -1,0 +1,98 @@
+package cache
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+)
+
+// writeSome writes n 4 KiB blocks with distinct contents at every other
+// block, flushes, and returns the pattern.
+func writeSome(t *testing.T, v *Volume, n int) {
+	t.Helper()
+	for i := 0; i < n; i++ {
+		p := bytes.Repeat([]byte{byte(i + 1)}, blockSize)
+		if err := v.WriteAt(p, int64(2*i)*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := v.Flush(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestScrubOnlineFindsCorruptDirtyBlock(t *testing.T) {
+	s, cdev, _ := newTestSet(t, 8, 64<<10, 4<<20)
+	v := s.Volumes()[0]
+	writeSome(t, v, 10)
+	var calls int
+	rep, err := s.Scrub(context.Background(), func(done, total int64) { calls++ })
+	if err != nil || !rep.OK() || rep.Blocks != 10 || rep.DirtyBlocks != 10 || calls == 0 {
+		t.Fatalf("clean scrub: %+v err %v calls %d", rep, err, calls)
+	}
+	// Corrupt the cache copy of lba 4 (dirty: exists nowhere else).
+	var off int64 = -1
+	s.mu.Lock()
+	if e, ok := v.idx.tree.Get(ent{lba: 4}); ok {
+		off = s.cacheOff(e.block())
+	}
+	s.mu.Unlock()
+	if off < 0 {
+		t.Fatal("lba 4 not cached")
+	}
+	if _, err := cdev.WriteAt([]byte("garbage"), off+100); err != nil {
+		t.Fatal(err)
+	}
+	rep, err = s.Scrub(context.Background(), nil)
+	if err != nil || rep.OK() || rep.Bad != 1 || rep.BadDirty != 1 || len(rep.Problems) != 1 {
+		t.Fatalf("scrub after corruption: %+v err %v", rep, err)
+	}
+	if !strings.Contains(rep.Problems[0], "lba 4") || !strings.Contains(rep.Problems[0], "checksum") {
+		t.Errorf("problem does not name the block: %q", rep.Problems[0])
+	}
+}
+
+func TestCheckOfflineAndImage(t *testing.T) {
+	s, cdev, _ := newTestSet(t, 8, 64<<10, 4<<20, 1<<20)
+	v := s.Volumes()[0]
+	writeSome(t, v, 7)
+	// Not closed: the image is rebuilt from checkpoint + journal, as after a crash.
+	var recs []string
+	im, err := OpenImage(cdev, ImageOptions{OnRecord: func(r string) { recs = append(recs, r) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(recs) == 0 || !strings.HasPrefix(recs[0], "insert") {
+		t.Errorf("journal records: %q", recs)
+	}
+	vs := im.Volumes()
+	if len(vs) != 2 || vs[0].Name != "a" || vs[0].DirtyBlocks != 7 || vs[1].CachedBlocks != 0 {
+		t.Errorf("volumes: %+v", vs)
+	}
+	var ents []IndexEntry
+	im.Index(func(e IndexEntry) bool { ents = append(ents, e); return true })
+	if len(ents) != 7 || ents[1].LBA != 2 || !ents[1].Dirty {
+		t.Errorf("index: %+v", ents)
+	}
+	rep, err := CheckOffline(context.Background(), cdev, nil)
+	if err != nil || !rep.OK() || rep.Scrub.Blocks != 7 {
+		t.Fatalf("check: %+v %+v err %v", rep, rep.Scrub, err)
+	}
+	// Damage superblock copy 0: reported, the set still loads from copy 1.
+	if _, err := cdev.WriteAt([]byte("XXXX"), 40); err != nil {
+		t.Fatal(err)
+	}
+	rep, err = CheckOffline(context.Background(), cdev, nil)
+	if err != nil || rep.OK() || len(rep.Problems) != 1 || !strings.Contains(rep.Problems[0], "superblock copy 0") {
+		t.Fatalf("check after damage: %q err %v", rep.Problems, err)
+	}
+}
+
+func TestCheckOfflineNotFormatted(t *testing.T) {
+	s, _, backs := newTestSet(t, 8, 64<<10, 4<<20)
+	_ = s
+	if _, err := CheckOffline(context.Background(), backs[0], nil); err == nil {
+		t.Fatal("check of a device without a cache set succeeded")
+	}
+}
