@@ -829,3 +829,32 @@ func TestShutdownFlushesRemovedExportInUse(t *testing.T) {
 		t.Fatalf("flushes = %d", mem.flushes.Load())
 	}
 }
+
+// TestClientAsBackend chains two servers: the front exports a Client of
+// the back one, as a remote backing device would. Errors keep their errno
+// across the hop.
+func TestClientAsBackend(t *testing.T) {
+	mem := newMem(1 << 20)
+	back := startServer(t, Config{}, Export{Name: "b", Backend: mem, MinBlockSize: 512})
+	remote := back.dial(t, "b", ClientOptions{StructuredReplies: true})
+	front := startServer(t, Config{}, Export{Name: "f", Backend: remote})
+	c := front.dial(t, "f", ClientOptions{})
+	if c.Flags()&(FlagSendTrim|FlagSendWriteZeroes|FlagSendCache) != FlagSendTrim|FlagSendWriteZeroes|FlagSendCache {
+		t.Fatalf("front flags %#x", c.Flags())
+	}
+	if err := c.WriteAt(bytes.Repeat([]byte{7}, 4096), 8192, true); err != nil {
+		t.Fatal(err)
+	}
+	if mem.at(8192) != 7 || mem.at(8192+4095) != 7 {
+		t.Fatal("write did not reach the back end")
+	}
+	if err := c.WriteZeroes(8192, 512, false, true, false); err != nil || mem.at(8192) != 0 {
+		t.Fatalf("zeroes: %v", err)
+	}
+	if err := c.Flush(); err != nil || mem.flushes.Load() == 0 {
+		t.Fatalf("flush: %v", err)
+	}
+	// Misaligned for the back end (min 512), fine for the front (min 1):
+	// the back end's EINVAL comes through.
+	wantErrno(t, "misaligned via front", c.ReadAt(make([]byte, 100), 0), EINVAL)
+}
