@@ -9,8 +9,8 @@ import (
 func TestDrainDirtyAndDetach(t *testing.T) {
 	s, _, backs := newTestSet(t, 8, 64<<10, 4<<20, 4<<20)
 	a, b := s.Volumes()[0], s.Volumes()[1]
-	writeSome(t, a, 20)
-	writeSome(t, b, 5)
+	opsWriteBlocks(t, a, 20)
+	opsWriteBlocks(t, b, 5)
 	var seen []int64
 	if err := a.DrainDirty(context.Background(), func(n int64) { seen = append(seen, n) }); err != nil {
 		t.Fatal(err)
@@ -45,7 +45,7 @@ func TestDrainDirtyAndDetach(t *testing.T) {
 func TestDrainDirtyCanceled(t *testing.T) {
 	s, _, _ := newTestSet(t, 8, 64<<10, 4<<20)
 	v := s.Volumes()[0]
-	writeSome(t, v, 3)
+	opsWriteBlocks(t, v, 3)
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	if err := v.DrainDirty(ctx, nil); err == nil {

@@ -7,9 +7,9 @@ import (
 	"testing"
 )
 
-// writeSome writes n 4 KiB blocks with distinct contents at every other
+// opsWriteBlocks writes n 4 KiB blocks with distinct contents at every other
 // block, flushes, and returns the pattern.
-func writeSome(t *testing.T, v *Volume, n int) {
+func opsWriteBlocks(t *testing.T, v *Volume, n int) {
 	t.Helper()
 	for i := 0; i < n; i++ {
 		p := bytes.Repeat([]byte{byte(i + 1)}, blockSize)
@@ -25,7 +25,7 @@ func writeSome(t *testing.T, v *Volume, n int) {
 func TestScrubOnlineFindsCorruptDirtyBlock(t *testing.T) {
 	s, cdev, _ := newTestSet(t, 8, 64<<10, 4<<20)
 	v := s.Volumes()[0]
-	writeSome(t, v, 10)
+	opsWriteBlocks(t, v, 10)
 	var calls int
 	rep, err := s.Scrub(context.Background(), func(done, total int64) { calls++ })
 	if err != nil || !rep.OK() || rep.Blocks != 10 || rep.DirtyBlocks != 10 || calls == 0 {
@@ -56,7 +56,7 @@ func TestScrubOnlineFindsCorruptDirtyBlock(t *testing.T) {
 func TestCheckOfflineAndImage(t *testing.T) {
 	s, cdev, _ := newTestSet(t, 8, 64<<10, 4<<20, 1<<20)
 	v := s.Volumes()[0]
-	writeSome(t, v, 7)
+	opsWriteBlocks(t, v, 7)
 	// Not closed: the image is rebuilt from checkpoint + journal, as after a crash.
 	var recs []string
 	im, err := OpenImage(cdev, ImageOptions{OnRecord: func(r string) { recs = append(recs, r) }})
