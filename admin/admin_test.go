@@ -1,0 +1,234 @@
+package admin
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"net"
+	"net/http"
+	"path/filepath"
+	"reflect"
+	"strings"
+	"testing"
+
+	"github.com/tiercache/tiercache/cache"
+	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/internal/plain"
+	"github.com/tiercache/tiercache/nbd"
+)
+
+// TestMetricsTableComplete fails when a numeric field of the engine's stats
+// has no line in volumeMetrics/setMetrics (metrics.go): add one there.
+func TestMetricsTableComplete(t *testing.T) {
+	for _, tc := range []struct {
+		typ   reflect.Type
+		table map[string]metricDef
+		where string
+	}{
+		{reflect.TypeFor[cache.VolumeStats](), volumeMetrics, "volumeMetrics"},
+		{reflect.TypeFor[cache.SetStats](), setMetrics, "setMetrics"},
+	} {
+		names := map[string]bool{}
+		for i := 0; i < tc.typ.NumField(); i++ {
+			f := tc.typ.Field(i)
+			names[f.Name] = true
+			if _, ok := numeric(reflect.Zero(f.Type)); !ok {
+				continue
+			}
+			d, ok := tc.table[f.Name]
+			if !ok {
+				t.Errorf("%s.%s has no metric: add a line to %s in admin/metrics.go", tc.typ.Name(), f.Name, tc.where)
+				continue
+			}
+			if d.name == "" && d.skip == "" {
+				t.Errorf("%s: %s has neither a metric name nor a reason to skip it", tc.where, f.Name)
+			}
+			if d.name != "" && !strings.HasPrefix(d.name, "tiercache_") {
+				t.Errorf("%s: %s: metric %q lacks the tiercache_ prefix", tc.where, f.Name, d.name)
+			}
+			if d.kind == counter && d.name != "" && !strings.HasSuffix(d.name, "_total") {
+				t.Errorf("%s: counter %q should end in _total", tc.where, d.name)
+			}
+		}
+		for k := range tc.table {
+			if !names[k] {
+				t.Errorf("%s: %s is not a field of %s any more", tc.where, k, tc.typ.Name())
+			}
+		}
+	}
+}
+
+type fakeNBD struct{ removed, added []string }
+
+func (f *fakeNBD) RemoveExport(name string) error { f.removed = append(f.removed, name); return nil }
+func (f *fakeNBD) AddExport(e nbd.Export) error   { f.added = append(f.added, e.Name); return nil }
+
+// newTestServer serves a set with volumes "a" and "b" on memory devices
+// plus a plain export "p", over a unix socket.
+func newTestServer(t *testing.T) (*Client, *cache.Set, *fakeNBD, *[]string) {
+	t.Helper()
+	cdev := device.NewMem(64 << 20)
+	a, b, p := device.NewMem(16<<20), device.NewMem(8<<20), device.NewMem(1<<20)
+	specs := []cache.BackingSpec{{Name: "a", Dev: a}, {Name: "b", Dev: b}}
+	if _, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: 256 << 10}); err != nil {
+		t.Fatal(err)
+	}
+	set, err := cache.Open(cdev, specs, cache.OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := NewMetrics()
+	var exports []Export
+	for _, v := range set.Volumes() {
+		exports = append(exports, Export{Export: nbd.Export{Name: v.Name(), Backend: m.Wrap(v.Name(), v)}, Path: "/dev/mem-" + v.Name()})
+	}
+	exports = append(exports, Export{Export: nbd.Export{Name: "p", Backend: m.Wrap("p", plain.New(p))}, Path: "/dev/mem-p"})
+	fn := &fakeNBD{}
+	var released []string
+	srv := New(Config{Version: "test", Set: set, CachePath: "/dev/mem-cache", Exports: exports, NBD: fn, Metrics: m,
+		Release: func(path string) error { released = append(released, path); return nil }})
+	sock := filepath.Join(t.TempDir(), "admin.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: srv.Handler()}
+	go hs.Serve(l)
+	t.Cleanup(func() {
+		hs.Close()
+		srv.Close()
+		if err := set.Check(); err != nil {
+			t.Error(err)
+		}
+		set.Close()
+	})
+	// Some I/O through the instrumented backends.
+	for i := 0; i < 8; i++ {
+		if err := exports[0].Backend.WriteAt(bytes.Repeat([]byte{byte(i)}, 8192), int64(i)*65536, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	buf := make([]byte, 8192)
+	if err := exports[0].Backend.ReadAt(buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := exports[2].Backend.ReadAt(buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	return NewClient(sock), set, fn, &released
+}
+
+func TestAPI(t *testing.T) {
+	c, _, fn, released := newTestServer(t)
+	ctx := context.Background()
+	st, err := c.Status(ctx)
+	if err != nil || st.Version != "test" || st.Set == nil || len(st.Exports) != 3 || st.Exports[2].Mode != "plain" {
+		t.Fatalf("status %+v err %v", st, err)
+	}
+	u, err := c.Usage(ctx)
+	if err != nil || u.Cache == nil || u.Exports[0].Dirty != 8*8192 || u.Exports[0].PendingWriteback != u.Exports[0].Dirty {
+		t.Fatalf("usage %+v err %v", u, err)
+	}
+	s, raw, err := c.Stats(ctx)
+	if err != nil || s.Exports[0].Volume == nil || s.Exports[0].Volume.WriteOps != 8 || s.Exports[0].HitRatio != 1 ||
+		s.Exports[1].HitRatio != 0 || s.Exports[2].Volume != nil || len(s.Exports[0].Latency) == 0 {
+		t.Fatalf("stats %+v err %v", s, err)
+	}
+	if !strings.Contains(string(raw), `"WriteOps": 8`) {
+		t.Errorf("stats JSON does not carry VolumeStats as is: %s", raw)
+	}
+
+	// Flush with progress.
+	var lines []Progress
+	fp, err := c.Flush(ctx, "a", func(p Progress) { lines = append(lines, p) })
+	if err != nil || !fp.Finished || fp.DirtyBytes != 0 || fp.Done != 8*8192 {
+		t.Fatalf("flush: %+v err %v", fp, err)
+	}
+	if _, err := c.Flush(ctx, "p", nil); err != nil {
+		t.Fatalf("flush of a plain export: %v", err)
+	}
+	if _, err := c.Flush(ctx, "nope", nil); err == nil || !strings.Contains(err.Error(), `no export named "nope"`) {
+		t.Errorf("flush of unknown export: %v", err)
+	}
+
+	// Settings.
+	m, err := c.Settings(ctx, "a")
+	if err != nil || m["cache_mode"] != "writeback" || len(m) != len(cache.SettingKeys) {
+		t.Fatalf("settings %v err %v", m, err)
+	}
+	if m, err = c.SetSettings(ctx, "a", map[string]string{"cache_mode": "writethrough"}); err != nil || m["cache_mode"] != "writethrough" {
+		t.Fatalf("set cache_mode: %v %v", m, err)
+	}
+	for _, tc := range []struct {
+		export string
+		kv     map[string]string
+		status int
+		key    string
+		msg    string
+	}{
+		{"a", map[string]string{"cache_mod": "none"}, 400, "cache_mod", "unknown setting"},
+		{"a", map[string]string{"cache_mode": "fast"}, 400, "cache_mode", "unknown cache mode"},
+		{"a", map[string]string{"writeback_percent": "150"}, 400, "writeback_percent", "0..100"},
+		{"a", map[string]string{}, 400, "", "no settings"},
+		{"zz", map[string]string{"cache_mode": "none"}, 404, "", `no export named "zz"`},
+		{"p", map[string]string{"cache_mode": "none"}, 409, "", "plain export"},
+	} {
+		_, err := c.SetSettings(ctx, tc.export, tc.kv)
+		var ae *APIError
+		if !errors.As(err, &ae) || ae.Status != tc.status || ae.Key != tc.key || !strings.Contains(ae.Msg, tc.msg) {
+			t.Errorf("set %s %v: got %v (%+v), want %d key %q containing %q", tc.export, tc.kv, err, ae, tc.status, tc.key, tc.msg)
+		}
+	}
+
+	// Metrics.
+	text, err := c.Metrics(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		`tiercache_write_requests_total{export="a"} 8`,
+		`tiercache_writeback_bytes_total{export="a"} 65536`,
+		`tiercache_dirty_bytes{export="a"} 0`,
+		`tiercache_request_duration_seconds_count{export="a",op="write"} 8`,
+		`tiercache_request_duration_seconds_bucket{export="p",op="read",le="+Inf"} 1`,
+		`tiercache_read_hit_ratio{export="a"} 1`,
+		`tiercache_export_info{export="a",mode="writethrough"} 1`,
+		`tiercache_set_buckets `,
+	} {
+		if !strings.Contains(text, want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
+
+	// Check.
+	cp, err := c.Check(ctx, nil)
+	if err != nil || len(cp.Problems) != 0 || !strings.Contains(cp.Message, "verified") {
+		t.Fatalf("check: %+v err %v", cp, err)
+	}
+
+	// Detach.
+	if _, err := c.Detach(ctx, "p", nil); err == nil || !strings.Contains(err.Error(), "plain export") {
+		t.Errorf("detach of plain export: %v", err)
+	}
+	dp, err := c.Detach(ctx, "b", nil)
+	if err != nil || !strings.Contains(dp.Message, "can be used alone") {
+		t.Fatalf("detach: %+v err %v", dp, err)
+	}
+	if len(fn.removed) != 1 || fn.removed[0] != "b" || len(*released) != 1 || (*released)[0] != "/dev/mem-b" {
+		t.Errorf("detach removed %v released %v", fn.removed, *released)
+	}
+	if _, err := c.Settings(ctx, "b"); err == nil || !strings.Contains(err.Error(), "detached") {
+		t.Errorf("settings of a detached export: %v", err)
+	}
+	if err := c.Attach(ctx, "x", "/tmp/x"); err == nil || !strings.Contains(err.Error(), "not implemented") {
+		t.Errorf("attach: %v", err)
+	}
+}
+
+func TestClientNoServer(t *testing.T) {
+	c := NewClient(filepath.Join(t.TempDir(), "none.sock"))
+	_, err := c.Status(context.Background())
+	if !errors.Is(err, ErrNoServer) {
+		t.Fatalf("got %v, want ErrNoServer", err)
+	}
+}

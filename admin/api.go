@@ -1,0 +1,143 @@
+// Package admin is the running server's management API: a small JSON HTTP
+// API (normally on a unix socket, mode 0600) for status, usage, stats,
+// settings, flush, detach and check, and Prometheus metrics on /metrics.
+//
+// Routes (stdlib ServeMux patterns):
+//
+//	GET  /v1/status                   version, uptime, cache set, exports
+//	GET  /v1/usage                    per device: size, used, cached, dirty
+//	GET  /v1/stats                    counters per export and for the set
+//	GET  /v1/exports/{name}/settings  the export's settings (key: value)
+//	PUT  /v1/exports/{name}/settings  change settings: {"key": "value", ...}
+//	POST /v1/exports/{name}/flush     write back dirty data; streams Progress
+//	POST /v1/exports/{name}/detach    flush, stop caching, release the backing device; streams Progress
+//	POST /v1/attach                   not implemented (501)
+//	POST /v1/check                    verify index and every cached block; streams Progress
+//	GET  /metrics                     Prometheus text exposition
+//
+// Errors are JSON {"error": "...", "key": "..."} with a 4xx/5xx status.
+// Streaming replies are newline-delimited JSON Progress objects; the last
+// one has Finished set, and Error when the operation failed.
+//
+// Client is the Go client the CLI uses.
+package admin
+
+import (
+	"time"
+
+	"github.com/tiercache/tiercache/cache"
+)
+
+// Status is the reply of GET /v1/status.
+type Status struct {
+	Version       string       `json:"version"`
+	PID           int          `json:"pid"`
+	Started       time.Time    `json:"started"`
+	UptimeSeconds float64      `json:"uptime_seconds"`
+	Set           *SetInfo     `json:"set,omitempty"`
+	Exports       []ExportInfo `json:"exports"`
+}
+
+// SetInfo describes the cache set being served.
+type SetInfo struct {
+	UUID       string `json:"uuid"`
+	CachePath  string `json:"cache_path"`
+	CacheSize  int64  `json:"cache_size"`
+	BucketSize int64  `json:"bucket_size"`
+	Buckets    int64  `json:"buckets"`
+}
+
+// ExportInfo describes one export.
+type ExportInfo struct {
+	Name     string `json:"name"`
+	Path     string `json:"path"` // the backing device (cached) or the device (plain)
+	Size     int64  `json:"size"`
+	Cached   bool   `json:"cached"` // a volume of the cache set (else a plain export)
+	Mode     string `json:"mode"`   // cache mode; "plain" for plain exports
+	Detached bool   `json:"detached,omitempty"`
+}
+
+// Usage is the reply of GET /v1/usage.
+type Usage struct {
+	Cache   *CacheUsage   `json:"cache,omitempty"`
+	Exports []ExportUsage `json:"exports"`
+}
+
+// CacheUsage is the cache device's space.
+type CacheUsage struct {
+	Path        string `json:"path"`
+	Size        int64  `json:"size"`         // bucket space (buckets x bucket size)
+	UsedBytes   int64  `json:"used_bytes"`   // buckets not free
+	CachedBytes int64  `json:"cached_bytes"` // live cached blocks
+	DirtyBytes  int64  `json:"dirty_bytes"`  // of those, not yet written back
+	Buckets     int64  `json:"buckets"`
+	FreeBuckets int64  `json:"free_buckets"`
+}
+
+// ExportUsage is one export's space.
+type ExportUsage struct {
+	Name   string `json:"name"`
+	Path   string `json:"path"`
+	Mode   string `json:"mode"`
+	Size   int64  `json:"size"`
+	Used   int64  `json:"used_bytes"` // allocated on the device (sparse files: less than size)
+	Cached int64  `json:"cached_bytes"`
+	Dirty  int64  `json:"dirty_bytes"`
+	// PendingWriteback is the dirty data the background writeback still
+	// has to write to this device. With the current engine every dirty
+	// block is pending, so it equals Dirty.
+	PendingWriteback int64 `json:"pending_writeback_bytes"`
+}
+
+// Stats is the reply of GET /v1/stats.
+type Stats struct {
+	Time    time.Time       `json:"time"`
+	Set     *cache.SetStats `json:"set,omitempty"`
+	Exports []ExportStats   `json:"exports"`
+}
+
+// ExportStats are one export's counters. Volume is the engine's
+// VolumeStats serialized as it is (field names as in Go), so fields added
+// to the engine appear here without a change.
+type ExportStats struct {
+	Name    string             `json:"name"`
+	Mode    string             `json:"mode"`
+	Cached  bool               `json:"cached"`
+	Volume  *cache.VolumeStats `json:"volume,omitempty"`
+	Latency []LatencySummary   `json:"latency,omitempty"`
+	// HitRatio is ReadHitBytes / (ReadHitBytes + ReadMissBytes), 0 before the first read.
+	HitRatio float64 `json:"hit_ratio"`
+	// WritebackRate is bytes written back per second, averaged over the last seconds.
+	WritebackRate float64 `json:"writeback_rate"`
+	// WritebackETASeconds is dirty bytes / WritebackRate; 0 when nothing is
+	// dirty, -1 when dirty data waits but writeback is idle.
+	WritebackETASeconds float64 `json:"writeback_eta_seconds"`
+}
+
+// LatencySummary summarizes one request type's latency histogram.
+type LatencySummary struct {
+	Op      string  `json:"op"`
+	Count   uint64  `json:"count"`
+	MeanSec float64 `json:"mean_seconds"`
+}
+
+// Progress is one line of a streaming reply (flush, detach, check).
+type Progress struct {
+	Op         string   `json:"op"`
+	Export     string   `json:"export,omitempty"`
+	Done       int64    `json:"done"`  // bytes written back, or blocks verified
+	Total      int64    `json:"total"` // of Done
+	DirtyBytes int64    `json:"dirty_bytes,omitempty"`
+	Rate       float64  `json:"rate,omitempty"` // units of Done per second
+	ETASeconds float64  `json:"eta_seconds,omitempty"`
+	Finished   bool     `json:"finished,omitempty"`
+	Error      string   `json:"error,omitempty"`
+	Problems   []string `json:"problems,omitempty"` // check: what was found
+	Message    string   `json:"message,omitempty"`
+}
+
+// ErrorReply is the body of an error status.
+type ErrorReply struct {
+	Error string `json:"error"`
+	Key   string `json:"key,omitempty"` // the setting at fault, for settings errors
+}

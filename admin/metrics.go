@@ -1,0 +1,367 @@
+package admin
+
+// Prometheus metrics. The table below maps every numeric field of
+// cache.VolumeStats and cache.SetStats to a metric; TestMetricsTableComplete
+// fails when a field has no line here, so a field added to the engine gets
+// a metric (or an explicit reason why not) in this one place.
+
+import (
+	"errors"
+	"net/http"
+	"reflect"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/tiercache/tiercache/nbd"
+)
+
+// metricDef maps one stats field to a metric.
+type metricDef struct {
+	name  string // "" with skip: deliberately not a metric
+	help  string
+	kind  prometheus.ValueType
+	scale float64 // multiplies the field (blocks to bytes); 0 means 1
+	skip  string  // why the field is not exported (then name is empty)
+}
+
+const blockBytes = 4096
+
+var (
+	counter = prometheus.CounterValue
+	gauge   = prometheus.GaugeValue
+)
+
+// volumeMetrics maps cache.VolumeStats fields (label export).
+var volumeMetrics = map[string]metricDef{
+	"Mode":            {skip: "exported as tiercache_export_info{mode}"},
+	"ReadOps":         {name: "tiercache_read_requests_total", help: "Read requests.", kind: counter},
+	"WriteOps":        {name: "tiercache_write_requests_total", help: "Write requests.", kind: counter},
+	"FlushOps":        {name: "tiercache_flush_requests_total", help: "Flush requests.", kind: counter},
+	"TrimOps":         {name: "tiercache_trim_requests_total", help: "Trim requests.", kind: counter},
+	"ZeroOps":         {name: "tiercache_write_zeroes_requests_total", help: "Write-zeroes requests.", kind: counter},
+	"ReadBytes":       {name: "tiercache_read_bytes_total", help: "Bytes read by clients.", kind: counter},
+	"WriteBytes":      {name: "tiercache_write_bytes_total", help: "Bytes written by clients.", kind: counter},
+	"ReadHitBytes":    {name: "tiercache_read_hit_bytes_total", help: "Bytes read from the cache device.", kind: counter},
+	"ReadMissBytes":   {name: "tiercache_read_miss_bytes_total", help: "Bytes read from the backing device.", kind: counter},
+	"BypassBytes":     {name: "tiercache_bypass_bytes_total", help: "Bytes written straight to the backing device (writearound, none, write-zeroes).", kind: counter},
+	"PromoteBytes":    {name: "tiercache_promote_bytes_total", help: "Read misses copied into the cache.", kind: counter},
+	"WritebackBytes":  {name: "tiercache_writeback_bytes_total", help: "Dirty bytes written back to the backing device.", kind: counter},
+	"ChecksumErrors":  {name: "tiercache_checksum_errors_total", help: "Cached blocks that failed checksum verification.", kind: counter},
+	"ChecksumRepairs": {name: "tiercache_checksum_repairs_total", help: "Clean blocks that failed verification and were re-read from the backing device.", kind: counter},
+	"CachedBlocks":    {name: "tiercache_cached_bytes", help: "Bytes of the export held in the cache.", kind: gauge, scale: blockBytes},
+	"DirtyBlocks":     {name: "tiercache_dirty_bytes", help: "Bytes held in the cache and not yet written back.", kind: gauge, scale: blockBytes},
+}
+
+// setMetrics maps cache.SetStats fields (no label).
+var setMetrics = map[string]metricDef{
+	"Buckets":         {name: "tiercache_set_buckets", help: "Buckets on the cache device.", kind: gauge},
+	"FreeBuckets":     {name: "tiercache_set_free_buckets", help: "Free buckets.", kind: gauge},
+	"SealedBuckets":   {name: "tiercache_set_sealed_buckets", help: "Full buckets waiting for GC.", kind: gauge},
+	"CachedBlocks":    {name: "tiercache_set_cached_bytes", help: "Bytes cached, all exports.", kind: gauge, scale: blockBytes},
+	"DirtyBlocks":     {name: "tiercache_set_dirty_bytes", help: "Dirty bytes, all exports.", kind: gauge, scale: blockBytes},
+	"Commits":         {name: "tiercache_set_journal_commits_total", help: "Journal commits (group commits of flushes).", kind: counter},
+	"JournalBlocks":   {name: "tiercache_set_journal_blocks_total", help: "Journal blocks written.", kind: counter},
+	"Checkpoints":     {name: "tiercache_set_checkpoints_total", help: "Index checkpoints written.", kind: counter},
+	"Evictions":       {name: "tiercache_set_gc_evictions_total", help: "Buckets freed by GC.", kind: counter},
+	"WritebackBlocks": {name: "tiercache_set_writeback_bytes_total", help: "Bytes written back, all exports.", kind: counter, scale: blockBytes},
+}
+
+// Request latency buckets: 10 µs to ~10 s, x4.
+var latencyBuckets = prometheus.ExponentialBuckets(10e-6, 4, 11)
+
+// Metrics owns the Prometheus registry and the latency histograms of the
+// instrumented backends.
+type Metrics struct {
+	reg     *prometheus.Registry
+	latency *prometheus.HistogramVec
+	errs    *prometheus.CounterVec
+
+	mu   sync.Mutex               // guards inst
+	inst map[string]*instrumented // per export, for /v1/stats
+}
+
+// NewMetrics returns a registry with the Go runtime and process collectors
+// and the request latency histograms.
+func NewMetrics() *Metrics {
+	m := &Metrics{reg: prometheus.NewRegistry()}
+	m.latency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "tiercache_request_duration_seconds",
+		Help:    "Latency of NBD requests as served by the backend, by export and operation.",
+		Buckets: latencyBuckets,
+	}, []string{"export", "op"})
+	m.errs = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "tiercache_request_errors_total",
+		Help: "NBD requests answered with an error, by export and operation.",
+	}, []string{"export", "op"})
+	m.reg.MustRegister(m.latency, m.errs, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Handler serves the registry in the Prometheus text format.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{ErrorHandling: promhttp.ContinueOnError})
+}
+
+// statsCollector turns the engine's stats into metrics at scrape time.
+type statsCollector struct{ s *Server }
+
+func (c statsCollector) Describe(chan<- *prometheus.Desc) {} // unchecked collector
+
+func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
+	infoDesc := prometheus.NewDesc("tiercache_export_info", "One per export; labels give the cache mode (plain: no cache).", []string{"export", "mode"}, nil)
+	ratioDesc := prometheus.NewDesc("tiercache_read_hit_ratio", "Read hit bytes / read bytes since start.", []string{"export"}, nil)
+	rateDesc := prometheus.NewDesc("tiercache_writeback_rate_bytes_per_second", "Writeback rate over the last seconds.", []string{"export"}, nil)
+	upDesc := prometheus.NewDesc("tiercache_uptime_seconds", "Seconds since the server started.", nil, nil)
+	ch <- prometheus.MustNewConstMetric(upDesc, gauge, time.Since(c.s.started).Seconds())
+	st := c.s.stats()
+	for _, e := range st.Exports {
+		ch <- prometheus.MustNewConstMetric(infoDesc, gauge, 1, e.Name, e.Mode)
+		if e.Volume == nil {
+			continue
+		}
+		emitStruct(ch, volumeMetrics, *e.Volume, e.Name)
+		ch <- prometheus.MustNewConstMetric(ratioDesc, gauge, e.HitRatio, e.Name)
+		ch <- prometheus.MustNewConstMetric(rateDesc, gauge, e.WritebackRate, e.Name)
+	}
+	if st.Set != nil {
+		emitStruct(ch, setMetrics, *st.Set, "")
+	}
+}
+
+// emitStruct emits one metric per numeric field found in table.
+func emitStruct(ch chan<- prometheus.Metric, table map[string]metricDef, v any, export string) {
+	rv := reflect.ValueOf(v)
+	rt := rv.Type()
+	for i := 0; i < rt.NumField(); i++ {
+		d, ok := table[rt.Field(i).Name]
+		if !ok || d.name == "" {
+			continue
+		}
+		f, ok := numeric(rv.Field(i))
+		if !ok {
+			continue
+		}
+		if d.scale != 0 {
+			f *= d.scale
+		}
+		var labels []string
+		var values []string
+		if export != "" {
+			labels, values = []string{"export"}, []string{export}
+		}
+		ch <- prometheus.MustNewConstMetric(prometheus.NewDesc(d.name, d.help, labels, nil), d.kind, f, values...)
+	}
+}
+
+// numeric returns a numeric field's value.
+func numeric(v reflect.Value) (float64, bool) {
+	switch v.Kind() {
+	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
+		return float64(v.Int()), true
+	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
+		return float64(v.Uint()), true
+	case reflect.Float32, reflect.Float64:
+		return v.Float(), true
+	}
+	return 0, false
+}
+
+// Backend decoration: latency of every request, by operation.
+
+var ops = [...]string{"read", "write", "flush", "trim", "write_zeroes", "prefetch"}
+
+const (
+	opRead = iota
+	opWrite
+	opFlush
+	opTrim
+	opZero
+	opPrefetch
+)
+
+// instrumented wraps an nbd.Backend and records each request's latency.
+type instrumented struct {
+	b     nbd.Backend
+	hist  [len(ops)]prometheus.Observer
+	errs  [len(ops)]prometheus.Counter
+	count [len(ops)]atomic.Uint64
+	nanos [len(ops)]atomic.Uint64
+}
+
+func (w *instrumented) observe(op int, start time.Time, err error) error {
+	d := time.Since(start)
+	w.hist[op].Observe(d.Seconds())
+	w.count[op].Add(1)
+	w.nanos[op].Add(uint64(d))
+	if err != nil {
+		w.errs[op].Inc()
+	}
+	return err
+}
+
+func (w *instrumented) Size() int64 { return w.b.Size() }
+
+func (w *instrumented) ReadAt(p []byte, off int64) error {
+	t := time.Now()
+	return w.observe(opRead, t, w.b.ReadAt(p, off))
+}
+
+func (w *instrumented) WriteAt(p []byte, off int64, fua bool) error {
+	t := time.Now()
+	return w.observe(opWrite, t, w.b.WriteAt(p, off, fua))
+}
+
+func (w *instrumented) Flush() error {
+	t := time.Now()
+	return w.observe(opFlush, t, w.b.Flush())
+}
+
+func (w *instrumented) latency() []LatencySummary {
+	var out []LatencySummary
+	for i, name := range ops {
+		n := w.count[i].Load()
+		if n == 0 {
+			continue
+		}
+		out = append(out, LatencySummary{Op: name, Count: n, MeanSec: time.Duration(w.nanos[i].Load() / n).Seconds()})
+	}
+	return out
+}
+
+// The optional capabilities are passed through only when the wrapped
+// backend has them: the NBD server advertises them by type assertion.
+
+type trimmer struct{ *instrumented }
+
+func (w trimmer) Trim(off, length int64, fua bool) error {
+	t := time.Now()
+	return w.observe(opTrim, t, w.b.(nbd.Trimmer).Trim(off, length, fua))
+}
+
+type zeroer struct{ *instrumented }
+
+func (w zeroer) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) error {
+	t := time.Now()
+	err := w.b.(nbd.ZeroWriter).WriteZeroes(off, length, fua, mayTrim, fastOnly)
+	if errors.Is(err, errors.ErrUnsupported) && fastOnly {
+		return err // a refused fast zero is an answer, not a failure
+	}
+	return w.observe(opZero, t, err)
+}
+
+type prefetcher struct{ *instrumented }
+
+func (w prefetcher) Prefetch(off, length int64) error {
+	t := time.Now()
+	return w.observe(opPrefetch, t, w.b.(nbd.Prefetcher).Prefetch(off, length))
+}
+
+type (
+	wrapT  struct{ trimmer }
+	wrapZ  struct{ zeroer }
+	wrapP  struct{ prefetcher }
+	wrapTZ struct {
+		trimmer
+		zeroer
+	}
+	wrapTP struct {
+		trimmer
+		prefetcher
+	}
+	wrapZP struct {
+		zeroer
+		prefetcher
+	}
+	wrapTZP struct {
+		trimmer
+		zeroer
+		prefetcher
+	}
+)
+
+// Size etc. are ambiguous through several embedded *instrumented; resolve
+// them once with a base field.
+type base struct{ *instrumented }
+
+// Wrap returns b decorated with latency histograms under the label export,
+// keeping exactly b's optional capabilities (Trimmer, ZeroWriter,
+// Prefetcher).
+func (m *Metrics) Wrap(export string, b nbd.Backend) nbd.Backend {
+	w := &instrumented{b: b}
+	for i, op := range ops {
+		w.hist[i] = m.latency.WithLabelValues(export, op)
+		w.errs[i] = m.errs.WithLabelValues(export, op)
+	}
+	_, t := b.(nbd.Trimmer)
+	_, z := b.(nbd.ZeroWriter)
+	_, p := b.(nbd.Prefetcher)
+	T, Z, P := trimmer{w}, zeroer{w}, prefetcher{w}
+	var out nbd.Backend
+	switch {
+	case t && z && p:
+		out = &struct {
+			base
+			wrapTZP
+		}{base{w}, wrapTZP{T, Z, P}}
+	case t && z:
+		out = &struct {
+			base
+			wrapTZ
+		}{base{w}, wrapTZ{T, Z}}
+	case t && p:
+		out = &struct {
+			base
+			wrapTP
+		}{base{w}, wrapTP{T, P}}
+	case z && p:
+		out = &struct {
+			base
+			wrapZP
+		}{base{w}, wrapZP{Z, P}}
+	case t:
+		out = &struct {
+			base
+			wrapT
+		}{base{w}, wrapT{T}}
+	case z:
+		out = &struct {
+			base
+			wrapZ
+		}{base{w}, wrapZ{Z}}
+	case p:
+		out = &struct {
+			base
+			wrapP
+		}{base{w}, wrapP{P}}
+	default:
+		out = w
+	}
+	m.wrapped(export, w)
+	return out
+}
+
+// wrapped remembers the decorator of export for the latency summaries of
+// /v1/stats.
+func (m *Metrics) wrapped(export string, w *instrumented) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.inst == nil {
+		m.inst = map[string]*instrumented{}
+	}
+	m.inst[export] = w
+}
+
+func (m *Metrics) latencyOf(export string) []LatencySummary {
+	m.mu.Lock()
+	w := m.inst[export]
+	m.mu.Unlock()
+	if w == nil {
+		return nil
+	}
+	return w.latency()
+}

@@ -1,0 +1,602 @@
+package admin
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"slices"
+	"sort"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/tiercache/tiercache/cache"
+	"github.com/tiercache/tiercache/internal/backingid"
+	"github.com/tiercache/tiercache/nbd"
+)
+
+// ExportControl is the part of the NBD server that detach needs.
+type ExportControl interface {
+	RemoveExport(name string) error
+	AddExport(e nbd.Export) error
+}
+
+// Export is one served export as the admin API sees it.
+type Export struct {
+	nbd.Export        // as given to the NBD server (Backend possibly wrapped by Metrics)
+	Path       string // the device file: the backing device of a volume, or a plain export's device
+}
+
+// Config describes what the server serves.
+type Config struct {
+	Version   string
+	Set       *cache.Set // nil when only plain exports are served
+	CachePath string
+	Exports   []Export
+	NBD       ExportControl
+	Metrics   *Metrics // nil: no /metrics and no latency
+	Logger    *slog.Logger
+	// Release forgets the cache set's claim on a backing device after
+	// detach; nil uses backingid.Release.
+	Release func(path string) error
+}
+
+// Server implements the admin API. Create it with New, serve Handler, and
+// Close it when the NBD server stops.
+type Server struct {
+	cfg     Config
+	log     *slog.Logger
+	started time.Time
+	stop    chan struct{}
+	wg      sync.WaitGroup
+
+	mu struct {
+		sync.Mutex // guards the fields below
+		detached   map[string]bool
+		busy       map[string]string // export -> operation running (flush, detach)
+		rate       map[string]*rateSample
+	}
+}
+
+// rateSample tracks an export's writeback rate.
+type rateSample struct {
+	at    time.Time
+	bytes uint64
+	rate  float64 // bytes/s, exponentially smoothed
+}
+
+// New returns the admin server for cfg and starts its rate sampler.
+func New(cfg Config) *Server {
+	s := &Server{cfg: cfg, log: cfg.Logger, started: time.Now(), stop: make(chan struct{})}
+	if s.log == nil {
+		s.log = slog.New(slog.DiscardHandler)
+	}
+	if s.cfg.Release == nil {
+		s.cfg.Release = backingid.Release
+	}
+	s.mu.detached = map[string]bool{}
+	s.mu.busy = map[string]string{}
+	s.mu.rate = map[string]*rateSample{}
+	if cfg.Metrics != nil {
+		cfg.Metrics.reg.MustRegister(statsCollector{s})
+	}
+	s.wg.Add(1)
+	go s.sampleLoop()
+	return s
+}
+
+// Close stops the rate sampler.
+func (s *Server) Close() {
+	close(s.stop)
+	s.wg.Wait()
+}
+
+func (s *Server) sampleLoop() {
+	defer s.wg.Done()
+	t := time.NewTicker(time.Second)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.stop:
+			return
+		case <-t.C:
+			s.sample()
+		}
+	}
+}
+
+// sample updates the writeback rates.
+func (s *Server) sample() {
+	if s.cfg.Set == nil {
+		return
+	}
+	now := time.Now()
+	for _, v := range s.cfg.Set.Volumes() {
+		wb := v.Stats().WritebackBytes
+		s.mu.Lock()
+		r := s.mu.rate[v.Name()]
+		if r == nil {
+			s.mu.rate[v.Name()] = &rateSample{at: now, bytes: wb}
+		} else if dt := now.Sub(r.at).Seconds(); dt > 0 {
+			cur := float64(wb-r.bytes) / dt
+			r.rate = 0.5*r.rate + 0.5*cur
+			r.at, r.bytes = now, wb
+		}
+		s.mu.Unlock()
+	}
+}
+
+// Handler returns the API's routes.
+func (s *Server) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /v1/status", s.handleStatus)
+	mux.HandleFunc("GET /v1/usage", s.handleUsage)
+	mux.HandleFunc("GET /v1/stats", s.handleStats)
+	mux.HandleFunc("GET /v1/exports/{name}/settings", s.handleGetSettings)
+	mux.HandleFunc("PUT /v1/exports/{name}/settings", s.handlePutSettings)
+	mux.HandleFunc("POST /v1/exports/{name}/flush", s.handleFlush)
+	mux.HandleFunc("POST /v1/exports/{name}/detach", s.handleDetach)
+	mux.HandleFunc("POST /v1/attach", s.handleAttach)
+	mux.HandleFunc("POST /v1/check", s.handleCheck)
+	if s.cfg.Metrics != nil {
+		mux.Handle("GET /metrics", s.cfg.Metrics.Handler())
+	}
+	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, "", fmt.Sprintf("no such API endpoint: %s %s", r.Method, r.URL.Path))
+	})
+	return mux
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	_ = enc.Encode(v)
+}
+
+func writeError(w http.ResponseWriter, status int, key, msg string) {
+	writeJSON(w, status, ErrorReply{Error: msg, Key: key})
+}
+
+// export finds a served, not detached export.
+func (s *Server) export(w http.ResponseWriter, name string) (*Export, bool) {
+	s.mu.Lock()
+	det := s.mu.detached[name]
+	s.mu.Unlock()
+	for i := range s.cfg.Exports {
+		if s.cfg.Exports[i].Name == name && !det {
+			return &s.cfg.Exports[i], true
+		}
+	}
+	msg := fmt.Sprintf("no export named %q (exports: %s)", name, s.exportNames())
+	if det {
+		msg = fmt.Sprintf("export %q was detached", name)
+	}
+	writeError(w, http.StatusNotFound, "", msg)
+	return nil, false
+}
+
+func (s *Server) exportNames() string {
+	var names []string
+	s.mu.Lock()
+	for _, e := range s.cfg.Exports {
+		if !s.mu.detached[e.Name] {
+			names = append(names, e.Name)
+		}
+	}
+	s.mu.Unlock()
+	if len(names) == 0 {
+		return "none"
+	}
+	sort.Strings(names)
+	return fmt.Sprint(names)
+}
+
+// volume returns the cache volume behind an export, or nil for a plain one.
+func (s *Server) volume(name string) *cache.Volume {
+	if s.cfg.Set == nil {
+		return nil
+	}
+	v, _ := s.cfg.Set.Volume(name)
+	return v
+}
+
+func (s *Server) status() Status {
+	st := Status{Version: s.cfg.Version, PID: os.Getpid(), Started: s.started, UptimeSeconds: time.Since(s.started).Seconds()}
+	if s.cfg.Set != nil {
+		sb := s.cfg.Set.Superblock()
+		st.Set = &SetInfo{UUID: fmtUUID(sb.SetUUID), CachePath: s.cfg.CachePath, CacheSize: sb.NBuckets * sb.BucketSize,
+			BucketSize: sb.BucketSize, Buckets: sb.NBuckets}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, e := range s.cfg.Exports {
+		ei := ExportInfo{Name: e.Name, Path: e.Path, Size: e.Backend.Size(), Mode: "plain", Detached: s.mu.detached[e.Name]}
+		if v := s.volume(e.Name); v != nil {
+			ei.Cached, ei.Mode = true, v.Mode().String()
+		}
+		st.Exports = append(st.Exports, ei)
+	}
+	return st
+}
+
+func (s *Server) handleStatus(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, s.status())
+}
+
+// allocated is the space a file takes on its file system (sparse files
+// take less than their size); for block devices it is the size.
+func allocated(path string, size int64) int64 {
+	fi, err := os.Stat(path)
+	if err != nil || !fi.Mode().IsRegular() {
+		return size
+	}
+	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
+		return min(st.Blocks*512, size)
+	}
+	return size
+}
+
+func (s *Server) usage() Usage {
+	var u Usage
+	if s.cfg.Set != nil {
+		sb := s.cfg.Set.Superblock()
+		ss := s.cfg.Set.Stats()
+		u.Cache = &CacheUsage{Path: s.cfg.CachePath, Size: sb.NBuckets * sb.BucketSize, Buckets: ss.Buckets, FreeBuckets: ss.FreeBuckets,
+			UsedBytes: (ss.Buckets - ss.FreeBuckets) * sb.BucketSize, CachedBytes: ss.CachedBlocks * blockBytes, DirtyBytes: ss.DirtyBlocks * blockBytes}
+	}
+	for _, ei := range s.status().Exports {
+		if ei.Detached {
+			continue
+		}
+		eu := ExportUsage{Name: ei.Name, Path: ei.Path, Mode: ei.Mode, Size: ei.Size, Used: allocated(ei.Path, ei.Size)}
+		if v := s.volume(ei.Name); v != nil {
+			vs := v.Stats()
+			eu.Cached, eu.Dirty = vs.CachedBlocks*blockBytes, vs.DirtyBlocks*blockBytes
+			eu.PendingWriteback = eu.Dirty
+		}
+		u.Exports = append(u.Exports, eu)
+	}
+	return u
+}
+
+func (s *Server) handleUsage(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, s.usage())
+}
+
+func (s *Server) stats() Stats {
+	st := Stats{Time: time.Now()}
+	if s.cfg.Set != nil {
+		ss := s.cfg.Set.Stats()
+		st.Set = &ss
+	}
+	for _, ei := range s.status().Exports {
+		if ei.Detached {
+			continue
+		}
+		es := ExportStats{Name: ei.Name, Mode: ei.Mode, Cached: ei.Cached}
+		if s.cfg.Metrics != nil {
+			es.Latency = s.cfg.Metrics.latencyOf(ei.Name)
+		}
+		if v := s.volume(ei.Name); v != nil {
+			vs := v.Stats()
+			es.Volume = &vs
+			if r := vs.ReadHitBytes + vs.ReadMissBytes; r > 0 {
+				es.HitRatio = float64(vs.ReadHitBytes) / float64(r)
+			}
+			s.mu.Lock()
+			if r := s.mu.rate[ei.Name]; r != nil {
+				es.WritebackRate = r.rate
+			}
+			s.mu.Unlock()
+			dirty := float64(vs.DirtyBlocks * blockBytes)
+			switch {
+			case dirty == 0:
+			case es.WritebackRate < 1:
+				es.WritebackETASeconds = -1
+			default:
+				es.WritebackETASeconds = dirty / es.WritebackRate
+			}
+		}
+		st.Exports = append(st.Exports, es)
+	}
+	return st
+}
+
+func (s *Server) handleStats(w http.ResponseWriter, _ *http.Request) {
+	writeJSON(w, http.StatusOK, s.stats())
+}
+
+func settingsMap(st cache.Settings) map[string]string {
+	out := map[string]string{}
+	for _, k := range cache.SettingKeys {
+		if v, ok := st.Get(k); ok {
+			out[k] = v
+		}
+	}
+	return out
+}
+
+func (s *Server) handleGetSettings(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("name")
+	if _, ok := s.export(w, name); !ok {
+		return
+	}
+	v := s.volume(name)
+	if v == nil {
+		writeError(w, http.StatusConflict, "", fmt.Sprintf("export %q is a plain export (no cache): it has no settings", name))
+		return
+	}
+	writeJSON(w, http.StatusOK, settingsMap(v.Settings()))
+}
+
+func (s *Server) handlePutSettings(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("name")
+	if _, ok := s.export(w, name); !ok {
+		return
+	}
+	v := s.volume(name)
+	if v == nil {
+		writeError(w, http.StatusConflict, "", fmt.Sprintf("export %q is a plain export (no cache): it has no settings", name))
+		return
+	}
+	var req map[string]string
+	dec := json.NewDecoder(io.LimitReader(r.Body, 1<<20))
+	if err := dec.Decode(&req); err != nil {
+		writeError(w, http.StatusBadRequest, "", fmt.Sprintf("request body: want a JSON object of \"key\": \"value\" strings: %v", err))
+		return
+	}
+	if len(req) == 0 {
+		writeError(w, http.StatusBadRequest, "", "no settings given")
+		return
+	}
+	keys := make([]string, 0, len(req))
+	for k := range req {
+		keys = append(keys, k)
+	}
+	// Apply in the documented key order, unknown keys last, so that the
+	// first error reported does not depend on map order.
+	slices.SortFunc(keys, func(a, b string) int {
+		ia, ib := slices.Index(cache.SettingKeys, a), slices.Index(cache.SettingKeys, b)
+		if ia < 0 {
+			ia = len(cache.SettingKeys)
+		}
+		if ib < 0 {
+			ib = len(cache.SettingKeys)
+		}
+		if ia != ib {
+			return ia - ib
+		}
+		return cmpString(a, b)
+	})
+	st := v.Settings()
+	for _, k := range keys {
+		if err := cache.ParseSetting(&st, k, req[k]); err != nil {
+			writeError(w, http.StatusBadRequest, k, fmt.Sprintf("%s=%s: %v", k, req[k], err))
+			return
+		}
+	}
+	if err := v.SetSettings(st); err != nil {
+		status := http.StatusInternalServerError
+		if errors.Is(err, cache.ErrInvalid) {
+			status = http.StatusBadRequest
+		}
+		writeError(w, status, "", fmt.Sprintf("export %s: the engine refused the settings: %v", name, err))
+		return
+	}
+	s.log.Info("settings changed", "export", name, "settings", req)
+	writeJSON(w, http.StatusOK, settingsMap(v.Settings()))
+}
+
+func cmpString(a, b string) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// streamer writes newline-delimited Progress objects, at most every
+// interval except the final one.
+type streamer struct {
+	w     http.ResponseWriter
+	f     http.Flusher
+	mu    sync.Mutex
+	last  time.Time
+	every time.Duration
+}
+
+func newStreamer(w http.ResponseWriter) *streamer {
+	w.Header().Set("Content-Type", "application/x-ndjson")
+	w.WriteHeader(http.StatusOK)
+	f, _ := w.(http.Flusher)
+	return &streamer{w: w, f: f, every: 200 * time.Millisecond}
+}
+
+func (st *streamer) send(p Progress, force bool) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if !force && time.Since(st.last) < st.every {
+		return
+	}
+	st.last = time.Now()
+	b, _ := json.Marshal(p)
+	st.w.Write(append(b, '\n'))
+	if st.f != nil {
+		st.f.Flush()
+	}
+}
+
+// begin marks name busy with op; it fails if another operation runs.
+func (s *Server) begin(w http.ResponseWriter, name, op string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if cur := s.mu.busy[name]; cur != "" {
+		writeError(w, http.StatusConflict, "", fmt.Sprintf("export %q: %s already running", name, cur))
+		return false
+	}
+	s.mu.busy[name] = op
+	return true
+}
+
+func (s *Server) end(name string) {
+	s.mu.Lock()
+	delete(s.mu.busy, name)
+	s.mu.Unlock()
+}
+
+// drainProgress returns a progress callback that reports bytes written
+// back out of the dirty bytes at the start, with rate and ETA.
+func drainProgress(st *streamer, op, name string) (func(int64), func() Progress) {
+	start := time.Now()
+	first := int64(-1)
+	var last Progress
+	var mu sync.Mutex
+	cb := func(dirtyBlocks int64) {
+		mu.Lock()
+		dirty := dirtyBlocks * blockBytes
+		if first < 0 {
+			first = dirty
+		}
+		total := max(first, dirty)
+		done := max(total-dirty, 0)
+		p := Progress{Op: op, Export: name, Done: done, Total: total, DirtyBytes: dirty}
+		if el := time.Since(start).Seconds(); el > 0 && done > 0 {
+			p.Rate = float64(done) / el
+			p.ETASeconds = float64(dirty) / p.Rate
+		}
+		last = p
+		mu.Unlock()
+		st.send(p, false)
+	}
+	return cb, func() Progress { mu.Lock(); defer mu.Unlock(); return last }
+}
+
+func (s *Server) handleFlush(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("name")
+	e, ok := s.export(w, name)
+	if !ok || !s.begin(w, name, "flush") {
+		return
+	}
+	defer s.end(name)
+	st := newStreamer(w)
+	v := s.volume(name)
+	var err error
+	var final Progress
+	if v == nil {
+		err = e.Backend.Flush()
+		final = Progress{Op: "flush", Export: name}
+	} else {
+		cb, last := drainProgress(st, "flush", name)
+		err = v.DrainDirty(r.Context(), cb)
+		final = last()
+	}
+	final.Finished = true
+	if err != nil {
+		final.Error = err.Error()
+		s.log.Error("flush failed", "export", name, "err", err)
+	} else {
+		s.log.Info("flushed", "export", name, "bytes", final.Done)
+	}
+	st.send(final, true)
+}
+
+func (s *Server) handleDetach(w http.ResponseWriter, r *http.Request) {
+	name := r.PathValue("name")
+	e, ok := s.export(w, name)
+	if !ok {
+		return
+	}
+	v := s.volume(name)
+	if v == nil {
+		writeError(w, http.StatusConflict, "", fmt.Sprintf("export %q is a plain export: there is no cache to detach it from", name))
+		return
+	}
+	if !s.begin(w, name, "detach") {
+		return
+	}
+	defer s.end(name)
+	// No new connections from here on; connections still open keep being
+	// served, uncached (mode none), straight to the backing device.
+	if err := s.cfg.NBD.RemoveExport(name); err != nil {
+		writeError(w, http.StatusInternalServerError, "", fmt.Sprintf("detach %s: %v", name, err))
+		return
+	}
+	st := newStreamer(w)
+	cb, last := drainProgress(st, "detach", name)
+	// Detach runs to completion even if the client goes away: stopping
+	// half-way would leave the export removed but still cached.
+	err := v.Detach(context.WithoutCancel(r.Context()), cb)
+	if err == nil {
+		err = s.cfg.Release(e.Path)
+		if err != nil {
+			err = fmt.Errorf("releasing %s: %w", e.Path, err)
+		}
+	}
+	final := last()
+	final.Finished = true
+	if err != nil {
+		final.Error = err.Error()
+		s.log.Error("detach failed; export served again", "export", name, "err", err)
+		if aerr := s.cfg.NBD.AddExport(e.Export); aerr != nil {
+			s.log.Error("re-adding export", "export", name, "err", aerr)
+		}
+	} else {
+		s.mu.Lock()
+		s.mu.detached[name] = true
+		s.mu.Unlock()
+		final.Message = fmt.Sprintf("%s is detached: %s is complete and can be used alone (e.g. tiercache serve --export %s=%s)", name, e.Path, name, e.Path)
+		s.log.Info("detached", "export", name, "backing", e.Path)
+	}
+	st.send(final, true)
+}
+
+func (s *Server) handleAttach(w http.ResponseWriter, _ *http.Request) {
+	writeError(w, http.StatusNotImplemented, "", "attach is not implemented yet: adding a backing device to a cache set needs engine support; "+
+		"for now format a cache set that includes it (tiercache format --cache PATH --backing NAME=PATH ...)")
+}
+
+func (s *Server) handleCheck(w http.ResponseWriter, r *http.Request) {
+	if s.cfg.Set == nil {
+		writeError(w, http.StatusConflict, "", "this server serves no cache set: nothing to check")
+		return
+	}
+	st := newStreamer(w)
+	final := Progress{Op: "check", Finished: true}
+	if err := s.cfg.Set.Check(); err != nil {
+		final.Problems = append(final.Problems, "index: "+err.Error())
+	}
+	start := time.Now()
+	rep, err := s.cfg.Set.Scrub(r.Context(), func(done, total int64) {
+		p := Progress{Op: "check", Done: done, Total: total}
+		if el := time.Since(start).Seconds(); el > 0 && done > 0 {
+			p.Rate = float64(done) / el
+			p.ETASeconds = float64(total-done) / p.Rate
+		}
+		st.send(p, false)
+	})
+	final.Done, final.Total = rep.Blocks, rep.Blocks
+	final.Problems = append(final.Problems, rep.Problems...)
+	if n := rep.ProblemsTotal - int64(len(rep.Problems)); n > 0 {
+		final.Problems = append(final.Problems, fmt.Sprintf("... and %d more", n))
+	}
+	if err != nil {
+		final.Error = err.Error()
+	}
+	final.Message = fmt.Sprintf("%d cached blocks verified (%d dirty), %d bad", rep.Blocks, rep.DirtyBlocks, rep.Bad)
+	s.log.Info("check", "blocks", rep.Blocks, "bad", rep.Bad, "problems", len(final.Problems))
+	st.send(final, true)
+}
+
+// fmtUUID prints a 16-byte UUID in its canonical form.
+func fmtUUID(u [16]byte) string {
+	return fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
+}
