@@ -63,6 +63,7 @@ type conn struct {
 	wg       sync.WaitGroup // running workers
 	hdr      [requestHeaderSize]byte
 	running  atomic.Int64 // requests dispatched and not yet replied to
+	draining atomic.Bool  // Shutdown began: refuse what is already buffered
 
 	wmu     sync.Mutex  // guards the fields below
 	wq      []*request  // replies waiting for the writer
@@ -117,6 +118,7 @@ func (c *conn) beginShutdown() {
 		c.raw.Close()
 		return
 	}
+	c.draining.Store(true)
 	c.raw.SetReadDeadline(time.Now())
 	c.sem.abort()
 }
@@ -156,6 +158,9 @@ func (c *conn) transmit() {
 	c.work = make(chan *request)
 	disc := false
 	for {
+		if c.draining.Load() && c.br.Buffered() < requestHeaderSize {
+			break // nothing more can arrive: the read deadline has passed
+		}
 		if _, err := io.ReadFull(c.br, c.hdr[:]); err != nil {
 			if !c.quietReadErr(err) {
 				c.log.Debug("nbd: read request", "err", err)
@@ -170,6 +175,12 @@ func (c *conn) transmit() {
 		if h.Type == cmdDisc {
 			disc = true
 			break
+		}
+		if c.draining.Load() {
+			if !c.refuse(h) {
+				break
+			}
+			continue
 		}
 		if !c.dispatch(h) {
 			break
@@ -227,7 +238,7 @@ func (c *conn) dispatch(h requestHeader) bool {
 		charge = max(charge, int64(h.Length))
 	}
 	if !c.sem.acquire(charge) {
-		return false
+		return c.refuse(h) // shutting down
 	}
 	r := requestPool.Get().(*request)
 	r.h = h
@@ -254,6 +265,23 @@ func (c *conn) dispatch(h requestHeader) bool {
 		}
 	}
 	return true
+}
+
+// refuse answers a request received after Shutdown began with ESHUTDOWN,
+// as the spec recommends, if its payload is already buffered. These
+// replies hold no budget: they are bounded by the read buffer.
+func (c *conn) refuse(h requestHeader) bool {
+	if h.Type == cmdWrite {
+		if int(h.Length) > c.br.Buffered() {
+			return false
+		}
+		c.br.Discard(int(h.Length))
+	}
+	r := requestPool.Get().(*request)
+	r.h = h
+	c.running.Add(1)
+	c.sendError(r, ESHUTDOWN, "server shutting down")
+	return c.writeOK()
 }
 
 func (c *conn) writeOK() bool {

@@ -858,3 +858,55 @@ func TestClientAsBackend(t *testing.T) {
 	// the back end's EINVAL comes through.
 	wantErrno(t, "misaligned via front", c.ReadAt(make([]byte, 100), 0), EINVAL)
 }
+
+// TestShutdownRefusesQueuedRequests: requests that arrived but were not
+// started when Shutdown began get ESHUTDOWN; the one in flight completes.
+func TestShutdownRefusesQueuedRequests(t *testing.T) {
+	mem := newMem(1 << 20)
+	g := newGate(0)
+	mem.readHook = g.hook
+	ts := startServer(t, Config{MaxInFlightBytes: 4096}, Export{Name: "d", Backend: mem})
+	r := ts.raw(t)
+	r.greet(flagCFixedNewstyle | flagCNoZeroes)
+	r.goExport("d")
+	// A blocks in the backend holding the whole budget; B waits for
+	// budget; C and a WRITE sit in the read buffer.
+	var b []byte
+	for _, h := range []requestHeader{
+		{Type: cmdRead, Handle: 1, Length: 4096},
+		{Type: cmdRead, Handle: 2, Offset: 4096, Length: 4096},
+		{Type: cmdFlush, Handle: 3},
+		{Type: cmdWrite, Handle: 4, Length: 512},
+	} {
+		var hb [requestHeaderSize]byte
+		encodeRequest(hb[:], h)
+		b = append(b, hb[:]...)
+		if h.Type == cmdWrite {
+			b = append(b, make([]byte, 512)...)
+		}
+	}
+	r.write(b)
+	for g.entered.Load() == 0 {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(20 * time.Millisecond) // let the reader block on B's budget
+	shut := make(chan error, 1)
+	go func() { shut <- ts.Shutdown(context.Background()) }()
+	got := map[uint64]uint32{}
+	for range 3 {
+		errno, h := r.simpleReply()
+		got[h] = errno
+	}
+	if got[2] != ESHUTDOWN || got[3] != ESHUTDOWN || got[4] != ESHUTDOWN {
+		t.Fatalf("replies %v, want ESHUTDOWN for 2, 3, 4", got)
+	}
+	g.release(0)
+	if errno, h := r.simpleReply(); errno != 0 || h != 1 {
+		t.Fatalf("in-flight read: errno %d handle %d", errno, h)
+	}
+	r.read(make([]byte, 4096))
+	if err := <-shut; err != nil {
+		t.Fatal(err)
+	}
+	r.expectClosed()
+}
