@@ -69,8 +69,9 @@
 // NBD_CMD_DISC stops the reader; the in-flight requests finish and are
 // replied to, the backend is flushed and the connection closed. A client
 // that vanishes is handled the same way minus the flush. Server.Shutdown
-// stops accepting, closes connections still negotiating, drains the others
-// the same way and then flushes every export.
+// stops accepting, closes connections still negotiating, answers requests
+// already received but not yet started with ESHUTDOWN, drains the rest the
+// same way and then flushes every export.
 //
 // Backend errors are mapped to NBD error values by errnoFor alone, and
 // logged with export, command, offset and length.

@@ -277,8 +277,9 @@ func (s *Server) startConn(nc net.Conn) {
 }
 
 // Shutdown stops accepting connections, closes connections still in the
-// handshake, lets every in-flight request finish and be replied to, closes
-// the connections and finally flushes every export's backend. If ctx ends
+// handshake, answers requests received but not started with ESHUTDOWN, lets
+// every in-flight request finish and be replied to, closes the connections
+// and finally flushes every export's backend. If ctx ends
 // first, the connections are closed at once and ctx's error is returned
 // (without a flush, since requests may still be running).
 func (s *Server) Shutdown(ctx context.Context) error {
