@@ -43,6 +43,7 @@ type serveOptions struct {
 	direct     string
 	socketMode string
 	drainWait  time.Duration
+	tls        tlsOptions
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -82,6 +83,10 @@ requests finish, flushes every export and exits 0.`,
 	f.BoolVar(&o.readOnly, "read-only", false, "serve every export read-only")
 	f.StringVar(&o.direct, "direct", "auto", "O_DIRECT for devices: auto (when the file system allows it), on, off")
 	f.StringVar(&o.socketMode, "socket-mode", "0600", "permissions of unix sockets")
+	f.StringVar(&o.tls.cert, "tls-cert", "", "PEM certificate `FILE` for NBD STARTTLS")
+	f.StringVar(&o.tls.key, "tls-key", "", "PEM private key `FILE` for --tls-cert")
+	f.StringVar(&o.tls.clientCA, "tls-client-ca", "", "require client certificates signed by the CAs in this PEM `FILE`")
+	f.BoolVar(&o.tls.required, "tls-required", false, "refuse clients that do not start TLS")
 	f.DurationVar(&o.drainWait, "shutdown-timeout", 30*time.Second, "how long to wait for in-flight requests at shutdown")
 	return cmd
 }
@@ -148,7 +153,11 @@ func serve(ctx context.Context, g *globals, o *serveOptions) error {
 
 	setIOFlusher(log)
 
-	srv := nbd.NewServer(nbd.Config{Logger: log})
+	tlsCfg, err := o.tls.config()
+	if err != nil {
+		return err
+	}
+	srv := nbd.NewServer(nbd.Config{Logger: log, TLSConfig: tlsCfg, RequireTLS: o.tls.required})
 	var closers []func() error
 	defer func() {
 		for i := len(closers) - 1; i >= 0; i-- {
