@@ -11,6 +11,7 @@ import (
 	"os"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -195,7 +196,7 @@ func (s *Server) exportNames() string {
 		return "none"
 	}
 	sort.Strings(names)
-	return fmt.Sprint(names)
+	return strings.Join(names, ", ")
 }
 
 // volume returns the cache volume behind an export, or nil for a plain one.

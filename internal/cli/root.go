@@ -50,6 +50,7 @@ type globals struct {
 	dataDir   string
 	logFormat string
 	logLevel  string
+	admin     string // admin API address (--admin)
 	stdout    io.Writer
 	stderr    io.Writer
 }
@@ -78,8 +79,11 @@ directory and serves them, so you can try it at once:
 	pf.StringVar(&g.dataDir, "data-dir", defaultDataDir(), "directory for the embedded default's files, sockets and state ($TIERCACHE_DATA_DIR)")
 	pf.StringVar(&g.logFormat, "log-format", "text", "log format: text or json")
 	pf.StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	pf.StringVar(&g.admin, "admin", "", "admin API socket of the running server (default $TIERCACHE_ADMIN, else DATA_DIR/admin.sock); serve: where to listen, \"none\" to disable")
 
 	root.AddCommand(newServeCmd(g), newFormatCmd(g))
+	root.AddCommand(newUsageCmd(g), newStatsCmd(g), newSetCmd(g), newFlushCmd(g), newDetachCmd(g), newAttachCmd(g),
+		newCheckCmd(g), newInspectCmd(g))
 	return root
 }
 

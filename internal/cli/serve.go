@@ -18,6 +18,7 @@ import (
 	"github.com/spf13/cobra"
 	"golang.org/x/sys/unix"
 
+	"github.com/tiercache/tiercache/admin"
 	"github.com/tiercache/tiercache/cache"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/backingid"
@@ -43,6 +44,8 @@ type serveOptions struct {
 	direct     string
 	socketMode string
 	drainWait  time.Duration
+	adminTCP   string
+	config     string
 	tls        tlsOptions
 }
 
@@ -72,7 +75,18 @@ newer, dirty data for it) unless --force.
 On SIGINT or SIGTERM the server stops accepting connections, lets in-flight
 requests finish, flushes every export and exits 0.`,
 		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error { return serve(cmd.Context(), g, o) },
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if o.config != "" {
+				c, err := loadServeConfig(o.config)
+				if err != nil {
+					return err
+				}
+				if err := applyServeConfig(cmd, g, o, c); err != nil {
+					return err
+				}
+			}
+			return serve(cmd.Context(), g, o)
+		},
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.cache, "cache", "", "serve the cache set on this cache device")
@@ -88,6 +102,8 @@ requests finish, flushes every export and exits 0.`,
 	f.StringVar(&o.tls.clientCA, "tls-client-ca", "", "require client certificates signed by the CAs in this PEM `FILE`")
 	f.BoolVar(&o.tls.required, "tls-required", false, "refuse clients that do not start TLS")
 	f.DurationVar(&o.drainWait, "shutdown-timeout", 30*time.Second, "how long to wait for in-flight requests at shutdown")
+	f.StringVar(&o.adminTCP, "admin-tcp", "", "also serve the admin API and /metrics on TCP `HOST:PORT` (host defaults to 127.0.0.1)")
+	f.StringVar(&o.config, "config", "", "read settings from this TOML `FILE` (see docs/OPERATIONS.md); flags override it")
 	return cmd
 }
 
@@ -166,21 +182,30 @@ func serve(ctx context.Context, g *globals, o *serveOptions) error {
 			}
 		}
 	}()
+	metrics := admin.NewMetrics()
+	adminCfg := admin.Config{NBD: srv, Metrics: metrics, CachePath: cachePath}
 	if cachePath != "" {
 		set, closeSet, err := openSet(log, cachePath, o, direct)
 		if err != nil {
 			return err
 		}
 		closers = append(closers, closeSet)
+		adminCfg.Set = set
+		recorded := map[string]string{}
+		for _, bi := range set.Superblock().Backings {
+			recorded[bi.Name] = bi.Path
+		}
 		for _, v := range set.Volumes() {
-			if err := srv.AddExport(nbd.Export{
+			x := nbd.Export{
 				Name:        v.Name(),
 				Description: fmt.Sprintf("tiercache volume %s (%s)", v.Name(), v.Mode()),
-				Backend:     v,
+				Backend:     metrics.Wrap(v.Name(), v),
 				ReadOnly:    o.readOnly,
-			}); err != nil {
+			}
+			if err := srv.AddExport(x); err != nil {
 				return err
 			}
+			adminCfg.Exports = append(adminCfg.Exports, admin.Export{Export: x, Path: backingPath(o, recorded, v.Name())})
 			log.Info("export", "name", v.Name(), "size", v.Size(), "mode", v.Mode().String(), "cache", cachePath)
 		}
 	}
@@ -197,16 +222,23 @@ func serve(ctx context.Context, g *globals, o *serveOptions) error {
 			return fmt.Errorf("export %q: %w", name, err)
 		}
 		closers = append(closers, dev.Close)
-		if err := srv.AddExport(nbd.Export{
+		x := nbd.Export{
 			Name:        name,
 			Description: "tiercache plain export of " + path,
-			Backend:     plain.New(dev),
+			Backend:     metrics.Wrap(name, plain.New(dev)),
 			ReadOnly:    o.readOnly,
-		}); err != nil {
+		}
+		if err := srv.AddExport(x); err != nil {
 			return fmt.Errorf("export %q: %w", name, err)
 		}
+		adminCfg.Exports = append(adminCfg.Exports, admin.Export{Export: x, Path: path})
 		log.Info("export", "name", name, "device", path, "size", dev.Size(), "read_only", o.readOnly)
 	}
+	stopAdmin, err := startAdmin(g, o, log, adminCfg)
+	if err != nil {
+		return err
+	}
+	closers = append(closers, stopAdmin)
 	return run2(ctx, log, srv, specs, os.FileMode(mode), o.drainWait)
 }
 

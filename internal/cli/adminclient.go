@@ -1,0 +1,89 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/tiercache/tiercache/admin"
+)
+
+// adminAddr is where the running server's admin API is: --admin, else
+// $TIERCACHE_ADMIN, else DATA_DIR/admin.sock (the embedded default's).
+func (g *globals) adminAddr() string {
+	if g.admin != "" {
+		return g.admin
+	}
+	if a := os.Getenv("TIERCACHE_ADMIN"); a != "" {
+		return a
+	}
+	return filepath.Join(g.dataDir, "admin.sock")
+}
+
+// client returns an admin API client; errors it returns say how the
+// address was chosen when no server answers.
+func (g *globals) client() *admin.Client { return admin.NewClient(g.adminAddr()) }
+
+// apiErr makes an admin API error readable on the command line.
+func (g *globals) apiErr(err error) error {
+	if errors.Is(err, admin.ErrNoServer) {
+		return fmt.Errorf("no tiercache server is running at %s (start one with 'tiercache serve'; or point to it with --admin PATH or $TIERCACHE_ADMIN)", g.adminAddr())
+	}
+	return err
+}
+
+// cmdContext is the command's context, never nil.
+func cmdContext(cmd *cobra.Command) context.Context {
+	if ctx := cmd.Context(); ctx != nil {
+		return ctx
+	}
+	return context.Background()
+}
+
+// bar draws frac of width cells.
+func bar(frac float64, width int) string {
+	frac = min(max(frac, 0), 1)
+	n := int(frac*float64(width) + 0.5)
+	if frac > 0 && n == 0 {
+		n = 1
+	}
+	return "[" + strings.Repeat("#", n) + strings.Repeat(".", width-n) + "]"
+}
+
+// pct prints part/whole as a percentage.
+func pct(part, whole int64) string {
+	if whole <= 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.1f%%", 100*float64(part)/float64(whole))
+}
+
+// humanDur prints a duration for ETAs and elapsed times.
+func humanDur(sec float64) string {
+	if sec < 0 {
+		return "-"
+	}
+	d := time.Duration(sec * float64(time.Second))
+	switch {
+	case d < time.Second:
+		return d.Round(time.Millisecond).String()
+	case d < time.Minute:
+		return d.Round(100 * time.Millisecond).String()
+	default:
+		return d.Round(time.Second).String()
+	}
+}
+
+// humanRate prints bytes per second.
+func humanRate(r float64) string {
+	if r <= 0 {
+		return "0 B/s"
+	}
+	return human(int64(r)) + "/s"
+}

@@ -1,0 +1,90 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"time"
+
+	"github.com/tiercache/tiercache/admin"
+	"github.com/tiercache/tiercache/internal/backingid"
+)
+
+// startAdmin serves the admin API on the unix socket g.adminAddr() (mode
+// 0600; "none" disables it) and, with --admin-tcp, on TCP. A TCP address
+// without a host binds 127.0.0.1: the API can detach devices, so exposing
+// it beyond the machine must be asked for explicitly. It returns the
+// function that stops it.
+func startAdmin(g *globals, o *serveOptions, log *slog.Logger, cfg admin.Config) (func() error, error) {
+	cfg.Version = Version
+	cfg.Logger = log
+	cfg.Release = func(path string) error { return backingid.Release(devicePath(path)) }
+	var specs []listenSpec
+	if addr := g.adminAddr(); addr != "none" {
+		if err := os.MkdirAll(filepath.Dir(addr), 0o700); err != nil {
+			return nil, fmt.Errorf("admin API: %w", err)
+		}
+		specs = append(specs, listenSpec{"unix", addr})
+	}
+	if o.adminTCP != "" {
+		spec, err := parseListen("tcp:" + o.adminTCP)
+		if err != nil {
+			return nil, fmt.Errorf("--admin-tcp: %w", err)
+		}
+		specs = append(specs, spec)
+	}
+	if len(specs) == 0 {
+		return func() error { return nil }, nil
+	}
+	srv := admin.New(cfg)
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
+	var ls []net.Listener
+	for _, spec := range specs {
+		l, err := listen(spec, 0o600)
+		if err != nil {
+			for _, l := range ls {
+				l.Close()
+			}
+			srv.Close()
+			return nil, fmt.Errorf("admin API: %w", err)
+		}
+		ls = append(ls, l)
+		log.Info("admin API listening", "addr", spec.String())
+		go func() {
+			if err := hs.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				log.Error("admin API", "addr", spec.String(), "err", err)
+			}
+		}()
+	}
+	return func() error {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		err := hs.Shutdown(ctx)
+		if err != nil {
+			hs.Close()
+		}
+		srv.Close()
+		for _, spec := range specs {
+			if spec.network == "unix" {
+				os.Remove(spec.addr) // normally gone with the listener
+			}
+		}
+		return nil
+	}, nil
+}
+
+// backingPath is the device spec a volume's backing device was opened
+// from: --backing NAME=PATH, else the path recorded in the superblock.
+func backingPath(o *serveOptions, recorded map[string]string, name string) string {
+	for _, b := range o.backings {
+		if n, p, err := parseNamePath("backing", b); err == nil && n == name {
+			return p
+		}
+	}
+	return recorded[name]
+}

@@ -1,0 +1,102 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/spf13/cobra"
+
+	"github.com/tiercache/tiercache/cache"
+	"github.com/tiercache/tiercache/device"
+)
+
+func newCheckCmd(g *globals) *cobra.Command {
+	var cachePath string
+	cmd := &cobra.Command{
+		Use:   "check [--cache PATH]",
+		Short: "Verify a cache set's metadata and every cached block's checksum; exit 1 on any problem",
+		Long: `Verify a cache set and exit non-zero if anything is wrong.
+
+Online (no --cache): the running server checks the index and allocator
+invariants of the set it serves and verifies the checksum of every cached
+block, while serving. A clean block that fails is dropped (the next read
+goes to the backing device); a dirty one is reported (it exists nowhere
+else).
+
+Offline (--cache PATH): for a cache device that is not being served. The
+device is opened read-only and nothing is written: both superblock copies,
+the checkpoint, the journal (replayed into an index whose invariants are
+checked) and the checksum of every cached block.
+
+Exit status: 0 when everything checks out, 1 on any problem or error.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			if cachePath != "" {
+				return checkOffline(cmd, g, cachePath)
+			}
+			pl := newProgressLine(g.stderr, "check", func(n int64) string { return fmt.Sprintf("%d blocks", n) })
+			fin, err := g.client().Check(cmdContext(cmd), pl.update)
+			pl.done()
+			if err != nil {
+				return fmt.Errorf("check: %w", g.apiErr(err))
+			}
+			fmt.Fprintln(g.stdout, fin.Message)
+			return reportProblems(g, fin.Problems)
+		},
+	}
+	cmd.Flags().StringVar(&cachePath, "cache", "", "check this cache device offline (read-only) instead of asking the running server")
+	return cmd
+}
+
+func reportProblems(g *globals, problems []string) error {
+	for _, p := range problems {
+		fmt.Fprintln(g.stdout, "PROBLEM:", p)
+	}
+	if len(problems) > 0 {
+		return &exitError{code: 1, err: fmt.Errorf("check found %d problem(s)", len(problems))}
+	}
+	fmt.Fprintln(g.stdout, "no problems found")
+	return nil
+}
+
+func checkOffline(cmd *cobra.Command, g *globals, path string) error {
+	dev, err := device.OpenFile(devicePath(path), device.FileOptions{ReadOnly: true, Direct: device.DirectOff})
+	if err != nil {
+		return fmt.Errorf("check: %w", err)
+	}
+	defer dev.Close()
+	pr := newProgress(g.stderr, "verifying cached blocks", 1)
+	rep, err := cache.CheckOffline(cmdContext(cmd), dev, pr.set)
+	pr.finish()
+	if errors.Is(err, cache.ErrNotFormatted) {
+		return fmt.Errorf("check: %s is not a tiercache cache device (no superblock)", path)
+	}
+	if err != nil {
+		return fmt.Errorf("check: %w", err)
+	}
+	im := rep.Image
+	for _, c := range im.Copies {
+		state := "ok"
+		if c.Err != nil {
+			state = "BAD"
+		}
+		seq := ""
+		if c.SB != nil {
+			seq = fmt.Sprintf(" seq %d", c.SB.Seq)
+		}
+		fmt.Fprintf(g.stdout, "superblock copy %d:%s %s\n", c.Index, seq, state)
+	}
+	if im.SB != nil {
+		fmt.Fprintf(g.stdout, "cache set %s, %d backing device(s), clean shutdown: %t\n", fmtUUID(im.SB.SetUUID), len(im.SB.Backings), im.SB.Clean)
+		fmt.Fprintf(g.stdout, "checkpoint generation %d, journal: %d blocks, %d records replayed\n", im.Generation, im.JournalBlocks, im.Records)
+	}
+	s := rep.Scrub
+	fmt.Fprintf(g.stdout, "cached blocks verified: %d (%d dirty), checksum mismatches: %d (%d dirty), read errors: %d\n",
+		s.Blocks, s.DirtyBlocks, s.Bad, s.BadDirty, s.ReadErrors)
+	problems := append([]string(nil), rep.Problems...)
+	problems = append(problems, s.Problems...)
+	if n := s.ProblemsTotal - int64(len(s.Problems)); n > 0 {
+		problems = append(problems, fmt.Sprintf("... and %d more checksum problems", n))
+	}
+	return reportProblems(g, problems)
+}

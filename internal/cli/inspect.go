@@ -1,0 +1,145 @@
+package cli
+
+import (
+	"errors"
+	"fmt"
+	"text/tabwriter"
+
+	"github.com/spf13/cobra"
+
+	"github.com/tiercache/tiercache/cache"
+	"github.com/tiercache/tiercache/device"
+)
+
+func newInspectCmd(g *globals) *cobra.Command {
+	var cachePath string
+	var limit int
+	cmd := &cobra.Command{
+		Use:   "inspect superblock|journal|index --cache PATH",
+		Short: "Print a cache device's superblock, journal or index (read-only, for debugging)",
+		Long: `Print on-disk metadata of a cache device, for debugging. The device is
+opened read-only and nothing is written. Inspect a device that is not being
+served (stop the server, or inspect a copy): a served device changes under
+the reader, and the result may look inconsistent.
+
+  superblock  both superblock copies and both checkpoint slots
+  journal     every journal record replayed after the newest checkpoint
+  index       the rebuilt index: per export counts, then one line per
+              cached 4 KiB block (--limit N lines)`,
+		Args:      cobra.ExactArgs(1),
+		ValidArgs: []string{"superblock", "journal", "index"},
+		RunE: func(cmd *cobra.Command, args []string) error {
+			what := args[0]
+			if what != "superblock" && what != "journal" && what != "index" {
+				return fmt.Errorf("inspect %q: want superblock, journal or index", what)
+			}
+			if cachePath == "" {
+				return errors.New("inspect: --cache PATH is required")
+			}
+			dev, err := device.OpenFile(devicePath(cachePath), device.FileOptions{ReadOnly: true, Direct: device.DirectOff})
+			if err != nil {
+				return fmt.Errorf("inspect: %w", err)
+			}
+			defer dev.Close()
+			switch what {
+			case "superblock":
+				return inspectSuperblock(g, dev)
+			case "journal":
+				n := 0
+				im, err := cache.OpenImage(dev, cache.ImageOptions{OnRecord: func(r string) {
+					fmt.Fprintf(g.stdout, "%6d  %s\n", n, r)
+					n++
+				}})
+				if im.SB != nil {
+					fmt.Fprintf(g.stdout, "checkpoint generation %d; journal blocks %d..%d (%d blocks), %d records\n",
+						im.Generation, im.JournalStart, im.JournalEnd, im.JournalBlocks, im.Records)
+				}
+				return inspectErr(cachePath, err)
+			default:
+				im, err := cache.OpenImage(dev, cache.ImageOptions{})
+				if err != nil {
+					return inspectErr(cachePath, err)
+				}
+				w := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
+				fmt.Fprintln(w, "export\tsize\tmode\tcached\tdirty\tflush epoch")
+				for _, v := range im.Volumes() {
+					fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%d\n", v.Name, human(v.Size), v.Mode, human(v.CachedBlocks*4096), human(v.DirtyBlocks*4096), v.FlushEpoch)
+				}
+				fmt.Fprintln(w, "\t\t\t\t\t")
+				fmt.Fprintln(w, "export\tlba\tcache block\tcache offset\tbucket/gen\tcrc32c\tstate")
+				n := 0
+				im.Index(func(e cache.IndexEntry) bool {
+					if limit > 0 && n >= limit {
+						return false
+					}
+					n++
+					state := "clean"
+					if e.Dirty {
+						state = "dirty"
+					}
+					fmt.Fprintf(w, "%s\t%d\t%d\t%d\t%d/%d\t%08x\t%s\n", e.Volume, e.LBA, e.CacheBlock, e.CacheOffset, e.Bucket, e.Generation, e.CRC, state)
+					return true
+				})
+				return w.Flush()
+			}
+		},
+	}
+	cmd.Flags().StringVar(&cachePath, "cache", "", "cache device to inspect (required)")
+	cmd.Flags().IntVar(&limit, "limit", 0, "index: print at most N entries (0: all)")
+	return cmd
+}
+
+func inspectErr(path string, err error) error {
+	if errors.Is(err, cache.ErrNotFormatted) {
+		return fmt.Errorf("inspect: %s is not a tiercache cache device (no superblock)", path)
+	}
+	if err != nil {
+		return fmt.Errorf("inspect: %w", err)
+	}
+	return nil
+}
+
+func inspectSuperblock(g *globals, dev device.Device) error {
+	w := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
+	copies := cache.ReadSuperblockCopies(dev)
+	var best *cache.Superblock
+	for _, c := range copies {
+		if c.Err != nil {
+			fmt.Fprintf(w, "copy %d (offset %d)\tINVALID: %v\n", c.Index, c.Offset, c.Err)
+			continue
+		}
+		fmt.Fprintf(w, "copy %d (offset %d)\tvalid, seq %d\n", c.Index, c.Offset, c.SB.Seq)
+		if best == nil || c.SB.Seq > best.Seq {
+			best = c.SB
+		}
+	}
+	if best == nil {
+		w.Flush()
+		return errors.New("inspect: no valid superblock copy")
+	}
+	sb := best
+	fmt.Fprintf(w, "in use\tseq %d\n", sb.Seq)
+	fmt.Fprintf(w, "format version\t%d\n", sb.Version)
+	fmt.Fprintf(w, "cache set\t%s\n", fmtUUID(sb.SetUUID))
+	fmt.Fprintf(w, "clean shutdown\t%t\n", sb.Clean)
+	fmt.Fprintf(w, "block size\t%d\n", sb.BlockSize)
+	fmt.Fprintf(w, "buckets\t%d x %s at offset %d\n", sb.NBuckets, human(sb.BucketSize), sb.BucketsOff)
+	fmt.Fprintf(w, "journal\t%s at offset %d\n", human(sb.JournalLen), sb.JournalOff)
+	fmt.Fprintf(w, "checkpoint slots\t2 x %s at offsets %d, %d\n", human(sb.CkptLen), sb.CkptOff[0], sb.CkptOff[1])
+	for _, sl := range cache.ReadCheckpointSlots(dev, sb) {
+		if sl.Err != nil {
+			fmt.Fprintf(w, "  slot %d\tempty or invalid: %v\n", sl.Index, sl.Err)
+			continue
+		}
+		fmt.Fprintf(w, "  slot %d\tgeneration %d, journal from block %d seq %d, body %s crc32c %08x\n",
+			sl.Index, sl.Generation, sl.JournalBlock, sl.JournalSeq, human(int64(sl.BodyLen)), sl.BodyCRC)
+	}
+	for i, b := range sb.Backings {
+		id := b.ID
+		if id == "" {
+			id = "none"
+		}
+		fmt.Fprintf(w, "backing %d\t%s: %s, %s, mode %s, id %s\n", i, b.Name, b.Path, human(b.Size), b.Mode, id)
+	}
+	return w.Flush()
+}

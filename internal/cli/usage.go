@@ -1,0 +1,76 @@
+package cli
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"text/tabwriter"
+
+	"github.com/spf13/cobra"
+
+	"github.com/tiercache/tiercache/admin"
+)
+
+const barWidth = 30
+
+func newUsageCmd(g *globals) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "usage",
+		Short: "Show space per device: size, used, cached, dirty, pending writeback",
+		Long: `Show how the running server's devices are used, like 'bcachefs fs usage':
+the cache device's bucket space (used, cached, dirty) and, per export, the
+device's size, the space allocated on it, how much of it is cached, how much
+of that is dirty (newer in the cache than on the device) and how much is
+waiting for writeback. Each line has a bar relative to the device's size.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			u, err := g.client().Usage(cmdContext(cmd))
+			if err != nil {
+				return g.apiErr(err)
+			}
+			if asJSON {
+				return writeJSON(g.stdout, u)
+			}
+			return printUsage(g.stdout, u)
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func writeJSON(w io.Writer, v any) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(v)
+}
+
+func usageLine(w io.Writer, what string, n, of int64) {
+	fmt.Fprintf(w, "  %s\t%s\t%s\t%s\n", what, human(n), bar(float64(n)/float64(max(of, 1)), barWidth), pct(n, of))
+}
+
+func printUsage(out io.Writer, u admin.Usage) error {
+	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+	if c := u.Cache; c != nil {
+		fmt.Fprintf(w, "cache device %s\n", c.Path)
+		fmt.Fprintf(w, "  size\t%s\t%d buckets of %s\t\n", human(c.Size), c.Buckets, human(c.Size/max(c.Buckets, 1)))
+		usageLine(w, "used (buckets)", c.UsedBytes, c.Size)
+		usageLine(w, "cached", c.CachedBytes, c.Size)
+		usageLine(w, "dirty", c.DirtyBytes, c.Size)
+		fmt.Fprintln(w, "\t\t\t")
+	}
+	for i, e := range u.Exports {
+		if i > 0 {
+			fmt.Fprintln(w, "\t\t\t")
+		}
+		fmt.Fprintf(w, "export %s (%s) on %s\n", e.Name, e.Mode, e.Path)
+		fmt.Fprintf(w, "  size\t%s\t\t\n", human(e.Size))
+		usageLine(w, "used (allocated)", e.Used, e.Size)
+		if e.Mode != "plain" {
+			usageLine(w, "cached", e.Cached, e.Size)
+			usageLine(w, "dirty", e.Dirty, e.Size)
+			usageLine(w, "pending writeback", e.PendingWriteback, e.Size)
+		}
+	}
+	return w.Flush()
+}
