@@ -14,8 +14,10 @@ package cache
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"time"
 
 	"github.com/tiercache/tiercache/internal/invariants"
@@ -36,11 +38,39 @@ func (s *Set) kick() {
 	}
 }
 
+// allocHow says how alloc may take space.
+type allocHow int
+
+const (
+	allocWait    allocHow = iota // wait until a bucket is free (GC moves never use it)
+	allocNoWait                  // use the free reserve, but fail rather than wait
+	allocPromote                 // fail rather than use the free reserve
+)
+
+// allocFor is alloc for foreground writes: it may use the free reserve, and
+// when no bucket is free it waits at most writeWaitMax for GC before giving
+// up with errNoSpace (the caller then writes around the cache).
+func (s *Set) allocFor(n int) (run, error) {
+	deadline := time.Now().Add(writeWaitMax)
+	for {
+		r, err := s.alloc(n, allocNoWait)
+		if !errors.Is(err, errNoSpace) || time.Now().After(deadline) {
+			return r, err
+		}
+		s.kick()
+		time.Sleep(200 * time.Microsecond)
+	}
+}
+
+// writeWaitMax bounds how long a foreground write waits for a free bucket.
+const writeWaitMax = 5 * time.Millisecond
+
 // alloc hands out up to n blocks in the open bucket and pins the bucket until
-// the caller calls unpin. With wait it blocks until space is free; without
-// it (promotion), it fails rather than use the free reserve. It never holds
-// a pin while waiting, so waiters cannot starve gc.
-func (s *Set) alloc(n int, wait bool) (run, error) {
+// the caller calls unpin. allocWait blocks until space is free; allocNoWait
+// fails when no bucket is free; allocPromote fails rather than use the free
+// reserve. It never holds a pin while waiting, so waiters cannot starve gc.
+func (s *Set) alloc(n int, how allocHow) (run, error) {
+	wait := how == allocWait
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for {
@@ -57,6 +87,8 @@ func (s *Set) alloc(n int, wait bool) (run, error) {
 				r := run{loc: uint32(s.mu.open*s.bpb) + b.fill, n: k}
 				b.fill += uint32(k)
 				b.pins++
+				s.mu.tick++
+				b.atime = s.mu.tick
 				return r, nil
 			}
 			b.state = bucketSealed
@@ -66,7 +98,7 @@ func (s *Set) alloc(n int, wait bool) (run, error) {
 		if len(s.mu.free) < s.lowWater() {
 			s.kick()
 		}
-		if len(s.mu.free) == 0 || (!wait && len(s.mu.free) < s.lowWater()) {
+		if len(s.mu.free) == 0 || (how == allocPromote && len(s.mu.free) < s.lowWater()) {
 			if !wait {
 				return run{}, errNoSpace
 			}
@@ -105,19 +137,6 @@ func (s *Set) gcLoop() {
 				break
 			}
 		}
-		// Volumes that left writeback mode trickle their dirty data out.
-		for _, v := range s.vols {
-			if v.Mode() != Writeback {
-				s.mu.Lock()
-				lbas := s.dirtyLBAsLocked(v.vi, 0, 256)
-				s.mu.Unlock()
-				if len(lbas) > 0 {
-					if _, err := s.writeback(v.vi, lbas); err != nil {
-						s.log.Warn("background writeback failed", "volume", v.name, "err", err)
-					}
-				}
-			}
-		}
 	}
 }
 
@@ -127,20 +146,61 @@ func (s *Set) needSpace() bool {
 	return !s.mu.closed && s.err() == nil && len(s.mu.free) < s.lowWater() && len(s.mu.sealed) > 0
 }
 
-// evictOne frees the oldest sealed bucket it can. It reports whether it made
-// progress.
-func (s *Set) evictOne() bool {
-	s.mu.Lock()
-	var victim int64 = -1
+// pickVictimLocked chooses the sealed bucket to free next, by cost:
+//
+//  1. an empty bucket (nothing to do but bump its generation);
+//  2. a bucket holding only clean data, least recently used first (a
+//     bucket-granularity LRU: atime is bumped by every read hit and by
+//     allocation);
+//  3. a bucket with dirty data, fewest live blocks first (its dirty blocks
+//     are moved or written back; see evictOne), then least recently used.
+//
+// Buckets with reads in flight and no live data are skipped (nothing to
+// gain until the pins drop). The scan is linear in the sealed buckets, a
+// few microseconds per thousand, under mu.
+// REQUIRES: s.mu
+func (s *Set) pickVictimLocked() int64 {
+	var best int64 = -1
+	var bestKey [3]uint64
 	for _, bi := range s.mu.sealed {
-		if s.mu.buckets[bi].pins == 0 || s.mu.buckets[bi].live > 0 {
-			victim = int64(bi)
-			break
+		b := &s.mu.buckets[bi]
+		if b.pins > 0 && b.live == 0 {
+			continue
+		}
+		var key [3]uint64
+		switch {
+		case b.live == 0:
+			key = [3]uint64{0, 0, b.atime}
+		case b.dirty == 0:
+			key = [3]uint64{1, b.atime, 0}
+		default:
+			key = [3]uint64{2, uint64(b.live), b.atime}
+		}
+		if best < 0 || slices.Compare(key[:], bestKey[:]) < 0 {
+			best, bestKey = int64(bi), key
 		}
 	}
+	return best
+}
+
+// evictOne frees the cheapest sealed bucket (pickVictimLocked). It reports
+// whether it made progress.
+func (s *Set) evictOne() bool {
+	s.mu.Lock()
+	victim := s.pickVictimLocked()
 	if victim < 0 {
 		s.mu.Unlock()
 		return false
+	}
+	vb := &s.mu.buckets[victim]
+	// A mostly empty bucket with dirty blocks: copy them into the open
+	// bucket (a GC move) rather than write them back now, as long as that
+	// does not eat into the free reserve. Writeback then still sees them,
+	// merged with their neighbours, at its own pace.
+	if vb.dirty > 0 && int64(vb.live)*gcMoveFraction <= s.bpb && len(s.mu.free) >= s.lowWater() {
+		s.mu.Unlock()
+		s.gcMove(victim)
+		s.mu.Lock()
 	}
 	perVol := map[int][]uint64{}
 	for loc := victim * s.bpb; loc < (victim+1)*s.bpb; loc++ {
@@ -197,6 +257,85 @@ func (s *Set) evictOne() bool {
 	s.mu.cond.Broadcast()
 	s.stats.evictions.Add(1)
 	return true
+}
+
+// gcMoveFraction: a bucket whose live blocks fill at most 1/gcMoveFraction
+// of it has its dirty blocks moved instead of written back when evicted.
+const gcMoveFraction = 4
+
+// gcMove copies the dirty blocks of bucket bi into the open bucket. Each
+// copy replaces the index entry only if the entry still points at the old
+// block with the same checksum (no write, writeback or invalidation came in
+// between); otherwise the copy is simply left unowned. The copies are
+// journaled as inserts and become durable with the next commit, which
+// syncs the cache device first (the flush protocol); until then replay
+// still finds the old blocks, whose bucket is not reused before its reuse
+// record, appended after these inserts, is durable.
+func (s *Set) gcMove(bi int64) {
+	type item struct {
+		vi  int
+		lba uint64
+		e   ent
+	}
+	var items []item
+	s.mu.Lock()
+	for loc := bi * s.bpb; loc < (bi+1)*s.bpb; loc++ {
+		if k := s.mu.owner[loc]; k != 0 {
+			vi, lba := splitOwner(k)
+			if e, ok := s.vols[vi].idx.tree.Get(ent{lba: lba}); ok && e.dirty() && int64(e.block()) == loc {
+				items = append(items, item{vi, lba, e})
+			}
+		}
+	}
+	s.mu.buckets[bi].pins++
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		s.mu.buckets[bi].pins--
+		s.mu.cond.Broadcast()
+		s.mu.Unlock()
+	}()
+	buf := make([]byte, blockSize)
+	for _, it := range items {
+		if _, err := s.dev.ReadAt(buf, s.cacheOff(it.e.block())); err != nil || crc32c(buf) != it.e.crc {
+			continue // left for writeback, which reports it
+		}
+		r, err := s.alloc(1, allocPromote)
+		if err != nil {
+			return
+		}
+		_, werr := s.dev.WriteAt(buf, s.cacheOff(r.loc))
+		s.mu.Lock()
+		if cur, ok := s.vols[it.vi].idx.tree.Get(ent{lba: it.lba}); werr == nil && ok && cur == it.e {
+			s.insertLocked(it.vi, it.lba, r.loc, it.e.crc, true)
+			s.appendInsertLocked(it.vi, it.lba, r.loc, true, []uint32{it.e.crc})
+			s.stats.gcMoves.Add(1)
+		}
+		s.unpinLocked(r.loc)
+		s.mu.Unlock()
+	}
+}
+
+// dirtyScanLocked lists up to limit dirty blocks of volume vi from lba on,
+// visiting at most maxVisit entries so that mu is held briefly even when
+// the index is mostly clean. next is where to continue; done says the end
+// of the index was reached.
+// REQUIRES: s.mu
+func (s *Set) dirtyScanLocked(vi int, from uint64, limit, maxVisit int) (out []uint64, next uint64, done bool) {
+	done, next = true, from
+	visited := 0
+	s.vols[vi].idx.tree.AscendGreaterOrEqual(ent{lba: from}, func(e ent) bool {
+		if visited >= maxVisit || len(out) >= limit {
+			done, next = false, e.lba
+			return false
+		}
+		visited++
+		if e.dirty() {
+			out = append(out, e.lba)
+		}
+		return true
+	})
+	return out, next, done
 }
 
 // dirtyLBAsLocked lists up to max dirty blocks of volume vi from lba on.
@@ -257,17 +396,24 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 		s.mu.Unlock()
 	}
 	buf := make([]byte, len(items)*blockSize)
-	// Read from the cache, merging consecutive cache blocks.
+	// Read from the cache, merging consecutive cache blocks, several
+	// reads in flight.
+	var reads []blockRange // index ranges into items
 	for i := 0; i < len(items); {
 		j := i + 1
-		for j < len(items) && items[j].loc == items[j-1].loc+1 {
+		for j < len(items) && items[j].loc == items[j-1].loc+1 && j-i < wbMaxRun {
 			j++
 		}
-		if _, err := s.dev.ReadAt(buf[i*blockSize:j*blockSize], s.cacheOff(items[i].loc)); err != nil {
-			release()
-			return 0, fmt.Errorf("writeback: reading cache: %w", err)
-		}
+		reads = append(reads, blockRange{uint64(i), uint64(j - i)})
 		i = j
+	}
+	if err := parallel(len(reads), wbQueueDepth, func(k int) error {
+		i, j := int(reads[k].lba), int(reads[k].lba+reads[k].n)
+		_, err := s.dev.ReadAt(buf[i*blockSize:j*blockSize], s.cacheOff(items[i].loc))
+		return err
+	}); err != nil {
+		release()
+		return 0, fmt.Errorf("writeback: reading cache: %w", err)
 	}
 	for i := range items {
 		p := buf[i*blockSize : (i+1)*blockSize]
@@ -279,8 +425,11 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 		}
 		items[i].ok = true
 	}
-	// Write to the backing device, merging consecutive LBAs.
-	var werr error
+	// Write to the backing device in LBA order, merging consecutive LBAs
+	// into writes of up to wbMaxRun blocks, wbQueueDepth of them in
+	// flight: submitted in ascending order, they let the disk serve them
+	// in one sweep.
+	var writes []blockRange
 	written := 0
 	for i := 0; i < len(items); {
 		if !items[i].ok {
@@ -288,16 +437,20 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 			continue
 		}
 		j := i + 1
-		for j < len(items) && items[j].ok && items[j].lba == items[j-1].lba+1 {
+		for j < len(items) && items[j].ok && items[j].lba == items[j-1].lba+1 && j-i < wbMaxRun {
 			j++
 		}
-		if err := v.writeBacking(buf[i*blockSize:j*blockSize], items[i].lba); err != nil {
-			werr = fmt.Errorf("writeback to %s: %w", v.name, err)
-			break
-		}
+		writes = append(writes, blockRange{uint64(i), uint64(j - i)})
 		written += j - i
 		i = j
 	}
+	werr := parallel(len(writes), wbQueueDepth, func(k int) error {
+		i, j := int(writes[k].lba), int(writes[k].lba+writes[k].n)
+		if err := v.writeBacking(buf[i*blockSize:j*blockSize], items[i].lba); err != nil {
+			return fmt.Errorf("writeback to %s: %w", v.name, err)
+		}
+		return nil
+	})
 	release()
 	if werr != nil {
 		return 0, werr
@@ -339,17 +492,19 @@ func (s *Set) Drain(ctx context.Context) error {
 					return err
 				}
 				s.mu.Lock()
-				lbas := s.dirtyLBAsLocked(vi, from, 1024)
+				lbas, next, done := s.dirtyScanLocked(vi, from, wbBatch, 4*wbBatch)
 				s.mu.Unlock()
-				if len(lbas) == 0 {
+				if len(lbas) > 0 {
+					n, err := s.writeback(vi, lbas)
+					if err != nil {
+						return fmt.Errorf("drain: %w", err)
+					}
+					progress += n
+				}
+				if done {
 					break
 				}
-				n, err := s.writeback(vi, lbas)
-				if err != nil {
-					return fmt.Errorf("drain: %w", err)
-				}
-				progress += n
-				from = lbas[len(lbas)-1] + 1
+				from = next
 			}
 		}
 		s.mu.Lock()
@@ -389,4 +544,39 @@ func (s *Set) checksumFailures() (n uint64) {
 		n += v.st.checksumErrors.Load()
 	}
 	return n
+}
+
+// parallel runs f(0..n-1) with at most qd calls in flight, started in
+// order, and returns the first error.
+func parallel(n, qd int, f func(i int) error) error {
+	if n == 1 {
+		return f(0)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var first error
+	sem := make(chan struct{}, qd)
+	for i := 0; i < n; i++ {
+		sem <- struct{}{}
+		mu.Lock()
+		stop := first != nil
+		mu.Unlock()
+		if stop {
+			<-sem
+			break
+		}
+		wg.Add(1)
+		go func() {
+			defer func() { <-sem; wg.Done() }()
+			if err := f(i); err != nil {
+				mu.Lock()
+				if first == nil {
+					first = err
+				}
+				mu.Unlock()
+			}
+		}()
+	}
+	wg.Wait()
+	return first
 }

@@ -67,6 +67,7 @@ type bucket struct {
 	pins  int32  // reads and unfinished writes in flight into the bucket
 	fill  uint32 // blocks handed out (open bucket)
 	state bucketState
+	atime uint64 // Set.mu.tick at the last read hit or allocation (eviction recency)
 }
 
 // volIndex is a volume's part of the index. Guarded by Set.mu.

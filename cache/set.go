@@ -102,7 +102,9 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		if b.Dev == nil || b.Name == "" {
 			return nil, fmt.Errorf("%w: backing %q without name or device", ErrInvalid, b.Name)
 		}
-		sb.Backings = append(sb.Backings, BackingInfo{Name: b.Name, ID: b.ID, Size: b.Dev.Size(), Mode: opts.Mode, Path: b.Path})
+		st := DefaultSettings()
+		st.Mode = opts.Mode
+		sb.Backings = append(sb.Backings, BackingInfo{Name: b.Name, ID: b.ID, Size: b.Dev.Size(), Mode: opts.Mode, Path: b.Path, Settings: st})
 	}
 	// Solve for the bucket count: each bucket costs its size plus its share
 	// of two checkpoint slots.
@@ -196,6 +198,7 @@ type Set struct {
 		open    int64    // open bucket or -1
 		pending []byte   // encoded records not yet written
 		seq     uint64   // records appended so far
+		tick    uint64   // recency clock: bumped by reads and allocations
 		closed  bool
 	}
 
@@ -207,7 +210,7 @@ type Set struct {
 }
 
 type setStats struct {
-	commits, journalBlocks, checkpoints, evictions, writebackBlocks atomic.Uint64
+	commits, journalBlocks, checkpoints, evictions, writebackBlocks, gcMoves atomic.Uint64
 }
 
 // Open recovers a cache set: newest valid checkpoint plus journal replay.
@@ -245,6 +248,9 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		}
 		v := &Volume{s: s, vi: i, name: bi.Name, size: bi.Size, nblocks: uint64((bi.Size + blockSize - 1) / blockSize), back: spec.Dev}
 		v.mode.Store(int32(bi.Mode))
+		cfg := bi.Settings
+		v.cfg.Store(&cfg)
+		v.wb.kick = make(chan struct{}, 1)
 		v.idx.tree = newTree()
 		volBlocks[i] = v.nblocks
 		s.vols = append(s.vols, v)
@@ -317,9 +323,12 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}
-	s.wg.Add(2)
+	s.wg.Add(2 + len(s.vols))
 	go s.gcLoop()
 	go s.commitLoop()
+	for _, v := range s.vols {
+		go s.writebackLoop(v)
+	}
 	return s, nil
 }
 
@@ -726,6 +735,9 @@ type SetStats struct {
 	CachedBlocks, DirtyBlocks           int64
 	Commits, JournalBlocks, Checkpoints uint64
 	Evictions, WritebackBlocks          uint64
+	// GCMoves counts live dirty blocks copied out of mostly-empty buckets
+	// (instead of being written back) so the buckets could be reused.
+	GCMoves uint64
 }
 
 // Stats returns whole-set counters.
@@ -742,6 +754,7 @@ func (s *Set) Stats() SetStats {
 	st.Checkpoints = s.stats.checkpoints.Load()
 	st.Evictions = s.stats.evictions.Load()
 	st.WritebackBlocks = s.stats.writebackBlocks.Load()
+	st.GCMoves = s.stats.gcMoves.Load()
 	return st
 }
 

@@ -156,24 +156,3 @@ func parseBytes(v string) (int64, error) {
 	}
 	return n * mult, nil
 }
-
-// Settings returns the volume's current settings.
-//
-// Only cache_mode is acted on so far; the other fields are validated and
-// reported but take effect when the policies that read them land (issue 4).
-func (v *Volume) Settings() Settings {
-	s := DefaultSettings()
-	s.Mode = v.Mode()
-	return s
-}
-
-// SetSettings validates s and applies it.
-func (v *Volume) SetSettings(s Settings) error {
-	if err := s.Validate(); err != nil {
-		return err
-	}
-	if s != (Settings{Mode: s.Mode, SequentialCutoff: 4 << 20, WritebackPercent: 10, WritebackOrder: "epoch", Promote: "always"}) {
-		return fmt.Errorf("%w: only cache_mode can be changed so far", ErrInvalid)
-	}
-	return v.SetMode(s.Mode)
-}

@@ -38,6 +38,11 @@ type BackingInfo struct {
 	Path string
 	Size int64
 	Mode Mode
+	// Settings are the volume's policy tunables (Settings.Mode mirrors
+	// Mode). They are stored in an optional trailer after the backing list,
+	// so a superblock written before settings existed decodes with
+	// DefaultSettings.
+	Settings Settings
 }
 
 const (
@@ -48,6 +53,7 @@ const (
 	sbMagic       = "TIERCSB\x01"
 	formatVersion = 1
 	maxBackings   = 64
+	sbSettingsTag = 0x53455454 // "SETT": the per-backing settings trailer
 	maxNameLen    = 255
 	maxPathLen    = 4096
 	// maxLBABlocks bounds a backing device: owner keys pack (volume, LBA)
@@ -96,6 +102,19 @@ func (sb *Superblock) encode() ([]byte, error) {
 		e.u64(uint64(b.Size))
 		e.u8(uint8(b.Mode))
 		e.str(b.Path)
+	}
+	// Settings trailer: tag, then one record per backing in the same order.
+	e.u32(sbSettingsTag)
+	for _, b := range sb.Backings {
+		st := b.Settings
+		if st.WritebackOrder == "" && st.Promote == "" {
+			st = DefaultSettings() // a BackingInfo built without settings
+		}
+		e.u64(uint64(st.SequentialCutoff))
+		e.u8(uint8(st.WritebackPercent))
+		e.str(st.WritebackOrder)
+		e.str(st.Promote)
+		e.u64(uint64(st.WritebackRateMax))
 	}
 	b := e.b
 	if len(b) > sbCopySize {
@@ -156,7 +175,27 @@ func decodeSuperblock(b []byte, off int64) (*Superblock, error) {
 		bi.Size = int64(d.u64())
 		bi.Mode = Mode(d.u8())
 		bi.Path = d.str()
+		bi.Settings = DefaultSettings()
 		sb.Backings = append(sb.Backings, bi)
+	}
+	if !d.bad && d.remaining() > 0 {
+		if d.u32() != sbSettingsTag {
+			return nil, corruptf("superblock", off, sbCopySize, "unknown trailer")
+		}
+		for i := range sb.Backings {
+			st := &sb.Backings[i].Settings
+			st.SequentialCutoff = int64(d.u64() & (1<<62 - 1))
+			st.WritebackPercent = int(d.u8())
+			st.WritebackOrder = d.str()
+			st.Promote = d.str()
+			st.WritebackRateMax = int64(d.u64() & (1<<62 - 1))
+		}
+	}
+	for i := range sb.Backings {
+		sb.Backings[i].Settings.Mode = sb.Backings[i].Mode
+		if err := sb.Backings[i].Settings.Validate(); err != nil && !d.bad {
+			return nil, corruptf("superblock", off, sbCopySize, "backing %d settings: %v", i, err)
+		}
 	}
 	if d.bad || d.remaining() != 0 {
 		return nil, corruptf("superblock", off, sbCopySize, "malformed payload")

@@ -33,6 +33,10 @@ type Volume struct {
 	// cleared (then synced) by commit.
 	backingUnsynced atomic.Bool
 	st              volStats
+	cfg             atomic.Pointer[Settings] // current settings; Mode field unused (see mode)
+	pol             policy
+	lastIO          atomic.Int64 // unix nanos of the last client request (idle detection)
+	wb              wbState      // background writeback state (writeback.go)
 
 	idx volIndex // guarded by s.mu
 }
@@ -42,6 +46,9 @@ type volStats struct {
 	readBytes, writeBytes, hitBytes, missBytes        atomic.Uint64
 	bypassBytes, promoteBytes, writebackBytes         atomic.Uint64
 	checksumErrors, checksumRepairs, promoteSkipBytes atomic.Uint64
+	readHitOps, readMissOps, promoteOps               atomic.Uint64
+	bypass                                            [bypassFull + 1]atomic.Uint64 // bytes by reason
+	throttleNanos                                     atomic.Uint64
 }
 
 // VolumeStats are a volume's counters.
@@ -51,13 +58,31 @@ type VolumeStats struct {
 	TrimOps, ZeroOps            uint64
 	ReadBytes, WriteBytes       uint64
 	ReadHitBytes, ReadMissBytes uint64
-	BypassBytes                 uint64 // written straight to the backing device (writearound, none, zeroes)
+	BypassBytes                 uint64 // written straight to the backing device (writearound, none, zeroes, sequential, cache full)
 	PromoteBytes                uint64 // read misses copied into the cache
 	WritebackBytes              uint64
-	ChecksumErrors              uint64 // cached blocks that failed verification (clean ones were repaired)
-	ChecksumRepairs             uint64 // of those, clean blocks re-read from the backing device
-	CachedBlocks                int64
-	DirtyBlocks                 int64
+	// ReadHitOps counts reads served entirely from the cache; ReadMissOps
+	// reads that needed the backing device for at least one block.
+	ReadHitOps, ReadMissOps uint64
+	PromoteOps              uint64 // promotions (runs of blocks copied in)
+	// Bytes that skipped the cache, by reason: writes sent to the backing
+	// device and read misses not promoted because they were part of a
+	// stream longer than sequential_cutoff; writes in writearound/none mode
+	// and write-zeroes; read misses not promoted because the free reserve
+	// was low (congestion); writes sent around because no bucket was free
+	// in time (cache full).
+	BypassSequentialBytes, BypassModeBytes      uint64
+	BypassCongestionBytes, BypassCacheFullBytes uint64
+	// WritebackRate is the background writeback target in bytes/s now
+	// (0 while under the dirty target; -1 at full speed: idle or draining).
+	WritebackRate int64
+	// ThrottleNanos is the total time foreground writes were delayed to
+	// let writeback catch up when dirty data nears the cache size.
+	ThrottleNanos   uint64
+	ChecksumErrors  uint64 // cached blocks that failed verification (clean ones were repaired)
+	ChecksumRepairs uint64 // of those, clean blocks re-read from the backing device
+	CachedBlocks    int64
+	DirtyBlocks     int64
 }
 
 // Name is the backing device's name in the cache set.
@@ -84,6 +109,7 @@ func (v *Volume) SetMode(m Mode) error {
 	defer s.sbMu.Unlock()
 	nsb := s.sb.clone()
 	nsb.Backings[v.vi].Mode = m
+	nsb.Backings[v.vi].Settings.Mode = m
 	nsb.Seq++
 	if err := writeSuperblock(s.dev, nsb); err != nil {
 		return fmt.Errorf("set mode of %s: %w", v.name, err)
@@ -102,7 +128,11 @@ func (v *Volume) Stats() VolumeStats {
 		ReadHitBytes: v.st.hitBytes.Load(), ReadMissBytes: v.st.missBytes.Load(),
 		BypassBytes: v.st.bypassBytes.Load(), PromoteBytes: v.st.promoteBytes.Load(),
 		WritebackBytes: v.st.writebackBytes.Load(),
-		ChecksumErrors: v.st.checksumErrors.Load(), ChecksumRepairs: v.st.checksumRepairs.Load()}
+		ChecksumErrors: v.st.checksumErrors.Load(), ChecksumRepairs: v.st.checksumRepairs.Load(),
+		ReadHitOps: v.st.readHitOps.Load(), ReadMissOps: v.st.readMissOps.Load(), PromoteOps: v.st.promoteOps.Load(),
+		BypassSequentialBytes: v.st.bypass[bypassSequential].Load(), BypassModeBytes: v.st.bypass[bypassMode].Load(),
+		BypassCongestionBytes: v.st.bypass[bypassCongested].Load(), BypassCacheFullBytes: v.st.bypass[bypassFull].Load(),
+		WritebackRate: v.wb.rate.Load(), ThrottleNanos: v.st.throttleNanos.Load()}
 	v.s.mu.Lock()
 	st.CachedBlocks, st.DirtyBlocks = v.idx.cached, v.idx.dirty
 	v.s.mu.Unlock()
@@ -167,28 +197,49 @@ func (v *Volume) ReadAt(p []byte, off int64) error {
 	}
 	v.st.readOps.Add(1)
 	v.st.readBytes.Add(uint64(len(p)))
+	v.touch()
+	pm := promotePolicy
+	if v.pol.sequential(off, int64(len(p)), v.cfg.Load().SequentialCutoff) {
+		pm = promoteSeqBypass
+	}
 	first, n := blockSpan(off, int64(len(p)))
 	if off%blockSize == 0 && len(p)%blockSize == 0 {
-		return v.readBlocks(p, first, n, true)
+		return v.readBlocks(p, first, n, pm)
 	}
 	buf := make([]byte, n*blockSize)
-	if err := v.readBlocks(buf, first, n, true); err != nil {
+	if err := v.readBlocks(buf, first, n, pm); err != nil {
 		return err
 	}
 	copy(p, buf[off-int64(first)<<blockShift:])
 	return nil
 }
 
+// promoteMode says what readBlocks does with read misses.
+type promoteMode int
+
+const (
+	promoteNo        promoteMode = iota // internal read (read-modify-write)
+	promotePolicy                       // client read: the volume's promote setting decides
+	promoteSeqBypass                    // client read in a sequential stream: not promoted
+	promoteForce                        // NBD_CMD_CACHE: always promoted
+)
+
+// touch records foreground activity (idle detection for writeback).
+func (v *Volume) touch() { v.lastIO.Store(nowNanos()) }
+
 // readBlocks reads n whole blocks. Cached blocks come from the cache and are
 // verified (invariant 4); the rest come from the backing device and may be
 // promoted into the cache.
-func (v *Volume) readBlocks(buf []byte, lba uint64, n int, promote bool) error {
+func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error {
 	s := v.s
 	var hits []ent
 	s.mu.Lock()
+	s.mu.tick++
 	v.idx.tree.AscendRange(ent{lba: lba}, ent{lba: lba + uint64(n)}, func(e ent) bool {
 		hits = append(hits, e)
-		s.mu.buckets[int64(e.block())/s.bpb].pins++
+		b := &s.mu.buckets[int64(e.block())/s.bpb]
+		b.pins++
+		b.atime = s.mu.tick // recency for eviction
 		return true
 	})
 	muts := v.idx.mutations
@@ -263,13 +314,43 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, promote bool) error {
 		v.st.checksumRepairs.Add(1)
 		drop = append(drop, e)
 	}
+	if pm == promoteNo {
+		return nil
+	}
 	hitBytes := uint64(len(hits)) * blockSize
 	v.st.hitBytes.Add(hitBytes)
 	v.st.missBytes.Add(uint64(n)*blockSize - hitBytes)
-	if promote && !busy && len(misses) > 0 && v.Mode() != None {
-		for _, m := range misses {
-			at := int(m.lba-lba) * blockSize
-			v.promote(buf[at:at+int(m.n)*blockSize], m.lba, muts)
+	if len(misses) == 0 {
+		v.st.readHitOps.Add(1)
+		return nil
+	}
+	v.st.readMissOps.Add(1)
+	missBytes := uint64(n)*blockSize - hitBytes
+	switch {
+	case v.Mode() == None:
+		v.st.bypass[bypassMode].Add(missBytes)
+		return nil
+	case pm == promoteSeqBypass:
+		v.st.bypass[bypassSequential].Add(missBytes)
+		return nil
+	case busy:
+		return nil
+	}
+	need := v.cfg.Load().promoteNeed()
+	for _, m := range misses {
+		// Split each miss into runs of blocks the policy promotes.
+		for i := uint64(0); i < m.n; {
+			if pm != promoteForce && !v.pol.promoteMiss(m.lba+i, need) {
+				i++
+				continue
+			}
+			j := i + 1
+			for j < m.n && (pm == promoteForce || v.pol.promoteMiss(m.lba+j, need)) {
+				j++
+			}
+			at := int(m.lba+i-lba) * blockSize
+			v.promote(buf[at:at+int(j-i)*blockSize], m.lba+i, muts)
+			i = j
 		}
 	}
 	return nil
@@ -283,9 +364,10 @@ func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 	s := v.s
 	n := len(data) / blockSize
 	for done := 0; done < n; {
-		r, err := s.alloc(n-done, false)
+		r, err := s.alloc(n-done, allocPromote)
 		if err != nil {
 			v.st.promoteSkipBytes.Add(uint64(n-done) * blockSize)
+			v.st.bypass[bypassCongested].Add(uint64(n-done) * blockSize)
 			return
 		}
 		// Our own copy: data is the caller's buffer, which it may reuse
@@ -317,6 +399,7 @@ func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 			return
 		}
 		v.st.promoteBytes.Add(uint64(r.n) * blockSize)
+		v.st.promoteOps.Add(1)
 		done += r.n
 	}
 }
@@ -366,7 +449,8 @@ func (v *Volume) WriteAt(p []byte, off int64, fua bool) error {
 	if len(p) > 0 {
 		v.st.writeOps.Add(1)
 		v.st.writeBytes.Add(uint64(len(p)))
-		if err := v.write(p, off); err != nil {
+		v.touch()
+		if err := v.write(p, off, v.pol.sequential(off, int64(len(p)), v.cfg.Load().SequentialCutoff)); err != nil {
 			return err
 		}
 	}
@@ -382,7 +466,10 @@ func (s *Set) appended() uint64 {
 	return s.mu.seq
 }
 
-func (v *Volume) write(p []byte, off int64) error {
+// write writes p at off; seq says the write belongs to a sequential stream
+// longer than the cutoff, which bypasses the cache (invalidating what it
+// covers, as in writearound).
+func (v *Volume) write(p []byte, off int64, seq bool) error {
 	first, n := blockSpan(off, int64(len(p)))
 	aligned := off%blockSize == 0 && len(p)%blockSize == 0
 	if aligned {
@@ -397,25 +484,27 @@ func (v *Volume) write(p []byte, off int64) error {
 	buf := make([]byte, n*blockSize)
 	if !aligned {
 		if off%blockSize != 0 {
-			if err := v.readBlocks(buf[:blockSize], first, 1, false); err != nil {
+			if err := v.readBlocks(buf[:blockSize], first, 1, promoteNo); err != nil {
 				return err
 			}
 		}
 		if end := off + int64(len(p)); end%blockSize != 0 && (n > 1 || off%blockSize == 0) {
 			last := first + uint64(n-1)
-			if err := v.readBlocks(buf[(n-1)*blockSize:], last, 1, false); err != nil {
+			if err := v.readBlocks(buf[(n-1)*blockSize:], last, 1, promoteNo); err != nil {
 				return err
 			}
 		}
 	}
 	copy(buf[off-int64(first)<<blockShift:], p)
-	switch v.Mode() {
-	case Writeback:
+	switch m := v.Mode(); {
+	case (m == Writeback || m == Writethrough) && seq:
+		return v.writeAround(buf, first, bypassSequential)
+	case m == Writeback:
 		return v.writeCache(buf, first, true)
-	case Writethrough:
+	case m == Writethrough:
 		return v.writeCache(buf, first, false)
 	default:
-		return v.writeAround(buf, first)
+		return v.writeAround(buf, first, bypassMode)
 	}
 }
 
@@ -425,8 +514,17 @@ func (v *Volume) write(p []byte, off int64) error {
 func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 	s := v.s
 	n := len(buf) / blockSize
+	if dirty {
+		v.throttle()
+	}
 	for done := 0; done < n; {
-		r, err := s.alloc(n-done, true)
+		r, err := s.allocFor(n - done)
+		if errors.Is(err, errNoSpace) {
+			// No bucket came free in time: send the rest around the
+			// cache rather than stall the client (invalidating any older
+			// cached copy, as writearound does).
+			return v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFull)
+		}
 		if err != nil {
 			return fmt.Errorf("volume %s: %w", v.name, err)
 		}
@@ -477,9 +575,10 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 // journaled after the backing write, and commit syncs the backing device
 // before writing the journal, so a durable invalidation never exposes older
 // backing data than what it replaced.
-func (v *Volume) writeAround(buf []byte, lba uint64) error {
+func (v *Volume) writeAround(buf []byte, lba uint64, why bypassReason) error {
 	return v.passthrough(lba, uint64(len(buf)/blockSize), func() error {
 		v.st.bypassBytes.Add(uint64(len(buf)))
+		v.st.bypass[why].Add(uint64(len(buf)))
 		return v.writeBacking(buf, lba)
 	})
 }
@@ -582,12 +681,12 @@ func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) err
 		a, b = end, end // no whole block: all of it is edge
 	}
 	if a > off {
-		if err := v.write(make([]byte, min(a, end)-off), off); err != nil {
+		if err := v.write(make([]byte, min(a, end)-off), off, false); err != nil {
 			return err
 		}
 	}
 	if b < end && b >= a {
-		if err := v.write(make([]byte, end-b), b); err != nil {
+		if err := v.write(make([]byte, end-b), b, false); err != nil {
 			return err
 		}
 	}
@@ -596,6 +695,7 @@ func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) err
 		v.rmw.RLock()
 		err := v.passthrough(lba, n, func() error {
 			v.st.bypassBytes.Add(uint64(b - a))
+			v.st.bypass[bypassMode].Add(uint64(b - a))
 			if isZeroer {
 				if err := z.WriteZeroes(a, b-a); err != nil {
 					return fmt.Errorf("zeroing %s at %d: %w", v.name, a, err)
@@ -637,7 +737,7 @@ func (v *Volume) Prefetch(off, length int64) error {
 	buf := make([]byte, min(chunk, n)*blockSize)
 	for done := 0; done < n; done += chunk {
 		k := min(chunk, n-done)
-		if err := v.readBlocks(buf[:k*blockSize], first+uint64(done), k, true); err != nil {
+		if err := v.readBlocks(buf[:k*blockSize], first+uint64(done), k, promoteForce); err != nil {
 			return err
 		}
 	}
