@@ -436,22 +436,23 @@ func (st *streamer) send(p Progress, force bool) {
 	}
 }
 
-// begin marks name busy with op; it fails if another operation runs.
-func (s *Server) begin(w http.ResponseWriter, name, op string) bool {
+// begin marks name busy with op; it fails if another operation runs. The
+// returned function ends the operation (idempotent): call it before the
+// final progress line, so that a client that goes on at once finds the
+// export free.
+func (s *Server) begin(w http.ResponseWriter, name, op string) (func(), bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if cur := s.mu.busy[name]; cur != "" {
 		writeError(w, http.StatusConflict, "", fmt.Sprintf("export %q: %s already running", name, cur))
-		return false
+		return nil, false
 	}
 	s.mu.busy[name] = op
-	return true
-}
-
-func (s *Server) end(name string) {
-	s.mu.Lock()
-	delete(s.mu.busy, name)
-	s.mu.Unlock()
+	return sync.OnceFunc(func() {
+		s.mu.Lock()
+		delete(s.mu.busy, name)
+		s.mu.Unlock()
+	}), true
 }
 
 // drainProgress returns a progress callback that reports bytes written
@@ -484,10 +485,14 @@ func drainProgress(st *streamer, op, name string) (func(int64), func() Progress)
 func (s *Server) handleFlush(w http.ResponseWriter, r *http.Request) {
 	name := r.PathValue("name")
 	e, ok := s.export(w, name)
-	if !ok || !s.begin(w, name, "flush") {
+	if !ok {
 		return
 	}
-	defer s.end(name)
+	end, ok := s.begin(w, name, "flush")
+	if !ok {
+		return
+	}
+	defer end()
 	st := newStreamer(w)
 	v := s.volume(name)
 	var err error
@@ -507,6 +512,7 @@ func (s *Server) handleFlush(w http.ResponseWriter, r *http.Request) {
 	} else {
 		s.log.Info("flushed", "export", name, "bytes", final.Done)
 	}
+	end()
 	st.send(final, true)
 }
 
@@ -521,10 +527,11 @@ func (s *Server) handleDetach(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusConflict, "", fmt.Sprintf("export %q is a plain export: there is no cache to detach it from", name))
 		return
 	}
-	if !s.begin(w, name, "detach") {
+	end, ok := s.begin(w, name, "detach")
+	if !ok {
 		return
 	}
-	defer s.end(name)
+	defer end()
 	// No new connections from here on; connections still open keep being
 	// served, uncached (mode none), straight to the backing device.
 	if err := s.cfg.NBD.RemoveExport(name); err != nil {
@@ -557,6 +564,7 @@ func (s *Server) handleDetach(w http.ResponseWriter, r *http.Request) {
 		final.Message = fmt.Sprintf("%s is detached: %s is complete and can be used alone (e.g. tiercache serve --export %s=%s)", name, e.Path, name, e.Path)
 		s.log.Info("detached", "export", name, "backing", e.Path)
 	}
+	end()
 	st.send(final, true)
 }
 

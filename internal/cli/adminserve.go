@@ -24,12 +24,21 @@ func startAdmin(g *globals, o *serveOptions, log *slog.Logger, cfg admin.Config)
 	cfg.Version = Version
 	cfg.Logger = log
 	cfg.Release = func(path string) error { return backingid.Release(devicePath(path)) }
+	// The default socket (DATA_DIR/admin.sock) is best effort: when another
+	// server already answers there (several servers sharing a data
+	// directory), this one runs without it and says so. An explicit
+	// --admin or $TIERCACHE_ADMIN must work.
+	explicit := g.admin != "" || os.Getenv("TIERCACHE_ADMIN") != ""
 	var specs []listenSpec
 	if addr := g.adminAddr(); addr != "none" {
 		if err := os.MkdirAll(filepath.Dir(addr), 0o700); err != nil {
-			return nil, fmt.Errorf("admin API: %w", err)
+			if explicit {
+				return nil, fmt.Errorf("admin API: %w", err)
+			}
+			log.Warn("admin API not started", "err", err)
+		} else {
+			specs = append(specs, listenSpec{"unix", addr})
 		}
-		specs = append(specs, listenSpec{"unix", addr})
 	}
 	if o.adminTCP != "" {
 		spec, err := parseListen("tcp:" + o.adminTCP)
@@ -46,6 +55,10 @@ func startAdmin(g *globals, o *serveOptions, log *slog.Logger, cfg admin.Config)
 	var ls []net.Listener
 	for _, spec := range specs {
 		l, err := listen(spec, 0o600)
+		if err != nil && spec.network == "unix" && !explicit {
+			log.Warn("admin API not started on the default socket; give this server its own with --admin PATH", "err", err)
+			continue
+		}
 		if err != nil {
 			for _, l := range ls {
 				l.Close()
@@ -69,11 +82,8 @@ func startAdmin(g *globals, o *serveOptions, log *slog.Logger, cfg admin.Config)
 			hs.Close()
 		}
 		srv.Close()
-		for _, spec := range specs {
-			if spec.network == "unix" {
-				os.Remove(spec.addr) // normally gone with the listener
-			}
-		}
+		// Closing a unix listener removes its socket file; nothing else
+		// is removed, as the path may belong to another server by now.
 		return nil
 	}, nil
 }

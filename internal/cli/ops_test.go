@@ -344,3 +344,34 @@ shutdown_timeout = "5s"
 	}
 	mustTC(t, "default", "stats", "--admin", "tcp:"+tcpAddr)
 }
+
+// TestTwoServersShareDataDir: the default admin socket is best effort, so a
+// second server with the same data directory still starts (without it),
+// and leaves the first one's socket alone when it stops.
+func TestTwoServersShareDataDir(t *testing.T) {
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "admin.sock")
+	startServe(t, sock, "--data-dir", dir)
+	img := filepath.Join(dir, "plain.img")
+	if err := os.WriteFile(img, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	log := &syncBuf{}
+	done := make(chan int, 1)
+	go func() {
+		done <- runCtx(ctx, []string{"serve", "--data-dir", dir, "--export", "p=" + img, "--listen", "unix:" + filepath.Join(dir, "p.sock")}, log, log)
+	}()
+	deadline := time.Now().Add(20 * time.Second)
+	for !strings.Contains(log.String(), "admin API not started") && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
+	}
+	cancel()
+	if code := <-done; code != 0 || !strings.Contains(log.String(), "admin API not started") {
+		t.Fatalf("second server: exit %d\n%s", code, log.String())
+	}
+	mustTC(t, "export default", "usage", "--admin", sock)
+	// An explicit --admin that is taken is an error.
+	failTC(t, "another server is already listening", "serve", "--data-dir", dir, "--export", "p="+img,
+		"--listen", "unix:"+filepath.Join(dir, "p2.sock"), "--admin", sock)
+}

@@ -103,6 +103,8 @@ func statValue(name string, v reflect.Value) (string, float64, bool) {
 		return human(int64(f)), f, true
 	case strings.HasSuffix(name, "Blocks") && !strings.HasSuffix(name, "JournalBlocks"):
 		return fmt.Sprintf("%d (%s)", int64(f), human(int64(f)*4096)), f, true
+	case strings.HasSuffix(name, "Nanos"):
+		return time.Duration(int64(f)).Round(time.Microsecond).String(), f, true
 	case v.Kind() == reflect.Float32 || v.Kind() == reflect.Float64:
 		return fmt.Sprintf("%.3g", f), f, true
 	}
@@ -205,7 +207,7 @@ func printStats(out io.Writer, st admin.Stats, prev *admin.Stats) error {
 			f    func(admin.ExportStats) string
 		}{
 			{"hit_ratio", func(e admin.ExportStats) string { return fmt.Sprintf("%.1f%%", 100*e.HitRatio) }},
-			{"writeback_rate", func(e admin.ExportStats) string { return humanRate(e.WritebackRate) }},
+			{"writeback_measured", func(e admin.ExportStats) string { return humanRate(e.WritebackRate) }},
 			{"writeback_eta", func(e admin.ExportStats) string {
 				switch {
 				case e.WritebackETASeconds == 0:
