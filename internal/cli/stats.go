@@ -103,6 +103,11 @@ func statValue(name string, v reflect.Value) (string, float64, bool) {
 		return human(int64(f)), f, true
 	case strings.HasSuffix(name, "Blocks") && !strings.HasSuffix(name, "JournalBlocks"):
 		return fmt.Sprintf("%d (%s)", int64(f), human(int64(f)*4096)), f, true
+	case strings.HasSuffix(name, "Rate"):
+		if f < 0 {
+			return "full speed", f, true
+		}
+		return humanRate(f), f, true
 	case strings.HasSuffix(name, "Nanos"):
 		return time.Duration(int64(f)).Round(time.Microsecond).String(), f, true
 	case v.Kind() == reflect.Float32 || v.Kind() == reflect.Float64:
