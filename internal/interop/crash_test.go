@@ -117,7 +117,12 @@ func (s *killableServer) recoveryStats() string {
 }
 
 func newKillableServer(t *testing.T, args ...string) *killableServer {
-	s := &killableServer{t: t, args: args, sock: filepath.Join(t.TempDir(), "nbd.sock")}
+	// Its own data directory: the admin socket (DATA_DIR/admin.sock) is
+	// then per server, so concurrent test runs do not share it, and every
+	// restart after SIGKILL finds its own stale socket to replace.
+	dir := t.TempDir()
+	args = append([]string{"--data-dir", dir}, args...)
+	s := &killableServer{t: t, args: args, sock: filepath.Join(dir, "nbd.sock")}
 	t.Cleanup(func() {
 		if s.cur != nil {
 			s.Kill()
