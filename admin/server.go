@@ -299,7 +299,7 @@ func (s *Server) stats() Stats {
 			dirty := float64(vs.DirtyBlocks * blockBytes)
 			switch {
 			case dirty == 0:
-			case es.WritebackRate < 1:
+			case es.WritebackRate < blockBytes: // under a block per second: idle
 				es.WritebackETASeconds = -1
 			default:
 				es.WritebackETASeconds = dirty / es.WritebackRate

@@ -403,3 +403,11 @@ func TestTwoServersShareDataDir(t *testing.T) {
 	failTC(t, "another server is already listening", "serve", "--data-dir", dir, "--export", "p="+img,
 		"--listen", "unix:"+filepath.Join(dir, "p2.sock"), "--admin", sock)
 }
+
+func TestSnake(t *testing.T) {
+	for in, want := range map[string]string{"ReadHitBytes": "read_hit_bytes", "GCMoves": "gc_moves", "ReadOps": "read_ops", "ThrottleNanos": "throttle_nanos", "ID": "id"} {
+		if got := snake(in); got != want {
+			t.Errorf("snake(%q) = %q, want %q", in, got, want)
+		}
+	}
+}

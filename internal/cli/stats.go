@@ -74,9 +74,12 @@ counters. docs/OPERATIONS.md explains each counter.`,
 
 // snake turns a Go field name into the words shown: ReadHitBytes -> read_hit_bytes.
 func snake(s string) string {
+	rs := []rune(s)
 	var b strings.Builder
-	for i, r := range s {
-		if unicode.IsUpper(r) && i > 0 {
+	for i, r := range rs {
+		// A word starts at an upper-case letter after a lower-case one,
+		// or at the last capital of an acronym (GCMoves -> gc_moves).
+		if i > 0 && unicode.IsUpper(r) && (unicode.IsLower(rs[i-1]) || i+1 < len(rs) && unicode.IsLower(rs[i+1]) && unicode.IsUpper(rs[i-1])) {
 			b.WriteByte('_')
 		}
 		b.WriteRune(unicode.ToLower(r))
