@@ -33,6 +33,13 @@
 // blocks), so each block's writes are totally ordered and "the latest write
 // acknowledged before the FLUSH" is well defined.
 //
+// Each cycle kills the server during writes, right after a FLUSH reply
+// (other writers still going) or when the clients have gone idle (background
+// writeback running); some cycles kill it again right after the restart,
+// and, for a Server that implements StartKiller, during its start-up
+// (recovery). Reads between kills are checked against the latest write
+// (invariant 1 without a crash).
+//
 // # Replay
 //
 // A run is driven by Config.Seed: the operations each connection issues
