@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/tiercache/tiercache/internal/invariants"
@@ -352,110 +353,147 @@ func (s *Set) dirtyLBAsLocked(vi int, from uint64, limit int) []uint64 {
 }
 
 // writeback writes the given dirty blocks (sorted LBAs) of volume vi to the
-// backing device, syncs it and only then marks them clean (invariant 3). A
-// block that changed meanwhile is left alone: the clean mark applies only if
-// the entry still points at the cache block that was written back. Blocks
-// with a passthrough write in flight are skipped; the passthrough write and
-// writeback never overlap on the backing device, so writeback cannot
-// resurrect old data over a newer write or zeroes.
+// backing device, syncs it and only then marks them clean (invariant 3).
+//
+// The blocks are cut into runs of consecutive LBAs (at most wbMaxRun
+// blocks); runs are submitted in ascending LBA order with wbQueueDepth in
+// flight, each reading its blocks from the cache, verifying them and
+// writing them as one backing write. Memory is bounded by the queue depth,
+// not by the batch, so a batch can cover a whole sweep of the disk.
+//
+// Each run claims its LBA range until its backing write is done, so a
+// passthrough write (writearound, none, trim, zeroes) never overlaps it on
+// the backing device and writeback cannot resurrect old data over a newer
+// write; blocks with a passthrough write in flight are skipped. A block
+// that changed meanwhile is left alone: the clean mark applies only if the
+// entry still points at the cache block that was written back and that
+// block's bucket generation is unchanged (so a bucket reused meanwhile can
+// never have a new write marked clean). Buckets are pinned only while
+// their blocks are read.
 func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 	v := s.vols[vi]
 	type item struct {
 		lba uint64
 		loc uint32
 		crc uint32
+		gen uint32
 		ok  bool
 	}
 	var items []item
-	var claims []blockRange
+	var runs []blockRange // index ranges into items; also the claims
 	s.mu.Lock()
 	for _, lba := range lbas {
 		e, ok := v.idx.tree.Get(ent{lba: lba})
 		if !ok || !e.dirty() || v.busyLocked(lba, 1) {
 			continue
 		}
-		if len(items) > 0 && items[len(items)-1].lba+1 == lba {
-			claims[len(claims)-1].n++
-		} else {
-			claims = append(claims, blockRange{lba, 1})
+		if _, ok := v.idx.wbInflight[e.block()]; ok {
+			continue // written by another batch, not yet marked clean
 		}
-		items = append(items, item{lba: lba, loc: e.block(), crc: e.crc})
-		s.mu.buckets[int64(e.block())/s.bpb].pins++
+		v.idx.wbInflight[e.block()] = struct{}{}
+		if len(items) > 0 && items[len(items)-1].lba+1 == lba && runs[len(runs)-1].n < wbMaxRun {
+			runs[len(runs)-1].n++
+		} else {
+			runs = append(runs, blockRange{uint64(len(items)), 1})
+		}
+		b := &s.mu.buckets[int64(e.block())/s.bpb]
+		items = append(items, item{lba: lba, loc: e.block(), crc: e.crc, gen: b.gen})
+		b.pins++
 	}
-	v.idx.busy = append(v.idx.busy, claims...)
+	claim := func(r blockRange) blockRange { return blockRange{items[r.lba].lba, r.n} }
+	for _, r := range runs {
+		v.idx.busy = append(v.idx.busy, claim(r))
+	}
 	s.mu.Unlock()
 	if len(items) == 0 {
 		return 0, nil
 	}
-	release := func() {
+	var written atomic.Int64
+	defer func() {
 		s.mu.Lock()
 		for _, it := range items {
+			delete(v.idx.wbInflight, it.loc)
+		}
+		s.mu.Unlock()
+	}()
+	// Queue depth: up to wbQueueDepth runs, but at most about
+	// wbInflightBytes in flight, so long sequential runs reach the disk
+	// nearly in order (a disk's write cache destages what arrives first).
+	qd := max(2, min(wbQueueDepth, wbInflightBytes/(blockSize*len(items)/len(runs))))
+	issued := make([]chan struct{}, len(runs))
+	for i := range issued {
+		issued[i] = make(chan struct{})
+	}
+	werr := parallel(len(runs), qd, func(k int) error {
+		r := runs[k]
+		// Backing writes are issued in LBA order: each run issues its
+		// write only after the previous run has issued its own.
+		turn := func() {
+			if k > 0 {
+				<-issued[k-1]
+			}
+		}
+		var once sync.Once
+		issue := func() { once.Do(func() { close(issued[k]) }) }
+		defer func() { turn(); issue() }()
+		its := items[r.lba : r.lba+r.n]
+		buf := make([]byte, len(its)*blockSize)
+		var rerr error
+		for i := 0; i < len(its) && rerr == nil; {
+			j := i + 1
+			for j < len(its) && its[j].loc == its[j-1].loc+1 {
+				j++
+			}
+			if _, err := s.dev.ReadAt(buf[i*blockSize:j*blockSize], s.cacheOff(its[i].loc)); err != nil {
+				rerr = fmt.Errorf("writeback: reading cache: %w", err)
+			}
+			i = j
+		}
+		s.mu.Lock()
+		for _, it := range its {
 			s.unpinLocked(it.loc)
 		}
-		v.releaseLocked(claims)
 		s.mu.Unlock()
-	}
-	buf := make([]byte, len(items)*blockSize)
-	// Read from the cache, merging consecutive cache blocks, several
-	// reads in flight.
-	var reads []blockRange // index ranges into items
-	for i := 0; i < len(items); {
-		j := i + 1
-		for j < len(items) && items[j].loc == items[j-1].loc+1 && j-i < wbMaxRun {
-			j++
+		if rerr == nil {
+			for i := range its {
+				if got := crc32c(buf[i*blockSize : (i+1)*blockSize]); got != its[i].crc {
+					v.st.checksumErrors.Add(1)
+					s.log.Error("dirty block fails its checksum; not written back", "volume", v.name,
+						"lba", its[i].lba, "cache_offset", s.cacheOff(its[i].loc), "expected", its[i].crc, "actual", got)
+					continue
+				}
+				its[i].ok = true
+			}
+			for i := 0; i < len(its) && rerr == nil; {
+				if !its[i].ok {
+					i++
+					continue
+				}
+				j := i + 1
+				for j < len(its) && its[j].ok {
+					j++
+				}
+				turn()
+				issue()
+				if err := v.writeBacking(buf[i*blockSize:j*blockSize], its[i].lba); err != nil {
+					rerr = fmt.Errorf("writeback to %s: %w", v.name, err)
+					for x := i; x < len(its); x++ {
+						its[x].ok = false
+					}
+				}
+				written.Add(int64(j - i))
+				i = j
+			}
 		}
-		reads = append(reads, blockRange{uint64(i), uint64(j - i)})
-		i = j
-	}
-	if err := parallel(len(reads), wbQueueDepth, func(k int) error {
-		i, j := int(reads[k].lba), int(reads[k].lba+reads[k].n)
-		_, err := s.dev.ReadAt(buf[i*blockSize:j*blockSize], s.cacheOff(items[i].loc))
-		return err
-	}); err != nil {
-		release()
-		return 0, fmt.Errorf("writeback: reading cache: %w", err)
-	}
-	for i := range items {
-		p := buf[i*blockSize : (i+1)*blockSize]
-		if got := crc32c(p); got != items[i].crc {
-			v.st.checksumErrors.Add(1)
-			s.log.Error("dirty block fails its checksum; not written back", "volume", v.name,
-				"lba", items[i].lba, "cache_offset", s.cacheOff(items[i].loc), "expected", items[i].crc, "actual", got)
-			continue
-		}
-		items[i].ok = true
-	}
-	// Write to the backing device in LBA order, merging consecutive LBAs
-	// into writes of up to wbMaxRun blocks, wbQueueDepth of them in
-	// flight: submitted in ascending order, they let the disk serve them
-	// in one sweep.
-	var writes []blockRange
-	written := 0
-	for i := 0; i < len(items); {
-		if !items[i].ok {
-			i++
-			continue
-		}
-		j := i + 1
-		for j < len(items) && items[j].ok && items[j].lba == items[j-1].lba+1 && j-i < wbMaxRun {
-			j++
-		}
-		writes = append(writes, blockRange{uint64(i), uint64(j - i)})
-		written += j - i
-		i = j
-	}
-	werr := parallel(len(writes), wbQueueDepth, func(k int) error {
-		i, j := int(writes[k].lba), int(writes[k].lba+writes[k].n)
-		if err := v.writeBacking(buf[i*blockSize:j*blockSize], items[i].lba); err != nil {
-			return fmt.Errorf("writeback to %s: %w", v.name, err)
-		}
-		return nil
+		s.mu.Lock()
+		v.releaseLocked([]blockRange{claim(r)})
+		s.mu.Unlock()
+		return rerr
 	})
-	release()
 	if werr != nil {
 		return 0, werr
 	}
-	if written == 0 {
+	if written.Load() == 0 {
 		return 0, nil
 	}
 	if err := v.back.Sync(); err != nil {
@@ -464,7 +502,7 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 	s.mu.Lock()
 	n := 0
 	for _, it := range items {
-		if it.ok && s.markCleanLocked(vi, it.lba, it.loc) {
+		if it.ok && s.mu.buckets[int64(it.loc)/s.bpb].gen == it.gen && s.markCleanLocked(vi, it.lba, it.loc) {
 			s.appendLocked(&rec{typ: recClean, vol: uint16(vi), lba: it.lba, loc: it.loc})
 			n++
 		}
@@ -479,6 +517,8 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 // and commits. It returns when no dirty data is left, or with an error when
 // some dirty data cannot be written back (failing checksum or device).
 func (s *Set) Drain(ctx context.Context) error {
+	s.draining.Add(1)
+	defer s.draining.Add(-1)
 	for {
 		progress, left := 0, int64(0)
 		failedBefore := s.checksumFailures()
@@ -492,7 +532,7 @@ func (s *Set) Drain(ctx context.Context) error {
 					return err
 				}
 				s.mu.Lock()
-				lbas, next, done := s.dirtyScanLocked(vi, from, wbBatch, 4*wbBatch)
+				lbas, next, done := s.dirtyScanLocked(vi, from, drainBatch, 4*wbBatch)
 				s.mu.Unlock()
 				if len(lbas) > 0 {
 					n, err := s.writeback(vi, lbas)

@@ -72,12 +72,16 @@ type bucket struct {
 
 // volIndex is a volume's part of the index. Guarded by Set.mu.
 type volIndex struct {
-	tree      *btree.BTreeG[ent]
-	busy      []blockRange // backing writes in flight (claims)
-	mutations uint64       // bumped by every write; promotion checks it
-	epoch     uint64       // client flush epoch, bumped by Flush
-	dirty     int64
-	cached    int64
+	tree *btree.BTreeG[ent]
+	busy []blockRange // backing writes in flight (claims)
+	// wbInflight holds the cache blocks a writeback batch has taken and not
+	// yet marked clean, so that two batches (background, eviction, Drain)
+	// never write the same version twice.
+	wbInflight map[uint32]struct{}
+	mutations  uint64 // bumped by every write; promotion checks it
+	epoch      uint64 // client flush epoch, bumped by Flush
+	dirty      int64
+	cached     int64
 }
 
 type blockRange struct{ lba, n uint64 }

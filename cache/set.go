@@ -207,6 +207,7 @@ type Set struct {
 	stop       chan struct{}
 	wg         sync.WaitGroup
 	stats      setStats
+	draining   atomic.Int32 // Drain calls running: background writeback pauses
 }
 
 type setStats struct {
@@ -252,6 +253,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		v.cfg.Store(&cfg)
 		v.wb.kick = make(chan struct{}, 1)
 		v.idx.tree = newTree()
+		v.idx.wbInflight = map[uint32]struct{}{}
 		volBlocks[i] = v.nblocks
 		s.vols = append(s.vols, v)
 		s.byNm[v.name] = v

@@ -40,15 +40,17 @@ import (
 )
 
 const (
-	wbQueueDepth  = 32   // backing writes (and cache reads) in flight per batch
-	wbMaxRun      = 256  // blocks per merged write (1 MiB)
-	wbBatch       = 4096 // blocks per batch at full speed (16 MiB, one backing sync)
-	wbTick        = 100 * time.Millisecond
-	wbIdle        = 200 * time.Millisecond // no client request for this long: full speed
-	wbHorizon     = 10                     // seconds to clear the excess over the target
-	wbMinRate     = 256                    // blocks/s (1 MiB/s) once above the target
-	throttleStart = 0.70                   // dirty share of the cache where throttling starts
-	throttleMax   = 4 * time.Millisecond   // per-write delay at a completely dirty cache
+	wbQueueDepth    = 32      // backing writes (and cache reads) in flight per batch
+	wbMaxRun        = 512     // blocks per merged write (2 MiB)
+	wbBatch         = 16384   // blocks per batch at full speed (64 MiB: one sweep, one backing sync)
+	drainBatch      = 65536   // blocks per batch of Drain (256 MiB of disk; 24 B each in memory)
+	wbInflightBytes = 4 << 20 // backing bytes in flight per batch (at least 2 runs)
+	wbTick          = 100 * time.Millisecond
+	wbIdle          = 200 * time.Millisecond // no client request for this long: full speed
+	wbHorizon       = 10                     // seconds to clear the excess over the target
+	wbMinRate       = 256                    // blocks/s (1 MiB/s) once above the target
+	throttleStart   = 0.70                   // dirty share of the cache where throttling starts
+	throttleMax     = 4 * time.Millisecond   // per-write delay at a completely dirty cache
 )
 
 // wbState is a volume's writeback state.
@@ -95,6 +97,9 @@ func (s *Set) wbRate(v *Volume) int64 {
 		return 0
 	}
 	cfg := v.cfg.Load()
+	if s.draining.Load() > 0 {
+		return 0 // Drain sweeps the disk itself; a second sweep would fight it
+	}
 	if short || v.Mode() != Writeback || nowNanos()-v.lastIO.Load() > int64(wbIdle) {
 		return -1
 	}
@@ -113,7 +118,10 @@ func (s *Set) writebackLoop(v *Volume) {
 	defer s.wg.Done()
 	for {
 		rate := s.wbRate(v)
-		limit := v.cfg.Load().WritebackRateMax / blockSize // blocks/s; 0 none
+		limit := int64(0) // blocks/s; 0 none
+		if m := v.cfg.Load().WritebackRateMax; m > 0 {
+			limit = max(m/blockSize, 1)
+		}
 		if limit > 0 && (rate < 0 || rate > limit) {
 			rate = limit
 		}

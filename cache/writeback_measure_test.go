@@ -1,0 +1,263 @@
+package cache
+
+import (
+	"context"
+	"math/rand/v2"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/device/model"
+)
+
+// Writeback figures over the HDD model (docs/MODELS.md). Figures only,
+// nothing asserted; run with
+//
+//	go test ./cache -run TestMeasureWriteback -measure -v
+//
+// Times are model time (wall time divided by the model's TimeScale).
+
+const measureScale = 0.2 // the HDD model runs 5x faster than real time
+
+func measureHDD(t *testing.T, size int64, scale float64) *model.HDD {
+	t.Helper()
+	p := model.DefaultHDD()
+	p.TimeScale = scale
+	h, err := model.NewHDD(device.NewMem(size), p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Close() })
+	return h
+}
+
+// measureSet formats a set of nb 1 MiB buckets on a memory cache device in
+// front of back.
+func measureSet(t *testing.T, nb int64, back device.Device, st Settings) *Set {
+	t.Helper()
+	const bs = 1 << 20
+	jl := int64(8 << 20)
+	cache := device.NewMem(cacheSizeFor(nb, bs, jl, 1))
+	specs := []BackingSpec{{Name: "hdd", Dev: back}}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: bs, JournalSize: jl}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(cache, specs, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.crashStop() })
+	v, _ := s.Volume("hdd")
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func modelTime(d time.Duration, scale float64) time.Duration {
+	return time.Duration(float64(d) / scale)
+}
+
+// randomLBAs returns n distinct random block numbers below span.
+func randomLBAs(n int, span uint64, seed uint64) []uint64 {
+	rng := rand.New(rand.NewPCG(seed, 1))
+	seen := map[uint64]bool{}
+	var out []uint64
+	for len(out) < n {
+		l := rng.Uint64N(span)
+		if !seen[l] {
+			seen[l] = true
+			out = append(out, l)
+		}
+	}
+	return out
+}
+
+// writeDirect writes 4 KiB blocks at lbas to d with qd writers taking them
+// in the given order, then syncs; it returns the elapsed wall time.
+func writeDirect(t *testing.T, d device.Device, lbas []uint64, qd int) time.Duration {
+	t.Helper()
+	buf := make([]byte, blockSize)
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range qd {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				i := next.Add(1) - 1
+				if i >= int64(len(lbas)) {
+					return
+				}
+				if _, err := d.WriteAt(buf, int64(lbas[i])*blockSize); err != nil {
+					t.Error(err)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if err := d.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	return time.Since(start)
+}
+
+func TestMeasureWriteback(t *testing.T) {
+	if !*flagMeasure {
+		t.Skip("use -measure")
+	}
+	const span = 1 << 30
+	const nblk = 64 << 20 / blockSize // 64 MiB of 4 KiB blocks
+	lbas := randomLBAs(nblk, span/blockSize, 42)
+	quiet := DefaultSettings()
+	quiet.WritebackPercent = 100 // no background writeback while filling
+
+	// 1. Sorted writeback (Drain) of 64 MiB random dirty blocks over 1 GiB.
+	hdd := measureHDD(t, span, measureScale)
+	s := measureSet(t, 160, hdd, quiet)
+	v, _ := s.Volume("hdd")
+	buf := make([]byte, blockSize)
+	for _, l := range lbas {
+		if err := v.WriteAt(buf, int64(l)*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if st := v.Stats(); st.DirtyBlocks != nblk {
+		t.Fatalf("%d dirty blocks before drain, want %d", st.DirtyBlocks, nblk)
+	}
+	start := time.Now()
+	if err := s.Drain(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	sorted := modelTime(time.Since(start), measureScale)
+	hs := hdd.Stats()
+	t.Logf("sorted writeback (Drain, QD%d): %v for 64 MiB = %.1f MB/s; HDD writes %d, seeks %d, busy %v (seek %v, rotation %v, transfer %v)",
+		wbQueueDepth, sorted.Round(time.Millisecond), 64*1.048576/sorted.Seconds(), hs.Writes, hs.Seeks, hs.BusyTime, hs.SeekTime, hs.RotationalWait, hs.TransferTime)
+
+	// 2. The same writes in arrival order at the same queue depth.
+	arr := modelTime(writeDirect(t, measureHDD(t, span, measureScale), lbas, wbQueueDepth), measureScale)
+	t.Logf("arrival order QD%d: %v; sorted is %.2fx faster (bar 2.5x)", wbQueueDepth, arr.Round(time.Millisecond), arr.Seconds()/sorted.Seconds())
+
+	// 3. A QD1 writer in arrival order.
+	qd1 := modelTime(writeDirect(t, measureHDD(t, span, measureScale), lbas, 1), measureScale)
+	t.Logf("arrival order QD1: %v; sorted is %.2fx faster (bar 8x)", qd1.Round(time.Millisecond), qd1.Seconds()/sorted.Seconds())
+
+	// 4. Idle writeback of 64 MiB of sequential dirty data vs the disk's
+	// sequential write bandwidth over the same range.
+	seqSt := quiet
+	seqSt.SequentialCutoff = 0
+	hdd = measureHDD(t, span, measureScale)
+	s = measureSet(t, 160, hdd, seqSt)
+	v, _ = s.Volume("hdd")
+	big := make([]byte, 64<<10)
+	for off := int64(0); off < 64<<20; off += int64(len(big)) {
+		if err := v.WriteAt(big, off, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for hdd.Stats().Writes == 0 {
+		time.Sleep(100 * time.Microsecond)
+	}
+	idleFrom := time.Now()
+	for v.Stats().DirtyBlocks > 0 {
+		time.Sleep(time.Millisecond)
+	}
+	idle := modelTime(time.Since(idleFrom), measureScale)
+	seqLBAs := make([]uint64, 0, 64)
+	for i := uint64(0); i < 64; i++ {
+		seqLBAs = append(seqLBAs, i*256)
+	}
+	raw := measureHDD(t, span, measureScale)
+	mib := make([]byte, 1<<20)
+	start = time.Now()
+	for _, l := range seqLBAs {
+		if _, err := raw.WriteAt(mib, int64(l)*blockSize); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := raw.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	rawT := modelTime(time.Since(start), measureScale)
+	t.Logf("idle writeback HDD stats: %+v", hdd.Stats())
+	t.Logf("idle sequential writeback of 64 MiB: %v (%.1f MB/s); raw 1 MiB QD1 writes: %v (%.1f MB/s); ratio %.0f%% (bar 80%%)",
+		idle.Round(time.Millisecond), 67.108864/idle.Seconds(), rawT.Round(time.Millisecond), 67.108864/rawT.Seconds(), 100*rawT.Seconds()/idle.Seconds())
+}
+
+// TestMeasureForegroundLatency runs random 4 KiB writes and cached reads
+// against a small cache over a real-time HDD model while writeback and GC
+// run, and reports foreground latency percentiles.
+func TestMeasureForegroundLatency(t *testing.T) {
+	if !*flagMeasure {
+		t.Skip("use -measure")
+	}
+	hdd := measureHDD(t, 1<<30, 1)
+	s := measureSet(t, 48, hdd, DefaultSettings())
+	v, _ := s.Volume("hdd")
+	const dur = 6 * time.Second
+	var mu sync.Mutex
+	var wlat, rlat []time.Duration
+	var wg sync.WaitGroup
+	stop := time.Now().Add(dur)
+	for g := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(g), 9))
+			buf := make([]byte, blockSize)
+			var mine []time.Duration
+			for time.Now().Before(stop) {
+				off := int64(rng.Uint64N(96<<20/blockSize)) * blockSize // 96 MiB span over a 48 MiB cache
+				t0 := time.Now()
+				if err := v.WriteAt(buf, off, false); err != nil {
+					t.Error(err)
+					return
+				}
+				mine = append(mine, time.Since(t0))
+				time.Sleep(200 * time.Microsecond)
+			}
+			mu.Lock()
+			wlat = append(wlat, mine...)
+			mu.Unlock()
+		}()
+	}
+	wg.Add(1)
+	go func() { // reads of a hot 4 MiB region (cache hits after the first pass)
+		defer wg.Done()
+		rng := rand.New(rand.NewPCG(7, 9))
+		buf := make([]byte, blockSize)
+		var mine []time.Duration
+		for time.Now().Before(stop) {
+			off := int64(512<<20) + int64(rng.IntN(1024))*blockSize
+			t0 := time.Now()
+			if err := v.ReadAt(buf, off); err != nil {
+				t.Error(err)
+				return
+			}
+			mine = append(mine, time.Since(t0))
+		}
+		mu.Lock()
+		rlat = append(rlat, mine...)
+		mu.Unlock()
+	}()
+	wg.Wait()
+	pct := func(l []time.Duration, p float64) time.Duration {
+		if len(l) == 0 {
+			return 0
+		}
+		slices.Sort(l)
+		return l[min(int(float64(len(l))*p), len(l)-1)]
+	}
+	st, ss := v.Stats(), s.Stats()
+	t.Logf("writes: %d, p50 %v p99 %v p99.9 %v max %v; throttled %v in total; cache-full bypass %d KiB",
+		len(wlat), pct(wlat, .5), pct(wlat, .99), pct(wlat, .999), pct(wlat, 1), time.Duration(st.ThrottleNanos), st.BypassCacheFullBytes>>10)
+	t.Logf("reads (hot set, hits after warm-up): %d, p50 %v p99 %v p99.9 %v max %v",
+		len(rlat), pct(rlat, .5), pct(rlat, .99), pct(rlat, .999), pct(rlat, 1))
+	t.Logf("writeback %d MiB, evictions %d, GC moves %d, dirty now %d KiB",
+		st.WritebackBytes>>20, ss.Evictions, ss.GCMoves, st.DirtyBlocks*4)
+}
