@@ -16,7 +16,6 @@ have nbdkit   || need+=(nbdkit)
 have fusermount3 || need+=(fuse3)
 have mkfs.ext4 || need+=(e2fsprogs)
 have losetup  || need+=(mount)
-have certtool || need+=(gnutls-bin)
 
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
@@ -25,8 +24,8 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
   echo "install-deps: installing ${need[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
-  apt-get install -y -qq --no-install-recommends $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null
+  apt-get -o DPkg::Lock::Timeout=600 update -qq
+  apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends $(printf '%s\n' "${need[@]}" | sort -u) >/dev/null
 fi
 
 GOBIN=$(go env GOPATH)/bin
