@@ -81,6 +81,7 @@ type Stats struct {
 	LiveReads                                     int64 // blocks checked against invariant 1 between kills
 	BytesWritten                                  int64
 	BlocksVerified, BytesVerified                 int64 // read back and checked after restarts
+	BytesScanned                                  int64 // the whole export, read and checked once at the end
 	InFlightAtKill                                int64 // modifying operations without a reply when killed
 	KillsDuringWrites, KillsAfterFlush, KillsIdle int
 	KillsAfterRestart                             int // second kills right after a restart, before any client I/O
@@ -90,10 +91,10 @@ type Stats struct {
 }
 
 func (s Stats) String() string {
-	return fmt.Sprintf("%d cycles (kills: %d during writes, %d right after a flush, %d idle; %d more during start, %d right after a restart), %d writes (%d FUA), %d flushes, %d trims, %d write-zeroes, %d MiB written, %d blocks / %d MiB verified after restarts (%d durable, %d latest maybe-new, %d older maybe-new), %d ops in flight at kills, %d blocks live-checked",
+	return fmt.Sprintf("%d cycles (kills: %d during writes, %d right after a flush, %d idle; %d more during start, %d right after a restart), %d writes (%d FUA), %d flushes, %d trims, %d write-zeroes, %d MiB written, %d blocks / %d MiB verified after restarts (%d durable, %d latest maybe-new, %d older maybe-new), %d ops in flight at kills, %d blocks live-checked, %d MiB scanned at the end",
 		s.Cycles, s.KillsDuringWrites, s.KillsAfterFlush, s.KillsIdle, s.KillsDuringStart, s.KillsAfterRestart, s.Writes, s.FUAWrites, s.Flushes, s.Trims, s.Zeroes,
 		s.BytesWritten>>20, s.BlocksVerified, s.BytesVerified>>20, s.FoundDurable, s.FoundMaybeLatest, s.FoundMaybeOlder,
-		s.InFlightAtKill, s.LiveReads)
+		s.InFlightAtKill, s.LiveReads, s.BytesScanned>>20)
 }
 
 // Failure is a broken promise (or an error the run could not get past),
@@ -209,7 +210,41 @@ func Run(ctx context.Context, cfg Config) (Stats, error) {
 		}
 		r.st.Cycles++
 	}
+	if err := r.scanAll(ctx, size); err != nil {
+		return r.st, r.fail(cfg.Cycles, err)
+	}
 	return r.st, nil
+}
+
+// scanAll reads the whole export once at the end: the working area must
+// still match the oracle, and everything beyond it must still be zero (a
+// write or writeback sent to the wrong place would show there).
+func (r *run) scanAll(ctx context.Context, size int64) error {
+	c, err := r.cfg.Dial(ctx)
+	if err != nil {
+		return fmt.Errorf("dial for the final scan: %w", err)
+	}
+	defer c.Close()
+	buf := make([]byte, 256*BlockSize)
+	for off := int64(0); off+BlockSize <= size; off += int64(len(buf)) {
+		p := buf[:min(int64(len(buf)), size/BlockSize*BlockSize-off)]
+		if err := c.ReadAt(p, off); err != nil {
+			return fmt.Errorf("final scan: READ at %d: %w", off, err)
+		}
+		for i := int64(0); i < int64(len(p))/BlockSize; i++ {
+			lba := off/BlockSize + i
+			d := Decode(p[i*BlockSize:(i+1)*BlockSize], r.cfg.Seed, uint64(lba))
+			if lba < r.cfg.Blocks {
+				if _, err := r.oracle.CheckCrash(lba, d); err != nil {
+					return fmt.Errorf("final scan: %w", err)
+				}
+			} else if d.Kind != KindZero {
+				return fmt.Errorf("final scan: block %d beyond the working area holds %v; nothing was written there", lba, d)
+			}
+		}
+		r.st.BytesScanned += int64(len(p))
+	}
+	return nil
 }
 
 // start starts the server, remembering how long it took to listen.

@@ -9,6 +9,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -244,4 +245,17 @@ func (f *failingStart) Start(ctx context.Context) error {
 		f.be = &memBackend{cur: f.be.cur, synced: f.be.synced, dead: true}
 	}
 	return f.fakeServer.Start(ctx)
+}
+
+// TestHarnessFinalScan: data beyond the working area (where the workload
+// never wrote) is reported by the final scan.
+func TestHarnessFinalScan(t *testing.T) {
+	srv, dial := newFake(t, 256, 3, "")
+	srv.be.cur[200*BlockSize+7] = 1
+	srv.be.synced[200*BlockSize+7] = 1
+	_, err := Run(context.Background(), Config{Server: srv, Dial: dial, Seed: 3, Cycles: 2, Blocks: 128, OpsPerCycle: 50})
+	var f *Failure
+	if !errors.As(err, &f) || !strings.Contains(f.Err.Error(), "beyond the working area") {
+		t.Fatalf("stray data beyond the working area not reported: %v", err)
+	}
 }
