@@ -112,9 +112,11 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 				if b.e.dirty() {
 					rep.BadDirty++
 				} else {
-					// As a client read would: drop the clean copy.
+					// As a client read would: drop the clean copy (the next
+					// read re-reads the backing device).
 					v.idx.tree.Delete(b.e)
 					s.unaccountLocked(vi, b.e)
+					v.st.checksumRepairs.Add(1)
 				}
 				rep.problem("%v", cerr)
 				v.st.checksumErrors.Add(1)

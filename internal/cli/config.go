@@ -65,7 +65,17 @@ func loadServeConfig(path string) (*serveConfig, error) {
 	}
 	if und := md.Undecoded(); len(und) > 0 {
 		var msgs []string
+		seen := map[string]bool{}
 		for _, k := range und {
+			seen[k.String()] = true
+		}
+	keys:
+		for _, k := range und {
+			for i := 1; i < len(k); i++ {
+				if seen[k[:i].String()] {
+					continue keys // inside an unknown table: reported with it
+				}
+			}
 			msgs = append(msgs, fmt.Sprintf("%s:%d: unknown key %q", path, keyLine(path, k), k.String()))
 		}
 		sort.Strings(msgs)

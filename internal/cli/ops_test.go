@@ -330,7 +330,11 @@ func TestServeConfig(t *testing.T) {
 	bad := filepath.Join(dir, "bad.toml")
 	os.WriteFile(bad, []byte("# tiercache\nlog_level = \"debug\"\ncach = \"/dev/x\"\n\n[backing]\nhome = \"/dev/y\"\n[exprt]\nx = \"y\"\n"), 0o600)
 	failTC(t, `bad.toml:3: unknown key "cach"`, "serve", "--config", bad)
-	failTC(t, `bad.toml:7: unknown key "exprt"`, "serve", "--config", bad)
+	failTC(t, `bad.toml:7: unknown key "exprt" (known keys`, "serve", "--config", bad)
+	// The example shipped in dist/ parses.
+	if _, err := loadServeConfig("../../dist/tiercache.toml"); err != nil {
+		t.Errorf("dist/tiercache.toml: %v", err)
+	}
 	syntax := filepath.Join(dir, "syntax.toml")
 	os.WriteFile(syntax, []byte("log_level = \"debug\"\nlisten = [\"unix:/x\"\n"), 0o600)
 	failTC(t, "syntax.toml:2:", "serve", "--config", syntax)
