@@ -96,3 +96,41 @@ func TestCheckOfflineNotFormatted(t *testing.T) {
 		t.Fatal("check of a device without a cache set succeeded")
 	}
 }
+
+// TestScrubConcurrentWithWrites: a scrub that races writes, overwrites and
+// eviction on a small cache must not report blocks that changed under it.
+func TestScrubConcurrentWithWrites(t *testing.T) {
+	s, _, _ := newTestSet(t, 8, 64<<10, 4<<20)
+	v := s.Volumes()[0]
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	done := make(chan error, 1)
+	go func() {
+		p := make([]byte, blockSize)
+		for i := 0; ctx.Err() == nil; i++ {
+			p[0] = byte(i)
+			// 8 buckets of 16 blocks: 300 distinct blocks force eviction.
+			if err := v.WriteAt(p, int64(i*7%300)*blockSize, false); err != nil {
+				done <- err
+				return
+			}
+			if i%50 == 0 {
+				if err := v.Flush(); err != nil {
+					done <- err
+					return
+				}
+			}
+		}
+		done <- nil
+	}()
+	for i := 0; i < 20; i++ {
+		rep, err := s.Scrub(context.Background(), nil)
+		if err != nil || !rep.OK() {
+			t.Fatalf("scrub %d during writes: %+v err %v", i, rep, err)
+		}
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+}
