@@ -9,7 +9,10 @@ import (
 	"path/filepath"
 	"reflect"
 	"strings"
+	"sync"
 	"testing"
+
+	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/tiercache/tiercache/cache"
 	"github.com/tiercache/tiercache/device"
@@ -115,7 +118,9 @@ func newTestServer(t *testing.T) (*Client, *cache.Set, *fakeNBD, *[]string) {
 	if err := exports[2].Backend.ReadAt(buf, 0); err != nil {
 		t.Fatal(err)
 	}
-	return NewClient(sock), set, fn, &released
+	c := NewClient(sock)
+	registries.Store(c, m.reg)
+	return c, set, fn, &released
 }
 
 func TestAPI(t *testing.T) {
@@ -180,7 +185,11 @@ func TestAPI(t *testing.T) {
 		}
 	}
 
-	// Metrics.
+	// Metrics: the registry gathers without error (no duplicate or
+	// inconsistent metric), and the text has what we expect.
+	if _, err := srvMetrics(c).Gather(); err != nil {
+		t.Errorf("gathering metrics: %v", err)
+	}
 	text, err := c.Metrics(ctx)
 	if err != nil {
 		t.Fatal(err)
@@ -223,6 +232,14 @@ func TestAPI(t *testing.T) {
 	if err := c.Attach(ctx, "x", "/tmp/x"); err == nil || !strings.Contains(err.Error(), "not implemented") {
 		t.Errorf("attach: %v", err)
 	}
+}
+
+// registries maps a test client to its server's registry.
+var registries sync.Map
+
+func srvMetrics(c *Client) *prometheus.Registry {
+	r, _ := registries.Load(c)
+	return r.(*prometheus.Registry)
 }
 
 func TestClientNoServer(t *testing.T) {

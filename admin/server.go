@@ -552,8 +552,8 @@ func (s *Server) handleDetach(w http.ResponseWriter, r *http.Request) {
 	final := last()
 	final.Finished = true
 	if err != nil {
-		final.Error = err.Error()
-		s.log.Error("detach failed; export served again", "export", name, "err", err)
+		final.Error = err.Error() + fmt.Sprintf("; the export is served again, in mode %s (tiercache set %s cache_mode=... resumes caching)", v.Mode(), name)
+		s.log.Error("detach failed; export served again", "export", name, "mode", v.Mode().String(), "err", err)
 		if aerr := s.cfg.NBD.AddExport(e.Export); aerr != nil {
 			s.log.Error("re-adding export", "export", name, "err", aerr)
 		}
