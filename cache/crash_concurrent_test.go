@@ -145,7 +145,22 @@ func runCrashConcurrent(t *testing.T, seed uint64) {
 			r := rand.New(rand.NewPCG(mseed, 2))
 			for !stop.Load() {
 				time.Sleep(time.Duration(r.IntN(2000)) * time.Microsecond)
-				if err := v.SetMode(Mode(r.IntN(4))); err != nil {
+				if r.IntN(2) == 0 {
+					if err := v.SetMode(Mode(r.IntN(4))); err != nil {
+						errc <- err
+						return
+					}
+					continue
+				}
+				// All settings at once: bypass, promotion, writeback
+				// targets (0 %: writeback runs all the time) and caps.
+				st := v.Settings()
+				st.SequentialCutoff = []int64{0, 16 << 10, 4 << 20}[r.IntN(3)]
+				st.WritebackPercent = []int{0, 10, 100}[r.IntN(3)]
+				st.Promote = []string{"always", "never", "after:2"}[r.IntN(3)]
+				st.WritebackOrder = []string{"epoch", "lba"}[r.IntN(2)]
+				st.WritebackRateMax = []int64{0, 64 << 10}[r.IntN(2)]
+				if err := v.SetSettings(st); err != nil {
 					errc <- err
 					return
 				}

@@ -63,18 +63,18 @@ type modelVol struct {
 }
 
 type crashRun struct {
-	t      *testing.T
-	seed   uint64
-	rng    *rand.Rand
-	log    []string
-	cache  *device.Mem
-	backs  []*device.Mem
-	hide   bool // backing devices without Discarder/Zeroer
-	specs  []BackingSpec
-	set    *Set
-	model  []*modelVol
-	wid    uint64
-	failed bool
+	t     *testing.T
+	seed  uint64
+	rng   *rand.Rand
+	log   []string
+	cache *device.Mem
+	backs []*device.Mem
+	hide  bool // backing devices without Discarder/Zeroer
+	specs []BackingSpec
+	set   *Set
+	model []*modelVol
+	wid   uint64
+	sets  []Settings // per volume: what SetSettings/SetMode last set (durable at once)
 }
 
 // plainDev hides the optional capabilities of a device.
@@ -128,6 +128,14 @@ func (r *crashRun) run(nops int) {
 	}
 	r.open()
 	defer func() { r.set.crashStop() }()
+	for vi := range r.model {
+		st := DefaultSettings()
+		st.Mode = mode
+		r.sets = append(r.sets, st)
+		if rng.IntN(2) == 0 {
+			r.randomSettings(vi)
+		}
+	}
 	for _, m := range r.model {
 		for b := range m.cand {
 			m.cand[b] = [][]byte{r.block(m, b)}
@@ -153,6 +161,9 @@ func (r *crashRun) run(nops int) {
 	}
 	r.open()
 	for vi, m := range r.model {
+		if st := r.set.vols[vi].Settings(); st != r.sets[vi] {
+			r.fatalf("after clean reopen, vol%d settings %+v, want %+v", vi, st, r.sets[vi])
+		}
 		got := make([]byte, len(m.cur))
 		if err := r.set.vols[vi].ReadAt(got, 0); err != nil {
 			r.fatalf("read after clean reopen: %v", err)
@@ -265,6 +276,15 @@ func (r *crashRun) step() {
 	v := r.set.vols[vi]
 	m := r.model[vi]
 	switch k := rng.IntN(100); {
+	case k < 3: // settings (all keys, persisted)
+		r.randomSettings(vi)
+		return
+	case k < 5: // one GC step now: eviction, writeback of a victim, GC moves
+		r.logf("gc")
+		r.set.evictOne()
+		return
+	}
+	switch k := rng.IntN(100); {
 	case k < 40: // write
 		off, n := r.randRange(vi)
 		fua := rng.IntN(5) == 0
@@ -326,6 +346,7 @@ func (r *crashRun) step() {
 		if err := v.SetMode(mode); err != nil {
 			r.fatalf("set-mode: %v", err)
 		}
+		r.sets[vi].Mode = mode
 	case k < 89: // drain
 		r.logf("drain")
 		if err := r.set.Drain(context.Background()); err != nil {
@@ -390,6 +411,10 @@ func (r *crashRun) crash() {
 				r.fatalf("after crash, vol%d block %d holds %s; allowed: %s", vi, b, describeSectors(g), strings.Join(allowed, " | "))
 			}
 		}
+		// Settings are durable when SetSettings returns.
+		if got := v.Settings(); got != r.sets[vi] {
+			r.fatalf("after crash, vol%d settings %+v, want %+v", vi, got, r.sets[vi])
+		}
 		// What survived is now the durable content.
 		copy(m.cur, got)
 		r.touched(vi, 0, int64(len(got)), true)
@@ -402,4 +427,23 @@ func describeSectors(p []byte) string {
 		s = append(s, describeSector(p[i:min(i+512, len(p))]))
 	}
 	return "[" + strings.Join(s, " ") + "]"
+}
+
+// randomSettings sets every key of volume vi at random: small sequential
+// cutoffs (so bypass happens in these tiny volumes), writeback targets from
+// 0 % (background writeback runs all the time) to 100 %, every promote
+// policy, both orders and a rate cap.
+func (r *crashRun) randomSettings(vi int) {
+	rng := r.rng
+	st := r.sets[vi]
+	st.SequentialCutoff = []int64{0, 8 << 10, 16 << 10, 32 << 10, 4 << 20}[rng.IntN(5)]
+	st.WritebackPercent = []int{0, 10, 50, 100}[rng.IntN(4)]
+	st.WritebackOrder = []string{"epoch", "lba"}[rng.IntN(2)]
+	st.Promote = []string{"always", "never", "after:2", "after:3"}[rng.IntN(4)]
+	st.WritebackRateMax = []int64{0, 0, 64 << 10}[rng.IntN(3)]
+	r.logf("settings vol%d %+v", vi, st)
+	if err := r.set.vols[vi].SetSettings(st); err != nil {
+		r.fatalf("set settings: %v", err)
+	}
+	r.sets[vi] = st
 }

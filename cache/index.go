@@ -20,7 +20,6 @@ package cache
 
 import (
 	"fmt"
-	"math/bits"
 
 	"github.com/google/btree"
 	"github.com/tiercache/tiercache/internal/invariants"
@@ -93,12 +92,6 @@ type bitset []uint64
 func newBitset(n int) bitset    { return make(bitset, (n+63)/64) }
 func (b bitset) get(i int) bool { return b[i/64]&(1<<(i%64)) != 0 }
 func (b bitset) set(i int)      { b[i/64] |= 1 << (i % 64) }
-func (b bitset) count() (n int) {
-	for _, w := range b {
-		n += bits.OnesCount64(w)
-	}
-	return n
-}
 
 // insertLocked makes lba of volume v point at cache block loc, replacing any
 // previous entry.

@@ -606,12 +606,12 @@ func (s *Set) checkpointLocked() error {
 // durable, writes the checkpoint into the other slot and starts a new
 // journal generation at the current journal position.
 // REQUIRES: s.commitMu, not s.mu; the records up to upto were taken.
-func (s *Set) checkpointLockedUnlocked(upto uint64) error {
+func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	s.mu.Lock()
 	// Records appended between taking them and now are also reflected in
 	// the snapshot; taking them again keeps them out of the new journal.
 	s.mu.pending = nil
-	upto = s.mu.seq
+	upto := max(taken, s.mu.seq)
 	gens := make([]uint32, len(s.mu.buckets))
 	for i := range s.mu.buckets {
 		gens[i] = s.mu.buckets[i].gen

@@ -338,14 +338,19 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 	}
 	need := v.cfg.Load().promoteNeed()
 	for _, m := range misses {
-		// Split each miss into runs of blocks the policy promotes.
+		// Split each miss into runs of blocks the policy promotes (each
+		// block's miss counted once).
+		yes := make([]bool, m.n)
+		for i := range yes {
+			yes[i] = pm == promoteForce || v.pol.promoteMiss(m.lba+uint64(i), need)
+		}
 		for i := uint64(0); i < m.n; {
-			if pm != promoteForce && !v.pol.promoteMiss(m.lba+i, need) {
+			if !yes[i] {
 				i++
 				continue
 			}
 			j := i + 1
-			for j < m.n && (pm == promoteForce || v.pol.promoteMiss(m.lba+j, need)) {
+			for j < m.n && yes[j] {
 				j++
 			}
 			at := int(m.lba+i-lba) * blockSize

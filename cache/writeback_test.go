@@ -1,0 +1,227 @@
+package cache
+
+import (
+	"bytes"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+// TestSettingsPersist: every key is validated, applied and survives a
+// clean reopen and a crash (the superblock is written before SetSettings
+// returns).
+func TestSettingsPersist(t *testing.T) {
+	s, cache, backs := newTestSet(t, 8, 4*blockSize, 64*blockSize)
+	v := s.vols[0]
+	if got := v.Settings(); got != DefaultSettings() {
+		t.Fatalf("fresh volume settings %+v, want defaults %+v", got, DefaultSettings())
+	}
+	want := Settings{Mode: Writethrough, SequentialCutoff: 1 << 20, WritebackPercent: 40, WritebackOrder: "lba", Promote: "after:3", WritebackRateMax: 8 << 20}
+	if err := v.SetSettings(want); err != nil {
+		t.Fatal(err)
+	}
+	bad := want
+	bad.WritebackPercent = 101
+	if err := v.SetSettings(bad); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("invalid settings: %v, want ErrInvalid", err)
+	}
+	if got := v.Settings(); got != want {
+		t.Fatalf("settings %+v, want %+v", got, want)
+	}
+	specs := []BackingSpec{{Name: "a", Dev: backs[0]}}
+	// Crash: clone without Close.
+	cc := cache.CrashClone(device.CrashConfig{})
+	s2, err := Open(cc, []BackingSpec{{Name: "a", Dev: backs[0].CrashClone(device.CrashConfig{})}}, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := s2.vols[0].Settings(); got != want {
+		t.Fatalf("after crash: settings %+v, want %+v", got, want)
+	}
+	s2.crashStop()
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	s3, err := Open(cache, specs, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s3.Close()
+	if got := s3.vols[0].Settings(); got != want {
+		t.Fatalf("after reopen: settings %+v, want %+v", got, want)
+	}
+}
+
+// TestSuperblockWithoutSettings: a superblock written before the settings
+// trailer existed decodes with default settings.
+func TestSuperblockWithoutSettings(t *testing.T) {
+	sb := testSuperblock()
+	b, err := sb.encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	tl := 4
+	for range sb.Backings {
+		d := DefaultSettings()
+		tl += 8 + 1 + 2 + len(d.WritebackOrder) + 2 + len(d.Promote) + 8
+	}
+	old := append([]byte(nil), b[:len(b)-tl]...)
+	le.PutUint32(old[12:], uint32(len(old)-sbHeaderSize))
+	le.PutUint32(old[16:], 0)
+	le.PutUint32(old[16:], crc32c(old))
+	got, err := decodeSuperblock(old, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, bi := range got.Backings {
+		want := DefaultSettings()
+		want.Mode = bi.Mode
+		if bi.Settings != want {
+			t.Errorf("backing %d: settings %+v, want %+v", i, bi.Settings, want)
+		}
+	}
+}
+
+// TestIdleWriteback: with the client idle, dirty data goes to the backing
+// device without any Drain, and the backing device then holds it.
+func TestIdleWriteback(t *testing.T) {
+	s, _, backs := newTestSet(t, 16, 8*blockSize, 256*blockSize)
+	v := s.vols[0]
+	st := v.Settings()
+	st.WritebackPercent = 100 // only idleness triggers writeback
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	data := make([]byte, 40*blockSize)
+	for i := range data {
+		data[i] = byte(i*7 + i/4096)
+	}
+	for i := 0; i < 40; i++ { // scattered: every third block
+		if err := v.WriteAt(data[i*blockSize:(i+1)*blockSize], int64(i*3)*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for v.Stats().DirtyBlocks > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d dirty blocks left after 5 s idle", v.Stats().DirtyBlocks)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	got := make([]byte, blockSize)
+	for i := 0; i < 40; i++ {
+		if _, err := backs[0].ReadAt(got, int64(i*3)*blockSize); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, data[i*blockSize:(i+1)*blockSize]) {
+			t.Fatalf("backing block %d differs after idle writeback", i*3)
+		}
+	}
+	if st := v.Stats(); st.WritebackBytes != 40*blockSize {
+		t.Errorf("writeback bytes %d, want %d", st.WritebackBytes, 40*blockSize)
+	}
+}
+
+// TestWritebackRate: the rate decision (table test over dirty counts).
+func TestWritebackRate(t *testing.T) {
+	s, _, _ := newTestSet(t, 256, 64*blockSize, 4096*blockSize)
+	v := s.vols[0]
+	st := v.Settings()
+	st.WritebackPercent = 10
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	s.crashStop() // no background goroutines touch the counters below
+	total := int64(len(s.mu.owner))
+	target := total / 10
+	for _, tc := range []struct {
+		dirty int64
+		idle  bool
+		want  int64
+	}{
+		{0, false, 0},
+		{target, false, 0},
+		{target + 1, false, wbMinRate},
+		{target + wbHorizon*wbMinRate/2, false, wbMinRate},
+		{(target+total)/2 - 1, false, ((target+total)/2 - 1 - target) / wbHorizon},
+		{(target + total) / 2, false, -1},
+		{total, false, -1},
+		{1, true, -1},
+	} {
+		s.mu.Lock()
+		saved := v.idx.dirty
+		v.idx.dirty = tc.dirty
+		s.mu.Unlock()
+		if tc.idle {
+			v.lastIO.Store(0)
+		} else {
+			v.lastIO.Store(nowNanos())
+		}
+		got := s.wbRate(v)
+		s.mu.Lock()
+		v.idx.dirty = saved
+		s.mu.Unlock()
+		if got != tc.want {
+			t.Errorf("dirty %d idle %t: rate %d, want %d", tc.dirty, tc.idle, got, tc.want)
+		}
+	}
+	// Growing with the excess.
+	s.mu.Lock()
+	saved := v.idx.dirty
+	v.idx.dirty = target + 400*wbHorizon
+	s.mu.Unlock()
+	v.lastIO.Store(nowNanos())
+	if got := s.wbRate(v); got != 400 {
+		t.Errorf("excess %d blocks: rate %d blocks/s, want 400", 400*wbHorizon, got)
+	}
+	s.mu.Lock()
+	v.idx.dirty = saved
+	s.mu.Unlock()
+}
+
+// slowDev delays every write, like a busy disk.
+type slowDev struct {
+	device.Device
+	d time.Duration
+}
+
+func (s slowDev) WriteAt(p []byte, off int64) (int, error) {
+	time.Sleep(s.d)
+	return s.Device.WriteAt(p, off)
+}
+
+// TestWritesNeverStall: a writer that outruns a slow backing device over a
+// small cache is throttled and, when no bucket is free in time, sent around
+// the cache; no write waits anywhere near seconds.
+func TestWritesNeverStall(t *testing.T) {
+	jl := int64(minJournalLen)
+	cache := device.NewMem(cacheSizeFor(8, 8*blockSize, jl, 1))
+	back := device.NewMem(1024 * blockSize)
+	specs := []BackingSpec{{Name: "a", Dev: slowDev{back, 2 * time.Millisecond}}}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: 8 * blockSize, JournalSize: jl}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(cache, specs, OpenOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.crashStop()
+	checkAfter(t, s)
+	v := s.vols[0]
+	var worst time.Duration
+	buf := make([]byte, blockSize)
+	for i := 0; i < 600; i++ {
+		t0 := time.Now()
+		if err := v.WriteAt(buf, int64((i*37)%1024)*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+		worst = max(worst, time.Since(t0))
+	}
+	st := v.Stats()
+	t.Logf("worst write %v; throttled %v; cache-full bypass %d KiB; writeback %d KiB", worst, time.Duration(st.ThrottleNanos), st.BypassCacheFullBytes>>10, st.WritebackBytes>>10)
+	if worst > 500*time.Millisecond {
+		t.Errorf("a write took %v", worst)
+	}
+}
