@@ -43,7 +43,7 @@ the reader, and the result may look inconsistent.
 			defer dev.Close()
 			switch what {
 			case "superblock":
-				return inspectSuperblock(g, dev)
+				return inspectSuperblock(g, dev, cachePath)
 			case "journal":
 				n := 0
 				im, err := cache.OpenImage(dev, cache.ImageOptions{OnRecord: func(r string) {
@@ -99,7 +99,7 @@ func inspectErr(path string, err error) error {
 	return nil
 }
 
-func inspectSuperblock(g *globals, dev device.Device) error {
+func inspectSuperblock(g *globals, dev device.Device, path string) error {
 	w := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
 	copies := cache.ReadSuperblockCopies(dev)
 	var best *cache.Superblock
@@ -115,6 +115,9 @@ func inspectSuperblock(g *globals, dev device.Device) error {
 	}
 	if best == nil {
 		w.Flush()
+		if errors.Is(copies[0].Err, cache.ErrNotFormatted) && errors.Is(copies[1].Err, cache.ErrNotFormatted) {
+			return fmt.Errorf("inspect: %s is not a tiercache cache device (no superblock)", path)
+		}
 		return errors.New("inspect: no valid superblock copy")
 	}
 	sb := best

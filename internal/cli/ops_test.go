@@ -270,6 +270,7 @@ func TestOpsCommands(t *testing.T) {
 	failTC(t, "--cache PATH is required", "inspect", "superblock")
 	failTC(t, "is not a tiercache cache device", "check", "--cache", backing)
 	failTC(t, "is not a tiercache cache device", "inspect", "index", "--cache", backing)
+	failTC(t, "is not a tiercache cache device", "inspect", "superblock", "--cache", backing)
 
 	// The released backing file is served alone without --force.
 	alone := startServe(t, filepath.Join(dir, "a2.sock"), "--data-dir", dir, "--export", "default="+backing,
