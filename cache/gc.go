@@ -260,6 +260,10 @@ func (s *Set) evictOne() bool {
 	return true
 }
 
+// lockChunk bounds the index lookups done per hold of Set.mu by background
+// work (about 100 µs), so foreground requests never wait long for it.
+const lockChunk = 512
+
 // gcMoveFraction: a bucket whose live blocks fill at most 1/gcMoveFraction
 // of it has its dirty blocks moved instead of written back when evicted.
 const gcMoveFraction = 4
@@ -380,34 +384,34 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 		ok  bool
 	}
 	var items []item
-	var runs []blockRange // index ranges into items; also the claims
-	s.mu.Lock()
-	for _, lba := range lbas {
-		e, ok := v.idx.tree.Get(ent{lba: lba})
-		if !ok || !e.dirty() || v.busyLocked(lba, 1) {
-			continue
+	var runs []blockRange // index ranges into items
+	// Collect in chunks: mu is never held for more than lockChunk lookups.
+	for at := 0; at < len(lbas); at += lockChunk {
+		s.mu.Lock()
+		for _, lba := range lbas[at:min(at+lockChunk, len(lbas))] {
+			e, ok := v.idx.tree.Get(ent{lba: lba})
+			if !ok || !e.dirty() {
+				continue
+			}
+			if _, ok := v.idx.wbInflight[e.block()]; ok {
+				continue // written by another batch, not yet marked clean
+			}
+			v.idx.wbInflight[e.block()] = struct{}{}
+			if len(items) > 0 && items[len(items)-1].lba+1 == lba && runs[len(runs)-1].n < wbMaxRun {
+				runs[len(runs)-1].n++
+			} else {
+				runs = append(runs, blockRange{uint64(len(items)), 1})
+			}
+			b := &s.mu.buckets[int64(e.block())/s.bpb]
+			items = append(items, item{lba: lba, loc: e.block(), crc: e.crc, gen: b.gen})
+			b.pins++
 		}
-		if _, ok := v.idx.wbInflight[e.block()]; ok {
-			continue // written by another batch, not yet marked clean
-		}
-		v.idx.wbInflight[e.block()] = struct{}{}
-		if len(items) > 0 && items[len(items)-1].lba+1 == lba && runs[len(runs)-1].n < wbMaxRun {
-			runs[len(runs)-1].n++
-		} else {
-			runs = append(runs, blockRange{uint64(len(items)), 1})
-		}
-		b := &s.mu.buckets[int64(e.block())/s.bpb]
-		items = append(items, item{lba: lba, loc: e.block(), crc: e.crc, gen: b.gen})
-		b.pins++
+		s.mu.Unlock()
 	}
-	claim := func(r blockRange) blockRange { return blockRange{items[r.lba].lba, r.n} }
-	for _, r := range runs {
-		v.idx.busy = append(v.idx.busy, claim(r))
-	}
-	s.mu.Unlock()
 	if len(items) == 0 {
 		return 0, nil
 	}
+	claim := func(r blockRange) blockRange { return blockRange{items[r.lba].lba, r.n} }
 	var written atomic.Int64
 	defer func() {
 		s.mu.Lock()
@@ -436,6 +440,27 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 		var once sync.Once
 		issue := func() { once.Do(func() { close(issued[k]) }) }
 		defer func() { turn(); issue() }()
+		// Claim the run, unless a passthrough write holds part of it; an
+		// item whose entry changed since it was collected is skipped.
+		s.mu.Lock()
+		claimed := !v.busyLocked(claim(r).lba, r.n)
+		if claimed {
+			v.idx.busy = append(v.idx.busy, claim(r))
+		}
+		valid := make([]bool, r.n)
+		for i := range valid {
+			it := &items[int(r.lba)+i]
+			e, ok := v.idx.tree.Get(ent{lba: it.lba})
+			valid[i] = claimed && ok && e.dirty() && e.block() == it.loc && e.crc == it.crc
+		}
+		s.mu.Unlock()
+		defer func() {
+			if claimed {
+				s.mu.Lock()
+				v.releaseLocked([]blockRange{claim(r)})
+				s.mu.Unlock()
+			}
+		}()
 		its := items[r.lba : r.lba+r.n]
 		buf := make([]byte, len(its)*blockSize)
 		var rerr error
@@ -456,6 +481,9 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 		s.mu.Unlock()
 		if rerr == nil {
 			for i := range its {
+				if !valid[i] {
+					continue
+				}
 				if got := crc32c(buf[i*blockSize : (i+1)*blockSize]); got != its[i].crc {
 					v.st.checksumErrors.Add(1)
 					s.log.Error("dirty block fails its checksum; not written back", "volume", v.name,
@@ -485,9 +513,6 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 				i = j
 			}
 		}
-		s.mu.Lock()
-		v.releaseLocked([]blockRange{claim(r)})
-		s.mu.Unlock()
 		return rerr
 	})
 	if werr != nil {
@@ -499,15 +524,17 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 	if err := v.back.Sync(); err != nil {
 		return 0, fmt.Errorf("writeback: syncing %s: %w", v.name, err)
 	}
-	s.mu.Lock()
 	n := 0
-	for _, it := range items {
-		if it.ok && s.mu.buckets[int64(it.loc)/s.bpb].gen == it.gen && s.markCleanLocked(vi, it.lba, it.loc) {
-			s.appendLocked(&rec{typ: recClean, vol: uint16(vi), lba: it.lba, loc: it.loc})
-			n++
+	for at := 0; at < len(items); at += lockChunk {
+		s.mu.Lock()
+		for _, it := range items[at:min(at+lockChunk, len(items))] {
+			if it.ok && s.mu.buckets[int64(it.loc)/s.bpb].gen == it.gen && s.markCleanLocked(vi, it.lba, it.loc) {
+				s.appendLocked(&rec{typ: recClean, vol: uint16(vi), lba: it.lba, loc: it.loc})
+				n++
+			}
 		}
+		s.mu.Unlock()
 	}
-	s.mu.Unlock()
 	v.st.writebackBytes.Add(uint64(n) * blockSize)
 	s.stats.writebackBlocks.Add(uint64(n))
 	return n, nil
