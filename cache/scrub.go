@@ -12,9 +12,11 @@ package cache
 // reported and kept (it exists nowhere else).
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/tiercache/tiercache/device"
 )
@@ -51,8 +53,8 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 	s.mu.Lock()
 	total := s.entries()
 	s.mu.Unlock()
-	const chunk = 256
-	buf := make([]byte, blockSize)
+	const chunk = 1024
+	buf := make([]byte, chunk*blockSize)
 	for vi, v := range s.vols {
 		from := uint64(0)
 		for {
@@ -77,15 +79,36 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 				readFail error
 			}
 			var bads []bad
-			for _, e := range ents {
-				off := s.cacheOff(e.block())
-				if _, err := s.dev.ReadAt(buf, off); err != nil {
-					bads = append(bads, bad{e: e, readFail: err})
-					continue
+			// Read in runs of consecutive cache blocks (sequential on the
+			// cache device), at most a chunk at a time.
+			order := make([]int, len(ents))
+			for i := range order {
+				order[i] = i
+			}
+			slices.SortFunc(order, func(a, b int) int { return cmp.Compare(ents[a].block(), ents[b].block()) })
+			for i := 0; i < len(order); {
+				j := i + 1
+				for j < len(order) && ents[order[j]].block() == ents[order[j-1]].block()+1 {
+					j++
 				}
-				if got := crc32c(buf); got != e.crc {
-					bads = append(bads, bad{e: e, got: got})
+				run := buf[:(j-i)*blockSize]
+				off := s.cacheOff(ents[order[i]].block())
+				_, rerr := s.dev.ReadAt(run, off)
+				for k := i; k < j; k++ {
+					e := ents[order[k]]
+					p := run[(k-i)*blockSize : (k-i+1)*blockSize]
+					if rerr != nil {
+						// Find which blocks of the run fail, one by one.
+						if _, err := s.dev.ReadAt(p, s.cacheOff(e.block())); err != nil {
+							bads = append(bads, bad{e: e, readFail: err})
+							continue
+						}
+					}
+					if got := crc32c(p); got != e.crc {
+						bads = append(bads, bad{e: e, got: got})
+					}
 				}
+				i = j
 			}
 			s.mu.Lock()
 			for _, e := range ents {

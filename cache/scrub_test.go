@@ -5,6 +5,8 @@ import (
 	"context"
 	"strings"
 	"testing"
+
+	"github.com/tiercache/tiercache/device/faultdev"
 )
 
 // opsWriteBlocks writes n 4 KiB blocks with distinct contents at every other
@@ -132,5 +134,40 @@ func TestScrubConcurrentWithWrites(t *testing.T) {
 	cancel()
 	if err := <-done; err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestCheckOfflineReadError: a cache block the device cannot read is
+// reported as a read error of that block only, not of its whole run.
+func TestCheckOfflineReadError(t *testing.T) {
+	s, cdev, _ := newTestSet(t, 8, 64<<10, 4<<20)
+	v := s.Volumes()[0]
+	if err := v.WriteAt(bytes.Repeat([]byte{7}, 8*blockSize), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := v.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	var bad int64 = -1
+	s.mu.Lock()
+	if e, ok := v.idx.tree.Get(ent{lba: 3}); ok {
+		bad = s.cacheOff(e.block())
+	}
+	s.mu.Unlock()
+	if bad < 0 {
+		t.Fatal("lba 3 not cached")
+	}
+	dev := faultdev.Wrap(cdev, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+		if op.Kind == faultdev.Read && op.Offset <= bad && bad < op.Offset+op.Len {
+			return faultdev.Error(nil)
+		}
+		return faultdev.Fault{}
+	}))
+	rep, err := CheckOffline(context.Background(), dev, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rep.OK() || rep.Scrub.ReadErrors != 1 || rep.Scrub.Blocks != 8 || !strings.Contains(rep.Scrub.Problems[0], "lba 3") {
+		t.Fatalf("report %+v", rep.Scrub)
 	}
 }
