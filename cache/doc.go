@@ -113,20 +113,61 @@
 //
 // # Buckets, writeback and eviction (invariants 3 and 5)
 //
-// See gc.go: append-only buckets, a FIFO of sealed buckets, writeback of a
-// victim's dirty blocks (LBA-sorted, backing sync, then clean marks),
-// generation bump journaled and committed before reuse.
+// See gc.go and writeback.go. Buckets are filled append-only. Each volume
+// has a background writeback goroutine that sweeps its index in LBA order
+// (a cursor that wraps), batches up to 64 MiB of dirty blocks, merges
+// adjacent LBAs into writes of up to 2 MiB, issues them in ascending order
+// with up to 32 in flight (fewer for long runs: about 4 MiB in flight),
+// syncs the backing device and only then journals the blocks clean. A
+// clean mark applies only if the entry still points at the block written
+// and the bucket's generation is unchanged.
 //
-// # Epoch-ordered writeback (not built yet; the format allows it)
+// Rate (per volume): nothing while dirty data is under writeback_percent of
+// the cache; above it excess/10 s (at least 1 MiB/s); full speed when the
+// client has been idle for 200 ms, when the volume is not in writeback
+// mode, when free buckets run short, or when dirty data is half way from
+// the target to a full cache; writeback_rate_max caps background passes.
+// Foreground writes sleep up to 4 ms (quadratic in the dirty share above
+// 70 %), and a write that finds no free bucket within 5 ms goes around the
+// cache (invalidating the range, as writearound does) instead of stalling.
 //
-// Every insert record carries the volume's flush epoch (advanced by each
-// Flush). To write back epoch by epoch, so that the backing device always
+// Eviction (the gc goroutine, when fewer than max(2, N/8) buckets are
+// free) picks, among sealed buckets, an empty one, else the least recently
+// used clean one (bucket-granularity LRU: reads and allocations stamp the
+// bucket), else the dirty one with the fewest live blocks. A victim whose
+// live blocks fill at most a quarter of it has its dirty blocks copied into
+// the open bucket (a GC move, journaled as inserts) instead of written back;
+// otherwise they are written back. Then its clean entries are dropped, its
+// generation bump is journaled and committed, and only then is it free.
+//
+// # Policies
+//
+// See policy.go. Sequential bypass: the last 16 streams per volume are
+// tracked; a request continuing a stream that has reached
+// sequential_cutoff (default 4 MiB, bcache's) bypasses: a write goes to the
+// backing device and invalidates the range, a read miss is not promoted.
+// Promotion of read misses: always (default), never, or after:N misses of
+// the same block; skipped (counted as congestion) when it would use the
+// free bucket reserve. NBD_CMD_CACHE always promotes.
+//
+// Settings (all keys of Settings) live in the superblock, in a trailer
+// after the backing list that older superblocks lack (they decode with
+// DefaultSettings).
+//
+// # Epoch-ordered writeback (not built yet)
+//
+// writeback_order=epoch is accepted and persisted but written back as lba
+// order in this version. Every insert record carries the volume's flush
+// epoch. To write back epoch by epoch, so that the backing device always
 // holds a state a real disk could have held after a power cut, the engine
 // will keep superseded dirty versions pinned (their bucket's live count
-// includes them) until their epoch is written back, and drive writeback from
-// the journal order: for epoch e, write every block version of epoch e
-// (LBA-sorted within the epoch), sync the backing device, journal "epoch e
-// clean", release the superseded versions, go on with e+1. Nothing in the
-// journal or bucket format needs to change: versions stay where they were
-// appended and records already name (lba, loc, gen, epoch).
+// includes them) until their epoch is written back, and drive writeback by
+// epoch: for epoch e, write every block version of epoch e (LBA-sorted
+// within the epoch), sync the backing device, journal the versions clean,
+// release the superseded ones, go on with e+1. The journal already has what
+// this needs (inserts name lba, loc, gen, epoch; a clean record naming the
+// cache block can release a superseded version), but the checkpoint does
+// not: it stores neither the epoch of each dirty entry nor superseded
+// versions, and its slots are sized for 16 bytes per cache block. See
+// DESIGN_NOTES.md for the plan.
 package cache

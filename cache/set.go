@@ -325,6 +325,11 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}
+	for _, v := range s.vols {
+		if v.cfg.Load().WritebackOrder == "epoch" {
+			log.Warn("writeback_order=epoch is not implemented yet; writing back in lba order", "volume", v.name)
+		}
+	}
 	s.wg.Add(2 + len(s.vols))
 	go s.gcLoop()
 	go s.commitLoop()
