@@ -42,6 +42,10 @@ fuzz:
 	$(GO) test -run '^$$' -fuzz FuzzHandshake -fuzztime 60s ./nbd/
 	$(GO) test -run '^$$' -fuzz FuzzTransmission -fuzztime 60s ./nbd/
 
+# Many more SIGKILL cycles of the process-crash test (make interop runs 50).
+stress:
+	TIERCACHE_CRASH_CYCLES=1000 $(GO) test -count=1 -timeout 3h -run 'TestKillCycles$$' -v ./internal/interop/
+
 bench:
 	$(GO) run ./cmd/tcbench $(BENCHFLAGS)
 
