@@ -203,6 +203,8 @@ func TestAPI(t *testing.T) {
 		`tiercache_read_hit_ratio{export="a"} 1`,
 		`tiercache_export_info{export="a",mode="writethrough"} 1`,
 		`tiercache_set_buckets `,
+		`tiercache_read_duration_seconds_count{export="a",tier="cache"} 1`,
+		`tiercache_read_duration_seconds_count{export="b",tier="backing"} 0`,
 	} {
 		if !strings.Contains(text, want) {
 			t.Errorf("metrics lack %q", want)

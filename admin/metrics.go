@@ -63,6 +63,7 @@ var volumeMetrics = map[string]metricDef{
 	"BypassCongestionBytes": {name: "tiercache_bypass_congestion_bytes_total", help: "Read misses not promoted because the free bucket reserve was low.", kind: counter},
 	"BypassCacheFullBytes":  {name: "tiercache_bypass_cache_full_bytes_total", help: "Writes sent around the cache because no bucket was free in time.", kind: counter},
 	"WritebackRate":         {name: "tiercache_writeback_rate_bytes", help: "Background writeback target rate in bytes/s (-1: full speed).", kind: gauge},
+	"SupersededBlocks":      {name: "tiercache_superseded_bytes", help: "Older dirty versions kept for epoch-ordered writeback.", kind: gauge, scale: blockBytes},
 	"ThrottleNanos":         {name: "tiercache_write_throttle_seconds_total", help: "Time foreground writes were delayed to let writeback catch up.", kind: counter, scale: 1e-9},
 }
 
@@ -90,6 +91,7 @@ type Metrics struct {
 	reg     *prometheus.Registry
 	latency *prometheus.HistogramVec
 	errs    *prometheus.CounterVec
+	reads   *prometheus.HistogramVec // by tier: cache (hit) or backing (miss)
 
 	mu   sync.Mutex               // guards inst
 	inst map[string]*instrumented // per export, for /v1/stats
@@ -108,7 +110,12 @@ func NewMetrics() *Metrics {
 		Name: "tiercache_request_errors_total",
 		Help: "NBD requests answered with an error, by export and operation.",
 	}, []string{"export", "op"})
-	m.reg.MustRegister(m.latency, m.errs, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.reads = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "tiercache_read_duration_seconds",
+		Help:    "Latency of reads by the tier that served them: cache (every block was cached when the read started) or backing.",
+		Buckets: latencyBuckets,
+	}, []string{"export", "tier"})
+	m.reg.MustRegister(m.latency, m.errs, m.reads, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 
@@ -194,9 +201,15 @@ const (
 	opPrefetch
 )
 
+// cachedHinter is implemented by backends that can tell whether a range is
+// in the cache (cache.Volume).
+type cachedHinter interface{ Cached(off, n int64) bool }
+
 // instrumented wraps an nbd.Backend and records each request's latency.
 type instrumented struct {
 	b     nbd.Backend
+	tiers cachedHinter           // nil: reads are not split by tier
+	tier  [2]prometheus.Observer // read latency: backing, cache
 	hist  [len(ops)]prometheus.Observer
 	errs  [len(ops)]prometheus.Counter
 	count [len(ops)]atomic.Uint64
@@ -217,8 +230,17 @@ func (w *instrumented) observe(op int, start time.Time, err error) error {
 func (w *instrumented) Size() int64 { return w.b.Size() }
 
 func (w *instrumented) ReadAt(p []byte, off int64) error {
+	hit := w.tiers != nil && w.tiers.Cached(off, int64(len(p)))
 	t := time.Now()
-	return w.observe(opRead, t, w.b.ReadAt(p, off))
+	err := w.observe(opRead, t, w.b.ReadAt(p, off))
+	if w.tiers != nil && err == nil {
+		i := 0
+		if hit {
+			i = 1
+		}
+		w.tier[i].Observe(time.Since(t).Seconds())
+	}
+	return err
 }
 
 func (w *instrumented) WriteAt(p []byte, off int64, fua bool) error {
@@ -303,6 +325,11 @@ type base struct{ *instrumented }
 // Prefetcher).
 func (m *Metrics) Wrap(export string, b nbd.Backend) nbd.Backend {
 	w := &instrumented{b: b}
+	if h, ok := b.(cachedHinter); ok {
+		w.tiers = h
+		w.tier[0] = m.reads.WithLabelValues(export, "backing")
+		w.tier[1] = m.reads.WithLabelValues(export, "cache")
+	}
 	for i, op := range ops {
 		w.hist[i] = m.latency.WithLabelValues(export, op)
 		w.errs[i] = m.errs.WithLabelValues(export, op)

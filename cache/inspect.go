@@ -249,3 +249,22 @@ func (im *Image) Index(fn func(IndexEntry) bool) {
 		}
 	}
 }
+
+// Cached reports whether every 4 KiB block of [off, off+n) is in the cache
+// right now. It is a hint (the answer may change at once); the admin
+// metrics use it to tell cache hits from misses in read latency.
+func (v *Volume) Cached(off, n int64) bool {
+	if n <= 0 || off < 0 || off+n > v.size {
+		return false
+	}
+	first, count := blockSpan(off, n)
+	s := v.s
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	got := 0
+	v.idx.tree.AscendRange(ent{lba: first}, ent{lba: first + uint64(count)}, func(ent) bool {
+		got++
+		return true
+	})
+	return got == count
+}

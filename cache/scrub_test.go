@@ -171,3 +171,19 @@ func TestCheckOfflineReadError(t *testing.T) {
 		t.Fatalf("report %+v", rep.Scrub)
 	}
 }
+
+func TestVolumeCached(t *testing.T) {
+	s, _, _ := newTestSet(t, 8, 64<<10, 1<<20)
+	v := s.Volumes()[0]
+	if err := v.WriteAt(make([]byte, 2*blockSize), blockSize, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		off, n int64
+		want   bool
+	}{{blockSize, 2 * blockSize, true}, {blockSize + 100, 10, true}, {0, blockSize, false}, {blockSize, 3 * blockSize, false}, {0, 0, false}, {1 << 20, 1, false}} {
+		if got := v.Cached(c.off, c.n); got != c.want {
+			t.Errorf("Cached(%d, %d) = %v, want %v", c.off, c.n, got, c.want)
+		}
+	}
+}
