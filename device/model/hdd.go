@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"sort"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/tiercache/tiercache/device"
@@ -150,12 +149,11 @@ func (p HDDParams) withDefaults() HDDParams {
 //  5. Every request's channel is closed exactly once (by the timeline, or by
 //     Close).
 type HDD struct {
-	inner device.Device
+	front
 	p     HDDParams
 	g     *geometry
 	tl    *timeline
 
-	closed    atomic.Bool
 	closeOnce sync.Once
 	closeErr  error
 
@@ -245,7 +243,8 @@ func NewHDD(inner device.Device, p HDDParams) (*HDD, error) {
 	if err != nil {
 		return nil, err
 	}
-	h := &HDD{inner: inner, p: p, g: g}
+	h := &HDD{p: p, g: g}
+	h.inner, h.sched = inner, h
 	h.tl = newTimeline(&h.mu.Mutex, h, p.TimeScale, p.virtual)
 	h.tl.late = p.late
 	go h.tl.run()
@@ -254,12 +253,6 @@ func NewHDD(inner device.Device, p HDDParams) (*HDD, error) {
 
 // Params returns the model's parameters, defaults filled in.
 func (h *HDD) Params() HDDParams { p := h.p; p.virtual, p.late = false, nil; return p }
-
-// Unwrap returns the inner device.
-func (h *HDD) Unwrap() device.Device { return h.inner }
-
-// Size returns the inner device's size.
-func (h *HDD) Size() int64 { return h.inner.Size() }
 
 // Stats returns the counters so far (times in model time).
 func (h *HDD) Stats() Stats {
@@ -275,103 +268,6 @@ func (h *HDD) String() string {
 	return fmt.Sprintf("hdd model (%.0f rpm, %.0f-%.0f MB/s, seek %v/%v/%v, QD %d, write cache %v) over %v",
 		h.p.RPM, h.p.OuterRate/1e6, h.p.InnerRate/1e6, h.p.TrackToTrack, h.p.AvgSeek, h.p.FullStroke,
 		h.p.QueueDepth, !h.p.WriteThrough, h.inner)
-}
-
-func (h *HDD) check(op string, off, n int64) error {
-	if h.closed.Load() {
-		return device.ErrClosed
-	}
-	if device.CheckRange(off, n, h.inner.Size()) != nil {
-		return device.RangeError(op, off, n, h.inner.Size())
-	}
-	return nil
-}
-
-// ReadAt reads from the inner device and returns when the model's read
-// completes.
-func (h *HDD) ReadAt(p []byte, off int64) (int, error) {
-	if err := h.check("read", off, int64(len(p))); err != nil {
-		return 0, err
-	}
-	if len(p) == 0 {
-		return h.inner.ReadAt(p, off)
-	}
-	done, err := h.submit(opRead, off, int64(len(p)))
-	if err != nil {
-		return 0, err
-	}
-	n, err := h.inner.ReadAt(p, off)
-	<-done
-	return n, err
-}
-
-// WriteAt writes to the inner device and returns when the model's write
-// completes (in the write cache, or on the platter when WriteThrough).
-func (h *HDD) WriteAt(p []byte, off int64) (int, error) {
-	if err := h.check("write", off, int64(len(p))); err != nil {
-		return 0, err
-	}
-	if len(p) == 0 {
-		return h.inner.WriteAt(p, off)
-	}
-	done, err := h.submit(opWrite, off, int64(len(p)))
-	if err != nil {
-		return 0, err
-	}
-	n, err := h.inner.WriteAt(p, off)
-	<-done
-	return n, err
-}
-
-// Sync waits until the write cache has drained, then syncs the inner
-// device.
-func (h *HDD) Sync() error {
-	if h.closed.Load() {
-		return device.ErrClosed
-	}
-	done, err := h.submit(opSync, 0, 0)
-	if err != nil {
-		return err
-	}
-	<-done
-	return h.inner.Sync()
-}
-
-// Discard costs one command; the inner device discards if it can. (The
-// modelled disk has no TRIM: the range keeps its old data, as the contract
-// allows.)
-func (h *HDD) Discard(off, length int64) error {
-	if err := h.check("discard", off, length); err != nil {
-		return err
-	}
-	done, err := h.submit(opNop, off, 0)
-	if err != nil {
-		return err
-	}
-	<-done
-	h.count(func(s *Stats) { s.Discards++ })
-	if dd, ok := h.inner.(device.Discarder); ok {
-		return dd.Discard(off, length)
-	}
-	_, err = h.inner.WriteAt(nil, off) // closed or read-only, as a real discard would report
-	return err
-}
-
-// WriteZeroes costs what writing length bytes costs.
-func (h *HDD) WriteZeroes(off, length int64) error {
-	if err := h.check("write-zeroes", off, length); err != nil {
-		return err
-	}
-	var done <-chan struct{} = closedCh
-	if length > 0 {
-		var err error
-		if done, err = h.submit(opWrite, off, length); err != nil {
-			return err
-		}
-	}
-	err := writeZeroes(h.inner, off, length)
-	<-done
-	return err
 }
 
 // Close stops the model (releasing any waiting request) and closes the
@@ -413,9 +309,26 @@ const (
 	opNop // a command with no data: discard
 )
 
-// submit enters a request into the drive at the current model time and
+// submit enters a request into the drive (scheduler).
+func (h *HDD) submit(op opKind, off, n int64) (completion, error) {
+	done, err := h.enter(op, off, n)
+	return completion{done: done}, err
+}
+
+// submitZeroes costs what writing length bytes costs: the modelled disk
+// has no fast zeroing.
+func (h *HDD) submitZeroes(off, length int64) (completion, error) {
+	if length == 0 {
+		return completion{done: closedCh}, nil
+	}
+	return h.submit(opWrite, off, length)
+}
+
+func (h *HDD) countDiscard() { h.count(func(s *Stats) { s.Discards++ }) }
+
+// enter enters a request into the drive at the current model time and
 // returns a channel closed when it completes.
-func (h *HDD) submit(op opKind, off, n int64) (<-chan struct{}, error) {
+func (h *HDD) enter(op opKind, off, n int64) (<-chan struct{}, error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.mu.closed {

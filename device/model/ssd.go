@@ -3,7 +3,6 @@ package model
 import (
 	"fmt"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/tiercache/tiercache/device"
@@ -112,11 +111,10 @@ func (p SSDParams) withDefaults(base SSDParams) SSDParams {
 //  3. A flush completes no earlier than every write that completed before
 //     it arrived (lastWrite), plus FlushLatency.
 type SSD struct {
-	inner device.Device
+	front
 	p     SSDParams
 	tl    *timeline
 
-	closed    atomic.Bool
 	closeOnce sync.Once
 	closeErr  error
 
@@ -150,7 +148,8 @@ func NewSSD(inner device.Device, p SSDParams) (*SSD, error) {
 	case !(p.TimeScale >= minTimeScale && p.TimeScale <= maxTimeScale):
 		return nil, fmt.Errorf("model: time scale %v out of range [%v, %v]", p.TimeScale, minTimeScale, maxTimeScale)
 	}
-	s := &SSD{inner: inner, p: p}
+	s := &SSD{p: p}
+	s.inner, s.sched = inner, s
 	s.mu.chans = make([]int64, p.Channels)
 	s.tl = newTimeline(&s.mu.Mutex, s, p.TimeScale, p.virtual)
 	go s.tl.run()
@@ -159,12 +158,6 @@ func NewSSD(inner device.Device, p SSDParams) (*SSD, error) {
 
 // Params returns the model's parameters, defaults filled in.
 func (s *SSD) Params() SSDParams { p := s.p; p.virtual = false; return p }
-
-// Unwrap returns the inner device.
-func (s *SSD) Unwrap() device.Device { return s.inner }
-
-// Size returns the inner device's size.
-func (s *SSD) Size() int64 { return s.inner.Size() }
 
 // String describes the model.
 func (s *SSD) String() string {
@@ -183,98 +176,6 @@ func (s *SSD) Stats() Stats {
 // arrives, so it has no decisions to make later.
 func (s *SSD) advanceLocked(int64) int64 { return never }
 
-func (s *SSD) check(op string, off, n int64) error {
-	if s.closed.Load() {
-		return device.ErrClosed
-	}
-	if device.CheckRange(off, n, s.inner.Size()) != nil {
-		return device.RangeError(op, off, n, s.inner.Size())
-	}
-	return nil
-}
-
-// ReadAt reads from the inner device and returns when the model's read
-// completes.
-func (s *SSD) ReadAt(p []byte, off int64) (int, error) {
-	if err := s.check("read", off, int64(len(p))); err != nil {
-		return 0, err
-	}
-	if len(p) == 0 {
-		return s.inner.ReadAt(p, off)
-	}
-	at, err := s.submit(opRead, int64(len(p)))
-	if err != nil {
-		return 0, err
-	}
-	n, err := s.inner.ReadAt(p, off)
-	s.tl.waitUntil(at)
-	return n, err
-}
-
-// WriteAt writes to the inner device and returns when the model's write
-// completes.
-func (s *SSD) WriteAt(p []byte, off int64) (int, error) {
-	if err := s.check("write", off, int64(len(p))); err != nil {
-		return 0, err
-	}
-	if len(p) == 0 {
-		return s.inner.WriteAt(p, off)
-	}
-	at, err := s.submit(opWrite, int64(len(p)))
-	if err != nil {
-		return 0, err
-	}
-	n, err := s.inner.WriteAt(p, off)
-	s.tl.waitUntil(at)
-	return n, err
-}
-
-// Sync flushes the model's write cache, then syncs the inner device.
-func (s *SSD) Sync() error {
-	if s.closed.Load() {
-		return device.ErrClosed
-	}
-	at, err := s.submit(opSync, 0)
-	if err != nil {
-		return err
-	}
-	s.tl.waitUntil(at)
-	return s.inner.Sync()
-}
-
-// Discard costs a write command without data; the inner device discards
-// if it can.
-func (s *SSD) Discard(off, length int64) error {
-	if err := s.check("discard", off, length); err != nil {
-		return err
-	}
-	at, err := s.submit(opNop, 0)
-	if err != nil {
-		return err
-	}
-	s.tl.waitUntil(at)
-	if dd, ok := s.inner.(device.Discarder); ok {
-		return dd.Discard(off, length)
-	}
-	_, err = s.inner.WriteAt(nil, off)
-	return err
-}
-
-// WriteZeroes costs what a write command without data costs (SSDs zero by
-// unmapping).
-func (s *SSD) WriteZeroes(off, length int64) error {
-	if err := s.check("write-zeroes", off, length); err != nil {
-		return err
-	}
-	at, err := s.submit(opWrite, 0)
-	if err != nil {
-		return err
-	}
-	err = writeZeroes(s.inner, off, length)
-	s.tl.waitUntil(at)
-	return err
-}
-
 // Close stops the model (releasing any waiting request) and closes the
 // inner device. A second Close returns the first's result.
 func (s *SSD) Close() error {
@@ -289,9 +190,24 @@ func (s *SSD) Close() error {
 	return s.closeErr
 }
 
-// submit computes the model time at which a request of n bytes arriving
+// submit enters a request (scheduler); its completion time is fixed now.
+func (s *SSD) submit(op opKind, _, n int64) (completion, error) {
+	at, err := s.at(op, n)
+	return completion{tl: s.tl, at: at}, err
+}
+
+// submitZeroes costs a write command without data: SSDs zero by unmapping.
+func (s *SSD) submitZeroes(off, _ int64) (completion, error) { return s.submit(opWrite, off, 0) }
+
+func (s *SSD) countDiscard() {
+	s.mu.Lock()
+	s.mu.stats.Discards++
+	s.mu.Unlock()
+}
+
+// at computes the model time at which a request of n bytes arriving
 // now completes. The caller does the data I/O, then waits until then.
-func (s *SSD) submit(op opKind, n int64) (int64, error) {
+func (s *SSD) at(op opKind, n int64) (int64, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.mu.closed {
