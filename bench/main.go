@@ -40,6 +40,7 @@ tiercache, qemu-nbd and nbdkit (file plugin) serving one file over unix
 sockets, interleaved round by round, plus fio directly on the file.
 
 Usage: go run ./cmd/tcbench [flags]
+       go run ./cmd/tcbench cache [--quick] [flags]   (the cache scenarios S1-S5; cache --help)
 
 Needs fio (with the nbd engine), qemu-nbd and nbdkit:
   apt-get install -y fio qemu-utils libnbd-bin nbdkit
@@ -50,6 +51,9 @@ Flags:
 // Main runs the harness with command-line arguments args (without the
 // program name) and returns the process exit code.
 func Main(args []string) int {
+	if len(args) > 0 && args[0] == "cache" {
+		return cacheMain(args[1:])
+	}
 	opts, err := parseFlags(args, os.Stderr)
 	if errors.Is(err, flag.ErrHelp) {
 		return 0

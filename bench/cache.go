@@ -1,0 +1,586 @@
+package bench
+
+// The cache scenarios (issue 5, item 2): `tcbench cache`, behind `make bench`.
+//
+// Each scenario runs tiercache with its cache set on device models (an HDD
+// model behind an SSD model, see docs/MODELS.md) side by side with the plain
+// HDD model served without a cache (or, for S5, with qemu-nbd on the same
+// RAM-backed file), all through NBD with fio, and compares the ratios with
+// the published figures the issue names. Every image lives in a RAM-backed
+// directory (/dev/shm when it exists), so the models alone decide the
+// devices' timing. The models run on the real clock: the CLI does not expose
+// their TimeScale, so the suite fits its time budget by its sizes, which
+// cacheSizes documents.
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// CacheOptions configure `tcbench cache`.
+type CacheOptions struct {
+	Quick     bool
+	Workdir   string
+	Keep      bool
+	Out       string
+	Publish   bool
+	Tiercache string
+	Only      []string // scenarios to run, e.g. S1, S3; all when empty
+}
+
+var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5"}
+
+// cacheSizes are the sizes and times of a suite run. The full suite keeps the
+// seeds' shapes where the time budget (15 minutes on 2 cores, models on the
+// real clock) allows and says where it does not.
+type cacheSizes struct {
+	Backing     int64         // each backing (HDD) image; the model's whole disk
+	S1Writes    int64         // bytes of 4 KiB fsync'd random writes through tiercache (seed: 64 MiB)
+	S1HDDTime   time.Duration // cap on the same job on the plain HDD model (~135 writes/s)
+	Runtime     time.Duration // measured time of time-based runs (S2, S3)
+	Ramp        time.Duration
+	S2Cache     int64
+	S3Region    int64 // working set of S3, read once to warm the cache
+	S3Cache     int64
+	S4Writes    int64
+	S5Region    int64
+	S5Rounds    int
+	S5Runtime   time.Duration
+	SmallCache  int64 // S1 and S4 cache images
+	FioMaxRetry int
+}
+
+func fullSizes() cacheSizes {
+	return cacheSizes{
+		Backing:    1 << 30,
+		S1Writes:   64 << 20,
+		S1HDDTime:  30 * time.Second,
+		Runtime:    8 * time.Second,
+		Ramp:       time.Second,
+		S2Cache:    512 << 20,
+		S3Region:   256 << 20,
+		S3Cache:    512 << 20,
+		S4Writes:   32 << 20,
+		S5Region:   256 << 20,
+		S5Rounds:   3,
+		S5Runtime:  5 * time.Second,
+		SmallCache: 256 << 20,
+	}
+}
+
+func quickSizes() cacheSizes {
+	return cacheSizes{
+		Backing:    64 << 20,
+		S1Writes:   1 << 20,
+		S1HDDTime:  3 * time.Second,
+		Runtime:    time.Second,
+		Ramp:       0,
+		S2Cache:    64 << 20,
+		S3Region:   16 << 20,
+		S3Cache:    64 << 20,
+		S4Writes:   1 << 20,
+		S5Region:   16 << 20,
+		S5Rounds:   1,
+		S5Runtime:  time.Second,
+		SmallCache: 64 << 20,
+	}
+}
+
+const cacheUsage = `tcbench cache runs tiercache's cache scenarios S1-S5 (issue 5) with fio
+through NBD: tiercache on device models (HDD behind an SSD) side by side with
+the plain HDD model (and, in S5, qemu-nbd), and compares the ratios with the
+published figures. See docs/BENCHMARKS.md.
+
+Usage: go run ./cmd/tcbench cache [flags]
+
+Needs fio (with the nbd engine) and qemu-nbd:
+  apt-get install -y fio qemu-utils
+
+Flags:
+`
+
+func cacheMain(args []string) int {
+	fs := flag.NewFlagSet("tcbench cache", flag.ContinueOnError)
+	fs.Usage = func() {
+		fmt.Fprint(os.Stderr, cacheUsage)
+		fs.PrintDefaults()
+	}
+	var o CacheOptions
+	var only string
+	fs.BoolVar(&o.Quick, "quick", false, "CI smoke run: tiny sizes and 1 s runs; checks that every scenario runs, measures nothing worth quoting (under 2 minutes)")
+	fs.StringVar(&o.Workdir, "workdir", "", "directory for images, sockets, logs and fio JSON (default: a new directory under /dev/shm, removed at the end)")
+	fs.BoolVar(&o.Keep, "keep", false, "keep the temporary workdir")
+	fs.StringVar(&o.Out, "out", "", "report directory (default: bench/out/cache in the module)")
+	fs.BoolVar(&o.Publish, "publish", false, "copy CACHE_RESULTS.md, cache-results.json and the charts into docs/bench in the module")
+	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
+	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S5); default all")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "tcbench cache: unexpected arguments %q\n", fs.Args())
+		return 2
+	}
+	for _, s := range strings.Split(only, ",") {
+		s = strings.ToUpper(strings.TrimSpace(s))
+		if s == "" {
+			continue
+		}
+		if !slices.Contains(scenarioNames, s) {
+			fmt.Fprintf(os.Stderr, "tcbench cache: --only: unknown scenario %q (known: %s)\n", s, strings.Join(scenarioNames, ", "))
+			return 2
+		}
+		o.Only = append(o.Only, s)
+	}
+	ctx, stop := signalContext()
+	defer stop()
+	if err := RunCache(ctx, o, os.Stdout); err != nil {
+		if ctx.Err() != nil {
+			fmt.Fprintln(os.Stderr, "tcbench cache: interrupted; servers stopped")
+			return 130
+		}
+		fmt.Fprintln(os.Stderr, "tcbench cache:", err)
+		return 1
+	}
+	return 0
+}
+
+// cacheRunner holds the state of one suite run.
+type cacheRunner struct {
+	r       *runner // fio runs, process registry, command log
+	sz      cacheSizes
+	quick   bool
+	tcBin   string
+	workdir string
+	master  string // pseudo-random data, copied into each backing image
+	figs    []Figure
+	checks  []Check
+	details []detail
+	loads   []string
+	step    int
+	total   int
+	started time.Time
+	out     io.Writer
+	outDir  string
+}
+
+// Figure is one measured value.
+type Figure struct {
+	Scenario  string  `json:"scenario"`
+	Target    string  `json:"target"`
+	Test      string  `json:"test"`
+	Value     float64 `json:"value"`
+	Unit      string  `json:"unit"`
+	Round     int     `json:"round,omitempty"`
+	LatMeanUs float64 `json:"lat_mean_us,omitempty"`
+	LatP99Us  float64 `json:"lat_p99_us,omitempty"`
+	ServerCPU float64 `json:"server_cpu_s_per_gib,omitempty"`
+	Note      string  `json:"note,omitempty"`
+}
+
+// Check is one bar of the issue, with the seed's figure beside ours.
+type Check struct {
+	Scenario string  `json:"scenario"`
+	What     string  `json:"what"`
+	Seed     string  `json:"seed"`
+	Ours     string  `json:"ours"`
+	Ratio    float64 `json:"ratio"`
+	Bar      string  `json:"bar"`
+	Met      string  `json:"met"` // yes, no, or "-" (no bar)
+}
+
+// detail is a scenario's own table.
+type detail struct {
+	Scenario string     `json:"scenario"`
+	Title    string     `json:"title"`
+	Rows     [][]string `json:"rows"`
+	Notes    []string   `json:"notes,omitempty"`
+}
+
+// RunCache runs the scenarios and writes the report.
+func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error) {
+	root, rootErr := moduleRoot()
+	if o.Out == "" {
+		if rootErr != nil {
+			return fmt.Errorf("--out not given: %w", rootErr)
+		}
+		o.Out = filepath.Join(root, "bench", "out", "cache")
+	}
+	if err := checkTools([]string{"qemu-nbd"}); err != nil {
+		return err
+	}
+	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout}
+	if o.Quick {
+		c.sz = quickSizes()
+	}
+	c.r = &runner{log: stdout}
+	c.outDir = o.Out
+	if err := os.MkdirAll(o.Out, 0o755); err != nil {
+		return fmt.Errorf("create report dir: %w", err)
+	}
+	wd := o.Workdir
+	if wd == "" {
+		base := ""
+		if fi, err := os.Stat("/dev/shm"); err == nil && fi.IsDir() {
+			base = "/dev/shm"
+		}
+		if wd, err = os.MkdirTemp(base, "tcbench-cache-"); err != nil {
+			return fmt.Errorf("create workdir: %w", err)
+		}
+		if !o.Keep {
+			defer func() {
+				if rerr := os.RemoveAll(wd); rerr != nil {
+					err = errors.Join(err, fmt.Errorf("remove workdir: %w", rerr))
+				}
+			}()
+		}
+	}
+	if c.workdir, err = prepareWorkdir(wd); err != nil {
+		return err
+	}
+	c.r.workdir = c.workdir
+	defer func() {
+		if serr := c.r.servers.stopAll(); serr != nil {
+			err = errors.Join(err, serr)
+		}
+	}()
+	fmt.Fprintf(stdout, "tcbench cache: workdir %s, report %s\n", c.workdir, o.Out)
+	if c.tcBin, err = tiercacheBinary(ctx, o.Tiercache, root, rootErr, c.workdir); err != nil {
+		return err
+	}
+	scen := o.Only
+	if len(scen) == 0 {
+		scen = scenarioNames
+	}
+	c.total = c.plannedSteps(scen)
+	fmt.Fprintf(stdout, "tcbench cache: scenarios %s, %d steps, sizes %s\n", strings.Join(scen, " "), c.total, c.sizesLine())
+	c.master = filepath.Join(c.workdir, "master.img")
+	if err := createDataFile(ctx, c.master, c.sz.Backing); err != nil {
+		return err
+	}
+	loadStart := loadAvg()
+	c.started = time.Now()
+	runs := map[string]func(context.Context) error{"S1": c.s1, "S2": c.s2, "S3": c.s3, "S4": c.s4, "S5": c.s5}
+	for _, s := range scen {
+		c.loads = append(c.loads, fmt.Sprintf("%s start %s: load %s", s, time.Now().UTC().Format("15:04:05"), loadAvg()))
+		fmt.Fprintf(stdout, "tcbench cache: == %s == (load %s)\n", s, loadAvg())
+		if err := runs[s](ctx); err != nil {
+			return fmt.Errorf("%s: %w", s, err)
+		}
+	}
+	elapsed := time.Since(c.started)
+	c.loads = append(c.loads, fmt.Sprintf("end %s: load %s", time.Now().UTC().Format("15:04:05"), loadAvg()))
+	env := collectEnv(ctx, root, c.tcBin, c.workdir)
+	env.LoadStart = loadStart
+	rep := cacheReport{Env: env, Quick: o.Quick, Sizes: c.sz, ElapsedSec: elapsed.Seconds(), Loads: c.loads,
+		Commands: c.r.commands, Retries: c.r.retries, Checks: c.checks, Details: c.details, Figures: c.figs}
+	if err := rep.print(stdout); err != nil {
+		return err
+	}
+	if err := rep.write(o.Out); err != nil {
+		return err
+	}
+	fmt.Fprintf(stdout, "\ntcbench cache: report in %s (took %v)\n", filepath.Join(o.Out, "CACHE_RESULTS.md"), elapsed.Round(time.Second))
+	if o.Publish {
+		if rootErr != nil {
+			return fmt.Errorf("--publish: %w", rootErr)
+		}
+		dst := filepath.Join(root, "docs", "bench")
+		if err := publishFiles(o.Out, dst, append([]string{"CACHE_RESULTS.md", "cache-results.json"}, cacheCharts...)); err != nil {
+			return err
+		}
+		fmt.Fprintf(stdout, "tcbench cache: published to %s\n", dst)
+	}
+	return nil
+}
+
+func (c *cacheRunner) sizesLine() string {
+	s := c.sz
+	return fmt.Sprintf("HDD image %d MiB, S1 %d MiB of fsync'd 4K writes (plain HDD capped at %v), runs %v after %v ramp, S3 working set %d MiB, S4 %d MiB of writes, S5 %d MiB x %d rounds x %v",
+		s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime)
+}
+
+// plannedSteps counts the progress steps of the scenarios.
+func (c *cacheRunner) plannedSteps(scen []string) int {
+	n := 0
+	for _, s := range scen {
+		switch s {
+		case "S1":
+			n += 7 // HDD: read, writes, read; tiercache: read, writes, drain, read
+		case "S2":
+			n += 4 * len(s2Jobs(c.sz))
+		case "S3":
+			n += 1 + 2*len(s3Jobs(c.sz))
+		case "S4":
+			n += 2*2 + 1
+		case "S5":
+			n += 1 + c.sz.S5Rounds*2*len(s5Jobs(c.sz))
+		}
+	}
+	return n
+}
+
+// progress prints one finished step.
+func (c *cacheRunner) progress(scenario, what, result string) {
+	c.step++
+	el := time.Since(c.started)
+	eta := ""
+	if c.step > 0 && c.step < c.total {
+		left := time.Duration(float64(el) / float64(c.step) * float64(c.total-c.step))
+		eta = fmt.Sprintf(", ~%v left", left.Round(time.Second))
+	}
+	fmt.Fprintf(c.out, "[%d/%d %v%s] %s %s: %s\n", c.step, c.total, el.Round(time.Second), eta, scenario, what, result)
+}
+
+func (c *cacheRunner) add(f Figure) { c.figs = append(c.figs, f) }
+
+// job is one fio job of the suite.
+type job struct {
+	Name    string
+	Title   string
+	RW      string
+	BS      int
+	QD      int
+	Size    int64 // region from offset 0 (fio --size)
+	IOSize  int64 // bytes to move; 0 with Runtime > 0: time-based
+	Runtime time.Duration
+	Ramp    time.Duration
+	Fsync   bool // fsync after every write (fio --fsync=1)
+	EndSync bool // fsync at the end (fio --end_fsync=1)
+	Seed    int  // fio --randseed, 0: fio's default
+	Metric  Metric
+}
+
+func (j job) args(uri, out string) []string {
+	a := []string{"--name=" + j.Name, "--ioengine=nbd", "--uri=" + uri,
+		"--rw=" + j.RW, "--bs=" + strconv.Itoa(j.BS), "--iodepth=" + strconv.Itoa(j.QD), "--numjobs=1",
+		"--size=" + strconv.FormatInt(j.Size, 10)}
+	switch {
+	case j.IOSize > 0:
+		a = append(a, "--io_size="+strconv.FormatInt(j.IOSize, 10))
+		if j.Runtime > 0 {
+			a = append(a, "--runtime="+fioDuration(j.Runtime)) // a cap, not time-based
+		}
+	case j.Runtime > 0:
+		a = append(a, "--time_based", "--runtime="+fioDuration(j.Runtime))
+		if j.Ramp > 0 {
+			a = append(a, "--ramp_time="+fioDuration(j.Ramp))
+		}
+		if strings.HasPrefix(j.RW, "rand") {
+			a = append(a, "--norandommap")
+		}
+	}
+	if j.Fsync {
+		a = append(a, "--fsync=1")
+	}
+	if j.EndSync {
+		a = append(a, "--end_fsync=1")
+	}
+	if j.Seed != 0 {
+		a = append(a, "--randseed="+strconv.Itoa(j.Seed))
+	}
+	return append(a, "--output-format=json", "--output="+out)
+}
+
+// timeBased reports whether fio runs j for a fixed time.
+func (j job) timeBased() bool { return j.IOSize == 0 && j.Runtime > 0 }
+
+// fioRun is one fio run's figures.
+type fioRun struct {
+	res  fioResult
+	win  cpuWindow
+	wall time.Duration
+}
+
+func (f fioRun) value(m Metric) float64 {
+	if m == MetricMiBps {
+		return f.res.BW / (1 << 20)
+	}
+	return f.res.IOPS
+}
+
+func (f fioRun) cpuPerGiB() float64 {
+	v, ok := cpuPerGiB(f.win.server.Seconds(), f.res.Bytes)
+	if !ok {
+		return 0
+	}
+	return v
+}
+
+// fio runs job j against the NBD server srv.
+func (c *cacheRunner) fio(ctx context.Context, srv *server, j job, tag string) (fioRun, error) {
+	out := filepath.Join(c.workdir, fmt.Sprintf("fio.%s.%s.json", tag, j.Name))
+	uri := "nbd+unix:///" + srv.export + "?socket=" + srv.sock
+	c.r.noteCommand(append([]string{"fio"}, j.args(uri, "OUT.json")...))
+	c.r.opts.Ramp = j.Ramp
+	c.r.opts.Runtime = 0 // runFio's short-run check only for time-based jobs
+	if j.timeBased() {
+		c.r.opts.Runtime = j.Runtime
+	}
+	t0 := time.Now()
+	res, win, err := c.r.runFioRetry(ctx, j.args(uri, out), out, srv.p.pid())
+	if err != nil {
+		if srv.p.exited() {
+			return fioRun{}, fmt.Errorf("%s %s: %w; server exited (%v), its output:\n%s", srv.name, j.Name, err, srv.p.err, srv.p.logTail())
+		}
+		return fioRun{}, fmt.Errorf("%s %s: %w", srv.name, j.Name, err)
+	}
+	return fioRun{res: res, win: win, wall: time.Since(t0)}, nil
+}
+
+// server is a running NBD server of the suite.
+type server struct {
+	name    string
+	export  string
+	sock    string
+	dataDir string // tiercache's --data-dir (its admin socket); "" for others
+	p       *process
+	bin     string
+}
+
+// startServer starts argv, which listens on sock, and waits for NBD.
+func (c *cacheRunner) startServer(ctx context.Context, name, export, sock, dataDir string, argv []string) (*server, error) {
+	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	c.r.noteCommand(argv)
+	p, err := startProcess(name, argv, filepath.Join(c.workdir, name+".log"))
+	if err != nil {
+		return nil, err
+	}
+	c.r.servers.add(p, sock)
+	if err := waitNBD(ctx, p, sock, 30*time.Second); err != nil {
+		_ = c.r.servers.stop(p)
+		return nil, err
+	}
+	return &server{name: name, export: export, sock: sock, dataDir: dataDir, p: p, bin: c.tcBin}, nil
+}
+
+// stop stops the server; tiercache gets a generous grace (it syncs every
+// export on SIGTERM).
+func (c *cacheRunner) stop(s *server) error {
+	err := s.p.stop(60 * time.Second)
+	return errors.Join(err, c.r.servers.stop(s.p))
+}
+
+// tcDir makes a fresh directory for one tiercache server.
+func (c *cacheRunner) tcDir(tag string) (string, error) {
+	d := filepath.Join(c.workdir, tag)
+	if err := os.RemoveAll(d); err != nil {
+		return "", err
+	}
+	return d, os.MkdirAll(d, 0o755)
+}
+
+// backing copies the master data into a new image in dir.
+func (c *cacheRunner) backing(ctx context.Context, dir string) (string, error) {
+	dst := filepath.Join(dir, "hdd.img")
+	cmd := exec.CommandContext(ctx, "cp", c.master, dst)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("copy data: %v: %s", err, out)
+	}
+	return dst, nil
+}
+
+// plainHDD serves a fresh copy of the data on the HDD model, no cache.
+func (c *cacheRunner) plainHDD(ctx context.Context, tag string) (*server, error) {
+	dir, err := c.tcDir(tag)
+	if err != nil {
+		return nil, err
+	}
+	b, err := c.backing(ctx, dir)
+	if err != nil {
+		return nil, err
+	}
+	sock := filepath.Join(dir, "nbd.sock")
+	argv := []string{c.tcBin, "serve", "--export", "vol=hdd:" + b, "--listen", "unix:" + sock, "--data-dir", dir, "--direct", "off"}
+	return c.startServer(ctx, "tiercache", "vol", sock, dir, argv)
+}
+
+// cached formats a cache set (cacheSpec kind: "ssd", "nvme", or "" for a
+// plain file; backKind likewise) over a fresh copy of the data and serves it.
+func (c *cacheRunner) cached(ctx context.Context, tag, cacheKind, backKind, mode string, cacheSize int64) (*server, error) {
+	dir, err := c.tcDir(tag)
+	if err != nil {
+		return nil, err
+	}
+	b, err := c.backing(ctx, dir)
+	if err != nil {
+		return nil, err
+	}
+	cf := filepath.Join(dir, "cache.img")
+	if err := os.WriteFile(cf, nil, 0o644); err != nil {
+		return nil, err
+	}
+	if err := os.Truncate(cf, cacheSize); err != nil {
+		return nil, err
+	}
+	spec := func(kind, p string) string {
+		if kind == "" {
+			return p
+		}
+		return kind + ":" + p
+	}
+	format := []string{c.tcBin, "format", "--cache", spec(cacheKind, cf), "--backing", "vol=" + spec(backKind, b), "--mode", mode, "--direct", "off", "--data-dir", dir}
+	c.r.noteCommand(format)
+	if out, err := exec.CommandContext(ctx, format[0], format[1:]...).CombinedOutput(); err != nil {
+		return nil, fmt.Errorf("%s: %v\n%s", shellJoin(format), err, out)
+	}
+	sock := filepath.Join(dir, "nbd.sock")
+	argv := []string{c.tcBin, "serve", "--cache", spec(cacheKind, cf), "--listen", "unix:" + sock, "--data-dir", dir, "--direct", "off"}
+	return c.startServer(ctx, "tiercache", "vol", sock, dir, argv)
+}
+
+// admin runs a tiercache admin command against s.
+func (c *cacheRunner) admin(ctx context.Context, s *server, args ...string) ([]byte, error) {
+	argv := append([]string{s.bin, "--data-dir", s.dataDir}, args...)
+	c.r.noteCommand(argv)
+	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+	out, err := cmd.Output()
+	if err != nil {
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			return nil, fmt.Errorf("%s: %v: %s", shellJoin(argv), err, strings.TrimSpace(string(ee.Stderr)))
+		}
+		return nil, fmt.Errorf("%s: %w", shellJoin(argv), err)
+	}
+	return out, nil
+}
+
+// set changes settings of export vol.
+func (c *cacheRunner) set(ctx context.Context, s *server, kv ...string) error {
+	_, err := c.admin(ctx, s, append([]string{"set", "vol"}, kv...)...)
+	return err
+}
+
+// flush drains vol's dirty data and returns the wall time it took.
+func (c *cacheRunner) flush(ctx context.Context, s *server) (time.Duration, error) {
+	t0 := time.Now()
+	_, err := c.admin(ctx, s, "flush", "vol")
+	return time.Since(t0), err
+}
+
+// signalContext cancels on SIGINT or SIGTERM; a second signal kills.
+func signalContext() (context.Context, context.CancelFunc) {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	go func() {
+		<-ctx.Done()
+		stop()
+	}()
+	return ctx, stop
+}
