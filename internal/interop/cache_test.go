@@ -50,23 +50,11 @@ func TestCacheFioVerifyModes(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			cs := formatSet(t, 32*mib, 256*mib, []string{"vol"}, "--mode", mode, "--bucket-size", "256K")
 			s := cs.serve(t)
-			out := run(t, 5*time.Minute, "fio",
-				"--name=verify", "--ioengine=nbd", "--uri="+s.uri("vol"),
-				"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", "--numjobs=2",
-				"--size=48m", "--offset_increment=64m", "--verify=crc32c", "--verify_fatal=1",
-				"--do_verify=1", "--group_reporting", "--output-format=json",
-			)
-			checkFio(t, out)
+			fioVerify(t, s.uri("vol"), 2, "48m", "--do_verify=1")
 			s.stop()
 			// After a clean restart the data is still all there.
 			s2 := cs.serve(t)
-			out = run(t, 5*time.Minute, "fio",
-				"--name=verify", "--ioengine=nbd", "--uri="+s2.uri("vol"),
-				"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", "--numjobs=2",
-				"--size=48m", "--offset_increment=64m", "--verify=crc32c", "--verify_fatal=1",
-				"--verify_only=1", "--group_reporting", "--output-format=json",
-			)
-			checkFio(t, out)
+			fioVerify(t, s2.uri("vol"), 2, "48m", "--verify_only=1")
 		})
 	}
 }

@@ -198,20 +198,23 @@ func TestFioVerify(t *testing.T) {
 	// Four jobs, each on its own 64 MiB region over its own connection, random
 	// 4 KiB..64 KiB writes at QD16, then fio reads everything back and checks
 	// crc32c and the block headers.
-	out := run(t, 5*time.Minute, "fio",
-		"--name=verify", "--ioengine=nbd", "--uri="+s.uri("disk"),
-		"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", "--numjobs=4",
-		"--size=64m", "--offset_increment=64m", "--verify=crc32c", "--verify_fatal=1",
-		"--do_verify=1", "--group_reporting", "--output-format=json",
-	)
-	checkFio(t, out)
+	fioVerify(t, s.uri("disk"), 4, "64m", "--do_verify=1")
 	// Then a second pass that only verifies, on a fresh connection, which
 	// proves the data reached the export and not only fio's view of it.
-	out = run(t, 5*time.Minute, "fio",
-		"--name=verify", "--ioengine=nbd", "--uri="+s.uri("disk"),
-		"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", "--numjobs=4",
-		"--size=64m", "--offset_increment=64m", "--verify=crc32c", "--verify_fatal=1",
-		"--verify_only=1", "--group_reporting", "--output-format=json",
+	fioVerify(t, s.uri("disk"), 4, "64m", "--verify_only=1")
+}
+
+// fioVerify runs fio's nbd engine with jobs writers, each on its own 64 MiB
+// region of uri, writing size bytes of random 4..64 KiB blocks with crc32c
+// verify headers; pass is --do_verify=1 (write, then verify) or
+// --verify_only=1 (verify what an earlier run wrote).
+func fioVerify(t *testing.T, uri string, jobs int, size, pass string) {
+	t.Helper()
+	out := run(t, 5*time.Minute, "fio",
+		"--name=verify", "--ioengine=nbd", "--uri="+uri,
+		"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", fmt.Sprintf("--numjobs=%d", jobs),
+		"--size="+size, "--offset_increment=64m", "--verify=crc32c", "--verify_fatal=1",
+		pass, "--group_reporting", "--output-format=json",
 	)
 	checkFio(t, out)
 }
