@@ -22,6 +22,19 @@ const (
 )
 
 // ckptLenFor is the slot size needed for a full cache.
+// ckptLenEpoch is the slot size Format uses: ckptLenFor plus the epoch
+// section (a dirty live entry costs 12 more bytes, a superseded version 24
+// instead of an entry's 16, so at most 28 bytes per cache block).
+func ckptLenEpoch(nbuckets, bpb int64, nvols int) int64 {
+	n := ckptLenFor(nbuckets, bpb, nvols) + 4 + int64(nvols)*16 + nbuckets*bpb*ckptEpochExtra
+	return (n + blockSize - 1) / blockSize * blockSize
+}
+
+const (
+	ckptEpochTag   = 0x48435045 // "EPCH": the epoch section follows the volumes
+	ckptEpochExtra = 12         // worst-case bytes per cache block for the epoch section
+)
+
 func ckptLenFor(nbuckets, bpb int64, nvols int) int64 {
 	n := blockSize + 4 + 4*nbuckets + 2 + int64(nvols)*ckptVolHdr + nbuckets*bpb*ckptEntrySize
 	return (n + blockSize - 1) / blockSize * blockSize
@@ -77,8 +90,10 @@ func decodeCkptHeader(b []byte, off int64) (h ckptHeader, err error) {
 
 // ckptVol is one volume's part of a checkpoint.
 type ckptVol struct {
-	epoch uint64
-	ents  []ent
+	epoch   uint64
+	ents    []ent
+	epochOf map[uint32]uint64 // flush epoch of each dirty entry's cache block
+	sup     []ver             // superseded versions (epoch order)
 }
 
 // ckptData is a decoded checkpoint body.
@@ -90,6 +105,15 @@ type ckptData struct {
 // encodeCkptBody streams the body to w in chunks (the index of a large cache
 // is tens of MiB; it is never held twice in memory).
 func encodeCkptBody(gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent], w func([]byte) error) error {
+	return encodeCkptBodyVers(gens, epochs, trees, nil, w)
+}
+
+// encodeCkptBodyVers also writes the epoch section from vers (per volume,
+// every dirty version; nil: no section): for each volume the epoch of each
+// live dirty entry's cache block, then the superseded versions.
+//
+//	"EPCH" u32 | { n u64 | { loc u32 | epoch u64 } × n | m u64 | { lba u64 | loc u32 | crc u32 | epoch u64 } × m } per volume
+func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent], vers []*btree.BTreeG[ver], w func([]byte) error) error {
 	const chunk = 1 << 20
 	e := enc{b: make([]byte, 0, 64<<10)}
 	flush := func(force bool) error {
@@ -122,6 +146,38 @@ func encodeCkptBody(gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent], 
 		})
 		if err != nil {
 			return err
+		}
+	}
+	if vers != nil {
+		e.u32(ckptEpochTag)
+		for i, vt := range vers {
+			var live, sup []ver
+			vt.Ascend(func(x ver) bool {
+				if cur, ok := trees[i].Get(ent{lba: x.lba}); ok && cur.block() == x.loc && cur.dirty() {
+					live = append(live, x)
+				} else {
+					sup = append(sup, x)
+				}
+				return true
+			})
+			e.u64(uint64(len(live)))
+			for _, x := range live {
+				e.u32(x.loc)
+				e.u64(x.epoch)
+				if err := flush(false); err != nil {
+					return err
+				}
+			}
+			e.u64(uint64(len(sup)))
+			for _, x := range sup {
+				e.u64(x.lba)
+				e.u32(x.loc)
+				e.u32(x.crc)
+				e.u64(x.epoch)
+				if err := flush(false); err != nil {
+					return err
+				}
+			}
 		}
 	}
 	return flush(true)
@@ -165,6 +221,44 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 		}
 		cd.vols = append(cd.vols, cv)
 	}
+	if !d.bad && d.remaining() > 0 {
+		if d.u32() != ckptEpochTag {
+			return nil, fmt.Errorf("unknown section after the volumes")
+		}
+		for vi := range cd.vols {
+			cv := &cd.vols[vi]
+			dirtyAt := map[uint32]bool{}
+			for _, x := range cv.ents {
+				if x.dirty() {
+					dirtyAt[x.block()] = true
+				}
+			}
+			n := d.u64()
+			if d.bad || n > uint64(len(dirtyAt)) || n*12 > uint64(d.remaining()) {
+				return nil, fmt.Errorf("volume %d: %d dirty epochs", vi, n)
+			}
+			cv.epochOf = make(map[uint32]uint64, n)
+			for range n {
+				loc, ep := d.u32(), d.u64()
+				if !dirtyAt[loc] || ep > cv.epoch {
+					return nil, fmt.Errorf("volume %d: epoch %d for cache block %d (not a dirty entry, or beyond the volume's epoch %d)", vi, ep, loc, cv.epoch)
+				}
+				cv.epochOf[loc] = ep
+			}
+			m := d.u64()
+			if d.bad || m > total || m*24 > uint64(d.remaining()) {
+				return nil, fmt.Errorf("volume %d: %d superseded versions", vi, m)
+			}
+			for range m {
+				x := ver{lba: d.u64(), loc: d.u32(), crc: d.u32(), epoch: d.u64()}
+				if d.bad || x.lba >= volBlocks[vi] || uint64(x.loc) >= total || seen.get(int(x.loc)) || x.epoch > cv.epoch {
+					return nil, fmt.Errorf("volume %d: superseded version %+v out of range or owned twice", vi, x)
+				}
+				seen.set(int(x.loc))
+				cv.sup = append(cv.sup, x)
+			}
+		}
+	}
 	if d.bad || d.remaining() != 0 {
 		return nil, fmt.Errorf("malformed checkpoint body")
 	}
@@ -174,11 +268,17 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 // writeCheckpoint writes a checkpoint into slot h.gen%2 and syncs. The
 // caller has already made everything the snapshot depends on durable.
 func writeCheckpoint(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent]) error {
+	return writeCheckpointVers(dev, sb, h, gens, epochs, trees, nil)
+}
+
+// writeCheckpointVers writes a checkpoint with the epoch section (vers
+// non-nil), which needs slots sized by ckptLenEpoch.
+func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent], vers []*btree.BTreeG[ver]) error {
 	slot := sb.CkptOff[h.gen%2]
 	off := slot + blockSize
 	crc := uint32(0)
 	var n int64
-	err := encodeCkptBody(gens, epochs, trees, func(p []byte) error {
+	err := encodeCkptBodyVers(gens, epochs, trees, vers, func(p []byte) error {
 		if n+int64(len(p)) > sb.CkptLen-blockSize {
 			return fmt.Errorf("%w: checkpoint larger than its slot (%d bytes)", ErrInvalid, sb.CkptLen)
 		}

@@ -278,9 +278,10 @@ const gcMoveFraction = 4
 // record, appended after these inserts, is durable.
 func (s *Set) gcMove(bi int64) {
 	type item struct {
-		vi  int
-		lba uint64
-		e   ent
+		vi    int
+		lba   uint64
+		e     ent
+		epoch uint64
 	}
 	var items []item
 	s.mu.Lock()
@@ -288,7 +289,7 @@ func (s *Set) gcMove(bi int64) {
 		if k := s.mu.owner[loc]; k != 0 {
 			vi, lba := splitOwner(k)
 			if e, ok := s.vols[vi].idx.tree.Get(ent{lba: lba}); ok && e.dirty() && int64(e.block()) == loc {
-				items = append(items, item{vi, lba, e})
+				items = append(items, item{vi, lba, e, s.mu.bepoch[loc]})
 			}
 		}
 	}
@@ -312,8 +313,10 @@ func (s *Set) gcMove(bi int64) {
 		_, werr := s.dev.WriteAt(buf, s.cacheOff(r.loc))
 		s.mu.Lock()
 		if cur, ok := s.vols[it.vi].idx.tree.Get(ent{lba: it.lba}); werr == nil && ok && cur == it.e {
-			s.insertLocked(it.vi, it.lba, r.loc, it.e.crc, true)
-			s.appendInsertLocked(it.vi, it.lba, r.loc, true, []uint32{it.e.crc})
+			// Same epoch as the copied version: it replaces it (never
+			// superseding it), and keeps its place in epoch order.
+			s.insertEpochLocked(it.vi, it.lba, r.loc, it.e.crc, true, it.epoch)
+			s.appendInsertEpochLocked(it.vi, it.lba, r.loc, true, []uint32{it.e.crc}, it.epoch)
 			s.stats.gcMoves.Add(1)
 		}
 		s.unpinLocked(r.loc)
@@ -374,16 +377,16 @@ func (s *Set) dirtyLBAsLocked(vi int, from uint64, limit int) []uint64 {
 // block's bucket generation is unchanged (so a bucket reused meanwhile can
 // never have a new write marked clean). Buckets are pinned only while
 // their blocks are read.
+//
+// A volume in epoch order ignores lbas and writes back the next batch of its
+// oldest epoch instead (writebackEpoch): every writeback of such a volume,
+// background, eviction or drain, keeps the order.
 func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
-	v := s.vols[vi]
-	type item struct {
-		lba uint64
-		loc uint32
-		crc uint32
-		gen uint32
-		ok  bool
+	if s.keepSuperseded(vi) {
+		return s.writebackEpoch(vi, max(len(lbas), 1))
 	}
-	var items []item
+	v := s.vols[vi]
+	var items []wbItem
 	var runs []blockRange // index ranges into items
 	// Collect in chunks: mu is never held for more than lockChunk lookups.
 	for at := 0; at < len(lbas); at += lockChunk {
@@ -403,11 +406,97 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 				runs = append(runs, blockRange{uint64(len(items)), 1})
 			}
 			b := &s.mu.buckets[int64(e.block())/s.bpb]
-			items = append(items, item{lba: lba, loc: e.block(), crc: e.crc, gen: b.gen})
+			items = append(items, wbItem{lba: lba, loc: e.block(), crc: e.crc, gen: b.gen})
 			b.pins++
 		}
 		s.mu.Unlock()
 	}
+	return s.writeItems(vi, items, runs)
+}
+
+// wbItem is one block version a writeback batch writes.
+type wbItem struct {
+	lba uint64
+	loc uint32
+	crc uint32
+	gen uint32 // bucket generation when taken
+	ok  bool   // written (and to be marked clean after the sync)
+}
+
+// writebackEpoch writes back up to n versions of the volume's oldest flush
+// epoch that has dirty data (LBA-sorted; the versions of one epoch have
+// distinct LBAs), syncs, and marks them clean, which releases superseded
+// ones. It never takes a version of a later epoch while one of the oldest
+// is left, even one in flight in another batch: so the backing device moves
+// from one epoch to the next with a sync in between, and holds at any
+// moment the image after some epoch plus part of the next one.
+func (s *Set) writebackEpoch(vi, n int) (int, error) {
+	v := s.vols[vi]
+	var items []wbItem
+	var runs []blockRange
+	s.mu.Lock()
+	first, ok := v.idx.vers.Min()
+	if !ok {
+		s.mu.Unlock()
+		return 0, nil
+	}
+	from := ver{epoch: first.epoch}
+	for {
+		visited, more := 0, false
+		v.idx.vers.AscendGreaterOrEqual(from, func(x ver) bool {
+			if x.epoch != first.epoch || len(items) >= n {
+				return false
+			}
+			if visited >= lockChunk {
+				from, more = x, true
+				return false
+			}
+			visited++
+			if _, busy := v.idx.wbInflight[x.loc]; busy {
+				return true
+			}
+			v.idx.wbInflight[x.loc] = struct{}{}
+			if len(items) > 0 && items[len(items)-1].lba+1 == x.lba && runs[len(runs)-1].n < wbMaxRun {
+				runs[len(runs)-1].n++
+			} else {
+				runs = append(runs, blockRange{uint64(len(items)), 1})
+			}
+			b := &s.mu.buckets[int64(x.loc)/s.bpb]
+			items = append(items, wbItem{lba: x.lba, loc: x.loc, crc: x.crc, gen: b.gen})
+			b.pins++
+			return true
+		})
+		if !more {
+			break
+		}
+		s.mu.Unlock()
+		s.mu.Lock()
+	}
+	s.mu.Unlock()
+	return s.writeItems(vi, items, runs)
+}
+
+// hasVersionLocked reports whether the dirty version of lba at loc is still
+// there (the live entry or a superseded one).
+// REQUIRES: s.mu
+func (s *Set) hasVersionLocked(vi int, lba uint64, loc uint32, crc uint32) bool {
+	v := s.vols[vi]
+	if e, ok := v.idx.tree.Get(ent{lba: lba}); ok && e.dirty() && e.block() == loc && e.crc == crc {
+		return true
+	}
+	for _, x := range v.idx.sup[lba] {
+		if x.loc == loc && x.crc == crc {
+			return true
+		}
+	}
+	return false
+}
+
+// writeItems writes a batch taken by writeback or writebackEpoch (items
+// pinned and in wbInflight; runs cut at consecutive LBAs), syncs, and marks
+// the written versions clean.
+func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error) {
+	v := s.vols[vi]
 	if len(items) == 0 {
 		return 0, nil
 	}
@@ -450,8 +539,7 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 		valid := make([]bool, r.n)
 		for i := range valid {
 			it := &items[int(r.lba)+i]
-			e, ok := v.idx.tree.Get(ent{lba: it.lba})
-			valid[i] = claimed && ok && e.dirty() && e.block() == it.loc && e.crc == it.crc
+			valid[i] = claimed && s.hasVersionLocked(vi, it.lba, it.loc, it.crc)
 		}
 		s.mu.Unlock()
 		defer func() {

@@ -11,6 +11,13 @@ package cache
 //     no live entry points into its current generation).
 //  3. Volume.idx.dirty and .cached equal the dirty and total entry counts of
 //     the volume's tree.
+//  4. Superseded versions (epoch order): a dirty version overwritten in a
+//     later flush epoch stays owned (owner map, bucket live and dirty
+//     counts) in idx.sup until its epoch is written back. Every superseded
+//     version of an LBA is older (lower epoch) than the live entry of that
+//     LBA, which exists and is dirty. idx.vers holds exactly the dirty
+//     versions, live and superseded, keyed by (epoch, lba), with their
+//     epoch also in Set.mu.bepoch.
 //
 // The index is one B-tree per volume of 16-byte entries (one per cached
 // 4 KiB block) plus an 8-byte reverse map (owner) per cache block and a
@@ -69,10 +76,32 @@ type bucket struct {
 	atime uint64 // Set.mu.tick at the last read hit or allocation (eviction recency)
 }
 
+// ver is one dirty version of a block, live or superseded, in the order
+// epoch-ordered writeback takes them.
+type ver struct {
+	epoch uint64
+	lba   uint64
+	loc   uint32
+	crc   uint32
+}
+
+func verLess(a, b ver) bool {
+	if a.epoch != b.epoch {
+		return a.epoch < b.epoch
+	}
+	if a.lba != b.lba {
+		return a.lba < b.lba
+	}
+	return a.loc < b.loc
+}
+
 // volIndex is a volume's part of the index. Guarded by Set.mu.
 type volIndex struct {
 	tree *btree.BTreeG[ent]
-	busy []blockRange // backing writes in flight (claims)
+	vers *btree.BTreeG[ver] // every dirty version by (epoch, lba)
+	sup  map[uint64][]ver   // superseded versions by LBA (epoch order)
+	nsup int64              // superseded versions in sup
+	busy []blockRange       // backing writes in flight (claims)
 	// wbInflight holds the cache blocks a writeback batch has taken and not
 	// yet marked clean, so that two batches (background, eviction, Drain)
 	// never write the same version twice.
@@ -94,16 +123,38 @@ func (b bitset) get(i int) bool { return b[i/64]&(1<<(i%64)) != 0 }
 func (b bitset) set(i int)      { b[i/64] |= 1 << (i % 64) }
 
 // insertLocked makes lba of volume v point at cache block loc, replacing any
-// previous entry.
+// previous entry; a dirty block gets the volume's current flush epoch.
 // REQUIRES: s.mu
 func (s *Set) insertLocked(vi int, lba uint64, loc uint32, crc uint32, dirty bool) {
+	s.insertEpochLocked(vi, lba, loc, crc, dirty, s.vols[vi].idx.epoch)
+}
+
+// insertEpochLocked is insertLocked with the flush epoch of a dirty block
+// given. In epoch order, a dirty entry of an earlier epoch that the new
+// dirty entry replaces is kept as a superseded version (invariant 4). A
+// clean insert means the backing device holds this data (writethrough,
+// promotion): every older dirty version of the block is dropped, as writing
+// one back later would put old data over it.
+// REQUIRES: s.mu
+func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirty bool, epoch uint64) {
+	s.initVersionsLocked()
 	v := s.vols[vi]
 	e := ent{lba: lba, loc: loc, crc: crc}
 	if dirty {
 		e.loc |= dirtyBit
 	}
 	if old, ok := v.idx.tree.ReplaceOrInsert(e); ok {
-		s.unaccountLocked(vi, old)
+		if oe := s.mu.bepoch[old.block()]; dirty && old.dirty() && oe < epoch && s.keepSuperseded(vi) {
+			v.idx.sup[lba] = append(v.idx.sup[lba], ver{epoch: oe, lba: lba, loc: old.block(), crc: old.crc})
+			v.idx.nsup++
+			v.idx.dirty-- // counted as superseded from now on (bucket counts unchanged)
+			v.idx.cached--
+		} else {
+			s.unaccountLocked(vi, old)
+		}
+	}
+	if !dirty {
+		s.dropSupLocked(vi, lba)
 	}
 	if invariants.Enabled && s.mu.owner[loc] != 0 {
 		invariants.AssertionFailedf("cache block %d given to vol %d lba %d is owned (%#x)", loc, vi, lba, s.mu.owner[loc])
@@ -115,6 +166,99 @@ func (s *Set) insertLocked(vi int, lba uint64, loc uint32, crc uint32, dirty boo
 	if dirty {
 		b.dirty++
 		v.idx.dirty++
+		s.mu.bepoch[loc] = epoch
+		v.idx.vers.ReplaceOrInsert(ver{epoch: epoch, lba: lba, loc: loc, crc: crc})
+	}
+}
+
+// initVersionsLocked allocates the version structures if they are not yet
+// (a Set built by hand, as the read-only inspector does, has none).
+// REQUIRES: s.mu
+func (s *Set) initVersionsLocked() {
+	if len(s.mu.bepoch) != len(s.mu.owner) {
+		s.mu.bepoch = make([]uint64, len(s.mu.owner))
+	}
+	for _, v := range s.vols {
+		if v.idx.vers == nil {
+			v.idx.vers = btree.NewG[ver](32, verLess)
+		}
+		if v.idx.sup == nil {
+			v.idx.sup = map[uint64][]ver{}
+		}
+	}
+}
+
+// keepSuperseded reports whether volume vi keeps superseded dirty versions
+// (epoch order, on a set whose checkpoint slots can hold them).
+func (s *Set) keepSuperseded(vi int) bool {
+	cfg := s.vols[vi].cfg.Load()
+	return s.epochOK && cfg != nil && cfg.WritebackOrder == "epoch"
+}
+
+// insertSupLocked adds a superseded version read from a checkpoint.
+// REQUIRES: s.mu
+func (s *Set) insertSupLocked(vi int, x ver) {
+	s.initVersionsLocked()
+	v := s.vols[vi]
+	v.idx.sup[x.lba] = append(v.idx.sup[x.lba], x)
+	v.idx.nsup++
+	v.idx.vers.ReplaceOrInsert(x)
+	s.mu.bepoch[x.loc] = x.epoch
+	s.mu.owner[x.loc] = ownerKey(vi, x.lba)
+	b := &s.mu.buckets[int64(x.loc)/s.bpb]
+	b.live++
+	b.dirty++
+}
+
+// releaseSupLocked releases the superseded version of lba at loc, if there
+// is one, and reports whether there was.
+// REQUIRES: s.mu
+func (s *Set) releaseSupLocked(vi int, lba uint64, loc uint32) bool {
+	v := s.vols[vi]
+	l := v.idx.sup[lba]
+	for i, x := range l {
+		if x.loc != loc {
+			continue
+		}
+		l = append(l[:i:i], l[i+1:]...)
+		if len(l) == 0 {
+			delete(v.idx.sup, lba)
+		} else {
+			v.idx.sup[lba] = l
+		}
+		v.idx.nsup--
+		v.idx.vers.Delete(x)
+		s.mu.owner[loc] = 0
+		b := &s.mu.buckets[int64(loc)/s.bpb]
+		b.live--
+		b.dirty--
+		return true
+	}
+	return false
+}
+
+// dropSupLocked releases every superseded version of lba.
+// REQUIRES: s.mu
+func (s *Set) dropSupLocked(vi int, lba uint64) {
+	l := s.vols[vi].idx.sup[lba]
+	if len(l) == 0 {
+		return
+	}
+	for _, x := range append([]ver(nil), l...) {
+		s.releaseSupLocked(vi, lba, x.loc)
+	}
+}
+
+// dropAllSupLocked releases every superseded version of volume vi (the
+// volume left epoch order).
+// REQUIRES: s.mu
+func (s *Set) dropAllSupLocked(vi int) {
+	var lbas []uint64
+	for lba := range s.vols[vi].idx.sup {
+		lbas = append(lbas, lba)
+	}
+	for _, lba := range lbas {
+		s.dropSupLocked(vi, lba)
 	}
 }
 
@@ -135,6 +279,7 @@ func (s *Set) unaccountLocked(vi int, old ent) {
 	if old.dirty() {
 		b.dirty--
 		v.idx.dirty--
+		v.idx.vers.Delete(ver{epoch: s.mu.bepoch[loc], lba: old.lba, loc: loc, crc: old.crc})
 	}
 }
 
@@ -151,20 +296,42 @@ func (s *Set) invalidateLocked(vi int, lba, n uint64) {
 		v.idx.tree.Delete(e)
 		s.unaccountLocked(vi, e)
 	}
+	// Superseded versions of the range: the backing device now holds newer
+	// data (or zeroes) there.
+	if uint64(len(v.idx.sup)) < n {
+		var lbas []uint64
+		for l := range v.idx.sup {
+			if l >= lba && l-lba < n {
+				lbas = append(lbas, l)
+			}
+		}
+		for _, l := range lbas {
+			s.dropSupLocked(vi, l)
+		}
+	} else {
+		for l := lba; l < lba+n; l++ {
+			s.dropSupLocked(vi, l)
+		}
+	}
 }
 
-// markCleanLocked clears the dirty flag of lba if it still lives at loc.
+// markCleanLocked records that the version of lba at cache block loc is on
+// the backing device: the live entry, if it is still at loc, becomes clean
+// (and older superseded versions of lba, which can only be left over from a
+// failed writeback, are dropped); a superseded version at loc is released.
 // REQUIRES: s.mu
 func (s *Set) markCleanLocked(vi int, lba uint64, loc uint32) bool {
 	v := s.vols[vi]
 	e, ok := v.idx.tree.Get(ent{lba: lba})
 	if !ok || e.block() != loc || !e.dirty() {
-		return false
+		return s.releaseSupLocked(vi, lba, loc)
 	}
+	v.idx.vers.Delete(ver{epoch: s.mu.bepoch[loc], lba: lba, loc: loc, crc: e.crc})
 	e.loc &^= dirtyBit
 	v.idx.tree.ReplaceOrInsert(e)
 	s.mu.buckets[int64(loc)/s.bpb].dirty--
 	v.idx.dirty--
+	s.dropSupLocked(vi, lba)
 	return true
 }
 
@@ -182,7 +349,12 @@ func (s *Set) dropBucketLocked(bi int64, onlyClean bool) (droppedDirty int) {
 		v := s.vols[vi]
 		e, ok := v.idx.tree.Get(ent{lba: lba})
 		if !ok || int64(e.block()) != loc {
-			continue // Check reports this
+			// A superseded version (dirty), or an inconsistency Check
+			// reports.
+			if !onlyClean && s.releaseSupLocked(vi, lba, uint32(loc)) {
+				droppedDirty++
+			}
+			continue
 		}
 		if e.dirty() {
 			if onlyClean {
@@ -207,9 +379,10 @@ func (s *Set) Check() error {
 
 // REQUIRES: s.mu
 func (s *Set) checkLocked() error {
+	s.initVersionsLocked()
 	nb := int64(len(s.mu.buckets))
-	live := make([]uint32, nb)
-	dirty := make([]uint32, nb)
+	liveB := make([]uint32, nb)
+	dirtyB := make([]uint32, nb)
 	owned := 0
 	for _, k := range s.mu.owner {
 		if k != 0 {
@@ -238,10 +411,14 @@ func (s *Set) checkLocked() error {
 				return false
 			}
 			prev = int64(e.lba)
-			live[loc/s.bpb]++
+			liveB[loc/s.bpb]++
 			nc++
 			if e.dirty() {
-				dirty[loc/s.bpb]++
+				if _, in := v.idx.vers.Get(ver{epoch: s.mu.bepoch[loc], lba: e.lba, loc: e.block(), crc: e.crc}); !in {
+					err = fmt.Errorf("volume %s: dirty lba %d (block %d, epoch %d) missing from the version tree", v.name, e.lba, loc, s.mu.bepoch[loc])
+					return false
+				}
+				dirtyB[loc/s.bpb]++
 				nd++
 			}
 			return true
@@ -253,6 +430,32 @@ func (s *Set) checkLocked() error {
 			return fmt.Errorf("volume %s: counted %d dirty/%d cached, accounted %d/%d", v.name, nd, nc, v.idx.dirty, v.idx.cached)
 		}
 		total += int(nc)
+		// Invariant 4: superseded versions.
+		var ns int64
+		for lba, l := range v.idx.sup {
+			live, ok := v.idx.tree.Get(ent{lba: lba})
+			for _, x := range l {
+				loc := int64(x.loc)
+				switch {
+				case x.lba != lba || loc >= nb*s.bpb || s.mu.owner[loc] != ownerKey(vi, lba):
+					return fmt.Errorf("volume %s: superseded version %+v not owned", v.name, x)
+				case !ok || !live.dirty() || s.mu.bepoch[live.block()] <= x.epoch:
+					return fmt.Errorf("volume %s: superseded version %+v without a newer dirty live entry (%+v, %t)", v.name, x, live, ok)
+				case s.mu.bepoch[loc] != x.epoch:
+					return fmt.Errorf("volume %s: superseded version %+v, block epoch %d", v.name, x, s.mu.bepoch[loc])
+				}
+				if _, in := v.idx.vers.Get(x); !in {
+					return fmt.Errorf("volume %s: superseded version %+v missing from the version tree", v.name, x)
+				}
+				liveB[loc/s.bpb]++
+				dirtyB[loc/s.bpb]++
+				ns++
+			}
+		}
+		if ns != v.idx.nsup || int64(v.idx.vers.Len()) != v.idx.dirty+ns {
+			return fmt.Errorf("volume %s: %d superseded (accounted %d), %d dirty, %d versions", v.name, ns, v.idx.nsup, v.idx.dirty, v.idx.vers.Len())
+		}
+		total += int(ns)
 	}
 	if total != owned {
 		return fmt.Errorf("%d index entries but %d owned cache blocks", total, owned)
@@ -273,9 +476,9 @@ func (s *Set) checkLocked() error {
 	}
 	for i := range s.mu.buckets {
 		b := &s.mu.buckets[i]
-		if b.live != live[i] || b.dirty != dirty[i] {
+		if b.live != liveB[i] || b.dirty != dirtyB[i] {
 			return fmt.Errorf("bucket %d (%v gen %d): accounted %d live/%d dirty, index has %d/%d",
-				i, b.state, b.gen, b.live, b.dirty, live[i], dirty[i])
+				i, b.state, b.gen, b.live, b.dirty, liveB[i], dirtyB[i])
 		}
 		if (b.state == bucketFree) != inFree[i] {
 			return fmt.Errorf("bucket %d is %v, on free list %t", i, b.state, inFree[i])

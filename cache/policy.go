@@ -132,6 +132,14 @@ func (v *Volume) SetSettings(st Settings) error {
 	s.sb = nsb
 	v.mode.Store(int32(st.Mode))
 	v.cfg.Store(&st)
+	if st.WritebackOrder != "epoch" {
+		// Left epoch order: older versions are moot (the newest is what
+		// lba order writes back). The superblock already says lba, so
+		// replay will not keep them either.
+		s.mu.Lock()
+		s.dropAllSupLocked(v.vi)
+		s.mu.Unlock()
+	}
 	s.kickWB()
 	return nil
 }

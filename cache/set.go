@@ -109,13 +109,13 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	// Solve for the bucket count: each bucket costs its size plus its share
 	// of two checkpoint slots.
 	bpb := bs / blockSize
-	fixed := sb.JournalOff + jl + 2*ckptLenFor(0, bpb, len(backings)) + bs
-	per := bs + 2*(4+bpb*ckptEntrySize)
+	fixed := sb.JournalOff + jl + 2*ckptLenEpoch(0, bpb, len(backings)) + bs
+	per := bs + 2*(4+bpb*(ckptEntrySize+ckptEpochExtra))
 	n := (devSize - fixed) / per
 	for ; n >= minBuckets; n-- {
 		sb.NBuckets = n
 		sb.CkptOff[0] = sb.JournalOff + jl
-		sb.CkptLen = ckptLenFor(n, bpb, len(backings))
+		sb.CkptLen = ckptLenEpoch(n, bpb, len(backings))
 		sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
 		align := min(bs, 1<<20)
 		sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + align - 1) / align * align
@@ -199,6 +199,7 @@ type Set struct {
 		pending []byte   // encoded records not yet written
 		seq     uint64   // records appended so far
 		tick    uint64   // recency clock: bumped by reads and allocations
+		bepoch  []uint64 // per cache block: flush epoch of the dirty version there
 		closed  bool
 	}
 
@@ -208,6 +209,10 @@ type Set struct {
 	wg         sync.WaitGroup
 	stats      setStats
 	draining   atomic.Int32 // Drain calls running: background writeback pauses
+	// epochOK: the checkpoint slots can hold superseded versions and
+	// per-entry epochs (sets formatted before epoch order have smaller
+	// slots; there writeback_order=epoch acts as lba).
+	epochOK bool
 }
 
 type setStats struct {
@@ -270,6 +275,8 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	s.mu.buckets = make([]bucket, sb.NBuckets)
 	s.mu.owner = make([]uint64, total)
 	s.mu.open = -1
+	s.epochOK = sb.CkptLen >= ckptLenEpoch(sb.NBuckets, s.bpb, len(sb.Backings))
+	s.initVersionsLocked()
 	for i, g := range cd.gens {
 		s.mu.buckets[i].gen = g
 	}
@@ -280,7 +287,10 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		// of 32.8 bytes per block measured at 1M entries).
 		for _, i := range mrand.Perm(len(cv.ents)) {
 			e := cv.ents[i]
-			s.insertLocked(vi, e.lba, e.block(), e.crc, e.dirty())
+			s.insertEpochLocked(vi, e.lba, e.block(), e.crc, e.dirty(), cv.epochOf[e.block()])
+		}
+		for _, x := range cv.sup {
+			s.insertSupLocked(vi, x)
 		}
 		cd.vols[vi].ents = nil
 	}
@@ -405,7 +415,7 @@ func (s *Set) applyLocked(r *rec) error {
 				// the journal is wrong.
 				return corruptf("journal record", 0, 0, "insert into owned cache block %d", loc+i)
 			}
-			s.insertLocked(int(r.vol), r.lba+i, uint32(loc+i), r.crcs[i], r.dirty)
+			s.insertEpochLocked(int(r.vol), r.lba+i, uint32(loc+i), r.crcs[i], r.dirty, r.epoch)
 		}
 		v.idx.epoch = max(v.idx.epoch, r.epoch)
 	case recClean:
@@ -449,14 +459,21 @@ func (s *Set) appendLocked(r *rec) {
 	}
 }
 
-// appendInsertLocked journals a run, split into records of maxInsertRun.
+// appendInsertLocked journals a run, split into records of maxInsertRun,
+// with the volume's current flush epoch.
 // REQUIRES: s.mu
 func (s *Set) appendInsertLocked(vi int, lba uint64, loc uint32, dirty bool, crcs []uint32) {
+	s.appendInsertEpochLocked(vi, lba, loc, dirty, crcs, s.vols[vi].idx.epoch)
+}
+
+// appendInsertEpochLocked journals a run written in the given epoch.
+// REQUIRES: s.mu
+func (s *Set) appendInsertEpochLocked(vi int, lba uint64, loc uint32, dirty bool, crcs []uint32, epoch uint64) {
 	gen := s.mu.buckets[int64(loc)/s.bpb].gen
 	for len(crcs) > 0 {
 		k := min(len(crcs), maxInsertRun)
 		s.appendLocked(&rec{typ: recInsert, vol: uint16(vi), lba: lba, loc: loc, gen: gen, dirty: dirty,
-			epoch: s.vols[vi].idx.epoch, crcs: crcs[:k]})
+			epoch: epoch, crcs: crcs[:k]})
 		lba += uint64(k)
 		loc += uint32(k)
 		crcs = crcs[k:]
@@ -623,9 +640,16 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	}
 	trees := make([]*btree.BTreeG[ent], len(s.vols))
 	epochs := make([]uint64, len(s.vols))
+	var vers []*btree.BTreeG[ver]
+	if s.epochOK {
+		vers = make([]*btree.BTreeG[ver], len(s.vols))
+	}
 	for i, v := range s.vols {
 		trees[i] = v.idx.tree.Clone()
 		epochs[i] = v.idx.epoch
+		if vers != nil {
+			vers[i] = v.idx.vers.Clone()
+		}
 	}
 	s.mu.Unlock()
 	for _, v := range s.vols {
@@ -639,7 +663,7 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 		return s.fail(fmt.Errorf("syncing cache device: %w", err))
 	}
 	h := ckptHeader{nonce: s.nonce, gen: s.jr.gen + 1, jpos: journalPos{blk: s.jr.pos.blk}}
-	if err := writeCheckpoint(s.dev, s.lay, h, gens, epochs, trees); err != nil {
+	if err := writeCheckpointVers(s.dev, s.lay, h, gens, epochs, trees, vers); err != nil {
 		return s.fail(err)
 	}
 	s.jr.gen, s.jr.pos, s.jr.used = h.gen, h.jpos, 0

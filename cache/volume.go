@@ -83,6 +83,9 @@ type VolumeStats struct {
 	ChecksumRepairs uint64 // of those, clean blocks re-read from the backing device
 	CachedBlocks    int64
 	DirtyBlocks     int64
+	// SupersededBlocks are older dirty versions kept for epoch-ordered
+	// writeback (not counted in CachedBlocks or DirtyBlocks).
+	SupersededBlocks int64
 }
 
 // Name is the backing device's name in the cache set.
@@ -134,7 +137,7 @@ func (v *Volume) Stats() VolumeStats {
 		BypassCongestionBytes: v.st.bypass[bypassCongested].Load(), BypassCacheFullBytes: v.st.bypass[bypassFull].Load(),
 		WritebackRate: v.wb.rate.Load(), ThrottleNanos: v.st.throttleNanos.Load()}
 	v.s.mu.Lock()
-	st.CachedBlocks, st.DirtyBlocks = v.idx.cached, v.idx.dirty
+	st.CachedBlocks, st.DirtyBlocks, st.SupersededBlocks = v.idx.cached, v.idx.dirty, v.idx.nsup
 	v.s.mu.Unlock()
 	return st
 }
@@ -223,6 +226,13 @@ const (
 	promoteSeqBypass                    // client read in a sequential stream: not promoted
 	promoteForce                        // NBD_CMD_CACHE: always promoted
 )
+
+// hasDirty reports whether the volume has dirty data in the cache.
+func (v *Volume) hasDirty() bool {
+	v.s.mu.Lock()
+	defer v.s.mu.Unlock()
+	return v.idx.dirty+v.idx.nsup > 0
+}
 
 // touch records foreground activity (idle detection for writeback).
 func (v *Volume) touch() { v.lastIO.Store(nowNanos()) }
@@ -501,6 +511,11 @@ func (v *Volume) write(p []byte, off int64, seq bool) error {
 		}
 	}
 	copy(buf[off-int64(first)<<blockShift:], p)
+	if seq && v.s.keepSuperseded(v.vi) && v.hasDirty() {
+		// Epoch order: a write straight to the backing device would land
+		// before older epochs still in the cache.
+		seq = false
+	}
 	switch m := v.Mode(); {
 	case (m == Writeback || m == Writethrough) && seq:
 		return v.writeAround(buf, first, bypassSequential)
@@ -524,6 +539,11 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 	}
 	for done := 0; done < n; {
 		r, err := s.allocFor(n - done)
+		if errors.Is(err, errNoSpace) && s.keepSuperseded(v.vi) && v.hasDirty() {
+			// Epoch order: never around the cache while older epochs are
+			// in it; wait for writeback to free space instead.
+			r, err = s.alloc(n-done, allocWait)
+		}
 		if errors.Is(err, errNoSpace) {
 			// No bucket came free in time: send the rest around the
 			// cache rather than stall the client (invalidating any older

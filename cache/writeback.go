@@ -79,7 +79,7 @@ func (s *Set) pressure() (dirtyShare float64, short bool, total int64) {
 	defer s.mu.Unlock()
 	var d int64
 	for _, v := range s.vols {
-		d += v.idx.dirty
+		d += v.idx.dirty + v.idx.nsup
 	}
 	total = int64(len(s.mu.owner))
 	return float64(d) / float64(total), len(s.mu.free) < s.lowWater(), total
@@ -89,7 +89,7 @@ func (s *Set) pressure() (dirtyShare float64, short bool, total int64) {
 // full speed, 0 nothing to do now.
 func (s *Set) wbRate(v *Volume) int64 {
 	s.mu.Lock()
-	dirty := v.idx.dirty
+	dirty := v.idx.dirty + v.idx.nsup
 	short := len(s.mu.free) < s.lowWater()
 	total := int64(len(s.mu.owner))
 	s.mu.Unlock()
@@ -177,6 +177,13 @@ func (s *Set) writebackLoop(v *Volume) {
 // writebackSweep writes back up to n dirty blocks of v from its cursor,
 // wrapping at the end of the volume, and returns how many were written.
 func (s *Set) writebackSweep(v *Volume, n int) int {
+	if s.keepSuperseded(v.vi) {
+		written, err := s.writebackEpoch(v.vi, n)
+		if err != nil {
+			s.log.Warn("background writeback failed", "volume", v.name, "err", err)
+		}
+		return written
+	}
 	for range 2 {
 		start := v.wb.cursor
 		from := start

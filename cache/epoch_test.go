@@ -1,0 +1,181 @@
+package cache
+
+import (
+	"bytes"
+	"context"
+	"flag"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/tiercache/tiercache/device"
+)
+
+var flagEpochSeed = flag.Int64("epoch-seed", -1, "run TestEpochPrefix for this seed only")
+
+// TestEpochPrefix drops the cache device at random points in epoch order and
+// checks the backing device alone: it must hold, for some flush epoch E, the
+// image after E flushes, except that any block may instead hold a version
+// written in epoch E (between flush E and flush E+1) — a flushed prefix plus
+// a subset of the next epoch's writes, what a real disk may hold after a
+// power cut. Writes are whole blocks stamped with their write id; the cache
+// is small, so superseded versions, waits for space, eviction and GC moves
+// all happen; background writeback runs with a random target while the test
+// also steps writeback batches itself. The backing device is crash-cloned
+// (unsynced writes kept or lost), as the cache device dying with the
+// machine would leave it. Replay a failure with
+//
+//	go test ./cache -run TestEpochPrefix -epoch-seed N -v
+func TestEpochPrefix(t *testing.T) {
+	if *flagEpochSeed >= 0 {
+		runEpochSeed(t, uint64(*flagEpochSeed))
+		return
+	}
+	n := 300
+	if testing.Short() || raceEnabled {
+		n = 40
+	}
+	for seed := range uint64(n) {
+		if !t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) { runEpochSeed(t, seed) }) {
+			return
+		}
+	}
+}
+
+func runEpochSeed(t *testing.T, seed uint64) {
+	rng := rand.New(rand.NewPCG(seed, 0xe7))
+	const nblk = 48
+	bs := int64(blockSize) * int64(2+rng.IntN(4))
+	s, _, backs := newTestSet(t, int64(6+rng.IntN(6)), bs, nblk*blockSize)
+	back := backs[0]
+	v := s.vols[0]
+	st := v.Settings()
+	st.WritebackOrder = "epoch"
+	st.WritebackPercent = []int{0, 10, 100}[rng.IntN(3)]
+	st.SequentialCutoff = []int64{0, 16 << 10}[rng.IntN(2)] // no write bypass in epoch order either way
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	var log []string
+	fail := func(f string, a ...any) {
+		t.Helper()
+		if len(log) > 80 {
+			log = log[len(log)-80:]
+		}
+		t.Fatalf("seed %d: %s\nreplay: go test ./cache -run TestEpochPrefix -epoch-seed %d -v\nlast ops:\n  %s",
+			seed, fmt.Sprintf(f, a...), seed, fmt.Sprint(log))
+	}
+	cur := make([]uint64, nblk)                         // write id per block now (0: never written)
+	states := [][]uint64{append([]uint64(nil), cur...)} // states[k]: after k flushes
+	var inEpoch []map[int]map[uint64]bool               // inEpoch[k][block]: ids written in epoch k
+	inEpoch = append(inEpoch, map[int]map[uint64]bool{})
+	wid := uint64(0)
+	maxSup := int64(0)
+	check := func() {
+		keep := []float64{0, 0.5, 1}[rng.IntN(3)]
+		clone := back.CrashClone(device.CrashConfig{UnsyncedKeep: keep, Rand: rng})
+		got := make([]uint64, nblk)
+		p := make([]byte, blockSize)
+		for b := range got {
+			if _, err := clone.ReadAt(p, int64(b)*blockSize); err != nil {
+				t.Fatal(err)
+			}
+			if !isZero(p) {
+				got[b] = le.Uint64(p)
+				want := make([]byte, blockSize)
+				stamp(want, got[b], 0, int64(b)*blockSize)
+				if !bytes.Equal(p, want) {
+					fail("backing block %d holds a torn or foreign block (%s)", b, describeSectors(p))
+				}
+			}
+		}
+		for e := len(states) - 1; e >= 0; e-- {
+			ok := true
+			for b := range got {
+				if got[b] != states[e][b] && !inEpoch[e][b][got[b]] {
+					ok = false
+					break
+				}
+			}
+			if ok {
+				log = append(log, fmt.Sprintf("check ok: prefix of %d epochs (of %d)", e, len(states)-1))
+				return
+			}
+		}
+		fail("backing device %v is no flushed prefix plus part of the next epoch; states %v", got, states)
+	}
+	for range 60 + rng.IntN(60) {
+		switch k := rng.IntN(100); {
+		case k < 50:
+			b := rng.IntN(nblk)
+			n := min(1+rng.IntN(4), nblk-b)
+			p := make([]byte, n*blockSize)
+			ids := make([]uint64, n)
+			for i := range n {
+				wid++
+				ids[i] = wid
+				stamp(p[i*blockSize:(i+1)*blockSize], wid, 0, int64(b+i)*blockSize)
+			}
+			log = append(log, fmt.Sprintf("write %d+%d ids %v", b, n, ids))
+			if err := v.WriteAt(p, int64(b)*blockSize, false); err != nil {
+				fail("write: %v", err)
+			}
+			e := len(states) - 1
+			for i, id := range ids {
+				cur[b+i] = id
+				if inEpoch[e][b+i] == nil {
+					inEpoch[e][b+i] = map[uint64]bool{}
+				}
+				inEpoch[e][b+i][id] = true
+			}
+		case k < 65:
+			log = append(log, "flush")
+			if err := v.Flush(); err != nil {
+				fail("flush: %v", err)
+			}
+			states = append(states, append([]uint64(nil), cur...))
+			inEpoch = append(inEpoch, map[int]map[uint64]bool{})
+		case k < 80:
+			n := 1 + rng.IntN(8)
+			log = append(log, fmt.Sprintf("writeback %d", n))
+			if _, err := s.writebackEpoch(0, n); err != nil {
+				fail("writeback: %v", err)
+			}
+		case k < 85:
+			log = append(log, "gc")
+			s.evictOne()
+		case k < 90:
+			b := rng.IntN(nblk)
+			p := make([]byte, blockSize)
+			if err := v.ReadAt(p, int64(b)*blockSize); err != nil {
+				fail("read: %v", err)
+			}
+			if g := le.Uint64(p); (isZero(p) && cur[b] != 0) || (!isZero(p) && g != cur[b]) {
+				fail("read block %d: id %d, want %d", b, g, cur[b])
+			}
+		default:
+			check()
+		}
+		maxSup = max(maxSup, v.Stats().SupersededBlocks)
+		if err := s.Check(); err != nil {
+			fail("Check: %v", err)
+		}
+	}
+	check()
+	if err := s.Drain(context.Background()); err != nil {
+		fail("drain: %v", err)
+	}
+	if st := v.Stats(); st.DirtyBlocks != 0 || st.SupersededBlocks != 0 {
+		fail("after drain: %d dirty, %d superseded", st.DirtyBlocks, st.SupersededBlocks)
+	}
+	p := make([]byte, blockSize)
+	for b := range cur {
+		if _, err := back.ReadAt(p, int64(b)*blockSize); err != nil {
+			t.Fatal(err)
+		}
+		if g := le.Uint64(p); (isZero(p) && cur[b] != 0) || (!isZero(p) && g != cur[b]) {
+			fail("after drain, backing block %d holds id %d, want %d", b, g, cur[b])
+		}
+	}
+	t.Logf("%d epochs, %d writes, up to %d superseded versions", len(states)-1, wid, maxSup)
+}
