@@ -26,11 +26,13 @@
 //	seq u64 | set uuid [16] | block size u32 | bucket size u64 | nbuckets u64 |
 //	journal off, len u64 | ckpt off[2], len u64 | buckets off u64 | clean u8 |
 //	nbackings u16 | { name str16 | id str16 | size u64 | mode u8 | path str16 } ...
+//	"SETT" u32 | { cutoff u64 | writeback % u8 | order str16 | promote str16 | rate max u64 } ...  (optional)
 //
 // The crc32c covers header (crc field zeroed) and payload. Updates write the
 // copy seq%2 with seq+1, so the other copy always holds the previous
 // version; Open takes the valid copy with the highest seq (bbolt's meta
-// pages). The superblock changes only on Format, Open, SetMode and Close.
+// pages). The superblock changes only on Format, Open, SetMode, SetSettings and
+// Close.
 //
 // Checkpoint slot (written alternately: generation g goes to slot g%2):
 //
@@ -154,20 +156,34 @@
 // after the backing list that older superblocks lack (they decode with
 // DefaultSettings).
 //
-// # Epoch-ordered writeback (not built yet)
+// # Epoch-ordered writeback (writeback_order=epoch, the default)
 //
-// writeback_order=epoch is accepted and persisted but written back as lba
-// order in this version. Every insert record carries the volume's flush
-// epoch. To write back epoch by epoch, so that the backing device always
-// holds a state a real disk could have held after a power cut, the engine
-// will keep superseded dirty versions pinned (their bucket's live count
-// includes them) until their epoch is written back, and drive writeback by
-// epoch: for epoch e, write every block version of epoch e (LBA-sorted
-// within the epoch), sync the backing device, journal the versions clean,
-// release the superseded ones, go on with e+1. The journal already has what
-// this needs (inserts name lba, loc, gen, epoch; a clean record naming the
-// cache block can release a superseded version), but the checkpoint does
-// not: it stores neither the epoch of each dirty entry nor superseded
-// versions, and its slots are sized for 16 bytes per cache block. See
-// DESIGN_NOTES.md for the plan.
+// Every insert record carries the volume's flush epoch (advanced by each
+// Flush). In epoch order a dirty block of epoch e overwritten in a later
+// epoch is not released: it stays owned as a superseded version (its
+// bucket's live and dirty counts include it) in a per-volume tree of all
+// dirty versions keyed by (epoch, lba). Writeback takes the oldest epoch
+// with dirty versions, writes its versions LBA-sorted, syncs the backing
+// device and journals them clean (a clean record naming a superseded
+// version's cache block releases it), and only then goes on to the next
+// epoch. So if the cache device dies at any moment the backing device holds
+// the image after some flush plus part of the next epoch's writes, a state
+// a real disk could have after a power cut (TestEpochPrefix).
+//
+// What keeps it: eviction never writes back out of order (it goes through
+// the same epoch batches, or GC-moves live versions keeping their epoch);
+// writes do not bypass the cache (sequential or cache full) while the
+// volume has dirty data, they wait for space instead; an invalidation
+// (writearound, none, trim, write-zeroes) and a clean insert (writethrough,
+// promotion) drop every older version of the range, since the backing
+// device then holds newer data — those writes themselves are not ordered
+// against older epochs, so the guarantee covers writes and flushes in
+// writeback mode. Leaving epoch order drops the superseded versions.
+//
+// Recovery: replay rebuilds superseded versions from the insert records
+// (same rule, same order); a checkpoint stores an epoch section after the
+// volumes: "EPCH" | per volume { n | (loc u32, epoch u64) × n for the dirty
+// entries | m | (lba u64, loc u32, crc u32, epoch u64) × m superseded }.
+// Its slots are sized at Format for 28 bytes per cache block (16 before);
+// a set formatted earlier has smaller slots and writes back in lba order.
 package cache

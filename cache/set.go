@@ -336,8 +336,8 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		return nil, fmt.Errorf("open: %w", err)
 	}
 	for _, v := range s.vols {
-		if v.cfg.Load().WritebackOrder == "epoch" {
-			log.Warn("writeback_order=epoch is not implemented yet; writing back in lba order", "volume", v.name)
+		if v.cfg.Load().WritebackOrder == "epoch" && !s.epochOK {
+			log.Warn("writeback_order=epoch needs checkpoint slots sized by a newer Format; writing back in lba order", "volume", v.name)
 		}
 	}
 	s.wg.Add(2 + len(s.vols))

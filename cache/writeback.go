@@ -31,8 +31,12 @@ package cache
 // that finds no free bucket within writeWaitMax goes around the cache
 // (counted as a cache-full bypass) instead of stalling.
 //
-// Epoch order (writeback_order=epoch) is accepted and persisted but, in
-// this version, written back like lba order; see DESIGN_NOTES.md.
+// Epoch order (writeback_order=epoch, the default): the goroutine (and
+// every other writeback of the volume: eviction, Drain) takes the next batch
+// of the oldest flush epoch that still has dirty versions (writebackEpoch in
+// gc.go), LBA-sorted, and never a version of a later epoch while one of the
+// oldest is left; each batch ends with a backing sync before its clean
+// marks, so epochs reach the disk in order with a sync in between.
 
 import (
 	"sync/atomic"

@@ -280,3 +280,72 @@ func measureLatency(t *testing.T, span, hot, hotBase int64) {
 	t.Logf("writeback %d MiB, evictions %d, GC moves %d, dirty now %d KiB",
 		st.WritebackBytes>>20, ss.Evictions, ss.GCMoves, st.DirtyBlocks*4)
 }
+
+// TestMeasureEpochVsLBA runs a pgbench-like overwrite workload (random 4 KiB
+// writes over a 16 MiB hot set of a 1 GiB volume, a flush every 50 writes,
+// 4 writers) against a 64 MiB cache over the HDD model, once per writeback
+// order, then drains, and reports what each order cost.
+func TestMeasureEpochVsLBA(t *testing.T) {
+	if !*flagMeasure {
+		t.Skip("use -measure")
+	}
+	for _, order := range []string{"lba", "epoch"} {
+		t.Run(order, func(t *testing.T) {
+			hdd := measureHDD(t, 1<<30, measureScale)
+			st := DefaultSettings()
+			st.WritebackOrder = order
+			s := measureSet(t, 64, hdd, st)
+			v, _ := s.Volume("hdd")
+			const writers, perWriter = 4, 10000
+			var wg sync.WaitGroup
+			var mu sync.Mutex
+			var lat []time.Duration
+			var maxSup atomic.Int64
+			start := time.Now()
+			for g := range writers {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					rng := rand.New(rand.NewPCG(uint64(g), 3))
+					buf := make([]byte, blockSize)
+					var mine []time.Duration
+					for i := range perWriter {
+						off := int64(rng.IntN(16<<20/blockSize)) * blockSize
+						t0 := time.Now()
+						if err := v.WriteAt(buf, off, false); err != nil {
+							t.Error(err)
+							return
+						}
+						mine = append(mine, time.Since(t0))
+						if i%50 == 49 {
+							if err := v.Flush(); err != nil {
+								t.Error(err)
+								return
+							}
+							if n := v.Stats().SupersededBlocks; n > maxSup.Load() {
+								maxSup.Store(n)
+							}
+						}
+					}
+					mu.Lock()
+					lat = append(lat, mine...)
+					mu.Unlock()
+				}()
+			}
+			wg.Wait()
+			work := time.Since(start)
+			mid := v.Stats()
+			t1 := time.Now()
+			if err := s.Drain(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			drain := time.Since(t1)
+			slices.Sort(lat)
+			st2, hs := v.Stats(), hdd.Stats()
+			t.Logf("%s: workload %v wall (%d writes, p99 %v, p99.9 %v, throttled %v); then drain %v model; written back %d MiB in %d HDD writes (%d MiB of it during the workload); up to %d superseded versions",
+				order, work.Round(time.Millisecond), len(lat), lat[len(lat)*99/100], lat[len(lat)*999/1000],
+				time.Duration(st2.ThrottleNanos).Round(time.Millisecond), modelTime(drain, measureScale).Round(time.Millisecond),
+				st2.WritebackBytes>>20, hs.Writes, mid.WritebackBytes>>20, maxSup.Load())
+		})
+	}
+}
