@@ -195,10 +195,11 @@ func (s *Set) evictOne() bool {
 	}
 	vb := &s.mu.buckets[victim]
 	// A mostly empty bucket with dirty blocks: copy them into the open
-	// bucket (a GC move) rather than write them back now, as long as that
-	// does not eat into the free reserve. Writeback then still sees them,
-	// merged with their neighbours, at its own pace.
-	if vb.dirty > 0 && int64(vb.live)*gcMoveFraction <= s.bpb && len(s.mu.free) >= s.lowWater() {
+	// bucket (a GC move) rather than write them back now: it costs at most
+	// a quarter of a bucket (from the free reserve if need be) and frees a
+	// whole one, without waiting for the backing device. Writeback then
+	// still sees them, merged with their neighbours, at its own pace.
+	if vb.dirty > 0 && int64(vb.live)*gcMoveFraction <= s.bpb && len(s.mu.free) >= 1 {
 		s.mu.Unlock()
 		s.gcMove(victim)
 		s.mu.Lock()
@@ -306,7 +307,7 @@ func (s *Set) gcMove(bi int64) {
 		if _, err := s.dev.ReadAt(buf, s.cacheOff(it.e.block())); err != nil || crc32c(buf) != it.e.crc {
 			continue // left for writeback, which reports it
 		}
-		r, err := s.alloc(1, allocPromote)
+		r, err := s.alloc(1, allocNoWait)
 		if err != nil {
 			return
 		}
@@ -383,7 +384,7 @@ func (s *Set) dirtyLBAsLocked(vi int, from uint64, limit int) []uint64 {
 // background, eviction or drain, keeps the order.
 func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 	if s.keepSuperseded(vi) {
-		return s.writebackEpoch(vi, max(len(lbas), 1))
+		return s.writebackEpochLBAs(vi, lbas)
 	}
 	v := s.vols[vi]
 	var items []wbItem
@@ -407,7 +408,6 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 			}
 			b := &s.mu.buckets[int64(e.block())/s.bpb]
 			items = append(items, wbItem{lba: lba, loc: e.block(), crc: e.crc, gen: b.gen})
-			b.pins++
 		}
 		s.mu.Unlock()
 	}
@@ -463,7 +463,6 @@ func (s *Set) writebackEpoch(vi, n int) (int, error) {
 			}
 			b := &s.mu.buckets[int64(x.loc)/s.bpb]
 			items = append(items, wbItem{lba: x.lba, loc: x.loc, crc: x.crc, gen: b.gen})
-			b.pins++
 			return true
 		})
 		if !more {
@@ -473,6 +472,41 @@ func (s *Set) writebackEpoch(vi, n int) (int, error) {
 		s.mu.Lock()
 	}
 	s.mu.Unlock()
+	return s.writeItems(vi, items, runs)
+}
+
+// writebackEpochLBAs writes back, of the given LBAs, the live versions that
+// belong to the volume's oldest epoch (within one epoch any order is
+// allowed, so eviction can free its victim's blocks); when none does, it
+// writes back a batch of the oldest epoch instead, so callers always see
+// progress.
+func (s *Set) writebackEpochLBAs(vi int, lbas []uint64) (int, error) {
+	v := s.vols[vi]
+	var items []wbItem
+	var runs []blockRange
+	s.mu.Lock()
+	if first, ok := v.idx.vers.Min(); ok {
+		for _, lba := range lbas {
+			e, ok := v.idx.tree.Get(ent{lba: lba})
+			if !ok || !e.dirty() || s.mu.bepoch[e.block()] != first.epoch {
+				continue
+			}
+			if _, busy := v.idx.wbInflight[e.block()]; busy {
+				continue
+			}
+			v.idx.wbInflight[e.block()] = struct{}{}
+			if len(items) > 0 && items[len(items)-1].lba+1 == lba && runs[len(runs)-1].n < wbMaxRun {
+				runs[len(runs)-1].n++
+			} else {
+				runs = append(runs, blockRange{uint64(len(items)), 1})
+			}
+			items = append(items, wbItem{lba: lba, loc: e.block(), crc: e.crc, gen: s.mu.buckets[int64(e.block())/s.bpb].gen})
+		}
+	}
+	s.mu.Unlock()
+	if len(items) == 0 {
+		return s.writebackEpoch(vi, max(len(lbas), 1))
+	}
 	return s.writeItems(vi, items, runs)
 }
 
@@ -536,10 +570,16 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 		if claimed {
 			v.idx.busy = append(v.idx.busy, claim(r))
 		}
+		// Buckets are pinned only from here until the blocks are read, so a
+		// long batch never holds buckets back from eviction.
 		valid := make([]bool, r.n)
 		for i := range valid {
 			it := &items[int(r.lba)+i]
-			valid[i] = claimed && s.hasVersionLocked(vi, it.lba, it.loc, it.crc)
+			b := &s.mu.buckets[int64(it.loc)/s.bpb]
+			valid[i] = claimed && b.gen == it.gen && s.hasVersionLocked(vi, it.lba, it.loc, it.crc)
+			if valid[i] {
+				b.pins++
+			}
 		}
 		s.mu.Unlock()
 		defer func() {
@@ -563,8 +603,10 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 			i = j
 		}
 		s.mu.Lock()
-		for _, it := range its {
-			s.unpinLocked(it.loc)
+		for i, it := range its {
+			if valid[i] {
+				s.unpinLocked(it.loc)
+			}
 		}
 		s.mu.Unlock()
 		if rerr == nil {

@@ -47,6 +47,7 @@ const (
 	wbQueueDepth    = 32      // backing writes (and cache reads) in flight per batch
 	wbMaxRun        = 512     // blocks per merged write (2 MiB)
 	wbBatch         = 16384   // blocks per batch at full speed (64 MiB: one sweep, one backing sync)
+	wbBatchShort    = 1024    // blocks per batch while free buckets are short
 	drainBatch      = 65536   // blocks per batch of Drain (256 MiB of disk; 24 B each in memory)
 	wbInflightBytes = 4 << 20 // backing bytes in flight per batch (at least 2 runs)
 	wbTick          = 100 * time.Millisecond
@@ -145,6 +146,11 @@ func (s *Set) writebackLoop(v *Volume) {
 			continue
 		}
 		n := wbBatch
+		if _, short, _ := s.pressure(); short {
+			// Buckets are needed now: small batches get blocks marked
+			// clean (and their buckets evictable) sooner.
+			n = wbBatchShort
+		}
 		if rate > 0 {
 			n = int(min(max(rate*int64(wbTick)/int64(time.Second), 1), wbBatch))
 		}

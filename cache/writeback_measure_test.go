@@ -209,13 +209,17 @@ func TestMeasureForegroundLatency(t *testing.T) {
 		name            string
 		span, hot, base int64
 	}{{"sustained", 32 << 20, 4 << 20, 0}, {"overload", 96 << 20, 4 << 20, 512 << 20}} {
-		t.Run(tc.name, func(t *testing.T) { measureLatency(t, tc.span, tc.hot, tc.base) })
+		for _, order := range []string{"epoch", "lba"} {
+			t.Run(tc.name+"/"+order, func(t *testing.T) { measureLatency(t, tc.span, tc.hot, tc.base, order) })
+		}
 	}
 }
 
-func measureLatency(t *testing.T, span, hot, hotBase int64) {
+func measureLatency(t *testing.T, span, hot, hotBase int64, order string) {
 	hdd := measureHDD(t, 1<<30, 1)
-	s := measureSet(t, 48, hdd, DefaultSettings())
+	cfg := DefaultSettings()
+	cfg.WritebackOrder = order
+	s := measureSet(t, 48, hdd, cfg)
 	v, _ := s.Volume("hdd")
 	const dur = 6 * time.Second
 	var mu sync.Mutex
