@@ -214,7 +214,7 @@ func fioVerify(t *testing.T, uri string, jobs int, size, pass string) {
 		"--name=verify", "--ioengine=nbd", "--uri="+uri,
 		"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", fmt.Sprintf("--numjobs=%d", jobs),
 		"--size="+size, "--offset_increment=64m", "--verify=crc32c", "--verify_fatal=1",
-		pass, "--group_reporting", "--output-format=json",
+		"--verify_state_save=0", pass, "--group_reporting", "--output-format=json",
 	)
 	checkFio(t, out)
 }
