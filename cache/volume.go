@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/tiercache/tiercache/device"
 )
@@ -48,7 +49,7 @@ type volStats struct {
 	checksumErrors, checksumRepairs, promoteSkipBytes atomic.Uint64
 	readHitOps, readMissOps, promoteOps               atomic.Uint64
 	bypass                                            [bypassFull + 1]atomic.Uint64 // bytes by reason
-	throttleNanos                                     atomic.Uint64
+	throttleNanos, spaceWaitNanos                     atomic.Uint64
 }
 
 // VolumeStats are a volume's counters.
@@ -78,7 +79,11 @@ type VolumeStats struct {
 	WritebackRate int64
 	// ThrottleNanos is the total time foreground writes were delayed to
 	// let writeback catch up when dirty data nears the cache size.
-	ThrottleNanos   uint64
+	ThrottleNanos uint64
+	// SpaceWaitNanos is the total time foreground writes waited for a free
+	// bucket (at most 5 ms each in lba order, where a write then goes
+	// around the cache; unbounded in epoch order, where it may not).
+	SpaceWaitNanos  uint64
 	ChecksumErrors  uint64 // cached blocks that failed verification (clean ones were repaired)
 	ChecksumRepairs uint64 // of those, clean blocks re-read from the backing device
 	CachedBlocks    int64
@@ -135,7 +140,7 @@ func (v *Volume) Stats() VolumeStats {
 		ReadHitOps: v.st.readHitOps.Load(), ReadMissOps: v.st.readMissOps.Load(), PromoteOps: v.st.promoteOps.Load(),
 		BypassSequentialBytes: v.st.bypass[bypassSequential].Load(), BypassModeBytes: v.st.bypass[bypassMode].Load(),
 		BypassCongestionBytes: v.st.bypass[bypassCongested].Load(), BypassCacheFullBytes: v.st.bypass[bypassFull].Load(),
-		WritebackRate: v.wb.rate.Load(), ThrottleNanos: v.st.throttleNanos.Load()}
+		WritebackRate: v.wb.rate.Load(), ThrottleNanos: v.st.throttleNanos.Load(), SpaceWaitNanos: v.st.spaceWaitNanos.Load()}
 	v.s.mu.Lock()
 	st.CachedBlocks, st.DirtyBlocks, st.SupersededBlocks = v.idx.cached, v.idx.dirty, v.idx.nsup
 	v.s.mu.Unlock()
@@ -538,11 +543,15 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 		v.throttle()
 	}
 	for done := 0; done < n; {
+		t0 := time.Now()
 		r, err := s.allocFor(n - done)
 		if errors.Is(err, errNoSpace) && s.keepSuperseded(v.vi) && v.hasDirty() {
 			// Epoch order: never around the cache while older epochs are
 			// in it; wait for writeback to free space instead.
 			r, err = s.alloc(n-done, allocWait)
+		}
+		if d := time.Since(t0); d > 100*time.Microsecond {
+			v.st.spaceWaitNanos.Add(uint64(d))
 		}
 		if errors.Is(err, errNoSpace) {
 			// No bucket came free in time: send the rest around the

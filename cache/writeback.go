@@ -77,9 +77,10 @@ func (s *Set) kickWB() {
 	}
 }
 
-// pressure returns the set's dirty share of the cache and whether free
-// buckets are short.
-func (s *Set) pressure() (dirtyShare float64, short bool, total int64) {
+// pressure returns the set's dirty share of the cache (superseded versions
+// included), whether free buckets are short, the cache size in blocks, and
+// how far the free list is below the low-water mark (0..1).
+func (s *Set) pressure() (dirtyShare float64, short bool, total int64, freeLack float64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var d int64
@@ -87,7 +88,11 @@ func (s *Set) pressure() (dirtyShare float64, short bool, total int64) {
 		d += v.idx.dirty + v.idx.nsup
 	}
 	total = int64(len(s.mu.owner))
-	return float64(d) / float64(total), len(s.mu.free) < s.lowWater(), total
+	lw := s.lowWater()
+	if f := len(s.mu.free); f < lw {
+		freeLack = float64(lw-f) / float64(lw)
+	}
+	return float64(d) / float64(total), len(s.mu.free) < lw, total, freeLack
 }
 
 // wbRate decides the volume's writeback rate in blocks per second; -1 means
@@ -146,7 +151,7 @@ func (s *Set) writebackLoop(v *Volume) {
 			continue
 		}
 		n := wbBatch
-		if _, short, _ := s.pressure(); short {
+		if _, short, _, _ := s.pressure(); short {
 			// Buckets are needed now: small batches get blocks marked
 			// clean (and their buckets evictable) sooner.
 			n = wbBatchShort
@@ -228,21 +233,23 @@ func (s *Set) writebackSweep(v *Volume, n int) int {
 }
 
 // throttle delays a foreground write in writeback mode when dirty data
-// nears the cache size, so writeback (which runs at full speed by then)
-// keeps up without the cache ever filling with dirty data. The delay is
-// small and smooth: proportional to the square of the pressure, at most
-// throttleMax.
+// nears the cache size, or when GC is behind (the free list below its
+// low-water mark), so writeback and eviction keep up without the cache
+// running out of buckets. The delay is small and smooth: the square of the
+// larger pressure times throttleMax.
 func (v *Volume) throttle() {
-	share, _, _ := v.s.pressure()
-	if share <= throttleStart {
-		return
+	share, _, _, lack := v.s.pressure()
+	p := 0.0
+	if share > throttleStart {
+		p = min((share-throttleStart)/(1-throttleStart), 1)
 	}
-	p := min((share-throttleStart)/(1-throttleStart), 1)
+	p = max(p, lack)
 	d := time.Duration(p * p * float64(throttleMax))
 	if d <= 0 {
 		return
 	}
 	v.s.kickWB()
+	v.s.kick()
 	time.Sleep(d)
 	v.st.throttleNanos.Add(uint64(d))
 }

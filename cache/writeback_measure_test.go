@@ -277,8 +277,8 @@ func measureLatency(t *testing.T, span, hot, hotBase int64, order string) {
 		return l[min(int(float64(len(l))*p), len(l)-1)]
 	}
 	st, ss := v.Stats(), s.Stats()
-	t.Logf("writes: %d, p50 %v p99 %v p99.9 %v max %v; throttled %v in total; cache-full bypass %d KiB",
-		len(wlat), pct(wlat, .5), pct(wlat, .99), pct(wlat, .999), pct(wlat, 1), time.Duration(st.ThrottleNanos), st.BypassCacheFullBytes>>10)
+	t.Logf("writes: %d, p50 %v p99 %v p99.9 %v max %v; throttled %v, waited for space %v in total; cache-full bypass %d KiB",
+		len(wlat), pct(wlat, .5), pct(wlat, .99), pct(wlat, .999), pct(wlat, 1), time.Duration(st.ThrottleNanos), time.Duration(st.SpaceWaitNanos), st.BypassCacheFullBytes>>10)
 	t.Logf("reads: %d (hit requests %d, miss requests %d), p50 %v p99 %v p99.9 %v max %v",
 		len(rlat), st.ReadHitOps, st.ReadMissOps, pct(rlat, .5), pct(rlat, .99), pct(rlat, .999), pct(rlat, 1))
 	t.Logf("writeback %d MiB, evictions %d, GC moves %d, dirty now %d KiB",
