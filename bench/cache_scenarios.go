@@ -234,7 +234,7 @@ func (c *cacheRunner) s2(ctx context.Context) error {
 			mib(delta(start, afterSeq, "ReadHitBytes")), mib(delta(start, afterSeq, "PromoteBytes")),
 			fmt.Sprintf("%s / %s / %s / %s", mib(end["BypassSequentialBytes"]), mib(end["BypassModeBytes"]), mib(end["BypassCongestionBytes"]), mib(end["BypassCacheFullBytes"])),
 			mib(end["WriteBytes"]), fmt.Sprintf("%.0f blocks", end["DirtyBlocks"])})
-		if err := c.stop(srv); err != nil {
+		if err := c.discard(srv); err != nil {
 			return err
 		}
 	}
@@ -352,7 +352,7 @@ func (c *cacheRunner) s3(ctx context.Context) error {
 			hitNote = fmt.Sprintf("During the measured runs tiercache read %s, %s of it cache hits (%s); misses %s, bypassed %s.", mib(rb), mib(delta(v0, v1, "ReadHitBytes")),
 				pct(ratioOf(delta(v0, v1, "ReadHitBytes"), rb)), mib(delta(v0, v1, "ReadMissBytes")), mib(delta(v0, v1, "BypassBytes")))
 		}
-		if err := c.stop(srv); err != nil {
+		if err := c.discard(srv); err != nil {
 			return err
 		}
 	}
@@ -458,7 +458,7 @@ func (c *cacheRunner) s4(ctx context.Context) error {
 		rows = append(rows, []string{"tiercache drain, writeback_order=" + o, fmt.Sprintf("%.0f", r.dirty), fmt.Sprintf("%.2f", r.secs), fmt.Sprintf("%.0f", r.dirty/r.secs), fmt.Sprintf("%.1fx", rsec/r.secs)})
 	}
 	rows = append(rows, []string{"same writes replayed to the HDD model, arrival order, QD32 (+ fsync)", fmt.Sprintf("%.0f", n), fmt.Sprintf("%.2f", rsec), fmt.Sprintf("%.0f", n/rsec), "1.0x"})
-	c.details = append(c.details, detail{Scenario: "S4", Title: fmt.Sprintf("S4 writeback drain: %d MiB of 4 KiB random writes (QD32) over %d MiB", c.sz.S4Writes>>20, c.sz.Backing>>20), Rows: rows,
+	c.details = append(c.details, detail{Scenario: "S4", Title: fmt.Sprintf("S4 writeback drain: %d MiB of 4 KiB random writes (QD32) over the first %d MiB of a %d MiB HDD model", c.sz.S4Writes>>20, c.sz.Backing>>20, c.sz.Disk>>20), Rows: rows,
 		Notes: []string{"The engine accepts writeback_order=epoch but, in this version, writes it back like lba (cache/writeback.go), so the arrival-order baseline is fio replaying the same writes (same seed) straight to the HDD model at the writeback's queue depth (32), ending with an fsync so that the drive's write cache is on the platter, as after a flush."}})
 	lba := results["lba"]
 	c.checks = append(c.checks, Check{Scenario: "S4", What: "drain time: arrival order (direct, QD32) / LBA-sorted writeback", Seed: "– (no seed)",
@@ -536,7 +536,7 @@ func (c *cacheRunner) s5(ctx context.Context) error {
 	rb := delta(v0, v1, "ReadBytes")
 	hit := ratioOf(delta(v0, v1, "ReadHitBytes"), rb)
 	for _, s := range []*server{tc, q} {
-		if err := c.stop(s); err != nil {
+		if err := c.discard(s); err != nil {
 			return err
 		}
 	}
