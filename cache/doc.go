@@ -176,9 +176,10 @@
 // volume has dirty data, they wait for space instead; an invalidation
 // (writearound, none, trim, write-zeroes) and a clean insert (writethrough,
 // promotion) drop every older version of the range, since the backing
-// device then holds newer data — those writes themselves are not ordered
-// against older epochs, so the guarantee covers writes and flushes in
-// writeback mode. Leaving epoch order drops the superseded versions.
+// device then holds newer data; and a write that goes to the backing device
+// directly (passthrough, writethrough) first waits until every epoch before
+// the current one is written back. Leaving epoch order drops the
+// superseded versions.
 //
 // Recovery: replay rebuilds superseded versions from the insert records
 // (same rule, same order); a checkpoint stores an epoch section after the

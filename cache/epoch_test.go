@@ -109,6 +109,9 @@ func runEpochSeed(t *testing.T, seed uint64) {
 		case k < 50:
 			b := rng.IntN(nblk)
 			n := min(1+rng.IntN(4), nblk-b)
+			// Sometimes through the backing device (writethrough) or as
+			// zeroes (passed down): both must wait for older epochs.
+			how := []string{"wb", "wb", "wb", "wb", "wt", "zero"}[rng.IntN(6)]
 			p := make([]byte, n*blockSize)
 			ids := make([]uint64, n)
 			for i := range n {
@@ -116,8 +119,23 @@ func runEpochSeed(t *testing.T, seed uint64) {
 				ids[i] = wid
 				stamp(p[i*blockSize:(i+1)*blockSize], wid, 0, int64(b+i)*blockSize)
 			}
-			log = append(log, fmt.Sprintf("write %d+%d ids %v", b, n, ids))
-			if err := v.WriteAt(p, int64(b)*blockSize, false); err != nil {
+			log = append(log, fmt.Sprintf("write(%s) %d+%d ids %v", how, b, n, ids))
+			var err error
+			switch how {
+			case "wb":
+				err = v.WriteAt(p, int64(b)*blockSize, false)
+			case "wt":
+				if err = v.SetMode(Writethrough); err == nil {
+					err = v.WriteAt(p, int64(b)*blockSize, false)
+				}
+				if err == nil {
+					err = v.SetMode(Writeback)
+				}
+			case "zero":
+				err = v.WriteZeroes(int64(b)*blockSize, int64(n)*blockSize, false, true, false)
+				clear(ids)
+			}
+			if err != nil {
 				fail("write: %v", err)
 			}
 			e := len(states) - 1

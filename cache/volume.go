@@ -232,6 +232,37 @@ const (
 	promoteForce                        // NBD_CMD_CACHE: always promoted
 )
 
+// drainOlderEpochs, in epoch order, writes back every dirty version of
+// the epochs before the current one, so that a write about to go straight
+// to the backing device (passthrough, writethrough) lands after them, as
+// the order requires. Versions that cannot be written back (failing
+// checksums or device) would block it forever: after 100 rounds without
+// progress it gives up and logs, and the write goes ahead unordered.
+func (v *Volume) drainOlderEpochs() {
+	s := v.s
+	if !s.keepSuperseded(v.vi) {
+		return
+	}
+	stuck := 0
+	for stuck < 100 {
+		s.mu.Lock()
+		first, ok := v.idx.vers.Min()
+		cur := v.idx.epoch
+		s.mu.Unlock()
+		if !ok || first.epoch >= cur || s.err() != nil {
+			return
+		}
+		n, err := s.writebackEpoch(v.vi, wbBatch)
+		if err != nil || n == 0 {
+			stuck++
+			time.Sleep(time.Millisecond)
+			continue
+		}
+		stuck = 0
+	}
+	s.log.Warn("older epochs cannot be written back; a write goes to the backing device out of epoch order", "volume", v.name)
+}
+
 // hasDirty reports whether the volume has dirty data in the cache.
 func (v *Volume) hasDirty() bool {
 	v.s.mu.Lock()
@@ -579,6 +610,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 		}
 		var claim []blockRange
 		if !dirty {
+			v.drainOlderEpochs()
 			// Writethrough: the backing write must not interleave with a
 			// writeback of an older version of these blocks.
 			v.claim(at, uint64(r.n))
@@ -621,6 +653,7 @@ func (v *Volume) writeAround(buf []byte, lba uint64, why bypassReason) error {
 // drops the cached blocks of the range and journals that.
 func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 	s := v.s
+	v.drainOlderEpochs()
 	v.claim(lba, n)
 	err := op()
 	s.mu.Lock()
