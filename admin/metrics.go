@@ -64,6 +64,7 @@ var volumeMetrics = map[string]metricDef{
 	"BypassCacheFullBytes":  {name: "tiercache_bypass_cache_full_bytes_total", help: "Writes sent around the cache because no bucket was free in time.", kind: counter},
 	"WritebackRate":         {name: "tiercache_writeback_rate_bytes", help: "Background writeback target rate in bytes/s (-1: full speed).", kind: gauge},
 	"SupersededBlocks":      {name: "tiercache_superseded_bytes", help: "Older dirty versions kept for epoch-ordered writeback.", kind: gauge, scale: blockBytes},
+	"SpaceWaitNanos":        {name: "tiercache_write_space_wait_seconds_total", help: "Time foreground writes waited for a free bucket.", kind: counter, scale: 1e-9},
 	"ThrottleNanos":         {name: "tiercache_write_throttle_seconds_total", help: "Time foreground writes were delayed to let writeback catch up.", kind: counter, scale: 1e-9},
 }
 
