@@ -150,9 +150,9 @@ func (p HDDParams) withDefaults() HDDParams {
 //     Close).
 type HDD struct {
 	front
-	p     HDDParams
-	g     *geometry
-	tl    *timeline
+	p  HDDParams
+	g  *geometry
+	tl *timeline
 
 	closeOnce sync.Once
 	closeErr  error

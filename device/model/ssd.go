@@ -112,8 +112,8 @@ func (p SSDParams) withDefaults(base SSDParams) SSDParams {
 //     it arrived (lastWrite), plus FlushLatency.
 type SSD struct {
 	front
-	p     SSDParams
-	tl    *timeline
+	p  SSDParams
+	tl *timeline
 
 	closeOnce sync.Once
 	closeErr  error
