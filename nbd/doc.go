@@ -67,7 +67,9 @@
 // off` (medians of 8), context switches per request fell 1.39 -> 1.23
 // (read) and 1.52 -> 1.45 (write) and IOPS rose 7-11%, but that and the
 // server CPU per request (read 12.5 -> 15.0 µs, write 13.4 -> 12.0 µs) are
-// within the run-to-run noise of that machine. nbdkit stays ahead there.
+// within the run-to-run noise of that machine (a tcbench pair run later
+// even favoured the old design, under more foreign load). nbdkit stays
+// ahead there.
 //
 // Executing small requests in the reader itself (inline, with a fall back
 // to workers after a slow call) was tried and rejected: it cannot know that
