@@ -19,6 +19,13 @@
 // Every command line the harness runs is printed and written into the report,
 // so a result can be reproduced by hand.
 //
+// `tcbench cache` (cache.go, cache_scenarios.go, cache_report.go) runs the
+// cache scenarios S1-S5 of issue 5: tiercache with an SSD model in front of
+// an HDD model, side by side with the plain HDD model (and qemu-nbd in S5),
+// driving tiercache's admin CLI (set, flush, stats --json) between fio runs,
+// and reports each published seed figure beside ours; docs/BENCHMARKS.md
+// describes the method.
+//
 // The pure parts (fio JSON, /proc stat, size parsing, medians and ratios, the
 // report) are unit tested. The harness itself is slow and needs fio, qemu-nbd
 // and nbdkit, so it is not part of `go test`; `go run ./cmd/tcbench --quick`
