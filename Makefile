@@ -5,7 +5,7 @@ GO ?= go
 GOBIN := $(shell $(GO) env GOPATH)/bin
 PKGS := ./...
 
-.PHONY: all build test deps lint unit race interop bench fuzz stress clean
+.PHONY: all build test deps lint unit race interop bench bench-quick bench-nbd fuzz stress clean
 
 all: build
 
@@ -17,7 +17,7 @@ deps:
 
 # Everything: lint, unit tests with the race detector and invariant checks,
 # then the interop tests with real clients against the built binary.
-test: deps lint race interop
+test: deps lint race interop bench-quick
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -46,7 +46,17 @@ fuzz:
 stress:
 	TIERCACHE_CRASH_CYCLES=1000 $(GO) test -count=1 -timeout 3h -run 'TestKillCycles$$' -v ./internal/interop/
 
+# The cache scenarios S1-S5 (HDD/SSD models, fio through NBD, side by side);
+# docs/BENCHMARKS.md has the method and results.
 bench:
+	$(GO) run ./cmd/tcbench cache $(BENCHFLAGS)
+
+# Only checks that every scenario runs end to end (part of make test).
+bench-quick:
+	$(GO) run ./cmd/tcbench cache --quick $(BENCHFLAGS)
+
+# tiercache's NBD server vs qemu-nbd and nbdkit on a plain file.
+bench-nbd:
 	$(GO) run ./cmd/tcbench $(BENCHFLAGS)
 
 clean:
