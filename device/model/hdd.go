@@ -90,42 +90,30 @@ func DefaultHDD() HDDParams {
 // withDefaults returns p with every zero field set to its default.
 func (p HDDParams) withDefaults() HDDParams {
 	d := DefaultHDD()
-	set := func(v *float64, def float64) {
-		if *v == 0 {
-			*v = def
-		}
-	}
-	setD := func(v *time.Duration, def time.Duration) {
-		if *v == 0 {
-			*v = def
-		}
-	}
-	set(&p.RPM, d.RPM)
-	set(&p.OuterRate, d.OuterRate)
-	set(&p.InnerRate, d.InnerRate)
-	set(&p.InterfaceRate, d.InterfaceRate)
-	set(&p.TimeScale, d.TimeScale)
-	setD(&p.TrackToTrack, d.TrackToTrack)
-	setD(&p.AvgSeek, d.AvgSeek)
-	setD(&p.FullStroke, d.FullStroke)
-	setD(&p.AgeLimit, d.AgeLimit)
-	setD(&p.CommandOverhead, d.CommandOverhead)
-	if p.Zones == 0 {
-		p.Zones = d.Zones
-	}
-	if p.QueueDepth == 0 {
-		p.QueueDepth = d.QueueDepth
-	}
-	if p.ReadAhead == 0 {
-		p.ReadAhead = d.ReadAhead
-	}
-	if p.WriteCacheSize == 0 {
-		p.WriteCacheSize = d.WriteCacheSize
-	}
-	if p.DestageQueue == 0 {
-		p.DestageQueue = d.DestageQueue
-	}
+	orDefault(&p.RPM, d.RPM)
+	orDefault(&p.OuterRate, d.OuterRate)
+	orDefault(&p.InnerRate, d.InnerRate)
+	orDefault(&p.InterfaceRate, d.InterfaceRate)
+	orDefault(&p.TimeScale, d.TimeScale)
+	orDefault(&p.TrackToTrack, d.TrackToTrack)
+	orDefault(&p.AvgSeek, d.AvgSeek)
+	orDefault(&p.FullStroke, d.FullStroke)
+	orDefault(&p.AgeLimit, d.AgeLimit)
+	orDefault(&p.CommandOverhead, d.CommandOverhead)
+	orDefault(&p.Zones, d.Zones)
+	orDefault(&p.QueueDepth, d.QueueDepth)
+	orDefault(&p.ReadAhead, d.ReadAhead)
+	orDefault(&p.WriteCacheSize, d.WriteCacheSize)
+	orDefault(&p.DestageQueue, d.DestageQueue)
 	return p
+}
+
+// orDefault sets a zero parameter to its default.
+func orDefault[T comparable](v *T, def T) {
+	var zero T
+	if *v == zero {
+		*v = def
+	}
 }
 
 // HDD is a device.Device that stores data on an inner device and completes

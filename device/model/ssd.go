@@ -69,30 +69,14 @@ func NVMeSSD() SSDParams {
 
 // withDefaults returns p with its zero fields taken from base.
 func (p SSDParams) withDefaults(base SSDParams) SSDParams {
-	if p.ReadLatency == 0 {
-		p.ReadLatency = base.ReadLatency
-	}
-	if p.WriteLatency == 0 {
-		p.WriteLatency = base.WriteLatency
-	}
-	if p.ProgramTime == 0 {
-		p.ProgramTime = base.ProgramTime
-	}
-	if p.Channels == 0 {
-		p.Channels = base.Channels
-	}
-	if p.ReadRate == 0 {
-		p.ReadRate = base.ReadRate
-	}
-	if p.WriteRate == 0 {
-		p.WriteRate = base.WriteRate
-	}
-	if p.FlushLatency == 0 {
-		p.FlushLatency = base.FlushLatency
-	}
-	if p.TimeScale == 0 {
-		p.TimeScale = base.TimeScale
-	}
+	orDefault(&p.ReadLatency, base.ReadLatency)
+	orDefault(&p.WriteLatency, base.WriteLatency)
+	orDefault(&p.ProgramTime, base.ProgramTime)
+	orDefault(&p.Channels, base.Channels)
+	orDefault(&p.ReadRate, base.ReadRate)
+	orDefault(&p.WriteRate, base.WriteRate)
+	orDefault(&p.FlushLatency, base.FlushLatency)
+	orDefault(&p.TimeScale, base.TimeScale)
 	p.virtual = p.virtual || base.virtual
 	return p
 }
