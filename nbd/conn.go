@@ -2,8 +2,8 @@ package nbd
 
 // Invariants of a connection in the transmission phase:
 //
-//  1. Only the reader goroutine (serve/transmit) reads from c.br and pushes
-//     to c.work; it alone closes c.work, after which it waits for workers.
+//  1. Only the reader goroutine (serve/transmit) reads from c.br and sends
+//     on c.work; it alone closes c.work, after which it waits for workers.
 //  2. Replies are queued on c.wq and written by one goroutine at a time
 //     (the worker that found the writer idle), whole replies in one writev,
 //     so replies never interleave and a burst of replies costs one syscall.
@@ -58,7 +58,8 @@ type conn struct {
 
 	// Transmission phase.
 	sem      *byteSem
-	work     workQueue      // requests waiting for a worker
+	work     chan *request
+	nworkers int            // reader-owned
 	wg       sync.WaitGroup // running workers
 	hdr      [requestHeaderSize]byte
 	running  atomic.Int64 // requests dispatched and not yet replied to
@@ -93,22 +94,11 @@ func newConn(s *Server, nc net.Conn) *conn {
 		s:   s,
 		raw: nc,
 		nc:  nc,
+		br:  bufio.NewReaderSize(nc, 64<<10),
 		log: s.log.With("remote", nc.RemoteAddr().String()),
 		sem: newByteSem(s.cfg.MaxInFlightBytes),
 	}
-	c.work.cond.L = &c.work.mu
-	c.br = bufio.NewReaderSize(connReader{c}, 64<<10)
 	return c
-}
-
-// connReader is what c.br reads from: c.nc, but first a worker is woken
-// for requests still queued (workQueue.kick). bufio calls it only when its
-// buffer cannot satisfy a read, that is just before the reader may block.
-type connReader struct{ c *conn }
-
-func (r connReader) Read(p []byte) (int, error) {
-	r.c.kickPending()
-	return r.c.nc.Read(p)
 }
 
 func (c *conn) shuttingDown() bool {
@@ -165,6 +155,7 @@ func (c *conn) serve() {
 
 // transmit is the reader loop of the transmission phase.
 func (c *conn) transmit() {
+	c.work = make(chan *request)
 	disc := false
 	for {
 		if c.draining.Load() && c.br.Buffered() < requestHeaderSize {
@@ -195,8 +186,7 @@ func (c *conn) transmit() {
 			break
 		}
 	}
-	c.kick()
-	c.work.close()
+	close(c.work)
 	c.wg.Wait()
 	if disc {
 		if err := c.x.Backend.Flush(); err != nil {
@@ -236,7 +226,6 @@ func (c *conn) dispatch(h requestHeader) bool {
 		r.h = h
 		r.charge = minCharge
 		c.running.Add(1)
-		c.kickPending() // the reply may block on a client that does not read
 		c.sendError(r, errno, msg)
 		return c.writeOK()
 	}
@@ -248,11 +237,8 @@ func (c *conn) dispatch(h requestHeader) bool {
 	if h.Type == cmdRead || h.Type == cmdWrite {
 		charge = max(charge, int64(h.Length))
 	}
-	if !c.sem.tryAcquire(charge) {
-		c.kickPending() // their replies free the budget
-		if !c.sem.acquire(charge) {
-			return c.refuse(h) // shutting down
-		}
+	if !c.sem.acquire(charge) {
+		return c.refuse(h) // shutting down
 	}
 	r := requestPool.Get().(*request)
 	r.h = h
@@ -267,27 +253,18 @@ func (c *conn) dispatch(h requestHeader) bool {
 		}
 	}
 	c.running.Add(1)
-	if c.work.push(r, c.s.cfg.MaxWorkers) {
-		c.wg.Add(1)
-		go c.worker()
+	select {
+	case c.work <- r:
+	default:
+		if c.nworkers < c.s.cfg.MaxWorkers {
+			c.nworkers++
+			c.wg.Add(1)
+			go c.worker(r)
+		} else {
+			c.work <- r
+		}
 	}
 	return true
-}
-
-// kickPending is kick when requests are queued and no worker is polling.
-// The reader calls it before anything that may block.
-func (c *conn) kickPending() {
-	if c.work.pending() {
-		c.kick()
-	}
-}
-
-// kick makes sure a worker will take the queued requests; see workQueue.
-func (c *conn) kick() {
-	if c.work.kick(c.s.cfg.MaxWorkers) {
-		c.wg.Add(1)
-		go c.worker()
-	}
 }
 
 // refuse answers a request received after Shutdown began with ESHUTDOWN,
@@ -303,7 +280,6 @@ func (c *conn) refuse(h requestHeader) bool {
 	r := requestPool.Get().(*request)
 	r.h = h
 	c.running.Add(1)
-	c.kickPending()
 	c.sendError(r, ESHUTDOWN, "server shutting down")
 	return c.writeOK()
 }
@@ -370,17 +346,10 @@ func (c *conn) validate(h requestHeader) (uint32, string) {
 	return 0, ""
 }
 
-func (c *conn) worker() {
+func (c *conn) worker(r *request) {
 	defer c.wg.Done()
-	for done := false; ; done = true {
-		r, start := c.work.next(done, c.s.cfg.MaxWorkers)
-		if r == nil {
-			return
-		}
-		if start {
-			c.wg.Add(1)
-			go c.worker()
-		}
+	c.handle(r)
+	for r := range c.work {
 		c.handle(r)
 	}
 }

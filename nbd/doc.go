@@ -36,9 +36,7 @@
 //     Config.MaxWorkers and kept until the connection ends, so the steady
 //     state allocates nothing) execute requests against the Backend
 //     concurrently. A slow request never holds up the others: replies go out
-//     in completion order, matched by handle, as the protocol allows. The
-//     reader hands requests over through a mutex-protected queue, not a
-//     channel (see "Dispatch" below).
+//     in completion order, matched by handle, as the protocol allows.
 //   - One writer at a time: a finished worker queues its reply; if nobody
 //     is writing it becomes the writer and sends everything queued, header
 //     and data of each reply together, with one writev (net.Buffers) per
@@ -48,35 +46,6 @@
 //     its batch (at QD32, ~17 replies per writev). A success header is only ever queued after
 //     the backend call succeeded, and a READ's data is complete before its
 //     header is queued, so an error can always still be reported.
-//
-// # Dispatch
-//
-// With a page-cached file, a 4 KiB request costs less in the backend (a
-// pread of ~2 µs) than in handing it from the reader to a worker: an
-// unbuffered channel send to a parked worker readied a goroutine and woke
-// a thread (futex) per request, ~1.4 context switches per request at QD32.
-// Now a worker that finishes a request takes the next one from the queue
-// itself and yields a few times before parking; the reader wakes a worker
-// only when none is about to look at the queue and requests pile up, or
-// before it blocks; a worker that takes a request while others are still
-// queued wakes one more, in case its request is slow. Measured on the
-// shared 2-vCPU VM (load 4-7; docs/bench/nbd-hotpath.md): CPU per request
-// of BenchmarkServerRead4K/Write4K (client and server, QD32) fell from
-// 4.85/4.95 to 4.10/4.30 µs (medians of 6 interleaved runs, 10 of 12 pairs
-// better); end to end with fio at QD32 against `tiercache serve --direct
-// off` (medians of 8), context switches per request fell 1.39 -> 1.23
-// (read) and 1.52 -> 1.45 (write) and IOPS rose 7-11%, but that and the
-// server CPU per request (read 12.5 -> 15.0 µs, write 13.4 -> 12.0 µs) are
-// within the run-to-run noise of that machine (a tcbench pair run later
-// even favoured the old design, under more foreign load). nbdkit stays
-// ahead there.
-//
-// Executing small requests in the reader itself (inline, with a fall back
-// to workers after a slow call) was tried and rejected: it cannot know that
-// a call will be slow before making it, so one blocking backend call
-// stalls the whole connection (TestOutOfOrderReplies hangs). In 5 fio
-// runs it used less server CPU per request than the queue (read 15.3 vs
-// 17.3 µs, write 9.8 vs 12.1 µs) but got no more IOPS, within the noise.
 //
 // The reader acquires the bytes of every READ and WRITE (and 1 KiB for any
 // other request) from a per-connection budget (Config.MaxInFlightBytes),

@@ -375,7 +375,7 @@ func (c *conn) upgradeTLS() error {
 		return fmt.Errorf("TLS handshake: %w", err)
 	}
 	c.nc = tc
-	c.br.Reset(connReader{c}) // now reads from tc
+	c.br.Reset(tc)
 	c.bw = bufio.NewWriterSize(tc, 64<<10)
 	c.tlsOn = true
 	c.structured, c.metaSelected, c.metaExport = false, false, ""

@@ -35,18 +35,6 @@ func (s *byteSem) acquire(n int64) bool {
 	return true
 }
 
-// tryAcquire is acquire without waiting: it returns false if n bytes do not
-// fit now (or the semaphore was aborted).
-func (s *byteSem) tryAcquire(n int64) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed || (s.used > 0 && s.used+n > s.max) {
-		return false
-	}
-	s.used += n
-	return true
-}
-
 func (s *byteSem) release(n int64) {
 	s.mu.Lock()
 	s.used -= n
