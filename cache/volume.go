@@ -305,38 +305,10 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 		}
 		s.mu.Unlock()
 	}()
-	// Cached pieces, merging runs that are consecutive in both spaces.
-	for i := 0; i < len(hits); {
-		j := i + 1
-		for j < len(hits) && hits[j].lba == hits[j-1].lba+1 && hits[j].block() == hits[j-1].block()+1 {
-			j++
-		}
-		at := int(hits[i].lba-lba) * blockSize
-		if _, err := s.dev.ReadAt(buf[at:at+(j-i)*blockSize], s.cacheOff(hits[i].block())); err != nil {
-			return fmt.Errorf("volume %s: reading cache: %w", v.name, err)
-		}
-		i = j
-	}
-	// Gaps from the backing device.
-	var misses []blockRange
-	next := lba
-	for k := 0; k <= len(hits); k++ {
-		end := lba + uint64(n)
-		if k < len(hits) {
-			end = hits[k].lba
-		}
-		if end > next {
-			misses = append(misses, blockRange{next, end - next})
-		}
-		if k < len(hits) {
-			next = hits[k].lba + 1
-		}
-	}
-	for _, m := range misses {
-		at := int(m.lba-lba) * blockSize
-		if err := v.readBacking(buf[at:at+int(m.n)*blockSize], m.lba); err != nil {
-			return fmt.Errorf("volume %s: %w", v.name, err)
-		}
+	// Cached and backing pieces, all in flight at once (readpath.go).
+	misses, err := v.readPieces(buf, lba, n, hits)
+	if err != nil {
+		return err
 	}
 	// Verify every cached block.
 	for _, e := range hits {

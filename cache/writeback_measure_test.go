@@ -38,9 +38,18 @@ func measureHDD(t *testing.T, size int64, scale float64) *model.HDD {
 // front of back.
 func measureSet(t *testing.T, nb int64, back device.Device, st Settings) *Set {
 	t.Helper()
+	return measureSetOn(t, device.NewMem(measureCacheSize(nb)), back, st)
+}
+
+// measureCacheSize is the size of a measureSetOn cache device of nb buckets.
+func measureCacheSize(nb int64) int64 { return cacheSizeFor(nb, 1<<20, 8<<20, 1) }
+
+// measureSetOn formats a set of 1 MiB buckets on cache (measureCacheSize
+// bytes) in front of back.
+func measureSetOn(t *testing.T, cache device.Device, back device.Device, st Settings) *Set {
+	t.Helper()
 	const bs = 1 << 20
 	jl := int64(8 << 20)
-	cache := device.NewMem(cacheSizeFor(nb, bs, jl, 1))
 	specs := []BackingSpec{{Name: "hdd", Dev: back}}
 	if _, err := Format(cache, specs, FormatOptions{BucketSize: bs, JournalSize: jl}); err != nil {
 		t.Fatal(err)

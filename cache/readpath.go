@@ -1,0 +1,205 @@
+package cache
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+)
+
+// The device reads of one client read (readBlocks).
+//
+// A read that is partly cached needs pieces from two devices: runs of
+// cached blocks from the cache device and the gaps between them from the
+// backing device. Issued one after another, each piece waits for the one
+// before it, so a 1 MiB sequential read with 16 scattered cached blocks
+// (S1 in docs/BENCHMARKS.md: a file rewritten 4 KiB at a time, then read
+// through) waited for 16 cache reads and 17 backing reads in turn and ran
+// at 95 % of the plain disk.
+//
+// So readPieces issues every piece at once, and it coalesces backing gaps
+// separated by at most coalesceGap cached bytes into one backing read of
+// the whole span, overlaying the cached blocks when both are done. On an
+// HDD a short skip costs as much rotation as reading through it, and one
+// command instead of several keeps the drive streaming; on an SSD the
+// extra bytes are cheap. Measured on the HDD model behind the SATA SSD
+// model (TestMeasurePartlyCachedRead: 1/16 of 256 MiB cached, 1 MiB QD1
+// reads), against the plain HDD model: serial 0.86x, concurrent pieces
+// 0.96x (4,052 backing reads, the drive's read-ahead buffer missed), and
+// concurrent and coalesced 1.00x (256 backing reads, one per client read),
+// at load average 2 on 2 cores; at load 12 the order held (0.59x, 0.85x,
+// 0.95x).
+
+// coalesceGap is the largest run of cached bytes a backing read reads
+// through (and discards) to join the gaps on either side of it. 128 KiB is
+// under 1 ms of transfer on the HDD model, less than any repositioning
+// (a revolution is 8.3 ms), and a small fraction of an SSD's bandwidth.
+const coalesceGap = 128 << 10
+
+// maxReadFanout bounds the goroutines one read uses for its pieces: enough
+// to keep an SSD's channels busy, few enough that a fragmented read does not
+// spawn one goroutine per block.
+const maxReadFanout = 8
+
+// readStrategy selects how readPieces issues pieces; tests set it to
+// measure the alternatives against each other.
+type readStrategy int
+
+const (
+	readCoalesced  readStrategy = iota // concurrent, backing gaps coalesced (the default)
+	readConcurrent                     // concurrent, one backing read per gap
+	readSerial                         // one piece after another (before)
+)
+
+var readStrategyUsed atomic.Int32 // a readStrategy; tests only
+
+// piece is one device read of a client read.
+type piece struct {
+	dst     []byte
+	lba     uint64 // backing: first block; cache: unused
+	off     int64  // cache: device offset
+	backing bool
+}
+
+// readPieces fills buf (n blocks from lba) from the cached entries hits
+// (sorted by lba, pinned by the caller) and the backing device, and returns
+// the blocks not cached. It does not verify checksums: readBlocks does,
+// after every piece is in buf.
+func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) ([]blockRange, error) {
+	s := v.s
+	var misses []blockRange
+	next := lba
+	for k := 0; k <= len(hits); k++ {
+		end := lba + uint64(n)
+		if k < len(hits) {
+			end = hits[k].lba
+		}
+		if end > next {
+			misses = append(misses, blockRange{next, end - next})
+		}
+		if k < len(hits) {
+			next = hits[k].lba + 1
+		}
+	}
+	strat := readStrategy(readStrategyUsed.Load())
+	// Backing reads: the gaps, joined across short cached runs unless
+	// measuring the alternatives.
+	runs := misses
+	if strat == readCoalesced && len(misses) > 1 {
+		runs = nil
+		cur := misses[0]
+		for _, m := range misses[1:] {
+			if (m.lba-(cur.lba+cur.n))*blockSize <= coalesceGap {
+				cur.n = m.lba + m.n - cur.lba
+				continue
+			}
+			runs = append(runs, cur)
+			cur = m
+		}
+		runs = append(runs, cur)
+	}
+	ps := make([]piece, 0, len(runs)+len(hits))
+	for _, r := range runs {
+		at := int(r.lba-lba) * blockSize
+		ps = append(ps, piece{dst: buf[at : at+int(r.n)*blockSize], lba: r.lba, backing: true})
+	}
+	// Cache reads, merging runs that are consecutive in both spaces. A run
+	// inside a backing read goes to scratch and is copied over the backing
+	// data once both are done.
+	var scratch []byte
+	type overlay struct{ dst, src []byte }
+	var overlays []overlay
+	covered := func(l uint64) bool {
+		for _, r := range runs {
+			if r.overlaps(l, 1) {
+				return true
+			}
+		}
+		return false
+	}
+	for i := 0; i < len(hits); {
+		j := i + 1
+		for j < len(hits) && hits[j].lba == hits[j-1].lba+1 && hits[j].block() == hits[j-1].block()+1 &&
+			covered(hits[j].lba) == covered(hits[i].lba) {
+			j++
+		}
+		at := int(hits[i].lba-lba) * blockSize
+		dst := buf[at : at+(j-i)*blockSize]
+		if covered(hits[i].lba) {
+			if scratch == nil {
+				scratch = make([]byte, 0, len(hits)*blockSize)
+			}
+			o := overlay{dst: dst, src: scratch[len(scratch) : len(scratch)+len(dst)]}
+			scratch = scratch[:len(scratch)+len(dst)]
+			overlays = append(overlays, o)
+			dst = o.src
+		}
+		ps = append(ps, piece{dst: dst, off: s.cacheOff(hits[i].block())})
+		i = j
+	}
+	do := func(p piece) error {
+		if p.backing {
+			if err := v.readBacking(p.dst, p.lba); err != nil {
+				return fmt.Errorf("volume %s: %w", v.name, err)
+			}
+			return nil
+		}
+		if _, err := s.dev.ReadAt(p.dst, p.off); err != nil {
+			return fmt.Errorf("volume %s: reading cache: %w", v.name, err)
+		}
+		return nil
+	}
+	var err error
+	if strat == readSerial {
+		for _, p := range ps {
+			if err = do(p); err != nil {
+				break
+			}
+		}
+	} else {
+		err = runPieces(ps, do)
+	}
+	if err != nil {
+		return nil, err
+	}
+	for _, o := range overlays {
+		copy(o.dst, o.src)
+	}
+	return misses, nil
+}
+
+// runPieces runs do for every piece, at most maxReadFanout at a time, the
+// calling goroutine taking its share, and returns every error joined. The
+// backing pieces come first in ps, so the slowest device starts first.
+func runPieces(ps []piece, do func(piece) error) error {
+	if len(ps) == 1 {
+		return do(ps[0])
+	}
+	var next atomic.Int64
+	var mu sync.Mutex
+	var errs []error
+	work := func() {
+		for {
+			i := int(next.Add(1) - 1)
+			if i >= len(ps) {
+				return
+			}
+			if err := do(ps[i]); err != nil {
+				mu.Lock()
+				errs = append(errs, err)
+				mu.Unlock()
+			}
+		}
+	}
+	var wg sync.WaitGroup
+	for range min(len(ps), maxReadFanout) - 1 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			work()
+		}()
+	}
+	work()
+	wg.Wait()
+	return errors.Join(errs...)
+}

@@ -1,0 +1,129 @@
+package cache
+
+import (
+	"errors"
+	"math/rand/v2"
+	"testing"
+)
+
+// withReadStrategy runs f with readPieces using strategy st.
+func withReadStrategy(t *testing.T, st readStrategy, f func()) {
+	t.Helper()
+	old := readStrategyUsed.Swap(int32(st))
+	defer readStrategyUsed.Store(old)
+	f()
+}
+
+var readStrategyNames = map[readStrategy]string{readCoalesced: "coalesced", readConcurrent: "concurrent", readSerial: "serial"}
+
+// TestReadPiecesMixed reads random ranges of a volume whose blocks are a mix
+// of dirty cached blocks (the backing device holds older data under them),
+// clean cached blocks and uncached blocks, with every read strategy, and
+// checks each byte against the latest write (invariant 1). Promotion is off
+// so the mix stays fixed.
+func TestReadPiecesMixed(t *testing.T) {
+	const nblk = 1024
+	s, _, backs := newTestSet(t, 64, 64<<10, nblk*blockSize)
+	v := s.vols[0]
+	st := *v.cfg.Load()
+	st.Promote = "never"
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	want := make([]byte, nblk*blockSize)
+	stamp(want, 1, 0, 0)
+	if _, err := backs[0].WriteAt(want, 0); err != nil {
+		t.Fatal(err)
+	}
+	rng := rand.New(rand.NewPCG(3, 4))
+	p := make([]byte, blockSize)
+	write := func(mode Mode, wid uint64, n int) {
+		if err := v.SetMode(mode); err != nil {
+			t.Fatal(err)
+		}
+		for range n {
+			l := rng.Int64N(nblk)
+			stamp(p, wid, 0, l*blockSize)
+			if err := v.WriteAt(p, l*blockSize, false); err != nil {
+				t.Fatal(err)
+			}
+			copy(want[l*blockSize:], p)
+		}
+	}
+	write(Writethrough, 2, 150) // clean cached blocks
+	write(Writeback, 3, 150)    // dirty ones, over stale backing data
+	if st := v.Stats(); st.CachedBlocks == 0 || st.DirtyBlocks == 0 || st.CachedBlocks == nblk {
+		t.Fatalf("want a mix of cached, dirty and uncached blocks: %+v", st)
+	}
+	for _, strat := range []readStrategy{readCoalesced, readConcurrent, readSerial} {
+		withReadStrategy(t, strat, func() {
+			for range 300 {
+				off := rng.Int64N(nblk*blockSize - 1)
+				n := 1 + rng.Int64N(min(300*blockSize, nblk*blockSize-off))
+				got := make([]byte, n)
+				if err := v.ReadAt(got, off); err != nil {
+					t.Fatalf("%s: read %d at %d: %v", readStrategyNames[strat], n, off, err)
+				}
+				if string(got) != string(want[off:off+n]) {
+					t.Fatalf("%s: read %d at %d: wrong data", readStrategyNames[strat], n, off)
+				}
+			}
+		})
+	}
+}
+
+// TestReadPiecesChecksum: inside a coalesced backing read, a clean cached
+// block that fails its checksum is re-read from the backing device and a
+// dirty one is an error (invariant 4), as on the serial path.
+func TestReadPiecesChecksum(t *testing.T) {
+	s, cache, backs := newTestSet(t, 8, 16*blockSize, 64*blockSize)
+	v := s.vols[0]
+	old := make([]byte, 64*blockSize)
+	stamp(old, 1, 0, 0)
+	if _, err := backs[0].WriteAt(old, 0); err != nil {
+		t.Fatal(err)
+	}
+	p := make([]byte, blockSize)
+	stamp(p, 2, 0, 10*blockSize)
+	if err := v.SetMode(Writethrough); err != nil {
+		t.Fatal(err)
+	}
+	if err := v.WriteAt(p, 10*blockSize, false); err != nil { // clean
+		t.Fatal(err)
+	}
+	if err := v.SetMode(Writeback); err != nil {
+		t.Fatal(err)
+	}
+	stamp(p, 3, 0, 20*blockSize)
+	if err := v.WriteAt(p, 20*blockSize, false); err != nil { // dirty
+		t.Fatal(err)
+	}
+	want := append([]byte(nil), old...)
+	stamp(want[10*blockSize:11*blockSize], 2, 0, 10*blockSize)
+	stamp(want[20*blockSize:21*blockSize], 3, 0, 20*blockSize)
+	corrupt := func(lba uint64) {
+		e, ok := v.idx.tree.Get(ent{lba: lba})
+		if !ok {
+			t.Fatalf("lba %d not cached", lba)
+		}
+		if err := cache.Corrupt(s.cacheOff(e.block())+7, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	corrupt(10)
+	got := make([]byte, 16*blockSize)
+	if err := v.ReadAt(got, 4*blockSize); err != nil { // blocks 4-19: misses around clean block 10
+		t.Fatal(err)
+	}
+	if string(got) != string(want[4*blockSize:20*blockSize]) {
+		t.Fatal("wrong data after repairing a clean block")
+	}
+	if st := v.Stats(); st.ChecksumErrors != 1 || st.ChecksumRepairs != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	corrupt(20)
+	err := v.ReadAt(make([]byte, 8*blockSize), 16*blockSize) // misses around dirty block 20
+	if !errors.Is(err, ErrChecksum) {
+		t.Fatalf("read over a corrupt dirty block: %v", err)
+	}
+}
