@@ -39,6 +39,7 @@ type CacheOptions struct {
 	Tiercache string
 	Rev       string   // what the tiercache binary was built from, for the report
 	Only      []string // scenarios to run, e.g. S1, S3; all when empty
+	Rounds    int      // times the whole scenario list runs (medians reported); 0 or 1: once
 }
 
 var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5"}
@@ -131,10 +132,15 @@ func cacheMain(args []string) int {
 	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
 	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S5); default all")
+	fs.IntVar(&o.Rounds, "rounds", 1, "run the scenarios this many times, one round after the other, and report each bar's median round (every round's ratio is shown)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return 0
 		}
+		return 2
+	}
+	if o.Rounds < 1 {
+		fmt.Fprintf(os.Stderr, "tcbench cache: --rounds %d: want at least 1\n", o.Rounds)
 		return 2
 	}
 	if fs.NArg() > 0 {
@@ -174,8 +180,11 @@ type cacheRunner struct {
 	workdir string
 	master  string // pseudo-random data, copied into each backing image
 	figs    []Figure
-	checks  []Check
-	details []detail
+	checks  []Check   // this round's
+	rounds  [][]Check // every finished round's checks
+	round   int       // 1-based
+	nrounds int
+	details []detail // the last round's
 	loads   []string
 	step    int
 	total   int
@@ -186,16 +195,17 @@ type cacheRunner struct {
 
 // Figure is one measured value.
 type Figure struct {
-	Scenario  string  `json:"scenario"`
-	Target    string  `json:"target"`
-	Test      string  `json:"test"`
-	Value     float64 `json:"value"`
-	Unit      string  `json:"unit"`
-	Round     int     `json:"round,omitempty"`
-	LatMeanUs float64 `json:"lat_mean_us,omitempty"`
-	LatP99Us  float64 `json:"lat_p99_us,omitempty"`
-	ServerCPU float64 `json:"server_cpu_s_per_gib,omitempty"`
-	Note      string  `json:"note,omitempty"`
+	Scenario   string  `json:"scenario"`
+	Target     string  `json:"target"`
+	Test       string  `json:"test"`
+	Value      float64 `json:"value"`
+	Unit       string  `json:"unit"`
+	Round      int     `json:"round,omitempty"` // S5's own rounds
+	SuiteRound int     `json:"suite_round"`     // the suite's round (--rounds)
+	LatMeanUs  float64 `json:"lat_mean_us,omitempty"`
+	LatP99Us   float64 `json:"lat_p99_us,omitempty"`
+	ServerCPU  float64 `json:"server_cpu_s_per_gib,omitempty"`
+	Note       string  `json:"note,omitempty"`
 }
 
 // Check is one bar of the issue, with the seed's figure beside ours.
@@ -207,6 +217,9 @@ type Check struct {
 	Ratio    float64 `json:"ratio"`
 	Bar      string  `json:"bar"`
 	Met      string  `json:"met"` // yes, no, or "-" (no bar)
+	// Over several rounds: every round's ratio in round order; the fields
+	// above are those of the median round (see medianChecks).
+	RoundRatios []float64 `json:"round_ratios,omitempty"`
 }
 
 // detail is a scenario's own table.
@@ -272,8 +285,9 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	if len(scen) == 0 {
 		scen = scenarioNames
 	}
-	c.total = c.plannedSteps(scen)
-	fmt.Fprintf(stdout, "tcbench cache: scenarios %s, %d steps, sizes %s\n", strings.Join(scen, " "), c.total, c.sizesLine())
+	c.nrounds = max(o.Rounds, 1)
+	c.total = c.plannedSteps(scen) * c.nrounds
+	fmt.Fprintf(stdout, "tcbench cache: scenarios %s, %d round(s), %d steps, sizes %s\n", strings.Join(scen, " "), c.nrounds, c.total, c.sizesLine())
 	c.master = filepath.Join(c.workdir, "master.img")
 	if err := createDataFile(ctx, c.master, c.sz.Backing); err != nil {
 		return err
@@ -281,12 +295,16 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	loadStart := loadAvg()
 	c.started = time.Now()
 	runs := map[string]func(context.Context) error{"S1": c.s1, "S2": c.s2, "S3": c.s3, "S4": c.s4, "S5": c.s5}
-	for _, s := range scen {
-		c.loads = append(c.loads, fmt.Sprintf("%s start %s: load %s", s, time.Now().UTC().Format("15:04:05"), loadAvg()))
-		fmt.Fprintf(stdout, "tcbench cache: == %s == (load %s)\n", s, loadAvg())
-		if err := runs[s](ctx); err != nil {
-			return fmt.Errorf("%s: %w", s, err)
+	for c.round = 1; c.round <= c.nrounds; c.round++ {
+		c.checks, c.details = nil, nil
+		for _, s := range scen {
+			c.loads = append(c.loads, fmt.Sprintf("round %d %s start %s: load %s", c.round, s, time.Now().UTC().Format("15:04:05"), loadAvg()))
+			fmt.Fprintf(stdout, "tcbench cache: == round %d/%d %s == (load %s)\n", c.round, c.nrounds, s, loadAvg())
+			if err := runs[s](ctx); err != nil {
+				return fmt.Errorf("round %d %s: %w", c.round, s, err)
+			}
 		}
+		c.rounds = append(c.rounds, c.checks)
 	}
 	elapsed := time.Since(c.started)
 	c.loads = append(c.loads, fmt.Sprintf("end %s: load %s", time.Now().UTC().Format("15:04:05"), loadAvg()))
@@ -296,7 +314,10 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 		env.Tiercache = "commit " + o.Rev
 	}
 	rep := cacheReport{Env: env, Quick: o.Quick, Sizes: c.sz, ElapsedSec: elapsed.Seconds(), Loads: c.loads,
-		Commands: c.r.commands, Retries: c.r.retries, Checks: c.checks, Details: c.details, Figures: c.figs}
+		Commands: c.r.commands, Retries: c.r.retries, Rounds: c.nrounds, Checks: medianChecks(c.rounds), Details: c.details, Figures: c.figs}
+	if err := chartBars(filepath.Join(o.Out, "bars.png"), rep.Checks); err != nil {
+		return err
+	}
 	if err := rep.print(stdout); err != nil {
 		return err
 	}
@@ -355,7 +376,10 @@ func (c *cacheRunner) progress(scenario, what, result string) {
 	fmt.Fprintf(c.out, "[%d/%d %v%s] %s %s: %s\n", c.step, c.total, el.Round(time.Second), eta, scenario, what, result)
 }
 
-func (c *cacheRunner) add(f Figure) { c.figs = append(c.figs, f) }
+func (c *cacheRunner) add(f Figure) {
+	f.SuiteRound = c.round
+	c.figs = append(c.figs, f)
+}
 
 // job is one fio job of the suite.
 type job struct {

@@ -2,6 +2,7 @@ package bench
 
 import (
 	"bytes"
+	"cmp"
 	"encoding/json"
 	"fmt"
 	"image/color"
@@ -9,6 +10,9 @@ import (
 	"math"
 	"os"
 	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"gonum.org/v1/plot"
@@ -19,7 +23,7 @@ import (
 )
 
 // cacheCharts are the PNGs the scenarios write.
-var cacheCharts = []string{"s1.png", "s2.png", "s3.png", "s4.png", "s5.png"}
+var cacheCharts = []string{"bars.png", "s1.png", "s2.png", "s3.png", "s4.png", "s5.png"}
 
 func (c *cacheRunner) chartDir() string { return c.outDir }
 
@@ -76,6 +80,51 @@ func chartGroups(path, title, ylabel string, groups, series []string, vals [][]f
 		p.Y.Max = top * 1.25
 	}
 	width := vg.Length(len(groups)) * max(vg.Length(n)*barWidth*1.5, 1.6*vg.Inch)
+	return savePNG(p, width, path)
+}
+
+// chartGroupsRange draws one bar per group (vals) with a whisker from lo to
+// hi, and horizontal reference lines.
+func chartGroupsRange(path, title, ylabel string, groups []string, vals, lo, hi, lines []float64) error {
+	p := plot.New()
+	p.Title.Text = title
+	p.Y.Label.Text = ylabel
+	p.Y.Min = 0
+	barWidth := vg.Points(18)
+	bars, err := plotter.NewBarChart(plotter.Values(vals), barWidth)
+	if err != nil {
+		return err
+	}
+	bars.LineStyle.Width = 0
+	bars.Color = palette[0]
+	p.Add(bars)
+	top := 0.0
+	for j := range groups {
+		top = max(top, vals[j], hi[j])
+		w, err := plotter.NewLine(plotter.XYs{{X: float64(j), Y: lo[j]}, {X: float64(j), Y: hi[j]}})
+		if err != nil {
+			return err
+		}
+		w.LineStyle.Width = vg.Points(1.5)
+		p.Add(w)
+	}
+	for _, l := range lines {
+		ln, err := plotter.NewLine(plotter.XYs{{X: -0.5, Y: l}, {X: float64(len(groups)) - 0.5, Y: l}})
+		if err != nil {
+			return err
+		}
+		ln.LineStyle.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
+		ln.LineStyle.Color = color.Gray{Y: 0x60}
+		p.Add(ln)
+		top = max(top, l)
+	}
+	p.NominalX(groups...)
+	p.Y.Max = top * 1.15
+	return savePNG(p, vg.Length(len(groups))*0.6*vg.Inch, path)
+}
+
+// savePNG draws p at least 7 inches wide and writes it to path.
+func savePNG(p *plot.Plot, width vg.Length, path string) error {
 	cv := vgimg.NewWith(vgimg.UseWH(max(width+vg.Inch, 7*vg.Inch), 4*vg.Inch), vgimg.UseDPI(110))
 	p.Draw(draw.New(cv))
 	f, err := os.Create(path)
@@ -98,21 +147,138 @@ type cacheReport struct {
 	Loads      []string   `json:"loads"`
 	Commands   []string   `json:"commands"`
 	Retries    int        `json:"fio_retries"`
+	Rounds     int        `json:"rounds"`
 	Checks     []Check    `json:"checks"`
 	Details    []detail   `json:"details"`
 	Figures    []Figure   `json:"figures"`
 }
 
 func (r cacheReport) checkRows() [][]string {
-	rows := [][]string{{"Scenario", "Measure", "Seed (published)", "Ours", "Ratio", "Bar", "Met"}}
-	for _, c := range r.Checks {
-		rt := dash
-		if !math.IsNaN(c.Ratio) && !math.IsInf(c.Ratio, 0) {
-			rt = fmt.Sprintf("%.2f", c.Ratio)
+	head := []string{"Scenario", "Measure", "Seed (published)", "Ours", "Ratio", "Bar", "Met"}
+	if r.Rounds > 1 {
+		head = []string{"Scenario", "Measure", "Seed (published)", "Ours (median round)", "Median ratio", "Every round", "Bar", "Met (median)"}
+	}
+	rows := [][]string{head}
+	ids := checkIDs(r.Checks)
+	for i, c := range r.Checks {
+		c.Scenario = ids[i]
+		if r.Rounds > 1 {
+			each := make([]string, len(c.RoundRatios))
+			for i, x := range c.RoundRatios {
+				each[i] = ratioText(x)
+			}
+			rows = append(rows, []string{c.Scenario, c.What, c.Seed, c.Ours, ratioText(c.Ratio), strings.Join(each, ", "), c.Bar, c.Met})
+			continue
 		}
-		rows = append(rows, []string{c.Scenario, c.What, c.Seed, c.Ours, rt, c.Bar, c.Met})
+		rows = append(rows, []string{c.Scenario, c.What, c.Seed, c.Ours, ratioText(c.Ratio), c.Bar, c.Met})
 	}
 	return rows
+}
+
+func ratioText(x float64) string {
+	if math.IsNaN(x) || math.IsInf(x, 0) {
+		return dash
+	}
+	return fmt.Sprintf("%.2f", x)
+}
+
+// medianChecks folds the rounds' checks into one list in the first round's
+// order: each check is the one of its median round (by ratio; the lower
+// middle one for an even count, so every field is one round's, never an
+// average), with every round's ratio in RoundRatios. A check missing from
+// a round has NaN there.
+func medianChecks(rounds [][]Check) []Check {
+	if len(rounds) == 0 {
+		return nil
+	}
+	key := func(c Check) string { return c.Scenario + "\x00" + c.What }
+	var out []Check
+	for _, c := range rounds[0] {
+		var same []Check
+		ratios := make([]float64, len(rounds))
+		for i, rc := range rounds {
+			ratios[i] = math.NaN()
+			for _, x := range rc {
+				if key(x) == key(c) {
+					ratios[i] = x.Ratio
+					same = append(same, x)
+					break
+				}
+			}
+		}
+		slices.SortStableFunc(same, func(a, b Check) int { return cmpRatio(a.Ratio, b.Ratio) })
+		m := same[(len(same)-1)/2]
+		if len(rounds) > 1 {
+			m.RoundRatios = ratios
+		}
+		out = append(out, m)
+	}
+	return out
+}
+
+// checkIDs names each check by its scenario and its place in it (S2.3),
+// as the bars table and chart show them.
+func checkIDs(checks []Check) []string {
+	n := map[string]int{}
+	ids := make([]string, len(checks))
+	for i, c := range checks {
+		n[c.Scenario]++
+		ids[i] = fmt.Sprintf("%s.%d", c.Scenario, n[c.Scenario])
+	}
+	return ids
+}
+
+// cmpRatio orders ratios with NaN last.
+func cmpRatio(a, b float64) int {
+	switch an, bn := math.IsNaN(a), math.IsNaN(b); {
+	case an && bn:
+		return 0
+	case an:
+		return 1
+	case bn:
+		return -1
+	}
+	return cmp.Compare(a, b)
+}
+
+// chartBars draws every bar with a numeric threshold as its median ratio
+// over the threshold (1 = exactly at the bar, above is met), with the
+// rounds' lowest and highest as a whisker, so that bars of different kinds
+// (0.95, 8x, 10x) share one axis.
+func chartBars(path string, checks []Check) error {
+	var groups []string
+	var vals []float64
+	var lo, hi []float64
+	ids := checkIDs(checks)
+	for i, c := range checks {
+		bar, ok := barValue(c.Bar)
+		if !ok || math.IsNaN(c.Ratio) {
+			continue
+		}
+		groups = append(groups, ids[i])
+		vals = append(vals, c.Ratio/bar)
+		l, h, ok := minMax(c.RoundRatios)
+		if !ok {
+			l, h = c.Ratio, c.Ratio
+		}
+		lo, hi = append(lo, l/bar), append(hi, h/bar)
+	}
+	if len(groups) == 0 {
+		return nil
+	}
+	return chartGroupsRange(path, "Each bar: median ratio / threshold (≥ 1 met; whiskers: lowest and highest round)", "x bar",
+		groups, vals, lo, hi, []float64{1})
+}
+
+// barValue reads the threshold of a bar text: "≥ 8", "≥ 0.95", or the
+// lower end of a range "0.95–1.05".
+func barValue(b string) (float64, bool) {
+	b = strings.TrimSpace(strings.TrimPrefix(strings.TrimSpace(b), "≥"))
+	if i := strings.Index(b, "–"); i > 0 {
+		b = b[:i]
+	}
+	v, err := strconv.ParseFloat(strings.TrimSpace(b), 64)
+	return v, err == nil && v > 0
 }
 
 func (r cacheReport) print(w io.Writer) error {
@@ -186,9 +352,13 @@ func (r cacheReport) write(dir string) error {
 	p("- Sizes: HDD image %d MiB (the model's whole disk), data and every workload in its first %d MiB; S1 %d MiB of 4 KiB fsync'd writes through tiercache, plain HDD capped at %v; time-based runs %v after %v ramp; S3 working set %d MiB; S4 %d MiB of writes; S5 %d MiB, %d rounds of %v\n\n",
 		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime)
 	p("## Bars: the seed's figure beside ours\n\n")
+	if r.Rounds > 1 {
+		p("%d rounds, one after the other; each row is its median round (by ratio), with every round's ratio beside it. The scenario tables below are the last round's.\n\n", r.Rounds)
+	}
 	if err := writeMarkdown(&md, r.checkRows()); err != nil {
 		return err
 	}
+	p("\n![bars](bars.png)\n")
 	charts := map[string]string{"S1": "s1.png", "S2": "s2.png", "S3": "s3.png", "S4": "s4.png", "S5": "s5.png"}
 	last := ""
 	for _, d := range r.Details {
@@ -229,6 +399,13 @@ func (r cacheReport) write(dir string) error {
 		if math.IsNaN(r.Checks[i].Ratio) || math.IsInf(r.Checks[i].Ratio, 0) {
 			r.Checks[i].Ratio = 0
 		}
+		rr := append([]float64(nil), r.Checks[i].RoundRatios...)
+		for j, x := range rr {
+			if math.IsNaN(x) || math.IsInf(x, 0) {
+				rr[j] = 0
+			}
+		}
+		r.Checks[i].RoundRatios = rr
 	}
 	r.Figures = append([]Figure(nil), r.Figures...)
 	for i := range r.Figures {
