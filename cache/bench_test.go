@@ -26,15 +26,21 @@ func TestMeasureIndexMemory(t *testing.T) {
 	if !*flagMeasure {
 		t.Skip("use -measure")
 	}
+	// Half of the blocks dirty (the figure docs/CACHE.md reports), then
+	// all clean and all dirty.
 	for _, nblocks := range []int{1 << 16, 1 << 20} {
-		heapIndexFigure(t, nblocks, false)
+		heapIndexFigure(t, nblocks, false, 2)
 	}
-	// Recovery loads the checkpoint in LBA order, which leaves B-tree nodes
-	// half full.
-	heapIndexFigure(t, 1<<20, true)
+	heapIndexFigure(t, 1<<20, false, 0)
+	heapIndexFigure(t, 1<<20, false, 1)
+	// Inserting in LBA order (appends) fills leaves completely.
+	heapIndexFigure(t, 1<<20, true, 2)
 }
 
-func heapIndexFigure(t *testing.T, nblocks int, sorted bool) {
+// heapIndexFigure measures the index of a set as it serves (bucket table,
+// trees, epochs; no reverse map, which only recovery has) after nblocks
+// random inserts. dirtyEvery: every dirtyEvery-th block is dirty (0: none).
+func heapIndexFigure(t *testing.T, nblocks int, sorted bool, dirtyEvery int) {
 	const bs = 1 << 20
 	bpb := int64(bs / blockSize)
 	nb := int64(nblocks) / bpb
@@ -43,9 +49,8 @@ func heapIndexFigure(t *testing.T, nblocks int, sorted bool) {
 	runtime.GC()
 	runtime.ReadMemStats(&before)
 	s.mu.buckets = make([]bucket, nb)
-	s.mu.owner = make([]uint64, nb*bpb)
 	v := &Volume{s: s, nblocks: 1 << 30}
-	v.idx.tree = newTree()
+	v.idx.tree = newPtree()
 	s.vols = []*Volume{v}
 	rng := rand.New(rand.NewPCG(1, 2))
 	perm := rng.Perm(nblocks * 4)[:nblocks] // random LBAs in a 4x larger volume
@@ -53,15 +58,20 @@ func heapIndexFigure(t *testing.T, nblocks int, sorted bool) {
 		slices.Sort(perm)
 	}
 	for i := 0; i < nblocks; i++ {
-		s.insertLocked(0, uint64(perm[i]), uint32(i), uint32(i), i%2 == 0)
+		s.insertLocked(0, uint64(perm[i]), uint32(i), uint32(i), dirtyEvery > 0 && i%dirtyEvery == 0)
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&after)
 	used := float64(after.HeapAlloc - before.HeapAlloc)
 	perBlock := used / float64(nblocks)
 	cacheBytes := float64(nblocks) * blockSize
-	t.Logf("sorted=%t: %d cached 4 KiB blocks (%.0f MiB cache): index %.1f MiB = %.1f B/block = %.2f%% of cache = %.1f MiB per GiB of cache (btree %d items)",
-		sorted, nblocks, cacheBytes/(1<<20), used/(1<<20), perBlock, 100*used/cacheBytes, perBlock*(1<<30)/blockSize/(1<<20), v.idx.tree.Len())
+	st := v.idx.tree.stats()
+	t.Logf("sorted=%t dirty=1/%d: %d cached 4 KiB blocks (%.0f MiB cache): index %.1f MiB = %.1f B/block = %.2f%% of cache = %.1f MiB per GiB of cache (%d entries, leaves %.0f%% full, %d dirty versions)",
+		sorted, dirtyEvery, nblocks, cacheBytes/(1<<20), used/(1<<20), perBlock, 100*used/cacheBytes, perBlock*(1<<30)/blockSize/(1<<20),
+		v.idx.tree.Len(), 100*float64(v.idx.tree.Len())/float64(st.leaves*leafCap), v.idx.vers.Len())
+	if err := v.idx.tree.check(); err != nil {
+		t.Fatal(err)
+	}
 	runtime.KeepAlive(s)
 }
 

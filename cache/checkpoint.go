@@ -104,7 +104,7 @@ type ckptData struct {
 
 // encodeCkptBody streams the body to w in chunks (the index of a large cache
 // is tens of MiB; it is never held twice in memory).
-func encodeCkptBody(gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent], w func([]byte) error) error {
+func encodeCkptBody(gens []uint32, epochs []uint64, trees []*ptree, w func([]byte) error) error {
 	return encodeCkptBodyVers(gens, epochs, trees, nil, w)
 }
 
@@ -113,7 +113,7 @@ func encodeCkptBody(gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent], 
 // live dirty entry's cache block, then the superseded versions.
 //
 //	"EPCH" u32 | { n u64 | { loc u32 | epoch u64 } × n | m u64 | { lba u64 | loc u32 | crc u32 | epoch u64 } × m } per volume
-func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent], vers []*btree.BTreeG[ver], w func([]byte) error) error {
+func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []*btree.BTreeG[ver], w func([]byte) error) error {
 	const chunk = 1 << 20
 	e := enc{b: make([]byte, 0, 64<<10)}
 	flush := func(force bool) error {
@@ -267,13 +267,13 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 
 // writeCheckpoint writes a checkpoint into slot h.gen%2 and syncs. The
 // caller has already made everything the snapshot depends on durable.
-func writeCheckpoint(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent]) error {
+func writeCheckpoint(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*ptree) error {
 	return writeCheckpointVers(dev, sb, h, gens, epochs, trees, nil)
 }
 
 // writeCheckpointVers writes a checkpoint with the epoch section (vers
 // non-nil), which needs slots sized by ckptLenEpoch.
-func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*btree.BTreeG[ent], vers []*btree.BTreeG[ver]) error {
+func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*ptree, vers []*btree.BTreeG[ver]) error {
 	slot := sb.CkptOff[h.gen%2]
 	off := slot + blockSize
 	crc := uint32(0)

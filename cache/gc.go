@@ -13,6 +13,7 @@ package cache
 // dropped only in memory. Issue 4 replaces FIFO by a smarter policy.
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -147,22 +148,26 @@ func (s *Set) needSpace() bool {
 	return !s.mu.closed && s.err() == nil && len(s.mu.free) < s.lowWater() && len(s.mu.sealed) > 0
 }
 
-// pickVictimLocked chooses the sealed bucket to free next, by cost:
+// pickVictimsLocked chooses up to k sealed buckets to free next, cheapest
+// first:
 //
 //  1. an empty bucket (nothing to do but bump its generation);
 //  2. a bucket holding only clean data, least recently used first (a
 //     bucket-granularity LRU: atime is bumped by every read hit and by
 //     allocation);
 //  3. a bucket with dirty data, fewest live blocks first (its dirty blocks
-//     are moved or written back; see evictOne), then least recently used.
+//     are moved or written back; see evictVictim), then least recently used.
 //
 // Buckets with reads in flight and no live data are skipped (nothing to
 // gain until the pins drop). The scan is linear in the sealed buckets, a
 // few microseconds per thousand, under mu.
 // REQUIRES: s.mu
-func (s *Set) pickVictimLocked() int64 {
-	var best int64 = -1
-	var bestKey [3]uint64
+func (s *Set) pickVictimsLocked(k int) []int64 {
+	type cand struct {
+		bi  int64
+		key [3]uint64
+	}
+	var cands []cand
 	for _, bi := range s.mu.sealed {
 		b := &s.mu.buckets[bi]
 		if b.pins > 0 && b.live == 0 {
@@ -177,23 +182,106 @@ func (s *Set) pickVictimLocked() int64 {
 		default:
 			key = [3]uint64{2, uint64(b.live), b.atime}
 		}
-		if best < 0 || slices.Compare(key[:], bestKey[:]) < 0 {
-			best, bestKey = int64(bi), key
-		}
+		cands = append(cands, cand{int64(bi), key})
 	}
-	return best
+	slices.SortStableFunc(cands, func(a, b cand) int { return slices.Compare(a.key[:], b.key[:]) })
+	out := make([]int64, 0, min(k, len(cands)))
+	for _, c := range cands[:min(k, len(cands))] {
+		out = append(out, c.bi)
+	}
+	return out
 }
 
-// evictOne frees the cheapest sealed bucket (pickVictimLocked). It reports
-// whether it made progress.
+// evictBatchMin: an eviction batch takes at least 1/evictBatchMin of the
+// buckets (when that many are sealed), so that the index walk that finds
+// the victims' entries (there is no reverse map) costs at most about
+// evictBatchMin entry visits per freed cache block.
+const evictBatchMin = 64
+
+// located is an index entry found by a walk, with its volume.
+type located struct {
+	vi int
+	e  ent
+}
+
+// walkChunk bounds the entries an index walk visits per hold of Set.mu
+// (a few tens of microseconds), so foreground requests never wait long
+// for it.
+const walkChunk = 4 * lockChunk
+
+// entriesIn walks the index of every volume and returns the live entries
+// naming a cache block for which want is true (in LBA order per volume). Set.mu is taken per walkChunk entries: entries can change
+// between chunks, so callers re-check each one under mu before acting on
+// it; entries moving into a sealed bucket meanwhile are only those of
+// writes in flight, which pin the bucket.
+func (s *Set) entriesIn(want func(loc int64) bool) []located {
+	var out []located
+	for vi, v := range s.vols {
+		from, more := uint64(0), true
+		for more {
+			more = false
+			visited := 0
+			s.mu.Lock()
+			v.idx.tree.AscendGreaterOrEqual(ent{lba: from}, func(e ent) bool {
+				if visited == walkChunk {
+					from, more = e.lba, true
+					return false
+				}
+				visited++
+				if want(int64(e.block())) {
+					out = append(out, located{vi, e})
+				}
+				return true
+			})
+			s.mu.Unlock()
+		}
+	}
+	return out
+}
+
+// evictOne frees a batch of the cheapest sealed buckets (pickVictimsLocked):
+// as many as are missing below the low-water mark, and at least
+// 1/evictBatchMin of the cache. One index walk finds the entries of all of
+// them. It reports whether it freed any.
 func (s *Set) evictOne() bool {
 	s.mu.Lock()
-	victim := s.pickVictimLocked()
-	if victim < 0 {
+	k := max(s.lowWater()-len(s.mu.free), len(s.mu.buckets)/evictBatchMin, 1)
+	victims := s.pickVictimsLocked(k)
+	isVictim := make(map[int64]bool, len(victims))
+	walk := false
+	for _, bi := range victims {
+		isVictim[bi] = true
+		walk = walk || s.mu.buckets[bi].live > 0
+	}
+	s.mu.Unlock()
+	if len(victims) == 0 {
+		return false
+	}
+	found := map[int64][]located{}
+	if walk {
+		for _, l := range s.entriesIn(func(loc int64) bool { return isVictim[loc/s.bpb] }) {
+			bi := int64(l.e.block()) / s.bpb
+			found[bi] = append(found[bi], l)
+		}
+	}
+	progress := false
+	for _, bi := range victims {
+		if s.evictVictim(bi, found[bi]) {
+			progress = true
+		}
+	}
+	return progress
+}
+
+// evictVictim frees sealed bucket victim, whose entries a walk found
+// (items). It reports whether the bucket was freed.
+func (s *Set) evictVictim(victim int64, items []located) bool {
+	s.mu.Lock()
+	vb := &s.mu.buckets[victim]
+	if vb.state != bucketSealed {
 		s.mu.Unlock()
 		return false
 	}
-	vb := &s.mu.buckets[victim]
 	// A mostly empty bucket with dirty blocks: copy them into the open
 	// bucket (a GC move) rather than write them back now: it costs at most
 	// a quarter of a bucket (from the free reserve if need be) and frees a
@@ -201,16 +289,13 @@ func (s *Set) evictOne() bool {
 	// still sees them, merged with their neighbours, at its own pace.
 	if vb.dirty > 0 && int64(vb.live)*gcMoveFraction <= s.bpb && len(s.mu.free) >= 1 {
 		s.mu.Unlock()
-		s.gcMove(victim)
+		s.gcMove(victim, items)
 		s.mu.Lock()
 	}
 	perVol := map[int][]uint64{}
-	for loc := victim * s.bpb; loc < (victim+1)*s.bpb; loc++ {
-		if k := s.mu.owner[loc]; k != 0 {
-			vi, lba := splitOwner(k)
-			if e, ok := s.vols[vi].idx.tree.Get(ent{lba: lba}); ok && e.dirty() {
-				perVol[vi] = append(perVol[vi], lba)
-			}
+	for _, it := range items {
+		if e, ok := s.vols[it.vi].idx.tree.Get(it.e); ok && e.dirty() && e.block() == it.e.block() {
+			perVol[it.vi] = append(perVol[it.vi], e.lba)
 		}
 	}
 	s.mu.Unlock()
@@ -222,7 +307,13 @@ func (s *Set) evictOne() bool {
 	}
 	s.mu.Lock()
 	b := &s.mu.buckets[victim]
-	s.dropBucketLocked(victim, true)
+	for _, it := range items {
+		v := s.vols[it.vi]
+		if e, ok := v.idx.tree.Get(it.e); ok && !e.dirty() && e.block() == it.e.block() {
+			v.idx.tree.Delete(e)
+			s.unaccountLocked(it.vi, e)
+		}
+	}
 	if invariants.Enabled {
 		if err := s.checkLocked(); err != nil {
 			invariants.AssertionFailedf("after evicting bucket %d: %v", victim, err)
@@ -230,8 +321,9 @@ func (s *Set) evictOne() bool {
 	}
 	if b.live > 0 || b.pins > 0 || b.state != bucketSealed {
 		// Dirty blocks that could not be written back yet (claimed by a
-		// passthrough write, or failing), or reads in flight: retry later,
-		// after the other sealed buckets.
+		// passthrough write, or failing), entries of writes that were in
+		// flight during the walk, or reads in flight: retry later, after
+		// the other sealed buckets.
 		s.mu.sealed = slices.DeleteFunc(s.mu.sealed, func(x uint32) bool { return int64(x) == victim })
 		if b.state == bucketSealed {
 			s.mu.sealed = append(s.mu.sealed, uint32(victim))
@@ -269,7 +361,8 @@ const lockChunk = 512
 // of it has its dirty blocks moved instead of written back when evicted.
 const gcMoveFraction = 4
 
-// gcMove copies the dirty blocks of bucket bi into the open bucket. Each
+// gcMove copies the dirty blocks of bucket bi (of its entries found by a
+// walk, items) into the open bucket. Each
 // copy replaces the index entry only if the entry still points at the old
 // block with the same checksum (no write, writeback or invalidation came in
 // between); otherwise the copy is simply left unowned. The copies are
@@ -277,7 +370,7 @@ const gcMoveFraction = 4
 // syncs the cache device first (the flush protocol); until then replay
 // still finds the old blocks, whose bucket is not reused before its reuse
 // record, appended after these inserts, is durable.
-func (s *Set) gcMove(bi int64) {
+func (s *Set) gcMove(bi int64, found []located) {
 	type item struct {
 		vi    int
 		lba   uint64
@@ -286,14 +379,12 @@ func (s *Set) gcMove(bi int64) {
 	}
 	var items []item
 	s.mu.Lock()
-	for loc := bi * s.bpb; loc < (bi+1)*s.bpb; loc++ {
-		if k := s.mu.owner[loc]; k != 0 {
-			vi, lba := splitOwner(k)
-			if e, ok := s.vols[vi].idx.tree.Get(ent{lba: lba}); ok && e.dirty() && int64(e.block()) == loc {
-				items = append(items, item{vi, lba, e, s.mu.bepoch[loc]})
-			}
+	for _, it := range found {
+		if e, ok := s.vols[it.vi].idx.tree.Get(it.e); ok && e.dirty() && e.block() == it.e.block() {
+			items = append(items, item{it.vi, e.lba, e, s.mu.bepoch[e.block()]})
 		}
 	}
+	slices.SortFunc(items, func(a, b item) int { return cmp.Compare(a.e.block(), b.e.block()) })
 	s.mu.buckets[bi].pins++
 	s.mu.Unlock()
 	defer func() {

@@ -2,9 +2,10 @@ package cache
 
 // The index. Invariants kept in this file (checked by Set.Check):
 //
-//  1. Every entry of a volume's tree names a cache block loc whose owner[loc]
-//     is (volume, lba) of that entry, and every non-zero owner[loc] is named
-//     by exactly one entry.
+//  1. No cache block is named by two entries (live or superseded, of any
+//     volume). During recovery, while the reverse map owner exists,
+//     owner[loc] is (volume, lba) of the entry naming loc, and every
+//     non-zero owner[loc] is named by exactly one entry.
 //  2. bucket.live counts the entries pointing into the bucket, and
 //     bucket.dirty those of them that are dirty. A bucket with live > 0 is
 //     open or sealed, never free (invariant 5: a bucket is reused only after
@@ -19,9 +20,14 @@ package cache
 //     versions, live and superseded, keyed by (epoch, lba), with their
 //     epoch also in Set.mu.bepoch.
 //
-// The index is one B-tree per volume of 16-byte entries (one per cached
-// 4 KiB block) plus an 8-byte reverse map (owner) per cache block and a
-// small table per bucket. The entry does not store the bucket generation:
+// The index is one packed B+tree per volume (ptree.go: 13 bytes a cached
+// 4 KiB block, leaves kept over 2/3 full) and a small table per bucket.
+// There is no reverse map (cache block -> LBA) while serving: eviction finds
+// its victims' entries by walking the index once for a batch of victim
+// buckets (gc.go), a few entries per hold of Set.mu. Recovery builds the
+// reverse map owner for the journal replay (a reuse record drops the
+// entries of one bucket; an insert into an owned block is corruption) and
+// drops it before serving. The entry does not store the bucket generation:
 // invariant 5 is kept by construction (live counts) in memory, and the
 // generation is checked where it matters, in the journal and at replay.
 
@@ -43,10 +49,6 @@ const dirtyBit = 1 << 31
 
 func (e ent) block() uint32 { return e.loc &^ dirtyBit }
 func (e ent) dirty() bool   { return e.loc&dirtyBit != 0 }
-
-func entLess(a, b ent) bool { return a.lba < b.lba }
-
-func newTree() *btree.BTreeG[ent] { return btree.NewG[ent](32, entLess) }
 
 // ownerKey packs (volume, lba) for the reverse map; 0 means unowned.
 func ownerKey(vol int, lba uint64) uint64 { return uint64(vol+1)<<48 | lba }
@@ -97,7 +99,7 @@ func verLess(a, b ver) bool {
 
 // volIndex is a volume's part of the index. Guarded by Set.mu.
 type volIndex struct {
-	tree *btree.BTreeG[ent]
+	tree *ptree
 	vers *btree.BTreeG[ver] // every dirty version by (epoch, lba)
 	sup  map[uint64][]ver   // superseded versions by LBA (epoch order)
 	nsup int64              // superseded versions in sup
@@ -111,6 +113,9 @@ type volIndex struct {
 	dirty      int64
 	cached     int64
 }
+
+// cacheBlocks returns the number of cache blocks (buckets × blocks per bucket).
+func (s *Set) cacheBlocks() int64 { return int64(len(s.mu.buckets)) * s.bpb }
 
 type blockRange struct{ lba, n uint64 }
 
@@ -156,10 +161,12 @@ func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirt
 	if !dirty {
 		s.dropSupLocked(vi, lba)
 	}
-	if invariants.Enabled && s.mu.owner[loc] != 0 {
-		invariants.AssertionFailedf("cache block %d given to vol %d lba %d is owned (%#x)", loc, vi, lba, s.mu.owner[loc])
+	if s.mu.owner != nil {
+		if invariants.Enabled && s.mu.owner[loc] != 0 {
+			invariants.AssertionFailedf("cache block %d given to vol %d lba %d is owned (%#x)", loc, vi, lba, s.mu.owner[loc])
+		}
+		s.mu.owner[loc] = ownerKey(vi, lba)
 	}
-	s.mu.owner[loc] = ownerKey(vi, lba)
 	b := &s.mu.buckets[int64(loc)/s.bpb]
 	b.live++
 	v.idx.cached++
@@ -175,8 +182,8 @@ func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirt
 // (a Set built by hand, as the read-only inspector does, has none).
 // REQUIRES: s.mu
 func (s *Set) initVersionsLocked() {
-	if len(s.mu.bepoch) != len(s.mu.owner) {
-		s.mu.bepoch = make([]uint64, len(s.mu.owner))
+	if int64(len(s.mu.bepoch)) != s.cacheBlocks() {
+		s.mu.bepoch = make([]uint64, s.cacheBlocks())
 	}
 	for _, v := range s.vols {
 		if v.idx.vers == nil {
@@ -204,7 +211,9 @@ func (s *Set) insertSupLocked(vi int, x ver) {
 	v.idx.nsup++
 	v.idx.vers.ReplaceOrInsert(x)
 	s.mu.bepoch[x.loc] = x.epoch
-	s.mu.owner[x.loc] = ownerKey(vi, x.lba)
+	if s.mu.owner != nil {
+		s.mu.owner[x.loc] = ownerKey(vi, x.lba)
+	}
 	b := &s.mu.buckets[int64(x.loc)/s.bpb]
 	b.live++
 	b.dirty++
@@ -228,7 +237,9 @@ func (s *Set) releaseSupLocked(vi int, lba uint64, loc uint32) bool {
 		}
 		v.idx.nsup--
 		v.idx.vers.Delete(x)
-		s.mu.owner[loc] = 0
+		if s.mu.owner != nil {
+			s.mu.owner[loc] = 0
+		}
 		b := &s.mu.buckets[int64(loc)/s.bpb]
 		b.live--
 		b.dirty--
@@ -268,11 +279,13 @@ func (s *Set) dropAllSupLocked(vi int) {
 func (s *Set) unaccountLocked(vi int, old ent) {
 	v := s.vols[vi]
 	loc := old.block()
-	if invariants.Enabled && (s.mu.owner[loc] != ownerKey(vi, old.lba) || s.mu.buckets[int64(loc)/s.bpb].live == 0) {
-		invariants.AssertionFailedf("releasing cache block %d of vol %d lba %d: owner %#x, bucket live %d",
-			loc, vi, old.lba, s.mu.owner[loc], s.mu.buckets[int64(loc)/s.bpb].live)
+	if invariants.Enabled && ((s.mu.owner != nil && s.mu.owner[loc] != ownerKey(vi, old.lba)) || s.mu.buckets[int64(loc)/s.bpb].live == 0) {
+		invariants.AssertionFailedf("releasing cache block %d of vol %d lba %d: bucket live %d",
+			loc, vi, old.lba, s.mu.buckets[int64(loc)/s.bpb].live)
 	}
-	s.mu.owner[loc] = 0
+	if s.mu.owner != nil {
+		s.mu.owner[loc] = 0
+	}
 	b := &s.mu.buckets[int64(loc)/s.bpb]
 	b.live--
 	v.idx.cached--
@@ -337,7 +350,8 @@ func (s *Set) markCleanLocked(vi int, lba uint64, loc uint32) bool {
 
 // dropBucketLocked removes every entry pointing into bucket bi and returns
 // how many of them were dirty (callers only drop buckets without dirty data;
-// a non-zero result is a bug or corruption they report).
+// a non-zero result is a bug or corruption they report). It needs the
+// reverse map owner, which exists only during recovery (journal replay).
 // REQUIRES: s.mu
 func (s *Set) dropBucketLocked(bi int64, onlyClean bool) (droppedDirty int) {
 	for loc := bi * s.bpb; loc < (bi+1)*s.bpb; loc++ {
@@ -379,18 +393,29 @@ func (s *Set) Check() error {
 
 // REQUIRES: s.mu
 func (s *Set) checkLocked() error {
+	if s.mu.owner != nil && int64(len(s.mu.owner)) != s.cacheBlocks() {
+		return fmt.Errorf("reverse map has %d blocks, cache %d", len(s.mu.owner), s.cacheBlocks())
+	}
 	s.initVersionsLocked()
 	nb := int64(len(s.mu.buckets))
 	liveB := make([]uint32, nb)
 	dirtyB := make([]uint32, nb)
-	owned := 0
-	for _, k := range s.mu.owner {
-		if k != 0 {
-			owned++
+	owned := -1
+	if s.mu.owner != nil {
+		owned = 0
+		for _, k := range s.mu.owner {
+			if k != 0 {
+				owned++
+			}
 		}
 	}
+	// named: cache blocks named by an entry so far (invariant 1).
+	named := newBitset(int(nb * s.bpb))
 	total := 0
 	for vi, v := range s.vols {
+		if err := v.idx.tree.check(); err != nil {
+			return fmt.Errorf("volume %s: %w", v.name, err)
+		}
 		var nd, nc int64
 		var err error
 		prev := int64(-1)
@@ -403,13 +428,16 @@ func (s *Set) checkLocked() error {
 				err = fmt.Errorf("volume %s: lba %d beyond volume (%d blocks)", v.name, e.lba, v.nblocks)
 			case loc >= nb*s.bpb:
 				err = fmt.Errorf("volume %s: lba %d points at cache block %d beyond cache", v.name, e.lba, loc)
-			case s.mu.owner[loc] != ownerKey(vi, e.lba):
+			case named.get(int(loc)):
+				err = fmt.Errorf("volume %s: lba %d -> cache block %d, which another entry names", v.name, e.lba, loc)
+			case s.mu.owner != nil && s.mu.owner[loc] != ownerKey(vi, e.lba):
 				ov, ol := splitOwner(s.mu.owner[loc])
 				err = fmt.Errorf("volume %s: lba %d -> cache block %d owned by (vol %d, lba %d)", v.name, e.lba, loc, ov, ol)
 			}
 			if err != nil {
 				return false
 			}
+			named.set(int(loc))
 			prev = int64(e.lba)
 			liveB[loc/s.bpb]++
 			nc++
@@ -437,8 +465,8 @@ func (s *Set) checkLocked() error {
 			for _, x := range l {
 				loc := int64(x.loc)
 				switch {
-				case x.lba != lba || loc >= nb*s.bpb || s.mu.owner[loc] != ownerKey(vi, lba):
-					return fmt.Errorf("volume %s: superseded version %+v not owned", v.name, x)
+				case x.lba != lba || loc >= nb*s.bpb || named.get(int(loc)) || (s.mu.owner != nil && s.mu.owner[loc] != ownerKey(vi, lba)):
+					return fmt.Errorf("volume %s: superseded version %+v out of range, not owned, or its block named twice", v.name, x)
 				case !ok || !live.dirty() || s.mu.bepoch[live.block()] <= x.epoch:
 					return fmt.Errorf("volume %s: superseded version %+v without a newer dirty live entry (%+v, %t)", v.name, x, live, ok)
 				case s.mu.bepoch[loc] != x.epoch:
@@ -447,6 +475,7 @@ func (s *Set) checkLocked() error {
 				if _, in := v.idx.vers.Get(x); !in {
 					return fmt.Errorf("volume %s: superseded version %+v missing from the version tree", v.name, x)
 				}
+				named.set(int(loc))
 				liveB[loc/s.bpb]++
 				dirtyB[loc/s.bpb]++
 				ns++
@@ -457,7 +486,7 @@ func (s *Set) checkLocked() error {
 		}
 		total += int(ns)
 	}
-	if total != owned {
+	if owned >= 0 && total != owned {
 		return fmt.Errorf("%d index entries but %d owned cache blocks", total, owned)
 	}
 	inFree := make([]bool, nb)

@@ -174,3 +174,63 @@ func TestChecksumDirty(t *testing.T) {
 		t.Fatalf("drain: %v", err)
 	}
 }
+
+// TestCheckCatchesCorruption breaks the index of a served set in each way
+// Set.Check guards against (without the reverse map, which only recovery
+// has) and expects Check to report it; the set is repaired afterwards so
+// the end-of-test check passes.
+func TestCheckCatchesCorruption(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		corrupt func(s *Set) (undo func())
+		want    string
+	}{
+		{"block-named-twice", func(s *Set) func() {
+			v := s.vols[0]
+			a, _ := v.idx.tree.Get(ent{lba: 1})
+			b, _ := v.idx.tree.Get(ent{lba: 2})
+			v.idx.tree.ReplaceOrInsert(ent{lba: 2, loc: a.loc, crc: b.crc})
+			return func() { v.idx.tree.ReplaceOrInsert(b) }
+		}, "another entry names"},
+		{"bucket-count", func(s *Set) func() {
+			e, _ := s.vols[0].idx.tree.Get(ent{lba: 3})
+			b := &s.mu.buckets[int64(e.block())/s.bpb]
+			b.live++
+			return func() { b.live-- }
+		}, "accounted"},
+		{"tree-structure", func(s *Set) func() {
+			tr := s.vols[0].idx.tree
+			saved := tr.length
+			tr.length++
+			return func() { tr.length = saved }
+		}, "length"},
+		{"dirty-count", func(s *Set) func() {
+			v := s.vols[0]
+			v.idx.dirty++
+			return func() { v.idx.dirty-- }
+		}, "dirty"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s, _, _ := newTestSet(t, 8, 4*blockSize, 64*blockSize)
+			if err := s.vols[0].WriteAt(make([]byte, 8*blockSize), 0, false); err != nil {
+				t.Fatal(err)
+			}
+			if err := s.Check(); err != nil {
+				t.Fatal(err)
+			}
+			s.mu.Lock()
+			if s.mu.owner != nil {
+				t.Error("a served set keeps the reverse map")
+			}
+			undo := tc.corrupt(s)
+			s.mu.Unlock()
+			err := s.Check()
+			s.mu.Lock()
+			undo()
+			s.mu.Unlock()
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Check after corrupting: %v, want %q", err, tc.want)
+			}
+		})
+	}
+}

@@ -140,7 +140,7 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 	for i, bi := range sb.Backings {
 		v := &Volume{s: s, vi: i, name: bi.Name, size: bi.Size, nblocks: uint64((bi.Size + blockSize - 1) / blockSize)}
 		v.mode.Store(int32(bi.Mode))
-		v.idx.tree = newTree()
+		v.idx.tree = newPtree()
 		volBlocks[i] = v.nblocks
 		s.vols = append(s.vols, v)
 		s.byNm[v.name] = v

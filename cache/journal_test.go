@@ -184,7 +184,7 @@ func FuzzDecodeJournalBlock(f *testing.F) {
 func FuzzDecodeCheckpoint(f *testing.F) {
 	vb := []uint64{64, 64}
 	seed := func(ents ...ent) []byte {
-		tr := []*btree.BTreeG[ent]{newTree(), newTree()}
+		tr := []*ptree{newPtree(), newPtree()}
 		for _, e := range ents {
 			tr[0].ReplaceOrInsert(e)
 		}
@@ -200,7 +200,7 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 	// With the epoch section: a dirty entry of epoch 5 and a superseded
 	// version of the same block from epoch 2.
 	{
-		tr := []*btree.BTreeG[ent]{newTree(), newTree()}
+		tr := []*ptree{newPtree(), newPtree()}
 		tr[0].ReplaceOrInsert(ent{lba: 3, loc: 2 | dirtyBit, crc: 9})
 		vt := []*btree.BTreeG[ver]{btree.NewG[ver](32, verLess), btree.NewG[ver](32, verLess)}
 		vt[0].ReplaceOrInsert(ver{epoch: 5, lba: 3, loc: 2, crc: 9})
@@ -213,11 +213,11 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 		f.Add(out)
 	}
 	reencode := func(cd *ckptData) []byte {
-		tr := make([]*btree.BTreeG[ent], len(cd.vols))
+		tr := make([]*ptree, len(cd.vols))
 		epochs := make([]uint64, len(cd.vols))
 		var vt []*btree.BTreeG[ver]
 		for i, cv := range cd.vols {
-			tr[i] = newTree()
+			tr[i] = newPtree()
 			for _, e := range cv.ents {
 				tr[i].ReplaceOrInsert(e)
 			}

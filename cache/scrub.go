@@ -12,12 +12,18 @@ package cache
 // reported and kept (it exists nowhere else).
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/tiercache/tiercache/device"
 )
+
+// scrubWindows: Scrub walks the index this many times (once per window of
+// buckets).
+const scrubWindows = 16
 
 // maxReported bounds the problems listed in a report (all are counted).
 const maxReported = 100
@@ -52,7 +58,7 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 	var rep ScrubReport
 	s.mu.Lock()
 	total := s.entries()
-	nblocks := int64(len(s.mu.owner))
+	nblocks := s.cacheBlocks()
 	s.mu.Unlock()
 	const chunk = 256 // cache blocks per read (1 MiB)
 	buf := make([]byte, chunk*blockSize)
@@ -65,25 +71,35 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 		got      uint32
 		readFail error
 	}
+	// There is no reverse map: each window of buckets gets its entries from
+	// one index walk (scrubWindows walks in all, each holding at most about
+	// 1/scrubWindows of the entries), sorted by cache block.
+	win := (nblocks/scrubWindows + chunk) / chunk * chunk // blocks per window, whole chunks
+	var inWin []located
 	for start := int64(0); start < nblocks; start += chunk {
 		if err := ctx.Err(); err != nil {
 			return rep, err
 		}
+		if start%win == 0 {
+			lo, hi := start, start+win
+			inWin = s.entriesIn(func(loc int64) bool { return loc >= lo && loc < hi })
+			slices.SortFunc(inWin, func(a, b located) int { return cmp.Compare(a.e.block(), b.e.block()) })
+		}
 		end := min(start+chunk, nblocks)
+		for len(inWin) > 0 && int64(inWin[0].e.block()) < start {
+			inWin = inWin[1:]
+		}
 		var items []item
 		s.mu.Lock()
-		for loc := start; loc < end; loc++ {
-			k := s.mu.owner[loc]
-			if k == 0 {
-				continue
+		for len(inWin) > 0 && int64(inWin[0].e.block()) < end {
+			it := inWin[0]
+			inWin = inWin[1:]
+			e, ok := s.vols[it.vi].idx.tree.Get(it.e)
+			if !ok || e != it.e {
+				continue // changed since the walk
 			}
-			vi, lba := splitOwner(k)
-			e, ok := s.vols[vi].idx.tree.Get(ent{lba: lba})
-			if !ok || int64(e.block()) != loc {
-				continue
-			}
-			items = append(items, item{vi, e})
-			s.mu.buckets[loc/s.bpb].pins++
+			items = append(items, item{it.vi, e})
+			s.mu.buckets[int64(e.block())/s.bpb].pins++
 		}
 		s.mu.Unlock()
 		if len(items) == 0 {

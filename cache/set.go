@@ -134,9 +134,9 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		return nil, fmt.Errorf("format: computed layout invalid: %w", err)
 	}
 	// Empty checkpoint of generation 1, then the superblock copies.
-	trees := make([]*btree.BTreeG[ent], len(backings))
+	trees := make([]*ptree, len(backings))
 	for i := range trees {
-		trees[i] = newTree()
+		trees[i] = newPtree()
 	}
 	// Invalidate the other slot so a stale checkpoint of an earlier set on
 	// this device is never considered (the nonce would reject it too).
@@ -192,7 +192,7 @@ type Set struct {
 		sync.Mutex
 		cond    *sync.Cond // free bucket, claim released, pins dropped
 		buckets []bucket
-		owner   []uint64 // per cache block: ownerKey or 0
+		owner   []uint64 // per cache block: ownerKey or 0; only during recovery (index.go)
 		free    []uint32 // free buckets whose generation bump is durable
 		sealed  []uint32 // FIFO of sealed buckets, oldest first
 		open    int64    // open bucket or -1
@@ -257,7 +257,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		cfg := bi.Settings
 		v.cfg.Store(&cfg)
 		v.wb.kick = make(chan struct{}, 1)
-		v.idx.tree = newTree()
+		v.idx.tree = newPtree()
 		v.idx.wbInflight = map[uint32]struct{}{}
 		volBlocks[i] = v.nblocks
 		s.vols = append(s.vols, v)
@@ -314,6 +314,8 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if err := s.checkLocked(); err != nil {
 		return nil, fmt.Errorf("open: recovered index inconsistent: %w", err)
 	}
+	// The reverse map served the replay; serving does without it.
+	s.mu.owner = nil
 	// New generation: the next journal block follows the replayed end, so
 	// any torn leftovers of the old generation are foreign from now on.
 	s.jr.gen, s.jr.pos = hdr.gen, journalPos{blk: end.blk}
@@ -387,7 +389,7 @@ func (s *Set) entries() (n int64) {
 // block, but their contents are still validated before use.
 // REQUIRES: s.mu (or exclusive access during Open)
 func (s *Set) applyLocked(r *rec) error {
-	total := uint64(len(s.mu.owner))
+	total := uint64(s.cacheBlocks())
 	vol := func() (*Volume, error) {
 		if int(r.vol) >= len(s.vols) {
 			return nil, corruptf("journal record", 0, 0, "volume %d of %d", r.vol, len(s.vols))
@@ -638,7 +640,7 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	for i := range s.mu.buckets {
 		gens[i] = s.mu.buckets[i].gen
 	}
-	trees := make([]*btree.BTreeG[ent], len(s.vols))
+	trees := make([]*ptree, len(s.vols))
 	epochs := make([]uint64, len(s.vols))
 	var vers []*btree.BTreeG[ver]
 	if s.epochOK {

@@ -56,9 +56,9 @@ const (
 	sbSettingsTag = 0x53455454 // "SETT": the per-backing settings trailer
 	maxNameLen    = 255
 	maxPathLen    = 4096
-	// maxLBABlocks bounds a backing device: owner keys pack (volume, LBA)
-	// into 64 bits with 48 bits of block number (1 EiB).
-	maxLBABlocks = 1 << 48
+	// maxLBABlocks bounds a backing device: the index packs LBAs into 40
+	// bits (4 PiB of 4 KiB blocks; see ptree.go).
+	maxLBABlocks = maxIndexLBA
 	// maxCacheBlocks: the dirty flag lives in the top bit of a 32-bit cache
 	// block number.
 	maxCacheBlocks = 1 << 31

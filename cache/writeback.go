@@ -87,7 +87,7 @@ func (s *Set) pressure() (dirtyShare float64, short bool, total int64, freeLack 
 	for _, v := range s.vols {
 		d += v.idx.dirty + v.idx.nsup
 	}
-	total = int64(len(s.mu.owner))
+	total = s.cacheBlocks()
 	lw := s.lowWater()
 	if f := len(s.mu.free); f < lw {
 		freeLack = float64(lw-f) / float64(lw)
@@ -101,7 +101,7 @@ func (s *Set) wbRate(v *Volume) int64 {
 	s.mu.Lock()
 	dirty := v.idx.dirty + v.idx.nsup
 	short := len(s.mu.free) < s.lowWater()
-	total := int64(len(s.mu.owner))
+	total := s.cacheBlocks()
 	s.mu.Unlock()
 	if dirty == 0 {
 		return 0

@@ -134,7 +134,7 @@ func TestWritebackRate(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.crashStop() // no background goroutines touch the counters below
-	total := int64(len(s.mu.owner))
+	total := s.cacheBlocks()
 	target := total / 10
 	for _, tc := range []struct {
 		dirty int64

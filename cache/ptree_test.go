@@ -1,0 +1,197 @@
+package cache
+
+import (
+	"math/rand/v2"
+	"slices"
+	"strings"
+	"testing"
+)
+
+// ptreeMatches compares t with the reference map: Len, Get of every key,
+// full and ranged iteration, and the structural check.
+func ptreeMatches(t *testing.T, tr *ptree, ref map[uint64]ent, rng *rand.Rand, span uint64) {
+	t.Helper()
+	if err := tr.check(); err != nil {
+		t.Fatal(err)
+	}
+	if tr.Len() != len(ref) {
+		t.Fatalf("Len %d, reference %d", tr.Len(), len(ref))
+	}
+	keys := make([]uint64, 0, len(ref))
+	for k := range ref {
+		keys = append(keys, k)
+	}
+	slices.Sort(keys)
+	i := 0
+	tr.Ascend(func(e ent) bool {
+		if i >= len(keys) || e != ref[keys[i]] {
+			t.Fatalf("Ascend item %d: %+v, reference %v", i, e, ref[keys[min(i, len(keys)-1)]])
+		}
+		i++
+		return true
+	})
+	if i != len(keys) {
+		t.Fatalf("Ascend saw %d of %d", i, len(keys))
+	}
+	for range 20 {
+		from := rng.Uint64N(span + 2)
+		to := from + rng.Uint64N(span/4+2)
+		var got []uint64
+		tr.AscendRange(ent{lba: from}, ent{lba: to}, func(e ent) bool { got = append(got, e.lba); return len(got) < 50 })
+		var want []uint64
+		for _, k := range keys {
+			if k >= from && k < to && len(want) < 50 {
+				want = append(want, k)
+			}
+		}
+		if !slices.Equal(got, want) {
+			t.Fatalf("AscendRange [%d,%d): %v, want %v", from, to, got, want)
+		}
+		var ge []uint64
+		tr.AscendGreaterOrEqual(ent{lba: from}, func(e ent) bool { ge = append(ge, e.lba); return len(ge) < 10 })
+		j, _ := slices.BinarySearch(keys, from)
+		if wantGE := keys[j:min(j+10, len(keys))]; !slices.Equal(ge, wantGE) && !(len(ge) == 0 && len(wantGE) == 0) {
+			t.Fatalf("AscendGreaterOrEqual %d: %v, want %v", from, ge, wantGE)
+		}
+	}
+	for range 50 {
+		k := rng.Uint64N(span + 2)
+		e, ok := tr.Get(ent{lba: k})
+		r, rok := ref[k]
+		if ok != rok || e != r {
+			t.Fatalf("Get %d: %+v %t, reference %+v %t", k, e, ok, r, rok)
+		}
+	}
+}
+
+// TestPtreeModel drives the packed index through random inserts, replaces
+// and deletes (dense, sparse, sequential and bulk-loaded key sets, with
+// clones taken along the way) against a map, checking everything after
+// each phase, and that a clone is unaffected by later changes to either tree.
+func TestPtreeModel(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		span   uint64
+		ops    int
+		delPct int
+		seq    bool
+		bulk   bool
+	}{
+		{"dense", 3000, 20000, 40, false, false},
+		{"sparse", maxIndexLBA - 1, 20000, 30, false, false},
+		{"grow", 200000, 60000, 5, false, false},
+		{"shrink", 5000, 30000, 70, false, false},
+		{"sequential", 1 << 20, 40000, 0, true, false},
+		{"bulk", 100000, 20000, 50, false, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rng := rand.New(rand.NewPCG(uint64(len(tc.name)), 7))
+			ref := map[uint64]ent{}
+			tr := newPtree()
+			if tc.bulk {
+				var es []ent
+				for k := uint64(0); k < tc.span; k += 1 + rng.Uint64N(3) {
+					e := ent{lba: k, loc: rng.Uint32(), crc: rng.Uint32()}
+					es = append(es, e)
+					ref[k] = e
+				}
+				tr = buildPtree(es)
+				ptreeMatches(t, tr, ref, rng, tc.span)
+			}
+			var snap *ptree
+			var snapRef map[uint64]ent
+			for op := 0; op < tc.ops; op++ {
+				k := rng.Uint64N(tc.span)
+				if tc.seq {
+					k = uint64(op) * 3
+				}
+				if rng.IntN(100) < tc.delPct {
+					old, ok := tr.Delete(ent{lba: k})
+					r, rok := ref[k]
+					if ok != rok || old != r {
+						t.Fatalf("Delete %d: %+v %t, reference %+v %t", k, old, ok, r, rok)
+					}
+					delete(ref, k)
+				} else {
+					e := ent{lba: k, loc: rng.Uint32(), crc: rng.Uint32()}
+					old, ok := tr.ReplaceOrInsert(e)
+					r, rok := ref[k]
+					if ok != rok || old != r {
+						t.Fatalf("ReplaceOrInsert %d: %+v %t, reference %+v %t", k, old, ok, r, rok)
+					}
+					ref[k] = e
+				}
+				if op%(tc.ops/4) == tc.ops/8 {
+					ptreeMatches(t, tr, ref, rng, tc.span)
+					if snap != nil {
+						ptreeMatches(t, snap, snapRef, rng, tc.span)
+					}
+					snap, snapRef = tr.Clone(), maps(ref)
+				}
+			}
+			ptreeMatches(t, tr, ref, rng, tc.span)
+			ptreeMatches(t, snap, snapRef, rng, tc.span)
+			st := tr.stats()
+			if st.leaves > 0 {
+				t.Logf("%d entries in %d leaves (%.0f%% full), %d inner nodes, height %d",
+					tr.Len(), st.leaves, 100*float64(tr.Len())/float64(st.leaves*leafCap), st.inner, st.height)
+			}
+			if !tc.seq && tc.delPct <= 10 && tr.Len() > 10*leafCap {
+				if fill := float64(tr.Len()) / float64(st.leaves*leafCap); fill < 0.7 {
+					t.Errorf("leaves %.0f%% full after random inserts; want above 70%%", 100*fill)
+				}
+			}
+			if tc.seq {
+				if fill := float64(tr.Len()) / float64(st.leaves*leafCap); fill < 0.95 {
+					t.Errorf("leaves %.0f%% full after ascending inserts; want nearly full", 100*fill)
+				}
+			}
+		})
+	}
+}
+
+func maps(m map[uint64]ent) map[uint64]ent {
+	c := make(map[uint64]ent, len(m))
+	for k, v := range m {
+		c[k] = v
+	}
+	return c
+}
+
+// TestPtreeCheckCatches corrupts a tree in each way check guards against
+// and expects check to report it.
+func TestPtreeCheckCatches(t *testing.T) {
+	build := func() *ptree {
+		var es []ent
+		for k := uint64(0); k < 20*leafCap; k++ {
+			es = append(es, ent{lba: 2 * k})
+		}
+		return buildPtree(es)
+	}
+	for _, tc := range []struct {
+		name    string
+		corrupt func(tr *ptree)
+		want    string
+	}{
+		{"order", func(tr *ptree) { l := tr.root.lvs[1]; l.set(3, ent{lba: l.key(5)}) }, "out of order"},
+		{"separator", func(tr *ptree) { tr.root.keys[2] += 7 }, "separator"},
+		{"below", func(tr *ptree) {
+			l := tr.root.lvs[2]
+			l.set(0, ent{lba: l.key(0) - 1 - tr.root.keys[2] + tr.root.keys[1]})
+		}, "below its separator"},
+		{"length", func(tr *ptree) { tr.length++ }, "length"},
+		{"empty-leaf", func(tr *ptree) { tr.root.lvs[0].n = 0 }, "bad count"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tr := build()
+			if err := tr.check(); err != nil {
+				t.Fatal(err)
+			}
+			tc.corrupt(tr)
+			err := tr.check()
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("check after corrupting: %v, want %q", err, tc.want)
+			}
+		})
+	}
+}
