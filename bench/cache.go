@@ -42,64 +42,72 @@ type CacheOptions struct {
 	Rounds    int      // times the whole scenario list runs (medians reported); 0 or 1: once
 }
 
-var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5"}
+var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5", "S6"}
 
 // cacheSizes are the sizes and times of a suite run. The full suite keeps the
 // seeds' shapes where the time budget (15 minutes on 2 cores, models on the
 // real clock) allows and says where it does not.
 type cacheSizes struct {
-	Backing     int64         // the data region at the start of each HDD image, where every workload runs
-	Disk        int64         // each HDD image (sparse past Backing): the model's whole disk
-	S1Writes    int64         // bytes of 4 KiB fsync'd random writes through tiercache (seed: 64 MiB)
-	S1HDDTime   time.Duration // cap on the same job on the plain HDD model (~135 writes/s)
-	Runtime     time.Duration // measured time of time-based runs (S2, S3)
-	Ramp        time.Duration
-	S2Cache     int64
-	S3Region    int64 // working set of S3, read once to warm the cache
-	S3Cache     int64
-	S4Writes    int64
-	S5Region    int64
-	S5Rounds    int
-	S5Runtime   time.Duration
-	SmallCache  int64 // S1 and S4 cache images
-	FioMaxRetry int
+	Backing      int64         // the data region at the start of each HDD image, where every workload runs
+	Disk         int64         // each HDD image (sparse past Backing): the model's whole disk
+	S1Writes     int64         // bytes of 4 KiB fsync'd random writes through tiercache (seed: 64 MiB)
+	S1HDDTime    time.Duration // cap on the same job on the plain HDD model (~135 writes/s)
+	S1AfterPairs int           // reads after the writes, per target, alternating
+	Runtime      time.Duration // measured time of time-based runs (S2, S3)
+	Ramp         time.Duration
+	S2Cache      int64
+	S3Region     int64 // working set of S3, read once to warm the cache
+	S3Cache      int64
+	S4Writes     int64
+	S5Region     int64
+	S5Rounds     int
+	S5Runtime    time.Duration
+	SmallCache   int64 // S1 and S4 cache images
+	FioMaxRetry  int
+	Apps         appSizes // S6
 }
 
 func fullSizes() cacheSizes {
 	return cacheSizes{
-		Backing:    1 << 30,
-		Disk:       8 << 30, // 1 GiB at the outer edge reads at ~139 MB/s, as the seed's 137
-		S1Writes:   64 << 20,
-		S1HDDTime:  30 * time.Second,
-		Runtime:    8 * time.Second,
-		Ramp:       2 * time.Second, // past the HDD model's 16 MiB write-cache burst (~1 s)
-		S2Cache:    512 << 20,
-		S3Region:   256 << 20,
-		S3Cache:    2 << 30, // 8x the working set: see docs/BENCHMARKS.md, S3 (a 512 MiB cache ran out of free buckets under 64 KiB randrw)
-		S4Writes:   8 << 20, // 2,048 fsync'd writes: epoch-order drain ~17 s, QD1 replay ~17 s
-		S5Region:   256 << 20,
-		S5Rounds:   3,
-		S5Runtime:  5 * time.Second,
-		SmallCache: 256 << 20,
+		Backing:      1 << 30,
+		Disk:         8 << 30, // 1 GiB at the outer edge reads at ~139 MB/s, as the seed's 137
+		S1Writes:     64 << 20,
+		S1HDDTime:    15 * time.Second,
+		S1AfterPairs: 3,
+		Runtime:      6 * time.Second,
+		Ramp:         2 * time.Second, // past the HDD model's 16 MiB write-cache burst (~1 s)
+		S2Cache:      512 << 20,
+		S3Region:     256 << 20,
+		S3Cache:      2 << 30, // 8x the working set: see docs/BENCHMARKS.md, S3 (a 512 MiB cache ran out of free buckets under 64 KiB randrw)
+		S4Writes:     8 << 20, // 2,048 fsync'd writes: epoch-order drain ~17 s, QD1 replay ~17 s
+		S5Region:     256 << 20,
+		S5Rounds:     2,
+		S5Runtime:    5 * time.Second,
+		SmallCache:   256 << 20,
+		Apps: appSizes{FS: 2 << 30, Cache: 1 << 30, PgScale: 10, PgClients: 10, PgTime: 30 * time.Second,
+			RocksKeys: 300000, RocksTime: 10 * time.Second},
 	}
 }
 
 func quickSizes() cacheSizes {
 	return cacheSizes{
-		Backing:    64 << 20,
-		Disk:       512 << 20,
-		S1Writes:   1 << 20,
-		S1HDDTime:  3 * time.Second,
-		Runtime:    time.Second,
-		Ramp:       0,
-		S2Cache:    64 << 20,
-		S3Region:   16 << 20,
-		S3Cache:    64 << 20,
-		S4Writes:   1 << 20,
-		S5Region:   16 << 20,
-		S5Rounds:   1,
-		S5Runtime:  time.Second,
-		SmallCache: 64 << 20,
+		Backing:      64 << 20,
+		Disk:         512 << 20,
+		S1Writes:     1 << 20,
+		S1HDDTime:    3 * time.Second,
+		S1AfterPairs: 1,
+		Runtime:      time.Second,
+		Ramp:         0,
+		S2Cache:      64 << 20,
+		S3Region:     16 << 20,
+		S3Cache:      64 << 20,
+		S4Writes:     1 << 20,
+		S5Region:     16 << 20,
+		S5Rounds:     1,
+		S5Runtime:    time.Second,
+		SmallCache:   64 << 20,
+		Apps: appSizes{FS: 256 << 20, Cache: 128 << 20, PgScale: 1, PgClients: 4, PgTime: 2 * time.Second,
+			RocksKeys: 10000, RocksTime: 1 * time.Second},
 	}
 }
 
@@ -131,7 +139,7 @@ func cacheMain(args []string) int {
 	fs.BoolVar(&o.Publish, "publish", false, "copy CACHE_RESULTS.md, cache-results.json and the charts into docs/bench in the module")
 	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
-	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S5); default all")
+	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S6); default all")
 	fs.IntVar(&o.Rounds, "rounds", 1, "run the scenarios this many times, one round after the other, and report each bar's median round (every round's ratio is shown)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -294,7 +302,7 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	}
 	loadStart := loadAvg()
 	c.started = time.Now()
-	runs := map[string]func(context.Context) error{"S1": c.s1, "S2": c.s2, "S3": c.s3, "S4": c.s4, "S5": c.s5}
+	runs := map[string]func(context.Context) error{"S1": c.s1, "S2": c.s2, "S3": c.s3, "S4": c.s4, "S5": c.s5, "S6": c.s6}
 	for c.round = 1; c.round <= c.nrounds; c.round++ {
 		c.checks, c.details = nil, nil
 		for _, s := range scen {
@@ -340,8 +348,8 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 
 func (c *cacheRunner) sizesLine() string {
 	s := c.sz
-	return fmt.Sprintf("HDD image %d MiB (data and workloads in its first %d MiB), S1 %d MiB of fsync'd 4K writes (plain HDD capped at %v), runs %v after %v ramp, S3 working set %d MiB, S4 %d MiB of writes, S5 %d MiB x %d rounds x %v",
-		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime)
+	return fmt.Sprintf("HDD image %d MiB (data and workloads in its first %d MiB), S1 %d MiB of fsync'd 4K writes (plain HDD capped at %v), runs %v after %v ramp, S3 working set %d MiB, S4 %d MiB of writes, S5 %d MiB x %d rounds x %v, %s",
+		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime, s.Apps.line())
 }
 
 // plannedSteps counts the progress steps of the scenarios.
@@ -350,7 +358,7 @@ func (c *cacheRunner) plannedSteps(scen []string) int {
 	for _, s := range scen {
 		switch s {
 		case "S1":
-			n += 7 // HDD: read, writes, read; tiercache: read, writes, drain, read
+			n += 5 + 2*c.sz.S1AfterPairs // HDD: read, writes; tiercache: read, writes, drain; then the reads after, alternating
 		case "S2":
 			n += 4 * len(s2Jobs(c.sz))
 		case "S3":
@@ -359,6 +367,8 @@ func (c *cacheRunner) plannedSteps(scen []string) int {
 			n += 2*2 + 2
 		case "S5":
 			n += 1 + c.sz.S5Rounds*2*len(s5Jobs(c.sz))
+		case "S6":
+			n += s6Steps()
 		}
 	}
 	return n
@@ -533,8 +543,13 @@ func (c *cacheRunner) tcDir(tag string) (string, error) {
 
 // backing copies the master data into a new image in dir.
 func (c *cacheRunner) backing(ctx context.Context, dir string) (string, error) {
+	return c.backingFrom(ctx, dir, c.master)
+}
+
+// backingFrom copies src (holes stay holes) into a new image in dir.
+func (c *cacheRunner) backingFrom(ctx context.Context, dir, src string) (string, error) {
 	dst := filepath.Join(dir, "hdd.img")
-	cmd := exec.CommandContext(ctx, "cp", c.master, dst)
+	cmd := exec.CommandContext(ctx, "cp", "--sparse=always", src, dst)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		return "", fmt.Errorf("copy data: %v: %s", err, out)
 	}
@@ -560,11 +575,16 @@ func (c *cacheRunner) plainHDD(ctx context.Context, tag string) (*server, error)
 // cached formats a cache set (cacheSpec kind: "ssd", "nvme", or "" for a
 // plain file; backKind likewise) over a fresh copy of the data and serves it.
 func (c *cacheRunner) cached(ctx context.Context, tag, cacheKind, backKind, mode string, cacheSize int64) (*server, error) {
+	return c.cachedFrom(ctx, tag, cacheKind, backKind, mode, cacheSize, c.master)
+}
+
+// cachedFrom is cached with the backing data copied from src.
+func (c *cacheRunner) cachedFrom(ctx context.Context, tag, cacheKind, backKind, mode string, cacheSize int64, src string) (*server, error) {
 	dir, err := c.tcDir(tag)
 	if err != nil {
 		return nil, err
 	}
-	b, err := c.backing(ctx, dir)
+	b, err := c.backingFrom(ctx, dir, src)
 	if err != nil {
 		return nil, err
 	}
