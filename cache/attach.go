@@ -1,23 +1,40 @@
 package cache
 
-// Per-volume drain and detach, for `tiercache flush EXPORT` and
-// `tiercache detach EXPORT` on a running server.
+// Attach and detach: the set's volume list changes while it serves.
 //
-// Detach leaves the backing device complete and stops caching it without
-// rewriting the set's layout: the volume is switched to mode none
-// (persisted in the superblock), its dirty data is written back and synced,
-// every cached block of it is invalidated and the invalidation is
-// committed. The volume then holds nothing in the cache, so the backing
-// device is a complete image that can be used alone; if the set is served
-// again the volume is served uncached (mode none) and can be re-enabled
-// with `tiercache set EXPORT cache_mode=...`. Removing the backing device
-// from the superblock altogether (and adding one to a live set: attach)
-// needs the set to renumber its volumes and is left to the engine.
+// A volume is named everywhere (journal records, checkpoints, owner keys)
+// by its slot, the index of its record in Superblock.Backings. A slot never
+// changes while its volume is in the set, so volumes in use are never
+// renumbered: detach leaves a free slot (unless it was the last one) and
+// attach fills the first free slot or appends one. The superblock is the
+// only record of which slots are live, and it changes with one write of its
+// older copy, so attach and detach are atomic with respect to a crash: the
+// newest valid copy either lists the volume or not.
+//
+// Attach: the new volume holds nothing in the cache, so the superblock
+// write is all there is. Crash before it completes: the set is as before
+// (the torn copy is the older one; the other wins). After: the volume is in
+// the set, empty. No journal record names the new slot before the
+// superblock that lists it is durable.
+//
+// Detach (Volume.Detach): mode none (superblock), write back every dirty
+// block and sync, close the volume to I/O, drop every cached block and
+// commit the drop, run the caller's BeforeRemove (the CLI releases the
+// backing device's claim there), then a checkpoint (so that no journal
+// generation replayed later holds records of the slot from before: a later
+// occupant of the slot never sees them), then the superblock without the
+// volume. Crash before the superblock write: the volume is still in the set,
+// in mode none, holding no dirty data (the backing device is complete) and
+// after recovery no clean data either; detach can be run again. Crash after:
+// the volume is gone. Either way the backing device is complete.
 
 import (
 	"context"
 	"fmt"
+	"slices"
 	"time"
+
+	"github.com/tiercache/tiercache/internal/invariants"
 )
 
 // DirtyBlocks returns the volume's dirty block count.
@@ -97,25 +114,62 @@ func (v *Volume) DrainDirty(ctx context.Context, progress func(dirtyBlocks int64
 	}
 }
 
-// Detach stops caching the volume and leaves its backing device complete:
-// mode none (persisted), dirty data written back and synced, every cached
-// block dropped and the drop committed. Callers stop new I/O to the volume
-// first (remove the NBD export); I/O still arriving is passed through.
-func (v *Volume) Detach(ctx context.Context, progress func(dirtyBlocks int64)) error {
+// DetachOptions configure Volume.Detach.
+type DetachOptions struct {
+	// Progress, if set, is called with the dirty blocks left while the
+	// volume's dirty data is written back.
+	Progress func(dirtyBlocks int64)
+	// BeforeRemove, if set, runs when the volume holds nothing in the cache
+	// (committed) and before the superblock drops it. An error aborts the
+	// detach: the volume stays in the set, in mode none, open to I/O again.
+	BeforeRemove func() error
+}
+
+// Detach removes the volume from the set and leaves its backing device
+// complete: mode none (persisted), dirty data written back and synced, the
+// volume closed to I/O (calls in flight finish first; later ones fail with
+// ErrDetached), every cached block dropped and committed, its writeback
+// goroutine stopped, and finally its slot freed in the superblock. Callers
+// stop sending I/O first (remove the NBD export and end its connections).
+// On an error before the last step the volume stays in the set, in mode
+// none, and serves I/O again.
+func (v *Volume) Detach(ctx context.Context, opts DetachOptions) error {
+	if v.free {
+		return fmt.Errorf("detach: %w", ErrDetached)
+	}
+	if !v.detaching.CompareAndSwap(false, true) {
+		return fmt.Errorf("detach %s: %w: a detach is already running", v.name, ErrInvalid)
+	}
+	defer v.detaching.Store(false)
 	if err := v.SetMode(None); err != nil {
 		return fmt.Errorf("detach %s: %w", v.name, err)
 	}
-	if err := v.DrainDirty(ctx, progress); err != nil {
+	// Write back while clients may still write (passthrough now), then
+	// again after closing the gate, when nothing new can become dirty.
+	if err := v.DrainDirty(ctx, opts.Progress); err != nil {
+		return fmt.Errorf("detach %s: %w", v.name, err)
+	}
+	v.gate.Lock()
+	v.gone = true
+	v.gate.Unlock()
+	reopen := func() {
+		v.gate.Lock()
+		v.gone = false
+		v.gate.Unlock()
+	}
+	if err := v.DrainDirty(ctx, opts.Progress); err != nil {
+		reopen()
 		return fmt.Errorf("detach %s: %w", v.name, err)
 	}
 	s := v.s
 	v.rmw.Lock()
 	s.mu.Lock()
-	if v.idx.dirty != 0 {
-		n := v.idx.dirty
+	if v.idx.dirty != 0 || v.idx.nsup != 0 {
+		n := v.idx.dirty + v.idx.nsup
 		s.mu.Unlock()
 		v.rmw.Unlock()
-		return fmt.Errorf("detach %s: %d blocks became dirty during detach", v.name, n)
+		reopen()
+		return fmt.Errorf("detach %s: %d dirty blocks left after writeback", v.name, n)
 	}
 	s.invalidateLocked(v.vi, 0, v.nblocks)
 	s.appendLocked(&rec{typ: recInvalidate, vol: uint16(v.vi), lba: 0, n: v.nblocks})
@@ -124,10 +178,182 @@ func (v *Volume) Detach(ctx context.Context, progress func(dirtyBlocks int64)) e
 	s.mu.Unlock()
 	v.rmw.Unlock()
 	if err := s.commit(target); err != nil {
+		reopen()
 		return fmt.Errorf("detach %s: %w", v.name, err)
 	}
 	if err := v.back.Sync(); err != nil {
+		reopen()
 		return fmt.Errorf("detach %s: syncing backing device: %w", v.name, err)
 	}
+	if opts.BeforeRemove != nil {
+		if err := opts.BeforeRemove(); err != nil {
+			reopen()
+			return fmt.Errorf("detach %s: %w", v.name, err)
+		}
+	}
+	if err := s.removeVolume(v); err != nil {
+		reopen()
+		return fmt.Errorf("detach %s: %w", v.name, err)
+	}
 	return nil
+}
+
+// removeVolume frees v's slot: writeback goroutine stopped, placeholder in
+// the slot list, checkpoint, superblock. v is empty and closed to I/O.
+func (s *Set) removeVolume(v *Volume) error {
+	s.volMu.Lock()
+	defer s.volMu.Unlock()
+	close(v.wb.stop)
+	<-v.wb.done
+	restart := func() {
+		v.wb.stop, v.wb.done = make(chan struct{}), make(chan struct{})
+		s.mu.Lock()
+		if !s.mu.closed {
+			s.wg.Add(1)
+			go s.writebackLoop(v)
+		}
+		s.mu.Unlock()
+	}
+	s.commitMu.Lock()
+	defer s.commitMu.Unlock()
+	s.sbMu.Lock() // held to the end: no other superblock update in between
+	defer s.sbMu.Unlock()
+	nsb := s.sb.clone()
+	nsb.Backings[v.vi] = BackingInfo{}
+	for len(nsb.Backings) > 0 && nsb.Backings[len(nsb.Backings)-1].Free() {
+		nsb.Backings = nsb.Backings[:len(nsb.Backings)-1]
+	}
+	s.mu.Lock()
+	if v.idx.cached != 0 || v.idx.dirty != 0 || v.idx.nsup != 0 {
+		n := v.idx.cached + v.idx.nsup
+		s.mu.Unlock()
+		restart()
+		return fmt.Errorf("%d blocks still cached", n)
+	}
+	if invariants.Enabled {
+		for loc, k := range s.mu.owner {
+			if vi, _ := splitOwner(k); k != 0 && vi == v.vi {
+				invariants.AssertionFailedf("detach: cache block %d still owned by slot %d", loc, vi)
+			}
+		}
+	}
+	old := s.vols
+	vols := slices.Clone(s.vols) // never shorter: see Set.vols
+	vols[v.vi] = s.newVolume(v.vi, BackingInfo{}, nil)
+	s.setVols(vols)
+	s.mu.Unlock()
+	// The checkpoint starts a journal generation with no record of the
+	// slot; the journal before it is never replayed again.
+	if err := s.checkpointLocked(); err != nil {
+		// The set has failed (sticky); the superblock still lists v.
+		s.mu.Lock()
+		s.setVols(old)
+		s.mu.Unlock()
+		return err
+	}
+	nsb.Seq = s.sb.Seq + 1
+	if err := writeSuperblock(s.dev, nsb); err != nil {
+		s.mu.Lock()
+		s.setVols(old)
+		s.mu.Unlock()
+		restart()
+		return err
+	}
+	s.sb = nsb
+	s.log.Info("volume detached", "volume", v.name, "slot", v.vi)
+	return nil
+}
+
+// AttachOptions configure Set.Attach.
+type AttachOptions struct {
+	Mode Mode // the new volume's cache mode (zero value: Writeback)
+}
+
+// Attach adds a backing device to the open set as a new volume, while the
+// other volumes keep serving. Only the cache device is written (the
+// superblock); the backing device is only measured. A name or an ID
+// already in the set is refused with ErrExists.
+func (s *Set) Attach(spec BackingSpec, opts AttachOptions) (*Volume, error) {
+	if spec.Dev == nil || spec.Name == "" || len(spec.Name) > maxNameLen || len(spec.ID) > maxNameLen || len(spec.Path) > maxPathLen {
+		return nil, fmt.Errorf("attach %q: %w: want a name of 1..%d bytes, an id of at most %d, a path of at most %d, and a device",
+			spec.Name, ErrInvalid, maxNameLen, maxNameLen, maxPathLen)
+	}
+	if !opts.Mode.valid() {
+		return nil, fmt.Errorf("attach %s: %w: mode %d", spec.Name, ErrInvalid, int(opts.Mode))
+	}
+	size := spec.Dev.Size()
+	if size <= 0 || (size+blockSize-1)/blockSize >= maxLBABlocks {
+		return nil, fmt.Errorf("attach %s: %w: device size %d", spec.Name, ErrInvalid, size)
+	}
+	s.volMu.Lock()
+	defer s.volMu.Unlock()
+	if err := s.err(); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	closed := s.mu.closed
+	s.mu.Unlock()
+	if closed {
+		return nil, ErrClosed
+	}
+	s.commitMu.Lock()
+	defer s.commitMu.Unlock()
+	s.sbMu.Lock()
+	defer s.sbMu.Unlock()
+	slot := len(s.sb.Backings)
+	for i, b := range s.sb.Backings {
+		switch {
+		case b.Free():
+			slot = min(slot, i)
+		case b.Name == spec.Name:
+			return nil, fmt.Errorf("attach %s: %w: a volume of that name exists", spec.Name, ErrExists)
+		case b.ID != "" && b.ID == spec.ID:
+			return nil, fmt.Errorf("attach %s: %w: the device (id %s) is attached as %q", spec.Name, ErrExists, spec.ID, b.Name)
+		}
+	}
+	if slot >= maxBackings {
+		return nil, fmt.Errorf("attach %s: %w: the set has %d backing devices, at most %d", spec.Name, ErrInvalid, slot, maxBackings)
+	}
+	nslots := max(len(s.sb.Backings), slot+1)
+	s.mu.Lock()
+	nvols := max(len(s.vols), nslots) // the checkpoint writes every in-memory slot
+	s.mu.Unlock()
+	need := ckptLenFor(s.lay.NBuckets, s.bpb, nvols)
+	if s.epochOK {
+		need = ckptLenEpoch(s.lay.NBuckets, s.bpb, nvols)
+	}
+	if need > s.lay.CkptLen {
+		return nil, fmt.Errorf("attach %s: %w: the checkpoint slots of this set (formatted by an older tiercache for %d backing devices) cannot hold %d; format a new set",
+			spec.Name, ErrInvalid, len(s.sb.Backings), nslots)
+	}
+	st := DefaultSettings()
+	st.Mode = opts.Mode
+	bi := BackingInfo{Name: spec.Name, ID: spec.ID, Path: spec.Path, Size: size, Mode: opts.Mode, Settings: st}
+	nsb := s.sb.clone()
+	if slot < len(nsb.Backings) {
+		nsb.Backings[slot] = bi
+	} else {
+		nsb.Backings = append(nsb.Backings, bi)
+	}
+	nsb.Seq++
+	if err := nsb.validate(-1); err != nil {
+		return nil, fmt.Errorf("attach %s: %w", spec.Name, err)
+	}
+	if err := writeSuperblock(s.dev, nsb); err != nil {
+		return nil, fmt.Errorf("attach %s: %w", spec.Name, err)
+	}
+	s.sb = nsb
+	v := s.newVolume(slot, bi, spec.Dev)
+	s.mu.Lock()
+	vols := make([]*Volume, max(len(s.vols), nslots))
+	copy(vols, s.vols)
+	vols[slot] = v
+	s.setVols(vols)
+	if !s.mu.closed {
+		s.wg.Add(1)
+		go s.writebackLoop(v)
+	}
+	s.mu.Unlock()
+	s.log.Info("volume attached", "volume", v.name, "slot", slot, "size", size, "mode", opts.Mode.String())
+	return v, nil
 }

@@ -197,9 +197,21 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 	for i := range cd.gens {
 		cd.gens[i] = d.u32()
 	}
+	// The volume count may differ from the superblock's: attach and detach
+	// change the slot list with one superblock write, and the checkpoint
+	// written before it may hold fewer slots (a volume attached since is
+	// empty) or more (a detached last slot, empty when the checkpoint was
+	// written). A slot the superblock does not list, or lists as free, has
+	// no blocks, so any entry in it fails the range check below.
 	nv := int(d.u16())
-	if d.bad || nv != len(volBlocks) {
-		return nil, fmt.Errorf("checkpoint has %d volumes, superblock %d", nv, len(volBlocks))
+	if d.bad || nv > maxBackings {
+		return nil, fmt.Errorf("checkpoint has %d volumes (at most %d)", nv, maxBackings)
+	}
+	blocksOf := func(v int) uint64 {
+		if v < len(volBlocks) {
+			return volBlocks[v]
+		}
+		return 0
 	}
 	total := uint64(nbuckets * bpb)
 	seen := newBitset(int(total))
@@ -213,7 +225,7 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 		cv.ents = make([]ent, n)
 		for i := range cv.ents {
 			x := ent{lba: d.u64(), loc: d.u32(), crc: d.u32()}
-			if x.lba >= volBlocks[v] || uint64(x.block()) >= total || (i > 0 && x.lba <= cv.ents[i-1].lba) || seen.get(int(x.block())) {
+			if x.lba >= blocksOf(v) || uint64(x.block()) >= total || (i > 0 && x.lba <= cv.ents[i-1].lba) || seen.get(int(x.block())) {
 				return nil, fmt.Errorf("volume %d entry %d (lba %d loc %d) out of order or out of range", v, i, x.lba, x.block())
 			}
 			seen.set(int(x.block()))
@@ -251,7 +263,7 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 			}
 			for range m {
 				x := ver{lba: d.u64(), loc: d.u32(), crc: d.u32(), epoch: d.u64()}
-				if d.bad || x.lba >= volBlocks[vi] || uint64(x.loc) >= total || seen.get(int(x.loc)) || x.epoch > cv.epoch {
+				if d.bad || x.lba >= blocksOf(vi) || uint64(x.loc) >= total || seen.get(int(x.loc)) || x.epoch > cv.epoch {
 					return nil, fmt.Errorf("volume %d: superseded version %+v out of range or owned twice", vi, x)
 				}
 				seen.set(int(x.loc))

@@ -29,6 +29,13 @@ var ErrBackingMismatch = errors.New("cache: backing device does not match cache 
 // ErrClosed is returned for I/O on a closed Set.
 var ErrClosed = errors.New("cache: set is closed")
 
+// ErrDetached is returned for calls on a volume after Detach removed it
+// from the set.
+var ErrDetached = errors.New("cache: volume detached from the cache set")
+
+// ErrExists is returned by Attach for a name or device already in the set.
+var ErrExists = errors.New("cache: already in the cache set")
+
 // ErrInvalid is returned for arguments that cannot be honoured (bad sizes,
 // unknown mode, too many backings).
 var ErrInvalid = errors.New("cache: invalid argument")

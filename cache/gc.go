@@ -216,7 +216,7 @@ const walkChunk = 4 * lockChunk
 // writes in flight, which pin the bucket.
 func (s *Set) entriesIn(want func(loc int64) bool) []located {
 	var out []located
-	for vi, v := range s.vols {
+	for vi, v := range s.volList() {
 		from, more := uint64(0), true
 		for more {
 			more = false
@@ -302,7 +302,7 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 	for vi, lbas := range perVol {
 		slices.Sort(lbas)
 		if _, err := s.writeback(vi, lbas); err != nil {
-			s.log.Warn("writeback for eviction failed", "volume", s.vols[vi].name, "err", err)
+			s.log.Warn("writeback for eviction failed", "volume", s.vol(vi).name, "err", err)
 		}
 	}
 	s.mu.Lock()
@@ -477,7 +477,7 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 	if s.keepSuperseded(vi) {
 		return s.writebackEpochLBAs(vi, lbas)
 	}
-	v := s.vols[vi]
+	v := s.vol(vi)
 	var items []wbItem
 	var runs []blockRange // index ranges into items
 	// Collect in chunks: mu is never held for more than lockChunk lookups.
@@ -522,7 +522,7 @@ type wbItem struct {
 // from one epoch to the next with a sync in between, and holds at any
 // moment the image after some epoch plus part of the next one.
 func (s *Set) writebackEpoch(vi, n int) (int, error) {
-	v := s.vols[vi]
+	v := s.vol(vi)
 	var items []wbItem
 	var runs []blockRange
 	s.mu.Lock()
@@ -572,7 +572,7 @@ func (s *Set) writebackEpoch(vi, n int) (int, error) {
 // writes back a batch of the oldest epoch instead, so callers always see
 // progress.
 func (s *Set) writebackEpochLBAs(vi int, lbas []uint64) (int, error) {
-	v := s.vols[vi]
+	v := s.vol(vi)
 	var items []wbItem
 	var runs []blockRange
 	s.mu.Lock()
@@ -621,7 +621,7 @@ func (s *Set) hasVersionLocked(vi int, lba uint64, loc uint32, crc uint32) bool 
 // pinned and in wbInflight; runs cut at consecutive LBAs), syncs, and marks
 // the written versions clean.
 func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error) {
-	v := s.vols[vi]
+	v := s.vol(vi)
 	if len(items) == 0 {
 		return 0, nil
 	}
@@ -770,7 +770,7 @@ func (s *Set) Drain(ctx context.Context) error {
 	for {
 		progress, left := 0, int64(0)
 		failedBefore := s.checksumFailures()
-		for vi := range s.vols {
+		for vi := range s.volList() {
 			from := uint64(0)
 			for {
 				if err := ctx.Err(); err != nil {
@@ -828,7 +828,7 @@ func (s *Set) Drain(ctx context.Context) error {
 }
 
 func (s *Set) checksumFailures() (n uint64) {
-	for _, v := range s.vols {
+	for _, v := range s.volList() {
 		n += v.st.checksumErrors.Load()
 	}
 	return n

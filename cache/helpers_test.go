@@ -9,7 +9,7 @@ import (
 // cacheSizeFor returns a cache device size that formats to n buckets of bs.
 func cacheSizeFor(n, bs, journal int64, nvols int) int64 {
 	bpb := bs / blockSize
-	ckpt := ckptLenEpoch(n, bpb, nvols)
+	ckpt := ckptLenEpoch(n, bpb, maxBackings) // Format sizes slots for every slot; nvols kept for callers
 	off := 2*sbCopySize + journal + 2*ckpt
 	align := min(bs, 1<<20)
 	off = (off + align - 1) / align * align

@@ -198,7 +198,7 @@ func (s *Set) initVersionsLocked() {
 // keepSuperseded reports whether volume vi keeps superseded dirty versions
 // (epoch order, on a set whose checkpoint slots can hold them).
 func (s *Set) keepSuperseded(vi int) bool {
-	cfg := s.vols[vi].cfg.Load()
+	cfg := s.vol(vi).cfg.Load()
 	return s.epochOK && cfg != nil && cfg.WritebackOrder == "epoch"
 }
 

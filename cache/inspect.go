@@ -134,17 +134,16 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 	im.SB = sb
 	im.Slots = ReadCheckpointSlots(dev, sb)
 	s := &Set{dev: dev, lay: sb.clone(), sb: sb.clone(), nonce: sb.nonce(), bpb: sb.blocksPerBucket(),
-		log: slog.New(slog.DiscardHandler), byNm: map[string]*Volume{}, stop: make(chan struct{})}
+		log: slog.New(slog.DiscardHandler), stop: make(chan struct{})}
 	s.mu.cond = sync.NewCond(&s.mu.Mutex)
 	volBlocks := make([]uint64, len(sb.Backings))
+	var vols []*Volume
 	for i, bi := range sb.Backings {
-		v := &Volume{s: s, vi: i, name: bi.Name, size: bi.Size, nblocks: uint64((bi.Size + blockSize - 1) / blockSize)}
-		v.mode.Store(int32(bi.Mode))
-		v.idx.tree = newPtree()
+		v := s.newVolume(i, bi, nil)
 		volBlocks[i] = v.nblocks
-		s.vols = append(s.vols, v)
-		s.byNm[v.name] = v
+		vols = append(vols, v)
 	}
+	s.setVols(vols)
 	hdr, cd, err := readCheckpoint(dev, sb, volBlocks)
 	if err != nil {
 		return im, err
@@ -159,6 +158,9 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 		s.mu.buckets[i].gen = g
 	}
 	for vi, cv := range cd.vols {
+		if vi >= len(s.vols) {
+			break // slots detached after this checkpoint: empty
+		}
 		s.vols[vi].idx.epoch = cv.epoch
 		for _, e := range cv.ents {
 			s.insertLocked(vi, e.lba, e.block(), e.crc, e.dirty())
@@ -223,6 +225,9 @@ func (im *Image) Volumes() []VolumeSummary {
 	}
 	var out []VolumeSummary
 	for _, v := range im.s.vols {
+		if v.free {
+			continue
+		}
 		out = append(out, VolumeSummary{Name: v.name, Size: v.size, Mode: v.Mode(), CachedBlocks: v.idx.cached,
 			DirtyBlocks: v.idx.dirty, FlushEpoch: v.idx.epoch, DirtyIfServed: v.idx.dirty})
 	}

@@ -117,6 +117,10 @@ func (v *Volume) SetSettings(st Settings) error {
 	if err := st.Validate(); err != nil {
 		return err
 	}
+	if err := v.enter(); err != nil {
+		return err
+	}
+	defer v.exit()
 	v.rmw.Lock()
 	defer v.rmw.Unlock()
 	s := v.s

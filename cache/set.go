@@ -109,13 +109,15 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	// Solve for the bucket count: each bucket costs its size plus its share
 	// of two checkpoint slots.
 	bpb := bs / blockSize
-	fixed := sb.JournalOff + jl + 2*ckptLenEpoch(0, bpb, len(backings)) + bs
+	// Checkpoint slots have room for maxBackings volumes (a few KiB), so
+	// that attach never needs a larger slot.
+	fixed := sb.JournalOff + jl + 2*ckptLenEpoch(0, bpb, maxBackings) + bs
 	per := bs + 2*(4+bpb*(ckptEntrySize+ckptEpochExtra))
 	n := (devSize - fixed) / per
 	for ; n >= minBuckets; n-- {
 		sb.NBuckets = n
 		sb.CkptOff[0] = sb.JournalOff + jl
-		sb.CkptLen = ckptLenEpoch(n, bpb, len(backings))
+		sb.CkptLen = ckptLenEpoch(n, bpb, maxBackings)
 		sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
 		align := min(bs, 1<<20)
 		sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + align - 1) / align * align
@@ -162,16 +164,28 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 
 // Set is an open cache set: one cache device serving several volumes.
 //
-// Lock order: Volume.rmw, then Set.commitMu, then Set.sbMu, then Set.mu.
-// No device I/O is done while holding Set.mu.
+// Lock order: Set.volMu, then Volume.gate (write side, briefly), then
+// Volume.rmw, then Set.commitMu, then Set.sbMu, then Set.mu. No device I/O
+// is done while holding Set.mu.
 type Set struct {
 	dev   device.Device
 	lay   *Superblock // layout; immutable after Open (modes live in sb)
 	nonce uint64
 	bpb   int64
 	log   *slog.Logger
-	vols  []*Volume
-	byNm  map[string]*Volume
+	// vols is indexed by slot (the index in Superblock.Backings); a free
+	// slot holds an empty placeholder volume (Volume.free), never nil.
+	// Attach and detach replace the slice (never modify it in place) while
+	// holding commitMu and mu: code holding either may read s.vols; code
+	// holding neither (the I/O, writeback and eviction walks) reads the same
+	// slice through volSnap (s.vol, s.volList). It never gets shorter while
+	// the set is open (a trailing slot freed in the superblock stays here
+	// as a placeholder), so a slot number read under one hold of mu is
+	// still an index under the next.
+	vols    []*Volume
+	volSnap atomic.Pointer[[]*Volume]
+	// volMu serializes attach and the final step of detach (slot changes).
+	volMu sync.Mutex
 
 	// commitMu serializes journal writes and checkpoints (group commit:
 	// callers queue here and the holder writes everything pending).
@@ -237,10 +251,15 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		byName[b.Name] = b
 	}
 	s := &Set{dev: cacheDev, lay: sb.clone(), sb: sb, nonce: sb.nonce(), bpb: sb.blocksPerBucket(), log: log,
-		byNm: map[string]*Volume{}, kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1), stop: make(chan struct{})}
+		kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1), stop: make(chan struct{})}
 	s.mu.cond = sync.NewCond(&s.mu.Mutex)
 	volBlocks := make([]uint64, len(sb.Backings))
+	var vols []*Volume
 	for i, bi := range sb.Backings {
+		if bi.Free() {
+			vols = append(vols, s.newVolume(i, bi, nil))
+			continue
+		}
 		spec, ok := byName[bi.Name]
 		if !ok || spec.Dev == nil {
 			return nil, &BackingMismatchError{Name: bi.Name, Field: "missing"}
@@ -252,20 +271,14 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		if bi.ID != "" && spec.ID != "" && bi.ID != spec.ID && !opts.Force {
 			return nil, &BackingMismatchError{Name: bi.Name, Field: "id", Expected: bi.ID, Actual: spec.ID}
 		}
-		v := &Volume{s: s, vi: i, name: bi.Name, size: bi.Size, nblocks: uint64((bi.Size + blockSize - 1) / blockSize), back: spec.Dev}
-		v.mode.Store(int32(bi.Mode))
-		cfg := bi.Settings
-		v.cfg.Store(&cfg)
-		v.wb.kick = make(chan struct{}, 1)
-		v.idx.tree = newPtree()
-		v.idx.wbInflight = map[uint32]struct{}{}
+		v := s.newVolume(i, bi, spec.Dev)
 		volBlocks[i] = v.nblocks
-		s.vols = append(s.vols, v)
-		s.byNm[v.name] = v
+		vols = append(vols, v)
 	}
 	for name := range byName {
 		return nil, &BackingMismatchError{Name: name, Field: "unknown"}
 	}
+	s.setVols(vols)
 	start := time.Now()
 	hdr, cd, err := readCheckpoint(cacheDev, sb, volBlocks)
 	if err != nil {
@@ -281,6 +294,9 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		s.mu.buckets[i].gen = g
 	}
 	for vi, cv := range cd.vols {
+		if vi >= len(s.vols) {
+			break // slots detached after this checkpoint: empty (decodeCkptBody)
+		}
 		s.vols[vi].idx.epoch = cv.epoch
 		// Insert in random order: B-tree nodes split at the middle, so
 		// inserting in LBA order would leave them half full (43.7 instead
@@ -342,14 +358,62 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 			log.Warn("writeback_order=epoch needs checkpoint slots sized by a newer Format; writing back in lba order", "volume", v.name)
 		}
 	}
-	s.wg.Add(2 + len(s.vols))
+	s.wg.Add(2)
 	go s.gcLoop()
 	go s.commitLoop()
 	for _, v := range s.vols {
-		go s.writebackLoop(v)
+		if !v.free {
+			s.wg.Add(1)
+			go s.writebackLoop(v)
+		}
 	}
 	return s, nil
 }
+
+// newVolume builds the in-memory volume of slot vi. For a free slot
+// (bi.Free()) it builds the empty placeholder that code indexing s.vols by
+// slot finds there: no device, no blocks (so no journal record or
+// checkpoint entry can name it), closed to I/O.
+func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
+	v := &Volume{s: s, vi: vi, name: bi.Name, size: bi.Size, nblocks: uint64((bi.Size + blockSize - 1) / blockSize),
+		back: dev, free: bi.Free(), gone: bi.Free()}
+	v.mode.Store(int32(bi.Mode))
+	cfg := bi.Settings
+	if cfg.WritebackOrder == "" {
+		cfg = DefaultSettings()
+		cfg.Mode = bi.Mode
+	}
+	v.cfg.Store(&cfg)
+	v.wb.kick = make(chan struct{}, 1)
+	v.wb.stop = make(chan struct{})
+	v.wb.done = make(chan struct{})
+	v.idx.tree = newPtree()
+	v.idx.wbInflight = map[uint32]struct{}{}
+	v.idx.vers = btree.NewG[ver](32, verLess)
+	v.idx.sup = map[uint64][]ver{}
+	return v
+}
+
+// setVols publishes a new slot list.
+// REQUIRES: s.commitMu and s.mu, or exclusive access (Open)
+func (s *Set) setVols(vols []*Volume) {
+	s.vols = vols
+	s.volSnap.Store(&vols)
+}
+
+// vol returns the volume in slot vi, for callers holding neither mu nor
+// commitMu. A slot detached meanwhile yields its empty placeholder.
+func (s *Set) vol(vi int) *Volume {
+	l := *s.volSnap.Load()
+	if vi >= len(l) {
+		return s.newVolume(vi, BackingInfo{}, nil)
+	}
+	return l[vi]
+}
+
+// volList returns the current slot list (free slots included), for
+// callers holding neither mu nor commitMu.
+func (s *Set) volList() []*Volume { return *s.volSnap.Load() }
 
 // dropCleanLocked drops every clean entry. Open does this after a crash: a
 // passthrough write (writearound, none, write-zeroes) may have reached the
@@ -523,7 +587,7 @@ func (s *Set) commit(target uint64) error {
 }
 
 func (s *Set) backingsUnsynced() bool {
-	for _, v := range s.vols {
+	for _, v := range s.volList() {
 		if v.backingUnsynced.Load() {
 			return true
 		}
@@ -696,12 +760,25 @@ func (s *Set) commitLoop() {
 
 // Volume returns the volume of the named backing device.
 func (s *Set) Volume(name string) (*Volume, bool) {
-	v, ok := s.byNm[name]
-	return v, ok
+	for _, v := range s.volList() {
+		if !v.free && v.name == name {
+			return v, true
+		}
+	}
+	return nil, false
 }
 
-// Volumes returns the volumes in superblock order.
-func (s *Set) Volumes() []*Volume { return append([]*Volume(nil), s.vols...) }
+// Volumes returns the volumes in superblock (slot) order, free slots left
+// out.
+func (s *Set) Volumes() []*Volume {
+	var out []*Volume
+	for _, v := range s.volList() {
+		if !v.free {
+			out = append(out, v)
+		}
+	}
+	return out
+}
 
 // Superblock returns a copy of the current superblock.
 func (s *Set) Superblock() *Superblock {

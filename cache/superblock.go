@@ -29,6 +29,12 @@ type Superblock struct {
 }
 
 // BackingInfo identifies one backing device of the set (invariant 6).
+//
+// Its index in Superblock.Backings is the volume's slot: journal records,
+// checkpoints and the in-memory owner keys name volumes by slot, so a slot
+// never changes while its volume is in the set. Detach leaves a free slot
+// (the zero BackingInfo: empty name, size 0) where the volume was, unless it
+// was the last one; attach fills the first free slot or appends one.
 type BackingInfo struct {
 	Name string
 	ID   string // caller-supplied stable identity; may be empty
@@ -44,6 +50,9 @@ type BackingInfo struct {
 	// DefaultSettings.
 	Settings Settings
 }
+
+// Free reports whether the record is a free slot left by a detach.
+func (b BackingInfo) Free() bool { return b.Name == "" }
 
 const (
 	blockSize     = 4096
@@ -235,6 +244,12 @@ func (sb *Superblock) validate(devSize int64) error {
 		return bad("layout ends at %d beyond device size %d", end, devSize)
 	}
 	for i, b := range sb.Backings {
+		if b.Free() {
+			if b.Size != 0 || b.ID != "" || b.Path != "" || i == len(sb.Backings)-1 {
+				return bad("backing %d: free slot with size %d, id %q, path %q, or last in the list", i, b.Size, b.ID, b.Path)
+			}
+			continue
+		}
 		if b.Size <= 0 || (b.Size+blockSize-1)/blockSize >= maxLBABlocks || !b.Mode.valid() || b.Name == "" {
 			return bad("backing %d (%q): size %d mode %d", i, b.Name, b.Size, b.Mode)
 		}

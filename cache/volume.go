@@ -26,6 +26,16 @@ type Volume struct {
 	nblocks uint64
 	back    device.Device
 	mode    atomic.Int32
+	// free marks the placeholder of a free slot (see Set.vols).
+	free bool
+
+	// gate admits client calls (enter/exit): held shared by each call,
+	// taken exclusively by Detach to wait for the calls in flight and set
+	// gone, after which every call fails with ErrDetached.
+	gate sync.RWMutex
+	gone bool // REQUIRES: gate
+	// detaching is set while a Detach runs (one at a time).
+	detaching atomic.Bool
 
 	// rmw is held shared by every write and exclusively by writes that
 	// read-modify-write a partial block.
@@ -93,6 +103,19 @@ type VolumeStats struct {
 	SupersededBlocks int64
 }
 
+// enter admits a client call (I/O, flush, settings); exit must follow. It
+// fails once the volume is detached: its slot may then hold another volume.
+func (v *Volume) enter() error {
+	v.gate.RLock()
+	if v.gone {
+		v.gate.RUnlock()
+		return fmt.Errorf("volume %s: %w", v.name, ErrDetached)
+	}
+	return nil
+}
+
+func (v *Volume) exit() { v.gate.RUnlock() }
+
 // Name is the backing device's name in the cache set.
 func (v *Volume) Name() string { return v.name }
 
@@ -109,6 +132,10 @@ func (v *Volume) SetMode(m Mode) error {
 	if !m.valid() {
 		return fmt.Errorf("%w: mode %d", ErrInvalid, int(m))
 	}
+	if err := v.enter(); err != nil {
+		return err
+	}
+	defer v.exit()
 	// Exclude writes in flight so that none straddles the switch.
 	v.rmw.Lock()
 	defer v.rmw.Unlock()
@@ -197,6 +224,10 @@ func (v *Volume) writeBacking(p []byte, lba uint64) error {
 
 // ReadAt fills p with the volume's data at off.
 func (v *Volume) ReadAt(p []byte, off int64) error {
+	if err := v.enter(); err != nil {
+		return err
+	}
+	defer v.exit()
 	if err := v.checkIO(off, int64(len(p))); err != nil {
 		return err
 	}
@@ -466,6 +497,10 @@ func (v *Volume) releaseLocked(rs []blockRange) {
 // WriteAt writes p at off. With fua the write is durable when WriteAt
 // returns; otherwise at the next Flush (invariant 2).
 func (v *Volume) WriteAt(p []byte, off int64, fua bool) error {
+	if err := v.enter(); err != nil {
+		return err
+	}
+	defer v.exit()
 	if err := v.checkIO(off, int64(len(p))); err != nil {
 		return err
 	}
@@ -649,6 +684,10 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 // connection sent it. It also advances the volume's flush epoch, recorded in
 // every later journal insert.
 func (v *Volume) Flush() error {
+	if err := v.enter(); err != nil {
+		return err
+	}
+	defer v.exit()
 	if err := v.s.err(); err != nil {
 		return err
 	}
@@ -666,6 +705,10 @@ func (v *Volume) Flush() error {
 // zeroes or old data. Partial blocks at the edges are left alone. When the
 // backing device cannot discard, Trim does nothing (allowed by NBD).
 func (v *Volume) Trim(off, length int64, fua bool) error {
+	if err := v.enter(); err != nil {
+		return err
+	}
+	defer v.exit()
 	if err := v.checkIO(off, length); err != nil {
 		return err
 	}
@@ -702,6 +745,10 @@ func (v *Volume) Trim(off, length int64, fua bool) error {
 // backing device (its Zeroer, or zero buffers) and dropped from the cache,
 // in every mode; partial edge blocks go through the normal write path.
 func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) error {
+	if err := v.enter(); err != nil {
+		return err
+	}
+	defer v.exit()
 	if err := v.checkIO(off, length); err != nil {
 		return err
 	}
@@ -765,6 +812,10 @@ func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) err
 
 // Prefetch brings [off, off+length) into the cache (NBD_CMD_CACHE).
 func (v *Volume) Prefetch(off, length int64) error {
+	if err := v.enter(); err != nil {
+		return err
+	}
+	defer v.exit()
 	if err := v.checkIO(off, length); err != nil {
 		return err
 	}

@@ -61,6 +61,8 @@ const (
 // wbState is a volume's writeback state.
 type wbState struct {
 	kick   chan struct{} // wakes the goroutine (settings changed)
+	stop   chan struct{} // closed by Detach: the goroutine exits...
+	done   chan struct{} // ...and closes done
 	rate   atomic.Int64  // bytes/s now: 0 idle, -1 full speed (Stats)
 	cursor uint64        // next LBA of the sweep; only the goroutine uses it
 }
@@ -69,7 +71,7 @@ func nowNanos() int64 { return time.Now().UnixNano() }
 
 // kickWB wakes every volume's writeback goroutine.
 func (s *Set) kickWB() {
-	for _, v := range s.vols {
+	for _, v := range s.volList() {
 		select {
 		case v.wb.kick <- struct{}{}:
 		default:
@@ -126,6 +128,7 @@ func (s *Set) wbRate(v *Volume) int64 {
 // writebackLoop is a volume's background writeback goroutine.
 func (s *Set) writebackLoop(v *Volume) {
 	defer s.wg.Done()
+	defer close(v.wb.done)
 	for {
 		rate := s.wbRate(v)
 		limit := int64(0) // blocks/s; 0 none
@@ -144,6 +147,8 @@ func (s *Set) writebackLoop(v *Volume) {
 		if rate == 0 || s.err() != nil {
 			select {
 			case <-s.stop:
+				return
+			case <-v.wb.stop:
 				return
 			case <-v.wb.kick:
 			case <-time.After(wbTick):
@@ -168,6 +173,8 @@ func (s *Set) writebackLoop(v *Volume) {
 			select {
 			case <-s.stop:
 				return
+			case <-v.wb.stop:
+				return
 			case <-v.wb.kick:
 			case <-time.After(min(d, time.Second)):
 			}
@@ -176,12 +183,16 @@ func (s *Set) writebackLoop(v *Volume) {
 		select {
 		case <-s.stop:
 			return
+		case <-v.wb.stop:
+			return
 		default:
 		}
 		if done == 0 {
 			// Everything found was busy or failing: do not spin.
 			select {
 			case <-s.stop:
+				return
+			case <-v.wb.stop:
 				return
 			case <-time.After(10 * time.Millisecond):
 			}
