@@ -31,11 +31,12 @@ import (
 )
 
 type conn struct {
-	s   *Server
-	raw net.Conn // the accepted connection; never replaced
-	nc  net.Conn // what we speak NBD over (raw, or later a tls.Conn)
-	br  *bufio.Reader
-	log *slog.Logger
+	s    *Server
+	done chan struct{} // closed when serve returned (Server.CloseExport waits)
+	raw  net.Conn      // the accepted connection; never replaced
+	nc   net.Conn      // what we speak NBD over (raw, or later a tls.Conn)
+	br   *bufio.Reader
+	log  *slog.Logger
 
 	mu struct {
 		sync.Mutex        // guards the fields below and deadline changes
@@ -91,12 +92,13 @@ var requestPool = sync.Pool{New: func() any { return new(request) }}
 
 func newConn(s *Server, nc net.Conn) *conn {
 	c := &conn{
-		s:   s,
-		raw: nc,
-		nc:  nc,
-		br:  bufio.NewReaderSize(nc, 64<<10),
-		log: s.log.With("remote", nc.RemoteAddr().String()),
-		sem: newByteSem(s.cfg.MaxInFlightBytes),
+		s:    s,
+		done: make(chan struct{}),
+		raw:  nc,
+		nc:   nc,
+		br:   bufio.NewReaderSize(nc, 64<<10),
+		log:  s.log.With("remote", nc.RemoteAddr().String()),
+		sem:  newByteSem(s.cfg.MaxInFlightBytes),
 	}
 	return c
 }

@@ -177,6 +177,46 @@ func (s *Server) RemoveExport(name string) error {
 	return nil
 }
 
+// CloseExport removes the export, if it is still offered, and ends the
+// connections serving it as Shutdown does: requests in flight finish and
+// are replied to, requests read later get ESHUTDOWN, then the connection is
+// closed. It waits for those connections to end (or ctx) and returns how
+// many there were. Connections to other exports are not touched. Detach
+// uses it so that nothing reaches a backend after it is taken away; a
+// client still in the handshake may yet pick the export up if it looked it
+// up before the removal, which is why such backends also refuse I/O once
+// detached.
+func (s *Server) CloseExport(ctx context.Context, name string) (int, error) {
+	s.mu.Lock()
+	x := s.mu.exports[name]
+	delete(s.mu.exports, name)
+	all := make([]*conn, 0, len(s.mu.conns))
+	for c := range s.mu.conns {
+		all = append(all, c)
+	}
+	s.mu.Unlock()
+	var conns []*conn
+	for _, c := range all { // c.mu is not taken under s.mu
+		if cx := c.servedExport(); cx != nil && (cx == x || cx.Name == name) {
+			conns = append(conns, c)
+		}
+	}
+	for _, c := range conns {
+		c.beginShutdown()
+	}
+	for _, c := range conns {
+		select {
+		case <-c.done:
+		case <-ctx.Done():
+			for _, c := range conns {
+				c.nc.Close()
+			}
+			return len(conns), ctx.Err()
+		}
+	}
+	return len(conns), nil
+}
+
 // lookup resolves a client-supplied export name.
 func (s *Server) lookup(name string) *export {
 	s.mu.Lock()
@@ -271,6 +311,7 @@ func (s *Server) startConn(nc net.Conn) {
 			s.mu.Lock()
 			delete(s.mu.conns, c)
 			s.mu.Unlock()
+			close(c.done)
 		}()
 		c.serve()
 	}()

@@ -910,3 +910,42 @@ func TestShutdownRefusesQueuedRequests(t *testing.T) {
 	}
 	r.expectClosed()
 }
+
+// TestCloseExportLive: an export added while serving is reachable at once;
+// CloseExport ends only the connections of its export (after their requests
+// in flight), refuses new ones, and leaves the others serving.
+func TestCloseExportLive(t *testing.T) {
+	ts := startServer(t, Config{}, Export{Name: "keep", Backend: newMem(1 << 20)})
+	keep := ts.dial(t, "keep", ClientOptions{})
+	if err := keep.WriteAt(bytes.Repeat([]byte{7}, 4096), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := ts.AddExport(Export{Name: "new", Backend: newMem(1 << 20)}); err != nil {
+		t.Fatal(err)
+	}
+	c1 := ts.dial(t, "new", ClientOptions{})
+	c2 := ts.dial(t, "new", ClientOptions{})
+	if err := c1.WriteAt(bytes.Repeat([]byte{1}, 4096), 0, true); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	n, err := ts.CloseExport(ctx, "new")
+	if err != nil || n != 2 {
+		t.Fatalf("CloseExport = %d, %v; want 2 connections", n, err)
+	}
+	if err := c1.ReadAt(make([]byte, 4096), 0); err == nil {
+		t.Error("a closed export's connection still serves")
+	}
+	if _, err := Dial(ctx, "unix", ts.addr, "new", ClientOptions{}); !errors.Is(err, ErrUnknownExport) {
+		t.Errorf("dial of a closed export: %v", err)
+	}
+	got := make([]byte, 4096)
+	if err := keep.ReadAt(got, 0); err != nil || got[0] != 7 {
+		t.Fatalf("the other export's connection: %v, byte %d", err, got[0])
+	}
+	if n, err := ts.CloseExport(ctx, "none"); n != 0 || err != nil {
+		t.Errorf("CloseExport of an unknown export = %d, %v", n, err)
+	}
+	_ = c2
+}
