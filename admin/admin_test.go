@@ -63,8 +63,11 @@ func TestMetricsTableComplete(t *testing.T) {
 
 type fakeNBD struct{ removed, added []string }
 
-func (f *fakeNBD) RemoveExport(name string) error { f.removed = append(f.removed, name); return nil }
-func (f *fakeNBD) AddExport(e nbd.Export) error   { f.added = append(f.added, e.Name); return nil }
+func (f *fakeNBD) CloseExport(_ context.Context, name string) (int, error) {
+	f.removed = append(f.removed, name)
+	return 0, nil
+}
+func (f *fakeNBD) AddExport(e nbd.Export) error { f.added = append(f.added, e.Name); return nil }
 
 // newTestServer serves a set with volumes "a" and "b" on memory devices
 // plus a plain export "p", over a unix socket.
@@ -89,7 +92,15 @@ func newTestServer(t *testing.T) (*Client, *cache.Set, *fakeNBD, *[]string) {
 	fn := &fakeNBD{}
 	var released []string
 	srv := New(Config{Version: "test", Set: set, CachePath: "/dev/mem-cache", Exports: exports, NBD: fn, Metrics: m,
-		Release: func(path string) error { released = append(released, path); return nil }})
+		Release: func(path string) error { released = append(released, path); return nil },
+		Attach: func(req AttachRequest) (*cache.Volume, string, error) {
+			mode, err := cache.ParseMode(req.Mode)
+			if err != nil {
+				return nil, "", err
+			}
+			v, err := set.Attach(cache.BackingSpec{Name: req.Name, Dev: device.NewMem(4 << 20), Path: req.Path}, cache.AttachOptions{Mode: mode})
+			return v, req.Path, err
+		}})
 	sock := filepath.Join(t.TempDir(), "admin.sock")
 	l, err := net.Listen("unix", sock)
 	if err != nil {
@@ -231,8 +242,36 @@ func TestAPI(t *testing.T) {
 	if _, err := c.Settings(ctx, "b"); err == nil || !strings.Contains(err.Error(), "detached") {
 		t.Errorf("settings of a detached export: %v", err)
 	}
-	if err := c.Attach(ctx, "x", "/tmp/x"); err == nil || !strings.Contains(err.Error(), "not implemented") {
-		t.Errorf("attach: %v", err)
+	if _, err := c.Detach(ctx, "b", nil); err == nil || !strings.Contains(err.Error(), "detached") {
+		t.Errorf("second detach: %v", err)
+	}
+
+	// Attach: b again (a new device here), then wrong input.
+	ei, err := c.Attach(ctx, AttachRequest{Name: "b", Path: "/dev/mem-b2", Mode: "writethrough"})
+	if err != nil || ei.Name != "b" || ei.Mode != "writethrough" || !ei.Cached || ei.Size != 4<<20 {
+		t.Fatalf("attach: %+v err %v", ei, err)
+	}
+	if len(fn.added) != 1 || fn.added[0] != "b" {
+		t.Errorf("attach added exports %v", fn.added)
+	}
+	if st, err := c.Status(ctx); err != nil || len(st.Exports) != 3 {
+		t.Errorf("status after attach: %+v %v", st, err)
+	}
+	for _, tc := range []struct {
+		req    AttachRequest
+		status int
+		msg    string
+	}{
+		{AttachRequest{Name: "a", Path: "/x"}, 409, `an export named "a" exists`},
+		{AttachRequest{Name: "p", Path: "/x"}, 409, `an export named "p" exists`},
+		{AttachRequest{Name: "", Path: "/x"}, 400, "needs a name and a path"},
+		{AttachRequest{Name: "y", Path: "/x", Mode: "fast"}, 400, "unknown cache mode"},
+	} {
+		_, err := c.Attach(ctx, tc.req)
+		var ae *APIError
+		if !errors.As(err, &ae) || ae.Status != tc.status || !strings.Contains(ae.Msg, tc.msg) {
+			t.Errorf("attach %+v: got %v, want %d containing %q", tc.req, err, tc.status, tc.msg)
+		}
 	}
 }
 

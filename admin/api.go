@@ -10,8 +10,8 @@
 //	GET  /v1/exports/{name}/settings  the export's settings (key: value)
 //	PUT  /v1/exports/{name}/settings  change settings: {"key": "value", ...}
 //	POST /v1/exports/{name}/flush     write back dirty data; streams Progress
-//	POST /v1/exports/{name}/detach    flush, stop caching, release the backing device; streams Progress
-//	POST /v1/attach                   not implemented (501)
+//	POST /v1/exports/{name}/detach    write back, remove from the set and the NBD server, release the backing device; streams Progress
+//	POST /v1/attach                   add a backing device as a new volume and export: AttachRequest -> ExportInfo
 //	POST /v1/check                    verify index and every cached block; streams Progress
 //	GET  /metrics                     Prometheus text exposition
 //
@@ -54,7 +54,14 @@ type ExportInfo struct {
 	Size     int64  `json:"size"`
 	Cached   bool   `json:"cached"` // a volume of the cache set (else a plain export)
 	Mode     string `json:"mode"`   // cache mode; "plain" for plain exports
-	Detached bool   `json:"detached,omitempty"`
+}
+
+// AttachRequest is the body of POST /v1/attach.
+type AttachRequest struct {
+	Name  string `json:"name"`           // the export (and volume) name
+	Path  string `json:"path"`           // device spec: a path, or hdd:PATH, ssd:PATH, nvme:PATH
+	Mode  string `json:"mode,omitempty"` // cache mode; default writeback
+	Force bool   `json:"force,omitempty"`
 }
 
 // Usage is the reply of GET /v1/usage.

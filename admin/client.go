@@ -182,15 +182,12 @@ func (c *Client) Check(ctx context.Context, fn func(Progress)) (Progress, error)
 	return c.stream(ctx, "/v1/check", fn)
 }
 
-// Attach asks the server to attach a backing device (not implemented by
-// the server yet; the error says so).
-func (c *Client) Attach(ctx context.Context, name, path string) error {
-	resp, err := c.do(ctx, "POST", "/v1/attach", map[string]string{"name": name, "path": path})
-	if err != nil {
-		return err
-	}
-	resp.Body.Close()
-	return nil
+// Attach asks the server to add a backing device to its cache set as a new
+// volume and export.
+func (c *Client) Attach(ctx context.Context, req AttachRequest) (ExportInfo, error) {
+	var ei ExportInfo
+	err := c.getJSON(ctx, "POST", "/v1/attach", req, &ei)
+	return ei, err
 }
 
 // Metrics returns the Prometheus text exposition.

@@ -21,9 +21,11 @@ import (
 	"github.com/tiercache/tiercache/nbd"
 )
 
-// ExportControl is the part of the NBD server that detach needs.
+// ExportControl is the part of the NBD server that attach and detach need.
 type ExportControl interface {
-	RemoveExport(name string) error
+	// CloseExport withdraws the export and ends its connections after
+	// their requests in flight (nbd.Server.CloseExport).
+	CloseExport(ctx context.Context, name string) (int, error)
 	AddExport(e nbd.Export) error
 }
 
@@ -42,9 +44,19 @@ type Config struct {
 	NBD       ExportControl
 	Metrics   *Metrics // nil: no /metrics and no latency
 	Logger    *slog.Logger
-	// Release forgets the cache set's claim on a backing device after
-	// detach; nil uses backingid.Release.
+	// Release forgets the cache set's claim on a backing device during
+	// detach (before the superblock drops it); nil uses backingid.Release.
 	Release func(path string) error
+	// Attach opens the backing device of req, checks that it belongs to no
+	// other cache set (unless req.Force), claims it and adds it to Set
+	// (cache.Set.Attach). It returns the new volume and the device's path.
+	// The serve command supplies it; nil refuses attach.
+	Attach func(req AttachRequest) (*cache.Volume, string, error)
+	// Detached, if set, is called after a volume left the set (the serve
+	// command closes its backing device there).
+	Detached func(name string)
+	// ReadOnly: exports are served read-only (attached ones too).
+	ReadOnly bool
 }
 
 // Server implements the admin API. Create it with New, serve Handler, and
@@ -58,7 +70,8 @@ type Server struct {
 
 	mu struct {
 		sync.Mutex // guards the fields below
-		detached   map[string]bool
+		exports    []Export        // served now (cfg.Exports, then attach/detach)
+		detached   map[string]bool // detached since start (for messages)
 		busy       map[string]string // export -> operation running (flush, detach)
 		rate       map[string]*rateSample
 	}
@@ -80,6 +93,7 @@ func New(cfg Config) *Server {
 	if s.cfg.Release == nil {
 		s.cfg.Release = backingid.Release
 	}
+	s.mu.exports = append([]Export(nil), cfg.Exports...)
 	s.mu.detached = map[string]bool{}
 	s.mu.busy = map[string]string{}
 	s.mu.rate = map[string]*rateSample{}
@@ -165,33 +179,38 @@ func writeError(w http.ResponseWriter, status int, key, msg string) {
 	writeJSON(w, status, ErrorReply{Error: msg, Key: key})
 }
 
-// export finds a served, not detached export.
+// export finds a served export.
 func (s *Server) export(w http.ResponseWriter, name string) (*Export, bool) {
 	s.mu.Lock()
 	det := s.mu.detached[name]
-	s.mu.Unlock()
-	for i := range s.cfg.Exports {
-		if s.cfg.Exports[i].Name == name && !det {
-			return &s.cfg.Exports[i], true
+	for i := range s.mu.exports {
+		if s.mu.exports[i].Name == name {
+			e := s.mu.exports[i]
+			s.mu.Unlock()
+			return &e, true
 		}
 	}
+	s.mu.Unlock()
 	msg := fmt.Sprintf("no export named %q (exports: %s)", name, s.exportNames())
 	if det {
-		msg = fmt.Sprintf("export %q was detached", name)
+		msg = fmt.Sprintf("export %q was detached (exports: %s)", name, s.exportNames())
 	}
 	writeError(w, http.StatusNotFound, "", msg)
 	return nil, false
 }
 
+// exportList returns a copy of the served exports.
+func (s *Server) exportList() []Export {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]Export(nil), s.mu.exports...)
+}
+
 func (s *Server) exportNames() string {
 	var names []string
-	s.mu.Lock()
-	for _, e := range s.cfg.Exports {
-		if !s.mu.detached[e.Name] {
-			names = append(names, e.Name)
-		}
+	for _, e := range s.exportList() {
+		names = append(names, e.Name)
 	}
-	s.mu.Unlock()
 	if len(names) == 0 {
 		return "none"
 	}
@@ -215,16 +234,18 @@ func (s *Server) status() Status {
 		st.Set = &SetInfo{UUID: fmtUUID(sb.SetUUID), CachePath: s.cfg.CachePath, CacheSize: sb.NBuckets * sb.BucketSize,
 			BucketSize: sb.BucketSize, Buckets: sb.NBuckets}
 	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, e := range s.cfg.Exports {
-		ei := ExportInfo{Name: e.Name, Path: e.Path, Size: e.Backend.Size(), Mode: "plain", Detached: s.mu.detached[e.Name]}
-		if v := s.volume(e.Name); v != nil {
-			ei.Cached, ei.Mode = true, v.Mode().String()
-		}
-		st.Exports = append(st.Exports, ei)
+	for _, e := range s.exportList() {
+		st.Exports = append(st.Exports, s.exportInfo(e))
 	}
 	return st
+}
+
+func (s *Server) exportInfo(e Export) ExportInfo {
+	ei := ExportInfo{Name: e.Name, Path: e.Path, Size: e.Backend.Size(), Mode: "plain"}
+	if v := s.volume(e.Name); v != nil {
+		ei.Cached, ei.Mode = true, v.Mode().String()
+	}
+	return ei
 }
 
 func (s *Server) handleStatus(w http.ResponseWriter, _ *http.Request) {
@@ -253,9 +274,6 @@ func (s *Server) usage() Usage {
 			UsedBytes: (ss.Buckets - ss.FreeBuckets) * sb.BucketSize, CachedBytes: ss.CachedBlocks * blockBytes, DirtyBytes: ss.DirtyBlocks * blockBytes}
 	}
 	for _, ei := range s.status().Exports {
-		if ei.Detached {
-			continue
-		}
 		eu := ExportUsage{Name: ei.Name, Path: ei.Path, Mode: ei.Mode, Size: ei.Size, Used: allocated(ei.Path, ei.Size)}
 		if v := s.volume(ei.Name); v != nil {
 			vs := v.Stats()
@@ -278,9 +296,6 @@ func (s *Server) stats() Stats {
 		st.Set = &ss
 	}
 	for _, ei := range s.status().Exports {
-		if ei.Detached {
-			continue
-		}
 		es := ExportStats{Name: ei.Name, Mode: ei.Mode, Cached: ei.Cached}
 		if s.cfg.Metrics != nil {
 			es.Latency = s.cfg.Metrics.latencyOf(ei.Name)
@@ -532,23 +547,24 @@ func (s *Server) handleDetach(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	defer end()
-	// No new connections from here on; connections still open keep being
-	// served, uncached (mode none), straight to the backing device.
-	if err := s.cfg.NBD.RemoveExport(name); err != nil {
+	// Detach runs to completion even if the client goes away: stopping
+	// half-way would leave the export withdrawn but still cached.
+	ctx := context.WithoutCancel(r.Context())
+	// The export is withdrawn and its connections end (after their
+	// requests in flight): nothing reaches the volume once it leaves.
+	nconns, err := s.cfg.NBD.CloseExport(ctx, name)
+	if err != nil {
 		writeError(w, http.StatusInternalServerError, "", fmt.Sprintf("detach %s: %v", name, err))
 		return
 	}
 	st := newStreamer(w)
 	cb, last := drainProgress(st, "detach", name)
-	// Detach runs to completion even if the client goes away: stopping
-	// half-way would leave the export removed but still cached.
-	err := v.Detach(context.WithoutCancel(r.Context()), cb)
-	if err == nil {
-		err = s.cfg.Release(e.Path)
-		if err != nil {
-			err = fmt.Errorf("releasing %s: %w", e.Path, err)
+	err = v.Detach(ctx, cache.DetachOptions{Progress: cb, BeforeRemove: func() error {
+		if err := s.cfg.Release(e.Path); err != nil {
+			return fmt.Errorf("releasing %s: %w", e.Path, err)
 		}
-	}
+		return nil
+	}})
 	final := last()
 	final.Finished = true
 	if err != nil {
@@ -559,18 +575,106 @@ func (s *Server) handleDetach(w http.ResponseWriter, r *http.Request) {
 		}
 	} else {
 		s.mu.Lock()
+		s.mu.exports = slices.DeleteFunc(s.mu.exports, func(x Export) bool { return x.Name == name })
 		s.mu.detached[name] = true
+		delete(s.mu.rate, name)
 		s.mu.Unlock()
-		final.Message = fmt.Sprintf("%s is detached: %s is complete and can be used alone (e.g. tiercache serve --export %s=%s)", name, e.Path, name, e.Path)
-		s.log.Info("detached", "export", name, "backing", e.Path)
+		if s.cfg.Detached != nil {
+			s.cfg.Detached(name)
+		}
+		final.Message = fmt.Sprintf("%s is detached: %s is complete and can be used alone", name, e.Path)
+		s.log.Info("detached", "export", name, "backing", e.Path, "connections_closed", nconns)
 	}
 	end()
 	st.send(final, true)
 }
 
-func (s *Server) handleAttach(w http.ResponseWriter, _ *http.Request) {
-	writeError(w, http.StatusNotImplemented, "", "attach is not implemented yet: adding a backing device to a cache set needs engine support; "+
-		"for now format a cache set that includes it (tiercache format --cache PATH --backing NAME=PATH ...)")
+// attachStatus maps an attach error to an HTTP status.
+func attachStatus(err error) int {
+	switch {
+	case errors.Is(err, cache.ErrExists), errors.Is(err, backingid.ErrAttachedElsewhere):
+		return http.StatusConflict
+	case errors.Is(err, cache.ErrInvalid), errors.Is(err, os.ErrNotExist), errors.Is(err, os.ErrPermission):
+		return http.StatusBadRequest
+	}
+	return http.StatusInternalServerError
+}
+
+func (s *Server) handleAttach(w http.ResponseWriter, r *http.Request) {
+	var req AttachRequest
+	dec := json.NewDecoder(io.LimitReader(r.Body, 1<<20))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&req); err != nil {
+		writeError(w, http.StatusBadRequest, "", fmt.Sprintf("request body: want {\"name\": ..., \"path\": ..., \"mode\": ..., \"force\": ...}: %v", err))
+		return
+	}
+	switch {
+	case s.cfg.Set == nil:
+		writeError(w, http.StatusConflict, "", "this server serves no cache set: there is nothing to attach to (serve one with --cache)")
+		return
+	case s.cfg.Attach == nil:
+		writeError(w, http.StatusNotImplemented, "", "this server cannot attach backing devices")
+		return
+	case s.cfg.ReadOnly:
+		writeError(w, http.StatusConflict, "", "the server runs with --read-only: attach needs a writable backing device")
+		return
+	case req.Name == "" || req.Path == "":
+		writeError(w, http.StatusBadRequest, "", "attach needs a name and a path (NAME=PATH)")
+		return
+	}
+	if req.Mode == "" {
+		req.Mode = cache.Writeback.String()
+	}
+	mode, err := cache.ParseMode(req.Mode)
+	if err != nil {
+		writeError(w, http.StatusBadRequest, "mode", fmt.Sprintf("--mode %s: %v", req.Mode, err))
+		return
+	}
+	if _, exists := s.findExport(req.Name); exists {
+		writeError(w, http.StatusConflict, "", fmt.Sprintf("an export named %q exists already (exports: %s)", req.Name, s.exportNames()))
+		return
+	}
+	end, ok := s.begin(w, req.Name, "attach")
+	if !ok {
+		return
+	}
+	defer end()
+	v, path, err := s.cfg.Attach(req)
+	if err != nil {
+		writeError(w, attachStatus(err), "", fmt.Sprintf("attach %s: %v", req.Name, err))
+		return
+	}
+	var backend nbd.Backend = v
+	if s.cfg.Metrics != nil {
+		backend = s.cfg.Metrics.Wrap(req.Name, v)
+	}
+	x := Export{Export: nbd.Export{Name: req.Name, Description: fmt.Sprintf("tiercache volume %s (%s)", req.Name, mode),
+		Backend: backend, ReadOnly: s.cfg.ReadOnly}, Path: path}
+	if err := s.cfg.NBD.AddExport(x.Export); err != nil {
+		// Not exportable (the NBD server's name rules): take it out again.
+		derr := v.Detach(context.WithoutCancel(r.Context()), cache.DetachOptions{BeforeRemove: func() error { return s.cfg.Release(path) }})
+		if derr == nil && s.cfg.Detached != nil {
+			s.cfg.Detached(req.Name)
+		}
+		writeError(w, http.StatusBadRequest, "", fmt.Sprintf("attach %s: %v (detached again: %v)", req.Name, err, derr))
+		return
+	}
+	s.mu.Lock()
+	s.mu.exports = append(s.mu.exports, x)
+	delete(s.mu.detached, req.Name)
+	s.mu.Unlock()
+	s.log.Info("attached", "export", req.Name, "backing", path, "size", v.Size(), "mode", mode.String())
+	writeJSON(w, http.StatusOK, s.exportInfo(x))
+}
+
+// findExport returns the served export of that name.
+func (s *Server) findExport(name string) (Export, bool) {
+	for _, e := range s.exportList() {
+		if e.Name == name {
+			return e, true
+		}
+	}
+	return Export{}, false
 }
 
 func (s *Server) handleCheck(w http.ResponseWriter, r *http.Request) {

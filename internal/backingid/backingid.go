@@ -97,7 +97,22 @@ func Claim(path, setUUID string, force bool) (Identity, error) {
 		return cur, err
 	}
 	cur.Set = setUUID
-	return cur, nil
+	return cur, syncInode(path)
+}
+
+// syncInode makes the file's attributes durable (fsync of the inode), so
+// that attach and detach can order the claim against the cache set's
+// superblock write.
+func syncInode(path string) error {
+	f, err := os.Open(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := f.Sync(); err != nil {
+		return fmt.Errorf("%s: syncing attributes: %w", path, err)
+	}
+	return nil
 }
 
 // Release forgets the cache set that claimed the file at path (detach). The
@@ -111,10 +126,13 @@ func Release(path string) error {
 		return nil
 	}
 	err = unix.Removexattr(path, xattrSet)
-	if err != nil && !errors.Is(err, unix.ENODATA) {
+	switch {
+	case errors.Is(err, unix.ENODATA), errors.Is(err, unix.ENOTSUP):
+		return nil
+	case err != nil:
 		return fmt.Errorf("%s: removing %s: %w", path, xattrSet, err)
 	}
-	return nil
+	return syncInode(path)
 }
 
 func getxattr(path, name string) (string, error) {

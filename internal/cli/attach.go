@@ -1,34 +1,213 @@
 package cli
 
 import (
+	"context"
+	"errors"
 	"fmt"
+	"os"
+	"time"
 
 	"github.com/spf13/cobra"
+
+	"github.com/tiercache/tiercache/admin"
+	"github.com/tiercache/tiercache/cache"
+	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/internal/backingid"
 )
 
 func newAttachCmd(g *globals) *cobra.Command {
-	var backing string
+	var (
+		cachePath, mode, direct string
+		force                   bool
+	)
 	cmd := &cobra.Command{
-		Use:   "attach --backing NAME=PATH",
-		Short: "Add a backing device to the running cache set (not implemented yet)",
-		Long: `Add a backing device to the running server's cache set.
+		Use:   "attach [--cache PATH] NAME=PATH [--mode MODE] [--force]",
+		Short: "Add an existing disk (backing device) to a cache set, as a new export",
+		Long: `Add the backing device PATH to a cache set as the volume NAME.
 
-Not implemented yet: adding a volume to a cache set needs engine support
-that does not exist yet. The server answers with an error and this command
-exits 1. Until then, include every backing device when formatting:
-'tiercache format --cache PATH --backing NAME=PATH ...'.`,
-		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			name, path, err := parseNamePath("backing", backing)
+Without --cache, the running server (found like every other command, by
+--admin, $TIERCACHE_ADMIN or the data directory) attaches it while it
+serves: NAME becomes a new NBD export at once, clients of the other
+exports are not disturbed. With --cache PATH, the cache set on PATH is
+changed offline (it must not be served; the export appears at the next
+'tiercache serve --cache PATH').
+
+The disk keeps every byte: attach writes only the cache set's superblock
+and two extended attributes of a backing file (user.tiercache.id and
+user.tiercache.set), never its data. Its data is served as it is, and
+cached from then on in MODE (default writeback).
+
+Refused: a NAME that is already an export, a PATH that is already in the
+set or is the cache device, and a disk that belongs to another cache set
+(its user.tiercache.set attribute names it) unless --force (use --force
+only when that set is gone: it may hold newer, dirty data for the disk).`,
+		Args: cobra.ExactArgs(1),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			name, path, err := parseNamePath("attach", args[0])
+			if err != nil {
+				return fmt.Errorf("attach: want NAME=PATH, got %q", args[0])
+			}
+			if _, err := cache.ParseMode(mode); err != nil {
+				return fmt.Errorf("--mode: %w", err)
+			}
+			req := admin.AttachRequest{Name: name, Path: absSpec(path), Mode: mode, Force: force}
+			if cachePath == "" {
+				ei, err := g.client().Attach(cmdContext(cmd), req)
+				if err != nil {
+					return fmt.Errorf("attach %s: %w", name, g.apiErr(err))
+				}
+				fmt.Fprintf(g.stdout, "attached %s (%s, %s) in mode %s; export %q is served now\n", ei.Path, human(ei.Size), name, ei.Mode, name)
+				return nil
+			}
+			dm, err := parseDirect(direct)
 			if err != nil {
 				return err
 			}
-			if err := g.client().Attach(cmdContext(cmd), name, absSpec(path)); err != nil {
-				return fmt.Errorf("attach %s: %w", name, g.apiErr(err))
+			log, err := g.logger()
+			if err != nil {
+				return err
 			}
+			h, err := openSet(log, cachePath, &serveOptions{}, dm)
+			if err != nil {
+				return err
+			}
+			v, _, err := h.attach(req, dm)
+			if cerr := h.close(); err == nil && cerr != nil {
+				err = fmt.Errorf("closing the cache set: %w", cerr)
+			}
+			if err != nil {
+				return fmt.Errorf("attach %s: %w", name, err)
+			}
+			fmt.Fprintf(g.stdout, "attached %s (%s, %s) in mode %s to the cache set on %s; 'tiercache serve --cache %s' exports it\n",
+				req.Path, human(v.Size()), name, v.Mode(), cachePath, cachePath)
 			return nil
 		},
 	}
-	cmd.Flags().StringVar(&backing, "backing", "", "backing device `NAME=PATH` to add")
+	f := cmd.Flags()
+	f.StringVar(&cachePath, "cache", "", "change the cache set on this cache device offline (not being served)")
+	f.StringVar(&mode, "mode", "writeback", "cache mode of the new volume: writeback, writethrough, writearound or none")
+	f.BoolVar(&force, "force", false, "take over a disk that belongs to another cache set")
+	f.StringVar(&direct, "direct", "auto", "offline: O_DIRECT for the devices: auto, on, off")
 	return cmd
+}
+
+// attach opens the backing device of req, checks it, claims it (durably)
+// and adds it to the set; on failure the claim is put back as it was. Only
+// the cache device's superblock and the file's extended attributes are
+// written. The claim comes before the superblock write, so after a crash
+// in between the disk says it belongs to this set while the set does not
+// list it: a later attach to this set accepts that (the set has nothing
+// for it), anything else refuses it until --force. The other order could
+// leave the set listing a disk that does not say so, which 'serve --export'
+// would then serve alone while the set caches it.
+func (h *openedSet) attach(req admin.AttachRequest, direct device.DirectMode) (*cache.Volume, string, error) {
+	mode, err := cache.ParseMode(req.Mode)
+	if err != nil {
+		return nil, "", fmt.Errorf("%w: %v", cache.ErrInvalid, err)
+	}
+	path := req.Path
+	dp := devicePath(path)
+	if _, err := os.Stat(dp); err != nil {
+		return nil, "", err
+	}
+	if same, _ := sameFile(dp, devicePath(h.cachePath)); same {
+		return nil, "", fmt.Errorf("%w: %s is the cache device", cache.ErrInvalid, path)
+	}
+	sb := h.set.Superblock()
+	setUUID := fmtUUID(sb.SetUUID)
+	id, err := backingid.Read(dp)
+	if err != nil {
+		return nil, "", err
+	}
+	for _, bi := range sb.Backings {
+		if bi.Free() {
+			continue
+		}
+		if same, _ := sameFile(dp, devicePath(bi.Path)); same || (id.ID != "" && id.ID == bi.ID) {
+			return nil, "", fmt.Errorf("%w: %s is the backing device of volume %q", cache.ErrExists, path, bi.Name)
+		}
+	}
+	if id.Set != "" && id.Set != setUUID && !req.Force {
+		return nil, "", fmt.Errorf("%s %w %s, which may hold newer (dirty) data for it; detach it there first, or use --force if that set is gone",
+			path, backingid.ErrAttachedElsewhere, id.Set)
+	}
+	dev, err := openDevice(path, device.FileOptions{Direct: direct})
+	if err != nil {
+		return nil, "", err
+	}
+	claimed, err := backingid.Claim(dp, setUUID, true)
+	if err != nil {
+		dev.Close()
+		return nil, "", err
+	}
+	v, err := h.set.Attach(cache.BackingSpec{Name: req.Name, Dev: dev, ID: claimed.ID, Path: path}, cache.AttachOptions{Mode: mode})
+	if err != nil {
+		dev.Close()
+		var rerr error
+		if id.Set == "" {
+			rerr = backingid.Release(dp)
+		} else {
+			_, rerr = backingid.Claim(dp, id.Set, true)
+		}
+		if rerr != nil {
+			err = errors.Join(err, fmt.Errorf("restoring the claim of %s: %w", path, rerr))
+		}
+		return nil, "", err
+	}
+	h.mu.Lock()
+	h.devs[req.Name] = dev
+	h.mu.Unlock()
+	return v, path, nil
+}
+
+// detachOffline detaches a volume of a cache set that is not being served.
+func detachOffline(g *globals, cachePath, name string, direct device.DirectMode) error {
+	log, err := g.logger()
+	if err != nil {
+		return err
+	}
+	h, err := openSet(log, cachePath, &serveOptions{}, direct)
+	if err != nil {
+		return err
+	}
+	v, ok := h.set.Volume(name)
+	if !ok {
+		var names []string
+		for _, x := range h.set.Volumes() {
+			names = append(names, x.Name())
+		}
+		h.close()
+		return fmt.Errorf("detach: the cache set on %s has no volume %q (volumes: %s)", cachePath, name, joinOrNone(names))
+	}
+	var path string
+	for _, bi := range h.set.Superblock().Backings {
+		if bi.Name == name {
+			path = bi.Path
+		}
+	}
+	pl := newProgressLine(g.stderr, "detach "+name, human)
+	start := time.Now()
+	var first int64 = -1
+	err = v.Detach(context.Background(), cache.DetachOptions{
+		Progress: func(dirty int64) {
+			if first < 0 {
+				first = dirty
+			}
+			pl.update(admin.Progress{Op: "detach", Export: name, Done: (first - dirty) * 4096, Total: first * 4096, DirtyBytes: dirty * 4096})
+		},
+		BeforeRemove: func() error { return backingid.Release(devicePath(path)) },
+	})
+	pl.done()
+	if err == nil {
+		h.closeBacking(name)
+	}
+	if cerr := h.close(); err == nil && cerr != nil {
+		err = fmt.Errorf("closing the cache set: %w", cerr)
+	}
+	if err != nil {
+		return fmt.Errorf("detach %s: %w", name, err)
+	}
+	fmt.Fprintf(g.stdout, "wrote back %s in %s\n%s is detached: %s is complete and can be used alone\n",
+		human(max(first, 0)*4096), time.Since(start).Round(time.Millisecond), name, path)
+	return nil
 }

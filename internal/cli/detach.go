@@ -2,32 +2,45 @@ package cli
 
 import (
 	"fmt"
+	"strings"
 
 	"github.com/spf13/cobra"
 )
 
 func newDetachCmd(g *globals) *cobra.Command {
+	var cachePath, direct string
 	cmd := &cobra.Command{
-		Use:   "detach EXPORT",
-		Short: "Flush an export, stop caching it and release its backing device for use alone",
-		Long: `Detach EXPORT from the cache set while the server runs:
+		Use:   "detach [--cache PATH] EXPORT",
+		Short: "Write back an export's dirty data and remove its disk from the cache set, complete and usable alone",
+		Long: `Detach EXPORT from the cache set:
 
-  1. the export is withdrawn: new NBD connections to it are refused
-     (disconnect its clients first; connections still open are served
-     uncached, straight to the backing device);
-  2. its mode becomes none (recorded in the superblock), its dirty data is
-     written back and synced, with a progress bar;
+  1. the export is withdrawn from the NBD server and its connections end
+     (requests in flight finish first; other exports are not touched);
+  2. its mode becomes none, its dirty data is written back to the backing
+     device and synced, with a progress bar;
   3. every cached block of it is dropped and the drop is committed;
   4. the backing device is released (its user.tiercache.set attribute is
-     removed).
+     removed) and the volume leaves the cache set's superblock.
 
-The backing device is then complete and can be used alone, for example with
-'tiercache serve --export NAME=PATH', mounted through any NBD client, or
-attached to nothing at all. If the cache set is served again later, the
-export comes back in mode none, uncached.`,
+The backing device is then complete: it holds every byte written through
+the export, and can be used alone ('tiercache serve --export NAME=PATH',
+losetup, qemu, mount) or attached again, to this set or another one.
+
+Without --cache the running server detaches it while it serves. With
+--cache PATH the cache set on PATH is changed offline (it must not be
+served). A crash at any point leaves the set either still listing the
+volume, in mode none and holding no dirty data for it (run detach again),
+or not listing it; the disk is complete in both cases.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name := args[0]
+			if cachePath != "" {
+				dm, err := parseDirect(direct)
+				if err != nil {
+					return err
+				}
+				return detachOffline(g, cachePath, name, dm)
+			}
 			pl := newProgressLine(g.stderr, "detach "+name, human)
 			fin, err := g.client().Detach(cmdContext(cmd), name, pl.update)
 			pl.done()
@@ -38,5 +51,14 @@ export comes back in mode none, uncached.`,
 			return nil
 		},
 	}
+	cmd.Flags().StringVar(&cachePath, "cache", "", "change the cache set on this cache device offline (not being served)")
+	cmd.Flags().StringVar(&direct, "direct", "auto", "offline: O_DIRECT for the devices: auto, on, off")
 	return cmd
+}
+
+func joinOrNone(names []string) string {
+	if len(names) == 0 {
+		return "none"
+	}
+	return strings.Join(names, ", ")
 }

@@ -82,9 +82,7 @@ cache_mode=writethrough' first, or use 'tiercache detach'.`,
 					return g.apiErr(err)
 				}
 				for _, e := range st.Exports {
-					if !e.Detached {
-						names = append(names, e.Name)
-					}
+					names = append(names, e.Name)
 				}
 			}
 			for _, name := range names {

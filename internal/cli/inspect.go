@@ -137,7 +137,14 @@ func inspectSuperblock(g *globals, dev device.Device, path string) error {
 		fmt.Fprintf(w, "  slot %d\tgeneration %d, journal from block %d seq %d, body %s crc32c %08x\n",
 			sl.Index, sl.Generation, sl.JournalBlock, sl.JournalSeq, human(int64(sl.BodyLen)), sl.BodyCRC)
 	}
+	if len(sb.Backings) == 0 {
+		fmt.Fprintf(w, "backing devices\tnone (attach one with 'tiercache attach')\n")
+	}
 	for i, b := range sb.Backings {
+		if b.Free() {
+			fmt.Fprintf(w, "backing %d\tfree slot (detached)\n", i)
+			continue
+		}
 		id := b.ID
 		if id == "" {
 			id = "none"

@@ -220,9 +220,9 @@ func TestOpsCommands(t *testing.T) {
 	// check (online)
 	mustTC(t, "no problems found", "check")
 
-	// attach is not there yet, and says so.
-	failTC(t, "not implemented", "attach", "--backing", "x="+filepath.Join(dir, "x.img"))
-	failTC(t, "want NAME=PATH", "attach", "--backing", "x")
+	// attach: wrong input (TestAttachDetachCommands covers the rest).
+	failTC(t, "want NAME=PATH", "attach", "x")
+	failTC(t, "accepts 1 arg(s), received 0", "attach")
 
 	// detach leaves the backing file complete and released.
 	writePattern(t, filepath.Join(dir, "tiercache.sock"), 0, 8192, 0x77)
@@ -263,7 +263,7 @@ func TestOpsCommands(t *testing.T) {
 
 	// Offline check and inspect of the stopped set.
 	mustTC(t, "no problems found", "check", "--cache", filepath.Join(dir, "cache.img"))
-	mustTC(t, "mode none", "inspect", "superblock", "--cache", filepath.Join(dir, "cache.img"))
+	mustTC(t, "backing devices        none", "inspect", "superblock", "--cache", filepath.Join(dir, "cache.img"))
 	mustTC(t, "checkpoint generation", "inspect", "journal", "--cache", filepath.Join(dir, "cache.img"))
 	mustTC(t, "flush epoch", "inspect", "index", "--cache", filepath.Join(dir, "cache.img"))
 	failTC(t, "want superblock, journal or index", "inspect", "bogus", "--cache", filepath.Join(dir, "cache.img"))

@@ -185,12 +185,18 @@ func serve(ctx context.Context, g *globals, o *serveOptions) error {
 	metrics := admin.NewMetrics()
 	adminCfg := admin.Config{NBD: srv, Metrics: metrics, CachePath: cachePath}
 	if cachePath != "" {
-		set, closeSet, err := openSet(log, cachePath, o, direct)
+		h, err := openSet(log, cachePath, o, direct)
 		if err != nil {
 			return err
 		}
-		closers = append(closers, closeSet)
+		closers = append(closers, h.close)
+		set := h.set
 		adminCfg.Set = set
+		adminCfg.ReadOnly = o.readOnly
+		adminCfg.Attach = func(req admin.AttachRequest) (*cache.Volume, string, error) {
+			return h.attach(req, direct)
+		}
+		adminCfg.Detached = h.closeBacking
 		recorded := map[string]string{}
 		for _, bi := range set.Superblock().Backings {
 			recorded[bi.Name] = bi.Path
@@ -351,39 +357,102 @@ func prepareDefault(dir string, log *slog.Logger) (string, error) {
 	return cachePath, nil
 }
 
+// openedSet is an open cache set with the devices it was opened on. Backing
+// devices come and go with attach and detach while it serves.
+type openedSet struct {
+	set       *cache.Set
+	cachePath string
+	cdev      device.Device
+	unlock    func()
+	mu        sync.Mutex
+	devs      map[string]device.Device // backing devices by volume name
+}
+
+// closeBacking closes the backing device of a volume that left the set.
+func (h *openedSet) closeBacking(name string) {
+	h.mu.Lock()
+	d := h.devs[name]
+	delete(h.devs, name)
+	h.mu.Unlock()
+	if d != nil {
+		d.Close()
+	}
+}
+
+// closeDevices closes every device and releases the cache device's lock.
+func (h *openedSet) closeDevices() {
+	h.mu.Lock()
+	for n, d := range h.devs {
+		d.Close()
+		delete(h.devs, n)
+	}
+	h.mu.Unlock()
+	h.cdev.Close()
+	h.unlock()
+}
+
+// close shuts the set down cleanly and closes its devices.
+func (h *openedSet) close() error {
+	err := h.set.Close()
+	h.closeDevices()
+	return err
+}
+
+// lockCache takes an exclusive advisory lock (flock) on the cache device
+// for as long as a process has the set open: serve, offline attach and
+// offline detach, so that an offline change never races a server.
+func lockCache(path string) (func(), error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, fmt.Errorf("cache device: %w", err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		f.Close()
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			return nil, fmt.Errorf("cache device %s is in use by another tiercache process (a running server: change it through its admin API, without --cache)", path)
+		}
+		return nil, fmt.Errorf("locking cache device %s: %w", path, err)
+	}
+	return func() { f.Close() }, nil
+}
+
 // openSet opens and recovers the cache set on cachePath with its backing
-// devices, and returns it with the function that closes it cleanly.
-func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.DirectMode) (*cache.Set, func() error, error) {
+// devices.
+func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.DirectMode) (*openedSet, error) {
 	overrides := map[string]string{}
 	for _, b := range o.backings {
 		name, path, err := parseNamePath("backing", b)
 		if err != nil {
-			return nil, nil, err
+			return nil, err
 		}
 		overrides[name] = path
 	}
+	unlock, err := lockCache(devicePath(cachePath))
+	if err != nil {
+		return nil, err
+	}
 	cdev, err := openDevice(cachePath, device.FileOptions{Direct: direct})
 	if err != nil {
-		return nil, nil, fmt.Errorf("cache device: %w", err)
+		unlock()
+		return nil, fmt.Errorf("cache device: %w", err)
 	}
+	h := &openedSet{cachePath: cachePath, cdev: cdev, unlock: unlock, devs: map[string]device.Device{}}
 	sb, err := cache.ReadSuperblock(cdev)
 	if errors.Is(err, cache.ErrNotFormatted) {
-		cdev.Close()
-		return nil, nil, fmt.Errorf("%s is not a tiercache cache device (no superblock); create a cache set with 'tiercache format'", cachePath)
+		h.closeDevices()
+		return nil, fmt.Errorf("%s is not a tiercache cache device (no superblock); create a cache set with 'tiercache format'", cachePath)
 	}
 	if err != nil {
-		cdev.Close()
-		return nil, nil, fmt.Errorf("cache device %s: %w", cachePath, err)
+		h.closeDevices()
+		return nil, fmt.Errorf("cache device %s: %w", cachePath, err)
 	}
 	setUUID := fmtUUID(sb.SetUUID)
-	devs := []device.Device{cdev}
-	closeDevs := func() {
-		for _, d := range devs {
-			d.Close()
-		}
-	}
+	closeDevs := h.closeDevices
 	var specs []cache.BackingSpec
 	for _, bi := range sb.Backings {
+		if bi.Free() {
+			continue
+		}
 		path := bi.Path
 		if p, ok := overrides[bi.Name]; ok {
 			path = p
@@ -391,43 +460,40 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		}
 		if path == "" {
 			closeDevs()
-			return nil, nil, fmt.Errorf("cache set %s: no path for backing device %q; give --backing %s=PATH", setUUID, bi.Name, bi.Name)
+			return nil, fmt.Errorf("cache set %s: no path for backing device %q; give --backing %s=PATH", setUUID, bi.Name, bi.Name)
 		}
 		id, err := backingid.Read(devicePath(path))
 		if err != nil {
 			closeDevs()
-			return nil, nil, fmt.Errorf("backing %q: %w", bi.Name, err)
+			return nil, fmt.Errorf("backing %q: %w", bi.Name, err)
 		}
 		if id.Set != "" && id.Set != setUUID && !o.force {
 			closeDevs()
-			return nil, nil, fmt.Errorf("backing %q (%s) belongs to cache set %s, not %s; use --force to serve it anyway", bi.Name, path, id.Set, setUUID)
+			return nil, fmt.Errorf("backing %q (%s) belongs to cache set %s, not %s; use --force to serve it anyway", bi.Name, path, id.Set, setUUID)
 		}
 		bdev, err := openDevice(path, device.FileOptions{ReadOnly: o.readOnly, Direct: direct})
 		if err != nil {
 			closeDevs()
-			return nil, nil, fmt.Errorf("backing %q: %w", bi.Name, err)
+			return nil, fmt.Errorf("backing %q: %w", bi.Name, err)
 		}
-		devs = append(devs, bdev)
+		h.devs[bi.Name] = bdev
 		specs = append(specs, cache.BackingSpec{Name: bi.Name, Dev: bdev, ID: id.ID, Path: path})
 	}
 	for name := range overrides {
 		closeDevs()
-		return nil, nil, fmt.Errorf("--backing %s: cache set %s has no backing device of that name", name, setUUID)
+		return nil, fmt.Errorf("--backing %s: cache set %s has no backing device of that name", name, setUUID)
 	}
 	start := time.Now()
 	set, err := cache.Open(cdev, specs, cache.OpenOptions{Force: o.force, Logger: log})
 	if err != nil {
 		closeDevs()
-		return nil, nil, fmt.Errorf("opening cache set %s on %s: %w", setUUID, cachePath, err)
+		return nil, fmt.Errorf("opening cache set %s on %s: %w", setUUID, cachePath, err)
 	}
 	st := set.Stats()
 	log.Info("cache set open", "set", setUUID, "cache", cachePath, "recovery", time.Since(start).Round(time.Millisecond),
 		"cached_blocks", st.CachedBlocks, "dirty_blocks", st.DirtyBlocks)
-	return set, func() error {
-		err := set.Close()
-		closeDevs()
-		return err
-	}, nil
+	h.set = set
+	return h, nil
 }
 
 // refuseClaimed refuses to serve a cache set's backing device alone: the set
