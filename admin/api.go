@@ -49,11 +49,11 @@ type SetInfo struct {
 
 // ExportInfo describes one export.
 type ExportInfo struct {
-	Name     string `json:"name"`
-	Path     string `json:"path"` // the backing device (cached) or the device (plain)
-	Size     int64  `json:"size"`
-	Cached   bool   `json:"cached"` // a volume of the cache set (else a plain export)
-	Mode     string `json:"mode"`   // cache mode; "plain" for plain exports
+	Name   string `json:"name"`
+	Path   string `json:"path"` // the backing device (cached) or the device (plain)
+	Size   int64  `json:"size"`
+	Cached bool   `json:"cached"` // a volume of the cache set (else a plain export)
+	Mode   string `json:"mode"`   // cache mode; "plain" for plain exports
 }
 
 // AttachRequest is the body of POST /v1/attach.

@@ -69,9 +69,9 @@ type Server struct {
 	wg      sync.WaitGroup
 
 	mu struct {
-		sync.Mutex // guards the fields below
-		exports    []Export        // served now (cfg.Exports, then attach/detach)
-		detached   map[string]bool // detached since start (for messages)
+		sync.Mutex                   // guards the fields below
+		exports    []Export          // served now (cfg.Exports, then attach/detach)
+		detached   map[string]bool   // detached since start (for messages)
 		busy       map[string]string // export -> operation running (flush, detach)
 		rate       map[string]*rateSample
 	}
