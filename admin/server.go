@@ -641,7 +641,7 @@ func (s *Server) handleAttach(w http.ResponseWriter, r *http.Request) {
 	defer end()
 	v, path, err := s.cfg.Attach(req)
 	if err != nil {
-		writeError(w, attachStatus(err), "", fmt.Sprintf("attach %s: %v", req.Name, err))
+		writeError(w, attachStatus(err), "", err.Error()) // Config.Attach names the attach
 		return
 	}
 	var backend nbd.Backend = v

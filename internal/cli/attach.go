@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -54,7 +55,7 @@ only when that set is gone: it may hold newer, dirty data for the disk).`,
 			if cachePath == "" {
 				ei, err := g.client().Attach(cmdContext(cmd), req)
 				if err != nil {
-					return fmt.Errorf("attach %s: %w", name, g.apiErr(err))
+					return g.apiErr(err) // the server's message names the attach
 				}
 				fmt.Fprintf(g.stdout, "attached %s (%s, %s) in mode %s; export %q is served now\n", ei.Path, human(ei.Size), name, ei.Mode, name)
 				return nil
@@ -76,7 +77,7 @@ only when that set is gone: it may hold newer, dirty data for the disk).`,
 				err = fmt.Errorf("closing the cache set: %w", cerr)
 			}
 			if err != nil {
-				return fmt.Errorf("attach %s: %w", name, err)
+				return err
 			}
 			fmt.Fprintf(g.stdout, "attached %s (%s, %s) in mode %s to the cache set on %s; 'tiercache serve --cache %s' exports it\n",
 				req.Path, human(v.Size()), name, v.Mode(), cachePath, cachePath)
@@ -101,6 +102,14 @@ only when that set is gone: it may hold newer, dirty data for the disk).`,
 // leave the set listing a disk that does not say so, which 'serve --export'
 // would then serve alone while the set caches it.
 func (h *openedSet) attach(req admin.AttachRequest, direct device.DirectMode) (*cache.Volume, string, error) {
+	v, path, err := h.attachDevice(req, direct)
+	if err != nil && !strings.HasPrefix(err.Error(), "attach ") {
+		err = fmt.Errorf("attach %s: %w", req.Name, err)
+	}
+	return v, path, err
+}
+
+func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMode) (*cache.Volume, string, error) {
 	mode, err := cache.ParseMode(req.Mode)
 	if err != nil {
 		return nil, "", fmt.Errorf("%w: %v", cache.ErrInvalid, err)
