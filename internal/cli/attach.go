@@ -60,15 +60,7 @@ only when that set is gone: it may hold newer, dirty data for the disk).`,
 				fmt.Fprintf(g.stdout, "attached %s (%s, %s) in mode %s; export %q is served now\n", ei.Path, human(ei.Size), name, ei.Mode, name)
 				return nil
 			}
-			dm, err := parseDirect(direct)
-			if err != nil {
-				return err
-			}
-			log, err := g.logger()
-			if err != nil {
-				return err
-			}
-			h, err := openSet(log, cachePath, &serveOptions{}, dm)
+			h, dm, err := openOffline(g, cachePath, direct)
 			if err != nil {
 				return err
 			}
@@ -169,13 +161,24 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 	return v, path, nil
 }
 
-// detachOffline detaches a volume of a cache set that is not being served.
-func detachOffline(g *globals, cachePath, name string, direct device.DirectMode) error {
+// openOffline opens the cache set on cachePath for an offline change (the
+// lock refuses a set being served).
+func openOffline(g *globals, cachePath, direct string) (*openedSet, device.DirectMode, error) {
+	dm, err := parseDirect(direct)
+	if err != nil {
+		return nil, dm, err
+	}
 	log, err := g.logger()
 	if err != nil {
-		return err
+		return nil, dm, err
 	}
-	h, err := openSet(log, cachePath, &serveOptions{}, direct)
+	h, err := openSet(log, cachePath, &serveOptions{}, dm)
+	return h, dm, err
+}
+
+// detachOffline detaches a volume of a cache set that is not being served.
+func detachOffline(g *globals, cachePath, name, direct string) error {
+	h, _, err := openOffline(g, cachePath, direct)
 	if err != nil {
 		return err
 	}

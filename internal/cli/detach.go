@@ -35,11 +35,7 @@ or not listing it; the disk is complete in both cases.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name := args[0]
 			if cachePath != "" {
-				dm, err := parseDirect(direct)
-				if err != nil {
-					return err
-				}
-				return detachOffline(g, cachePath, name, dm)
+				return detachOffline(g, cachePath, name, direct)
 			}
 			pl := newProgressLine(g.stderr, "detach "+name, human)
 			fin, err := g.client().Detach(cmdContext(cmd), name, pl.update)
