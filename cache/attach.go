@@ -230,12 +230,9 @@ func (s *Set) removeVolume(v *Volume) error {
 		restart()
 		return fmt.Errorf("%d blocks still cached", n)
 	}
-	if invariants.Enabled {
-		for loc, k := range s.mu.owner {
-			if vi, _ := splitOwner(k); k != 0 && vi == v.vi {
-				invariants.AssertionFailedf("detach: cache block %d still owned by slot %d", loc, vi)
-			}
-		}
+	if invariants.Enabled && (v.idx.tree.Len() != 0 || len(v.idx.sup) != 0 || v.idx.vers.Len() != 0 || len(v.idx.wbInflight) != 0) {
+		invariants.AssertionFailedf("detach: slot %d still indexes %d entries, %d superseded, %d versions, %d in writeback",
+			v.vi, v.idx.tree.Len(), len(v.idx.sup), v.idx.vers.Len(), len(v.idx.wbInflight))
 	}
 	old := s.vols
 	vols := slices.Clone(s.vols) // never shorter: see Set.vols
