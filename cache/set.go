@@ -60,8 +60,9 @@ const (
 // Format writes a new, empty cache set onto cacheDev. It writes only the
 // cache device: backing devices keep their bytes (they are only measured).
 func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) (*Superblock, error) {
-	if len(backings) == 0 || len(backings) > maxBackings {
-		return nil, fmt.Errorf("%w: %d backing devices (want 1..%d)", ErrInvalid, len(backings), maxBackings)
+	// No backing device is fine: they can be attached later (Set.Attach).
+	if len(backings) > maxBackings {
+		return nil, fmt.Errorf("%w: %d backing devices (want at most %d)", ErrInvalid, len(backings), maxBackings)
 	}
 	if !opts.Mode.valid() {
 		return nil, fmt.Errorf("%w: mode %v", ErrInvalid, opts.Mode)

@@ -26,8 +26,8 @@ type formatOptions struct {
 func newFormatCmd(g *globals) *cobra.Command {
 	o := &formatOptions{}
 	cmd := &cobra.Command{
-		Use:   "format --cache PATH --backing NAME=PATH [--backing NAME=PATH ...]",
-		Short: "Create a cache set on a cache device for one or more backing devices",
+		Use:   "format --cache PATH [--backing NAME=PATH ...]",
+		Short: "Create a cache set on a cache device, for backing devices given now or attached later",
 		Long: `Create a cache set: a superblock (two copies), journal and checkpoint areas
 and buckets on the cache device, naming each backing device with its size and
 identity.
@@ -37,6 +37,9 @@ disk can be accelerated as it is, and is usable alone again after a clean
 detach. A backing file is marked with extended attributes (user.tiercache.id,
 user.tiercache.set), which are not part of its data.
 
+Backing devices may also be added later, to a running server or offline,
+with 'tiercache attach' (a set may start with none).
+
 format refuses a cache device that already holds a cache set, or a backing
 file that belongs to another cache set, unless --force.`,
 		Args: cobra.NoArgs,
@@ -44,7 +47,7 @@ file that belongs to another cache set, unless --force.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.cache, "cache", "", "cache device: a file or block device (required)")
-	f.StringArrayVar(&o.backings, "backing", nil, "backing device `NAME=PATH`, exported as NAME; repeatable (at least one)")
+	f.StringArrayVar(&o.backings, "backing", nil, "backing device `NAME=PATH`, exported as NAME; repeatable (or none: attach them later)")
 	f.StringVar(&o.mode, "mode", "writeback", "cache mode: writeback, writethrough, writearound or none")
 	f.StringVar(&o.bucketSize, "bucket-size", "1M", "bucket size (a multiple of 4K, e.g. 512K, 1M, 4M)")
 	f.BoolVar(&o.force, "force", false, "overwrite an existing cache set / take over backing devices of another set")
@@ -78,9 +81,6 @@ func parseSize(s string) (int64, error) {
 func runFormat(g *globals, o *formatOptions) error {
 	if o.cache == "" {
 		return errors.New("format: --cache is required")
-	}
-	if len(o.backings) == 0 {
-		return errors.New("format: at least one --backing NAME=PATH is required")
 	}
 	mode, err := cache.ParseMode(o.mode)
 	if err != nil {
@@ -172,6 +172,9 @@ func runFormat(g *globals, o *formatOptions) error {
 	fmt.Fprintf(w, "buckets\t%d x %s = %s\n", sb.NBuckets, human(sb.BucketSize), human(sb.NBuckets*sb.BucketSize))
 	fmt.Fprintf(w, "journal\t%s\n", human(sb.JournalLen))
 	fmt.Fprintf(w, "mode\t%s\n", mode)
+	if len(bks) == 0 {
+		fmt.Fprintf(w, "backing devices\tnone yet: add them with 'tiercache attach'\n")
+	}
 	for _, b := range bks {
 		fmt.Fprintf(w, "backing %s\t%s (%s, id %s)\n", b.name, b.path, human(b.dev.Size()), orNone(b.id.ID))
 	}
