@@ -5,7 +5,7 @@ GO ?= go
 GOBIN := $(shell $(GO) env GOPATH)/bin
 PKGS := ./...
 
-.PHONY: all build test deps lint unit race interop bench bench-quick bench-nbd fuzz stress clean
+.PHONY: all build test deps lint unit race interop bench bench-deps bench-quick bench-nbd fuzz stress clean
 
 all: build
 
@@ -46,10 +46,15 @@ fuzz:
 stress:
 	TIERCACHE_CRASH_CYCLES=1000 $(GO) test -count=1 -timeout 3h -run 'TestKillCycles$$' -v ./internal/interop/
 
-# The cache scenarios S1-S5 (HDD/SSD models, fio through NBD, side by side);
-# docs/BENCHMARKS.md has the method and results.
-bench:
+# The cache scenarios S1-S6 (HDD/SSD models, fio through NBD, side by side;
+# S6 pgbench and db_bench on ext4 through the kernel, needs root);
+# docs/BENCHMARKS.md has the method and results. BENCHFLAGS="--rounds 3"
+# for medians.
+bench: bench-deps
 	$(GO) run ./cmd/tcbench cache $(BENCHFLAGS)
+
+bench-deps:
+	./scripts/install-deps.sh --bench
 
 # Only checks that every scenario runs end to end (part of make test).
 bench-quick:

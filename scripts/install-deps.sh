@@ -3,10 +3,18 @@
 # clients and peers the interop tests run (fio, qemu-utils, libnbd-bin,
 # nbdkit), the kernel-path tools (fuse3, e2fsprogs, util-linux for losetup)
 # and staticcheck. Idempotent: installs only what is missing.
+#
+# --bench also installs what `make bench` adds for its application scenario
+# (S6): PostgreSQL (server and pgbench) and rocksdb-tools (db_bench). They
+# are not needed by `make test`, whose quick suite skips S6 without them.
 set -euo pipefail
+
+bench=0
+if [ "${1:-}" = "--bench" ]; then bench=1; fi
 
 need=()
 have() { command -v "$1" >/dev/null 2>&1; }
+havepg() { have "$1" || compgen -G "/usr/lib/postgresql/*/bin/$1" >/dev/null; }
 have fio      || need+=(fio)
 have qemu-img || need+=(qemu-utils)
 have qemu-io  || need+=(qemu-utils)
@@ -16,6 +24,11 @@ have nbdkit   || need+=(nbdkit)
 have fusermount3 || need+=(fuse3)
 have mkfs.ext4 || need+=(e2fsprogs)
 have losetup  || need+=(mount)
+if [ $bench = 1 ]; then
+  havepg initdb  || need+=(postgresql)
+  havepg pgbench || need+=(postgresql)
+  have db_bench  || need+=(rocksdb-tools)
+fi
 
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
