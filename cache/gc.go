@@ -724,7 +724,7 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 				}
 				turn()
 				issue()
-				if err := v.writeBacking(buf[i*blockSize:j*blockSize], its[i].lba); err != nil {
+				if err := v.writeBackingNoMark(buf[i*blockSize:j*blockSize], its[i].lba); err != nil {
 					rerr = fmt.Errorf("writeback to %s: %w", v.name, err)
 					for x := i; x < len(its); x++ {
 						its[x].ok = false
