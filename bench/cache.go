@@ -139,7 +139,7 @@ func cacheMain(args []string) int {
 	fs.BoolVar(&o.Publish, "publish", false, "copy CACHE_RESULTS.md, cache-results.json and the charts into docs/bench in the module")
 	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
-	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S6); default all")
+	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S6), in this order; default all")
 	fs.IntVar(&o.Rounds, "rounds", 1, "run the scenarios this many times, one round after the other, and report each bar's median round (every round's ratio is shown)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -323,6 +323,9 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	}
 	rep := cacheReport{Env: env, Quick: o.Quick, Sizes: c.sz, ElapsedSec: elapsed.Seconds(), Loads: c.loads,
 		Commands: c.r.commands, Retries: c.r.retries, Rounds: c.nrounds, Checks: medianChecks(c.rounds), Details: c.details, Figures: c.figs}
+	// The report lists scenarios in order whatever order --only ran them in.
+	slices.SortStableFunc(rep.Checks, func(a, b Check) int { return strings.Compare(a.Scenario, b.Scenario) })
+	slices.SortStableFunc(rep.Details, func(a, b detail) int { return strings.Compare(a.Scenario, b.Scenario) })
 	if err := chartBars(filepath.Join(o.Out, "bars.png"), rep.Checks); err != nil {
 		return err
 	}
