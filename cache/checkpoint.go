@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"hash/crc32"
 
-	"github.com/google/btree"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -113,7 +112,7 @@ func encodeCkptBody(gens []uint32, epochs []uint64, trees []*ptree, w func([]byt
 // live dirty entry's cache block, then the superseded versions.
 //
 //	"EPCH" u32 | { n u64 | { loc u32 | epoch u64 } × n | m u64 | { lba u64 | loc u32 | crc u32 | epoch u64 } × m } per volume
-func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []*btree.BTreeG[ver], w func([]byte) error) error {
+func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []*vtree, w func([]byte) error) error {
 	const chunk = 1 << 20
 	e := enc{b: make([]byte, 0, 64<<10)}
 	flush := func(force bool) error {
@@ -285,7 +284,7 @@ func writeCheckpoint(dev device.Device, sb *Superblock, h ckptHeader, gens []uin
 
 // writeCheckpointVers writes a checkpoint with the epoch section (vers
 // non-nil), which needs slots sized by ckptLenEpoch.
-func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*ptree, vers []*btree.BTreeG[ver]) error {
+func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*ptree, vers []*vtree) error {
 	slot := sb.CkptOff[h.gen%2]
 	off := slot + blockSize
 	crc := uint32(0)

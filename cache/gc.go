@@ -381,7 +381,7 @@ func (s *Set) gcMove(bi int64, found []located) {
 	s.mu.Lock()
 	for _, it := range found {
 		if e, ok := s.vols[it.vi].idx.tree.Get(it.e); ok && e.dirty() && e.block() == it.e.block() {
-			items = append(items, item{it.vi, e.lba, e, s.mu.bepoch[e.block()]})
+			items = append(items, item{it.vi, e.lba, e, s.blockEpoch(e.block())})
 		}
 	}
 	slices.SortFunc(items, func(a, b item) int { return cmp.Compare(a.e.block(), b.e.block()) })
@@ -579,7 +579,7 @@ func (s *Set) writebackEpochLBAs(vi int, lbas []uint64) (int, error) {
 	if first, ok := v.idx.vers.Min(); ok {
 		for _, lba := range lbas {
 			e, ok := v.idx.tree.Get(ent{lba: lba})
-			if !ok || !e.dirty() || s.mu.bepoch[e.block()] != first.epoch {
+			if !ok || !e.dirty() || s.blockEpoch(e.block()) != first.epoch {
 				continue
 			}
 			if _, busy := v.idx.wbInflight[e.block()]; busy {

@@ -9,7 +9,8 @@ package cache
 //  2. bucket.live counts the entries pointing into the bucket, and
 //     bucket.dirty those of them that are dirty. A bucket with live > 0 is
 //     open or sealed, never free (invariant 5: a bucket is reused only after
-//     no live entry points into its current generation).
+//     no live entry points into its current generation). A bucket has its
+//     epoch table (bucket.ep) exactly when dirty > 0.
 //  3. Volume.idx.dirty and .cached equal the dirty and total entry counts of
 //     the volume's tree.
 //  4. Superseded versions (epoch order): a dirty version overwritten in a
@@ -18,7 +19,7 @@ package cache
 //     version of an LBA is older (lower epoch) than the live entry of that
 //     LBA, which exists and is dirty. idx.vers holds exactly the dirty
 //     versions, live and superseded, keyed by (epoch, lba), with their
-//     epoch also in Set.mu.bepoch.
+//     epoch also the block's (bucket.ep).
 //
 // The index is one packed B+tree per volume (ptree.go: 13 bytes a cached
 // 4 KiB block, leaves kept over 2/3 full) and a small table per bucket.
@@ -33,8 +34,9 @@ package cache
 
 import (
 	"fmt"
+	"math"
+	"slices"
 
-	"github.com/google/btree"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
 
@@ -76,6 +78,7 @@ type bucket struct {
 	fill  uint32 // blocks handed out (open bucket)
 	state bucketState
 	atime uint64 // Set.mu.tick at the last read hit or allocation (eviction recency)
+	ep    *bucketEpochs
 }
 
 // ver is one dirty version of a block, live or superseded, in the order
@@ -100,10 +103,10 @@ func verLess(a, b ver) bool {
 // volIndex is a volume's part of the index. Guarded by Set.mu.
 type volIndex struct {
 	tree *ptree
-	vers *btree.BTreeG[ver] // every dirty version by (epoch, lba)
-	sup  map[uint64][]ver   // superseded versions by LBA (epoch order)
-	nsup int64              // superseded versions in sup
-	busy []blockRange       // backing writes in flight (claims)
+	vers *vtree           // every dirty version by (epoch, lba)
+	sup  map[uint64][]ver // superseded versions by LBA (epoch order)
+	nsup int64            // superseded versions in sup
+	busy []blockRange     // backing writes in flight (claims)
 	// wbInflight holds the cache blocks a writeback batch has taken and not
 	// yet marked clean, so that two batches (background, eviction, Drain)
 	// never write the same version twice.
@@ -149,7 +152,7 @@ func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirt
 		e.loc |= dirtyBit
 	}
 	if old, ok := v.idx.tree.ReplaceOrInsert(e); ok {
-		if oe := s.mu.bepoch[old.block()]; dirty && old.dirty() && oe < epoch && s.keepSuperseded(vi) {
+		if oe := s.blockEpoch(old.block()); dirty && old.dirty() && oe < epoch && s.keepSuperseded(vi) {
 			v.idx.sup[lba] = append(v.idx.sup[lba], ver{epoch: oe, lba: lba, loc: old.block(), crc: old.crc})
 			v.idx.nsup++
 			v.idx.dirty-- // counted as superseded from now on (bucket counts unchanged)
@@ -173,8 +176,78 @@ func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirt
 	if dirty {
 		b.dirty++
 		v.idx.dirty++
-		s.mu.bepoch[loc] = epoch
+		s.setBlockEpoch(loc, epoch)
 		v.idx.vers.ReplaceOrInsert(ver{epoch: epoch, lba: lba, loc: loc, crc: crc})
+	}
+}
+
+// bucketEpochs holds the flush epochs of a bucket's dirty blocks (only
+// dirty blocks have one). It is allocated with the bucket's first dirty
+// block and dropped with its last, so a clean cache pays nothing for epochs.
+// An epoch takes 4 bytes, relative to base, unless the bucket holds epochs
+// more than 2^32 apart (volumes whose epoch counters are far apart share
+// the bucket): then e64 holds them in full.
+type bucketEpochs struct {
+	base uint64
+	e32  []uint32
+	e64  []uint64
+}
+
+// blockEpoch returns the flush epoch of the dirty version at cache block loc.
+// REQUIRES: s.mu
+func (s *Set) blockEpoch(loc uint32) uint64 {
+	ep := s.mu.buckets[int64(loc)/s.bpb].ep
+	if ep == nil {
+		return 0
+	}
+	i := int64(loc) % s.bpb
+	if ep.e64 != nil {
+		return ep.e64[i]
+	}
+	return ep.base + uint64(ep.e32[i])
+}
+
+// setBlockEpoch records the flush epoch of the dirty version at loc.
+// REQUIRES: s.mu
+func (s *Set) setBlockEpoch(loc uint32, e uint64) {
+	b := &s.mu.buckets[int64(loc)/s.bpb]
+	if b.ep == nil {
+		b.ep = &bucketEpochs{base: e, e32: make([]uint32, s.bpb)}
+	}
+	ep := b.ep
+	if ep.e64 == nil && e < ep.base {
+		// Rebase downwards if every recorded epoch still fits.
+		shift := ep.base - e
+		if hi := slices.Max(ep.e32); uint64(hi)+shift <= math.MaxUint32 {
+			for i := range ep.e32 {
+				ep.e32[i] += uint32(shift)
+			}
+			ep.base = e
+		}
+	}
+	if ep.e64 == nil && (e < ep.base || e-ep.base > math.MaxUint32) {
+		ep.e64 = make([]uint64, len(ep.e32))
+		for i, x := range ep.e32 {
+			ep.e64[i] = ep.base + uint64(x)
+		}
+		ep.e32 = nil
+	}
+	i := int64(loc) % s.bpb
+	if ep.e64 != nil {
+		ep.e64[i] = e
+	} else {
+		ep.e32[i] = uint32(e - ep.base)
+	}
+}
+
+// undirtyLocked counts one dirty block of loc's bucket less, dropping the
+// bucket's epoch table with its last dirty block.
+// REQUIRES: s.mu
+func (s *Set) undirtyLocked(loc uint32) {
+	b := &s.mu.buckets[int64(loc)/s.bpb]
+	b.dirty--
+	if b.dirty == 0 {
+		b.ep = nil
 	}
 }
 
@@ -182,12 +255,9 @@ func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirt
 // (a Set built by hand, as the read-only inspector does, has none).
 // REQUIRES: s.mu
 func (s *Set) initVersionsLocked() {
-	if int64(len(s.mu.bepoch)) != s.cacheBlocks() {
-		s.mu.bepoch = make([]uint64, s.cacheBlocks())
-	}
 	for _, v := range s.vols {
 		if v.idx.vers == nil {
-			v.idx.vers = btree.NewG[ver](32, verLess)
+			v.idx.vers = newVtree()
 		}
 		if v.idx.sup == nil {
 			v.idx.sup = map[uint64][]ver{}
@@ -210,7 +280,7 @@ func (s *Set) insertSupLocked(vi int, x ver) {
 	v.idx.sup[x.lba] = append(v.idx.sup[x.lba], x)
 	v.idx.nsup++
 	v.idx.vers.ReplaceOrInsert(x)
-	s.mu.bepoch[x.loc] = x.epoch
+	s.setBlockEpoch(x.loc, x.epoch)
 	if s.mu.owner != nil {
 		s.mu.owner[x.loc] = ownerKey(vi, x.lba)
 	}
@@ -240,9 +310,8 @@ func (s *Set) releaseSupLocked(vi int, lba uint64, loc uint32) bool {
 		if s.mu.owner != nil {
 			s.mu.owner[loc] = 0
 		}
-		b := &s.mu.buckets[int64(loc)/s.bpb]
-		b.live--
-		b.dirty--
+		s.mu.buckets[int64(loc)/s.bpb].live--
+		s.undirtyLocked(loc)
 		return true
 	}
 	return false
@@ -290,9 +359,9 @@ func (s *Set) unaccountLocked(vi int, old ent) {
 	b.live--
 	v.idx.cached--
 	if old.dirty() {
-		b.dirty--
 		v.idx.dirty--
-		v.idx.vers.Delete(ver{epoch: s.mu.bepoch[loc], lba: old.lba, loc: loc, crc: old.crc})
+		v.idx.vers.Delete(ver{epoch: s.blockEpoch(loc), lba: old.lba, loc: loc, crc: old.crc})
+		s.undirtyLocked(loc)
 	}
 }
 
@@ -339,10 +408,10 @@ func (s *Set) markCleanLocked(vi int, lba uint64, loc uint32) bool {
 	if !ok || e.block() != loc || !e.dirty() {
 		return s.releaseSupLocked(vi, lba, loc)
 	}
-	v.idx.vers.Delete(ver{epoch: s.mu.bepoch[loc], lba: lba, loc: loc, crc: e.crc})
+	v.idx.vers.Delete(ver{epoch: s.blockEpoch(loc), lba: lba, loc: loc, crc: e.crc})
 	e.loc &^= dirtyBit
 	v.idx.tree.ReplaceOrInsert(e)
-	s.mu.buckets[int64(loc)/s.bpb].dirty--
+	s.undirtyLocked(loc)
 	v.idx.dirty--
 	s.dropSupLocked(vi, lba)
 	return true
@@ -442,8 +511,8 @@ func (s *Set) checkLocked() error {
 			liveB[loc/s.bpb]++
 			nc++
 			if e.dirty() {
-				if _, in := v.idx.vers.Get(ver{epoch: s.mu.bepoch[loc], lba: e.lba, loc: e.block(), crc: e.crc}); !in {
-					err = fmt.Errorf("volume %s: dirty lba %d (block %d, epoch %d) missing from the version tree", v.name, e.lba, loc, s.mu.bepoch[loc])
+				if _, in := v.idx.vers.Get(ver{epoch: s.blockEpoch(uint32(loc)), lba: e.lba, loc: e.block(), crc: e.crc}); !in {
+					err = fmt.Errorf("volume %s: dirty lba %d (block %d, epoch %d) missing from the version tree", v.name, e.lba, loc, s.blockEpoch(uint32(loc)))
 					return false
 				}
 				dirtyB[loc/s.bpb]++
@@ -467,10 +536,10 @@ func (s *Set) checkLocked() error {
 				switch {
 				case x.lba != lba || loc >= nb*s.bpb || named.get(int(loc)) || (s.mu.owner != nil && s.mu.owner[loc] != ownerKey(vi, lba)):
 					return fmt.Errorf("volume %s: superseded version %+v out of range, not owned, or its block named twice", v.name, x)
-				case !ok || !live.dirty() || s.mu.bepoch[live.block()] <= x.epoch:
+				case !ok || !live.dirty() || s.blockEpoch(live.block()) <= x.epoch:
 					return fmt.Errorf("volume %s: superseded version %+v without a newer dirty live entry (%+v, %t)", v.name, x, live, ok)
-				case s.mu.bepoch[loc] != x.epoch:
-					return fmt.Errorf("volume %s: superseded version %+v, block epoch %d", v.name, x, s.mu.bepoch[loc])
+				case s.blockEpoch(uint32(loc)) != x.epoch:
+					return fmt.Errorf("volume %s: superseded version %+v, block epoch %d", v.name, x, s.blockEpoch(uint32(loc)))
 				}
 				if _, in := v.idx.vers.Get(x); !in {
 					return fmt.Errorf("volume %s: superseded version %+v missing from the version tree", v.name, x)
@@ -520,6 +589,9 @@ func (s *Set) checkLocked() error {
 		}
 		if b.state == bucketOpen && int64(i) != s.mu.open {
 			return fmt.Errorf("bucket %d open but open bucket is %d", i, s.mu.open)
+		}
+		if (b.dirty > 0) != (b.ep != nil) {
+			return fmt.Errorf("bucket %d: %d dirty blocks, epoch table %t", i, b.dirty, b.ep != nil)
 		}
 		if b.fill > uint32(s.bpb) || b.pins < 0 {
 			return fmt.Errorf("bucket %d: fill %d pins %d", i, b.fill, b.pins)

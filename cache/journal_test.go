@@ -5,8 +5,6 @@ import (
 	"errors"
 	"reflect"
 	"testing"
-
-	"github.com/google/btree"
 )
 
 // journalSetup writes block 0 and flushes (batch 1), writes block 1 and
@@ -202,7 +200,7 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 	{
 		tr := []*ptree{newPtree(), newPtree()}
 		tr[0].ReplaceOrInsert(ent{lba: 3, loc: 2 | dirtyBit, crc: 9})
-		vt := []*btree.BTreeG[ver]{btree.NewG[ver](32, verLess), btree.NewG[ver](32, verLess)}
+		vt := []*vtree{newVtree(), newVtree()}
 		vt[0].ReplaceOrInsert(ver{epoch: 5, lba: 3, loc: 2, crc: 9})
 		vt[0].ReplaceOrInsert(ver{epoch: 2, lba: 3, loc: 7, crc: 4})
 		var out []byte
@@ -215,7 +213,7 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 	reencode := func(cd *ckptData) []byte {
 		tr := make([]*ptree, len(cd.vols))
 		epochs := make([]uint64, len(cd.vols))
-		var vt []*btree.BTreeG[ver]
+		var vt []*vtree
 		for i, cv := range cd.vols {
 			tr[i] = newPtree()
 			for _, e := range cv.ents {
@@ -224,9 +222,9 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 			epochs[i] = cv.epoch
 			if cv.epochOf != nil {
 				if vt == nil {
-					vt = make([]*btree.BTreeG[ver], len(cd.vols))
+					vt = make([]*vtree, len(cd.vols))
 				}
-				vt[i] = btree.NewG[ver](32, verLess)
+				vt[i] = newVtree()
 				for _, e := range cv.ents {
 					if e.dirty() {
 						vt[i].ReplaceOrInsert(ver{epoch: cv.epochOf[e.block()], lba: e.lba, loc: e.block(), crc: e.crc})

@@ -1,7 +1,9 @@
 package cache
 
 // ptree is a volume's index: an ordered map from LBA to ent, kept as a
-// copy-on-write B+tree whose leaves are packed sorted arrays.
+// copy-on-write B+tree whose leaves are packed sorted arrays. vtree, the
+// volume's dirty versions ordered by (epoch, LBA), is the same B+tree with
+// another leaf (vleaf).
 //
 // Why not a generic B-tree of ent: an ent is 16 bytes in memory (13 carry
 // information: a 40-bit LBA, the 32-bit cache block with its dirty bit and
@@ -25,7 +27,6 @@ package cache
 
 import (
 	"fmt"
-	"sort"
 )
 
 const (
@@ -43,6 +44,26 @@ const (
 
 type cowCtx struct{ _ int } // not zero-sized: every context has its own address
 
+// leafOps is what the B+tree needs of a packed leaf type holding elements E.
+type leafOps[E any] interface {
+	cowp() **cowCtx
+	count() int
+	capacity() int
+	less(a, b E) bool // the order; must not use the receiver (called on nil)
+	search(k E) (int, bool)
+	get(i int) E
+	set(i int, e E)
+	insertAt(i int, e E)
+	removeAt(i int)
+	setCount(n int)
+}
+
+type leafPtr[L, E any] interface {
+	*L
+	leafOps[E]
+}
+
+// pleaf is a leaf of ptree.
 type pleaf struct {
 	cow *cowCtx
 	n   uint16
@@ -52,26 +73,30 @@ type pleaf struct {
 	crc [leafCap]uint32
 }
 
+func (l *pleaf) cowp() **cowCtx   { return &l.cow }
+func (l *pleaf) count() int       { return int(l.n) }
+func (l *pleaf) setCount(n int)   { l.n = uint16(n) }
+func (*pleaf) capacity() int      { return leafCap }
+func (*pleaf) less(a, b ent) bool { return a.lba < b.lba }
 func (l *pleaf) key(i int) uint64 { return uint64(l.hi[i])<<32 | uint64(l.lo[i]) }
-
-func (l *pleaf) get(i int) ent { return ent{lba: l.key(i), loc: l.loc[i], crc: l.crc[i]} }
+func (l *pleaf) get(i int) ent    { return ent{lba: l.key(i), loc: l.loc[i], crc: l.crc[i]} }
 
 func (l *pleaf) set(i int, e ent) {
 	l.hi[i], l.lo[i], l.loc[i], l.crc[i] = uint8(e.lba>>32), uint32(e.lba), e.loc, e.crc
 }
 
-// search returns the first slot whose key is >= k, and whether it is k.
-func (l *pleaf) search(k uint64) (int, bool) {
+// search returns the first slot whose key is >= k.lba, and whether it is k.lba.
+func (l *pleaf) search(k ent) (int, bool) {
 	lo, hi := 0, int(l.n)
 	for lo < hi {
 		m := int(uint(lo+hi) >> 1)
-		if l.key(m) < k {
+		if l.key(m) < k.lba {
 			lo = m + 1
 		} else {
 			hi = m
 		}
 	}
-	return lo, lo < int(l.n) && l.key(lo) == k
+	return lo, lo < int(l.n) && l.key(lo) == k.lba
 }
 
 func (l *pleaf) insertAt(i int, e ent) {
@@ -93,36 +118,117 @@ func (l *pleaf) removeAt(i int) {
 	l.n--
 }
 
-// fill replaces the leaf's entries with es.
-func (l *pleaf) fill(es []ent) {
+// vleafCap: a vleaf is 8+2+96 (+2 padding) +3*4*96 +8*96 = 2032 bytes.
+const vleafCap = 96
+
+// vleaf is a leaf of vtree: 21 bytes a dirty version.
+type vleaf struct {
+	cow   *cowCtx
+	n     uint16
+	hi    [vleafCap]uint8
+	lo    [vleafCap]uint32
+	loc   [vleafCap]uint32
+	crc   [vleafCap]uint32
+	epoch [vleafCap]uint64
+}
+
+func (l *vleaf) cowp() **cowCtx   { return &l.cow }
+func (l *vleaf) count() int       { return int(l.n) }
+func (l *vleaf) setCount(n int)   { l.n = uint16(n) }
+func (*vleaf) capacity() int      { return vleafCap }
+func (*vleaf) less(a, b ver) bool { return verLess(a, b) }
+
+func (l *vleaf) get(i int) ver {
+	return ver{epoch: l.epoch[i], lba: uint64(l.hi[i])<<32 | uint64(l.lo[i]), loc: l.loc[i], crc: l.crc[i]}
+}
+
+func (l *vleaf) set(i int, x ver) {
+	l.epoch[i], l.hi[i], l.lo[i], l.loc[i], l.crc[i] = x.epoch, uint8(x.lba>>32), uint32(x.lba), x.loc, x.crc
+}
+
+func (l *vleaf) search(k ver) (int, bool) {
+	lo, hi := 0, int(l.n)
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if verLess(l.get(m), k) {
+			lo = m + 1
+		} else {
+			hi = m
+		}
+	}
+	return lo, lo < int(l.n) && !verLess(k, l.get(lo))
+}
+
+func (l *vleaf) insertAt(i int, x ver) {
+	n := int(l.n)
+	copy(l.hi[i+1:n+1], l.hi[i:n])
+	copy(l.lo[i+1:n+1], l.lo[i:n])
+	copy(l.loc[i+1:n+1], l.loc[i:n])
+	copy(l.crc[i+1:n+1], l.crc[i:n])
+	copy(l.epoch[i+1:n+1], l.epoch[i:n])
+	l.set(i, x)
+	l.n++
+}
+
+func (l *vleaf) removeAt(i int) {
+	n := int(l.n)
+	copy(l.hi[i:n-1], l.hi[i+1:n])
+	copy(l.lo[i:n-1], l.lo[i+1:n])
+	copy(l.loc[i:n-1], l.loc[i+1:n])
+	copy(l.crc[i:n-1], l.crc[i+1:n])
+	copy(l.epoch[i:n-1], l.epoch[i+1:n])
+	l.n--
+}
+
+// ptree is the index of a volume (ent by LBA); vtree its dirty versions.
+type (
+	ptree = bptree[ent, pleaf, *pleaf]
+	vtree = bptree[ver, vleaf, *vleaf]
+)
+
+func newPtree() *ptree { return &ptree{cow: new(cowCtx)} }
+func newVtree() *vtree { return &vtree{cow: new(cowCtx)} }
+
+// fillLeaf replaces the leaf's elements with es.
+func fillLeaf[E any, PL leafOps[E]](l PL, es []E) {
 	for i, e := range es {
 		l.set(i, e)
 	}
-	l.n = uint16(len(es))
+	l.setCount(len(es))
 }
 
-func (l *pleaf) appendTo(es []ent) []ent {
-	for i := 0; i < int(l.n); i++ {
+func appendLeaf[E any, PL leafOps[E]](l PL, es []E) []E {
+	for i := 0; i < l.count(); i++ {
 		es = append(es, l.get(i))
 	}
 	return es
 }
 
-type pnode struct {
+type bnode[E, L any, PL leafPtr[L, E]] struct {
 	cow    *cowCtx
 	n      int
-	leaves bool           // children are leaves (lvs), else inner nodes (kids)
-	keys   [fanout]uint64 // keys[i]: lower bound of child i (keys[0] is not used)
-	kids   [fanout]*pnode // inner children
-	lvs    [fanout]*pleaf // leaf children
+	leaves bool                     // children are leaves (lvs), else inner nodes (kids)
+	keys   [fanout]E                // keys[i]: lower bound of child i (keys[0] is not used)
+	kids   [fanout]*bnode[E, L, PL] // inner children
+	lvs    [fanout]PL               // leaf children
 }
 
 // childIndex returns the child whose range holds k.
-func (nd *pnode) childIndex(k uint64) int {
-	return sort.Search(nd.n-1, func(j int) bool { return nd.keys[j+1] > k })
+func (nd *bnode[E, L, PL]) childIndex(k E) int {
+	var pl PL
+	lo, hi := 0, nd.n-1 // first j in [0, n-1) with keys[j+1] > k
+	for lo < hi {
+		m := int(uint(lo+hi) >> 1)
+		if pl.less(k, nd.keys[m+1]) {
+			hi = m
+		} else {
+			lo = m + 1
+		}
+	}
+	return lo
 }
 
-func (nd *pnode) insertChild(j int, key uint64, kid *pnode, lf *pleaf) {
+func (nd *bnode[E, L, PL]) insertChild(j int, key E, kid *bnode[E, L, PL], lf PL) {
 	n := nd.n
 	copy(nd.keys[j+1:n+1], nd.keys[j:n])
 	copy(nd.kids[j+1:n+1], nd.kids[j:n])
@@ -131,7 +237,7 @@ func (nd *pnode) insertChild(j int, key uint64, kid *pnode, lf *pleaf) {
 	nd.n++
 }
 
-func (nd *pnode) removeChild(j int) {
+func (nd *bnode[E, L, PL]) removeChild(j int) {
 	n := nd.n
 	copy(nd.keys[j:n-1], nd.keys[j+1:n])
 	copy(nd.kids[j:n-1], nd.kids[j+1:n])
@@ -140,73 +246,96 @@ func (nd *pnode) removeChild(j int) {
 	nd.n--
 }
 
-type ptree struct {
-	root   *pnode
+// bptree is the copy-on-write B+tree described at the top of the file.
+type bptree[E, L any, PL leafPtr[L, E]] struct {
+	root   *bnode[E, L, PL]
 	length int
 	cow    *cowCtx
 }
 
-func newPtree() *ptree { return &ptree{cow: new(cowCtx)} }
-
-// Len returns the number of entries.
-func (t *ptree) Len() int { return t.length }
+// Len returns the number of elements.
+func (t *bptree[E, L, PL]) Len() int { return t.length }
 
 // Clone returns a copy of t in O(1); both trees copy shared nodes lazily.
-func (t *ptree) Clone() *ptree {
-	c := &ptree{root: t.root, length: t.length, cow: new(cowCtx)}
+func (t *bptree[E, L, PL]) Clone() *bptree[E, L, PL] {
+	c := &bptree[E, L, PL]{root: t.root, length: t.length, cow: new(cowCtx)}
 	t.cow = new(cowCtx)
 	return c
 }
 
-func (t *ptree) mutNode(nd *pnode) *pnode {
+func (t *bptree[E, L, PL]) mutNode(nd *bnode[E, L, PL]) *bnode[E, L, PL] {
 	if nd.cow == t.cow {
 		return nd
 	}
-	c := new(pnode)
+	c := new(bnode[E, L, PL])
 	*c = *nd
 	c.cow = t.cow
 	return c
 }
 
-func (t *ptree) mutLeaf(l *pleaf) *pleaf {
-	if l.cow == t.cow {
+func (t *bptree[E, L, PL]) mutLeaf(l PL) PL {
+	if *l.cowp() == t.cow {
 		return l
 	}
-	c := new(pleaf)
+	c := PL(new(L))
 	*c = *l
-	c.cow = t.cow
+	*c.cowp() = t.cow
 	return c
 }
 
-// Get returns the entry of e.lba.
-func (t *ptree) Get(e ent) (ent, bool) {
-	nd := t.root
-	if nd == nil {
-		return ent{}, false
-	}
-	for !nd.leaves {
-		nd = nd.kids[nd.childIndex(e.lba)]
-	}
-	l := nd.lvs[nd.childIndex(e.lba)]
-	if i, ok := l.search(e.lba); ok {
-		return l.get(i), true
-	}
-	return ent{}, false
+func (t *bptree[E, L, PL]) newLeaf() PL {
+	l := PL(new(L))
+	*l.cowp() = t.cow
+	return l
 }
 
-type pathStep struct {
-	nd *pnode
+func (t *bptree[E, L, PL]) leafOf(k E) PL {
+	nd := t.root
+	for !nd.leaves {
+		nd = nd.kids[nd.childIndex(k)]
+	}
+	return nd.lvs[nd.childIndex(k)]
+}
+
+// Get returns the element equal to e (in the tree's order).
+func (t *bptree[E, L, PL]) Get(e E) (E, bool) {
+	var zero E
+	if t.root == nil {
+		return zero, false
+	}
+	l := t.leafOf(e)
+	if i, ok := l.search(e); ok {
+		return l.get(i), true
+	}
+	return zero, false
+}
+
+// Min returns the first element.
+func (t *bptree[E, L, PL]) Min() (E, bool) {
+	var zero E
+	if t.root == nil {
+		return zero, false
+	}
+	nd := t.root
+	for !nd.leaves {
+		nd = nd.kids[0]
+	}
+	return nd.lvs[0].get(0), true
+}
+
+type pathStep[E, L any, PL leafPtr[L, E]] struct {
+	nd *bnode[E, L, PL]
 	i  int
 }
 
 // mutPath makes the path from the root to the leaf holding k writable and
 // returns it (the last step's node has leaf children) and the leaf.
-func (t *ptree) mutPath(k uint64, path []pathStep) ([]pathStep, *pleaf) {
+func (t *bptree[E, L, PL]) mutPath(k E, path []pathStep[E, L, PL]) ([]pathStep[E, L, PL], PL) {
 	t.root = t.mutNode(t.root)
 	nd := t.root
 	for {
 		i := nd.childIndex(k)
-		path = append(path, pathStep{nd, i})
+		path = append(path, pathStep[E, L, PL]{nd, i})
 		if nd.leaves {
 			l := t.mutLeaf(nd.lvs[i])
 			nd.lvs[i] = l
@@ -218,79 +347,78 @@ func (t *ptree) mutPath(k uint64, path []pathStep) ([]pathStep, *pleaf) {
 	}
 }
 
-// ReplaceOrInsert sets the entry of e.lba to e and returns the previous one.
-func (t *ptree) ReplaceOrInsert(e ent) (ent, bool) {
-	if e.lba >= maxIndexLBA {
-		panic(fmt.Sprintf("cache index: lba %d beyond 40 bits", e.lba)) // volumes are bounded by maxLBABlocks
-	}
+// ReplaceOrInsert sets the element equal to e to e and returns the
+// previous one.
+func (t *bptree[E, L, PL]) ReplaceOrInsert(e E) (E, bool) {
+	var zero E
 	if t.root == nil {
-		l := &pleaf{cow: t.cow}
+		l := t.newLeaf()
 		l.insertAt(0, e)
-		t.root = &pnode{cow: t.cow, n: 1, leaves: true}
+		t.root = &bnode[E, L, PL]{cow: t.cow, n: 1, leaves: true}
 		t.root.lvs[0] = l
 		t.length = 1
-		return ent{}, false
+		return zero, false
 	}
-	var buf [8]pathStep
-	path, l := t.mutPath(e.lba, buf[:0])
-	p, found := l.search(e.lba)
+	var buf [8]pathStep[E, L, PL]
+	path, l := t.mutPath(e, buf[:0])
+	p, found := l.search(e)
 	if found {
 		old := l.get(p)
 		l.set(p, e)
 		return old, true
 	}
 	t.length++
-	if int(l.n) < leafCap {
+	if l.count() < l.capacity() {
 		l.insertAt(p, e)
-		return ent{}, false
+		return zero, false
 	}
 	t.overflow(path, l, p, e)
-	return ent{}, false
+	return zero, false
 }
 
 // overflow inserts e at slot p of the full leaf l (child i of the last node
 // of path): into a sibling with room if there is one, else by a 2-to-3
 // split with a full sibling (a 1-to-2 split for an only child, and a
 // lopsided one when appending past the end of the last leaf of a node).
-func (t *ptree) overflow(path []pathStep, l *pleaf, p int, e ent) {
+func (t *bptree[E, L, PL]) overflow(path []pathStep[E, L, PL], l PL, p int, e E) {
 	last := path[len(path)-1]
 	parent, i := last.nd, last.i
-	var scratch [3*leafCap + 1]ent
-	merged := func(es []ent, ls ...*pleaf) []ent {
+	c := l.capacity()
+	scratch := make([]E, 0, 3*c+1)
+	merged := func(ls ...PL) []E {
+		es := scratch[:0]
 		for _, x := range ls {
+			es = appendLeaf[E](x, es)
 			if x == l {
-				es = l.appendTo(es)
-				pos := len(es) - int(l.n) + p
-				es = append(es, ent{})
+				pos := len(es) - l.count() + p
+				es = append(es, e)
 				copy(es[pos+1:], es[pos:])
 				es[pos] = e
-			} else {
-				es = x.appendTo(es)
 			}
 		}
 		return es
 	}
 	switch {
-	case i+1 < parent.n && int(parent.lvs[i+1].n) < leafCap:
+	case i+1 < parent.n && parent.lvs[i+1].count() < c:
 		r := t.mutLeaf(parent.lvs[i+1])
 		parent.lvs[i+1] = r
-		es := merged(scratch[:0], l, r)
+		es := merged(l, r)
 		h := len(es) / 2
-		l.fill(es[:h])
-		r.fill(es[h:])
-		parent.keys[i+1] = r.key(0)
-	case i > 0 && int(parent.lvs[i-1].n) < leafCap:
+		fillLeaf(l, es[:h])
+		fillLeaf(r, es[h:])
+		parent.keys[i+1] = r.get(0)
+	case i > 0 && parent.lvs[i-1].count() < c:
 		lf := t.mutLeaf(parent.lvs[i-1])
 		parent.lvs[i-1] = lf
-		es := merged(scratch[:0], lf, l)
+		es := merged(lf, l)
 		h := len(es) / 2
-		lf.fill(es[:h])
-		l.fill(es[h:])
-		parent.keys[i] = l.key(0)
-	case p == int(l.n) && i+1 == parent.n:
-		nl := &pleaf{cow: t.cow}
+		fillLeaf(lf, es[:h])
+		fillLeaf(l, es[h:])
+		parent.keys[i] = l.get(0)
+	case p == l.count() && i+1 == parent.n:
+		nl := t.newLeaf()
 		nl.insertAt(0, e)
-		t.addChild(path, len(path)-1, i+1, e.lba, nl)
+		t.addChild(path, len(path)-1, i+1, e, nil, nl)
 	case parent.n > 1:
 		a := i
 		if i+1 == parent.n {
@@ -299,39 +427,35 @@ func (t *ptree) overflow(path []pathStep, l *pleaf, p int, e ent) {
 		x := t.mutLeaf(parent.lvs[a])
 		y := t.mutLeaf(parent.lvs[a+1])
 		parent.lvs[a], parent.lvs[a+1] = x, y
-		es := merged(scratch[:0], x, y)
+		es := merged(x, y)
 		n1 := len(es) / 3
 		n2 := (len(es) - n1) / 2
-		z := &pleaf{cow: t.cow}
-		x.fill(es[:n1])
-		y.fill(es[n1 : n1+n2])
-		z.fill(es[n1+n2:])
-		parent.keys[a+1] = y.key(0)
-		t.addChild(path, len(path)-1, a+2, z.key(0), z)
+		z := t.newLeaf()
+		fillLeaf(x, es[:n1])
+		fillLeaf(y, es[n1:n1+n2])
+		fillLeaf(z, es[n1+n2:])
+		parent.keys[a+1] = y.get(0)
+		t.addChild(path, len(path)-1, a+2, z.get(0), nil, z)
 	default:
-		es := merged(scratch[:0], l)
+		es := merged(l)
 		h := len(es) / 2
-		z := &pleaf{cow: t.cow}
-		l.fill(es[:h])
-		z.fill(es[h:])
-		t.addChild(path, len(path)-1, i+1, z.key(0), z)
+		z := t.newLeaf()
+		fillLeaf(l, es[:h])
+		fillLeaf(z, es[h:])
+		t.addChild(path, len(path)-1, i+1, z.get(0), nil, z)
 	}
 }
 
 // addChild inserts a child (leaf lf, or inner node kid) at position j of
 // path[level].nd, splitting nodes up the path as needed.
-func (t *ptree) addChild(path []pathStep, level, j int, key uint64, lf *pleaf) {
-	t.addChildNode(path, level, j, key, nil, lf)
-}
-
-func (t *ptree) addChildNode(path []pathStep, level, j int, key uint64, kid *pnode, lf *pleaf) {
+func (t *bptree[E, L, PL]) addChild(path []pathStep[E, L, PL], level, j int, key E, kid *bnode[E, L, PL], lf PL) {
 	nd := path[level].nd
 	if nd.n < fanout {
 		nd.insertChild(j, key, kid, lf)
 		return
 	}
 	m := fanout / 2
-	r := &pnode{cow: t.cow, leaves: nd.leaves, n: nd.n - m}
+	r := &bnode[E, L, PL]{cow: t.cow, leaves: nd.leaves, n: nd.n - m}
 	copy(r.keys[:], nd.keys[m:nd.n])
 	copy(r.kids[:], nd.kids[m:nd.n])
 	copy(r.lvs[:], nd.lvs[m:nd.n])
@@ -346,46 +470,46 @@ func (t *ptree) addChildNode(path []pathStep, level, j int, key uint64, kid *pno
 	}
 	sep := r.keys[0]
 	if level == 0 {
-		root := &pnode{cow: t.cow, n: 2}
+		root := &bnode[E, L, PL]{cow: t.cow, n: 2}
 		root.kids[0], root.kids[1] = nd, r
 		root.keys[1] = sep
 		t.root = root
 		return
 	}
-	t.addChildNode(path, level-1, path[level-1].i+1, sep, r, nil)
+	t.addChild(path, level-1, path[level-1].i+1, sep, r, nil)
 }
 
-// Delete removes the entry of e.lba and returns it.
-func (t *ptree) Delete(e ent) (ent, bool) {
+// Delete removes the element equal to e and returns it.
+func (t *bptree[E, L, PL]) Delete(e E) (E, bool) {
 	if _, ok := t.Get(e); !ok {
-		return ent{}, false // no copy-on-write of the path for a miss
+		var zero E
+		return zero, false // no copy-on-write of the path for a miss
 	}
-	var buf [8]pathStep
-	path, l := t.mutPath(e.lba, buf[:0])
-	p, _ := l.search(e.lba)
+	var buf [8]pathStep[E, L, PL]
+	path, l := t.mutPath(e, buf[:0])
+	p, _ := l.search(e)
 	old := l.get(p)
 	l.removeAt(p)
 	t.length--
 	last := path[len(path)-1]
 	parent, i := last.nd, last.i
+	c := l.capacity()
 	switch {
-	case l.n == 0:
+	case l.count() == 0:
 		t.removeChild(path, len(path)-1, i)
-	case int(l.n) < leafCap/4:
+	case l.count() < c/4:
 		// Merge a sparse leaf into a neighbour that has room for it.
-		if i+1 < parent.n && int(l.n)+int(parent.lvs[i+1].n) <= leafCap*3/4 {
+		if i+1 < parent.n && l.count()+parent.lvs[i+1].count() <= c*3/4 {
 			r := parent.lvs[i+1]
-			for x := 0; x < int(r.n); x++ {
-				l.set(int(l.n), r.get(x))
-				l.n++
+			for x := 0; x < r.count(); x++ {
+				l.insertAt(l.count(), r.get(x))
 			}
 			t.removeChild(path, len(path)-1, i+1)
-		} else if i > 0 && int(l.n)+int(parent.lvs[i-1].n) <= leafCap*3/4 {
+		} else if i > 0 && l.count()+parent.lvs[i-1].count() <= c*3/4 {
 			lf := t.mutLeaf(parent.lvs[i-1])
 			parent.lvs[i-1] = lf
-			for x := 0; x < int(l.n); x++ {
-				lf.set(int(lf.n), l.get(x))
-				lf.n++
+			for x := 0; x < l.count(); x++ {
+				lf.insertAt(lf.count(), l.get(x))
 			}
 			t.removeChild(path, len(path)-1, i)
 		}
@@ -395,7 +519,7 @@ func (t *ptree) Delete(e ent) (ent, bool) {
 
 // removeChild drops child j of path[level].nd, removing nodes left empty
 // and collapsing a root with one inner child.
-func (t *ptree) removeChild(path []pathStep, level, j int) {
+func (t *bptree[E, L, PL]) removeChild(path []pathStep[E, L, PL], level, j int) {
 	nd := path[level].nd
 	nd.removeChild(j)
 	if nd.n == 0 {
@@ -411,29 +535,36 @@ func (t *ptree) removeChild(path []pathStep, level, j int) {
 	}
 }
 
-// Ascend calls fn for every entry in LBA order until fn returns false.
-func (t *ptree) Ascend(fn func(ent) bool) { t.ascend(0, false, 0, false, fn) }
-
-// AscendGreaterOrEqual calls fn for the entries from e.lba on.
-func (t *ptree) AscendGreaterOrEqual(e ent, fn func(ent) bool) { t.ascend(e.lba, true, 0, false, fn) }
-
-// AscendRange calls fn for the entries in [from.lba, to.lba).
-func (t *ptree) AscendRange(from, to ent, fn func(ent) bool) {
-	t.ascend(from.lba, true, to.lba, true, fn)
+// Ascend calls fn for every element in order until fn returns false.
+func (t *bptree[E, L, PL]) Ascend(fn func(E) bool) {
+	var zero E
+	t.ascend(zero, false, zero, false, fn)
 }
 
-func (t *ptree) ascend(from uint64, hasFrom bool, stop uint64, hasStop bool, fn func(ent) bool) {
+// AscendGreaterOrEqual calls fn for the elements from e on.
+func (t *bptree[E, L, PL]) AscendGreaterOrEqual(e E, fn func(E) bool) {
+	var zero E
+	t.ascend(e, true, zero, false, fn)
+}
+
+// AscendRange calls fn for the elements in [from, to).
+func (t *bptree[E, L, PL]) AscendRange(from, to E, fn func(E) bool) {
+	t.ascend(from, true, to, true, fn)
+}
+
+func (t *bptree[E, L, PL]) ascend(from E, hasFrom bool, stop E, hasStop bool, fn func(E) bool) {
 	if t.root == nil {
 		return
 	}
-	var walk func(nd *pnode, seek bool) bool
-	walk = func(nd *pnode, seek bool) bool {
+	var pl PL
+	var walk func(nd *bnode[E, L, PL], seek bool) bool
+	walk = func(nd *bnode[E, L, PL], seek bool) bool {
 		i := 0
 		if seek {
 			i = nd.childIndex(from)
 		}
 		for ; i < nd.n; i, seek = i+1, false {
-			if hasStop && i > 0 && nd.keys[i] >= stop {
+			if hasStop && i > 0 && !pl.less(nd.keys[i], stop) {
 				return false
 			}
 			if !nd.leaves {
@@ -447,9 +578,9 @@ func (t *ptree) ascend(from uint64, hasFrom bool, stop uint64, hasStop bool, fn 
 			if seek {
 				p, _ = l.search(from)
 			}
-			for ; p < int(l.n); p++ {
+			for n := l.count(); p < n; p++ {
 				x := l.get(p)
-				if hasStop && x.lba >= stop {
+				if hasStop && !pl.less(x, stop) {
 					return false
 				}
 				if !fn(x) {
@@ -466,26 +597,33 @@ func (t *ptree) ascend(from uint64, hasFrom bool, stop uint64, hasStop bool, fn 
 // order (a checkpoint), with leaves leafBulkFill full.
 func buildPtree(es []ent) *ptree {
 	t := newPtree()
+	t.bulkLoad(es, leafBulkFill)
+	return t
+}
+
+// bulkLoad fills an empty tree from elements in strictly increasing order,
+// fill of them a leaf.
+func (t *bptree[E, L, PL]) bulkLoad(es []E, fill int) {
 	if len(es) == 0 {
-		return t
+		return
 	}
-	var level []*pnode
-	var cur *pnode
-	for at := 0; at < len(es); at += leafBulkFill {
-		l := &pleaf{cow: t.cow}
-		l.fill(es[at:min(at+leafBulkFill, len(es))])
+	var level []*bnode[E, L, PL]
+	var cur *bnode[E, L, PL]
+	for at := 0; at < len(es); at += fill {
+		l := t.newLeaf()
+		fillLeaf(l, es[at:min(at+fill, len(es))])
 		if cur == nil || cur.n == fanout {
-			cur = &pnode{cow: t.cow, leaves: true}
+			cur = &bnode[E, L, PL]{cow: t.cow, leaves: true}
 			level = append(level, cur)
 		}
-		cur.insertChild(cur.n, l.key(0), nil, l)
+		cur.insertChild(cur.n, l.get(0), nil, l)
 	}
 	for len(level) > 1 {
-		var up []*pnode
+		var up []*bnode[E, L, PL]
 		cur = nil
 		for _, nd := range level {
 			if cur == nil || cur.n == fanout {
-				cur = &pnode{cow: t.cow}
+				cur = &bnode[E, L, PL]{cow: t.cow}
 				up = append(up, cur)
 			}
 			cur.insertChild(cur.n, firstKey(nd), nd, nil)
@@ -494,14 +632,13 @@ func buildPtree(es []ent) *ptree {
 	}
 	t.root = level[0]
 	t.length = len(es)
-	return t
 }
 
-func firstKey(nd *pnode) uint64 {
+func firstKey[E, L any, PL leafPtr[L, E]](nd *bnode[E, L, PL]) E {
 	for !nd.leaves {
 		nd = nd.kids[0]
 	}
-	return nd.lvs[0].key(0)
+	return nd.lvs[0].get(0)
 }
 
 // ptreeStats describes a tree's shape (for the memory measurement).
@@ -509,9 +646,9 @@ type ptreeStats struct {
 	leaves, inner, height int
 }
 
-func (t *ptree) stats() (st ptreeStats) {
-	var walk func(nd *pnode, depth int)
-	walk = func(nd *pnode, depth int) {
+func (t *bptree[E, L, PL]) stats() (st ptreeStats) {
+	var walk func(nd *bnode[E, L, PL], depth int)
+	walk = func(nd *bnode[E, L, PL], depth int) {
 		st.inner++
 		st.height = max(st.height, depth+1)
 		if nd.leaves {
@@ -529,43 +666,48 @@ func (t *ptree) stats() (st ptreeStats) {
 }
 
 // check verifies the structural invariants listed at the top of the file.
-func (t *ptree) check() error {
+func (t *bptree[E, L, PL]) check() error {
 	if t.root == nil {
 		if t.length != 0 {
 			return fmt.Errorf("index: empty tree with length %d", t.length)
 		}
 		return nil
 	}
+	var pl PL
 	count := 0
 	leafDepth := -1
-	var walk func(nd *pnode, depth int, lo uint64, hasLo bool, hi uint64, hasHi bool) error
-	walk = func(nd *pnode, depth int, lo uint64, hasLo bool, hi uint64, hasHi bool) error {
+	type bound struct {
+		k  E
+		ok bool
+	}
+	var walk func(nd *bnode[E, L, PL], depth int, lo, hi bound) error
+	walk = func(nd *bnode[E, L, PL], depth int, lo, hi bound) error {
 		if nd.n < 1 || nd.n > fanout {
 			return fmt.Errorf("index: inner node with %d children", nd.n)
 		}
 		for i := 0; i < nd.n; i++ {
-			clo, chasLo := lo, hasLo
+			clo, chi := lo, hi
 			if i > 0 {
-				if (i > 1 && nd.keys[i] <= nd.keys[i-1]) || (hasLo && nd.keys[i] < lo) || (hasHi && nd.keys[i] >= hi) {
-					return fmt.Errorf("index: separator %d out of order or range at depth %d", nd.keys[i], depth)
+				k := nd.keys[i]
+				if (i > 1 && !pl.less(nd.keys[i-1], k)) || (lo.ok && pl.less(k, lo.k)) || (hi.ok && !pl.less(k, hi.k)) {
+					return fmt.Errorf("index: separator %v out of order or range at depth %d", k, depth)
 				}
-				clo, chasLo = nd.keys[i], true
+				clo = bound{k, true}
 			}
-			chi, chasHi := hi, hasHi
 			if i+1 < nd.n {
-				chi, chasHi = nd.keys[i+1], true
+				chi = bound{nd.keys[i+1], true}
 			}
 			if !nd.leaves {
 				if nd.kids[i] == nil {
 					return fmt.Errorf("index: missing inner child at depth %d", depth)
 				}
-				if err := walk(nd.kids[i], depth+1, clo, chasLo, chi, chasHi); err != nil {
+				if err := walk(nd.kids[i], depth+1, clo, chi); err != nil {
 					return err
 				}
 				continue
 			}
 			l := nd.lvs[i]
-			if l == nil || l.n < 1 || int(l.n) > leafCap {
+			if l == nil || l.count() < 1 || l.count() > l.capacity() {
 				return fmt.Errorf("index: leaf at depth %d missing or with a bad count", depth)
 			}
 			if leafDepth < 0 {
@@ -573,22 +715,22 @@ func (t *ptree) check() error {
 			} else if leafDepth != depth {
 				return fmt.Errorf("index: leaves at depths %d and %d", leafDepth, depth)
 			}
-			for p := 0; p < int(l.n); p++ {
-				k := l.key(p)
+			for p := 0; p < l.count(); p++ {
+				k := l.get(p)
 				switch {
-				case p > 0 && k <= l.key(p-1):
-					return fmt.Errorf("index: entries out of order at lba %d", k)
-				case chasLo && k < clo:
-					return fmt.Errorf("index: lba %d below its separator %d", k, clo)
-				case chasHi && k >= chi:
-					return fmt.Errorf("index: lba %d not below the next separator %d", k, chi)
+				case p > 0 && !pl.less(l.get(p-1), k):
+					return fmt.Errorf("index: entries out of order at %v", k)
+				case clo.ok && pl.less(k, clo.k):
+					return fmt.Errorf("index: %v below its separator %v", k, clo.k)
+				case chi.ok && !pl.less(k, chi.k):
+					return fmt.Errorf("index: %v not below the next separator %v", k, chi.k)
 				}
 			}
-			count += int(l.n)
+			count += l.count()
 		}
 		return nil
 	}
-	if err := walk(t.root, 0, 0, false, 0, false); err != nil {
+	if err := walk(t.root, 0, bound{}, bound{}); err != nil {
 		return err
 	}
 	if count != t.length {

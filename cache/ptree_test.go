@@ -83,8 +83,13 @@ func TestPtreeModel(t *testing.T) {
 		{"shrink", 5000, 30000, 70, false, false},
 		{"sequential", 1 << 20, 40000, 0, true, false},
 		{"bulk", 100000, 20000, 50, false, true},
+		// Over 64*64 leaves: inner nodes split below the root (height 4).
+		{"deep", 1 << 30, 560000, 1, false, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			if tc.name == "deep" && (testing.Short() || raceEnabled) {
+				t.Skip("slow under -short and -race")
+			}
 			rng := rand.New(rand.NewPCG(uint64(len(tc.name)), 7))
 			ref := map[uint64]ent{}
 			tr := newPtree()
@@ -174,10 +179,10 @@ func TestPtreeCheckCatches(t *testing.T) {
 		want    string
 	}{
 		{"order", func(tr *ptree) { l := tr.root.lvs[1]; l.set(3, ent{lba: l.key(5)}) }, "out of order"},
-		{"separator", func(tr *ptree) { tr.root.keys[2] += 7 }, "separator"},
+		{"separator", func(tr *ptree) { tr.root.keys[2].lba += 7 }, "separator"},
 		{"below", func(tr *ptree) {
 			l := tr.root.lvs[2]
-			l.set(0, ent{lba: l.key(0) - 1 - tr.root.keys[2] + tr.root.keys[1]})
+			l.set(0, ent{lba: tr.root.keys[2].lba - 1})
 		}, "below its separator"},
 		{"length", func(tr *ptree) { tr.length++ }, "length"},
 		{"empty-leaf", func(tr *ptree) { tr.root.lvs[0].n = 0 }, "bad count"},
@@ -194,4 +199,99 @@ func TestPtreeCheckCatches(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestVtreeModel: the dirty-version tree (ordered by epoch, LBA, cache
+// block) against a map, with clones, Min and ranged iteration from an
+// epoch on, as epoch-ordered writeback uses them.
+func TestVtreeModel(t *testing.T) {
+	rng := rand.New(rand.NewPCG(3, 9))
+	ref := map[ver]uint32{}
+	tr := newVtree()
+	var snap *vtree
+	var snapRef map[ver]uint32
+	sorted := func(m map[ver]uint32) []ver {
+		var out []ver
+		for x, crc := range m {
+			x.crc = crc
+			out = append(out, x)
+		}
+		slices.SortFunc(out, func(a, b ver) int {
+			if verLess(a, b) {
+				return -1
+			}
+			if verLess(b, a) {
+				return 1
+			}
+			return 0
+		})
+		return out
+	}
+	verify := func(tr *vtree, ref map[ver]uint32) {
+		t.Helper()
+		if err := tr.check(); err != nil {
+			t.Fatal(err)
+		}
+		want := sorted(ref)
+		var got []ver
+		tr.Ascend(func(x ver) bool { got = append(got, x); return true })
+		if !slices.Equal(got, want) || tr.Len() != len(want) {
+			t.Fatalf("Ascend: %d versions, want %d (Len %d)", len(got), len(want), tr.Len())
+		}
+		if m, ok := tr.Min(); ok != (len(want) > 0) || (ok && m != want[0]) {
+			t.Fatalf("Min %+v %t", m, ok)
+		}
+		ep := rng.Uint64N(60)
+		var from []ver
+		tr.AscendGreaterOrEqual(ver{epoch: ep}, func(x ver) bool { from = append(from, x); return x.epoch == ep })
+		i, _ := slices.BinarySearchFunc(want, ver{epoch: ep}, func(a, b ver) int {
+			if verLess(a, b) {
+				return -1
+			}
+			if verLess(b, a) {
+				return 1
+			}
+			return 0
+		})
+		var wantFrom []ver
+		for _, x := range want[i:] {
+			wantFrom = append(wantFrom, x)
+			if x.epoch != ep {
+				break
+			}
+		}
+		if !slices.Equal(from, wantFrom) {
+			t.Fatalf("from epoch %d: %d versions, want %d", ep, len(from), len(wantFrom))
+		}
+	}
+	for op := 0; op < 60000; op++ {
+		x := ver{epoch: rng.Uint64N(50), lba: rng.Uint64N(2000), loc: rng.Uint32N(4)}
+		if rng.IntN(100) < 45 {
+			_, ok := tr.Delete(x)
+			if _, in := ref[x]; ok != in {
+				t.Fatalf("Delete %+v: %t", x, ok)
+			}
+			delete(ref, x)
+		} else {
+			crc := rng.Uint32()
+			old, ok := tr.ReplaceOrInsert(ver{epoch: x.epoch, lba: x.lba, loc: x.loc, crc: crc})
+			if was, in := ref[x]; ok != in || (ok && old.crc != was) {
+				t.Fatalf("ReplaceOrInsert %+v: %+v %t", x, old, ok)
+			}
+			ref[x] = crc // the checksum is not part of the order: replaced
+		}
+		if op%15000 == 7000 {
+			verify(tr, ref)
+			if snap != nil {
+				verify(snap, snapRef)
+			}
+			snap = tr.Clone()
+			snapRef = map[ver]uint32{}
+			for x, crc := range ref {
+				snapRef[x] = crc
+			}
+		}
+	}
+	verify(tr, ref)
+	verify(snap, snapRef)
 }

@@ -10,7 +10,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/google/btree"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
@@ -214,7 +213,6 @@ type Set struct {
 		pending []byte   // encoded records not yet written
 		seq     uint64   // records appended so far
 		tick    uint64   // recency clock: bumped by reads and allocations
-		bepoch  []uint64 // per cache block: flush epoch of the dirty version there
 		closed  bool
 	}
 
@@ -390,7 +388,7 @@ func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
 	v.wb.done = make(chan struct{})
 	v.idx.tree = newPtree()
 	v.idx.wbInflight = map[uint32]struct{}{}
-	v.idx.vers = btree.NewG[ver](32, verLess)
+	v.idx.vers = newVtree()
 	v.idx.sup = map[uint64][]ver{}
 	return v
 }
@@ -707,9 +705,9 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	}
 	trees := make([]*ptree, len(s.vols))
 	epochs := make([]uint64, len(s.vols))
-	var vers []*btree.BTreeG[ver]
+	var vers []*vtree
 	if s.epochOK {
-		vers = make([]*btree.BTreeG[ver], len(s.vols))
+		vers = make([]*vtree, len(s.vols))
 	}
 	for i, v := range s.vols {
 		trees[i] = v.idx.tree.Clone()
