@@ -327,8 +327,10 @@ func readCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (ckpt
 	for i := 0; i < 2; i++ {
 		buf := make([]byte, blockSize)
 		if _, err := dev.ReadAt(buf, sb.CkptOff[i]); err != nil {
-			errs[i] = fmt.Errorf("reading checkpoint slot %d: %w", i, err)
-			continue
+			// An unreadable slot may hold the newest checkpoint: falling
+			// back to the other would recover an older index and serve
+			// stale data. Only a damaged (torn) header is skipped.
+			return ckptHeader{}, nil, fmt.Errorf("reading checkpoint slot %d at %d: %w", i, sb.CkptOff[i], err)
 		}
 		h, err := decodeCkptHeader(buf, sb.CkptOff[i])
 		if err == nil && (h.nonce != sb.nonce() || h.gen%2 != uint64(i)) {

@@ -216,21 +216,21 @@ func (r *crashRun) touched(vi int, off, n int64, durable bool) {
 	}
 }
 
-// stamp fills p (at volume offset off) with sectors naming (write, volume, sector).
+// stamp fills p (at volume offset off) with sectors naming (write, volume, sector):
+// bytes 0-7 of each sector hold the write id, 8-15 the sector number, 16 the
+// volume, the rest a filler derived from the write id.
 func stamp(p []byte, wid uint64, vi int, off int64) {
-	for i := 0; i < len(p); i++ {
+	var tmpl [512]byte
+	for in := 17; in < 512; in++ {
+		tmpl[in] = byte(wid*31 + uint64(in))
+	}
+	le.PutUint64(tmpl[0:], wid)
+	tmpl[16] = byte(vi)
+	for i := 0; i < len(p); {
 		pos := off + int64(i)
-		sec, in := pos/512, pos%512
-		switch {
-		case in < 8:
-			p[i] = byte(wid >> (8 * in))
-		case in < 16:
-			p[i] = byte(uint64(sec) >> (8 * (in - 8)))
-		case in == 16:
-			p[i] = byte(vi)
-		default:
-			p[i] = byte(wid*31 + uint64(in))
-		}
+		sec, in := pos/512, int(pos%512)
+		le.PutUint64(tmpl[8:], uint64(sec))
+		i += copy(p[i:], tmpl[in:])
 	}
 }
 

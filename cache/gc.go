@@ -395,14 +395,23 @@ func (s *Set) gcMove(bi int64, found []located) {
 	}()
 	buf := make([]byte, blockSize)
 	for _, it := range items {
-		if _, err := s.dev.ReadAt(buf, s.cacheOff(it.e.block())); err != nil || crc32c(buf) != it.e.crc {
-			continue // left for writeback, which reports it
+		if _, err := s.dev.ReadAt(buf, s.cacheOff(it.e.block())); err != nil {
+			// Left for writeback, which reads the block again; a read
+			// error that does not repeat must still be seen.
+			s.log.Warn("gc move: reading a dirty block failed; left for writeback", "volume", s.vols[it.vi].name, "lba", it.lba, "err", err)
+			continue
+		}
+		if crc32c(buf) != it.e.crc {
+			continue // left for writeback, which verifies and reports it
 		}
 		r, err := s.alloc(1, allocNoWait)
 		if err != nil {
 			return
 		}
 		_, werr := s.dev.WriteAt(buf, s.cacheOff(r.loc))
+		if werr != nil {
+			s.log.Warn("gc move: writing the copy failed; the block stays where it is", "volume", s.vols[it.vi].name, "lba", it.lba, "err", werr)
+		}
 		s.mu.Lock()
 		if cur, ok := s.vols[it.vi].idx.tree.Get(ent{lba: it.lba}); werr == nil && ok && cur == it.e {
 			// Same epoch as the copied version: it replaces it (never

@@ -46,6 +46,10 @@ type OpenOptions struct {
 	// always refused: the index would address blocks beyond the device.
 	Force  bool
 	Logger *slog.Logger
+	// noBackground (tests only) starts no background goroutine: the
+	// crash-point tests drive commit, writeback and eviction themselves, so
+	// that the sequence of device operations, and so crash point N, replays.
+	noBackground bool
 }
 
 const (
@@ -67,8 +71,13 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		return nil, fmt.Errorf("%w: mode %v", ErrInvalid, opts.Mode)
 	}
 	if !opts.Force {
-		if sb, err := ReadSuperblock(cacheDev); err == nil {
+		sb, err := ReadSuperblock(cacheDev)
+		if err == nil {
 			return nil, fmt.Errorf("%w (set %x, %d backing devices); use force to overwrite", ErrAlreadyFormatted, sb.SetUUID, len(sb.Backings))
+		}
+		if !errors.Is(err, ErrNotFormatted) && !IsCorruption(err) {
+			// The device could not be read: it may hold a set.
+			return nil, fmt.Errorf("format: checking for an existing cache set: %w", err)
 		}
 	}
 	progress := func(done int64) {
@@ -140,9 +149,23 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	for i := range trees {
 		trees[i] = newPtree()
 	}
+	// Destroy the superblock of any earlier set on the device first, and
+	// make that durable: the steps below overwrite its checkpoint slots, and
+	// a crash among them must not leave its superblock valid (it would open
+	// from an older checkpoint, or none, and serve stale data). A crash from
+	// here on leaves a device with no set, which Format accepts again.
+	zero := make([]byte, blockSize)
+	for _, off := range []int64{0, sbCopySize} {
+		if _, err := cacheDev.WriteAt(zero, off); err != nil {
+			return nil, fmt.Errorf("format: erasing superblock copy at %d: %w", off, err)
+		}
+	}
+	if err := cacheDev.Sync(); err != nil {
+		return nil, fmt.Errorf("format: %w", err)
+	}
 	// Invalidate the other slot so a stale checkpoint of an earlier set on
 	// this device is never considered (the nonce would reject it too).
-	if _, err := cacheDev.WriteAt(make([]byte, blockSize), sb.CkptOff[0]); err != nil {
+	if _, err := cacheDev.WriteAt(zero, sb.CkptOff[0]); err != nil {
 		return nil, fmt.Errorf("format: %w", err)
 	}
 	h := ckptHeader{nonce: sb.nonce(), gen: 1}
@@ -356,6 +379,12 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		if v.cfg.Load().WritebackOrder == "epoch" && !s.epochOK {
 			log.Warn("writeback_order=epoch needs checkpoint slots sized by a newer Format; writing back in lba order", "volume", v.name)
 		}
+	}
+	if opts.noBackground {
+		for _, v := range s.vols {
+			close(v.wb.done) // no writeback goroutine to wait for (detach)
+		}
+		return s, nil
 	}
 	s.wg.Add(2)
 	go s.gcLoop()

@@ -289,8 +289,10 @@ func readSuperblock(dev device.Device) (*Superblock, int, error) {
 			}
 		}
 		if err != nil {
-			errs[i] = fmt.Errorf("reading superblock copy %d: %w", i, err)
-			continue
+			// Not a damaged copy but an unreadable one: it may be the
+			// newer, and falling back to the other would silently revert
+			// the set to older settings. Refuse instead.
+			return nil, 0, fmt.Errorf("reading superblock copy %d at %d: %w", i, off, err)
 		}
 		sb, err := decodeSuperblock(buf, off)
 		if err == nil {

@@ -447,6 +447,11 @@ func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 			crcs[i] = crc32c(p[i*blockSize : (i+1)*blockSize])
 		}
 		_, werr := s.dev.WriteAt(p, s.cacheOff(r.loc))
+		if werr != nil {
+			// The read itself succeeded from the backing device; the
+			// failed cache write must still be seen.
+			s.log.Warn("promotion: writing the cache failed; not promoted", "volume", v.name, "lba", lba+uint64(done), "err", werr)
+		}
 		s.mu.Lock()
 		ok := werr == nil && v.idx.mutations == muts
 		if ok {
