@@ -3,6 +3,7 @@ package cache
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"syscall"
 	"testing"
 
@@ -13,9 +14,10 @@ import (
 // Regression tests for what TestCrashPoints and TestErrorPoints found.
 
 // closedSetWithDirtyData formats a set over a fresh cache and backing
-// device, writes dirty data (writeback) and closes it cleanly. It returns
-// the devices and what the volume holds.
-func closedSetWithDirtyData(t *testing.T) (*device.Mem, *device.Mem, []byte) {
+// device, writes dirty data (writeback) and closes it cleanly, with its
+// newest checkpoint in the given slot. It returns the devices and what the
+// volume holds.
+func closedSetWithDirtyData(t *testing.T, slot uint64) (*device.Mem, *device.Mem, []byte) {
 	t.Helper()
 	cache := device.NewMem(cacheSizeFor(8, 4*blockSize, minJournalLen, 1))
 	back := device.NewMem(32 * blockSize)
@@ -29,8 +31,6 @@ func closedSetWithDirtyData(t *testing.T) (*device.Mem, *device.Mem, []byte) {
 	}
 	want := make([]byte, back.Size())
 	stamp(want, 1, 0, 0)
-	// Several flushes: several journal generations and checkpoints, so the
-	// newest checkpoint is not the first one.
 	for off := int64(0); off < int64(len(want)); off += 4 * blockSize {
 		if err := s.vols[0].WriteAt(want[off:off+4*blockSize], off, false); err != nil {
 			t.Fatal(err)
@@ -38,12 +38,21 @@ func closedSetWithDirtyData(t *testing.T) (*device.Mem, *device.Mem, []byte) {
 		if err := s.Flush(); err != nil {
 			t.Fatal(err)
 		}
+	}
+	// Close writes one more checkpoint, of generation jr.gen+1.
+	if (s.jr.gen+1)%2 != slot {
 		s.commitMu.Lock()
 		err := s.checkpointLocked()
 		s.commitMu.Unlock()
 		if err != nil {
 			t.Fatal(err)
 		}
+	}
+	// Unflushed writes: only Close's checkpoint records them, no journal
+	// block, so the older checkpoint does not know them.
+	stamp(want[:4*blockSize], 2, 0, 0)
+	if err := s.vols[0].WriteAt(want[:4*blockSize], 0, false); err != nil {
+		t.Fatal(err)
 	}
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
@@ -57,8 +66,14 @@ func closedSetWithDirtyData(t *testing.T) (*device.Mem, *device.Mem, []byte) {
 // checkpoint slots Format already overwrote (which opened from an older
 // checkpoint and served stale data).
 func TestFormatForceInterrupted(t *testing.T) {
+	for slot := uint64(0); slot < 2; slot++ {
+		t.Run(fmt.Sprintf("newest-checkpoint-in-slot-%d", slot), func(t *testing.T) { formatForceInterrupted(t, slot) })
+	}
+}
+
+func formatForceInterrupted(t *testing.T, slot uint64) {
 	for k := uint64(0); ; k++ {
-		cache, back, want := closedSetWithDirtyData(t)
+		cache, back, want := closedSetWithDirtyData(t, slot)
 		old, err := ReadSuperblock(cache)
 		if err != nil {
 			t.Fatal(err)
@@ -99,7 +114,7 @@ func TestFormatForceInterrupted(t *testing.T) {
 // TestFormatRefusesUnreadableDevice: Format without force must not take an
 // I/O error reading the superblock for "not formatted".
 func TestFormatRefusesUnreadableDevice(t *testing.T) {
-	cache, back, _ := closedSetWithDirtyData(t)
+	cache, back, _ := closedSetWithDirtyData(t, 0)
 	before, _ := ReadSuperblock(cache)
 	fd := faultdev.Wrap(cache, faultdev.OnKind(faultdev.Read, faultdev.Always(faultdev.Error(nil))))
 	_, err := Format(fd, []BackingSpec{{Name: "a", Dev: back}}, FormatOptions{BucketSize: 4 * blockSize, JournalSize: minJournalLen})
@@ -115,7 +130,7 @@ func TestFormatRefusesUnreadableDevice(t *testing.T) {
 // copy or one checkpoint slot fails Open; falling back to the other copy
 // or slot recovered older settings or an older index.
 func TestOpenRefusesUnreadableMetadata(t *testing.T) {
-	cache, back, _ := closedSetWithDirtyData(t)
+	cache, back, _ := closedSetWithDirtyData(t, 0)
 	sb, err := ReadSuperblock(cache)
 	if err != nil {
 		t.Fatal(err)
