@@ -299,6 +299,11 @@ func (v *Volume) drainOlderEpochs() {
 			return
 		}
 		n, err := s.writebackEpoch(v.vi, wbBatch)
+		if err != nil && stuck == 0 {
+			// Retried below; a failure that does not repeat must still
+			// be seen (once per run of failures, not per retry).
+			s.log.Warn("writing back older epochs before a passthrough write failed; retrying", "volume", v.name, "err", err)
+		}
 		if err != nil || n == 0 {
 			stuck++
 			time.Sleep(time.Millisecond)
