@@ -685,24 +685,27 @@ func (r *cpRun) checkContent(s *Set, what string, model []*modelVol) {
 		if err := s.vols[vi].ReadAt(got, 0); err != nil {
 			r.fatalf("%s: read vol%d: %v", what, vi, err)
 		}
-		for b := range m.cand {
-			g := got[int64(b)*blockSize : min(int64(b+1)*blockSize, int64(len(got)))]
-			for i := 0; i < len(g); i += 512 {
-				e := min(i+512, len(g))
-				ok := false
+		r.checkBlocks(what, vi, m, got)
+	}
+}
+
+// checkBlocks checks volume vi's content got against the allowed contents
+// of m, block by block and sector by sector.
+func (r *cpRun) checkBlocks(what string, vi int, m *modelVol, got []byte) {
+	for b := range m.cand {
+		g := got[int64(b)*blockSize : min(int64(b+1)*blockSize, int64(len(got)))]
+		for i := 0; i < len(g); i += 512 {
+			e := min(i+512, len(g))
+			ok := false
+			for _, c := range m.cand[b] {
+				ok = ok || bytes.Equal(g[i:e], c[i:e])
+			}
+			if !ok {
+				var allowed []string
 				for _, c := range m.cand[b] {
-					if bytes.Equal(g[i:e], c[i:e]) {
-						ok = true
-						break
-					}
+					allowed = append(allowed, describeSectors(c))
 				}
-				if !ok {
-					var allowed []string
-					for _, c := range m.cand[b] {
-						allowed = append(allowed, describeSectors(c))
-					}
-					r.fatalf("%s: vol%d block %d holds %s; allowed: %s", what, vi, b, describeSectors(g), strings.Join(allowed, " | "))
-				}
+				r.fatalf("%s: vol%d block %d holds %s; allowed: %s", what, vi, b, describeSectors(g), strings.Join(allowed, " | "))
 			}
 		}
 	}
@@ -1140,19 +1143,7 @@ func (r *cpRun) checkLiveAfterFault() {
 		if err := r.set.vols[vi].ReadAt(got, 0); err != nil {
 			continue
 		}
-		for b := range m.cand {
-			g := got[int64(b)*blockSize : min(int64(b+1)*blockSize, int64(len(got)))]
-			for i := 0; i < len(g); i += 512 {
-				e := min(i+512, len(g))
-				ok := false
-				for _, c := range m.cand[b] {
-					ok = ok || bytes.Equal(g[i:e], c[i:e])
-				}
-				if !ok {
-					r.fatalf("read after the fault: vol%d block %d holds %s", vi, b, describeSectors(g))
-				}
-			}
-		}
+		r.checkBlocks("read after the fault", vi, m, got)
 	}
 }
 
