@@ -313,28 +313,23 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 			}
 		}
 		c.rounds = append(c.rounds, c.checks)
+		if c.round < c.nrounds {
+			// The rounds so far, in case the run is cut short.
+			if _, err := c.report(ctx, o, root, loadStart, false); err != nil {
+				return err
+			}
+			fmt.Fprintf(stdout, "tcbench cache: report of rounds 1-%d in %s\n", c.round, filepath.Join(o.Out, "CACHE_RESULTS.md"))
+		}
 	}
-	elapsed := time.Since(c.started)
 	c.loads = append(c.loads, fmt.Sprintf("end %s: load %s", time.Now().UTC().Format("15:04:05"), loadAvg()))
-	env := collectEnv(ctx, root, c.tcBin, c.workdir)
-	env.LoadStart = loadStart
-	if o.Rev != "" {
-		env.Tiercache = "commit " + o.Rev
-	}
-	rep := cacheReport{Env: env, Quick: o.Quick, Sizes: c.sz, ElapsedSec: elapsed.Seconds(), Loads: c.loads,
-		Commands: c.r.commands, Retries: c.r.retries, Rounds: c.nrounds, Checks: medianChecks(c.rounds), Details: c.details, Figures: c.figs}
-	// The report lists scenarios in order whatever order --only ran them in.
-	slices.SortStableFunc(rep.Checks, func(a, b Check) int { return strings.Compare(a.Scenario, b.Scenario) })
-	slices.SortStableFunc(rep.Details, func(a, b detail) int { return strings.Compare(a.Scenario, b.Scenario) })
-	if err := chartBars(filepath.Join(o.Out, "bars.png"), rep.Checks); err != nil {
+	rep, err := c.report(ctx, o, root, loadStart, true)
+	if err != nil {
 		return err
 	}
 	if err := rep.print(stdout); err != nil {
 		return err
 	}
-	if err := rep.write(o.Out); err != nil {
-		return err
-	}
+	elapsed := time.Since(c.started)
 	fmt.Fprintf(stdout, "\ntcbench cache: report in %s (took %v)\n", filepath.Join(o.Out, "CACHE_RESULTS.md"), elapsed.Round(time.Second))
 	if o.Publish {
 		if rootErr != nil {
@@ -347,6 +342,27 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 		fmt.Fprintf(stdout, "tcbench cache: published to %s\n", dst)
 	}
 	return nil
+}
+
+// report writes the report of the finished rounds into o.Out.
+func (c *cacheRunner) report(ctx context.Context, o CacheOptions, root, loadStart string, final bool) (cacheReport, error) {
+	env := collectEnv(ctx, root, c.tcBin, c.workdir)
+	env.LoadStart = loadStart
+	if o.Rev != "" {
+		env.Tiercache = "commit " + o.Rev
+	}
+	rep := cacheReport{Env: env, Quick: o.Quick, Sizes: c.sz, ElapsedSec: time.Since(c.started).Seconds(), Loads: c.loads,
+		Commands: c.r.commands, Retries: c.r.retries, Rounds: len(c.rounds), Checks: medianChecks(c.rounds), Details: c.details, Figures: c.figs}
+	if !final {
+		rep.Partial = fmt.Sprintf("rounds 1-%d of %d (the run was still going when this was written)", len(c.rounds), c.nrounds)
+	}
+	// The report lists scenarios in order whatever order --only ran them in.
+	slices.SortStableFunc(rep.Checks, func(a, b Check) int { return strings.Compare(a.Scenario, b.Scenario) })
+	slices.SortStableFunc(rep.Details, func(a, b detail) int { return strings.Compare(a.Scenario, b.Scenario) })
+	if err := chartBars(filepath.Join(o.Out, "bars.png"), rep.Checks); err != nil {
+		return rep, err
+	}
+	return rep, rep.write(o.Out)
 }
 
 func (c *cacheRunner) sizesLine() string {

@@ -19,7 +19,11 @@ import (
 //
 // So readPieces issues every piece at once, and it coalesces backing gaps
 // separated by at most coalesceGap cached bytes into one backing read of
-// the whole span, overlaying the cached blocks when both are done. On an
+// the whole span, overlaying the dirty cached blocks when both are done.
+// Clean cached blocks inside such a span are not read from the cache at
+// all: clean means the backing device holds the same bytes (written
+// through, written back and synced, or promoted from it), which is also
+// why a clean block failing its checksum is re-read from there. On an
 // HDD a short skip costs as much rotation as reading through it, and one
 // command instead of several keeps the drive streaming; on an SSD the
 // extra bytes are cheap. Measured on the HDD model behind the SATA SSD
@@ -63,11 +67,12 @@ type piece struct {
 
 // readPieces fills buf (n blocks from lba) from the cached entries hits
 // (sorted by lba, pinned by the caller) and the backing device, and returns
-// the blocks not cached. It does not verify checksums: readBlocks does,
-// after every piece is in buf.
-func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) ([]blockRange, error) {
+// the blocks not cached and, in fromBacking, the clean hits it served from
+// the backing device instead (in a coalesced read). It does not verify
+// checksums: readBlocks does, for the hits read from the cache, after
+// every piece is in buf.
+func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) (misses []blockRange, fromBacking map[uint64]bool, err error) {
 	s := v.s
-	var misses []blockRange
 	next := lba
 	for k := 0; k <= len(hits); k++ {
 		end := lba + uint64(n)
@@ -118,9 +123,17 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) ([]blockR
 		return false
 	}
 	for i := 0; i < len(hits); {
+		if strat == readCoalesced && !hits[i].dirty() && covered(hits[i].lba) {
+			if fromBacking == nil {
+				fromBacking = map[uint64]bool{}
+			}
+			fromBacking[hits[i].lba] = true
+			i++
+			continue
+		}
 		j := i + 1
 		for j < len(hits) && hits[j].lba == hits[j-1].lba+1 && hits[j].block() == hits[j-1].block()+1 &&
-			covered(hits[j].lba) == covered(hits[i].lba) {
+			covered(hits[j].lba) == covered(hits[i].lba) && (strat != readCoalesced || hits[j].dirty() || !covered(hits[j].lba)) {
 			j++
 		}
 		at := int(hits[i].lba-lba) * blockSize
@@ -149,7 +162,6 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) ([]blockR
 		}
 		return nil
 	}
-	var err error
 	if strat == readSerial {
 		for _, p := range ps {
 			if err = do(p); err != nil {
@@ -160,12 +172,12 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) ([]blockR
 		err = runPieces(ps, do)
 	}
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	for _, o := range overlays {
 		copy(o.dst, o.src)
 	}
-	return misses, nil
+	return misses, fromBacking, nil
 }
 
 // runPieces runs do for every piece, at most maxReadFanout at a time, the

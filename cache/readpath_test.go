@@ -73,8 +73,10 @@ func TestReadPiecesMixed(t *testing.T) {
 }
 
 // TestReadPiecesChecksum: inside a coalesced backing read, a clean cached
-// block that fails its checksum is re-read from the backing device and a
-// dirty one is an error (invariant 4), as on the serial path.
+// block is served from the backing device (which holds the same bytes), so
+// a corrupt cache copy of it is neither read nor returned; read alone, the
+// corrupt copy is detected and re-read from the backing device; a dirty
+// block that fails its checksum is an error (invariant 4).
 func TestReadPiecesChecksum(t *testing.T) {
 	s, cache, backs := newTestSet(t, 8, 16*blockSize, 64*blockSize)
 	v := s.vols[0]
@@ -116,6 +118,16 @@ func TestReadPiecesChecksum(t *testing.T) {
 		t.Fatal(err)
 	}
 	if string(got) != string(want[4*blockSize:20*blockSize]) {
+		t.Fatal("wrong data around a corrupt clean block")
+	}
+	if st := v.Stats(); st.ChecksumErrors != 0 {
+		t.Fatalf("clean block inside a coalesced read was read from the cache: %+v", st)
+	}
+	got = got[:blockSize]
+	if err := v.ReadAt(got, 10*blockSize); err != nil { // a hit alone: from the cache
+		t.Fatal(err)
+	}
+	if string(got) != string(want[10*blockSize:11*blockSize]) {
 		t.Fatal("wrong data after repairing a clean block")
 	}
 	if st := v.Stats(); st.ChecksumErrors != 1 || st.ChecksumRepairs != 1 {

@@ -357,12 +357,15 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 		s.mu.Unlock()
 	}()
 	// Cached and backing pieces, all in flight at once (readpath.go).
-	misses, err := v.readPieces(buf, lba, n, hits)
+	misses, fromBacking, err := v.readPieces(buf, lba, n, hits)
 	if err != nil {
 		return err
 	}
-	// Verify every cached block.
+	// Verify every block read from the cache.
 	for _, e := range hits {
+		if fromBacking[e.lba] {
+			continue
+		}
 		at := int(e.lba-lba) * blockSize
 		p := buf[at : at+blockSize]
 		got := crc32c(p)
