@@ -98,11 +98,11 @@ func TestOperationsWalkthrough(t *testing.T) {
 	if c, err := os.ReadFile(out); err != nil || !bytes.Equal(c, want) {
 		t.Fatalf("nbdcopy of the detached disk differs (err %v)", err)
 	}
-	// Offline check of the stopped set: clean, the disk in mode none.
+	// Offline check of the stopped set: clean, the disk no longer in it.
 	if out := run(t, time.Minute, bin, "check", "--cache", cachePath); !strings.Contains(out, "no problems found") {
 		t.Errorf("offline check:\n%s", out)
 	}
-	if out := run(t, time.Minute, bin, "inspect", "superblock", "--cache", cachePath); !strings.Contains(out, "mode none") {
+	if out := run(t, time.Minute, bin, "inspect", "superblock", "--cache", cachePath); !strings.Contains(out, "backing devices        none") {
 		t.Errorf("inspect superblock:\n%s", out)
 	}
 }
@@ -138,7 +138,8 @@ func TestOperationsErrors(t *testing.T) {
 		{[]string{"flush", "nope"}, `no export named "nope"`},
 		{[]string{"detach", "d"}, "plain export"},
 		{[]string{"check"}, "serves no cache set"},
-		{[]string{"attach", "--backing", "x=" + img}, "not implemented"},
+		{[]string{"attach", "x=" + img}, "serves no cache set"},
+		{[]string{"detach", "nope"}, `no export named "nope" (exports: d)`},
 	} {
 		out, err := runErr(time.Minute, bin, append(c.args, "--admin", admin)...)
 		if err == nil || !strings.Contains(out, c.want) {
