@@ -31,15 +31,17 @@
 // The crc32c covers header (crc field zeroed) and payload. Updates write the
 // copy seq%2 with seq+1, so the other copy always holds the previous
 // version; Open takes the valid copy with the highest seq (bbolt's meta
-// pages). The superblock changes only on Format, Open, SetMode, SetSettings and
-// Close.
+// pages). The superblock changes only on Format, Open, SetMode, SetSettings,
+// Attach, Detach and Close. A backing record's index is its volume's slot;
+// a free slot (left by Detach) is a record with an empty name, empty id and
+// path, size 0; the last record is never free (see attach.go).
 //
 // Checkpoint slot (written alternately: generation g goes to slot g%2):
 //
 //	header block: magic "TIERCCK\x01" | version u32 | header crc32c u32 | nonce u64 |
 //	              generation u64 | journal start block u64 | journal start seq u64 |
 //	              body len u64 | body crc32c u32
-//	body:         nbuckets u32 | bucket generation u32 ... | nvolumes u16 |
+//	body:         nbuckets u32 | bucket generation u32 ... | nvolumes u16 (may differ from the superblock's: missing slots are empty, extra ones must be) |
 //	              { flush epoch u64 | count u64 | { lba u64 | loc u32 (bit 31: dirty) | crc32c u32 } ... } ...
 //
 // The body is written and synced before the header that vouches for it, so a

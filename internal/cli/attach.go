@@ -129,7 +129,7 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 		}
 	}
 	if id.Set != "" && id.Set != setUUID && !req.Force {
-		return nil, "", fmt.Errorf("%s %w %s, which may hold newer (dirty) data for it; detach it there first, or use --force if that set is gone",
+		return nil, "", fmt.Errorf("%s: %w %s, which may hold newer (dirty) data for it; detach it there first, or use --force if that set is gone",
 			path, backingid.ErrAttachedElsewhere, id.Set)
 	}
 	dev, err := openDevice(path, device.FileOptions{Direct: direct})
