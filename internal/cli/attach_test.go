@@ -3,11 +3,13 @@ package cli
 import (
 	"bytes"
 	"context"
+	"errors"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/tiercache/tiercache/internal/backingid"
 	"github.com/tiercache/tiercache/nbd"
@@ -29,7 +31,15 @@ func makeDisk(t *testing.T, path string, size int, seed uint64) []byte {
 
 func dialExport(t *testing.T, sock, name string) *nbd.Client {
 	t.Helper()
-	c, err := nbd.Dial(context.Background(), "unix", sock, name, nbd.ClientOptions{})
+	// The admin API answers before the NBD listener is up: retry a while.
+	var c *nbd.Client
+	var err error
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		c, err = nbd.Dial(context.Background(), "unix", sock, name, nbd.ClientOptions{})
+		if err == nil || time.Now().After(deadline) || errors.Is(err, nbd.ErrUnknownExport) {
+			break
+		}
+	}
 	if err != nil {
 		t.Fatalf("dial %s: %v", name, err)
 	}

@@ -5,12 +5,14 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 )
 
 var updateDocs = flag.Bool("update-docs", false, "TestOperationsWalkthrough: write the outputs of this run into docs/OPERATIONS.md")
@@ -170,6 +172,12 @@ func TestOperationsWalkthrough(t *testing.T) {
 				t.Fatalf("%s:%d: the walk-through starts one server, with --admin", walkDoc, st.line)
 			}
 			srv = startServe(t, adm, args...)
+			// The admin API answers before the NBD listeners are up.
+			for j, a := range args {
+				if a == "--listen" && j+1 < len(args) && strings.HasPrefix(args[j+1], "unix:") {
+					waitSocket(t, strings.TrimPrefix(args[j+1], "unix:"))
+				}
+			}
 			if logf != "" {
 				t.Cleanup(func() { os.WriteFile(logf, []byte(srv.log.String()), 0o600) })
 			}
@@ -229,4 +237,19 @@ func writeWalkthrough(t *testing.T, lines []string, steps []walkStep, got [][]st
 	}
 	abs, _ := filepath.Abs(walkDoc)
 	t.Logf("wrote %d outputs into %s", len(steps), abs)
+}
+
+// waitSocket waits until a unix socket accepts connections.
+func waitSocket(t *testing.T, path string) {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		c, err := net.Dial("unix", path)
+		if err == nil {
+			c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %v", path, err)
+		}
+	}
 }
