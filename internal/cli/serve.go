@@ -240,25 +240,11 @@ func serve(ctx context.Context, g *globals, o *serveOptions) error {
 		adminCfg.Exports = append(adminCfg.Exports, admin.Export{Export: x, Path: path})
 		log.Info("export", "name", name, "device", path, "size", dev.Size(), "read_only", o.readOnly)
 	}
-	stopAdmin, err := startAdmin(g, o, log, adminCfg)
-	if err != nil {
-		return err
-	}
-	closers = append(closers, stopAdmin)
-	return run2(ctx, log, srv, specs, os.FileMode(mode), o.drainWait)
-}
-
-// run2 listens on every spec and serves until a signal, then shuts down.
-func run2(ctx context.Context, log *slog.Logger, srv *nbd.Server, specs []listenSpec, perm os.FileMode, drainWait time.Duration) error {
-	if ctx == nil {
-		ctx = context.Background()
-	}
-	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
-	defer stop()
-
+	// The NBD listeners exist before the admin API answers: a script that
+	// waits for the admin socket can connect to the exports at once.
 	var listeners []net.Listener
 	for _, spec := range specs {
-		l, err := listen(spec, perm)
+		l, err := listen(spec, os.FileMode(mode))
 		if err != nil {
 			for _, l := range listeners {
 				l.Close()
@@ -268,6 +254,24 @@ func run2(ctx context.Context, log *slog.Logger, srv *nbd.Server, specs []listen
 		listeners = append(listeners, l)
 		log.Info("listening", "addr", spec.String())
 	}
+	stopAdmin, err := startAdmin(g, o, log, adminCfg)
+	if err != nil {
+		for _, l := range listeners {
+			l.Close()
+		}
+		return err
+	}
+	closers = append(closers, stopAdmin)
+	return run2(ctx, log, srv, specs, listeners, o.drainWait)
+}
+
+// run2 serves on the listeners until a signal, then shuts down.
+func run2(ctx context.Context, log *slog.Logger, srv *nbd.Server, specs []listenSpec, listeners []net.Listener, drainWait time.Duration) error {
+	if ctx == nil {
+		ctx = context.Background()
+	}
+	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
+	defer stop()
 	serveErr := make(chan error, len(listeners))
 	var wg sync.WaitGroup
 	for _, l := range listeners {
