@@ -340,7 +340,8 @@ func TestKillCycles(t *testing.T) {
 // TestKillCyclesFio proves flushed fio data survives SIGKILL. Each round
 // writes a fresh 12 MiB region with fio's nbd engine (verify=crc32c
 // headers, a FLUSH every 16 writes via --fsync and one at the end via
-// --end_fsync) and lets it complete; then a second fio job writes an
+// --end_fsync) and lets it complete, then flushes once more with qemu-io
+// (see below why fio's own FLUSHes are not enough); then a second fio job writes an
 // unrelated region without flushes while the server is killed with
 // SIGKILL. After a restart, fio --verify_only checks every region written
 // by the completed rounds so far. Only completed, flushed passes are
@@ -348,7 +349,7 @@ func TestKillCycles(t *testing.T) {
 // FLUSH covered, so the killed job's own region is not verified here
 // (TestKillCycles covers unflushed and partially flushed data).
 func TestKillCyclesFio(t *testing.T) {
-	need(t, "fio")
+	need(t, "fio", "qemu-io")
 	seed, _ := crashConfig(t)
 	rng := rand.New(rand.NewPCG(seed, 0xf10))
 	t.Logf("seed %d", seed)
@@ -373,9 +374,18 @@ func TestKillCyclesFio(t *testing.T) {
 		if n := fioSyncs(t, out); n == 0 {
 			t.Fatalf("round %d: fio sent no FLUSH (sync total_ios 0); the test would prove nothing:\n%s", i, out)
 		}
+		// fio's last FLUSH does not cover all of its writes: it can be sent
+		// while the last writes are still in flight, and NBD promises only
+		// writes completed before the FLUSH was sent (seen: writes handled
+		// 70 ms after the server answered fio's last FLUSH). All of fio's
+		// writes have completed now; one FLUSH from another client covers
+		// them (the export advertises CAN_MULTI_CONN).
+		run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "flush", uri)
 		// Unflushed writes to [48 MiB, 64 MiB) while the server dies.
 		ctx, cancel := context.WithCancel(context.Background())
-		noise := exec.CommandContext(ctx, "fio", "--name=noise", "--ioengine=nbd", "--uri="+uri,
+		// --thread: fio's job processes call setsid, so killing fio alone
+		// would leave the writer running into the next server.
+		noise := exec.CommandContext(ctx, "fio", "--thread", "--name=noise", "--ioengine=nbd", "--uri="+uri,
 			"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=32", "--offset=48m", "--size=16m",
 			"--time_based", "--runtime=60s")
 		if err := noise.Start(); err != nil {
