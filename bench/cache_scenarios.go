@@ -190,9 +190,20 @@ func (c *cacheRunner) s1(ctx context.Context) error {
 			Ours: fmt.Sprintf("%.1f → %.1f MB/s", r.before, r.after), Ratio: rt, Bar: "≥ 0.95", Met: yesNo(rt >= 0.95)})
 	}
 	tc, hdd := results["tiercache"], results["HDD model"]
-	side := ratioOf(tc.after, hdd.after)
-	c.checks = append(c.checks, Check{Scenario: "S1", What: "sequential read after the random writes, tiercache / HDD model (side by side, alternating)",
-		Seed: "ext4 in place 137 MB/s vs Btrfs CoW 16 MB/s (12 %)", Ours: fmt.Sprintf("%.1f vs %.1f MB/s", tc.after, hdd.after), Ratio: side, Bar: "≥ 0.95", Met: yesNo(side >= 0.95)})
+	// The median of the pairs' ratios: a stall that hits one read of a
+	// pair (the machine is shared) moves one ratio, not the median.
+	var pairs []float64
+	for i := range min(len(tc.afters), len(hdd.afters)) {
+		pairs = append(pairs, ratioOf(tc.afters[i], hdd.afters[i]))
+	}
+	side, _ := median(pairs)
+	pairText := make([]string, len(pairs))
+	for i, x := range pairs {
+		pairText[i] = fmt.Sprintf("%.2f", x)
+	}
+	c.checks = append(c.checks, Check{Scenario: "S1", What: "sequential read after the random writes, tiercache / HDD model (side by side: median of the alternating pairs' ratios)",
+		Seed: "ext4 in place 137 MB/s vs Btrfs CoW 16 MB/s (12 %)", Ours: fmt.Sprintf("medians %.1f vs %.1f MB/s; pairs %s", tc.after, hdd.after, strings.Join(pairText, ", ")),
+		Ratio: side, Bar: "≥ 0.95", Met: yesNo(side >= 0.95)})
 	c.checks = append(c.checks, Check{Scenario: "S1", What: "fsync'd 4K random writes, tiercache (writeback) / HDD model",
 		Seed: "– (not published)", Ours: fmt.Sprintf("%.0f vs %.0f IOPS", tc.iops, hdd.iops), Ratio: ratioOf(tc.iops, hdd.iops), Bar: "–", Met: "–"})
 	return chartGroups(filepath.Join(c.chartDir(), "s1.png"), "S1: sequential read (1 MiB QD1) before and after 4 KiB fsync'd random writes", "MB/s",
