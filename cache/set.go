@@ -73,7 +73,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	if !opts.Force {
 		sb, err := ReadSuperblock(cacheDev)
 		if err == nil {
-			return nil, fmt.Errorf("%w (set %x, %d backing devices); use force to overwrite", ErrAlreadyFormatted, sb.SetUUID, len(sb.Backings))
+			return nil, fmt.Errorf("%w (set %x, %d backing devices); use force to overwrite", ErrAlreadyFormatted, sb.SetUUID, sb.LiveBackings())
 		}
 		if !errors.Is(err, ErrNotFormatted) && !IsCorruption(err) {
 			// The device could not be read: it may hold a set.

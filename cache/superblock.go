@@ -54,6 +54,17 @@ type BackingInfo struct {
 // Free reports whether the record is a free slot left by a detach.
 func (b BackingInfo) Free() bool { return b.Name == "" }
 
+// LiveBackings counts the backing devices in the set (free slots left out).
+func (sb *Superblock) LiveBackings() int {
+	n := 0
+	for _, b := range sb.Backings {
+		if !b.Free() {
+			n++
+		}
+	}
+	return n
+}
+
 const (
 	blockSize     = 4096
 	blockShift    = 12

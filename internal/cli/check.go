@@ -87,7 +87,7 @@ func checkOffline(cmd *cobra.Command, g *globals, path string) error {
 		fmt.Fprintf(g.stdout, "superblock copy %d:%s %s\n", c.Index, seq, state)
 	}
 	if im.SB != nil {
-		fmt.Fprintf(g.stdout, "cache set %s, %d backing device(s), clean shutdown: %t\n", fmtUUID(im.SB.SetUUID), len(im.SB.Backings), im.SB.Clean)
+		fmt.Fprintf(g.stdout, "cache set %s, %d backing device(s), clean shutdown: %t\n", fmtUUID(im.SB.SetUUID), im.SB.LiveBackings(), im.SB.Clean)
 		fmt.Fprintf(g.stdout, "checkpoint generation %d, journal: %d blocks, %d records replayed\n", im.Generation, im.JournalBlocks, im.Records)
 	}
 	s := rep.Scrub

@@ -138,7 +138,7 @@ func runFormat(g *globals, o *formatOptions) error {
 	}
 	defer cdev.Close()
 	if sb, err := cache.ReadSuperblock(cdev); err == nil && !o.force {
-		return fmt.Errorf("%s already holds cache set %x with %d backing device(s); use --force to overwrite it (its cached data, dirty data included, is lost)", o.cache, sb.SetUUID, len(sb.Backings))
+		return fmt.Errorf("%s already holds cache set %x with %d backing device(s); use --force to overwrite it (its cached data, dirty data included, is lost)", o.cache, sb.SetUUID, sb.LiveBackings())
 	}
 
 	specs := make([]cache.BackingSpec, len(bks))
