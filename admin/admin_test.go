@@ -245,6 +245,9 @@ func TestAPI(t *testing.T) {
 	if _, err := c.Detach(ctx, "b", nil); err == nil || !strings.Contains(err.Error(), "detached") {
 		t.Errorf("second detach: %v", err)
 	}
+	if text, err := c.Metrics(ctx); err != nil || strings.Contains(text, `export="b"`) {
+		t.Errorf("metrics still report the detached export b (err %v)", err)
+	}
 
 	// Attach: b again (a new device here), then wrong input.
 	ei, err := c.Attach(ctx, AttachRequest{Name: "b", Path: "/dev/mem-b2", Mode: "writethrough"})

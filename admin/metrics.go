@@ -86,6 +86,17 @@ var setMetrics = map[string]metricDef{
 // Request latency buckets: 10 µs to ~10 s, x4.
 var latencyBuckets = prometheus.ExponentialBuckets(10e-6, 4, 11)
 
+// Forget drops the latency series of an export that is gone (detached), so
+// /metrics does not keep reporting it; an export attached again under the
+// name starts from zero.
+func (m *Metrics) Forget(export string) {
+	for _, v := range []interface {
+		DeletePartialMatch(prometheus.Labels) int
+	}{m.latency, m.errs, m.reads} {
+		v.DeletePartialMatch(prometheus.Labels{"export": export})
+	}
+}
+
 // Metrics owns the Prometheus registry and the latency histograms of the
 // instrumented backends.
 type Metrics struct {

@@ -579,6 +579,9 @@ func (s *Server) handleDetach(w http.ResponseWriter, r *http.Request) {
 		s.mu.detached[name] = true
 		delete(s.mu.rate, name)
 		s.mu.Unlock()
+		if s.cfg.Metrics != nil {
+			s.cfg.Metrics.Forget(name)
+		}
 		if s.cfg.Detached != nil {
 			s.cfg.Detached(name)
 		}
