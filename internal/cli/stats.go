@@ -36,6 +36,9 @@ counters. docs/OPERATIONS.md explains each counter.`,
 			var prev *admin.Stats
 			for {
 				st, raw, err := c.Stats(ctx)
+				if err != nil && watch > 0 && prev != nil && ctx.Err() != nil {
+					return nil // interrupted while asking for the next frame: the normal end of --watch
+				}
 				if err != nil {
 					return g.apiErr(err)
 				}
