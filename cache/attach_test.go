@@ -257,3 +257,40 @@ func TestAttachDetachUnderLoad(t *testing.T) {
 	}
 	_ = backs
 }
+
+// TestCheckpointVolumeCount: a checkpoint may name fewer volumes than the
+// superblock (attached since: empty) or more (a trailing slot detached
+// since), but an extra or free slot may hold nothing.
+func TestCheckpointVolumeCount(t *testing.T) {
+	body := func(nvols int, ents ...ent) []byte {
+		tr := make([]*ptree, nvols)
+		for i := range tr {
+			tr[i] = newPtree()
+		}
+		for _, e := range ents {
+			tr[nvols-1].ReplaceOrInsert(e)
+		}
+		var out []byte
+		if err := encodeCkptBody([]uint32{1, 2, 3, 4}, make([]uint64, nvols), tr, func(p []byte) error {
+			out = append(out, p...)
+			return nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+		return out
+	}
+	const nb, bpb = 4, 4
+	e := ent{lba: 3, loc: 5, crc: 9}
+	if cd, err := decodeCkptBody(body(1, e), nb, bpb, []uint64{64, 64, 64}); err != nil || len(cd.vols) != 1 {
+		t.Fatalf("fewer volumes than the superblock: %v", err)
+	}
+	if _, err := decodeCkptBody(body(3), nb, bpb, []uint64{64}); err != nil {
+		t.Fatalf("extra empty volumes: %v", err)
+	}
+	if _, err := decodeCkptBody(body(3, e), nb, bpb, []uint64{64}); err == nil {
+		t.Fatal("an extra volume holding an entry was accepted")
+	}
+	if _, err := decodeCkptBody(body(2, e), nb, bpb, []uint64{64, 0}); err == nil {
+		t.Fatal("a free slot (0 blocks) holding an entry was accepted")
+	}
+}

@@ -176,3 +176,41 @@ func TestParseMode(t *testing.T) {
 		t.Errorf("bad mode: %v", err)
 	}
 }
+
+// TestSuperblockFreeSlots: a free slot (left by Detach) round-trips; a free
+// slot that carries anything, or comes last, is corruption.
+func TestSuperblockFreeSlots(t *testing.T) {
+	sb := testSuperblock()
+	sb.Backings = append([]BackingInfo{{}}, sb.Backings...)
+	sb.CkptLen = ckptLenFor(8, sb.blocksPerBucket(), 3)
+	sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
+	sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + sb.BucketSize - 1) / sb.BucketSize * sb.BucketSize
+	b, err := sb.encode()
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := decodeSuperblock(b, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !got.Backings[0].Free() || got.Backings[1].Name != "a" || got.LiveBackings() != 2 {
+		t.Fatalf("decoded %+v", got.Backings)
+	}
+	for name, mut := range map[string]func(*Superblock){
+		"free slot with a size": func(s *Superblock) { s.Backings[0].Size = 4096 },
+		"free slot with an id":  func(s *Superblock) { s.Backings[0].ID = "x" },
+		"free slot last":        func(s *Superblock) { s.Backings = append(s.Backings, BackingInfo{}) },
+	} {
+		c := sb.clone()
+		mut(c)
+		if err := c.validate(-1); !errors.Is(err, ErrCorrupt) {
+			t.Errorf("%s: validate = %v, want corruption", name, err)
+		}
+	}
+	// No backing device at all is a valid (empty) set.
+	e := sb.clone()
+	e.Backings = nil
+	if err := e.validate(-1); err != nil {
+		t.Errorf("empty set: %v", err)
+	}
+}
