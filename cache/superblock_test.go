@@ -8,8 +8,9 @@ import (
 	"github.com/tiercache/tiercache/device"
 )
 
-func TestSuperblockRoundTrip(t *testing.T) {
-	sb := testSuperblock()
+// encodeDecode encodes sb and decodes the result.
+func encodeDecode(t *testing.T, sb *Superblock) ([]byte, *Superblock) {
+	t.Helper()
 	b, err := sb.encode()
 	if err != nil {
 		t.Fatal(err)
@@ -18,6 +19,11 @@ func TestSuperblockRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	return b, got
+}
+
+func TestSuperblockRoundTrip(t *testing.T) {
+	b, got := encodeDecode(t, testSuperblock())
 	b2, _ := got.encode()
 	if string(b) != string(b2) {
 		t.Fatal("round trip changed the encoding")
@@ -185,14 +191,7 @@ func TestSuperblockFreeSlots(t *testing.T) {
 	sb.CkptLen = ckptLenFor(8, sb.blocksPerBucket(), 3)
 	sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
 	sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + sb.BucketSize - 1) / sb.BucketSize * sb.BucketSize
-	b, err := sb.encode()
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err := decodeSuperblock(b, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
+	_, got := encodeDecode(t, sb)
 	if !got.Backings[0].Free() || got.Backings[1].Name != "a" || got.LiveBackings() != 2 {
 		t.Fatalf("decoded %+v", got.Backings)
 	}
