@@ -16,8 +16,9 @@ deps:
 	./scripts/install-deps.sh
 
 # Everything: lint, unit tests with the race detector and invariant checks,
-# then the interop tests with real clients against the built binary.
-test: deps lint race bench-quick interop
+# every fuzz target for a minute, then the interop tests with real clients
+# against the built binary.
+test: deps lint race bench-quick fuzz interop
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -38,12 +39,17 @@ unit:
 interop:
 	$(GO) test -count=1 -timeout 20m ./internal/interop/
 
+# Every fuzz target (NBD parsers, on-disk decoders, recovery of forged
+# metadata) for FUZZTIME each (60s), two at a time; a crasher fails and stays
+# in the package's testdata/fuzz/ (scripts/fuzz.sh).
 fuzz:
-	$(GO) test -run '^$$' -fuzz FuzzHandshake -fuzztime 60s ./nbd/
-	$(GO) test -run '^$$' -fuzz FuzzTransmission -fuzztime 60s ./nbd/
+	GO=$(GO) ./scripts/fuzz.sh
 
-# Many more SIGKILL cycles of the process-crash test (make interop runs 50).
+# Many more SIGKILL cycles of the process-crash test (make interop runs 50),
+# and the crash-point and error-point enumeration over 40 workload seeds
+# (make race runs 2).
 stress:
+	TIERCACHE_CRASHPOINT_SEEDS=40 $(GO) test -count=1 -timeout 1h -run 'Test(Crash|Error)Points$$' -v ./cache/
 	TIERCACHE_CRASH_CYCLES=1000 $(GO) test -count=1 -timeout 3h -run 'TestKillCycles$$' -v ./internal/interop/
 
 # The cache scenarios S1-S6 (HDD/SSD models, fio through NBD, side by side;

@@ -190,7 +190,7 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 	d := dec{b: b}
 	nb := int64(d.u32())
 	if d.bad || nb != nbuckets {
-		return nil, fmt.Errorf("checkpoint has %d buckets, superblock %d", nb, nbuckets)
+		return nil, badf("checkpoint body", "checkpoint has %d buckets, superblock %d", nb, nbuckets)
 	}
 	cd := &ckptData{gens: make([]uint32, nb)}
 	for i := range cd.gens {
@@ -204,7 +204,7 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 	// no blocks, so any entry in it fails the range check below.
 	nv := int(d.u16())
 	if d.bad || nv > maxBackings {
-		return nil, fmt.Errorf("checkpoint has %d volumes (at most %d)", nv, maxBackings)
+		return nil, badf("checkpoint body", "checkpoint has %d volumes (at most %d)", nv, maxBackings)
 	}
 	blocksOf := func(v int) uint64 {
 		if v < len(volBlocks) {
@@ -219,13 +219,13 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 		cv.epoch = d.u64()
 		n := d.u64()
 		if d.bad || n > total || n*ckptEntrySize > uint64(d.remaining()) {
-			return nil, fmt.Errorf("volume %d: %d entries", v, n)
+			return nil, badf("checkpoint body", "volume %d: %d entries", v, n)
 		}
 		cv.ents = make([]ent, n)
 		for i := range cv.ents {
 			x := ent{lba: d.u64(), loc: d.u32(), crc: d.u32()}
 			if x.lba >= blocksOf(v) || uint64(x.block()) >= total || (i > 0 && x.lba <= cv.ents[i-1].lba) || seen.get(int(x.block())) {
-				return nil, fmt.Errorf("volume %d entry %d (lba %d loc %d) out of order or out of range", v, i, x.lba, x.block())
+				return nil, badf("checkpoint body", "volume %d entry %d (lba %d loc %d) out of order or out of range", v, i, x.lba, x.block())
 			}
 			seen.set(int(x.block()))
 			cv.ents[i] = x
@@ -234,7 +234,7 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 	}
 	if !d.bad && d.remaining() > 0 {
 		if d.u32() != ckptEpochTag {
-			return nil, fmt.Errorf("unknown section after the volumes")
+			return nil, badf("checkpoint body", "unknown section after the volumes")
 		}
 		for vi := range cd.vols {
 			cv := &cd.vols[vi]
@@ -246,24 +246,24 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 			}
 			n := d.u64()
 			if d.bad || n > uint64(len(dirtyAt)) || n*12 > uint64(d.remaining()) {
-				return nil, fmt.Errorf("volume %d: %d dirty epochs", vi, n)
+				return nil, badf("checkpoint body", "volume %d: %d dirty epochs", vi, n)
 			}
 			cv.epochOf = make(map[uint32]uint64, n)
 			for range n {
 				loc, ep := d.u32(), d.u64()
 				if !dirtyAt[loc] || ep > cv.epoch {
-					return nil, fmt.Errorf("volume %d: epoch %d for cache block %d (not a dirty entry, or beyond the volume's epoch %d)", vi, ep, loc, cv.epoch)
+					return nil, badf("checkpoint body", "volume %d: epoch %d for cache block %d (not a dirty entry, or beyond the volume's epoch %d)", vi, ep, loc, cv.epoch)
 				}
 				cv.epochOf[loc] = ep
 			}
 			m := d.u64()
 			if d.bad || m > total || m*24 > uint64(d.remaining()) {
-				return nil, fmt.Errorf("volume %d: %d superseded versions", vi, m)
+				return nil, badf("checkpoint body", "volume %d: %d superseded versions", vi, m)
 			}
 			for range m {
 				x := ver{lba: d.u64(), loc: d.u32(), crc: d.u32(), epoch: d.u64()}
 				if d.bad || x.lba >= blocksOf(vi) || uint64(x.loc) >= total || seen.get(int(x.loc)) || x.epoch > cv.epoch {
-					return nil, fmt.Errorf("volume %d: superseded version %+v out of range or owned twice", vi, x)
+					return nil, badf("checkpoint body", "volume %d: superseded version %+v out of range or owned twice", vi, x)
 				}
 				seen.set(int(x.loc))
 				cv.sup = append(cv.sup, x)
@@ -271,7 +271,7 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 		}
 	}
 	if d.bad || d.remaining() != 0 {
-		return nil, fmt.Errorf("malformed checkpoint body")
+		return nil, badf("checkpoint body", "malformed checkpoint body")
 	}
 	return cd, nil
 }
@@ -361,7 +361,7 @@ func readCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (ckpt
 		}
 		cd, err := decodeCkptBody(body, sb.NBuckets, sb.blocksPerBucket(), volBlocks)
 		if err != nil {
-			return nil, corruptf("checkpoint body", slot+blockSize, int64(h.bodyLen), "%v", err)
+			return nil, placed(err, slot+blockSize, int64(h.bodyLen))
 		}
 		return cd, nil
 	}

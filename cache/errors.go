@@ -56,6 +56,9 @@ type CorruptionError struct {
 
 func (e *CorruptionError) Error() string {
 	s := fmt.Sprintf("%v: %s on %s at offset %d length %d", e.Err, e.What, e.Device, e.Offset, e.Length)
+	if e.Offset < 0 {
+		s = fmt.Sprintf("%v: %s on %s", e.Err, e.What, e.Device) // place not known to the decoder
+	}
 	if e.HaveSums {
 		s += fmt.Sprintf(": crc32c expected %#08x, actual %#08x", e.Expected, e.Actual)
 	}
@@ -75,6 +78,23 @@ func IsCorruption(err error) bool {
 func corruptf(what string, off, length int64, format string, args ...any) error {
 	return &CorruptionError{Err: ErrCorrupt, Device: "cache", What: what, Offset: off, Length: length,
 		Detail: fmt.Sprintf(format, args...)}
+}
+
+// badf is corruptf for a decoder, which does not know where on the device
+// its bytes came from: the caller names the place with placed.
+func badf(what, format string, args ...any) error {
+	return &CorruptionError{Err: ErrCorrupt, Device: "cache", What: what, Offset: -1,
+		Detail: fmt.Sprintf(format, args...)}
+}
+
+// placed fills in the place of a corruption error built by badf and returns
+// err; other errors are returned unchanged.
+func placed(err error, off, length int64) error {
+	var ce *CorruptionError
+	if errors.As(err, &ce) && ce.Offset < 0 {
+		ce.Offset, ce.Length = off, length
+	}
+	return err
 }
 
 // BackingMismatchError names the backing device and the field that differs.

@@ -94,11 +94,11 @@ func appendRec(b []byte, r *rec) []byte {
 // decodeRec decodes one record from the front of b and returns the rest.
 func decodeRec(b []byte) (*rec, []byte, error) {
 	if len(b) < recHdrSize {
-		return nil, nil, fmt.Errorf("record header truncated")
+		return nil, nil, badf("journal record", "record header truncated")
 	}
 	typ, n := b[0], int(le.Uint16(b[1:]))
 	if n > len(b)-recHdrSize {
-		return nil, nil, fmt.Errorf("record body of %d bytes exceeds block", n)
+		return nil, nil, badf("journal record", "record body of %d bytes exceeds block", n)
 	}
 	d := dec{b: b[recHdrSize : recHdrSize+n]}
 	r := &rec{typ: typ}
@@ -118,7 +118,7 @@ func decodeRec(b []byte) (*rec, []byte, error) {
 		r.epoch = d.u64()
 		cnt := int(d.u16())
 		if cnt == 0 || cnt > maxInsertRun {
-			return nil, nil, fmt.Errorf("insert record with %d blocks", cnt)
+			return nil, nil, badf("journal record", "insert record with %d blocks", cnt)
 		}
 		r.crcs = make([]uint32, 0, cnt)
 		for i := 0; i < cnt && !d.bad; i++ {
@@ -136,10 +136,10 @@ func decodeRec(b []byte) (*rec, []byte, error) {
 		r.bucket = d.u32()
 		r.gen = d.u32()
 	default:
-		return nil, nil, fmt.Errorf("unknown record type %d", typ)
+		return nil, nil, badf("journal record", "unknown record type %d", typ)
 	}
 	if d.bad || d.remaining() != 0 {
-		return nil, nil, fmt.Errorf("malformed record type %d (%d bytes)", typ, n)
+		return nil, nil, badf("journal record", "malformed record type %d (%d bytes)", typ, n)
 	}
 	return r, b[recHdrSize+n:], nil
 }
@@ -181,7 +181,7 @@ func encodeJournalBlock(h jhdr, payload []byte) []byte {
 // records. It never panics. For blockBad, want/got are the checksums.
 func decodeJournalBlock(b []byte, nonce, gen uint64) (h jhdr, recs []*rec, st blockStatus, want, got uint32, err error) {
 	if len(b) != blockSize {
-		return h, nil, blockBad, 0, 0, fmt.Errorf("journal block of %d bytes", len(b))
+		return h, nil, blockBad, 0, 0, badf("journal block", "journal block of %d bytes", len(b))
 	}
 	if isZero(b) {
 		return h, nil, blockZero, 0, 0, nil
@@ -200,7 +200,7 @@ func decodeJournalBlock(b []byte, nonce, gen uint64) (h jhdr, recs []*rec, st bl
 		return h, nil, blockForeign, want, got, nil
 	}
 	if h.used > jPayload || h.batchStart > h.seq {
-		return h, nil, blockBad, want, got, fmt.Errorf("journal block header: used %d, batch start %d, seq %d", h.used, h.batchStart, h.seq)
+		return h, nil, blockBad, want, got, badf("journal block", "header: used %d, batch start %d, seq %d", h.used, h.batchStart, h.seq)
 	}
 	p := b[jHeaderSize : jHeaderSize+h.used]
 	for len(p) > 0 {
@@ -307,7 +307,7 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 		}
 		if derr != nil {
 			// Checksum fine but contents invalid: not a torn write.
-			return pos, applied, corruptf("journal block", off, blockSize, "%v", derr)
+			return pos, applied, placed(derr, off, blockSize)
 		}
 		return pos, applied, nil
 	}
