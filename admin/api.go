@@ -79,6 +79,12 @@ type CacheUsage struct {
 	DirtyBytes  int64  `json:"dirty_bytes"`  // of those, not yet written back
 	Buckets     int64  `json:"buckets"`
 	FreeBuckets int64  `json:"free_buckets"`
+	// Failed: the cache device failed; every export is served from its
+	// backing device and UnreachableDirtyBytes of dirty data is left on
+	// the failed device (see docs/OPERATIONS.md).
+	Failed                bool   `json:"failed,omitempty"`
+	FailCause             string `json:"fail_cause,omitempty"`
+	UnreachableDirtyBytes int64  `json:"unreachable_dirty_bytes,omitempty"`
 }
 
 // ExportUsage is one export's space.
@@ -94,6 +100,11 @@ type ExportUsage struct {
 	// has to write to this device. With the current engine every dirty
 	// block is pending, so it equals Dirty.
 	PendingWriteback int64 `json:"pending_writeback_bytes"`
+	// After a cache device failure: dirty data left on the failed device
+	// (reads of it fail) and writes acknowledged before the failure that
+	// are not durable (flushes fail).
+	UnreachableDirty int64 `json:"unreachable_dirty_bytes,omitempty"`
+	LostWrites       int64 `json:"lost_write_bytes,omitempty"`
 }
 
 // Stats is the reply of GET /v1/stats.

@@ -38,49 +38,58 @@ var (
 
 // volumeMetrics maps cache.VolumeStats fields (label export).
 var volumeMetrics = map[string]metricDef{
-	"Mode":                  {skip: "exported as tiercache_export_info{mode}"},
-	"ReadOps":               {name: "tiercache_read_requests_total", help: "Read requests.", kind: counter},
-	"WriteOps":              {name: "tiercache_write_requests_total", help: "Write requests.", kind: counter},
-	"FlushOps":              {name: "tiercache_flush_requests_total", help: "Flush requests.", kind: counter},
-	"TrimOps":               {name: "tiercache_trim_requests_total", help: "Trim requests.", kind: counter},
-	"ZeroOps":               {name: "tiercache_write_zeroes_requests_total", help: "Write-zeroes requests.", kind: counter},
-	"ReadBytes":             {name: "tiercache_read_bytes_total", help: "Bytes read by clients.", kind: counter},
-	"WriteBytes":            {name: "tiercache_write_bytes_total", help: "Bytes written by clients.", kind: counter},
-	"ReadHitBytes":          {name: "tiercache_read_hit_bytes_total", help: "Bytes read from the cache device.", kind: counter},
-	"ReadMissBytes":         {name: "tiercache_read_miss_bytes_total", help: "Bytes read from the backing device.", kind: counter},
-	"BypassBytes":           {name: "tiercache_bypass_bytes_total", help: "Bytes written straight to the backing device (writearound, none, write-zeroes).", kind: counter},
-	"PromoteBytes":          {name: "tiercache_promote_bytes_total", help: "Read misses copied into the cache.", kind: counter},
-	"WritebackBytes":        {name: "tiercache_writeback_bytes_total", help: "Dirty bytes written back to the backing device.", kind: counter},
-	"ChecksumErrors":        {name: "tiercache_checksum_errors_total", help: "Cached blocks that failed checksum verification.", kind: counter},
-	"ChecksumRepairs":       {name: "tiercache_checksum_repairs_total", help: "Clean blocks that failed verification and were re-read from the backing device.", kind: counter},
-	"CachedBlocks":          {name: "tiercache_cached_bytes", help: "Bytes of the export held in the cache.", kind: gauge, scale: blockBytes},
-	"DirtyBlocks":           {name: "tiercache_dirty_bytes", help: "Bytes held in the cache and not yet written back.", kind: gauge, scale: blockBytes},
-	"ReadHitOps":            {name: "tiercache_read_hit_requests_total", help: "Reads served entirely from the cache.", kind: counter},
-	"ReadMissOps":           {name: "tiercache_read_miss_requests_total", help: "Reads that needed the backing device.", kind: counter},
-	"PromoteOps":            {name: "tiercache_promotions_total", help: "Promotions of read misses (runs of blocks).", kind: counter},
-	"BypassSequentialBytes": {name: "tiercache_bypass_sequential_bytes_total", help: "Bytes that skipped the cache as part of a stream longer than sequential_cutoff.", kind: counter},
-	"BypassModeBytes":       {name: "tiercache_bypass_mode_bytes_total", help: "Bytes that skipped the cache because of the cache mode (or write-zeroes).", kind: counter},
-	"BypassCongestionBytes": {name: "tiercache_bypass_congestion_bytes_total", help: "Read misses not promoted because the free bucket reserve was low.", kind: counter},
-	"BypassCacheFullBytes":  {name: "tiercache_bypass_cache_full_bytes_total", help: "Writes sent around the cache because no bucket was free in time.", kind: counter},
-	"WritebackRate":         {name: "tiercache_writeback_rate_bytes", help: "Background writeback target rate in bytes/s (-1: full speed).", kind: gauge},
-	"SupersededBlocks":      {name: "tiercache_superseded_bytes", help: "Older dirty versions kept for epoch-ordered writeback.", kind: gauge, scale: blockBytes},
-	"SpaceWaitNanos":        {name: "tiercache_write_space_wait_seconds_total", help: "Time foreground writes waited for a free bucket.", kind: counter, scale: 1e-9},
-	"ThrottleNanos":         {name: "tiercache_write_throttle_seconds_total", help: "Time foreground writes were delayed to let writeback catch up.", kind: counter, scale: 1e-9},
+	"Mode":                   {skip: "exported as tiercache_export_info{mode}"},
+	"ReadOps":                {name: "tiercache_read_requests_total", help: "Read requests.", kind: counter},
+	"WriteOps":               {name: "tiercache_write_requests_total", help: "Write requests.", kind: counter},
+	"FlushOps":               {name: "tiercache_flush_requests_total", help: "Flush requests.", kind: counter},
+	"TrimOps":                {name: "tiercache_trim_requests_total", help: "Trim requests.", kind: counter},
+	"ZeroOps":                {name: "tiercache_write_zeroes_requests_total", help: "Write-zeroes requests.", kind: counter},
+	"ReadBytes":              {name: "tiercache_read_bytes_total", help: "Bytes read by clients.", kind: counter},
+	"WriteBytes":             {name: "tiercache_write_bytes_total", help: "Bytes written by clients.", kind: counter},
+	"ReadHitBytes":           {name: "tiercache_read_hit_bytes_total", help: "Bytes read from the cache device.", kind: counter},
+	"ReadMissBytes":          {name: "tiercache_read_miss_bytes_total", help: "Bytes read from the backing device.", kind: counter},
+	"BypassBytes":            {name: "tiercache_bypass_bytes_total", help: "Bytes written straight to the backing device (writearound, none, write-zeroes).", kind: counter},
+	"PromoteBytes":           {name: "tiercache_promote_bytes_total", help: "Read misses copied into the cache.", kind: counter},
+	"WritebackBytes":         {name: "tiercache_writeback_bytes_total", help: "Dirty bytes written back to the backing device.", kind: counter},
+	"ChecksumErrors":         {name: "tiercache_checksum_errors_total", help: "Cached blocks that failed checksum verification.", kind: counter},
+	"ChecksumRepairs":        {name: "tiercache_checksum_repairs_total", help: "Clean blocks that failed verification and were re-read from the backing device.", kind: counter},
+	"CachedBlocks":           {name: "tiercache_cached_bytes", help: "Bytes of the export held in the cache.", kind: gauge, scale: blockBytes},
+	"DirtyBlocks":            {name: "tiercache_dirty_bytes", help: "Bytes held in the cache and not yet written back.", kind: gauge, scale: blockBytes},
+	"ReadHitOps":             {name: "tiercache_read_hit_requests_total", help: "Reads served entirely from the cache.", kind: counter},
+	"ReadMissOps":            {name: "tiercache_read_miss_requests_total", help: "Reads that needed the backing device.", kind: counter},
+	"PromoteOps":             {name: "tiercache_promotions_total", help: "Promotions of read misses (runs of blocks).", kind: counter},
+	"BypassSequentialBytes":  {name: "tiercache_bypass_sequential_bytes_total", help: "Bytes that skipped the cache as part of a stream longer than sequential_cutoff.", kind: counter},
+	"BypassModeBytes":        {name: "tiercache_bypass_mode_bytes_total", help: "Bytes that skipped the cache because of the cache mode (or write-zeroes).", kind: counter},
+	"BypassCongestionBytes":  {name: "tiercache_bypass_congestion_bytes_total", help: "Read misses not promoted because the free bucket reserve was low.", kind: counter},
+	"BypassCacheFullBytes":   {name: "tiercache_bypass_cache_full_bytes_total", help: "Writes sent around the cache because no bucket was free in time.", kind: counter},
+	"WritebackRate":          {name: "tiercache_writeback_rate_bytes", help: "Background writeback target rate in bytes/s (-1: full speed).", kind: gauge},
+	"SupersededBlocks":       {name: "tiercache_superseded_bytes", help: "Older dirty versions kept for epoch-ordered writeback.", kind: gauge, scale: blockBytes},
+	"SpaceWaitNanos":         {name: "tiercache_write_space_wait_seconds_total", help: "Time foreground writes waited for a free bucket.", kind: counter, scale: 1e-9},
+	"ThrottleNanos":          {name: "tiercache_write_throttle_seconds_total", help: "Time foreground writes were delayed to let writeback catch up.", kind: counter, scale: 1e-9},
+	"BypassCacheFailedBytes": {name: "tiercache_bypass_cache_failed_bytes_total", help: "Writes sent to the backing device because the cache device failed a write or failed over.", kind: counter},
+	"UnreachableDirtyBlocks": {name: "tiercache_unreachable_dirty_bytes", help: "Dirty bytes left on a failed cache device: reads of them fail.", kind: gauge, scale: blockBytes},
+	"LostWriteBlocks":        {name: "tiercache_lost_write_bytes", help: "Bytes of writes acknowledged before the cache device failed and not durable on it: flushes fail.", kind: gauge, scale: blockBytes},
+	"UnreachableReadErrors":  {name: "tiercache_unreachable_read_errors_total", help: "Reads failed because their dirty data could not be read from the cache device.", kind: counter},
+	"FencedWriteErrors":      {name: "tiercache_fenced_write_errors_total", help: "Writes refused after failover: the failed cache may hold newer durable data for their blocks.", kind: counter},
 }
 
 // setMetrics maps cache.SetStats fields (no label).
 var setMetrics = map[string]metricDef{
-	"Buckets":         {name: "tiercache_set_buckets", help: "Buckets on the cache device.", kind: gauge},
-	"FreeBuckets":     {name: "tiercache_set_free_buckets", help: "Free buckets.", kind: gauge},
-	"SealedBuckets":   {name: "tiercache_set_sealed_buckets", help: "Full buckets waiting for GC.", kind: gauge},
-	"CachedBlocks":    {name: "tiercache_set_cached_bytes", help: "Bytes cached, all exports.", kind: gauge, scale: blockBytes},
-	"DirtyBlocks":     {name: "tiercache_set_dirty_bytes", help: "Dirty bytes, all exports.", kind: gauge, scale: blockBytes},
-	"Commits":         {name: "tiercache_set_journal_commits_total", help: "Journal commits (group commits of flushes).", kind: counter},
-	"JournalBlocks":   {name: "tiercache_set_journal_blocks_total", help: "Journal blocks written.", kind: counter},
-	"Checkpoints":     {name: "tiercache_set_checkpoints_total", help: "Index checkpoints written.", kind: counter},
-	"Evictions":       {name: "tiercache_set_gc_evictions_total", help: "Buckets freed by GC.", kind: counter},
-	"WritebackBlocks": {name: "tiercache_set_writeback_bytes_total", help: "Bytes written back, all exports.", kind: counter, scale: blockBytes},
-	"GCMoves":         {name: "tiercache_set_gc_moved_bytes_total", help: "Live dirty bytes copied out of mostly-empty buckets by GC.", kind: counter, scale: blockBytes},
+	"Buckets":                {name: "tiercache_set_buckets", help: "Buckets on the cache device.", kind: gauge},
+	"FreeBuckets":            {name: "tiercache_set_free_buckets", help: "Free buckets.", kind: gauge},
+	"SealedBuckets":          {name: "tiercache_set_sealed_buckets", help: "Full buckets waiting for GC.", kind: gauge},
+	"CachedBlocks":           {name: "tiercache_set_cached_bytes", help: "Bytes cached, all exports.", kind: gauge, scale: blockBytes},
+	"DirtyBlocks":            {name: "tiercache_set_dirty_bytes", help: "Dirty bytes, all exports.", kind: gauge, scale: blockBytes},
+	"Commits":                {name: "tiercache_set_journal_commits_total", help: "Journal commits (group commits of flushes).", kind: counter},
+	"JournalBlocks":          {name: "tiercache_set_journal_blocks_total", help: "Journal blocks written.", kind: counter},
+	"Checkpoints":            {name: "tiercache_set_checkpoints_total", help: "Index checkpoints written.", kind: counter},
+	"Evictions":              {name: "tiercache_set_gc_evictions_total", help: "Buckets freed by GC.", kind: counter},
+	"WritebackBlocks":        {name: "tiercache_set_writeback_bytes_total", help: "Bytes written back, all exports.", kind: counter, scale: blockBytes},
+	"GCMoves":                {name: "tiercache_set_gc_moved_bytes_total", help: "Live dirty bytes copied out of mostly-empty buckets by GC.", kind: counter, scale: blockBytes},
+	"CacheErrors":            {name: "tiercache_set_cache_device_errors_total", help: "Failed cache device I/Os.", kind: counter},
+	"Failed":                 {name: "tiercache_set_failed", help: "1 when the cache device failed and every export is served from its backing device.", kind: gauge},
+	"Cause":                  {skip: "text; in /v1/stats and the log"},
+	"UnreachableDirtyBlocks": {name: "tiercache_set_unreachable_dirty_bytes", help: "Dirty bytes left on a failed cache device, all exports.", kind: gauge, scale: blockBytes},
 }
 
 // Request latency buckets: 10 µs to ~10 s, x4.
@@ -196,6 +205,11 @@ func numeric(v reflect.Value) (float64, bool) {
 		return float64(v.Uint()), true
 	case reflect.Float32, reflect.Float64:
 		return v.Float(), true
+	case reflect.Bool:
+		if v.Bool() {
+			return 1, true
+		}
+		return 0, true
 	}
 	return 0, false
 }

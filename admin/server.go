@@ -271,7 +271,8 @@ func (s *Server) usage() Usage {
 		sb := s.cfg.Set.Superblock()
 		ss := s.cfg.Set.Stats()
 		u.Cache = &CacheUsage{Path: s.cfg.CachePath, Size: sb.NBuckets * sb.BucketSize, Buckets: ss.Buckets, FreeBuckets: ss.FreeBuckets,
-			UsedBytes: (ss.Buckets - ss.FreeBuckets) * sb.BucketSize, CachedBytes: ss.CachedBlocks * blockBytes, DirtyBytes: ss.DirtyBlocks * blockBytes}
+			UsedBytes: (ss.Buckets - ss.FreeBuckets) * sb.BucketSize, CachedBytes: ss.CachedBlocks * blockBytes, DirtyBytes: ss.DirtyBlocks * blockBytes,
+			Failed: ss.Failed, FailCause: ss.Cause, UnreachableDirtyBytes: ss.UnreachableDirtyBlocks * blockBytes}
 	}
 	for _, ei := range s.status().Exports {
 		eu := ExportUsage{Name: ei.Name, Path: ei.Path, Mode: ei.Mode, Size: ei.Size, Used: allocated(ei.Path, ei.Size)}
@@ -279,6 +280,10 @@ func (s *Server) usage() Usage {
 			vs := v.Stats()
 			eu.Cached, eu.Dirty = vs.CachedBlocks*blockBytes, vs.DirtyBlocks*blockBytes
 			eu.PendingWriteback = eu.Dirty
+			eu.UnreachableDirty, eu.LostWrites = vs.UnreachableDirtyBlocks*blockBytes, vs.LostWriteBlocks*blockBytes
+			if eu.UnreachableDirty > 0 {
+				eu.PendingWriteback = 0 // nothing can write it back
+			}
 		}
 		u.Exports = append(u.Exports, eu)
 	}

@@ -396,13 +396,11 @@ func (s *Set) gcMove(bi int64, found []located) {
 	buf := make([]byte, blockSize)
 	for _, it := range items {
 		if _, err := s.dev.ReadAt(buf, s.cacheOff(it.e.block())); err != nil {
-			// Left for writeback, which reads the block again; a read
-			// error that does not repeat must still be seen.
-			s.log.Warn("gc move: reading a dirty block failed; left for writeback", "volume", s.vols[it.vi].name, "lba", it.lba, "err", err)
-			continue
+			s.cacheIOError("GC move read", err)
+			continue // left for writeback, which reports it
 		}
 		if crc32c(buf) != it.e.crc {
-			continue // left for writeback, which verifies and reports it
+			continue // left for writeback, which reports it
 		}
 		r, err := s.alloc(1, allocNoWait)
 		if err != nil {
@@ -410,7 +408,7 @@ func (s *Set) gcMove(bi int64, found []located) {
 		}
 		_, werr := s.dev.WriteAt(buf, s.cacheOff(r.loc))
 		if werr != nil {
-			s.log.Warn("gc move: writing the copy failed; the block stays where it is", "volume", s.vols[it.vi].name, "lba", it.lba, "err", werr)
+			s.cacheIOError("GC move write", werr)
 		}
 		s.mu.Lock()
 		if cur, ok := s.vols[it.vi].idx.tree.Get(ent{lba: it.lba}); werr == nil && ok && cur == it.e {
@@ -698,7 +696,10 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 				j++
 			}
 			if _, err := s.dev.ReadAt(buf[i*blockSize:j*blockSize], s.cacheOff(its[i].loc)); err != nil {
+				s.cacheIOError("writeback read", err)
 				rerr = fmt.Errorf("writeback: reading cache: %w", err)
+			} else {
+				s.cacheIOOK()
 			}
 			i = j
 		}
@@ -734,6 +735,7 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 				turn()
 				issue()
 				if err := v.writeBackingNoMark(buf[i*blockSize:j*blockSize], its[i].lba); err != nil {
+					v.wb.backingFailing.Store(true)
 					rerr = fmt.Errorf("writeback to %s: %w", v.name, err)
 					for x := i; x < len(its); x++ {
 						its[x].ok = false
@@ -752,8 +754,10 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 		return 0, nil
 	}
 	if err := v.back.Sync(); err != nil {
+		v.wb.backingFailing.Store(true)
 		return 0, fmt.Errorf("writeback: syncing %s: %w", v.name, err)
 	}
+	v.wb.backingFailing.Store(false)
 	n := 0
 	for at := 0; at < len(items); at += lockChunk {
 		s.mu.Lock()

@@ -42,6 +42,7 @@ const (
 	bypassMode                    // writearound/none mode, or write-zeroes
 	bypassCongested               // promotion skipped: the free reserve is low
 	bypassFull                    // write sent around: no free bucket in time
+	bypassFailed                  // write sent around: cache device error or failover
 )
 
 type stream struct {

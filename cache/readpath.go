@@ -63,12 +63,14 @@ type piece struct {
 	lba     uint64 // backing: first block; cache: unused
 	off     int64  // cache: device offset
 	backing bool
+	hits    []ent // cache: the entries read
 }
 
 // readPieces fills buf (n blocks from lba) from the cached entries hits
 // (sorted by lba, pinned by the caller) and the backing device, and returns
 // the blocks not cached and, in fromBacking, the clean hits it served from
-// the backing device instead (in a coalesced read). It does not verify
+// the backing device instead (in a coalesced read, or because the cache
+// device failed to read them: readAroundCache). It does not verify
 // checksums: readBlocks does, for the hits read from the cache, after
 // every piece is in buf.
 func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) (misses []blockRange, fromBacking map[uint64]bool, err error) {
@@ -147,9 +149,10 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) (misses [
 			overlays = append(overlays, o)
 			dst = o.src
 		}
-		ps = append(ps, piece{dst: dst, off: s.cacheOff(hits[i].block())})
+		ps = append(ps, piece{dst: dst, off: s.cacheOff(hits[i].block()), hits: hits[i:j]})
 		i = j
 	}
+	var fbMu sync.Mutex // guards fromBacking
 	do := func(p piece) error {
 		if p.backing {
 			if err := v.readBacking(p.dst, p.lba); err != nil {
@@ -158,8 +161,21 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) (misses [
 			return nil
 		}
 		if _, err := s.dev.ReadAt(p.dst, p.off); err != nil {
-			return fmt.Errorf("volume %s: reading cache: %w", v.name, err)
+			s.cacheIOError("read", err)
+			backed, err := v.readAroundCache(p.dst, p.hits)
+			if len(backed) > 0 {
+				fbMu.Lock()
+				if fromBacking == nil {
+					fromBacking = map[uint64]bool{}
+				}
+				for _, l := range backed {
+					fromBacking[l] = true
+				}
+				fbMu.Unlock()
+			}
+			return err
 		}
+		s.cacheIOOK()
 		return nil
 	}
 	if strat == readSerial {

@@ -217,9 +217,13 @@ type Set struct {
 		gen  uint64
 		pos  journalPos // where the next block goes
 		used int64      // blocks written in this generation
+		// taken: records taken by the commit in progress (or the last
+		// one, if it failed), not yet durable; failover fences them.
+		taken []byte
 	}
-	durable atomic.Uint64 // records durable on the cache device
-	failed  atomic.Pointer[error]
+	durable atomic.Uint64         // records durable on the cache device
+	failed  atomic.Pointer[error] // set by failover: passthrough mode (failover.go)
+	errRun  atomic.Int32          // cache data I/O errors in a row
 
 	// sbMu serializes superblock updates.
 	sbMu sync.Mutex
@@ -236,7 +240,10 @@ type Set struct {
 		pending []byte   // encoded records not yet written
 		seq     uint64   // records appended so far
 		tick    uint64   // recency clock: bumped by reads and allocations
-		closed  bool
+		// dirtyInval: sequence numbers of pending invalidation records
+		// whose passthrough write replaced dirty data (failover.go).
+		dirtyInval map[uint64]struct{}
+		closed     bool
 	}
 
 	kickGC     chan struct{}
@@ -253,6 +260,7 @@ type Set struct {
 
 type setStats struct {
 	commits, journalBlocks, checkpoints, evictions, writebackBlocks, gcMoves atomic.Uint64
+	cacheErrors                                                              atomic.Uint64
 }
 
 // Open recovers a cache set: newest valid checkpoint plus journal replay.
@@ -543,6 +551,12 @@ func (s *Set) applyLocked(r *rec) error {
 // commit (Flush, FUA, a full buffer, or the periodic commit).
 // REQUIRES: s.mu
 func (s *Set) appendLocked(r *rec) {
+	if s.isFailed() {
+		// Nothing reaches the journal any more.
+		s.lostLocked(r, false)
+		s.mu.seq++
+		return
+	}
 	s.mu.pending = appendRec(s.mu.pending, r)
 	s.mu.seq++
 	if len(s.mu.pending) >= pendingKick {
@@ -581,35 +595,26 @@ func (s *Set) err() error {
 	return nil
 }
 
-// fail makes err sticky: after a failed journal or sync write the set can no
-// longer promise durability, so every later Flush and write fails too.
-func (s *Set) fail(err error) error {
-	s.failed.CompareAndSwap(nil, &err)
-	s.log.Error("cache set failed", "err", err)
-	// Wake writers waiting for space: they return the error now.
-	// REQUIRES: not s.mu (fail is only called from the commit path).
-	s.mu.Lock()
-	s.mu.cond.Broadcast()
-	s.mu.Unlock()
-	return err
-}
-
 // commit makes durable every record appended up to target and every backing
 // write completed so far (invariant 2). Concurrent callers share one journal
 // write and one device sync: whoever holds commitMu writes everything
 // pending, and the callers queued behind it usually find their records
 // already durable.
 func (s *Set) commit(target uint64) error {
-	if err := s.err(); err != nil {
-		return err
+	if s.isFailed() {
+		// Passthrough: what is durable is what the backing devices hold.
+		return s.syncBackings()
 	}
 	if s.durable.Load() >= target && !s.backingsUnsynced() {
 		return nil
 	}
 	s.commitMu.Lock()
 	defer s.commitMu.Unlock()
+	if s.isFailed() {
+		return s.syncBackings()
+	}
 	if s.durable.Load() >= target && !s.backingsUnsynced() {
-		return s.err()
+		return nil
 	}
 	return s.commitLocked(false)
 }
@@ -635,12 +640,13 @@ func (s *Set) backingsUnsynced() bool {
 //
 // REQUIRES: s.commitMu
 func (s *Set) commitLocked(forceCkpt bool) error {
-	if err := s.err(); err != nil {
-		return err
+	if s.isFailed() {
+		return s.syncBackings()
 	}
 	s.mu.Lock()
 	stream := s.mu.pending
 	s.mu.pending = nil
+	s.jr.taken = append(s.jr.taken, stream...)
 	upto := s.mu.seq
 	blocks := packRecords(stream)
 	jblocks := s.lay.JournalLen / blockSize
@@ -653,19 +659,15 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 		return s.checkpointLockedUnlocked(upto)
 	}
 	s.mu.Unlock()
-	for _, v := range s.vols {
-		if v.backingUnsynced.Swap(false) {
-			if err := v.back.Sync(); err != nil {
-				return s.fail(fmt.Errorf("syncing backing %s: %w", v.name, err))
-			}
-		}
+	if err := s.syncBackingsForCommit(); err != nil {
+		return err
 	}
 	if len(blocks) == 0 {
 		s.setDurable(upto)
 		return nil
 	}
 	if err := s.dev.Sync(); err != nil {
-		return s.fail(fmt.Errorf("syncing cache device: %w", err))
+		return s.failLocked(fmt.Errorf("syncing cache device: %w", err))
 	}
 	mb := int(maxBatchBlocks(jblocks))
 	for len(blocks) > 0 {
@@ -681,15 +683,15 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 		first := min(int64(k), jblocks-s.jr.pos.blk)
 		off := s.lay.JournalOff + s.jr.pos.blk*blockSize
 		if _, err := s.dev.WriteAt(buf[:first*blockSize], off); err != nil {
-			return s.fail(fmt.Errorf("writing journal at %d: %w", off, err))
+			return s.failLocked(fmt.Errorf("writing journal at %d: %w", off, err))
 		}
 		if first < int64(k) {
 			if _, err := s.dev.WriteAt(buf[first*blockSize:], s.lay.JournalOff); err != nil {
-				return s.fail(fmt.Errorf("writing journal at %d: %w", s.lay.JournalOff, err))
+				return s.failLocked(fmt.Errorf("writing journal at %d: %w", s.lay.JournalOff, err))
 			}
 		}
 		if err := s.dev.Sync(); err != nil {
-			return s.fail(fmt.Errorf("syncing journal: %w", err))
+			return s.failLocked(fmt.Errorf("syncing journal: %w", err))
 		}
 		s.jr.pos = journalPos{blk: (s.jr.pos.blk + int64(k)) % jblocks, seq: s.jr.pos.seq + uint64(k)}
 		s.jr.used += int64(k)
@@ -701,6 +703,14 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 }
 
 func (s *Set) setDurable(upto uint64) {
+	s.jr.taken = nil
+	s.mu.Lock()
+	for q := range s.mu.dirtyInval {
+		if q <= upto {
+			delete(s.mu.dirtyInval, q)
+		}
+	}
+	s.mu.Unlock()
 	if upto > s.durable.Load() {
 		s.durable.Store(upto)
 	}
@@ -711,6 +721,7 @@ func (s *Set) setDurable(upto uint64) {
 // REQUIRES: s.commitMu
 func (s *Set) checkpointLocked() error {
 	s.mu.Lock()
+	s.jr.taken = append(s.jr.taken, s.mu.pending...)
 	s.mu.pending = nil
 	upto := s.mu.seq
 	s.mu.Unlock()
@@ -726,6 +737,7 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	s.mu.Lock()
 	// Records appended between taking them and now are also reflected in
 	// the snapshot; taking them again keeps them out of the new journal.
+	s.jr.taken = append(s.jr.taken, s.mu.pending...)
 	s.mu.pending = nil
 	upto := max(taken, s.mu.seq)
 	gens := make([]uint32, len(s.mu.buckets))
@@ -746,19 +758,15 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 		}
 	}
 	s.mu.Unlock()
-	for _, v := range s.vols {
-		if v.backingUnsynced.Swap(false) {
-			if err := v.back.Sync(); err != nil {
-				return s.fail(fmt.Errorf("syncing backing %s: %w", v.name, err))
-			}
-		}
+	if err := s.syncBackingsForCommit(); err != nil {
+		return err
 	}
 	if err := s.dev.Sync(); err != nil {
-		return s.fail(fmt.Errorf("syncing cache device: %w", err))
+		return s.failLocked(fmt.Errorf("syncing cache device: %w", err))
 	}
 	h := ckptHeader{nonce: s.nonce, gen: s.jr.gen + 1, jpos: journalPos{blk: s.jr.pos.blk}}
 	if err := writeCheckpointVers(s.dev, s.lay, h, gens, epochs, trees, vers); err != nil {
-		return s.fail(err)
+		return s.failLocked(err)
 	}
 	s.jr.gen, s.jr.pos, s.jr.used = h.gen, h.jpos, 0
 	s.stats.checkpoints.Add(1)
@@ -830,6 +838,16 @@ func (s *Set) Close() error {
 	s.mu.Unlock()
 	close(s.stop)
 	s.wg.Wait()
+	if s.isFailed() {
+		// Leave the cache device as it is: not marked clean, so a reopen
+		// (after the device is repaired) drops the clean entries, which
+		// passthrough writes may have made stale, and recovers the dirty
+		// ones, which fencing kept current.
+		if err := s.syncBackings(); err != nil {
+			return fmt.Errorf("close: %w", err)
+		}
+		return fmt.Errorf("close: cache set not closed cleanly: %w", s.err())
+	}
 	s.commitMu.Lock()
 	err := s.checkpointLocked()
 	s.commitMu.Unlock()
@@ -876,6 +894,15 @@ type SetStats struct {
 	// GCMoves counts live dirty blocks copied out of mostly-empty buckets
 	// (instead of being written back) so the buckets could be reused.
 	GCMoves uint64
+	// CacheErrors counts failed cache device I/Os (data and metadata).
+	CacheErrors uint64
+	// Failed is set when the cache device failed and every volume is
+	// served from its backing device (passthrough; failover.go); Cause
+	// says why. UnreachableDirtyBlocks is then the dirty data (all
+	// volumes) left on the failed device.
+	Failed                 bool
+	Cause                  string `json:",omitempty"`
+	UnreachableDirtyBlocks int64
 }
 
 // Stats returns whole-set counters.
@@ -893,6 +920,10 @@ func (s *Set) Stats() SetStats {
 	st.Evictions = s.stats.evictions.Load()
 	st.WritebackBlocks = s.stats.writebackBlocks.Load()
 	st.GCMoves = s.stats.gcMoves.Load()
+	st.CacheErrors = s.stats.cacheErrors.Load()
+	if err := s.err(); err != nil {
+		st.Failed, st.Cause, st.UnreachableDirtyBlocks = true, err.Error(), st.DirtyBlocks
+	}
 	return st
 }
 

@@ -51,6 +51,7 @@ type Volume struct {
 	wb              wbState      // background writeback state (writeback.go)
 
 	idx volIndex // guarded by s.mu
+	fo  foState  // failover state (failover.go), guarded by s.mu
 }
 
 type volStats struct {
@@ -59,8 +60,9 @@ type volStats struct {
 	bypassBytes, promoteBytes, writebackBytes         atomic.Uint64
 	checksumErrors, checksumRepairs, promoteSkipBytes atomic.Uint64
 	readHitOps, readMissOps, promoteOps               atomic.Uint64
-	bypass                                            [bypassFull + 1]atomic.Uint64 // bytes by reason
+	bypass                                            [bypassFailed + 1]atomic.Uint64 // bytes by reason
 	throttleNanos, spaceWaitNanos                     atomic.Uint64
+	unreachableReads, fencedWrites                    atomic.Uint64
 }
 
 // VolumeStats are a volume's counters.
@@ -85,6 +87,9 @@ type VolumeStats struct {
 	// in time (cache full).
 	BypassSequentialBytes, BypassModeBytes      uint64
 	BypassCongestionBytes, BypassCacheFullBytes uint64
+	// BypassCacheFailedBytes: writes sent to the backing device because
+	// the cache device failed a write, or failed over (failover.go).
+	BypassCacheFailedBytes uint64
 	// WritebackRate is the background writeback target in bytes/s now
 	// (0 while under the dirty target; -1 at full speed: idle or draining).
 	WritebackRate int64
@@ -102,6 +107,17 @@ type VolumeStats struct {
 	// SupersededBlocks are older dirty versions kept for epoch-ordered
 	// writeback (not counted in CachedBlocks or DirtyBlocks).
 	SupersededBlocks int64
+	// After the cache device failed (SetStats.Failed; failover.go):
+	// UnreachableDirtyBlocks is the volume's dirty data left on it
+	// (DirtyBlocks, which reads and writes cannot reach), LostWriteBlocks
+	// the dirty blocks whose journal records never became durable (writes
+	// acknowledged before the failure and not flushed: every Flush fails
+	// while it is not 0). UnreachableReadErrors counts reads that failed
+	// on dirty data the cache device could not return (before or after
+	// failover), FencedWriteErrors writes refused after failover because
+	// the failed cache may hold a newer durable version of their blocks.
+	UnreachableDirtyBlocks, LostWriteBlocks  int64
+	UnreachableReadErrors, FencedWriteErrors uint64
 }
 
 // enter admits a client call (I/O, flush, settings); exit must follow. It
@@ -168,17 +184,20 @@ func (v *Volume) Stats() VolumeStats {
 		ReadHitOps: v.st.readHitOps.Load(), ReadMissOps: v.st.readMissOps.Load(), PromoteOps: v.st.promoteOps.Load(),
 		BypassSequentialBytes: v.st.bypass[bypassSequential].Load(), BypassModeBytes: v.st.bypass[bypassMode].Load(),
 		BypassCongestionBytes: v.st.bypass[bypassCongested].Load(), BypassCacheFullBytes: v.st.bypass[bypassFull].Load(),
-		WritebackRate: v.wb.rate.Load(), ThrottleNanos: v.st.throttleNanos.Load(), SpaceWaitNanos: v.st.spaceWaitNanos.Load()}
+		BypassCacheFailedBytes: v.st.bypass[bypassFailed].Load(),
+		WritebackRate:          v.wb.rate.Load(), ThrottleNanos: v.st.throttleNanos.Load(), SpaceWaitNanos: v.st.spaceWaitNanos.Load(),
+		UnreachableReadErrors: v.st.unreachableReads.Load(), FencedWriteErrors: v.st.fencedWrites.Load()}
 	v.s.mu.Lock()
 	st.CachedBlocks, st.DirtyBlocks, st.SupersededBlocks = v.idx.cached, v.idx.dirty, v.idx.nsup
+	st.LostWriteBlocks = v.fo.lost
+	if v.s.isFailed() {
+		st.UnreachableDirtyBlocks = v.idx.dirty
+	}
 	v.s.mu.Unlock()
 	return st
 }
 
 func (v *Volume) checkIO(off int64, n int64) error {
-	if err := v.s.err(); err != nil {
-		return err
-	}
 	if off < 0 || n < 0 || off > v.size || n > v.size-off {
 		return fmt.Errorf("volume %s: %d bytes at %d: %w", v.name, n, off, device.ErrOutOfRange)
 	}
@@ -329,6 +348,9 @@ func (v *Volume) touch() { v.lastIO.Store(nowNanos()) }
 // promoted into the cache.
 func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error {
 	s := v.s
+	if s.isFailed() {
+		return v.readFailed(buf, lba, n)
+	}
 	var hits []ent
 	s.mu.Lock()
 	s.mu.tick++
@@ -456,9 +478,9 @@ func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 		}
 		_, werr := s.dev.WriteAt(p, s.cacheOff(r.loc))
 		if werr != nil {
-			// The read itself succeeded from the backing device; the
-			// failed cache write must still be seen.
-			s.log.Warn("promotion: writing the cache failed; not promoted", "volume", v.name, "lba", lba+uint64(done), "err", werr)
+			s.cacheIOError("promotion write", werr)
+		} else {
+			s.cacheIOOK()
 		}
 		s.mu.Lock()
 		ok := werr == nil && v.idx.mutations == muts
@@ -588,6 +610,8 @@ func (v *Volume) write(p []byte, off int64, seq bool) error {
 		seq = false
 	}
 	switch m := v.Mode(); {
+	case v.s.isFailed():
+		return v.writeAround(buf, first, bypassFailed)
 	case (m == Writeback || m == Writethrough) && seq:
 		return v.writeAround(buf, first, bypassSequential)
 	case m == Writeback:
@@ -610,14 +634,21 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 	}
 	for done := 0; done < n; {
 		t0 := time.Now()
+		if s.isFailed() {
+			return v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFailed)
+		}
 		r, err := s.allocFor(n - done)
 		if errors.Is(err, errNoSpace) && s.keepSuperseded(v.vi) && v.hasDirty() {
 			// Epoch order: never around the cache while older epochs are
 			// in it; wait for writeback to free space instead.
-			r, err = s.alloc(n-done, allocWait)
+			r, err = v.allocWaitWriteback(n - done)
 		}
 		if d := time.Since(t0); d > 100*time.Microsecond {
 			v.st.spaceWaitNanos.Add(uint64(d))
+		}
+		if errors.Is(err, ErrCacheFailed) {
+			// Failed over while waiting for space.
+			return v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFailed)
 		}
 		if errors.Is(err, errNoSpace) {
 			// No bucket came free in time: send the rest around the
@@ -641,8 +672,15 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 			return fmt.Errorf("volume %s: %w", v.name, err)
 		}
 		if _, err := s.dev.WriteAt(p, s.cacheOff(r.loc)); err != nil {
-			return fail(fmt.Errorf("writing cache at %d: %w", s.cacheOff(r.loc), err))
+			// The cache cannot take the data: send it around the cache
+			// (invalidating older cached copies), as a full cache does.
+			s.mu.Lock()
+			s.unpinLocked(r.loc)
+			s.mu.Unlock()
+			s.cacheIOError("write", err)
+			return v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFailed)
 		}
+		s.cacheIOOK()
 		var claim []blockRange
 		if !dirty {
 			v.drainOlderEpochs()
@@ -686,19 +724,36 @@ func (v *Volume) writeAround(buf []byte, lba uint64, why bypassReason) error {
 
 // passthrough runs op (a backing write of [lba, lba+n)) under a claim, then
 // drops the cached blocks of the range and journals that.
+//
+// After failover (failover.go) a range with fenced blocks is refused, and
+// nothing is journaled: the invalidation is in memory only (a reopen after
+// an unclean close drops clean entries anyway).
 func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 	s := v.s
 	v.drainOlderEpochs()
 	v.claim(lba, n)
+	claim := []blockRange{{lba, n}}
+	s.mu.Lock()
+	failed := s.isFailed()
+	if failed && v.fencedLocked(lba, n) {
+		v.releaseLocked(claim)
+		s.mu.Unlock()
+		return v.fenceErr(lba, n)
+	}
+	s.mu.Unlock()
 	err := op()
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	claim := []blockRange{{lba, n}}
 	if err == nil {
+		dropsDirty := v.dirtyInLocked(lba, n)
 		s.invalidateLocked(v.vi, lba, n)
-		// Journaled even if nothing is cached now: replay may resurrect
-		// clean entries that eviction dropped only in memory.
-		s.appendLocked(&rec{typ: recInvalidate, vol: uint16(v.vi), lba: lba, n: n})
+		if !failed {
+			// Journaled even if nothing is cached now: replay may
+			// resurrect clean entries that eviction dropped only in
+			// memory. (Failing over meanwhile fences the range.)
+			s.appendLocked(&rec{typ: recInvalidate, vol: uint16(v.vi), lba: lba, n: n})
+			s.noteInvalidateLocked(v, n, dropsDirty)
+		}
 		v.idx.mutations++
 	}
 	v.releaseLocked(claim)
@@ -716,11 +771,18 @@ func (v *Volume) Flush() error {
 		return err
 	}
 	defer v.exit()
-	if err := v.s.err(); err != nil {
-		return err
-	}
 	v.st.flushOps.Add(1)
 	s := v.s
+	if s.isFailed() {
+		s.mu.Lock()
+		lost := v.fo.lost
+		s.mu.Unlock()
+		if lost > 0 {
+			return fmt.Errorf("volume %s: flush: %d bytes written before the cache device failed were only in the cache: %w (%w)",
+				v.name, lost*blockSize, ErrLostWrites, s.err())
+		}
+		return s.commit(0)
+	}
 	s.mu.Lock()
 	v.idx.epoch++
 	target := s.mu.seq
@@ -746,6 +808,16 @@ func (v *Volume) Trim(off, length int64, fua bool) error {
 	b := (off + length) / blockSize
 	if (off+length) == v.size && v.size%blockSize != 0 {
 		b = int64(v.nblocks)
+	}
+	if ok && a < b && v.s.isFailed() {
+		v.s.mu.Lock()
+		fenced := v.fencedLocked(uint64(a), uint64(b-a))
+		v.s.mu.Unlock()
+		if fenced {
+			// Trim is advisory: skip a range the failed cache may
+			// still hold newer data for.
+			ok = false
+		}
 	}
 	if ok && a < b {
 		v.rmw.RLock()
@@ -847,7 +919,7 @@ func (v *Volume) Prefetch(off, length int64) error {
 	if err := v.checkIO(off, length); err != nil {
 		return err
 	}
-	if length == 0 || v.Mode() == None {
+	if length == 0 || v.Mode() == None || v.s.isFailed() {
 		return nil
 	}
 	first, n := blockSpan(off, length)

@@ -156,6 +156,9 @@ func structRows(w io.Writer, vals, prevs []reflect.Value, dt float64) {
 		}
 		row := "  " + snake(name)
 		ok := true
+		if hideWhenZero[name] && allZero(vals, i) {
+			continue
+		}
 		for j, v := range vals {
 			if !v.IsValid() {
 				row += "\t-"
@@ -176,6 +179,22 @@ func structRows(w io.Writer, vals, prevs []reflect.Value, dt float64) {
 			fmt.Fprintln(w, row)
 		}
 	}
+}
+
+// hideWhenZero: counters of a cache device failure, shown only once one is
+// not zero (with the set's FAILED line).
+var hideWhenZero = map[string]bool{
+	"BypassCacheFailedBytes": true, "UnreachableDirtyBlocks": true, "LostWriteBlocks": true,
+	"UnreachableReadErrors": true, "FencedWriteErrors": true, "CacheErrors": true,
+}
+
+func allZero(vals []reflect.Value, field int) bool {
+	for _, v := range vals {
+		if v.IsValid() && !v.Field(field).IsZero() {
+			return false
+		}
+	}
+	return true
 }
 
 func printStats(out io.Writer, st admin.Stats, prev *admin.Stats) error {
@@ -261,6 +280,9 @@ func printStats(out io.Writer, st admin.Stats, prev *admin.Stats) error {
 	if st.Set != nil {
 		fmt.Fprintln(w, "\t")
 		fmt.Fprintln(w, "cache set\t")
+		if st.Set.Failed {
+			fmt.Fprintf(w, "  FAILED\tcache device failed, serving from the backing devices: %s\n", st.Set.Cause)
+		}
 		var pv []reflect.Value
 		if prev != nil && prev.Set != nil {
 			pv = []reflect.Value{reflect.ValueOf(*prev.Set)}

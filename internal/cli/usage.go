@@ -57,6 +57,10 @@ func printUsage(out io.Writer, u admin.Usage) error {
 		usageLine(w, "used (buckets)", c.UsedBytes, c.Size)
 		usageLine(w, "cached", c.CachedBytes, c.Size)
 		usageLine(w, "dirty", c.DirtyBytes, c.Size)
+		if c.Failed {
+			fmt.Fprintf(w, "  FAILED\tcache device failed; serving from the backing devices (%s)\t\t\n", c.FailCause)
+			fmt.Fprintf(w, "  UNREACHABLE\t%s of dirty data on the failed cache device\t\t\n", human(c.UnreachableDirtyBytes))
+		}
 		fmt.Fprintln(w, "\t\t\t")
 	}
 	for i, e := range u.Exports {
@@ -70,6 +74,10 @@ func printUsage(out io.Writer, u admin.Usage) error {
 			usageLine(w, "cached", e.Cached, e.Size)
 			usageLine(w, "dirty", e.Dirty, e.Size)
 			usageLine(w, "pending writeback", e.PendingWriteback, e.Size)
+			if e.UnreachableDirty > 0 || e.LostWrites > 0 {
+				usageLine(w, "UNREACHABLE dirty", e.UnreachableDirty, e.Size)
+				usageLine(w, "LOST unflushed", e.LostWrites, e.Size)
+			}
 		}
 	}
 	return w.Flush()

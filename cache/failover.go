@@ -1,0 +1,464 @@
+package cache
+
+// Cache device failure: passthrough.
+//
+// Policy. Cache device errors fall in two classes:
+//
+//   - metadata: a failed journal write, checkpoint write or cache device
+//     sync. The set can no longer make records durable (and a failed sync
+//     is not retryable: the kernel may have dropped the dirty pages), so
+//     it fails over at once;
+//   - data: a failed read or write of cached data (client reads, writes,
+//     promotions, writeback and GC reads). Each is handled on its own: a
+//     clean block is read from the backing device instead, a dirty block is
+//     read once more and then returns an I/O error, a write that cannot go
+//     into the cache goes around it (to the backing device, invalidating
+//     the cached copy), a promotion is skipped. cacheErrLimit such errors
+//     in a row, with no successful cache I/O in between, fail the set over.
+//
+// After failover ("failed" in Stats) the cache device is never written
+// again and never read again; every volume keeps serving:
+//
+//   - reads of blocks not dirty in the cache come from the backing device;
+//     reads touching a dirty block return an error wrapping
+//     ErrDirtyUnreachable (never zeroes, never the older backing data),
+//     logged and counted (VolumeStats.UnreachableReadErrors);
+//   - writes, write-zeroes and trims go to the backing device and drop any
+//     cached copy from the in-memory index; FUA and FLUSH sync the backing
+//     device. A write to a *fenced* block returns ErrDirtyUnreachable
+//     instead (VolumeStats.FencedWriteErrors): a block dirty in the cache,
+//     or named by a journal record that may not have reached the device (a
+//     clean mark or an invalidation). The cache device may still hold a
+//     durable dirty version of such a block; if the device comes back (a
+//     reseated cable, a controller reset) and the set is reopened, that
+//     version would be replayed over the newer write. Fencing keeps the
+//     on-disk cache set a valid crash image, so a healed device recovers
+//     every dirty block;
+//   - FLUSH on a volume that had writes only in the cache whose records
+//     never became durable (VolumeStats.LostWriteBlocks > 0) returns an
+//     error wrapping ErrLostWrites, every time: those writes are gone and a
+//     successful FLUSH would claim they are durable;
+//   - background writeback, GC, promotion and the periodic commit stop;
+//     Drain returns the failure; Close leaves the cache device as it is
+//     (not marked clean, so a reopen drops clean entries, which may be
+//     stale after the passthrough writes).
+//
+// The dirty data that is unreachable is logged at failover (per volume,
+// with its ranges) and shown by Stats (VolumeStats.UnreachableDirtyBlocks)
+// and `tiercache usage`.
+
+import (
+	"errors"
+	"fmt"
+	"slices"
+	"time"
+)
+
+// cacheErrLimit is how many cache data I/O errors in a row (no successful
+// cache I/O in between) fail the set over to passthrough.
+const cacheErrLimit = 3
+
+// ErrCacheFailed marks I/O refused or failed because the cache device
+// failed and the set runs in passthrough mode.
+var ErrCacheFailed = errors.New("cache: cache device failed")
+
+// ErrDirtyUnreachable is returned for a read of a block whose only current
+// copy is dirty data in a cache that cannot be read, and for a write to a
+// block whose dirty copy on the failed cache device would otherwise become
+// stale. It is an I/O error to the client (EIO).
+var ErrDirtyUnreachable = errors.New("cache: dirty data on the cache device is unreachable")
+
+// ErrLostWrites is returned by Flush on a volume whose writes since its last
+// durable commit were only in the cache when the cache device failed.
+var ErrLostWrites = errors.New("cache: writes lost with the failed cache device")
+
+// FailedError is the set's failure: it wraps ErrCacheFailed and the cause.
+type FailedError struct{ Cause error }
+
+func (e *FailedError) Error() string { return fmt.Sprintf("%v: %v", ErrCacheFailed, e.Cause) }
+
+// Unwrap returns ErrCacheFailed and the cause.
+func (e *FailedError) Unwrap() []error { return []error{ErrCacheFailed, e.Cause} }
+
+// foState is a volume's failover state, guarded by Set.mu.
+type foState struct {
+	// fence: ranges named by journal records that may not be durable
+	// (sorted, merged). Writes to them are refused after failover.
+	fence []blockRange
+	// lost counts dirty blocks inserted by records that never became
+	// durable: writes acknowledged only in the failed cache.
+	lost int64
+	// lastLog is when an unreachable read was last logged (rate limit).
+	lastLog time.Time
+}
+
+// Failed returns the failure that put the set in passthrough mode, or nil.
+func (s *Set) Failed() error { return s.err() }
+
+func (s *Set) isFailed() bool { return s.failed.Load() != nil }
+
+// cacheIOOK records a successful cache data I/O (resets the error run).
+func (s *Set) cacheIOOK() {
+	if s.errRun.Load() != 0 {
+		s.errRun.Store(0)
+	}
+}
+
+// cacheIOError records a failed cache data I/O; cacheErrLimit in a row fail
+// the set over. REQUIRES: not commitMu, not s.mu.
+func (s *Set) cacheIOError(what string, err error) {
+	s.stats.cacheErrors.Add(1)
+	n := s.errRun.Add(1)
+	s.log.Warn("cache device I/O error", "op", what, "err", err, "in_a_row", n, "limit", cacheErrLimit)
+	if n >= cacheErrLimit {
+		s.failover(fmt.Errorf("%d cache device errors in a row, last %s: %w", n, what, err))
+	}
+}
+
+// failover puts the set in passthrough mode (see the top of this file).
+// REQUIRES: not commitMu, not s.mu.
+func (s *Set) failover(cause error) error {
+	s.commitMu.Lock()
+	defer s.commitMu.Unlock()
+	return s.failLocked(cause)
+}
+
+// failLocked is failover with commitMu held: no commit is running, so the
+// records taken by the last one that did not finish (jr.taken) and those
+// still pending are exactly the ones that may not be durable.
+// REQUIRES: commitMu, not s.mu.
+func (s *Set) failLocked(cause error) error {
+	fe := error(&FailedError{Cause: cause})
+	first := s.failed.CompareAndSwap(nil, &fe)
+	if first {
+		s.stats.cacheErrors.Add(1)
+	}
+	s.mu.Lock()
+	lost := append(s.jr.taken, s.mu.pending...)
+	s.jr.taken, s.mu.pending = nil, nil
+	// The lost records are numbered durable+1, durable+2, ... (appendLocked
+	// counts them in mu.seq; a commit makes a prefix durable).
+	seq := s.durable.Load()
+	cleaned := map[uint16]map[uint64]bool{} // lost clean marks: still dirty on the device
+	for len(lost) > 0 {
+		r, rest, err := decodeRec(lost)
+		if err != nil {
+			break // our own encoding: cannot happen
+		}
+		lost = rest
+		seq++
+		_, dropsDirty := s.mu.dirtyInval[seq]
+		switch r.typ {
+		case recClean:
+			if cleaned[r.vol] == nil {
+				cleaned[r.vol] = map[uint64]bool{}
+			}
+			cleaned[r.vol][r.lba] = true
+		case recInvalidate:
+			for l := range cleaned[r.vol] {
+				dropsDirty = dropsDirty || (l >= r.lba && l-r.lba < r.n)
+			}
+		}
+		s.lostLocked(r, dropsDirty)
+	}
+	s.mu.dirtyInval = nil
+	type volReport struct {
+		name                     string
+		dirty, sup, lost, fences int64
+		ranges                   []blockRange
+	}
+	var reps []volReport
+	if first {
+		for _, v := range s.vols {
+			r := volReport{name: v.name, dirty: v.idx.dirty, sup: v.idx.nsup, lost: v.fo.lost, fences: int64(len(v.fo.fence))}
+			r.ranges = v.dirtyRangesLocked(16)
+			reps = append(reps, r)
+		}
+	}
+	// Wake writers waiting for space: they go around the cache now.
+	s.mu.cond.Broadcast()
+	s.mu.Unlock()
+	if !first {
+		return s.err()
+	}
+	s.log.Error("CACHE DEVICE FAILED: serving every volume from its backing device (passthrough); dirty data still in the cache is unreachable",
+		"cause", cause)
+	for _, r := range reps {
+		if r.dirty+r.lost == 0 {
+			s.log.Warn("cache device failed: volume has no dirty data in the cache; nothing lost", "volume", r.name)
+			continue
+		}
+		s.log.Error("cache device failed: volume has dirty data that is now unreachable; reads of it return I/O errors and writes to it are refused until the cache device is repaired and the set reopened",
+			"volume", r.name, "unreachable_dirty_bytes", r.dirty*blockSize, "superseded_versions", r.sup,
+			"lost_unflushed_bytes", r.lost*blockSize, "first_dirty_ranges", fmtRanges(r.ranges))
+	}
+	return s.err()
+}
+
+// lostLocked applies a journal record that will never be written (taken or
+// appended at or after failover) to the volume's fence. dropsDirty says an
+// invalidation replaced data that may be dirty on the cache device: its
+// passthrough write would be rolled back by a reopen of the repaired
+// device, so it counts as lost.
+// REQUIRES: s.mu
+func (s *Set) lostLocked(r *rec, dropsDirty bool) {
+	if int(r.vol) >= len(s.vols) {
+		return
+	}
+	v := s.vols[r.vol]
+	switch r.typ {
+	case recInsert:
+		if r.dirty {
+			v.fo.lost += int64(len(r.crcs))
+			v.addFenceLocked(r.lba, uint64(len(r.crcs)))
+		}
+	case recClean:
+		v.addFenceLocked(r.lba, 1)
+	case recInvalidate:
+		v.addFenceLocked(r.lba, r.n)
+		if dropsDirty {
+			v.fo.lost += int64(r.n)
+		}
+	}
+}
+
+// addFenceLocked adds [lba, lba+n) to the fence, keeping it sorted and
+// merged. REQUIRES: s.mu
+func (v *Volume) addFenceLocked(lba, n uint64) {
+	if n == 0 {
+		return
+	}
+	f := append(v.fo.fence, blockRange{lba, n})
+	slices.SortFunc(f, func(a, b blockRange) int {
+		switch {
+		case a.lba < b.lba:
+			return -1
+		case a.lba > b.lba:
+			return 1
+		}
+		return 0
+	})
+	out := f[:1]
+	for _, r := range f[1:] {
+		last := &out[len(out)-1]
+		if r.lba <= last.lba+last.n {
+			last.n = max(last.n, r.lba+r.n-last.lba)
+			continue
+		}
+		out = append(out, r)
+	}
+	v.fo.fence = out
+}
+
+// fencedLocked reports whether a write to [lba, lba+n) must be refused
+// after failover: part of it is dirty in the cache or fenced.
+// REQUIRES: s.mu
+func (v *Volume) fencedLocked(lba, n uint64) bool {
+	f := v.fo.fence
+	i, _ := slices.BinarySearchFunc(f, lba, func(r blockRange, t uint64) int {
+		if r.lba+r.n <= t {
+			return -1
+		}
+		if r.lba > t {
+			return 1
+		}
+		return 0
+	})
+	if i < len(f) && f[i].overlaps(lba, n) {
+		return true
+	}
+	return v.dirtyInLocked(lba, n)
+}
+
+// dirtyInLocked reports whether a block of [lba, lba+n) is dirty in the
+// index. REQUIRES: s.mu
+func (v *Volume) dirtyInLocked(lba, n uint64) bool {
+	dirty := false
+	v.idx.tree.AscendRange(ent{lba: lba}, ent{lba: lba + n}, func(e ent) bool {
+		dirty = e.dirty()
+		return !dirty
+	})
+	return dirty
+}
+
+// dirtyRangesLocked lists up to max ranges of dirty blocks (for the log).
+// REQUIRES: s.mu
+func (v *Volume) dirtyRangesLocked(limit int) []blockRange {
+	var out []blockRange
+	v.idx.tree.Ascend(func(e ent) bool {
+		if !e.dirty() {
+			return true
+		}
+		if k := len(out); k > 0 && out[k-1].lba+out[k-1].n == e.lba {
+			out[k-1].n++
+			return true
+		}
+		if len(out) == limit {
+			return false
+		}
+		out = append(out, blockRange{e.lba, 1})
+		return true
+	})
+	return out
+}
+
+func fmtRanges(rs []blockRange) string {
+	s := ""
+	for i, r := range rs {
+		if i > 0 {
+			s += " "
+		}
+		s += fmt.Sprintf("[%d,+%d)", r.lba*blockSize, r.n*blockSize)
+	}
+	return s
+}
+
+// readFailed serves a read after failover: from the backing device, unless a
+// block of the range is dirty in the (unreachable) cache.
+func (v *Volume) readFailed(buf []byte, lba uint64, n int) error {
+	s := v.s
+	s.mu.Lock()
+	var bad ent
+	found := false
+	v.idx.tree.AscendRange(ent{lba: lba}, ent{lba: lba + uint64(n)}, func(e ent) bool {
+		if e.dirty() {
+			bad, found = e, true
+		}
+		return !found
+	})
+	logIt := false
+	if found && time.Since(v.fo.lastLog) > time.Second {
+		v.fo.lastLog, logIt = time.Now(), true
+	}
+	s.mu.Unlock()
+	if found {
+		v.st.unreachableReads.Add(1)
+		err := fmt.Errorf("volume %s: reading %d bytes at %d: block at %d: %w (%w)", v.name, n*blockSize,
+			int64(lba)*blockSize, int64(bad.lba)*blockSize, ErrDirtyUnreachable, s.err())
+		if logIt {
+			s.log.Error("read of dirty data on the failed cache device: I/O error to the client (logged at most once a second per volume)",
+				"volume", v.name, "offset", int64(bad.lba)*blockSize, "unreachable_reads_so_far", v.st.unreachableReads.Load())
+		}
+		return err
+	}
+	if err := v.readBacking(buf, lba); err != nil {
+		return fmt.Errorf("volume %s: %w", v.name, err)
+	}
+	return nil
+}
+
+// fenceErr is the error of a write refused after failover.
+func (v *Volume) fenceErr(lba, n uint64) error {
+	v.st.fencedWrites.Add(1)
+	v.s.log.Error("write to a block whose dirty data is on the failed cache device refused",
+		"volume", v.name, "offset", int64(lba)*blockSize, "length", int64(n)*blockSize)
+	return fmt.Errorf("volume %s: writing %d bytes at %d: %w (%w)", v.name, n*blockSize, int64(lba)*blockSize,
+		ErrDirtyUnreachable, v.s.err())
+}
+
+// syncBackings is the commit of a failed set: every backing device written
+// since its last sync is synced (there is no journal any more).
+func (s *Set) syncBackings() error {
+	var first error
+	for _, v := range s.volList() {
+		if v.backingUnsynced.Swap(false) {
+			if err := v.back.Sync(); err != nil {
+				v.backingUnsynced.Store(true)
+				if first == nil {
+					first = fmt.Errorf("syncing backing %s: %w", v.name, err)
+				}
+			}
+		}
+	}
+	return first
+}
+
+// syncBackingsForCommit is step 2 of the flush protocol. A backing device
+// that fails to sync fails this commit only (its caller gets the error; the
+// cache keeps working): the taken records, some of which may depend on that
+// device's data, go back to the front of the pending stream, so none
+// becomes durable before the data it depends on.
+// REQUIRES: commitMu, not s.mu
+func (s *Set) syncBackingsForCommit() error {
+	err := s.syncBackings()
+	if err == nil {
+		return nil
+	}
+	s.mu.Lock()
+	s.mu.pending = append(s.jr.taken, s.mu.pending...)
+	s.jr.taken = nil
+	s.mu.Unlock()
+	return err
+}
+
+// readAroundCache fills dst with the blocks of hs (a run of cached entries
+// whose cache read failed): clean ones from the backing device (which holds
+// the same data), dirty ones by reading the cache once more, block by
+// block; a dirty block that still cannot be read fails the read. It
+// returns the LBAs read from the backing device (not to be verified against
+// the cache checksum).
+func (v *Volume) readAroundCache(dst []byte, hs []ent) (fromBacking []uint64, err error) {
+	s := v.s
+	for i, e := range hs {
+		p := dst[i*blockSize : (i+1)*blockSize]
+		if !e.dirty() {
+			if err := v.readBacking(p, e.lba); err != nil {
+				return fromBacking, fmt.Errorf("volume %s: %w", v.name, err)
+			}
+			fromBacking = append(fromBacking, e.lba)
+			continue
+		}
+		if _, err := s.dev.ReadAt(p, s.cacheOff(e.block())); err != nil {
+			s.cacheIOError("read retry", err)
+			v.st.unreachableReads.Add(1)
+			s.log.Error("dirty block cannot be read from the cache device: I/O error to the client",
+				"volume", v.name, "offset", int64(e.lba)*blockSize, "err", err)
+			return fromBacking, fmt.Errorf("volume %s: reading dirty block at %d: %w: %w", v.name, int64(e.lba)*blockSize, ErrDirtyUnreachable, err)
+		}
+		s.cacheIOOK()
+	}
+	return fromBacking, nil
+}
+
+// allocWaitWriteback waits for space that only writeback can free (epoch
+// order: a write may not go around the cache). It fails, rather than wait
+// forever, when writeback to the backing device is failing: the client gets
+// an I/O error and the server keeps running.
+func (v *Volume) allocWaitWriteback(n int) (run, error) {
+	s := v.s
+	for {
+		r, err := s.alloc(n, allocNoWait)
+		if !errors.Is(err, errNoSpace) {
+			return r, err
+		}
+		if v.wb.backingFailing.Load() {
+			return run{}, fmt.Errorf("no free cache bucket, and writeback to the backing device is failing: %w", errBackingFailing)
+		}
+		s.kick()
+		s.kickWB()
+		time.Sleep(200 * time.Microsecond)
+	}
+}
+
+// errBackingFailing: a write needs writeback to the backing device, which is
+// failing. The client sees an I/O error.
+var errBackingFailing = errors.New("cache: backing device failing")
+
+// noteInvalidateLocked remembers, until it is durable, that the
+// invalidation record just appended replaced dirty data: if it is lost in a
+// failover, its passthrough write counts as lost (a reopen of the repaired
+// cache would replay the dirty data over it).
+// REQUIRES: s.mu
+func (s *Set) noteInvalidateLocked(v *Volume, n uint64, dropsDirty bool) {
+	if !dropsDirty {
+		return
+	}
+	if s.isFailed() {
+		v.fo.lost += int64(n) // appendLocked already fenced it
+		return
+	}
+	if s.mu.dirtyInval == nil {
+		s.mu.dirtyInval = map[uint64]struct{}{}
+	}
+	s.mu.dirtyInval[s.mu.seq] = struct{}{}
+}
