@@ -356,16 +356,30 @@ func (v *Volume) fenceErr(lba, n uint64) error {
 		ErrDirtyUnreachable, v.s.err())
 }
 
-// syncBackings is the commit of a failed set: every backing device written
-// since its last sync is synced (there is no journal any more).
+// syncBackings syncs every backing device written since its last sync:
+// step 2 of the flush protocol, and all of a commit after failover (there
+// is no journal any more).
+//
+// A failed backing sync fails the commit (see syncBackingsForCommit) and is
+// remembered: the kernel may have dropped the data it could not write, so
+// a later sync that succeeds proves nothing. The error is logged, counted
+// and kept (durableErr): every later Flush or FUA request of the volume
+// returns it, so its client learns that acknowledged writes may be lost;
+// reads and writes go on.
 func (s *Set) syncBackings() error {
 	var first error
 	for _, v := range s.volList() {
 		if v.backingUnsynced.Swap(false) {
 			if err := v.back.Sync(); err != nil {
+				err = fmt.Errorf("syncing backing %s: %w", v.name, err)
+				if v.backSyncErr.CompareAndSwap(nil, &err) {
+					s.log.Error("backing device sync failed: writes to it since its last sync may be lost; every later flush of this volume returns an I/O error until the server restarts",
+						"volume", v.name, "err", err)
+				}
+				v.st.backingSyncErrors.Add(1)
 				v.backingUnsynced.Store(true)
 				if first == nil {
-					first = fmt.Errorf("syncing backing %s: %w", v.name, err)
+					first = err
 				}
 			}
 		}
@@ -374,10 +388,13 @@ func (s *Set) syncBackings() error {
 }
 
 // syncBackingsForCommit is step 2 of the flush protocol. A backing device
-// that fails to sync fails this commit only (its caller gets the error; the
-// cache keeps working): the taken records, some of which may depend on that
-// device's data, go back to the front of the pending stream, so none
-// becomes durable before the data it depends on.
+// that fails to sync fails this commit (its caller gets the error; the set
+// keeps working, and the next commit syncs again): the taken records, some
+// of which may depend on that device's data (an invalidation made durable
+// before the write it stands for would expose older data), go back to the
+// front of the pending stream. While a backing device cannot sync, no
+// commit succeeds, for any volume: records of different volumes share the
+// journal stream and a bucket reuse may depend on any of them.
 // REQUIRES: commitMu, not s.mu
 func (s *Set) syncBackingsForCommit() error {
 	err := s.syncBackings()
@@ -389,6 +406,23 @@ func (s *Set) syncBackingsForCommit() error {
 	s.jr.taken = nil
 	s.mu.Unlock()
 	return err
+}
+
+// durableErr is the error a Flush or FUA request of the volume returns
+// after a failed backing sync (see syncBackings), or nil.
+func (v *Volume) durableErr() error {
+	if p := v.backSyncErr.Load(); p != nil {
+		return fmt.Errorf("volume %s: an earlier backing device sync failed, acknowledged writes may be lost: %w", v.name, *p)
+	}
+	return nil
+}
+
+// commitFUA makes the volume's completed writes durable (FUA).
+func (v *Volume) commitFUA() error {
+	if err := v.s.commit(v.s.appended()); err != nil {
+		return err
+	}
+	return v.durableErr()
 }
 
 // readAroundCache fills dst with the blocks of hs (a run of cached entries
@@ -431,18 +465,14 @@ func (v *Volume) allocWaitWriteback(n int) (run, error) {
 		if !errors.Is(err, errNoSpace) {
 			return r, err
 		}
-		if v.wb.backingFailing.Load() {
-			return run{}, fmt.Errorf("no free cache bucket, and writeback to the backing device is failing: %w", errBackingFailing)
+		if p := v.wb.backingErr.Load(); p != nil {
+			return run{}, fmt.Errorf("no free cache bucket, and writeback to the backing device is failing: %w", *p)
 		}
 		s.kick()
 		s.kickWB()
 		time.Sleep(200 * time.Microsecond)
 	}
 }
-
-// errBackingFailing: a write needs writeback to the backing device, which is
-// failing. The client sees an I/O error.
-var errBackingFailing = errors.New("cache: backing device failing")
 
 // noteInvalidateLocked remembers, until it is durable, that the
 // invalidation record just appended replaced dirty data: if it is lost in a

@@ -735,8 +735,8 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 				turn()
 				issue()
 				if err := v.writeBackingNoMark(buf[i*blockSize:j*blockSize], its[i].lba); err != nil {
-					v.wb.backingFailing.Store(true)
 					rerr = fmt.Errorf("writeback to %s: %w", v.name, err)
+					v.wb.backingErr.Store(&rerr)
 					for x := i; x < len(its); x++ {
 						its[x].ok = false
 					}
@@ -754,10 +754,11 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 		return 0, nil
 	}
 	if err := v.back.Sync(); err != nil {
-		v.wb.backingFailing.Store(true)
-		return 0, fmt.Errorf("writeback: syncing %s: %w", v.name, err)
+		err = fmt.Errorf("writeback: syncing %s: %w", v.name, err)
+		v.wb.backingErr.Store(&err)
+		return 0, err
 	}
-	v.wb.backingFailing.Store(false)
+	v.wb.backingErr.Store(nil)
 	n := 0
 	for at := 0; at < len(items); at += lockChunk {
 		s.mu.Lock()

@@ -867,7 +867,14 @@ func (s *Set) Close() error {
 // Flush makes every write completed so far, on every volume, durable (one
 // group commit for the whole set).
 func (s *Set) Flush() error {
-	return s.commit(s.appended())
+	if err := s.commit(s.appended()); err != nil {
+		return err
+	}
+	var errs []error
+	for _, v := range s.volList() {
+		errs = append(errs, v.durableErr())
+	}
+	return errors.Join(errs...)
 }
 
 // crashStop stops the background goroutines without writing anything, as if

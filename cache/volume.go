@@ -44,11 +44,14 @@ type Volume struct {
 	// a journal record may depend on (writeback's are not: it syncs before
 	// it marks anything clean) and cleared (then synced) by commit.
 	backingUnsynced atomic.Bool
-	st              volStats
-	cfg             atomic.Pointer[Settings] // current settings; Mode field unused (see mode)
-	pol             policy
-	lastIO          atomic.Int64 // unix nanos of the last client request (idle detection)
-	wb              wbState      // background writeback state (writeback.go)
+	// backSyncErr: the first failed sync of the backing device (sticky;
+	// see syncBackings).
+	backSyncErr atomic.Pointer[error]
+	st          volStats
+	cfg         atomic.Pointer[Settings] // current settings; Mode field unused (see mode)
+	pol         policy
+	lastIO      atomic.Int64 // unix nanos of the last client request (idle detection)
+	wb          wbState      // background writeback state (writeback.go)
 
 	idx volIndex // guarded by s.mu
 	fo  foState  // failover state (failover.go), guarded by s.mu
@@ -62,7 +65,7 @@ type volStats struct {
 	readHitOps, readMissOps, promoteOps               atomic.Uint64
 	bypass                                            [bypassFailed + 1]atomic.Uint64 // bytes by reason
 	throttleNanos, spaceWaitNanos                     atomic.Uint64
-	unreachableReads, fencedWrites                    atomic.Uint64
+	unreachableReads, fencedWrites, backingSyncErrors atomic.Uint64
 }
 
 // VolumeStats are a volume's counters.
@@ -118,6 +121,9 @@ type VolumeStats struct {
 	// the failed cache may hold a newer durable version of their blocks.
 	UnreachableDirtyBlocks, LostWriteBlocks  int64
 	UnreachableReadErrors, FencedWriteErrors uint64
+	// BackingSyncErrors counts failed syncs of the backing device; after
+	// the first, every Flush and FUA request of the volume fails.
+	BackingSyncErrors uint64
 }
 
 // enter admits a client call (I/O, flush, settings); exit must follow. It
@@ -186,7 +192,8 @@ func (v *Volume) Stats() VolumeStats {
 		BypassCongestionBytes: v.st.bypass[bypassCongested].Load(), BypassCacheFullBytes: v.st.bypass[bypassFull].Load(),
 		BypassCacheFailedBytes: v.st.bypass[bypassFailed].Load(),
 		WritebackRate:          v.wb.rate.Load(), ThrottleNanos: v.st.throttleNanos.Load(), SpaceWaitNanos: v.st.spaceWaitNanos.Load(),
-		UnreachableReadErrors: v.st.unreachableReads.Load(), FencedWriteErrors: v.st.fencedWrites.Load()}
+		UnreachableReadErrors: v.st.unreachableReads.Load(), FencedWriteErrors: v.st.fencedWrites.Load(),
+		BackingSyncErrors: v.st.backingSyncErrors.Load()}
 	v.s.mu.Lock()
 	st.CachedBlocks, st.DirtyBlocks, st.SupersededBlocks = v.idx.cached, v.idx.dirty, v.idx.nsup
 	st.LostWriteBlocks = v.fo.lost
@@ -563,7 +570,7 @@ func (v *Volume) WriteAt(p []byte, off int64, fua bool) error {
 		}
 	}
 	if fua {
-		return v.s.commit(v.s.appended())
+		return v.commitFUA()
 	}
 	return nil
 }
@@ -781,13 +788,19 @@ func (v *Volume) Flush() error {
 			return fmt.Errorf("volume %s: flush: %d bytes written before the cache device failed were only in the cache: %w (%w)",
 				v.name, lost*blockSize, ErrLostWrites, s.err())
 		}
-		return s.commit(0)
+		if err := s.commit(0); err != nil {
+			return err
+		}
+		return v.durableErr()
 	}
 	s.mu.Lock()
 	v.idx.epoch++
 	target := s.mu.seq
 	s.mu.Unlock()
-	return s.commit(target)
+	if err := s.commit(target); err != nil {
+		return err
+	}
+	return v.durableErr()
 }
 
 // Trim discards whole blocks inside [off, off+length): they are dropped from
@@ -836,7 +849,7 @@ func (v *Volume) Trim(off, length int64, fua bool) error {
 		}
 	}
 	if fua {
-		return v.s.commit(v.s.appended())
+		return v.commitFUA()
 	}
 	return nil
 }
@@ -905,7 +918,7 @@ func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) err
 		}
 	}
 	if fua {
-		return v.s.commit(v.s.appended())
+		return v.commitFUA()
 	}
 	return nil
 }

@@ -65,10 +65,11 @@ type wbState struct {
 	done   chan struct{} // ...and closes done
 	rate   atomic.Int64  // bytes/s now: 0 idle, -1 full speed (Stats)
 	cursor uint64        // next LBA of the sweep; only the goroutine uses it
-	// backingFailing: the last writeback batch failed on the backing
-	// device (cleared by the next one that syncs). A write waiting for
-	// space that only writeback can free fails instead of waiting.
-	backingFailing atomic.Bool
+	// backingErr: the last writeback batch failed on the backing device
+	// with this error (cleared by the next one that syncs). A write
+	// waiting for space that only writeback can free fails instead of
+	// waiting.
+	backingErr atomic.Pointer[error]
 }
 
 func nowNanos() int64 { return time.Now().UnixNano() }
