@@ -120,7 +120,9 @@ func TestCacheRefusals(t *testing.T) {
 		{"bad-mode", []string{"format", "--cache", sparseFile(t, cs.dir, "c2.img", 16*mib), "--backing", "y=" + sparseFile(t, cs.dir, "y.img", mib), "--mode", "fast"}, "unknown cache mode"},
 		{"bad-bucket", []string{"format", "--cache", sparseFile(t, cs.dir, "c3.img", 16*mib), "--backing", "z=" + sparseFile(t, cs.dir, "z.img", mib), "--bucket-size", "1000"}, "bucket size"},
 		{"not-a-cache", []string{"serve", "--cache", sparseFile(t, cs.dir, "empty.img", 16*mib)}, "not a tiercache cache device"},
-		{"no-backing", []string{"format", "--cache", cs.cache}, "--backing"},
+		// format with no --backing makes an empty set (devices are attached
+		// later), but a --backing without its path is an error.
+		{"backing-without-path", []string{"format", "--cache", sparseFile(t, cs.dir, "c4.img", 16*mib), "--backing", "w"}, "want NAME=PATH"},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
