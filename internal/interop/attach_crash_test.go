@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -56,14 +55,7 @@ func TestKillDuringAttachDetach(t *testing.T) {
 	// a random delay after the command's output contains mark ("" for at
 	// once), and waits for the command (which fails or not).
 	killDuring := func(mark string, maxDelay time.Duration, args ...string) {
-		cmd := exec.Command(bin, append(args, "--admin", admin)...)
-		out := &syncBuffer{}
-		cmd.Stdout, cmd.Stderr = out, out
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		exited := make(chan error, 1)
-		go func() { exited <- cmd.Wait() }()
+		_, out, exited := background(t, bin, append(args, "--admin", admin)...)
 		for deadline := time.Now().Add(20 * time.Second); mark != "" && !strings.Contains(out.String(), mark) && time.Now().Before(deadline); {
 			time.Sleep(time.Millisecond)
 		}
@@ -123,7 +115,7 @@ func TestKillDuringAttachDetach(t *testing.T) {
 			copy(want[off:off+8192], bytes.Repeat([]byte{b}, 8192))
 		}
 		cmds = append(cmds, "-c", "flush")
-		run(t, time.Minute, "qemu-io", append([]string{"-f", "raw", "nbd+unix:///disk?socket="+s.sock}, cmds...)...)
+		run(t, time.Minute, "qemu-io", append([]string{"-f", "raw", "nbd+unix:///disk?socket=" + s.sock}, cmds...)...)
 		killDuring("detach disk [", 300*time.Millisecond, "detach", "disk")
 		in := check("kill during detach")
 		outcomes = append(outcomes, map[bool]string{true: "detach:in", false: "detach:out"}[in])

@@ -167,6 +167,21 @@ func (s *server) stop() {
 	}
 }
 
+// background starts a command with its combined output in a buffer and
+// returns it, the buffer and the channel that receives Wait's result.
+func background(t *testing.T, name string, args ...string) (*exec.Cmd, *syncBuffer, <-chan error) {
+	t.Helper()
+	cmd := exec.Command(name, args...)
+	out := &syncBuffer{}
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	return cmd, out, done
+}
+
 // uri is the NBD URI of export name on this server.
 func (s *server) uri(name string) string {
 	return fmt.Sprintf("nbd+unix:///%s?socket=%s", name, s.sock)

@@ -41,14 +41,7 @@ func kernelExt4(t *testing.T, s *server, export string) {
 	os.Mkdir(fuseDir, 0o700)
 	os.Mkdir(mnt, 0o700)
 	pidfile := filepath.Join(dir, "nbdfuse.pid")
-	fuse := exec.Command("nbdfuse", "-P", pidfile, filepath.Join(fuseDir, "disk"), s.uri(export))
-	fuseLog := &syncBuffer{}
-	fuse.Stdout, fuse.Stderr = fuseLog, fuseLog
-	if err := fuse.Start(); err != nil {
-		t.Fatal(err)
-	}
-	fuseDone := make(chan error, 1)
-	go func() { fuseDone <- fuse.Wait() }()
+	fuse, fuseLog, fuseDone := background(t, "nbdfuse", "-P", pidfile, filepath.Join(fuseDir, "disk"), s.uri(export))
 	t.Cleanup(func() {
 		exec.Command("fusermount3", "-u", fuseDir).Run()
 		select {
