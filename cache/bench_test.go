@@ -6,7 +6,9 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"os"
 	"runtime"
+	"runtime/pprof"
 	"slices"
 	"strings"
 	"sync/atomic"
@@ -17,7 +19,10 @@ import (
 	"github.com/tiercache/tiercache/device"
 )
 
-var flagMeasure = flagBool("measure", false, "run TestMeasure* (index memory, recovery time with 1M extents)")
+var (
+	flagMeasure         = flagBool("measure", false, "run TestMeasure* (index memory, recovery time with 1M extents)")
+	flagRecoveryProfile = flag.String("recoveryprofile", "", "TestMeasureRecovery: write a CPU profile of Open to this file")
+)
 
 // TestMeasureIndexMemory fills a cache with 4 KiB random writes and reports
 // the heap bytes the index costs per cached block and per GiB of cache.
@@ -133,10 +138,23 @@ func TestMeasureRecovery(t *testing.T) {
 	start = time.Now()
 	var logBuf bytes.Buffer
 	var ru0, ru1 syscall.Rusage
+	if *flagRecoveryProfile != "" {
+		f, err := os.Create(*flagRecoveryProfile)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			t.Fatal(err)
+		}
+	}
 	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru0)
 	s2, err := Open(cache, specs, OpenOptions{Logger: slog.New(slog.NewTextHandler(&logBuf, nil))})
 	if err != nil {
 		t.Fatal(err)
+	}
+	if *flagRecoveryProfile != "" {
+		pprof.StopCPUProfile()
 	}
 	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru1)
 	cpu := time.Duration(ru1.Utime.Nano()+ru1.Stime.Nano()-ru0.Utime.Nano()-ru0.Stime.Nano()) * time.Nanosecond

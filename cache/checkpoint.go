@@ -89,10 +89,14 @@ func decodeCkptHeader(b []byte, off int64) (h ckptHeader, err error) {
 
 // ckptVol is one volume's part of a checkpoint.
 type ckptVol struct {
-	epoch   uint64
-	ents    []ent
-	epochOf map[uint32]uint64 // flush epoch of each dirty entry's cache block
-	sup     []ver             // superseded versions (epoch order)
+	epoch uint64
+	ents  []ent
+	// epochOf[loc] is the flush epoch of the dirty entry at cache block loc
+	// (nil without an epoch section). One slice indexed by cache block,
+	// shared by all volumes (no block is named twice), is much cheaper to
+	// build and read than a map for a million dirty blocks.
+	epochOf []uint64
+	sup     []ver // superseded versions (epoch order)
 }
 
 // ckptData is a decoded checkpoint body.
@@ -236,25 +240,31 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 		if d.u32() != ckptEpochTag {
 			return nil, badf("checkpoint body", "unknown section after the volumes")
 		}
+		epochOf := make([]uint64, total)
+		dirtyAt := newBitset(int(total)) // the dirty entries of the volume at hand
 		for vi := range cd.vols {
 			cv := &cd.vols[vi]
-			dirtyAt := map[uint32]bool{}
+			nd := 0
 			for _, x := range cv.ents {
 				if x.dirty() {
-					dirtyAt[x.block()] = true
+					dirtyAt.set(int(x.block()))
+					nd++
 				}
 			}
 			n := d.u64()
-			if d.bad || n > uint64(len(dirtyAt)) || n*12 > uint64(d.remaining()) {
+			if d.bad || n > uint64(nd) || n*12 > uint64(d.remaining()) {
 				return nil, badf("checkpoint body", "volume %d: %d dirty epochs", vi, n)
 			}
-			cv.epochOf = make(map[uint32]uint64, n)
+			cv.epochOf = epochOf
 			for range n {
 				loc, ep := d.u32(), d.u64()
-				if !dirtyAt[loc] || ep > cv.epoch {
+				if uint64(loc) >= total || !dirtyAt.get(int(loc)) || ep > cv.epoch {
 					return nil, badf("checkpoint body", "volume %d: epoch %d for cache block %d (not a dirty entry, or beyond the volume's epoch %d)", vi, ep, loc, cv.epoch)
 				}
-				cv.epochOf[loc] = ep
+				epochOf[loc] = ep
+			}
+			for _, x := range cv.ents {
+				dirtyAt.clear(int(x.block()))
 			}
 			m := d.u64()
 			if d.bad || m > total || m*24 > uint64(d.remaining()) {

@@ -90,6 +90,16 @@ type ver struct {
 	crc   uint32
 }
 
+func cmpVer(a, b ver) int {
+	if verLess(a, b) {
+		return -1
+	}
+	if verLess(b, a) {
+		return 1
+	}
+	return 0
+}
+
 func verLess(a, b ver) bool {
 	if a.epoch != b.epoch {
 		return a.epoch < b.epoch
@@ -129,6 +139,7 @@ type bitset []uint64
 func newBitset(n int) bitset    { return make(bitset, (n+63)/64) }
 func (b bitset) get(i int) bool { return b[i/64]&(1<<(i%64)) != 0 }
 func (b bitset) set(i int)      { b[i/64] |= 1 << (i % 64) }
+func (b bitset) clear(i int)    { b[i/64] &^= 1 << (i % 64) }
 
 // insertLocked makes lba of volume v point at cache block loc, replacing any
 // previous entry; a dirty block gets the volume's current flush epoch.

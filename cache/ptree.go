@@ -248,9 +248,10 @@ func (nd *bnode[E, L, PL]) removeChild(j int) {
 
 // bptree is the copy-on-write B+tree described at the top of the file.
 type bptree[E, L any, PL leafPtr[L, E]] struct {
-	root   *bnode[E, L, PL]
-	length int
-	cow    *cowCtx
+	root    *bnode[E, L, PL]
+	length  int
+	cow     *cowCtx
+	scratch []E // overflow's buffer, kept between calls (not shared by clones)
 }
 
 // Len returns the number of elements.
@@ -384,9 +385,11 @@ func (t *bptree[E, L, PL]) overflow(path []pathStep[E, L, PL], l PL, p int, e E)
 	last := path[len(path)-1]
 	parent, i := last.nd, last.i
 	c := l.capacity()
-	scratch := make([]E, 0, 3*c+1)
+	if cap(t.scratch) < 3*c+1 {
+		t.scratch = make([]E, 0, 3*c+1)
+	}
 	merged := func(ls ...PL) []E {
-		es := scratch[:0]
+		es := t.scratch[:0]
 		for _, x := range ls {
 			es = appendLeaf[E](x, es)
 			if x == l {

@@ -1,11 +1,12 @@
 package cache
 
 import (
+	"cmp"
 	"crypto/rand"
 	"errors"
 	"fmt"
 	"log/slog"
-	mrand "math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -323,25 +324,15 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	for i, g := range cd.gens {
 		s.mu.buckets[i].gen = g
 	}
-	for vi, cv := range cd.vols {
+	for vi := range cd.vols {
 		if vi >= len(s.vols) {
 			break // slots detached after this checkpoint: empty (decodeCkptBody)
 		}
-		s.vols[vi].idx.epoch = cv.epoch
-		// Insert in random order: B-tree nodes split at the middle, so
-		// inserting in LBA order would leave them half full (43.7 instead
-		// of 32.8 bytes per block measured at 1M entries).
-		for _, i := range mrand.Perm(len(cv.ents)) {
-			e := cv.ents[i]
-			s.insertEpochLocked(vi, e.lba, e.block(), e.crc, e.dirty(), cv.epochOf[e.block()])
-		}
-		for _, x := range cv.sup {
-			s.insertSupLocked(vi, x)
-		}
+		s.loadCheckpointLocked(vi, &cd.vols[vi])
 		cd.vols[vi].ents = nil
 	}
 	loaded := time.Now()
-	end, nrec, err := replayJournal(cacheDev, sb, hdr.gen, hdr.jpos, s.applyLocked)
+	end, nrec, err := s.replaySorted(cacheDev, sb, hdr)
 	if err != nil {
 		return nil, fmt.Errorf("open: replaying journal: %w", err)
 	}
@@ -450,6 +441,124 @@ func (s *Set) vol(vi int) *Volume {
 // volList returns the current slot list (free slots included), for
 // callers holding neither mu nor commitMu.
 func (s *Set) volList() []*Volume { return *s.volSnap.Load() }
+
+// loadCheckpointLocked builds volume vi's index from its checkpoint part:
+// the entries (in strictly increasing LBA order, as decodeCkptBody checked)
+// are bulk-loaded into nearly full leaves, and so are the dirty versions,
+// sorted by (epoch, LBA); the bucket counts, epochs and the recovery-time
+// reverse map follow. Inserting one by one instead cost 1.9 s for 1M
+// entries (random B-tree inserts).
+// REQUIRES: s.mu (or exclusive access during Open)
+func (s *Set) loadCheckpointLocked(vi int, cv *ckptVol) {
+	v := s.vols[vi]
+	v.idx.epoch = cv.epoch
+	v.idx.tree = buildPtree(cv.ents)
+	var vs []ver
+	for _, e := range cv.ents {
+		loc := e.block()
+		if s.mu.owner != nil {
+			s.mu.owner[loc] = ownerKey(vi, e.lba)
+		}
+		b := &s.mu.buckets[int64(loc)/s.bpb]
+		b.live++
+		v.idx.cached++
+		if e.dirty() {
+			ep := cv.epochOf[loc]
+			b.dirty++
+			v.idx.dirty++
+			s.setBlockEpoch(loc, ep)
+			vs = append(vs, ver{epoch: ep, lba: e.lba, loc: loc, crc: e.crc})
+		}
+	}
+	// Entries come in LBA order: with one epoch (the usual case) the
+	// versions are already sorted.
+	if !slices.IsSortedFunc(vs, cmpVer) {
+		slices.SortFunc(vs, cmpVer)
+	}
+	v.idx.vers = newVtree()
+	v.idx.vers.bulkLoad(vs, vleafCap-vleafCap/16)
+	for _, x := range cv.sup {
+		s.insertSupLocked(vi, x)
+	}
+}
+
+// replayBatch bounds the insert records replaySorted sorts at a time.
+const replayBatch = 1 << 16
+
+// replaySorted replays the journal after hdr's checkpoint. Runs of insert
+// records (up to replayBatch) are applied sorted by (volume, LBA), stably,
+// so that the index is updated in one sweep instead of by random inserts
+// (2.7 s for 0.5M random 4 KiB writes before). Within a run this order is
+// equivalent to the journal's: inserts of different blocks commute (no
+// record in the run changes a bucket generation or drops entries), and
+// inserts of one LBA keep their order (records are split per block, since
+// multi-block records may overlap); an insert into a block owned earlier
+// in the run is corruption in either order.
+func (s *Set) replaySorted(dev device.Device, sb *Superblock, hdr ckptHeader) (journalPos, int, error) {
+	// One item per block: records of several blocks can overlap (a later
+	// write over part of an earlier one), and only per-block items sort
+	// into a per-LBA order. seq (the item's place in the journal) makes
+	// the sort stable.
+	type item struct {
+		lba uint64
+		vol uint16
+		seq uint32
+		r   *rec
+		i   uint32 // block within r
+		all bool   // apply r whole
+	}
+	var batch []item
+	flush := func() error {
+		slices.SortFunc(batch, func(a, b item) int {
+			if c := cmp.Compare(a.vol, b.vol); c != 0 {
+				return c
+			}
+			if c := cmp.Compare(a.lba, b.lba); c != 0 {
+				return c
+			}
+			return cmp.Compare(a.seq, b.seq)
+		})
+		for _, it := range batch {
+			r := it.r
+			if !it.all && len(r.crcs) > 1 {
+				one := *r
+				one.lba, one.loc, one.crcs = r.lba+uint64(it.i), r.loc+it.i, r.crcs[it.i:it.i+1]
+				r = &one
+			}
+			if err := s.applyLocked(r); err != nil {
+				return fmt.Errorf("%v (in a run of inserts sorted by LBA): %w", r, err)
+			}
+		}
+		batch = batch[:0]
+		return nil
+	}
+	end, n, err := replayJournal(dev, sb, hdr.gen, hdr.jpos, func(r *rec) error {
+		if r.typ == recInsert {
+			// A record that leaves its bucket is kept whole for applyLocked
+			// to reject.
+			n := uint32(len(r.crcs))
+			if n == 0 || int64(r.loc)/s.bpb != (int64(r.loc)+int64(n)-1)/s.bpb {
+				batch = append(batch, item{lba: r.lba, vol: r.vol, seq: uint32(len(batch)), r: r, all: true})
+				n = 0
+			}
+			for i := range n {
+				batch = append(batch, item{lba: r.lba + uint64(i), vol: r.vol, seq: uint32(len(batch)), r: r, i: i})
+			}
+			if len(batch) < replayBatch {
+				return nil
+			}
+			return flush()
+		}
+		if err := flush(); err != nil {
+			return err
+		}
+		return s.applyLocked(r)
+	})
+	if err == nil {
+		err = flush()
+	}
+	return end, n, err
+}
 
 // dropCleanLocked drops every clean entry. Open does this after a crash: a
 // passthrough write (writearound, none, write-zeroes) may have reached the
