@@ -208,10 +208,7 @@ func (s *Set) removeVolume(v *Volume) error {
 	restart := func() {
 		v.wb.stop, v.wb.done = make(chan struct{}), make(chan struct{})
 		s.mu.Lock()
-		if !s.mu.closed {
-			s.wg.Add(1)
-			go s.writebackLoop(v)
-		}
+		s.startWritebackLocked(v)
 		s.mu.Unlock()
 	}
 	s.commitMu.Lock()
@@ -259,6 +256,21 @@ func (s *Set) removeVolume(v *Volume) error {
 	s.sb = nsb
 	s.log.Info("volume detached", "volume", v.name, "slot", v.vi)
 	return nil
+}
+
+// startWritebackLocked starts v's writeback goroutine, unless the set is
+// closed or runs without background goroutines (OpenOptions.noBackground,
+// tests), where nothing waits for one.
+// REQUIRES: s.mu
+func (s *Set) startWritebackLocked(v *Volume) {
+	switch {
+	case s.mu.closed:
+	case s.noBackground:
+		close(v.wb.done)
+	default:
+		s.wg.Add(1)
+		go s.writebackLoop(v)
+	}
 }
 
 // AttachOptions configure Set.Attach.
@@ -346,10 +358,7 @@ func (s *Set) Attach(spec BackingSpec, opts AttachOptions) (*Volume, error) {
 	copy(vols, s.vols)
 	vols[slot] = v
 	s.setVols(vols)
-	if !s.mu.closed {
-		s.wg.Add(1)
-		go s.writebackLoop(v)
-	}
+	s.startWritebackLocked(v)
 	s.mu.Unlock()
 	s.log.Info("volume attached", "volume", v.name, "slot", slot, "size", size, "mode", opts.Mode.String())
 	return v, nil

@@ -42,6 +42,7 @@ import (
 	"log/slog"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -318,6 +319,7 @@ type cpRun struct {
 	order     string
 	cache     *cpDev
 	backs     []*cpDev
+	extra     *cpDev // attach: the device attached by the operation
 	set       *Set
 	model     []*modelVol
 	uncertain bool // an operation failed: cur may hold data that did not land
@@ -328,6 +330,7 @@ type cpRun struct {
 	oldModel []*modelVol
 	modes    []Mode       // per volume: the mode after a restart
 	altMode  map[int]Mode // a mode switch in progress: also allowed
+	optional string       // a volume the reopened set may not list (attach, detach)
 }
 
 func (r *cpRun) logf(format string, args ...any) {
@@ -364,30 +367,34 @@ func (r *cpRun) geometry() {
 	r.order = []string{"epoch", "lba"}[r.seed%2]
 	r.cache = r.w.add("cache", device.NewMem(cacheSizeFor(r.nb, r.bs, minJournalLen, r.nvols)))
 	for i := 0; i < r.nvols; i++ {
-		size := int64(24+rng.IntN(40)) * blockSize
-		if rng.IntN(4) == 0 {
-			size -= int64(1+rng.IntN(7)) * 512
-		}
-		mem := device.NewMem(size)
-		// Backing data that is not zero, so a read served from the wrong
-		// place shows.
-		p := make([]byte, size)
-		stamp(p, 1<<40+uint64(i), i, 0)
-		if _, err := mem.WriteAt(p, 0); err != nil {
-			r.t.Fatal(err)
-		}
-		if err := mem.Sync(); err != nil {
-			r.t.Fatal(err)
-		}
-		r.backs = append(r.backs, r.w.add(fmt.Sprintf("back%d", i), mem))
-		m := &modelVol{cur: p, cand: make([][][]byte, (size+blockSize-1)/blockSize)}
+		d, m := r.newBacking(i)
+		r.backs = append(r.backs, d)
 		r.model = append(r.model, m)
 	}
-	for _, m := range r.model {
-		for b := range m.cand {
-			m.cand[b] = [][]byte{blockOf(m, b)}
-		}
+}
+
+// newBacking adds backing device i to the world, with data that is not
+// zero (so a read served from the wrong place shows), and returns its model.
+func (r *cpRun) newBacking(i int) (*cpDev, *modelVol) {
+	rng := r.rng
+	size := int64(24+rng.IntN(40)) * blockSize
+	if rng.IntN(4) == 0 {
+		size -= int64(1+rng.IntN(7)) * 512
 	}
+	mem := device.NewMem(size)
+	p := make([]byte, size)
+	stamp(p, 1<<40+uint64(i), i, 0)
+	if _, err := mem.WriteAt(p, 0); err != nil {
+		r.t.Fatal(err)
+	}
+	if err := mem.Sync(); err != nil {
+		r.t.Fatal(err)
+	}
+	m := &modelVol{cur: p, cand: make([][][]byte, (size+blockSize-1)/blockSize)}
+	for b := range m.cand {
+		m.cand[b] = [][]byte{blockOf(m, b)}
+	}
+	return r.w.add(fmt.Sprintf("back%d", i), mem), m
 }
 
 func blockOf(m *modelVol, b int) []byte {
@@ -745,12 +752,13 @@ func (r *cpRun) checkImage(mems []*device.Mem, what string, finished bool) {
 	}
 	s, err := Open(mems[0], r.specs(devs), OpenOptions{Logger: slog.New(&cpLog{}), noBackground: true})
 	var bm *BackingMismatchError
-	detached := false
-	if r.sc.name == "detach" && errors.As(err, &bm) && bm.Field == "unknown" && bm.Name == "vol0" {
-		// The detach completed before the crash: the set no longer
-		// lists vol0.
-		detached = true
-		s, err = Open(mems[0], r.specs(devs)[1:], OpenOptions{Logger: slog.New(&cpLog{}), noBackground: true})
+	absent := false
+	if r.optional != "" && errors.As(err, &bm) && bm.Field == "unknown" && bm.Name == r.optional {
+		// A detach completed, or an attach did not, before the crash:
+		// the set does not list that volume.
+		absent = true
+		specs := slices.DeleteFunc(r.specs(devs), func(b BackingSpec) bool { return b.Name == r.optional })
+		s, err = Open(mems[0], specs, OpenOptions{Logger: slog.New(&cpLog{}), noBackground: true})
 	}
 	if r.sc.fresh {
 		r.checkFormatImage(mems, devs, s, err, what)
@@ -763,7 +771,7 @@ func (r *cpRun) checkImage(mems []*device.Mem, what string, finished bool) {
 	if err := s.Check(); err != nil {
 		r.fatalf("%s: Check: %v", what, err)
 	}
-	if detached || (r.sc.name == "detach" && finished) {
+	if (absent && r.sc.name == "detach") || (r.sc.name == "detach" && finished) {
 		// Removed from the set: the backing device alone holds every
 		// write, durably.
 		want := r.model[0].cur
@@ -1028,9 +1036,42 @@ var cpScenarios = []*cpScenario{
 		},
 	},
 	{
+		// A new backing device joins the running set (superblock), then
+		// takes a write and a FLUSH.
+		name: "attach",
+		prepare: func(r *cpRun) {
+			prepareSet(20)(r)
+			d, m := r.newBacking(r.nvols)
+			r.extra = d
+			r.model = append(r.model, m)
+			r.modes = append(r.modes, Mode(r.rng.IntN(4)))
+		},
+		op: func(r *cpRun) error {
+			vi := len(r.model) - 1
+			name := fmt.Sprintf("vol%d", vi)
+			r.optional = name
+			var dev device.Device = r.extra
+			if r.hide {
+				dev = plainDev{dev}
+			}
+			r.logf("attach %s mode %v", name, r.modes[vi])
+			if _, err := r.set.Attach(BackingSpec{Name: name, Dev: dev, ID: fmt.Sprintf("id-%d", vi)}, AttachOptions{Mode: r.modes[vi]}); err != nil {
+				return err
+			}
+			r.optional = ""
+			r.nvols++
+			off, n := r.randRange(vi)
+			if err := r.write(vi, off, n, false); err != nil {
+				return err
+			}
+			return r.flush(vi)
+		},
+	},
+	{
 		name:    "detach",
 		prepare: prepareSet(30),
 		op: func(r *cpRun) error {
+			r.optional = "vol0"
 			r.altMode = map[int]Mode{0: None}
 			if err := r.set.vols[0].Detach(context.Background(), DetachOptions{}); err != nil {
 				return err
@@ -1139,6 +1180,9 @@ func runPoint(t *testing.T, sc *cpScenario, seed uint64, mode cpMode, at int) cp
 // fault: a read may fail, but one that succeeds returns allowed data.
 func (r *cpRun) checkLiveAfterFault() {
 	for vi, m := range r.model {
+		if removed(r.set, vi) {
+			continue
+		}
 		got := make([]byte, len(m.cur))
 		if err := r.set.vols[vi].ReadAt(got, 0); err != nil {
 			continue

@@ -252,7 +252,9 @@ type Set struct {
 	stop       chan struct{}
 	wg         sync.WaitGroup
 	stats      setStats
-	draining   atomic.Int32 // Drain calls running: background writeback pauses
+	// noBackground: OpenOptions.noBackground (tests); no goroutine runs.
+	noBackground bool
+	draining     atomic.Int32 // Drain calls running: background writeback pauses
 	// epochOK: the checkpoint slots can hold superseded versions and
 	// per-entry epochs (sets formatted before epoch order have smaller
 	// slots; there writeback_order=epoch acts as lba).
@@ -380,6 +382,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		}
 	}
 	if opts.noBackground {
+		s.noBackground = true
 		for _, v := range s.vols {
 			close(v.wb.done) // no writeback goroutine to wait for (detach)
 		}
