@@ -193,6 +193,7 @@ type cacheRunner struct {
 	round   int       // 1-based
 	nrounds int
 	details []detail // the last round's
+	dirs    []string // the current scenario's tcDir directories
 	loads   []string
 	step    int
 	total   int
@@ -311,6 +312,14 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 			if err := runs[s](ctx); err != nil {
 				return fmt.Errorf("round %d %s: %w", c.round, s, err)
 			}
+			// The scenario's servers are gone: free its images (RAM in
+			// /dev/shm; a whole round's would take ~19 GiB).
+			for _, d := range c.dirs {
+				if err := os.RemoveAll(d); err != nil {
+					return err
+				}
+			}
+			c.dirs = nil
 		}
 		c.rounds = append(c.rounds, c.checks)
 		if c.round < c.nrounds {
@@ -554,6 +563,7 @@ func (c *cacheRunner) discard(s *server) error {
 // tcDir makes a fresh directory for one tiercache server.
 func (c *cacheRunner) tcDir(tag string) (string, error) {
 	d := filepath.Join(c.workdir, tag)
+	c.dirs = append(c.dirs, d)
 	if err := os.RemoveAll(d); err != nil {
 		return "", err
 	}

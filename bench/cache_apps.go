@@ -199,6 +199,7 @@ func (c *cacheRunner) mountExt4(ctx context.Context, u *undoStack, file string, 
 func (c *cacheRunner) appGolden(ctx context.Context, t appTools) (string, error) {
 	a := c.sz.Apps
 	dir := filepath.Join(c.workdir, "s6-golden")
+	c.dirs = append(c.dirs, dir)
 	if err := os.MkdirAll(dir, 0o755); err != nil {
 		return "", err
 	}
