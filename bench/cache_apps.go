@@ -329,6 +329,9 @@ func (c *cacheRunner) s6Mode(ctx context.Context, t appTools, golden, target str
 		return nil, err
 	}
 	var u undoStack
+	// Last: free the target's images (each holds a copy of the golden
+	// image) before the next target makes its own.
+	u.push(func() error { return os.RemoveAll(filepath.Join(c.workdir, "s6-"+target)) })
 	u.push(func() error { return c.discard(srv) })
 	defer func() {
 		if uerr := u.run(); err == nil && uerr != nil {
