@@ -1,8 +1,10 @@
 package cache
 
 import (
+	"cmp"
 	"fmt"
 	"hash/crc32"
+	"slices"
 
 	"github.com/tiercache/tiercache/device"
 )
@@ -87,6 +89,14 @@ func decodeCkptHeader(b []byte, off int64) (h ckptHeader, err error) {
 	return h, nil
 }
 
+// verSnap is a snapshot of a volume's dirty versions for a checkpoint: the
+// version tree (epoch, lba) and the superseded versions (a copy of
+// idx.sup); a version not in sup is the live entry's.
+type verSnap struct {
+	t   *vtree
+	sup map[uint64][]ver
+}
+
 // ckptVol is one volume's part of a checkpoint.
 type ckptVol struct {
 	epoch uint64
@@ -116,7 +126,7 @@ func encodeCkptBody(gens []uint32, epochs []uint64, trees []*ptree, w func([]byt
 // live dirty entry's cache block, then the superseded versions.
 //
 //	"EPCH" u32 | { n u64 | { loc u32 | epoch u64 } × n | m u64 | { lba u64 | loc u32 | crc u32 | epoch u64 } × m } per volume
-func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []*vtree, w func([]byte) error) error {
+func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []verSnap, w func([]byte) error) error {
 	const chunk = 1 << 20
 	e := enc{b: make([]byte, 0, 64<<10)}
 	flush := func(force bool) error {
@@ -153,13 +163,18 @@ func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []*
 	}
 	if vers != nil {
 		e.u32(ckptEpochTag)
-		for i, vt := range vers {
+		for i, vs := range vers {
 			var live, sup []ver
-			vt.Ascend(func(x ver) bool {
-				if cur, ok := trees[i].Get(ent{lba: x.lba}); ok && cur.block() == x.loc && cur.dirty() {
+			vs.t.Ascend(func(x ver) bool {
+				for _, y := range vs.sup[x.lba] {
+					if y.epoch == x.epoch {
+						sup = append(sup, y)
+						return true
+					}
+				}
+				if cur, ok := trees[i].Get(ent{lba: x.lba}); ok && cur.dirty() {
+					x.loc, x.crc = cur.block(), cur.crc
 					live = append(live, x)
-				} else {
-					sup = append(sup, x)
 				}
 				return true
 			})
@@ -275,6 +290,13 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 				if d.bad || x.lba >= blocksOf(vi) || uint64(x.loc) >= total || seen.get(int(x.loc)) || x.epoch > cv.epoch {
 					return nil, badf("checkpoint body", "volume %d: superseded version %+v out of range or owned twice", vi, x)
 				}
+				// In (epoch, lba) order, each older than the live dirty
+				// entry of its LBA (index invariant 4): (epoch, lba) names
+				// one version.
+				i, found := slices.BinarySearchFunc(cv.ents, x.lba, func(e ent, lba uint64) int { return cmp.Compare(e.lba, lba) })
+				if (len(cv.sup) > 0 && !verLess(cv.sup[len(cv.sup)-1], x)) || !found || !cv.ents[i].dirty() || epochOf[cv.ents[i].block()] <= x.epoch {
+					return nil, badf("checkpoint body", "volume %d: superseded version %+v out of order or not older than a dirty entry", vi, x)
+				}
 				seen.set(int(x.loc))
 				cv.sup = append(cv.sup, x)
 			}
@@ -294,7 +316,7 @@ func writeCheckpoint(dev device.Device, sb *Superblock, h ckptHeader, gens []uin
 
 // writeCheckpointVers writes a checkpoint with the epoch section (vers
 // non-nil), which needs slots sized by ckptLenEpoch.
-func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*ptree, vers []*vtree) error {
+func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*ptree, vers []verSnap) error {
 	slot := sb.CkptOff[h.gen%2]
 	off := slot + blockSize
 	crc := uint32(0)

@@ -550,6 +550,10 @@ func (s *Set) writebackEpoch(vi, n int) (int, error) {
 				return false
 			}
 			visited++
+			x, ok := s.versionLocked(vi, x)
+			if !ok {
+				return true // an inconsistency Check reports
+			}
 			if _, busy := v.idx.wbInflight[x.loc]; busy {
 				return true
 			}

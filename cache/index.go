@@ -82,7 +82,11 @@ type bucket struct {
 }
 
 // ver is one dirty version of a block, live or superseded, in the order
-// epoch-ordered writeback takes them.
+// epoch-ordered writeback takes them: by (epoch, lba), which names one
+// version (invariant 4: superseded versions of an LBA are older than its
+// live entry, and a same-epoch overwrite releases the old version). The
+// version tree stores only (epoch, lba); loc and crc are filled in where
+// a ver is built from the live entry or idx.sup.
 type ver struct {
 	epoch uint64
 	lba   uint64
@@ -104,10 +108,25 @@ func verLess(a, b ver) bool {
 	if a.epoch != b.epoch {
 		return a.epoch < b.epoch
 	}
-	if a.lba != b.lba {
-		return a.lba < b.lba
+	return a.lba < b.lba
+}
+
+// versionLocked fills in the cache block and checksum of the dirty version
+// x (epoch, lba) of volume vi: the live entry's if it is dirty in that
+// epoch, else the superseded version's of that epoch.
+// REQUIRES: s.mu
+func (s *Set) versionLocked(vi int, x ver) (ver, bool) {
+	v := s.vols[vi]
+	if e, ok := v.idx.tree.Get(ent{lba: x.lba}); ok && e.dirty() && s.blockEpoch(e.block()) == x.epoch {
+		x.loc, x.crc = e.block(), e.crc
+		return x, true
 	}
-	return a.loc < b.loc
+	for _, y := range v.idx.sup[x.lba] {
+		if y.epoch == x.epoch {
+			return y, true
+		}
+	}
+	return x, false
 }
 
 // volIndex is a volume's part of the index. Guarded by Set.mu.
@@ -554,6 +573,9 @@ func (s *Set) checkLocked() error {
 				}
 				if _, in := v.idx.vers.Get(x); !in {
 					return fmt.Errorf("volume %s: superseded version %+v missing from the version tree", v.name, x)
+				}
+				if y, ok := s.versionLocked(vi, x); !ok || y != x {
+					return fmt.Errorf("volume %s: superseded version %+v resolves to %+v (%t): two versions of one epoch", v.name, x, y, ok)
 				}
 				named.set(int(loc))
 				liveB[loc/s.bpb]++

@@ -202,9 +202,9 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 	{
 		tr := []*ptree{newPtree(), newPtree()}
 		tr[0].ReplaceOrInsert(ent{lba: 3, loc: 2 | dirtyBit, crc: 9})
-		vt := []*vtree{newVtree(), newVtree()}
-		vt[0].ReplaceOrInsert(ver{epoch: 5, lba: 3, loc: 2, crc: 9})
-		vt[0].ReplaceOrInsert(ver{epoch: 2, lba: 3, loc: 7, crc: 4})
+		vt := []verSnap{{t: newVtree(), sup: map[uint64][]ver{3: {{epoch: 2, lba: 3, loc: 7, crc: 4}}}}, {t: newVtree()}}
+		vt[0].t.ReplaceOrInsert(ver{epoch: 5, lba: 3})
+		vt[0].t.ReplaceOrInsert(ver{epoch: 2, lba: 3})
 		var out []byte
 		_ = encodeCkptBodyVers([]uint32{1, 2, 3, 4}, []uint64{7, 8}, tr, vt, func(p []byte) error {
 			out = append(out, p...)
@@ -215,7 +215,7 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 	reencode := func(cd *ckptData) []byte {
 		tr := make([]*ptree, len(cd.vols))
 		epochs := make([]uint64, len(cd.vols))
-		var vt []*vtree
+		var vt []verSnap
 		for i, cv := range cd.vols {
 			tr[i] = newPtree()
 			for _, e := range cv.ents {
@@ -224,16 +224,17 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 			epochs[i] = cv.epoch
 			if cv.epochOf != nil {
 				if vt == nil {
-					vt = make([]*vtree, len(cd.vols))
+					vt = make([]verSnap, len(cd.vols))
 				}
-				vt[i] = newVtree()
+				vt[i] = verSnap{t: newVtree(), sup: map[uint64][]ver{}}
 				for _, e := range cv.ents {
 					if e.dirty() {
-						vt[i].ReplaceOrInsert(ver{epoch: cv.epochOf[e.block()], lba: e.lba, loc: e.block(), crc: e.crc})
+						vt[i].t.ReplaceOrInsert(ver{epoch: cv.epochOf[e.block()], lba: e.lba})
 					}
 				}
 				for _, x := range cv.sup {
-					vt[i].ReplaceOrInsert(x)
+					vt[i].t.ReplaceOrInsert(x)
+					vt[i].sup[x.lba] = append(vt[i].sup[x.lba], x)
 				}
 			}
 		}

@@ -118,17 +118,18 @@ func (l *pleaf) removeAt(i int) {
 	l.n--
 }
 
-// vleafCap: a vleaf is 8+2+96 (+2 padding) +3*4*96 +8*96 = 2032 bytes.
-const vleafCap = 96
+// vleafCap: a vleaf is 8+2+156 (+2 padding) +4*156 +8*156 = 2040 bytes.
+const vleafCap = 156
 
-// vleaf is a leaf of vtree: 21 bytes a dirty version.
+// vleaf is a leaf of vtree: 13 bytes a dirty version, (epoch, LBA) only.
+// The version's cache block and checksum are those of the live entry of
+// the LBA, or of the superseded version of that epoch in idx.sup (see
+// Set.versionLocked); (epoch, LBA) names one version (index invariant 4).
 type vleaf struct {
 	cow   *cowCtx
 	n     uint16
 	hi    [vleafCap]uint8
 	lo    [vleafCap]uint32
-	loc   [vleafCap]uint32
-	crc   [vleafCap]uint32
 	epoch [vleafCap]uint64
 }
 
@@ -139,11 +140,11 @@ func (*vleaf) capacity() int      { return vleafCap }
 func (*vleaf) less(a, b ver) bool { return verLess(a, b) }
 
 func (l *vleaf) get(i int) ver {
-	return ver{epoch: l.epoch[i], lba: uint64(l.hi[i])<<32 | uint64(l.lo[i]), loc: l.loc[i], crc: l.crc[i]}
+	return ver{epoch: l.epoch[i], lba: uint64(l.hi[i])<<32 | uint64(l.lo[i])}
 }
 
 func (l *vleaf) set(i int, x ver) {
-	l.epoch[i], l.hi[i], l.lo[i], l.loc[i], l.crc[i] = x.epoch, uint8(x.lba>>32), uint32(x.lba), x.loc, x.crc
+	l.epoch[i], l.hi[i], l.lo[i] = x.epoch, uint8(x.lba>>32), uint32(x.lba)
 }
 
 func (l *vleaf) search(k ver) (int, bool) {
@@ -163,8 +164,6 @@ func (l *vleaf) insertAt(i int, x ver) {
 	n := int(l.n)
 	copy(l.hi[i+1:n+1], l.hi[i:n])
 	copy(l.lo[i+1:n+1], l.lo[i:n])
-	copy(l.loc[i+1:n+1], l.loc[i:n])
-	copy(l.crc[i+1:n+1], l.crc[i:n])
 	copy(l.epoch[i+1:n+1], l.epoch[i:n])
 	l.set(i, x)
 	l.n++
@@ -174,8 +173,6 @@ func (l *vleaf) removeAt(i int) {
 	n := int(l.n)
 	copy(l.hi[i:n-1], l.hi[i+1:n])
 	copy(l.lo[i:n-1], l.lo[i+1:n])
-	copy(l.loc[i:n-1], l.loc[i+1:n])
-	copy(l.crc[i:n-1], l.crc[i+1:n])
 	copy(l.epoch[i:n-1], l.epoch[i+1:n])
 	l.n--
 }

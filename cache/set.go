@@ -858,15 +858,21 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	}
 	trees := make([]*ptree, len(s.vols))
 	epochs := make([]uint64, len(s.vols))
-	var vers []*vtree
+	var vers []verSnap
 	if s.epochOK {
-		vers = make([]*vtree, len(s.vols))
+		vers = make([]verSnap, len(s.vols))
 	}
 	for i, v := range s.vols {
 		trees[i] = v.idx.tree.Clone()
 		epochs[i] = v.idx.epoch
 		if vers != nil {
-			vers[i] = v.idx.vers.Clone()
+			// sup holds the superseded versions only (normally few); the
+			// copy is made under mu, the trees are copy-on-write.
+			sup := make(map[uint64][]ver, len(v.idx.sup))
+			for lba, l := range v.idx.sup {
+				sup[lba] = slices.Clone(l)
+			}
+			vers[i] = verSnap{t: v.idx.vers.Clone(), sup: sup}
 		}
 	}
 	s.mu.Unlock()
