@@ -56,7 +56,7 @@ func heapIndexFigure(t *testing.T, nblocks int, sorted bool, dirtyEvery int) {
 	s.mu.buckets = make([]bucket, nb)
 	v := &Volume{s: s, nblocks: 1 << 30}
 	v.idx.tree = newPtree()
-	s.vols = []*Volume{v}
+	s.setVols([]*Volume{v})
 	rng := rand.New(rand.NewPCG(1, 2))
 	perm := rng.Perm(nblocks * 4)[:nblocks] // random LBAs in a 4x larger volume
 	if sorted {
@@ -77,6 +77,15 @@ func heapIndexFigure(t *testing.T, nblocks int, sorted bool, dirtyEvery int) {
 	if err := v.idx.tree.check(); err != nil {
 		t.Fatal(err)
 	}
+	// Eviction's index walk over this index (no reverse map), for a batch
+	// of 1/evictBatchMin of the buckets: its total time, and the mean time
+	// Set.mu is held per chunk of walkChunk entries.
+	start := time.Now()
+	found := s.entriesIn(func(loc int64) bool { return loc/bpb < max(nb/evictBatchMin, 1) })
+	walk := time.Since(start)
+	chunks := (nblocks + walkChunk - 1) / walkChunk
+	t.Logf("  eviction walk: %d entries found in %v (%d chunks of %d entries, %v per hold of mu on average)",
+		len(found), walk.Round(time.Microsecond), chunks, walkChunk, (walk / time.Duration(chunks)).Round(time.Microsecond))
 	runtime.KeepAlive(s)
 }
 
