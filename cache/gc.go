@@ -737,6 +737,7 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 					j++
 				}
 				turn()
+				v.yieldToReads()
 				issue()
 				if err := v.writeBackingNoMark(buf[i*blockSize:j*blockSize], its[i].lba); err != nil {
 					rerr = fmt.Errorf("writeback to %s: %w", v.name, err)

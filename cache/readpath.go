@@ -155,7 +155,11 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) (misses [
 	var fbMu sync.Mutex // guards fromBacking
 	do := func(p piece) error {
 		if p.backing {
-			if err := v.readBacking(p.dst, p.lba); err != nil {
+			v.wb.fgReads.Add(1)
+			err := v.readBacking(p.dst, p.lba)
+			v.wb.fgReadDone.Store(nowNanos())
+			v.wb.fgReads.Add(-1)
+			if err != nil {
 				return fmt.Errorf("volume %s: %w", v.name, err)
 			}
 			return nil

@@ -66,6 +66,7 @@ type volStats struct {
 	bypass                                            [bypassFailed + 1]atomic.Uint64 // bytes by reason
 	throttleNanos, spaceWaitNanos                     atomic.Uint64
 	unreachableReads, fencedWrites, backingSyncErrors atomic.Uint64
+	epochDeferBytes                                   atomic.Uint64
 }
 
 // VolumeStats are a volume's counters.
@@ -124,6 +125,11 @@ type VolumeStats struct {
 	// BackingSyncErrors counts failed syncs of the backing device; after
 	// the first, every Flush and FUA request of the volume fails.
 	BackingSyncErrors uint64
+	// EpochDeferBytes: writethrough, writearound and none writes and
+	// small write-zeroes written into the cache as dirty data of the
+	// current epoch, because older epochs were still dirty (epoch order;
+	// see olderEpochsDirty).
+	EpochDeferBytes uint64
 }
 
 // enter admits a client call (I/O, flush, settings); exit must follow. It
@@ -193,7 +199,7 @@ func (v *Volume) Stats() VolumeStats {
 		BypassCacheFailedBytes: v.st.bypass[bypassFailed].Load(),
 		WritebackRate:          v.wb.rate.Load(), ThrottleNanos: v.st.throttleNanos.Load(), SpaceWaitNanos: v.st.spaceWaitNanos.Load(),
 		UnreachableReadErrors: v.st.unreachableReads.Load(), FencedWriteErrors: v.st.fencedWrites.Load(),
-		BackingSyncErrors: v.st.backingSyncErrors.Load()}
+		BackingSyncErrors: v.st.backingSyncErrors.Load(), EpochDeferBytes: v.st.epochDeferBytes.Load()}
 	v.s.mu.Lock()
 	st.CachedBlocks, st.DirtyBlocks, st.SupersededBlocks = v.idx.cached, v.idx.dirty, v.idx.nsup
 	st.LostWriteBlocks = v.fo.lost
@@ -339,6 +345,33 @@ func (v *Volume) drainOlderEpochs() {
 	}
 	s.log.Warn("older epochs cannot be written back; a write goes to the backing device out of epoch order", "volume", v.name)
 }
+
+// olderEpochsDirty reports, in epoch order, whether dirty versions of an
+// epoch before the current one are in the cache: a write straight to the
+// backing device would have to wait for all of them (drainOlderEpochs).
+// Writes that can go into the cache instead do (write, WriteZeroes up to
+// epochZeroInCache, Trim does nothing), so only large write-zeroes still
+// wait.
+func (v *Volume) olderEpochsDirty() bool {
+	s := v.s
+	if !s.keepSuperseded(v.vi) || s.isFailed() || !epochDefer.Load() {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	first, ok := v.idx.vers.Min()
+	return ok && first.epoch < v.idx.epoch
+}
+
+// epochZeroInCache is the largest write-zeroes written into the cache as
+// zero blocks while older epochs are dirty (larger ones wait for them).
+const epochZeroInCache = 1 << 20
+
+// epochDefer enables olderEpochsDirty; the measurement turns it off to show
+// the wait it removes.
+var epochDefer atomic.Bool
+
+func init() { epochDefer.Store(true) }
 
 // hasDirty reports whether the volume has dirty data in the cache.
 func (v *Volume) hasDirty() bool {
@@ -619,6 +652,13 @@ func (v *Volume) write(p []byte, off int64, seq bool) error {
 	switch m := v.Mode(); {
 	case v.s.isFailed():
 		return v.writeAround(buf, first, bypassFailed)
+	case m != Writeback && v.olderEpochsDirty():
+		// Epoch order, older epochs still dirty: going to the backing
+		// device would first wait for all of them (drainOlderEpochs,
+		// seconds); a dirty write of the current epoch is ordered by
+		// writeback instead, and costs what a writeback write costs.
+		v.st.epochDeferBytes.Add(uint64(len(buf)))
+		return v.writeCache(buf, first, true)
 	case (m == Writeback || m == Writethrough) && seq:
 		return v.writeAround(buf, first, bypassSequential)
 	case m == Writeback:
@@ -822,6 +862,19 @@ func (v *Volume) Trim(off, length int64, fua bool) error {
 	if (off+length) == v.size && v.size%blockSize != 0 {
 		b = int64(v.nblocks)
 	}
+	if ok && a < b && v.olderEpochsDirty() {
+		// Epoch order, older epochs still dirty: discarding now would
+		// first wait for all of them to be written back. A small trim
+		// writes zero blocks into the cache instead (as WriteZeroes); a
+		// larger one does nothing (a trim may leave the old data).
+		ok = false
+		if start, end := a*blockSize, min(b*blockSize, v.size); end-start <= epochZeroInCache {
+			v.st.epochDeferBytes.Add(uint64(end - start))
+			if err := v.write(make([]byte, end-start), start, false); err != nil {
+				return err
+			}
+		}
+	}
 	if ok && a < b && v.s.isFailed() {
 		v.s.mu.Lock()
 		fenced := v.fencedLocked(uint64(a), uint64(b-a))
@@ -888,6 +941,16 @@ func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) err
 		if err := v.write(make([]byte, end-b), b, false); err != nil {
 			return err
 		}
+	}
+	if a < b && b-a <= epochZeroInCache && v.olderEpochsDirty() {
+		// Epoch order, older epochs still dirty: zero blocks written into
+		// the cache (current epoch, ordered by writeback) instead of
+		// zeroing the backing device after waiting for all older epochs.
+		v.st.epochDeferBytes.Add(uint64(b - a))
+		if err := v.write(make([]byte, b-a), a, false); err != nil {
+			return err
+		}
+		a = b
 	}
 	if a < b {
 		lba, n := uint64(a/blockSize), uint64((b-a+blockSize-1)/blockSize)

@@ -70,6 +70,73 @@ type wbState struct {
 	// waiting for space that only writeback can free fails instead of
 	// waiting.
 	backingErr atomic.Pointer[error]
+	// fgReads counts client reads of the backing device in progress,
+	// fgReadDone is when the last one finished (unix nanos): writeback
+	// yields to them (yieldToReads).
+	fgReads    atomic.Int32
+	fgReadDone atomic.Int64
+	yields     atomic.Uint64 // 500 µs waits in yieldToReads (tests)
+	grant      atomic.Int32  // writes left in the current burst
+}
+
+// wbYield is whether writeback yields to foreground read misses; the
+// measurement turns it off to compare.
+var wbYield atomic.Bool
+
+func init() { wbYield.Store(true) }
+
+const (
+	// wbYieldQuiet: writeback issues its next backing write only once no
+	// client read of the backing device is in progress or finished within
+	// this window (a reader at queue depth 1 issues its next read well
+	// within it).
+	wbYieldQuiet = 2 * time.Millisecond
+	// Under a constant read load writeback still progresses: after
+	// waiting wbYieldMax (wbYieldMaxDrain while Drain runs: an operator
+	// is waiting for it) it issues a burst of wbYieldBurst writes without
+	// yielding, then yields again.
+	wbYieldMax      = 50 * time.Millisecond
+	wbYieldMaxDrain = 5 * time.Millisecond
+	wbYieldBurst    = 8
+)
+
+// yieldToReads delays the next writeback write to the backing device while
+// client reads are going to it (bcache gives foreground I/O priority the
+// same way): a read miss queued behind writeback writes on a disk waits
+// for them (up to the HDD model's 1 s age limit). It does not wait when
+// free buckets are short: then writeback is what unblocks writes.
+func (v *Volume) yieldToReads() {
+	if !wbYield.Load() {
+		return
+	}
+	s := v.s
+	wait := wbYieldMax
+	if s.draining.Load() > 0 {
+		wait = wbYieldMaxDrain
+	}
+	deadline := time.Now().Add(wait)
+	for {
+		busy := v.wb.fgReads.Load() > 0 || nowNanos()-v.wb.fgReadDone.Load() < int64(wbYieldQuiet)
+		if !busy {
+			return
+		}
+		if v.wb.grant.Load() > 0 {
+			v.wb.grant.Add(-1)
+			return
+		}
+		if time.Now().After(deadline) {
+			v.wb.grant.Store(wbYieldBurst - 1)
+			return
+		}
+		s.mu.Lock()
+		short := len(s.mu.free) < s.lowWater()
+		s.mu.Unlock()
+		if short {
+			return
+		}
+		v.wb.yields.Add(1)
+		time.Sleep(500 * time.Microsecond)
+	}
 }
 
 func nowNanos() int64 { return time.Now().UnixNano() }

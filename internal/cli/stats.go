@@ -185,7 +185,7 @@ func structRows(w io.Writer, vals, prevs []reflect.Value, dt float64) {
 // not zero (with the set's FAILED line).
 var hideWhenZero = map[string]bool{
 	"BypassCacheFailedBytes": true, "UnreachableDirtyBlocks": true, "LostWriteBlocks": true,
-	"UnreachableReadErrors": true, "FencedWriteErrors": true, "CacheErrors": true, "BackingSyncErrors": true,
+	"UnreachableReadErrors": true, "FencedWriteErrors": true, "CacheErrors": true, "BackingSyncErrors": true, "EpochDeferBytes": true,
 }
 
 func allZero(vals []reflect.Value, field int) bool {
