@@ -10,14 +10,27 @@ import (
 	"time"
 )
 
-// tcStats is the part of `tiercache stats --json` the suite reads.
+// tcStats is the part of `tiercache stats --json` the suite reads. The
+// counters are read as any JSON value and the numbers kept (numbers only):
+// the admin API also reports flags (a degraded set, say) beside them.
 type tcStats struct {
-	Set     map[string]float64 `json:"set"`
+	Set     map[string]any `json:"set"`
 	Exports []struct {
-		Name   string             `json:"name"`
-		Mode   string             `json:"mode"`
-		Volume map[string]float64 `json:"volume"`
+		Name   string         `json:"name"`
+		Mode   string         `json:"mode"`
+		Volume map[string]any `json:"volume"`
 	} `json:"exports"`
+}
+
+// numbers keeps the numeric values of m.
+func numbers(m map[string]any) map[string]float64 {
+	out := make(map[string]float64, len(m))
+	for k, v := range m {
+		if f, ok := v.(float64); ok {
+			out[k] = f
+		}
+	}
+	return out
 }
 
 // vol returns export vol's counters and the set's.
@@ -32,7 +45,7 @@ func (c *cacheRunner) stats(ctx context.Context, s *server) (vol, set map[string
 	}
 	for _, e := range st.Exports {
 		if e.Name == "vol" {
-			return e.Volume, st.Set, nil
+			return numbers(e.Volume), numbers(st.Set), nil
 		}
 	}
 	return nil, nil, fmt.Errorf("stats --json: no export vol")
