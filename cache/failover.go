@@ -492,3 +492,15 @@ func (s *Set) noteInvalidateLocked(v *Volume, n uint64, dropsDirty bool) {
 	}
 	s.mu.dirtyInval[s.mu.seq] = struct{}{}
 }
+
+// lostAny reports whether any volume lost writes with the failed cache.
+func (s *Set) lostAny() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, v := range s.vols {
+		if v.fo.lost > 0 {
+			return true
+		}
+	}
+	return false
+}

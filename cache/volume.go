@@ -820,24 +820,31 @@ func (v *Volume) Flush() error {
 	defer v.exit()
 	v.st.flushOps.Add(1)
 	s := v.s
-	if s.isFailed() {
+	if !s.isFailed() {
 		s.mu.Lock()
-		lost := v.fo.lost
+		v.idx.epoch++
+		target := s.mu.seq
 		s.mu.Unlock()
-		if lost > 0 {
-			return fmt.Errorf("volume %s: flush: %d bytes written before the cache device failed were only in the cache: %w (%w)",
-				v.name, lost*blockSize, ErrLostWrites, s.err())
+		err := s.commit(target)
+		if err == nil {
+			return v.durableErr()
 		}
-		if err := s.commit(0); err != nil {
+		if !errors.Is(err, ErrCacheFailed) || s.lostAny() {
+			// A commit covers every volume; if one lost writes, this
+			// one failed to make them durable too.
 			return err
 		}
-		return v.durableErr()
+		// This commit failed the set over, losing nothing: what the
+		// flush covers is on the backing devices; sync them, as below.
 	}
 	s.mu.Lock()
-	v.idx.epoch++
-	target := s.mu.seq
+	lost := v.fo.lost
 	s.mu.Unlock()
-	if err := s.commit(target); err != nil {
+	if lost > 0 {
+		return fmt.Errorf("volume %s: flush: %d bytes written before the cache device failed were only in the cache: %w (%w)",
+			v.name, lost*blockSize, ErrLostWrites, s.err())
+	}
+	if err := s.commit(0); err != nil {
 		return err
 	}
 	return v.durableErr()
