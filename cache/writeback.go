@@ -60,11 +60,14 @@ const (
 
 // wbState is a volume's writeback state.
 type wbState struct {
-	kick   chan struct{} // wakes the goroutine (settings changed)
-	stop   chan struct{} // closed by Detach: the goroutine exits...
-	done   chan struct{} // ...and closes done
-	rate   atomic.Int64  // bytes/s now: 0 idle, -1 full speed (Stats)
-	cursor uint64        // next LBA of the sweep; only the goroutine uses it
+	kick chan struct{} // wakes the goroutine (settings changed)
+	stop chan struct{} // closed by Detach: the goroutine exits...
+	done chan struct{} // ...and closes done
+	rate atomic.Int64  // bytes/s now: 0 idle, -1 full speed (Stats)
+	// cursor is the next LBA of the sweep. Atomic: the goroutine sweeps,
+	// and tests sweep beside it (two sweeps overlapping are safe:
+	// wbInflight keeps a block in one batch at a time).
+	cursor atomic.Uint64
 	// backingErr: the last writeback batch failed on the backing device
 	// with this error (cleared by the next one that syncs). A write
 	// waiting for space that only writeback can free fails instead of
@@ -283,7 +286,7 @@ func (s *Set) writebackSweep(v *Volume, n int) int {
 		return written
 	}
 	for range 2 {
-		start := v.wb.cursor
+		start := v.wb.cursor.Load()
 		from := start
 		var lbas []uint64
 		for {
@@ -292,12 +295,12 @@ func (s *Set) writebackSweep(v *Volume, n int) int {
 			s.mu.Unlock()
 			lbas = append(lbas, got...)
 			if done {
-				v.wb.cursor = 0 // the next batch starts a new sweep
+				v.wb.cursor.Store(0) // the next batch starts a new sweep
 				break
 			}
 			from = next
 			if len(lbas) >= n {
-				v.wb.cursor = next
+				v.wb.cursor.Store(next)
 				break
 			}
 		}
