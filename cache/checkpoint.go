@@ -164,7 +164,10 @@ func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []v
 	if vers != nil {
 		e.u32(ckptEpochTag)
 		for i, vs := range vers {
-			var live, sup []ver
+			// Sized for the usual case, all versions live: growing it
+			// by doubling cost 0.16 s of a 1M-version checkpoint.
+			live := make([]ver, 0, vs.t.Len())
+			var sup []ver
 			vs.t.Ascend(func(x ver) bool {
 				for _, y := range vs.sup[x.lba] {
 					if y.epoch == x.epoch {

@@ -350,7 +350,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 			s.mu.free = append(s.mu.free, uint32(i))
 		}
 	}
-	if err := s.checkLocked(); err != nil {
+	if err := s.checkIndexLocked(invariants.Enabled); err != nil {
 		return nil, fmt.Errorf("open: recovered index inconsistent: %w", err)
 	}
 	// The reverse map served the replay; serving does without it.
@@ -521,10 +521,13 @@ func (s *Set) replaySorted(dev device.Device, sb *Superblock, hdr ckptHeader) (j
 			}
 			return cmp.Compare(a.seq, b.seq)
 		})
+		// one is reused for the per-block records: a copy per item
+		// escaped to the heap (one allocation per replayed block).
+		var one rec
 		for _, it := range batch {
 			r := it.r
 			if !it.all && len(r.crcs) > 1 {
-				one := *r
+				one = *r
 				one.lba, one.loc, one.crcs = r.lba+uint64(it.i), r.loc+it.i, r.crcs[it.i:it.i+1]
 				r = &one
 			}
