@@ -549,13 +549,24 @@ func (s *Set) checkIndexLocked(exact bool) error {
 	}
 	// named: cache blocks named by an entry so far (invariant 1).
 	named := newBitset(int(nb * s.bpb))
+	// !exact: per volume, fingerprints of the versions the version tree
+	// must hold (fps) and of those it holds (tfps). With the reverse map
+	// (recovery), the epochs of dirty live blocks are read in one pass in
+	// cache-block order after the walk (dirtyLive marks them), not per
+	// entry in LBA order: a random read of the epoch tables each cost
+	// 0.2 s for 1M entries.
+	fps, tfps := make([]uint64, len(s.vols)), make([]uint64, len(s.vols))
+	seqEp := !exact && s.mu.owner != nil
+	var dirtyLive bitset
+	if seqEp {
+		dirtyLive = newBitset(int(nb * s.bpb))
+	}
 	total := 0
 	for vi, v := range s.vols {
 		if err := v.idx.tree.check(); err != nil {
 			return fmt.Errorf("volume %s: %w", v.name, err)
 		}
 		var nd, nc int64
-		var fp uint64 // !exact: fingerprint of the versions the tree must hold
 		var err error
 		prev := int64(-1)
 		v.idx.tree.Ascend(func(e ent) bool {
@@ -584,9 +595,10 @@ func (s *Set) checkIndexLocked(exact bool) error {
 			liveB[loc/s.bpb]++
 			nc++
 			if e.dirty() {
-				ep := s.blockEpoch(uint32(loc))
-				if !exact {
-					fp += pairHash(ep, e.lba)
+				if seqEp {
+					dirtyLive.set(int(loc))
+				} else if ep := s.blockEpoch(uint32(loc)); !exact {
+					fps[vi] += pairHash(ep, e.lba)
 				} else if _, in := v.idx.vers.Get(ver{epoch: ep, lba: e.lba, loc: e.block(), crc: e.crc}); !in {
 					err = fmt.Errorf("volume %s: dirty lba %d (block %d, epoch %d) missing from the version tree", v.name, e.lba, loc, ep)
 					return false
@@ -618,7 +630,7 @@ func (s *Set) checkIndexLocked(exact bool) error {
 					return fmt.Errorf("volume %s: superseded version %+v, block epoch %d", v.name, x, s.blockEpoch(uint32(loc)))
 				}
 				if !exact {
-					fp += pairHash(x.epoch, x.lba)
+					fps[vi] += pairHash(x.epoch, x.lba)
 					entOwnFP += pairHash(uint64(loc), ownerKey(vi, lba))
 				} else if _, in := v.idx.vers.Get(x); !in {
 					return fmt.Errorf("volume %s: superseded version %+v missing from the version tree", v.name, x)
@@ -636,14 +648,10 @@ func (s *Set) checkIndexLocked(exact bool) error {
 			return fmt.Errorf("volume %s: %d superseded (accounted %d), %d dirty, %d versions", v.name, ns, v.idx.nsup, v.idx.dirty, v.idx.vers.Len())
 		}
 		if !exact {
-			var tfp uint64
 			v.idx.vers.Ascend(func(x ver) bool {
-				tfp += pairHash(x.epoch, x.lba)
+				tfps[vi] += pairHash(x.epoch, x.lba)
 				return true
 			})
-			if tfp != fp {
-				return fmt.Errorf("volume %s: the version tree does not hold exactly the dirty and superseded versions (fingerprint %#x, expected %#x)", v.name, tfp, fp)
-			}
 		}
 		total += int(ns)
 	}
@@ -652,6 +660,21 @@ func (s *Set) checkIndexLocked(exact bool) error {
 	}
 	if owned >= 0 && !exact && ownFP != entOwnFP {
 		return fmt.Errorf("the reverse map does not name exactly the entries' cache blocks (fingerprint %#x, expected %#x)", ownFP, entOwnFP)
+	}
+	if seqEp {
+		// The reverse map was just shown to agree with the entries.
+		for loc, k := range s.mu.owner {
+			if dirtyLive.get(loc) {
+				if vi, lba := splitOwner(k); vi >= 0 && vi < len(fps) {
+					fps[vi] += pairHash(s.blockEpoch(uint32(loc)), lba)
+				}
+			}
+		}
+	}
+	for vi, v := range s.vols {
+		if !exact && fps[vi] != tfps[vi] {
+			return fmt.Errorf("volume %s: the version tree does not hold exactly the dirty and superseded versions (fingerprint %#x, expected %#x)", v.name, tfps[vi], fps[vi])
+		}
 	}
 	inFree := make([]bool, nb)
 	for _, bi := range s.mu.free {

@@ -252,6 +252,22 @@ func TestCheckCatchesCorruption(t *testing.T) {
 			// Open's check (by fingerprint where Check looks up) must
 			// catch it too.
 			fast := s.checkIndexLocked(false)
+			// And with a right reverse map, as in recovery, where it reads
+			// the epochs in cache-block order.
+			var fastOwned error
+			if s.mu.owner == nil {
+				s.mu.owner = make([]uint64, s.cacheBlocks())
+				for vi, v := range s.vols {
+					v.idx.tree.Ascend(func(e ent) bool {
+						s.mu.owner[e.block()] = ownerKey(vi, e.lba)
+						return true
+					})
+				}
+				fastOwned = s.checkIndexLocked(false)
+				s.mu.owner = nil
+			} else {
+				fastOwned = fast
+			}
 			undo()
 			s.mu.Unlock()
 			// want: alternatives separated by "|".
@@ -265,6 +281,9 @@ func TestCheckCatchesCorruption(t *testing.T) {
 			}
 			if !match(err) {
 				t.Fatalf("Check after corrupting: %v, want %q", err, tc.want)
+			}
+			if !match(fastOwned) {
+				t.Fatalf("Open's check with a reverse map after corrupting: %v, want %q", fastOwned, tc.want)
 			}
 			if !match(fast) {
 				t.Fatalf("Open's check after corrupting: %v, want %q", fast, tc.want)
