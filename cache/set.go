@@ -503,8 +503,11 @@ func (s *Set) replaySorted(dev device.Device, sb *Superblock, hdr ckptHeader) (j
 	// into a per-LBA order. seq (the item's place in the journal) makes
 	// the sort stable.
 	type item struct {
-		lba uint64
-		vol uint16
+		// ownerKey(vol, lba): sorts by (volume, LBA) in one compare. It
+		// is exact for every record applyLocked accepts (LBA < 2^40,
+		// volume a slot); a record it rejects fails Open whatever order
+		// the batch was applied in.
+		key uint64
 		seq uint32
 		r   *rec
 		i   uint32 // block within r
@@ -513,10 +516,7 @@ func (s *Set) replaySorted(dev device.Device, sb *Superblock, hdr ckptHeader) (j
 	var batch []item
 	flush := func() error {
 		slices.SortFunc(batch, func(a, b item) int {
-			if c := cmp.Compare(a.vol, b.vol); c != 0 {
-				return c
-			}
-			if c := cmp.Compare(a.lba, b.lba); c != 0 {
+			if c := cmp.Compare(a.key, b.key); c != 0 {
 				return c
 			}
 			return cmp.Compare(a.seq, b.seq)
@@ -544,11 +544,11 @@ func (s *Set) replaySorted(dev device.Device, sb *Superblock, hdr ckptHeader) (j
 			// to reject.
 			n := uint32(len(r.crcs))
 			if n == 0 || int64(r.loc)/s.bpb != (int64(r.loc)+int64(n)-1)/s.bpb {
-				batch = append(batch, item{lba: r.lba, vol: r.vol, seq: uint32(len(batch)), r: r, all: true})
+				batch = append(batch, item{key: ownerKey(int(r.vol), r.lba), seq: uint32(len(batch)), r: r, all: true})
 				n = 0
 			}
 			for i := range n {
-				batch = append(batch, item{lba: r.lba + uint64(i), vol: r.vol, seq: uint32(len(batch)), r: r, i: i})
+				batch = append(batch, item{key: ownerKey(int(r.vol), r.lba+uint64(i)), seq: uint32(len(batch)), r: r, i: i})
 			}
 			if len(batch) < replayBatch {
 				return nil
