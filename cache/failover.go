@@ -28,12 +28,15 @@ package cache
 //     device. A write to a *fenced* block returns ErrDirtyUnreachable
 //     instead (VolumeStats.FencedWriteErrors): a block dirty in the cache,
 //     or named by a journal record that may not have reached the device (a
-//     clean mark or an invalidation). The cache device may still hold a
-//     durable dirty version of such a block; if the device comes back (a
-//     reseated cable, a controller reset) and the set is reopened, that
-//     version would be replayed over the newer write. Fencing keeps the
-//     on-disk cache set a valid crash image, so a healed device recovers
-//     every dirty block;
+//     clean mark, an invalidation, a dirty insert, or a clean insert that
+//     replaced a dirty block: writethrough over writeback data). The cache
+//     device may still hold a durable dirty version of such a block; if
+//     the device comes back (a reseated cable, a controller reset) and the
+//     set is reopened, that version would be replayed over the newer write.
+//     Fencing keeps the on-disk cache set a valid crash image, so a healed
+//     device recovers every dirty block. For the same reason a writethrough
+//     write whose clean insert replaced a dirty block and was lost counts
+//     as lost (LostWriteBlocks): a reopen replays the dirty version over it;
 //   - FLUSH on a volume that had writes only in the cache whose records
 //     never became durable (VolumeStats.LostWriteBlocks > 0) returns an
 //     error wrapping ErrLostWrites, every time: those writes are gone and a
@@ -158,6 +161,13 @@ func (s *Set) failLocked(cause error) error {
 			for l := range cleaned[r.vol] {
 				dropsDirty = dropsDirty || (l >= r.lba && l-r.lba < r.n)
 			}
+		case recInsert:
+			if !r.dirty {
+				n := uint64(len(r.crcs))
+				for l := range cleaned[r.vol] {
+					dropsDirty = dropsDirty || (l >= r.lba && l-r.lba < n)
+				}
+			}
 		}
 		s.lostLocked(r, dropsDirty)
 	}
@@ -197,9 +207,16 @@ func (s *Set) failLocked(cause error) error {
 
 // lostLocked applies a journal record that will never be written (taken or
 // appended at or after failover) to the volume's fence. dropsDirty says an
-// invalidation replaced data that may be dirty on the cache device: its
-// passthrough write would be rolled back by a reopen of the repaired
-// device, so it counts as lost.
+// invalidation or a clean insert replaced data that may be dirty on the
+// cache device: its backing write (passthrough, writethrough) would be
+// rolled back by a reopen of the repaired device, so it counts as lost.
+//
+// A lost clean insert that replaced dirty data is fenced too: in memory the
+// block is clean (not fenced as dirty), but the device may still hold the
+// durable dirty version, which a reopen would replay over any later
+// passthrough write. (Other lost clean inserts, promotions and GC moves,
+// replaced nothing dirty: the device holds at most a clean entry there,
+// which a reopen after failover drops.)
 // REQUIRES: s.mu
 func (s *Set) lostLocked(r *rec, dropsDirty bool) {
 	if int(r.vol) >= len(s.vols) {
@@ -208,9 +225,9 @@ func (s *Set) lostLocked(r *rec, dropsDirty bool) {
 	v := s.vols[r.vol]
 	switch r.typ {
 	case recInsert:
-		if r.dirty {
-			v.fo.lost += int64(len(r.crcs))
-			v.addFenceLocked(r.lba, uint64(len(r.crcs)))
+		if n := uint64(len(r.crcs)); r.dirty || dropsDirty {
+			v.fo.lost += int64(n)
+			v.addFenceLocked(r.lba, n)
 		}
 	case recClean:
 		v.addFenceLocked(r.lba, 1)
@@ -474,23 +491,31 @@ func (v *Volume) allocWaitWriteback(n int) (run, error) {
 	}
 }
 
-// noteInvalidateLocked remembers, until it is durable, that the
-// invalidation record just appended replaced dirty data: if it is lost in a
-// failover, its passthrough write counts as lost (a reopen of the repaired
-// cache would replay the dirty data over it).
+// noteInvalidateLocked remembers, until they are durable, that the records
+// appended after sequence number from (an invalidation, or the clean
+// inserts of one writethrough run of n blocks) replaced dirty data: if one
+// is lost in a failover, its backing write counts as lost (a reopen of the
+// repaired cache would replay the dirty data over it). A run split into
+// several insert records marks all of them (a lost count too high makes
+// Flush fail, never claim lost data durable). The records cover
+// [lba, lba+n).
 // REQUIRES: s.mu
-func (s *Set) noteInvalidateLocked(v *Volume, n uint64, dropsDirty bool) {
+func (s *Set) noteInvalidateLocked(v *Volume, from, lba, n uint64, dropsDirty bool) {
 	if !dropsDirty {
 		return
 	}
 	if s.isFailed() {
-		v.fo.lost += int64(n) // appendLocked already fenced it
+		// appendLocked fenced an invalidation, not a clean insert.
+		v.fo.lost += int64(n)
+		v.addFenceLocked(lba, n)
 		return
 	}
 	if s.mu.dirtyInval == nil {
 		s.mu.dirtyInval = map[uint64]struct{}{}
 	}
-	s.mu.dirtyInval[s.mu.seq] = struct{}{}
+	for q := from + 1; q <= s.mu.seq; q++ {
+		s.mu.dirtyInval[q] = struct{}{}
+	}
 }
 
 // lostAny reports whether any volume lost writes with the failed cache.

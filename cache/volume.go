@@ -743,10 +743,15 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 			}
 		}
 		s.mu.Lock()
+		// A clean insert over a dirty block: if its record is lost in a
+		// failover, the device still holds the dirty version (failover.go).
+		dropsDirty := !dirty && v.dirtyInLocked(at, uint64(r.n))
+		from := s.mu.seq
 		for i := 0; i < r.n; i++ {
 			s.insertLocked(v.vi, at+uint64(i), r.loc+uint32(i), crcs[i], dirty)
 		}
 		s.appendInsertLocked(v.vi, at, r.loc, dirty, crcs)
+		s.noteInvalidateLocked(v, from, at, uint64(r.n), dropsDirty)
 		v.idx.mutations++
 		v.releaseLocked(claim)
 		s.unpinLocked(r.loc)
@@ -799,7 +804,7 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 			// resurrect clean entries that eviction dropped only in
 			// memory. (Failing over meanwhile fences the range.)
 			s.appendLocked(&rec{typ: recInvalidate, vol: uint16(v.vi), lba: lba, n: n})
-			s.noteInvalidateLocked(v, n, dropsDirty)
+			s.noteInvalidateLocked(v, s.mu.seq-1, lba, n, dropsDirty)
 		}
 		v.idx.mutations++
 	}
