@@ -3,8 +3,10 @@ package cache
 import (
 	"bytes"
 	"errors"
+	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/faultdev"
@@ -99,5 +101,63 @@ func TestFailoverFencesLostCleanInsert(t *testing.T) {
 	}
 	if !bytes.Equal(got, data(1)) && !bytes.Equal(got, data(2)) {
 		t.Fatalf("after heal and reopen the block holds %s; want w1 or w2 (never acknowledged-and-flushed data rolled back)", describeSectors(got))
+	}
+}
+
+// TestFlushRacingFailover: the periodic commit fails the set over while a
+// Flush waits for commitMu, with a writeback write (its dirty insert) among
+// the records it loses. The Flush then finds the set failed and its commit
+// only syncs the backing devices; it must still fail (ErrLostWrites), not
+// claim the lost write durable. The Flush is let in while the failing
+// commit is stuck in its cache device sync; if it arrives only after the
+// failover, it takes the failed-before path, which must fail the same way.
+func TestFlushRacingFailover(t *testing.T) {
+	bs := int64(4 * blockSize)
+	cacheMem := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
+	back := device.NewMem(32 * blockSize)
+	specs := []BackingSpec{{Name: "vol0", Dev: back}}
+	if _, err := Format(cacheMem, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writeback}); err != nil {
+		t.Fatal(err)
+	}
+	var armed atomic.Bool
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	fd := faultdev.Wrap(cacheMem, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+		if !armed.Load() || op.Kind != faultdev.Sync {
+			return faultdev.Fault{}
+		}
+		once.Do(func() {
+			close(entered)
+			<-release
+		})
+		return faultdev.Error(nil)
+	}))
+	s, err := Open(fd, specs, OpenOptions{noBackground: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.crashStop()
+	v := s.vols[0]
+	p := make([]byte, blockSize)
+	stamp(p, 1, 0, 0)
+	if err := v.WriteAt(p, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	armed.Store(true)
+	go func() { _ = s.commit(s.appended()) }() // the periodic commit
+	<-entered
+	flushed := make(chan error)
+	go func() { flushed <- v.Flush() }()
+	time.Sleep(50 * time.Millisecond) // let the Flush reach commitMu
+	close(release)
+	err = <-flushed
+	if !s.isFailed() {
+		t.Fatal("the failing commit did not fail the set over")
+	}
+	if !errors.Is(err, ErrLostWrites) && !errors.Is(err, ErrCacheFailed) {
+		t.Fatalf("flush racing a failover that lost a write: %v, want an error", err)
+	}
+	if err := v.Flush(); !errors.Is(err, ErrLostWrites) {
+		t.Fatalf("flush after failover: %v, want ErrLostWrites", err)
 	}
 }

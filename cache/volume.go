@@ -831,6 +831,13 @@ func (v *Volume) Flush() error {
 		target := s.mu.seq
 		s.mu.Unlock()
 		err := s.commit(target)
+		if err == nil && s.isFailed() && s.durable.Load() < target {
+			// Another commit (the periodic one) failed the set over
+			// with records this flush covers not durable, and commit
+			// only synced the backing devices: as if this flush's own
+			// commit had failed it over.
+			err = s.err()
+		}
 		if err == nil {
 			return v.durableErr()
 		}
