@@ -22,27 +22,16 @@ import (
 // the reopen brought the old dirty version back over it (found by
 // TestDeviceFailureModel/cache seed 52: "vol0 block 31 holds w15").
 func TestFailoverFencesLostCleanInsert(t *testing.T) {
-	bs := int64(4 * blockSize)
-	cacheMem := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
-	back := device.NewMem(32 * blockSize)
-	specs := []BackingSpec{{Name: "vol0", Dev: back}}
-	if _, err := Format(cacheMem, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writeback}); err != nil {
-		t.Fatal(err)
-	}
 	var failSyncs atomic.Bool
-	fd := faultdev.Wrap(cacheMem, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+	// No background goroutines: no writeback can clean the dirty version
+	// and no periodic commit can journal the clean insert before the fault.
+	s, cacheMem, specs := newFaultSet(t, func(op faultdev.Op) faultdev.Fault {
 		if failSyncs.Load() && op.Kind == faultdev.Sync {
 			return faultdev.Error(nil)
 		}
 		return faultdev.Fault{}
-	}))
-	// No background goroutines: no writeback can clean the dirty version
-	// and no periodic commit can journal the clean insert before the fault.
-	s, err := Open(fd, specs, OpenOptions{noBackground: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.crashStop()
+	})
+	var err error
 	v := s.vols[0]
 	st := v.Settings()
 	st.WritebackOrder = "lba"
@@ -112,17 +101,10 @@ func TestFailoverFencesLostCleanInsert(t *testing.T) {
 // commit is stuck in its cache device sync; if it arrives only after the
 // failover, it takes the failed-before path, which must fail the same way.
 func TestFlushRacingFailover(t *testing.T) {
-	bs := int64(4 * blockSize)
-	cacheMem := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
-	back := device.NewMem(32 * blockSize)
-	specs := []BackingSpec{{Name: "vol0", Dev: back}}
-	if _, err := Format(cacheMem, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writeback}); err != nil {
-		t.Fatal(err)
-	}
 	var armed atomic.Bool
 	entered, release := make(chan struct{}), make(chan struct{})
 	var once sync.Once
-	fd := faultdev.Wrap(cacheMem, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+	s, _, _ := newFaultSet(t, func(op faultdev.Op) faultdev.Fault {
 		if !armed.Load() || op.Kind != faultdev.Sync {
 			return faultdev.Fault{}
 		}
@@ -131,12 +113,8 @@ func TestFlushRacingFailover(t *testing.T) {
 			<-release
 		})
 		return faultdev.Error(nil)
-	}))
-	s, err := Open(fd, specs, OpenOptions{noBackground: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.crashStop()
+	})
+	var err error
 	v := s.vols[0]
 	p := make([]byte, blockSize)
 	stamp(p, 1, 0, 0)
@@ -160,4 +138,24 @@ func TestFlushRacingFailover(t *testing.T) {
 	if err := v.Flush(); !errors.Is(err, ErrLostWrites) {
 		t.Fatalf("flush after failover: %v, want ErrLostWrites", err)
 	}
+}
+
+// newFaultSet formats a writeback set of one 32-block volume on memory
+// devices and opens it with inj on the cache device and no background
+// goroutines (the tests drive commits themselves). It returns the bare
+// cache device and the specs, for a reopen on the healed device.
+func newFaultSet(t *testing.T, inj faultdev.InjectorFunc) (*Set, *device.Mem, []BackingSpec) {
+	t.Helper()
+	bs := int64(4 * blockSize)
+	cacheMem := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
+	specs := []BackingSpec{{Name: "vol0", Dev: device.NewMem(32 * blockSize)}}
+	if _, err := Format(cacheMem, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writeback}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(faultdev.Wrap(cacheMem, inj), specs, OpenOptions{noBackground: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.crashStop)
+	return s, cacheMem, specs
 }
