@@ -361,17 +361,23 @@ func (r *failRun) read(vi int, off, n int64) {
 	v := r.set.vols[vi]
 	fv := r.vols[vi]
 	failedBefore := r.set.isFailed()
+	first, cnt := blockSpan(off, n)
+	// After failover no block becomes dirty, but a writeback batch in
+	// flight at the failover may still mark blocks clean (their data is on
+	// the backing device): so dirtiness is taken before the read.
+	r.set.mu.Lock()
+	dirtyBefore := v.dirtyInLocked(first, uint64(cnt))
+	r.set.mu.Unlock()
 	got := make([]byte, n)
 	err := v.ReadAt(got, off)
 	r.logf("read vol%d off=%d len=%d: %v", vi, off, n, err)
-	first, cnt := blockSpan(off, n)
 	if err != nil {
 		if r.target == "cache" && !errors.Is(err, ErrDirtyUnreachable) {
 			r.fatalf("read vol%d off=%d len=%d failed with %v (want ErrDirtyUnreachable or success)", vi, off, n, err)
 		}
 		if failedBefore {
 			r.set.mu.Lock()
-			dirty := v.dirtyInLocked(first, uint64(cnt))
+			dirty := dirtyBefore || v.dirtyInLocked(first, uint64(cnt))
 			r.set.mu.Unlock()
 			if !dirty {
 				r.fatalf("after failover, read vol%d off=%d len=%d of blocks not dirty in the cache failed: %v", vi, off, n, err)
