@@ -434,12 +434,32 @@ func (v *Volume) durableErr() error {
 	return nil
 }
 
-// commitFUA makes the volume's completed writes durable (FUA).
-func (v *Volume) commitFUA() error {
+// commitFUA makes the volume's completed writes durable (FUA). lost0 is
+// the volume's lostCount when the request began: if the set failed over
+// meanwhile (another commit, the periodic one, losing the records of this
+// write), commit finds it failed and only syncs the backing devices, so
+// the lost count is what says the write did not survive.
+func (v *Volume) commitFUA(lost0 int64) error {
 	if err := v.s.commit(v.s.appended()); err != nil {
 		return err
 	}
+	if lost := v.lostCount(); lost > lost0 {
+		return fmt.Errorf("volume %s: FUA: %d bytes written before the cache device failed were only in the cache: %w (%w)",
+			v.name, (lost-lost0)*blockSize, ErrLostWrites, v.s.err())
+	}
 	return v.durableErr()
+}
+
+// lostCount returns the volume's lost blocks (foState.lost). It is zero
+// until the set fails over (only failover paths count), so the common case
+// takes no lock.
+func (v *Volume) lostCount() int64 {
+	if !v.s.isFailed() {
+		return 0
+	}
+	v.s.mu.Lock()
+	defer v.s.mu.Unlock()
+	return v.fo.lost
 }
 
 // readAroundCache fills dst with the blocks of hs (a run of cached entries

@@ -140,6 +140,68 @@ func TestFlushRacingFailover(t *testing.T) {
 	}
 }
 
+// TestFUARacingFailover: a FUA write goes into the cache while the periodic
+// commit, stuck in its cache device sync, is about to fail the set over;
+// the failover loses the write's record, and the FUA's own commit then
+// finds the set failed and only syncs the backing devices. The write must
+// fail (ErrLostWrites): a reopen of the repaired device does not have it.
+func TestFUARacingFailover(t *testing.T) {
+	var armed atomic.Bool
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	s, _, _ := newFaultSet(t, func(op faultdev.Op) faultdev.Fault {
+		if !armed.Load() || op.Kind != faultdev.Sync {
+			return faultdev.Fault{}
+		}
+		once.Do(func() {
+			close(entered)
+			<-release
+		})
+		return faultdev.Error(nil)
+	})
+	v := s.vols[0]
+	// Something pending, so that the periodic commit below syncs the
+	// cache device (with nothing to commit it would return at once).
+	q := make([]byte, blockSize)
+	stamp(q, 3, 0, 16*blockSize)
+	if err := v.WriteAt(q, 16*blockSize, false); err != nil {
+		t.Fatal(err)
+	}
+	armed.Store(true)
+	go func() { _ = s.commit(s.appended()) }() // the periodic commit
+	<-entered
+	p := make([]byte, blockSize)
+	stamp(p, 1, 0, 0)
+	done := make(chan error)
+	go func() { done <- v.WriteAt(p, 0, true) }()
+	// Let the write reach the cache and its commit wait for commitMu.
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		s.mu.Lock()
+		_, ok := v.idx.tree.Get(ent{lba: 0})
+		s.mu.Unlock()
+		if ok {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the FUA write did not reach the cache")
+		}
+	}
+	time.Sleep(20 * time.Millisecond)
+	close(release)
+	err := <-done
+	if !s.isFailed() {
+		t.Fatal("the failing commit did not fail the set over")
+	}
+	if !errors.Is(err, ErrLostWrites) {
+		t.Fatalf("FUA write whose record the failover lost: %v, want ErrLostWrites", err)
+	}
+	// A FUA write after the failover goes to the backing device: it succeeds.
+	stamp(p, 2, 0, 8*blockSize)
+	if err := v.WriteAt(p, 8*blockSize, true); err != nil {
+		t.Fatalf("FUA write after failover: %v", err)
+	}
+}
+
 // newFaultSet formats a writeback set of one 32-block volume on memory
 // devices and opens it with inj on the cache device and no background
 // goroutines (the tests drive commits themselves). It returns the bare

@@ -591,6 +591,7 @@ func (v *Volume) WriteAt(p []byte, off int64, fua bool) error {
 		return err
 	}
 	defer v.exit()
+	lost0 := v.lostCount()
 	if err := v.checkIO(off, int64(len(p))); err != nil {
 		return err
 	}
@@ -603,7 +604,7 @@ func (v *Volume) WriteAt(p []byte, off int64, fua bool) error {
 		}
 	}
 	if fua {
-		return v.commitFUA()
+		return v.commitFUA(lost0)
 	}
 	return nil
 }
@@ -871,6 +872,7 @@ func (v *Volume) Trim(off, length int64, fua bool) error {
 		return err
 	}
 	defer v.exit()
+	lost0 := v.lostCount()
 	if err := v.checkIO(off, length); err != nil {
 		return err
 	}
@@ -921,7 +923,7 @@ func (v *Volume) Trim(off, length int64, fua bool) error {
 		}
 	}
 	if fua {
-		return v.commitFUA()
+		return v.commitFUA(lost0)
 	}
 	return nil
 }
@@ -934,6 +936,7 @@ func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) err
 		return err
 	}
 	defer v.exit()
+	lost0 := v.lostCount()
 	if err := v.checkIO(off, length); err != nil {
 		return err
 	}
@@ -1000,7 +1003,7 @@ func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) err
 		}
 	}
 	if fua {
-		return v.commitFUA()
+		return v.commitFUA(lost0)
 	}
 	return nil
 }
