@@ -101,19 +101,7 @@ func TestFailoverFencesLostCleanInsert(t *testing.T) {
 // commit is stuck in its cache device sync; if it arrives only after the
 // failover, it takes the failed-before path, which must fail the same way.
 func TestFlushRacingFailover(t *testing.T) {
-	var armed atomic.Bool
-	entered, release := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	s, _, _ := newFaultSet(t, func(op faultdev.Op) faultdev.Fault {
-		if !armed.Load() || op.Kind != faultdev.Sync {
-			return faultdev.Fault{}
-		}
-		once.Do(func() {
-			close(entered)
-			<-release
-		})
-		return faultdev.Error(nil)
-	})
+	s, armed, entered, release := newStuckSyncSet(t)
 	var err error
 	v := s.vols[0]
 	p := make([]byte, blockSize)
@@ -146,19 +134,7 @@ func TestFlushRacingFailover(t *testing.T) {
 // finds the set failed and only syncs the backing devices. The write must
 // fail (ErrLostWrites): a reopen of the repaired device does not have it.
 func TestFUARacingFailover(t *testing.T) {
-	var armed atomic.Bool
-	entered, release := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	s, _, _ := newFaultSet(t, func(op faultdev.Op) faultdev.Fault {
-		if !armed.Load() || op.Kind != faultdev.Sync {
-			return faultdev.Fault{}
-		}
-		once.Do(func() {
-			close(entered)
-			<-release
-		})
-		return faultdev.Error(nil)
-	})
+	s, armed, entered, release := newStuckSyncSet(t)
 	v := s.vols[0]
 	// Something pending, so that the periodic commit below syncs the
 	// cache device (with nothing to commit it would return at once).
@@ -200,6 +176,27 @@ func TestFUARacingFailover(t *testing.T) {
 	if err := v.WriteAt(p, 8*blockSize, true); err != nil {
 		t.Fatalf("FUA write after failover: %v", err)
 	}
+}
+
+// newStuckSyncSet is newFaultSet whose cache device, once armed is set,
+// blocks its first sync until release is closed (entered is closed when it
+// starts) and then fails it and every later sync: a commit stuck in its
+// cache sync that will fail the set over.
+func newStuckSyncSet(t *testing.T) (s *Set, armed *atomic.Bool, entered, release chan struct{}) {
+	armed = new(atomic.Bool)
+	entered, release = make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	s, _, _ = newFaultSet(t, func(op faultdev.Op) faultdev.Fault {
+		if !armed.Load() || op.Kind != faultdev.Sync {
+			return faultdev.Fault{}
+		}
+		once.Do(func() {
+			close(entered)
+			<-release
+		})
+		return faultdev.Error(nil)
+	})
+	return s, armed, entered, release
 }
 
 // newFaultSet formats a writeback set of one 32-block volume on memory
