@@ -214,13 +214,85 @@ func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirt
 // bucketEpochs holds the flush epochs of a bucket's dirty blocks (only
 // dirty blocks have one). It is allocated with the bucket's first dirty
 // block and dropped with its last, so a clean cache pays nothing for epochs.
-// An epoch takes 4 bytes, relative to base, unless the bucket holds epochs
-// more than 2^32 apart (volumes whose epoch counters are far apart share
-// the bucket): then e64 holds them in full.
+// An epoch takes 2 bytes, relative to base: a bucket is filled within a
+// short time, so its blocks' epochs are usually close (one flush per 4 KiB
+// write still spans only the bucket's 256 blocks). When they span more
+// than 2^16 (GC moved an old dirty block into the open bucket, or volumes
+// with far-apart epoch counters share the bucket) the table widens to 4
+// bytes relative to base, then to full 8-byte epochs. It stays wide until
+// the bucket's last dirty block goes.
 type bucketEpochs struct {
 	base uint64
-	e32  []uint32
-	e64  []uint64
+	e16  []uint16 // epoch - base, while every epoch fits
+	e32  []uint32 // epoch - base, once one did not fit in 16 bits
+	e64  []uint64 // full epochs, once one did not fit in 32 bits
+}
+
+func newBucketEpochs(n int64, base uint64) *bucketEpochs {
+	return &bucketEpochs{base: base, e16: make([]uint16, n)}
+}
+
+func (ep *bucketEpochs) get(i int64) uint64 {
+	switch {
+	case ep.e16 != nil:
+		return ep.base + uint64(ep.e16[i])
+	case ep.e32 != nil:
+		return ep.base + uint64(ep.e32[i])
+	}
+	return ep.e64[i]
+}
+
+// offsets returns the largest offset stored and the largest that fits.
+func (ep *bucketEpochs) offsets() (hi, limit uint64) {
+	if ep.e16 != nil {
+		return uint64(slices.Max(ep.e16)), math.MaxUint16
+	}
+	return uint64(slices.Max(ep.e32)), math.MaxUint32
+}
+
+// widen moves the table to the next wider representation.
+func (ep *bucketEpochs) widen() {
+	if ep.e16 != nil {
+		ep.e32 = make([]uint32, len(ep.e16))
+		for i, x := range ep.e16 {
+			ep.e32[i] = uint32(x)
+		}
+		ep.e16 = nil
+		return
+	}
+	ep.e64 = make([]uint64, len(ep.e32))
+	for i, x := range ep.e32 {
+		ep.e64[i] = ep.base + uint64(x)
+	}
+	ep.e32 = nil
+}
+
+func (ep *bucketEpochs) set(i int64, e uint64) {
+	for ep.e64 == nil {
+		hi, limit := ep.offsets()
+		switch {
+		case e >= ep.base && e-ep.base <= limit:
+			if ep.e16 != nil {
+				ep.e16[i] = uint16(e - ep.base)
+			} else {
+				ep.e32[i] = uint32(e - ep.base)
+			}
+			return
+		case e < ep.base && ep.base-e <= limit-hi:
+			// Rebase downwards: every recorded epoch still fits.
+			shift := ep.base - e
+			for j := range ep.e16 {
+				ep.e16[j] += uint16(shift)
+			}
+			for j := range ep.e32 {
+				ep.e32[j] += uint32(shift)
+			}
+			ep.base = e
+		default:
+			ep.widen()
+		}
+	}
+	ep.e64[i] = e
 }
 
 // blockEpoch returns the flush epoch of the dirty version at cache block loc.
@@ -230,11 +302,7 @@ func (s *Set) blockEpoch(loc uint32) uint64 {
 	if ep == nil {
 		return 0
 	}
-	i := int64(loc) % s.bpb
-	if ep.e64 != nil {
-		return ep.e64[i]
-	}
-	return ep.base + uint64(ep.e32[i])
+	return ep.get(int64(loc) % s.bpb)
 }
 
 // setBlockEpoch records the flush epoch of the dirty version at loc.
@@ -242,32 +310,9 @@ func (s *Set) blockEpoch(loc uint32) uint64 {
 func (s *Set) setBlockEpoch(loc uint32, e uint64) {
 	b := &s.mu.buckets[int64(loc)/s.bpb]
 	if b.ep == nil {
-		b.ep = &bucketEpochs{base: e, e32: make([]uint32, s.bpb)}
+		b.ep = newBucketEpochs(s.bpb, e)
 	}
-	ep := b.ep
-	if ep.e64 == nil && e < ep.base {
-		// Rebase downwards if every recorded epoch still fits.
-		shift := ep.base - e
-		if hi := slices.Max(ep.e32); uint64(hi)+shift <= math.MaxUint32 {
-			for i := range ep.e32 {
-				ep.e32[i] += uint32(shift)
-			}
-			ep.base = e
-		}
-	}
-	if ep.e64 == nil && (e < ep.base || e-ep.base > math.MaxUint32) {
-		ep.e64 = make([]uint64, len(ep.e32))
-		for i, x := range ep.e32 {
-			ep.e64[i] = ep.base + uint64(x)
-		}
-		ep.e32 = nil
-	}
-	i := int64(loc) % s.bpb
-	if ep.e64 != nil {
-		ep.e64[i] = e
-	} else {
-		ep.e32[i] = uint32(e - ep.base)
-	}
+	b.ep.set(int64(loc)%s.bpb, e)
 }
 
 // undirtyLocked counts one dirty block of loc's bucket less, dropping the

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"testing"
@@ -310,5 +311,42 @@ func swapVersion(s *Set, lba uint64, change func(ver) ver) func() {
 	return func() {
 		v.idx.vers.Delete(y)
 		v.idx.vers.ReplaceOrInsert(x)
+	}
+}
+
+// TestBucketEpochsWiden sets random epochs in a bucket's table, near each
+// other, then far below and above (rebase, 32-bit and 64-bit tables), and
+// reads every one back.
+func TestBucketEpochsWiden(t *testing.T) {
+	rng := rand.New(rand.NewPCG(5, 6))
+	for round := range 200 {
+		const n = 64
+		base := rng.Uint64N(1 << 40)
+		ep := newBucketEpochs(n, base)
+		want := map[int64]uint64{}
+		for range 100 {
+			i := rng.Int64N(n)
+			var e uint64
+			switch r := rng.IntN(20); {
+			case round%4 == 0 || r < 15:
+				e = base + rng.Uint64N(1000) - 500 // close: stays 16-bit
+			case r < 18:
+				e = base + rng.Uint64N(1<<24)
+			case r < 19:
+				e = base - rng.Uint64N(1<<20)
+			default:
+				e = rng.Uint64()
+			}
+			ep.set(i, e)
+			want[i] = e
+			for j, w := range want {
+				if got := ep.get(j); got != w {
+					t.Fatalf("round %d: block %d epoch %d, want %d (base %d, widths %t/%t/%t)", round, j, got, w, ep.base, ep.e16 != nil, ep.e32 != nil, ep.e64 != nil)
+				}
+			}
+		}
+		if round%4 == 0 && ep.e16 == nil {
+			t.Fatalf("round %d: epochs within 1000 of each other widened the table", round)
+		}
 	}
 }
