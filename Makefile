@@ -46,9 +46,20 @@ fuzz:
 	GO=$(GO) ./scripts/fuzz.sh
 
 # Many more SIGKILL cycles of the process-crash test (make interop runs 50),
-# and the crash-point and error-point enumeration over 40 workload seeds
-# (make race runs 2).
+# the crash-point and error-point enumeration over 40 workload seeds (make
+# race runs 2), and the seeded model tests at STRESS_SEEDS seeds from
+# STRESS_START (make race runs 80/20/30/200 of them): the failing-device
+# model, power cuts at every device operation under concurrent clients, and
+# the concurrent and single-threaded crash models. A failure prints its seed
+# and the one-line command that replays it; a later sweep continues with
+# e.g. `make stress STRESS_START=5000`.
+STRESS_SEEDS ?= 5000
+STRESS_START ?= 0
 stress:
+	TIERCACHE_FAILMODEL_SEEDS=$(STRESS_SEEDS) TIERCACHE_FAILMODEL_START=$(STRESS_START) $(GO) test -count=1 -timeout 3h -run 'TestDeviceFailureModel$$' ./cache/
+	TIERCACHE_CRASHPOINTCONC_SEEDS=$$(( $(STRESS_SEEDS) / 10 )) TIERCACHE_CRASHPOINTCONC_START=$(STRESS_START) TIERCACHE_CRASHPOINTCONC_POINTS=all $(GO) test -count=1 -timeout 3h -run 'TestCrashPointsConcurrent$$' -v ./cache/
+	TIERCACHE_CRASHCONC_SEEDS=$(STRESS_SEEDS) TIERCACHE_CRASHCONC_START=$(STRESS_START) $(GO) test -count=1 -timeout 3h -run 'TestCrashConcurrent$$' ./cache/
+	TIERCACHE_CRASHMODEL_SEEDS=$(STRESS_SEEDS) TIERCACHE_CRASHMODEL_START=$(STRESS_START) $(GO) test -count=1 -timeout 3h -run 'TestCrashModel$$' ./cache/
 	TIERCACHE_CRASHPOINT_SEEDS=40 $(GO) test -count=1 -timeout 1h -run 'Test(Crash|Error)Points$$' -v ./cache/
 	TIERCACHE_CRASH_CYCLES=1000 $(GO) test -count=1 -timeout 3h -run 'TestKillCycles$$' -v ./internal/interop/
 

@@ -21,15 +21,15 @@ import (
 // that returned before the clone, and every version written after it
 // (including writes still in flight). Replay: -run TestCrashConcurrent -seed N.
 func TestCrashConcurrent(t *testing.T) {
-	n := 150
+	def := 150
 	if testing.Short() || raceEnabled {
-		n = 30
+		def = 30
 	}
-	first := uint64(0)
+	first, n := stressSeeds(t, "CRASHCONC", def)
 	if *flagSeed >= 0 {
 		first, n = uint64(*flagSeed), 1
 	}
-	for seed := first; seed < first+uint64(n); seed++ {
+	for seed := first; seed < first+n; seed++ {
 		if !t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) { runCrashConcurrent(t, seed) }) {
 			return
 		}
@@ -39,6 +39,10 @@ func TestCrashConcurrent(t *testing.T) {
 type ccVersion struct {
 	idx  uint64
 	data []byte
+	// alt, if set, is also allowed: the block's content before a trim
+	// (a trimmed block reads as zeroes or its old data), with any later
+	// partial write applied.
+	alt []byte
 }
 
 type ccWorker struct {
@@ -51,6 +55,9 @@ type ccWorker struct {
 	durable []uint64      // per block: highest version idx known durable
 	idx     uint64        // versions issued
 	done    uint64        // highest write idx completed
+	// alt, per block: the content a trimmed block may still read as (see
+	// ccVersion.alt); nil once a write covers the whole block.
+	alt [][]byte
 }
 
 func (w *ccWorker) reset(content []byte) {
@@ -60,9 +67,10 @@ func (w *ccWorker) reset(content []byte) {
 	nb := int(w.size / blockSize)
 	w.hist = make([][]ccVersion, nb)
 	w.durable = make([]uint64, nb)
+	w.alt = make([][]byte, nb)
 	w.idx++
 	for b := 0; b < nb; b++ {
-		w.hist[b] = []ccVersion{{w.idx, bytes.Clone(w.cur[b*blockSize : (b+1)*blockSize])}}
+		w.hist[b] = []ccVersion{{idx: w.idx, data: bytes.Clone(w.cur[b*blockSize : (b+1)*blockSize])}}
 		w.durable[b] = w.idx
 	}
 	w.done = w.idx
@@ -76,9 +84,91 @@ func (w *ccWorker) issue(p []byte, off int64) uint64 {
 	w.idx++
 	copy(w.cur[off:], p)
 	for b := off / blockSize; b <= (off+int64(len(p))-1)/blockSize; b++ {
-		w.hist[b] = append(w.hist[b], ccVersion{w.idx, bytes.Clone(w.cur[b*blockSize : (b+1)*blockSize])})
+		if a := w.alt[b]; a != nil {
+			if off <= b*blockSize && off+int64(len(p)) >= (b+1)*blockSize {
+				w.alt[b] = nil
+			} else {
+				lo, hi := max(off, b*blockSize), min(off+int64(len(p)), (b+1)*blockSize)
+				copy(a[lo-b*blockSize:hi-b*blockSize], p[lo-off:hi-off])
+			}
+		}
+		w.hist[b] = append(w.hist[b], ccVersion{w.idx, bytes.Clone(w.cur[b*blockSize : (b+1)*blockSize]), bytes.Clone(w.alt[b])})
 	}
 	return w.idx
+}
+
+// trim records a trim of the whole blocks [first, first+n) of the region
+// before it is sent: each reads as zeroes or as what it held, and may stay
+// so (a trim need not discard anything).
+func (w *ccWorker) trim(first, n int64) uint64 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.idx++
+	for b := first; b < first+n; b++ {
+		blk := w.cur[b*blockSize : (b+1)*blockSize]
+		if w.alt[b] == nil {
+			w.alt[b] = bytes.Clone(blk)
+		}
+		clear(blk)
+		w.hist[b] = append(w.hist[b], ccVersion{w.idx, bytes.Clone(blk), bytes.Clone(w.alt[b])})
+	}
+	return w.idx
+}
+
+// checkLive checks a read of [off, off+len(got)) of the region, which
+// must return the latest completed writes (a trimmed block: zeroes or its
+// alternative). REQUIRES: w.mu
+func (w *ccWorker) checkLive(got []byte, off int64) error {
+	for b := off / blockSize; b <= (off+int64(len(got))-1)/blockSize; b++ {
+		lo, hi := max(off, b*blockSize), min(off+int64(len(got)), (b+1)*blockSize)
+		g := got[lo-off : hi-off]
+		if bytes.Equal(g, w.cur[lo:hi]) {
+			continue
+		}
+		if a := w.alt[b]; a != nil && bytes.Equal(g, a[lo-b*blockSize:hi-b*blockSize]) {
+			continue
+		}
+		return fmt.Errorf("worker %d: read at region offset %d+%d: block %d holds %s, want %s", w.id, off, len(got), b,
+			describeSectors(g), describeSectors(w.cur[lo:hi]))
+	}
+	return nil
+}
+
+// checkCrash checks the region's content got after a crash, sector by
+// sector (an unflushed write may be torn): each block holds its newest
+// version known durable (durable, per block) or a version written since.
+// REQUIRES: w.mu
+func (w *ccWorker) checkCrash(got []byte, durable []uint64) error {
+	for b := range w.hist {
+		allowed := w.hist[b]
+		// Drop versions older than the newest durable one.
+		k := 0
+		for j, ver := range allowed {
+			if ver.idx <= durable[b] {
+				k = j
+			}
+		}
+		allowed = allowed[k:]
+		g := got[b*blockSize : (b+1)*blockSize]
+		for sct := 0; sct < blockSize; sct += 512 {
+			ok := false
+			for _, ver := range allowed {
+				ok = ok || bytes.Equal(g[sct:sct+512], ver.data[sct:sct+512]) ||
+					(ver.alt != nil && bytes.Equal(g[sct:sct+512], ver.alt[sct:sct+512]))
+			}
+			if !ok {
+				var names []string
+				for _, ver := range allowed {
+					names = append(names, describeSectors(ver.data))
+					if ver.alt != nil {
+						names = append(names, "(or, trimmed) "+describeSectors(ver.alt))
+					}
+				}
+				return fmt.Errorf("worker %d block %d sector %d holds %s; allowed %v", w.id, b, sct/512, describeSectors(g), names)
+			}
+		}
+	}
+	return nil
 }
 
 func (w *ccWorker) completed(idx uint64, off, n int64, fua bool) {
@@ -198,37 +288,11 @@ func runCrashConcurrent(t *testing.T, seed uint64) {
 				t.Fatalf("seed %d round %d: read: %v", seed, round, err)
 			}
 			w.mu.Lock()
-			for b := range w.hist {
-				allowed := w.hist[b]
-				// Drop versions older than the newest durable one.
-				k := 0
-				for j, ver := range allowed {
-					if ver.idx <= snap[i][b] {
-						k = j
-					}
-				}
-				allowed = allowed[k:]
-				g := got[b*blockSize : (b+1)*blockSize]
-				for sct := 0; sct < blockSize; sct += 512 {
-					ok := false
-					for _, ver := range allowed {
-						if bytes.Equal(g[sct:sct+512], ver.data[sct:sct+512]) {
-							ok = true
-							break
-						}
-					}
-					if !ok {
-						var names []string
-						for _, ver := range allowed {
-							names = append(names, describeSectors(ver.data))
-						}
-						w.mu.Unlock()
-						t.Fatalf("seed %d round %d: worker %d block %d sector %d holds %s; allowed %v",
-							seed, round, i, b, sct/512, describeSectors(g), names)
-					}
-				}
-			}
+			err := w.checkCrash(got, snap[i])
 			w.mu.Unlock()
+			if err != nil {
+				t.Fatalf("seed %d round %d: %v", seed, round, err)
+			}
 			w.reset(got)
 		}
 		if err := s2.Check(); err != nil {
@@ -240,24 +304,12 @@ func runCrashConcurrent(t *testing.T, seed uint64) {
 
 func (w *ccWorker) run(v *Volume, rng *rand.Rand, stop *atomic.Bool) error {
 	for op := uint64(0); !stop.Load(); op++ {
-		off := rng.Int64N(w.size/512) * 512
-		if rng.IntN(2) == 0 {
-			off = off / blockSize * blockSize
-		}
-		n := min(int64(1+rng.IntN(16))*512, w.size-off)
+		off, n := w.randRange(rng)
 		switch rng.IntN(10) {
 		case 0, 1, 2, 3, 4:
-			p := make([]byte, n)
-			fua := rng.IntN(5) == 0
-			w.mu.Lock()
-			tag := w.idx + 1
-			w.mu.Unlock()
-			stamp(p, uint64(w.id)<<40|tag, 0, w.base+off)
-			idx := w.issue(p, off)
-			if err := v.WriteAt(p, w.base+off, fua); err != nil {
-				return fmt.Errorf("worker %d: write: %w", w.id, err)
+			if _, err := w.write(v, rng, off, n); err != nil {
+				return err
 			}
-			w.completed(idx, off, n, fua)
 		case 5:
 			p := make([]byte, n)
 			idx := w.issue(p, off)
@@ -279,12 +331,39 @@ func (w *ccWorker) run(v *Volume, rng *rand.Rand, stop *atomic.Bool) error {
 				return fmt.Errorf("worker %d: read: %w", w.id, err)
 			}
 			w.mu.Lock()
-			want := bytes.Clone(w.cur[off : off+n])
+			err := w.checkLive(got, off)
 			w.mu.Unlock()
-			if !bytes.Equal(got, want) {
-				return fmt.Errorf("worker %d: read at %d+%d: %s", w.id, w.base+off, n, describeSectors(got))
+			if err != nil {
+				return err
 			}
 		}
 	}
 	return nil
+}
+
+// randRange draws a range of the region: sector-granular, half of them
+// block-aligned, up to 8 KiB.
+func (w *ccWorker) randRange(rng *rand.Rand) (off, n int64) {
+	off = rng.Int64N(w.size/512) * 512
+	if rng.IntN(2) == 0 {
+		off = off / blockSize * blockSize
+	}
+	return off, min(int64(1+rng.IntN(16))*512, w.size-off)
+}
+
+// write writes a stamped range at region offset off, with FUA one time in
+// five, and tracks it.
+func (w *ccWorker) write(v *Volume, rng *rand.Rand, off, n int64) (fua bool, err error) {
+	p := make([]byte, n)
+	fua = rng.IntN(5) == 0
+	w.mu.Lock()
+	tag := w.idx + 1
+	w.mu.Unlock()
+	stamp(p, uint64(w.id)<<40|tag, 0, w.base+off)
+	idx := w.issue(p, off)
+	if err := v.WriteAt(p, w.base+off, fua); err != nil {
+		return fua, fmt.Errorf("worker %d: write: %w", w.id, err)
+	}
+	w.completed(idx, off, n, fua)
+	return fua, nil
 }

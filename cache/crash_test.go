@@ -41,20 +41,21 @@ func TestCrashModel(t *testing.T) {
 		runCrashSeed(t, uint64(*flagSeed), *flagOps)
 		return
 	}
-	n := *flagSeeds
-	if n == 0 {
-		n = 2000
+	def := *flagSeeds
+	if def == 0 {
+		def = 2000
 		if testing.Short() || raceEnabled {
-			n = 200
+			def = 200
 		}
 	}
+	first, n := stressSeeds(t, "CRASHMODEL", def)
 	start := time.Now()
-	for seed := range uint64(n) {
+	for seed := first; seed < first+n; seed++ {
 		if !runCrashSeed(t, seed, *flagOps) {
 			return
 		}
 	}
-	t.Logf("%d seeds in %v", n, time.Since(start))
+	t.Logf("seeds %d..%d in %v", first, first+n-1, time.Since(start))
 }
 
 type modelVol struct {

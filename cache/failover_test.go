@@ -53,10 +53,11 @@ var flagFailSeed = flag.Int64("fail-seed", -1, "run TestDeviceFailureModel for t
 //
 //	go test ./cache -run TestDeviceFailureModel -fail-seed N -v
 func TestDeviceFailureModel(t *testing.T) {
-	seeds := 400
+	def := 400
 	if testing.Short() || raceEnabled {
-		seeds = 80
+		def = 80
 	}
+	first, seeds := stressSeeds(t, "FAILMODEL", def)
 	for _, target := range []string{"cache", "backing"} {
 		t.Run(target, func(t *testing.T) {
 			if *flagFailSeed >= 0 {
@@ -64,7 +65,8 @@ func TestDeviceFailureModel(t *testing.T) {
 				return
 			}
 			var failovers, unreachable, fenced, lostFlush, injected atomic.Int64
-			for seed := range uint64(seeds) {
+			var failed seedFailures
+			for seed := first; seed < first+seeds; seed++ {
 				ok := t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
 					r := runFailSeed(t, target, seed)
 					if r.failedOver {
@@ -75,13 +77,17 @@ func TestDeviceFailureModel(t *testing.T) {
 					lostFlush.Add(r.lostFlushes)
 					injected.Add(r.injected)
 				})
-				if !ok {
-					return
+				if !ok && failed.add(seed) {
+					break
 				}
 			}
-			t.Logf("%d seeds: %d device operations failed; %d sets failed over; %d reads refused on unreachable dirty data, %d fenced writes, %d flushes refused for lost writes",
-				seeds, injected.Load(), failovers.Load(), unreachable.Load(), fenced.Load(), lostFlush.Load())
-			if target == "cache" && failovers.Load() < int64(seeds)/4 {
+			if len(failed.seeds) > 0 {
+				t.Fatalf("%s: seeds %v failed (a sweep stops at %d); each failure above prints its replay command",
+					target, failed.seeds, maxSeedFailures)
+			}
+			t.Logf("seeds %d..%d: %d device operations failed; %d sets failed over; %d reads refused on unreachable dirty data, %d fenced writes, %d flushes refused for lost writes",
+				first, first+seeds-1, injected.Load(), failovers.Load(), unreachable.Load(), fenced.Load(), lostFlush.Load())
+			if target == "cache" && failovers.Load() < int64(seeds/4) {
 				t.Errorf("only %d of %d seeds failed over: the workload does not exercise passthrough", failovers.Load(), seeds)
 			}
 		})
