@@ -492,9 +492,14 @@ func (v *Volume) readAroundCache(dst []byte, hs []ent) (fromBacking []uint64, er
 }
 
 // allocWaitWriteback waits for space that only writeback can free (epoch
-// order: a write may not go around the cache). It fails, rather than wait
-// forever, when writeback to the backing device is failing: the client gets
-// an I/O error and the server keeps running.
+// order: a write may not go around the cache while older epochs of its
+// volume are dirty in it). It fails, rather than wait forever, when
+// writeback to the backing device is failing: the client gets an I/O error
+// and the server keeps running. Once the volume has no dirty data left it
+// returns errNoSpace, and the write goes around the cache: the space may
+// never come, since other volumes' dirty data can fill the cache while
+// their backing device is dead (TestEpochWriteNotStuckOnOtherVolume; found
+// by TestDeviceFailureModel/backing seed 5287 hanging).
 func (v *Volume) allocWaitWriteback(n int) (run, error) {
 	s := v.s
 	for {
@@ -504,6 +509,9 @@ func (v *Volume) allocWaitWriteback(n int) (run, error) {
 		}
 		if p := v.wb.backingErr.Load(); p != nil {
 			return run{}, fmt.Errorf("no free cache bucket, and writeback to the backing device is failing: %w", *p)
+		}
+		if !v.hasDirty() {
+			return run{}, err
 		}
 		s.kick()
 		s.kickWB()

@@ -218,3 +218,77 @@ func newFaultSet(t *testing.T, inj faultdev.InjectorFunc) (*Set, *device.Mem, []
 	t.Cleanup(s.crashStop)
 	return s, cacheMem, specs
 }
+
+// TestEpochWriteNotStuckOnOtherVolume: in epoch order a write that finds no
+// free bucket waits for its volume's writeback to free space. When the
+// cache is full of another volume's dirty data whose backing device is
+// dead, no space ever comes; once the writer's own volume has nothing
+// dirty left, the write must go around the cache instead of waiting
+// forever (TestDeviceFailureModel/backing seed 5287 hung there).
+func TestEpochWriteNotStuckOnOtherVolume(t *testing.T) {
+	bs := int64(4 * blockSize)
+	cache := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 2))
+	back0, back1 := device.NewMem(256*blockSize), device.NewMem(32*blockSize)
+	specs := []BackingSpec{{Name: "vol0", Dev: back0}, {Name: "vol1", Dev: back1}}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writeback}); err != nil {
+		t.Fatal(err)
+	}
+	dead := faultdev.Wrap(back0, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+		if op.Kind != faultdev.Read {
+			return faultdev.Error(nil)
+		}
+		return faultdev.Fault{}
+	}))
+	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: dead}, {Name: "vol1", Dev: back1}}, OpenOptions{noBackground: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.crashStop)
+	v0, v1 := s.vols[0], s.vols[1]
+	for _, v := range s.vols {
+		st := v.Settings()
+		st.WritebackOrder = "epoch"
+		if err := v.SetSettings(st); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p := make([]byte, blockSize)
+	stamp(p, 1, 1, 0)
+	if err := v1.WriteAt(p, 0, false); err != nil {
+		t.Fatal(err)
+	}
+	// Fill the cache with vol0's dirty data; its writeback fails, so a
+	// vol0 write finally fails instead of waiting for space.
+	full := false
+	for i := int64(0); i < back0.Size()/blockSize && !full; i++ {
+		stamp(p, uint64(2+i), 0, i*blockSize)
+		err := v0.WriteAt(p, i*blockSize, false)
+		s.writebackSweep(v0, 1)
+		full = err != nil
+	}
+	if !full {
+		t.Fatal("vol0's dirty data did not fill the cache")
+	}
+	// A vol1 write waits for space; vol1's writeback then cleans its only
+	// dirty block. The write must go around the cache.
+	done := make(chan error, 1)
+	stamp(p, 1000, 1, 8*blockSize)
+	go func() { done <- v1.WriteAt(p, 8*blockSize, false) }()
+	time.Sleep(20 * time.Millisecond)
+	if n := s.writebackSweep(v1, 8); n != 1 {
+		t.Fatalf("vol1 writeback wrote %d blocks, want 1", n)
+	}
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("vol1 write: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("a vol1 write waits forever for space that vol0's dead backing device holds")
+	}
+	got := make([]byte, blockSize)
+	if err := v1.ReadAt(got, 8*blockSize); err != nil || !bytes.Equal(got, p) {
+		t.Fatalf("vol1 read back: %v, %s", err, describeSectors(got))
+	}
+}
+
