@@ -247,6 +247,7 @@ type cpLog struct {
 	mu       sync.Mutex
 	recs     []string
 	injected int
+	text     strings.Builder // every record, one a line
 }
 
 func (h *cpLog) Enabled(_ context.Context, l slog.Level) bool { return l >= slog.LevelWarn }
@@ -268,6 +269,8 @@ func (h *cpLog) Handle(_ context.Context, r slog.Record) error {
 	if len(h.recs) < 64 {
 		h.recs = append(h.recs, b.String())
 	}
+	h.text.WriteString(b.String())
+	h.text.WriteByte('\n')
 	if hit {
 		h.injected++
 	}
@@ -276,6 +279,13 @@ func (h *cpLog) Handle(_ context.Context, r slog.Record) error {
 
 func (h *cpLog) WithAttrs([]slog.Attr) slog.Handler { return h }
 func (h *cpLog) WithGroup(string) slog.Handler      { return h }
+
+// all returns every record logged, one a line.
+func (h *cpLog) all() string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.text.String()
+}
 
 func (h *cpLog) count() int {
 	h.mu.Lock()

@@ -392,6 +392,13 @@ func (s *Set) syncBackings() error {
 				if v.backSyncErr.CompareAndSwap(nil, &err) {
 					s.log.Error("backing device sync failed: writes to it since its last sync may be lost; every later flush of this volume returns an I/O error until the server restarts",
 						"volume", v.name, "err", err)
+				} else {
+					// Later flushes return the first failure; each
+					// later one is its own event and is logged too
+					// (at most one a commit: a second a second while
+					// the device stays broken).
+					s.log.Warn("backing device sync failed again", "volume", v.name, "err", err,
+						"failures", v.st.backingSyncErrors.Load()+1)
 				}
 				v.st.backingSyncErrors.Add(1)
 				v.backingUnsynced.Store(true)

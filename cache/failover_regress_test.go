@@ -3,6 +3,7 @@ package cache
 import (
 	"bytes"
 	"errors"
+	"log/slog"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -292,3 +293,80 @@ func TestEpochWriteNotStuckOnOtherVolume(t *testing.T) {
 	}
 }
 
+// TestBackingSyncFailuresAllLogged: every failed backing device sync is
+// logged, not only the first (later flushes return the first failure, so a
+// second one was visible nowhere but a counter; found by
+// TestDeviceFailureModel/seq, seeds 18, 80, 113 and others).
+func TestBackingSyncFailuresAllLogged(t *testing.T) {
+	bs := int64(4 * blockSize)
+	cache := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
+	back := device.NewMem(32 * blockSize)
+	if _, err := Format(cache, []BackingSpec{{Name: "vol0", Dev: back}}, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writearound}); err != nil {
+		t.Fatal(err)
+	}
+	failing := faultdev.Wrap(back, faultdev.OnKind(faultdev.Sync, faultdev.Always(faultdev.Error(nil))))
+	log := &cpLog{}
+	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: failing}}, OpenOptions{Logger: slog.New(log), noBackground: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.crashStop)
+	v := s.vols[0]
+	p := make([]byte, blockSize)
+	for i := range 3 {
+		stamp(p, uint64(i+1), 0, 0)
+		if err := v.WriteAt(p, 0, false); err != nil {
+			t.Fatal(err)
+		}
+		if err := v.Flush(); !errors.Is(err, faultdev.ErrInjected) {
+			t.Fatalf("flush %d with a failing backing sync: %v, want the injected error", i, err)
+		}
+	}
+	if n, logged := failing.Injected(), log.count(); logged < int(n) {
+		t.Fatalf("%d backing syncs failed, %d logged:\n%s", n, logged, log.all())
+	}
+}
+
+// TestWritebackBatchReportsEveryError: two runs of one writeback batch
+// fail on the backing device at the same time; the batch's error must
+// carry both (parallel kept only the first, so the second failure vanished;
+// found by TestDeviceFailureModel/seq, seeds 110 and 118).
+func TestWritebackBatchReportsEveryError(t *testing.T) {
+	bs := int64(4 * blockSize)
+	cache := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
+	back := device.NewMem(32 * blockSize)
+	if _, err := Format(cache, []BackingSpec{{Name: "vol0", Dev: back}}, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writeback}); err != nil {
+		t.Fatal(err)
+	}
+	var armed atomic.Bool
+	failing := faultdev.Wrap(back, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+		if !armed.Load() || op.Kind != faultdev.Write {
+			return faultdev.Fault{}
+		}
+		// Slow, so that the second run starts before the first fails.
+		return faultdev.Fault{Latency: 50 * time.Millisecond, Fail: true, Err: &seqFault{dev: "back", op: op}}
+	}))
+	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: failing}}, OpenOptions{noBackground: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.crashStop)
+	v := s.vols[0]
+	st := v.Settings()
+	st.WritebackOrder = "lba"
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	p := make([]byte, blockSize)
+	for _, lba := range []uint64{2, 9} { // two runs
+		stamp(p, lba, 0, int64(lba)*blockSize)
+		if err := v.WriteAt(p, int64(lba)*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	armed.Store(true)
+	_, err = s.writeback(0, []uint64{2, 9})
+	if got := seqFaultsIn(err); len(got) != 2 {
+		t.Fatalf("writeback of two runs, both failing: error %v carries %d of the 2 failures", err, len(got))
+	}
+}

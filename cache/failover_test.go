@@ -6,6 +6,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -58,13 +59,13 @@ func TestDeviceFailureModel(t *testing.T) {
 		def = 80
 	}
 	first, seeds := stressSeeds(t, "FAILMODEL", def)
-	for _, target := range []string{"cache", "backing"} {
+	for _, target := range []string{"cache", "backing", "seq"} {
 		t.Run(target, func(t *testing.T) {
 			if *flagFailSeed >= 0 {
 				runFailSeed(t, target, uint64(*flagFailSeed))
 				return
 			}
-			var failovers, unreachable, fenced, lostFlush, injected atomic.Int64
+			var failovers, unreachable, fenced, lostFlush, injected, seqInjected atomic.Int64
 			var failed seedFailures
 			for seed := first; seed < first+seeds; seed++ {
 				ok := t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
@@ -76,6 +77,7 @@ func TestDeviceFailureModel(t *testing.T) {
 					fenced.Add(r.fencedWrites)
 					lostFlush.Add(r.lostFlushes)
 					injected.Add(r.injected)
+					seqInjected.Add(r.seqInjected)
 				})
 				if !ok && failed.add(seed) {
 					break
@@ -87,6 +89,9 @@ func TestDeviceFailureModel(t *testing.T) {
 			}
 			t.Logf("seeds %d..%d: %d device operations failed; %d sets failed over; %d reads refused on unreachable dirty data, %d fenced writes, %d flushes refused for lost writes",
 				first, first+seeds-1, injected.Load(), failovers.Load(), unreachable.Load(), fenced.Load(), lostFlush.Load())
+			if target == "seq" {
+				t.Logf("seq: %d scheduled faults fired (run and reopen), every one returned or logged", seqInjected.Load())
+			}
 			if target == "cache" && failovers.Load() < int64(seeds/4) {
 				t.Errorf("only %d of %d seeds failed over: the workload does not exercise passthrough", failovers.Load(), seeds)
 			}
@@ -112,6 +117,9 @@ type failRun struct {
 	// counted for the summary
 	unreachableReads, fencedWrites, lostFlushes int64
 	injected                                    int64 // faults fired
+	seqInjected                                 int64 // seq: scheduled faults fired, run and reopen
+	logs                                        *cpLog
+	errs                                        []string // errors the run got back (seq)
 }
 
 func (r *failRun) logf(format string, args ...any) {
@@ -140,7 +148,7 @@ func addCand(l [][]byte, c []byte) [][]byte {
 
 func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	rng := rand.New(rand.NewPCG(seed, 0xfa11))
-	r := &failRun{t: t, seed: seed, target: target, rng: rng}
+	r := &failRun{t: t, seed: seed, target: target, rng: rng, logs: &cpLog{}}
 	bs := int64(blockSize) * int64(2+rng.IntN(3))
 	nb := int64(minBuckets + rng.IntN(6))
 	nvols := 1 + rng.IntN(2)
@@ -181,8 +189,15 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	var fdCache *faultdev.Device
 	var fdBack *faultdev.Device
 	var cacheDev device.Device = cacheMem
+	var seqC, seqB *seqSched
 	if target == "cache" {
 		fdCache = faultdev.Wrap(cacheMem, inj)
+		cacheDev = fdCache
+	}
+	if target == "seq" {
+		seqC, seqB = newSeqScheds(seed, &healed)
+		r.logf("fault schedule: %s", strings.Join(append(seqC.plan, seqB.plan...), ", "))
+		fdCache = faultdev.Wrap(cacheMem, seqC)
 		cacheDev = fdCache
 	}
 	for i := 0; i < nvols; i++ {
@@ -192,6 +207,10 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 		var d device.Device = b
 		if target == "backing" && i == 0 {
 			fdBack = faultdev.Wrap(b, inj)
+			d = fdBack
+		}
+		if target == "seq" && i == 0 {
+			fdBack = faultdev.Wrap(b, seqB)
 			d = fdBack
 		}
 		faultSpecs = append(faultSpecs, BackingSpec{Name: name, Dev: d})
@@ -208,9 +227,14 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	if _, err := Format(cacheMem, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode}); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(cacheDev, faultSpecs, OpenOptions{})
+	s, err := Open(cacheDev, faultSpecs, OpenOptions{Logger: slog.New(r.logs)})
 	if err != nil {
 		r.logf("open failed under the fault: %v", err)
+		if target == "seq" {
+			r.noteErr(err)
+			r.checkSeqErr("open", err)
+			r.checkSurfaced(seqC, seqB)
+		}
 		return r
 	}
 	r.set = s
@@ -222,6 +246,7 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 		st.SequentialCutoff = []int64{0, 16 << 10}[rng.IntN(2)]
 		if err := v.SetSettings(st); err != nil {
 			r.logf("settings vol%d: %v", vi, err)
+			r.noteErr(err)
 		}
 	}
 	nops := 80 + rng.IntN(80)
@@ -255,7 +280,9 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 		if st.UnreachableDirtyBlocks != dirty {
 			r.fatalf("set: UnreachableDirtyBlocks %d, want %d", st.UnreachableDirtyBlocks, dirty)
 		}
-		if err := s.Drain(context.Background()); !errors.Is(err, ErrCacheFailed) {
+		err := s.Drain(context.Background())
+		r.noteErr(err)
+		if !errors.Is(err, ErrCacheFailed) {
 			r.fatalf("Drain after failover: %v, want ErrCacheFailed", err)
 		}
 	}
@@ -273,11 +300,16 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 		}
 	}
 	if fdBack != nil {
-		r.injected = int64(fdBack.Injected())
-	} else {
-		r.injected = int64(fdCache.Injected())
+		r.injected += int64(fdBack.Injected())
+	}
+	if fdCache != nil {
+		r.injected += int64(fdCache.Injected())
 	}
 	s.crashStop()
+	if target == "seq" {
+		r.reopenWithFault(cacheMem, specs, rand.New(rand.NewPCG(seed, 0x5ea)))
+		r.checkSurfaced(seqC, seqB)
+	}
 	// Heal: reopen on the bare devices (a repaired cache device, a
 	// restarted process).
 	healed.Store(true)
@@ -378,14 +410,18 @@ func (r *failRun) read(vi int, off, n int64) {
 	err := v.ReadAt(got, off)
 	r.logf("read vol%d off=%d len=%d: %v", vi, off, n, err)
 	if err != nil {
+		r.noteErr(err)
 		if r.target == "cache" && !errors.Is(err, ErrDirtyUnreachable) {
 			r.fatalf("read vol%d off=%d len=%d failed with %v (want ErrDirtyUnreachable or success)", vi, off, n, err)
 		}
-		if failedBefore {
+		if r.target == "seq" {
+			r.checkSeqErr(fmt.Sprintf("read vol%d off=%d len=%d", vi, off, n), err)
+		}
+		if failedBefore && r.target != "backing" {
 			r.set.mu.Lock()
 			dirty := dirtyBefore || v.dirtyInLocked(first, uint64(cnt))
 			r.set.mu.Unlock()
-			if !dirty {
+			if !dirty && (r.target == "cache" || errors.Is(err, ErrDirtyUnreachable) || !wrapsBackingFault(err)) {
 				r.fatalf("after failover, read vol%d off=%d len=%d of blocks not dirty in the cache failed: %v", vi, off, n, err)
 			}
 		}
@@ -438,6 +474,10 @@ func (r *failRun) step() {
 		if err != nil && failedBefore && r.target == "cache" && !errors.Is(err, ErrDirtyUnreachable) {
 			r.fatalf("after failover, write failed with %v (want success or a fenced write)", err)
 		}
+		r.noteErr(err)
+		if r.target == "seq" {
+			r.checkSeqErr("write", err)
+		}
 		r.apply(vi, off, p, err == nil, fua)
 	case k < 60:
 		off, n := r.randRange(vi)
@@ -445,6 +485,19 @@ func (r *failRun) step() {
 	case k < 70:
 		err := v.Flush()
 		r.logf("flush vol%d: %v", vi, err)
+		r.noteErr(err)
+		if r.target == "seq" {
+			r.checkSeqErr("flush", err)
+			s.mu.Lock()
+			lost := v.fo.lost
+			s.mu.Unlock()
+			if failedBefore && lost > 0 && !errors.Is(err, ErrLostWrites) {
+				r.fatalf("after failover, flush: %v with %d lost blocks, want ErrLostWrites", err, lost)
+			}
+			if failedBefore && lost == 0 && err != nil && !wrapsBackingFault(err) {
+				r.fatalf("after failover, flush: %v with no lost block and no backing fault", err)
+			}
+		}
 		if failedBefore && r.target == "cache" {
 			s.mu.Lock()
 			lost := v.fo.lost
@@ -465,6 +518,7 @@ func (r *failRun) step() {
 		off, n := r.randRange(vi)
 		err := v.Trim(off, n, false)
 		r.logf("trim vol%d off=%d len=%d: %v", vi, off, n, err)
+		r.noteErr(err)
 		a := (off + blockSize - 1) / blockSize
 		for b := a; (b+1)*blockSize <= off+n; b++ {
 			fv.now[b] = addCand(fv.now[b], make([]byte, blockSize))
@@ -474,6 +528,7 @@ func (r *failRun) step() {
 		mode := Mode(rng.IntN(4))
 		err := v.SetMode(mode)
 		r.logf("set-mode vol%d %v: %v", vi, mode, err)
+		r.noteErr(err)
 	case k < 90:
 		r.logf("gc")
 		s.evictOne()
@@ -483,6 +538,7 @@ func (r *failRun) step() {
 	default:
 		err := s.Drain(context.Background())
 		r.logf("drain: %v", err)
+		r.noteErr(err)
 		if err == nil && !s.isFailed() {
 			if st := s.Stats(); st.DirtyBlocks != 0 {
 				r.fatalf("after drain: %d dirty blocks", st.DirtyBlocks)

@@ -868,19 +868,22 @@ func (s *Set) checksumFailures() (n uint64) {
 }
 
 // parallel runs f(0..n-1) with at most qd calls in flight, started in
-// order, and returns the first error.
+// order; after a call fails no new one starts. It returns every error of
+// the calls that ran (errors.Join): two runs of a writeback batch can fail
+// on the backing device at once, and each failure must reach the caller's
+// log, not only the first (found by TestDeviceFailureModel/seq).
 func parallel(n, qd int, f func(i int) error) error {
 	if n == 1 {
 		return f(0)
 	}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
-	var first error
+	var errs []error
 	sem := make(chan struct{}, qd)
 	for i := 0; i < n; i++ {
 		sem <- struct{}{}
 		mu.Lock()
-		stop := first != nil
+		stop := len(errs) > 0
 		mu.Unlock()
 		if stop {
 			<-sem
@@ -891,13 +894,11 @@ func parallel(n, qd int, f func(i int) error) error {
 			defer func() { <-sem; wg.Done() }()
 			if err := f(i); err != nil {
 				mu.Lock()
-				if first == nil {
-					first = err
-				}
+				errs = append(errs, err)
 				mu.Unlock()
 			}
 		}()
 	}
 	wg.Wait()
-	return first
+	return errors.Join(errs...)
 }
