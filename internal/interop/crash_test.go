@@ -14,10 +14,12 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/admin"
 	"github.com/tiercache/tiercache/internal/crashtest"
 	"github.com/tiercache/tiercache/nbd"
 )
@@ -264,8 +266,10 @@ func (s *killableServer) dial(export string) func(context.Context) (*nbd.Client,
 // (largest write in 4 KiB blocks, default 16) vary the set-up for
 // exploration; a failure's replay line needs the same values.
 //
-// Not covered: kills during a run-time mode switch (there is no CLI or API
-// to switch modes on a running server yet).
+// The "modeswitch" case (a fifth of the cycles, starting in writeback)
+// also switches the export's cache mode through the admin API (`tiercache
+// set vol cache_mode=...`) every 2-60 ms while the clients run, so kills
+// land in the middle of mode switches (a switch to none drains first).
 //
 // Replay a failure with the seed it logs:
 //
@@ -289,6 +293,7 @@ func TestKillCycles(t *testing.T) {
 		{"writearound", max(cycles/5, 2)},
 		{"none", max(cycles/5, 2)},
 		{"plain", max(cycles/5, 2)},
+		{"modeswitch", max(cycles/5, 2)},
 	}
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -299,13 +304,23 @@ func TestKillCycles(t *testing.T) {
 				p := sparseFile(t, t.TempDir(), "plain.img", 64*mib)
 				args = []string{"--export", "vol=" + p}
 			} else {
-				cs := formatSet(t, 16*mib, 64*mib, []string{export}, "--mode", c.name, "--bucket-size", "256K")
+				mode := c.name
+				if mode == "modeswitch" {
+					mode = "writeback"
+				}
+				cs := formatSet(t, 16*mib, 64*mib, []string{export}, "--mode", mode, "--bucket-size", "256K")
 				args = []string{"--cache", cs.cache}
 			}
 			srv := newKillableServer(t, args...)
+			var server crashtest.Server = srv
+			var ms *modeSwitcher
+			if c.name == "modeswitch" {
+				ms = &modeSwitcher{killableServer: srv, export: export, rng: rand.New(rand.NewPCG(seed, 0x5e7))}
+				server = ms
+			}
 			start := time.Now()
 			st, err := crashtest.Run(context.Background(), crashtest.Config{
-				Server:         srv,
+				Server:         server,
 				Dial:           srv.dial(export),
 				Seed:           seed,
 				Cycles:         c.cycles,
@@ -320,6 +335,12 @@ func TestKillCycles(t *testing.T) {
 				Logf: t.Logf,
 			})
 			t.Logf("%s: %v in %v; server: %s", c.name, st, time.Since(start).Round(time.Millisecond), srv.recoveryStats())
+			if ms != nil {
+				t.Logf("modeswitch: %d mode switches succeeded, %d failed because of the kill; %d were still running when the kill was ordered", ms.ok, ms.cut, ms.late)
+				if ms.ok == 0 {
+					t.Errorf("no mode switch completed: the case tests nothing")
+				}
+			}
 			if err != nil {
 				log := ""
 				if srv.log != nil {
@@ -329,6 +350,9 @@ func TestKillCycles(t *testing.T) {
 					}
 				}
 				t.Fatalf("%v\nserver log (current process):\n%s", err, log)
+			}
+			if ms != nil {
+				ms.halt()
 			}
 			if err := srv.stop(); err != nil {
 				t.Fatal(err)
@@ -439,4 +463,96 @@ func fioSyncs(t *testing.T, out string) int64 {
 		n += j.Sync.TotalIOs
 	}
 	return n
+}
+
+// modeSwitcher is a killableServer whose export's cache mode is switched
+// through the admin API (PUT settings, as `tiercache set` does) every
+// 10-150 ms while it runs, so SIGKILLs land during mode switches.
+type modeSwitcher struct {
+	*killableServer
+	export string
+	rng    *rand.Rand
+	stop   chan struct{}
+	done   chan struct{}
+	// switches that succeeded, failed because of the kill, and were still
+	// running when the kill was ordered
+	ok, cut, late int
+	mu            sync.Mutex // guards ok, cut, late
+}
+
+func (m *modeSwitcher) Start(ctx context.Context) error {
+	if err := m.killableServer.Start(ctx); err != nil {
+		return err
+	}
+	m.stop, m.done = make(chan struct{}), make(chan struct{})
+	// The admin API itself (what `tiercache set` calls): spawning the
+	// race-built CLI takes about a second, longer than a kill cycle.
+	ac := admin.NewClient(filepath.Join(m.args[1], "admin.sock")) // newKillableServer's --data-dir
+	seed := m.rng.Uint64()
+	go func() {
+		defer close(m.done)
+		rng := rand.New(rand.NewPCG(seed, 1))
+		for {
+			select {
+			case <-m.stop:
+				return
+			case <-time.After(time.Duration(2+rng.IntN(58)) * time.Millisecond):
+			}
+			mode := []string{"writeback", "writethrough", "writearound", "none"}[rng.IntN(4)]
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			_, err := ac.SetSettings(ctx, m.export, map[string]string{"cache_mode": mode})
+			cancel()
+			stopped := false
+			select {
+			case <-m.stop:
+				stopped = true
+			default:
+			}
+			m.mu.Lock()
+			switch {
+			case err == nil:
+				m.ok++
+			case stopped:
+				m.cut++ // the kill cut it short
+			}
+			if stopped {
+				m.late++ // still running when the kill was ordered
+			}
+			m.mu.Unlock()
+			if stopped {
+				return
+			}
+			if err != nil {
+				m.t.Errorf("admin API: setting %s cache_mode=%s on a running server: %v", m.export, mode, err)
+				return
+			}
+		}
+	}()
+	return nil
+}
+
+// Kill kills the server with a switch possibly in flight: the switcher is
+// told to stop first (a `tiercache set` already running is not
+// interrupted, so the kill lands in it), then waited for.
+func (m *modeSwitcher) Kill() error {
+	if m.stop != nil {
+		close(m.stop)
+	}
+	err := m.killableServer.Kill()
+	m.halt()
+	return err
+}
+
+// halt stops the switcher and waits for it.
+func (m *modeSwitcher) halt() {
+	if m.stop == nil {
+		return
+	}
+	select {
+	case <-m.stop:
+	default:
+		close(m.stop)
+	}
+	<-m.done
+	m.stop = nil
 }
