@@ -71,9 +71,9 @@ func heapIndexFigure(t *testing.T, nblocks int, sorted bool, dirtyEvery int) {
 	perBlock := used / float64(nblocks)
 	cacheBytes := float64(nblocks) * blockSize
 	st := v.idx.tree.stats()
-	t.Logf("sorted=%t dirty=1/%d: %d cached 4 KiB blocks (%.0f MiB cache): index %.1f MiB = %.1f B/block = %.2f%% of cache = %.1f MiB per GiB of cache (%d entries, leaves %.0f%% full, %d dirty versions)",
+	t.Logf("sorted=%t dirty=1/%d: %d cached 4 KiB blocks (%.0f MiB cache): index %.1f MiB = %.1f B/block = %.2f%% of cache = %.1f MiB per GiB of cache (%d entries, leaves %.0f%% full, %d dirty)",
 		sorted, dirtyEvery, nblocks, cacheBytes/(1<<20), used/(1<<20), perBlock, 100*used/cacheBytes, perBlock*(1<<30)/blockSize/(1<<20),
-		v.idx.tree.Len(), 100*float64(v.idx.tree.Len())/float64(st.leaves*leafCap), v.idx.vers.Len())
+		v.idx.tree.Len(), 100*float64(v.idx.tree.Len())/float64(st.leaves*leafCap), v.idx.dirty)
 	if err := v.idx.tree.check(); err != nil {
 		t.Fatal(err)
 	}

@@ -541,52 +541,83 @@ type wbItem struct {
 // from one epoch to the next with a sync in between, and holds at any
 // moment the image after some epoch plus part of the next one.
 func (s *Set) writebackEpoch(vi, n int) (int, error) {
+	items := s.takeEpochBatch(vi, n)
+	var runs []blockRange
+	for i, it := range items {
+		if i > 0 && items[i-1].lba+1 == it.lba && runs[len(runs)-1].n < wbMaxRun {
+			runs[len(runs)-1].n++
+		} else {
+			runs = append(runs, blockRange{uint64(i), 1})
+		}
+	}
+	return s.writeItems(vi, items, runs)
+}
+
+// takeEpochBatch takes (into wbInflight) up to n versions of volume vi's
+// oldest epoch, in LBA order, for writebackEpoch.
+func (s *Set) takeEpochBatch(vi, n int) []wbItem {
 	v := s.vol(vi)
 	var items []wbItem
-	var runs []blockRange
 	s.mu.Lock()
-	first, ok := v.idx.vers.Min()
+	oldest, ok := s.oldestEpochLocked(vi)
 	if !ok {
 		s.mu.Unlock()
-		return 0, nil
+		return nil
 	}
-	from := ver{epoch: first.epoch}
-	for {
-		visited, more := 0, false
-		v.idx.vers.AscendGreaterOrEqual(from, func(x ver) bool {
-			if x.epoch != first.epoch || len(items) >= n {
-				return false
-			}
-			if visited >= lockChunk {
-				from, more = x, true
+	// In chunks of at most lockChunk entries scanned per hold of mu: the
+	// live entries of the oldest epoch (in the leaves whose summary admits
+	// it), merged in LBA order with the superseded versions of that epoch
+	// in the LBA range the chunk covered. The oldest epoch cannot get
+	// older between chunks (new versions take the current epoch, GC moves
+	// keep theirs).
+	var cand []ver
+	for from := uint64(0); ; {
+		cand = cand[:0]
+		visited, next, more := 0, uint64(0), false
+		v.idx.tree.AscendAggAtMost(ent{lba: from}, oldest, func(e ent) bool {
+			if visited >= lockChunk || len(cand) >= n-len(items) {
+				next, more = e.lba, true
 				return false
 			}
 			visited++
-			x, ok := s.versionLocked(vi, x)
-			if !ok {
-				return true // an inconsistency Check reports
+			if e.dirty() && s.blockEpoch(e.block()) == oldest {
+				cand = append(cand, ver{epoch: oldest, lba: e.lba, loc: e.block(), crc: e.crc})
 			}
-			if _, busy := v.idx.wbInflight[x.loc]; busy {
-				return true
-			}
-			v.idx.wbInflight[x.loc] = struct{}{}
-			if len(items) > 0 && items[len(items)-1].lba+1 == x.lba && runs[len(runs)-1].n < wbMaxRun {
-				runs[len(runs)-1].n++
-			} else {
-				runs = append(runs, blockRange{uint64(len(items)), 1})
-			}
-			b := &s.mu.buckets[int64(x.loc)/s.bpb]
-			items = append(items, wbItem{lba: x.lba, loc: x.loc, crc: x.crc, gen: b.gen})
 			return true
 		})
-		if !more {
+		nlive := len(cand)
+		v.idx.vers.AscendGreaterOrEqual(ver{epoch: oldest, lba: from}, func(x ver) bool {
+			if x.epoch != oldest || (more && x.lba >= next) {
+				return false
+			}
+			if y, ok := s.versionLocked(vi, x); ok {
+				cand = append(cand, y)
+			}
+			return true
+		})
+		if len(cand) > nlive {
+			slices.SortFunc(cand, cmpVer)
+		}
+		for _, x := range cand {
+			if len(items) >= n {
+				break
+			}
+			if _, busy := v.idx.wbInflight[x.loc]; busy {
+				continue
+			}
+			v.idx.wbInflight[x.loc] = struct{}{}
+			b := &s.mu.buckets[int64(x.loc)/s.bpb]
+			items = append(items, wbItem{lba: x.lba, loc: x.loc, crc: x.crc, gen: b.gen})
+		}
+		if !more || len(items) >= n {
 			break
 		}
+		from = next
 		s.mu.Unlock()
 		s.mu.Lock()
 	}
 	s.mu.Unlock()
-	return s.writeItems(vi, items, runs)
+	return items
 }
 
 // writebackEpochLBAs writes back, of the given LBAs, the live versions that
@@ -599,10 +630,10 @@ func (s *Set) writebackEpochLBAs(vi int, lbas []uint64) (int, error) {
 	var items []wbItem
 	var runs []blockRange
 	s.mu.Lock()
-	if first, ok := v.idx.vers.Min(); ok {
+	if oldest, ok := s.oldestEpochLocked(vi); ok {
 		for _, lba := range lbas {
 			e, ok := v.idx.tree.Get(ent{lba: lba})
-			if !ok || !e.dirty() || s.blockEpoch(e.block()) != first.epoch {
+			if !ok || !e.dirty() || s.blockEpoch(e.block()) != oldest {
 				continue
 			}
 			if _, busy := v.idx.wbInflight[e.block()]; busy {

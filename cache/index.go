@@ -17,12 +17,20 @@ package cache
 //     later flush epoch stays owned (owner map, bucket live and dirty
 //     counts) in idx.sup until its epoch is written back. Every superseded
 //     version of an LBA is older (lower epoch) than the live entry of that
-//     LBA, which exists and is dirty. idx.vers holds exactly the dirty
-//     versions, live and superseded, keyed by (epoch, lba), with their
-//     epoch also the block's (bucket.ep).
+//     LBA, which exists and is dirty. idx.vers holds exactly the
+//     superseded versions, keyed by (epoch, lba), with their epoch also
+//     the block's (bucket.ep).
+//  5. Every summary in the index tree is at most the oldest flush epoch of
+//     the dirty entries under it (ptree.go, "Summaries"; the epochs are
+//     the blocks' in bucket.ep): epoch-ordered writeback finds the
+//     oldest epoch's live entries through them.
 //
 // The index is one packed B+tree per volume (ptree.go: 13 bytes a cached
-// 4 KiB block, leaves kept over 2/3 full) and a small table per bucket.
+// 4 KiB block, leaves kept over 2/3 full) and a small table per bucket
+// (with 2 bytes of flush epoch per block of a bucket holding dirty data).
+// The dirty blocks are not indexed a second time by epoch: the tree's
+// inner nodes carry, per child, a lower bound of the oldest dirty epoch
+// under it, which is what epoch-ordered writeback searches by.
 // There is no reverse map (cache block -> LBA) while serving: eviction finds
 // its victims' entries by walking the index once for a batch of victim
 // buckets (gc.go), a few entries per hold of Set.mu. Recovery builds the
@@ -85,8 +93,8 @@ type bucket struct {
 // epoch-ordered writeback takes them: by (epoch, lba), which names one
 // version (invariant 4: superseded versions of an LBA are older than its
 // live entry, and a same-epoch overwrite releases the old version). The
-// version tree stores only (epoch, lba); loc and crc are filled in where
-// a ver is built from the live entry or idx.sup.
+// version tree (superseded versions only) stores only (epoch, lba); loc
+// and crc are filled in from idx.sup.
 type ver struct {
 	epoch uint64
 	lba   uint64
@@ -132,7 +140,7 @@ func (s *Set) versionLocked(vi int, x ver) (ver, bool) {
 // volIndex is a volume's part of the index. Guarded by Set.mu.
 type volIndex struct {
 	tree *ptree
-	vers *vtree           // every dirty version by (epoch, lba)
+	vers *vtree           // the superseded versions by (epoch, lba)
 	sup  map[uint64][]ver // superseded versions by LBA (epoch order)
 	nsup int64            // superseded versions in sup
 	busy []blockRange     // backing writes in flight (claims)
@@ -178,12 +186,21 @@ func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirt
 	s.initVersionsLocked()
 	v := s.vols[vi]
 	e := ent{lba: lba, loc: loc, crc: crc}
+	b := &s.mu.buckets[int64(loc)/s.bpb]
+	agg := uint64(math.MaxUint64)
 	if dirty {
 		e.loc |= dirtyBit
+		// The epoch first: the old entry's release below must not drop
+		// the bucket's epoch table if it is the same bucket.
+		b.dirty++
+		s.setBlockEpoch(loc, epoch)
+		agg = epoch
 	}
-	if old, ok := v.idx.tree.ReplaceOrInsert(e); ok {
+	if old, ok := v.idx.tree.ReplaceOrInsertAgg(e, agg); ok {
 		if oe := s.blockEpoch(old.block()); dirty && old.dirty() && oe < epoch && s.keepSuperseded(vi) {
-			v.idx.sup[lba] = append(v.idx.sup[lba], ver{epoch: oe, lba: lba, loc: old.block(), crc: old.crc})
+			x := ver{epoch: oe, lba: lba, loc: old.block(), crc: old.crc}
+			v.idx.sup[lba] = append(v.idx.sup[lba], x)
+			v.idx.vers.ReplaceOrInsert(x)
 			v.idx.nsup++
 			v.idx.dirty-- // counted as superseded from now on (bucket counts unchanged)
 			v.idx.cached--
@@ -200,15 +217,34 @@ func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirt
 		}
 		s.mu.owner[loc] = ownerKey(vi, lba)
 	}
-	b := &s.mu.buckets[int64(loc)/s.bpb]
 	b.live++
 	v.idx.cached++
 	if dirty {
-		b.dirty++
 		v.idx.dirty++
-		s.setBlockEpoch(loc, epoch)
-		v.idx.vers.ReplaceOrInsert(ver{epoch: epoch, lba: lba, loc: loc, crc: crc})
 	}
+}
+
+// entEpoch is the index tree's summary value of an entry: its flush epoch
+// if it is dirty, else MaxUint64 (ptree.go, "Summaries").
+// REQUIRES: s.mu
+func (s *Set) entEpoch(e ent) uint64 {
+	if !e.dirty() {
+		return math.MaxUint64
+	}
+	return s.blockEpoch(e.block())
+}
+
+// oldestEpochLocked returns the oldest flush epoch of volume vi's dirty
+// versions: the smallest of the live entries' (the index tree's summaries)
+// and the superseded versions' (idx.vers).
+// REQUIRES: s.mu
+func (s *Set) oldestEpochLocked(vi int) (uint64, bool) {
+	v := s.vols[vi]
+	e, ok := v.idx.tree.MinAgg(s.entEpoch)
+	if x, sok := v.idx.vers.Min(); sok && (!ok || x.epoch < e) {
+		return x.epoch, true
+	}
+	return e, ok
 }
 
 // bucketEpochs holds the flush epochs of a bucket's dirty blocks (only
@@ -222,6 +258,7 @@ func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirt
 // bytes relative to base, then to full 8-byte epochs. It stays wide until
 // the bucket's last dirty block goes.
 type bucketEpochs struct {
+	snap uint64 // Set.mu.epochSnap when made: copied before a change once a snapshot shares it
 	base uint64
 	e16  []uint16 // epoch - base, while every epoch fits
 	e32  []uint32 // epoch - base, once one did not fit in 16 bits
@@ -309,10 +346,39 @@ func (s *Set) blockEpoch(loc uint32) uint64 {
 // REQUIRES: s.mu
 func (s *Set) setBlockEpoch(loc uint32, e uint64) {
 	b := &s.mu.buckets[int64(loc)/s.bpb]
-	if b.ep == nil {
+	switch {
+	case b.ep == nil:
 		b.ep = newBucketEpochs(s.bpb, e)
+		b.ep.snap = s.mu.epochSnap
+	case b.ep.snap != s.mu.epochSnap:
+		// A checkpoint's snapshot shares the table: change a copy.
+		c := *b.ep
+		c.e16, c.e32, c.e64 = slices.Clone(c.e16), slices.Clone(c.e32), slices.Clone(c.e64)
+		c.snap = s.mu.epochSnap
+		b.ep = &c
 	}
 	b.ep.set(int64(loc)%s.bpb, e)
+}
+
+// snapshotEpochsLocked returns the flush epoch of each dirty cache block as
+// it is now, for a checkpoint encoded outside mu: it keeps the buckets'
+// epoch tables, which setBlockEpoch then copies before changing (a table is
+// dropped, not changed, when its bucket's last dirty block goes).
+// REQUIRES: s.mu
+func (s *Set) snapshotEpochsLocked() func(loc uint32) uint64 {
+	eps := make([]*bucketEpochs, len(s.mu.buckets))
+	for i := range s.mu.buckets {
+		eps[i] = s.mu.buckets[i].ep
+	}
+	s.mu.epochSnap++
+	bpb := s.bpb
+	return func(loc uint32) uint64 {
+		ep := eps[int64(loc)/bpb]
+		if ep == nil {
+			return 0
+		}
+		return ep.get(int64(loc) % bpb)
+	}
 }
 
 // undirtyLocked counts one dirty block of loc's bucket less, dropping the
@@ -435,7 +501,6 @@ func (s *Set) unaccountLocked(vi int, old ent) {
 	v.idx.cached--
 	if old.dirty() {
 		v.idx.dirty--
-		v.idx.vers.Delete(ver{epoch: s.blockEpoch(loc), lba: old.lba, loc: loc, crc: old.crc})
 		s.undirtyLocked(loc)
 	}
 }
@@ -483,9 +548,8 @@ func (s *Set) markCleanLocked(vi int, lba uint64, loc uint32) bool {
 	if !ok || e.block() != loc || !e.dirty() {
 		return s.releaseSupLocked(vi, lba, loc)
 	}
-	v.idx.vers.Delete(ver{epoch: s.blockEpoch(loc), lba: lba, loc: loc, crc: e.crc})
 	e.loc &^= dirtyBit
-	v.idx.tree.ReplaceOrInsert(e)
+	v.idx.tree.ReplaceOrInsertAgg(e, math.MaxUint64)
 	s.undirtyLocked(loc)
 	v.idx.dirty--
 	s.dropSupLocked(vi, lba)
@@ -550,23 +614,26 @@ func (s *Set) checkLocked() error { return s.checkIndexLocked(true) }
 //     against the index; bucket lists and states (invariant 5); epoch
 //     tables exactly on buckets with dirty blocks; every superseded version
 //     older than a dirty live entry of its LBA, with its block's epoch, and
-//     the only version of its epoch; the version tree's size equal to dirty
-//     plus superseded.
+//     the only version of its epoch; the version tree's size equal to the
+//     superseded count.
 //   - the reverse map (recovery only) agreeing with every entry: exact
 //     compares owner[block] per entry (a random 8-byte read each); otherwise
 //     the sum of a mix of (block, owner) over one sequential pass of the map
 //     must equal the same sum over the entries and superseded versions
 //     (with each block named once and the owned count equal to the entry
 //     count, checked exactly).
-//   - the version tree holding exactly the (epoch, LBA) of every dirty live
-//     entry and superseded version: exact looks each one up (a random tree
-//     descent each, 0.3-0.4 s for 1M); otherwise the sum of a 64-bit mix of
-//     (epoch, LBA) over them must equal the same sum over one in-order walk
-//     of the version tree. With equal sizes and distinct tree keys, a
-//     missing, stray or wrong-epoch version (what a replay bug would leave)
-//     passes only if two sums of 64-bit hashes collide by chance. With
-//     the reverse map, the dirty entries' epochs are read in cache-block
-//     order through it, after its own fingerprint matched.
+//   - the version tree holding exactly the (epoch, LBA) of every
+//     superseded version: exact looks each one up; otherwise the sum of a
+//     64-bit mix of (epoch, LBA) over them must equal the same sum over
+//     one in-order walk of the version tree. With equal sizes and distinct
+//     tree keys, a missing, stray or wrong-epoch version (what a replay bug
+//     would leave) passes only if two sums of 64-bit hashes collide by
+//     chance.
+//   - exact only: the index tree's summaries (invariant 5), recomputed
+//     from every dirty entry's epoch (a random read of the epoch tables
+//     each). Open skips it: recovery computes them with the same code as
+//     serving does (bulk load with per-leaf minima, inserts), which Check
+//     after every test and the invariants build verify.
 //
 // Check (tests after every test, `tiercache check`, GC under the
 // invariants tag) and Open built with -tags invariants use exact.
@@ -596,22 +663,15 @@ func (s *Set) checkIndexLocked(exact bool) error {
 	}
 	// named: cache blocks named by an entry so far (invariant 1).
 	named := newBitset(int(nb * s.bpb))
-	// !exact: per volume, fingerprints of the versions the version tree
-	// must hold (fps) and of those it holds (tfps). With the reverse map
-	// (recovery), the epochs of dirty live blocks are read in one pass in
-	// cache-block order after the walk (dirtyLive marks them), not per
-	// entry in LBA order: a random read of the epoch tables each cost
-	// 0.2 s for 1M entries.
-	fps, tfps := make([]uint64, len(s.vols)), make([]uint64, len(s.vols))
-	seqEp := !exact && s.mu.owner != nil
-	var dirtyLive bitset
-	if seqEp {
-		dirtyLive = newBitset(int(nb * s.bpb))
-	}
 	total := 0
 	for vi, v := range s.vols {
 		if err := v.idx.tree.check(); err != nil {
 			return fmt.Errorf("volume %s: %w", v.name, err)
+		}
+		if exact {
+			if err := v.idx.tree.checkAgg(s.entEpoch); err != nil {
+				return fmt.Errorf("volume %s: %w", v.name, err)
+			}
 		}
 		var nd, nc int64
 		var err error
@@ -642,14 +702,6 @@ func (s *Set) checkIndexLocked(exact bool) error {
 			liveB[loc/s.bpb]++
 			nc++
 			if e.dirty() {
-				if seqEp {
-					dirtyLive.set(int(loc))
-				} else if ep := s.blockEpoch(uint32(loc)); !exact {
-					fps[vi] += pairHash(ep, e.lba)
-				} else if _, in := v.idx.vers.Get(ver{epoch: ep, lba: e.lba, loc: e.block(), crc: e.crc}); !in {
-					err = fmt.Errorf("volume %s: dirty lba %d (block %d, epoch %d) missing from the version tree", v.name, e.lba, loc, ep)
-					return false
-				}
 				dirtyB[loc/s.bpb]++
 				nd++
 			}
@@ -662,8 +714,11 @@ func (s *Set) checkIndexLocked(exact bool) error {
 			return fmt.Errorf("volume %s: counted %d dirty/%d cached, accounted %d/%d", v.name, nd, nc, v.idx.dirty, v.idx.cached)
 		}
 		total += int(nc)
-		// Invariant 4: superseded versions.
+		// Invariant 4: superseded versions. !exact: fingerprints of the
+		// versions the version tree must hold (fp) and of those it holds
+		// (tfp).
 		var ns int64
+		var fp, tfp uint64
 		for lba, l := range v.idx.sup {
 			live, ok := v.idx.tree.Get(ent{lba: lba})
 			for _, x := range l {
@@ -677,7 +732,7 @@ func (s *Set) checkIndexLocked(exact bool) error {
 					return fmt.Errorf("volume %s: superseded version %+v, block epoch %d", v.name, x, s.blockEpoch(uint32(loc)))
 				}
 				if !exact {
-					fps[vi] += pairHash(x.epoch, x.lba)
+					fp += pairHash(x.epoch, x.lba)
 					entOwnFP += pairHash(uint64(loc), ownerKey(vi, lba))
 				} else if _, in := v.idx.vers.Get(x); !in {
 					return fmt.Errorf("volume %s: superseded version %+v missing from the version tree", v.name, x)
@@ -691,14 +746,17 @@ func (s *Set) checkIndexLocked(exact bool) error {
 				ns++
 			}
 		}
-		if ns != v.idx.nsup || int64(v.idx.vers.Len()) != v.idx.dirty+ns {
-			return fmt.Errorf("volume %s: %d superseded (accounted %d), %d dirty, %d versions", v.name, ns, v.idx.nsup, v.idx.dirty, v.idx.vers.Len())
+		if ns != v.idx.nsup || int64(v.idx.vers.Len()) != ns {
+			return fmt.Errorf("volume %s: %d superseded (accounted %d), %d in the version tree", v.name, ns, v.idx.nsup, v.idx.vers.Len())
 		}
 		if !exact {
 			v.idx.vers.Ascend(func(x ver) bool {
-				tfps[vi] += pairHash(x.epoch, x.lba)
+				tfp += pairHash(x.epoch, x.lba)
 				return true
 			})
+			if fp != tfp {
+				return fmt.Errorf("volume %s: the version tree does not hold exactly the superseded versions (fingerprint %#x, expected %#x)", v.name, tfp, fp)
+			}
 		}
 		total += int(ns)
 	}
@@ -707,21 +765,6 @@ func (s *Set) checkIndexLocked(exact bool) error {
 	}
 	if owned >= 0 && !exact && ownFP != entOwnFP {
 		return fmt.Errorf("the reverse map does not name exactly the entries' cache blocks (fingerprint %#x, expected %#x)", ownFP, entOwnFP)
-	}
-	if seqEp {
-		// The reverse map was just shown to agree with the entries.
-		for loc, k := range s.mu.owner {
-			if dirtyLive.get(loc) {
-				if vi, lba := splitOwner(k); vi >= 0 && vi < len(fps) {
-					fps[vi] += pairHash(s.blockEpoch(uint32(loc)), lba)
-				}
-			}
-		}
-	}
-	for vi, v := range s.vols {
-		if !exact && fps[vi] != tfps[vi] {
-			return fmt.Errorf("volume %s: the version tree does not hold exactly the dirty and superseded versions (fingerprint %#x, expected %#x)", v.name, tfps[vi], fps[vi])
-		}
 	}
 	inFree := make([]bool, nb)
 	for _, bi := range s.mu.free {

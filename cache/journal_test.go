@@ -221,9 +221,8 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 	{
 		tr := []*ptree{newPtree(), newPtree()}
 		tr[0].ReplaceOrInsert(ent{lba: 3, loc: 2 | dirtyBit, crc: 9})
-		vt := []verSnap{{t: newVtree(), sup: map[uint64][]ver{3: {{epoch: 2, lba: 3, loc: 7, crc: 4}}}}, {t: newVtree()}}
-		vt[0].t.ReplaceOrInsert(ver{epoch: 5, lba: 3})
-		vt[0].t.ReplaceOrInsert(ver{epoch: 2, lba: 3})
+		epochOf := func(uint32) uint64 { return 5 }
+		vt := []verSnap{{epochOf: epochOf, sup: map[uint64][]ver{3: {{epoch: 2, lba: 3, loc: 7, crc: 4}}}}, {epochOf: epochOf}}
 		var out []byte
 		_ = encodeCkptBodyVers([]uint32{1, 2, 3, 4}, []uint64{7, 8}, tr, vt, func(p []byte) error {
 			out = append(out, p...)
@@ -245,14 +244,9 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 				if vt == nil {
 					vt = make([]verSnap, len(cd.vols))
 				}
-				vt[i] = verSnap{t: newVtree(), sup: map[uint64][]ver{}}
-				for _, e := range cv.ents {
-					if e.dirty() {
-						vt[i].t.ReplaceOrInsert(ver{epoch: cv.epochOf[e.block()], lba: e.lba})
-					}
-				}
+				epochOf := cv.epochOf
+				vt[i] = verSnap{epochOf: func(loc uint32) uint64 { return epochOf[loc] }, sup: map[uint64][]ver{}}
 				for _, x := range cv.sup {
-					vt[i].t.ReplaceOrInsert(x)
 					vt[i].sup[x.lba] = append(vt[i].sup[x.lba], x)
 				}
 			}

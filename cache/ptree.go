@@ -20,6 +20,20 @@ package cache
 // before its first change (the node's cow tag is not the tree's), so a
 // checkpoint can take a snapshot under Set.mu in O(1) and encode it outside.
 //
+// Summaries: every inner node keeps, per child, agg: a lower bound of a
+// value (uint64) of the elements under the child. The index uses the flush
+// epoch of each dirty entry (clean: MaxUint64), so epoch-ordered writeback
+// finds the dirty entries of the oldest epoch by descending only into
+// children whose bound is not above it, instead of keeping every dirty
+// block a second time in an (epoch, LBA) tree (13 bytes a dirty block).
+// The bound is kept only on insert (min with the new element's value),
+// never raised by a removal, a clean mark or a split, so no write has to
+// look up the values of other elements (a leaf's values are flush epochs
+// of blocks spread over the whole cache). It is raised lazily: MinAgg
+// scans the leaf its bounds point at, and if its exact minimum is higher,
+// stores it and tries again. A bound that is too high would hide entries
+// from writeback; check(sum) verifies every bound against the exact values.
+//
 // Structural invariants (ptree.check): all leaves at the same depth; a leaf
 // holds 1..leafCap entries in strictly increasing LBA order; an inner node
 // holds 1..fanout children; every entry under child i of an inner node is
@@ -27,6 +41,7 @@ package cache
 
 import (
 	"fmt"
+	"math"
 )
 
 const (
@@ -208,6 +223,18 @@ type bnode[E, L any, PL leafPtr[L, E]] struct {
 	keys   [fanout]E                // keys[i]: lower bound of child i (keys[0] is not used)
 	kids   [fanout]*bnode[E, L, PL] // inner children
 	lvs    [fanout]PL               // leaf children
+	// agg[i] is a lower bound of the summary values of the elements under
+	// child i (see "Summaries" above).
+	agg [fanout]uint64
+}
+
+// minAgg returns the smallest of the node's children's summaries.
+func (nd *bnode[E, L, PL]) minAgg() uint64 {
+	m := uint64(math.MaxUint64)
+	for _, a := range nd.agg[:nd.n] {
+		m = min(m, a)
+	}
+	return m
 }
 
 // childIndex returns the child whose range holds k.
@@ -225,12 +252,13 @@ func (nd *bnode[E, L, PL]) childIndex(k E) int {
 	return lo
 }
 
-func (nd *bnode[E, L, PL]) insertChild(j int, key E, kid *bnode[E, L, PL], lf PL) {
+func (nd *bnode[E, L, PL]) insertChild(j int, key E, kid *bnode[E, L, PL], lf PL, agg uint64) {
 	n := nd.n
 	copy(nd.keys[j+1:n+1], nd.keys[j:n])
 	copy(nd.kids[j+1:n+1], nd.kids[j:n])
 	copy(nd.lvs[j+1:n+1], nd.lvs[j:n])
-	nd.keys[j], nd.kids[j], nd.lvs[j] = key, kid, lf
+	copy(nd.agg[j+1:n+1], nd.agg[j:n])
+	nd.keys[j], nd.kids[j], nd.lvs[j], nd.agg[j] = key, kid, lf, agg
 	nd.n++
 }
 
@@ -239,6 +267,7 @@ func (nd *bnode[E, L, PL]) removeChild(j int) {
 	copy(nd.keys[j:n-1], nd.keys[j+1:n])
 	copy(nd.kids[j:n-1], nd.kids[j+1:n])
 	copy(nd.lvs[j:n-1], nd.lvs[j+1:n])
+	copy(nd.agg[j:n-1], nd.agg[j+1:n])
 	nd.kids[n-1], nd.lvs[n-1] = nil, nil
 	nd.n--
 }
@@ -346,19 +375,30 @@ func (t *bptree[E, L, PL]) mutPath(k E, path []pathStep[E, L, PL]) ([]pathStep[E
 }
 
 // ReplaceOrInsert sets the element equal to e to e and returns the
-// previous one.
+// previous one. The summaries on its path become 0 (a valid lower bound
+// of anything): trees that use summaries call ReplaceOrInsertAgg.
 func (t *bptree[E, L, PL]) ReplaceOrInsert(e E) (E, bool) {
+	return t.ReplaceOrInsertAgg(e, 0)
+}
+
+// ReplaceOrInsertAgg is ReplaceOrInsert for an element whose summary value
+// is v (or any lower bound of it).
+func (t *bptree[E, L, PL]) ReplaceOrInsertAgg(e E, v uint64) (E, bool) {
 	var zero E
 	if t.root == nil {
 		l := t.newLeaf()
 		l.insertAt(0, e)
 		t.root = &bnode[E, L, PL]{cow: t.cow, n: 1, leaves: true}
 		t.root.lvs[0] = l
+		t.root.agg[0] = v
 		t.length = 1
 		return zero, false
 	}
 	var buf [8]pathStep[E, L, PL]
 	path, l := t.mutPath(e, buf[:0])
+	for _, st := range path {
+		st.nd.agg[st.i] = min(st.nd.agg[st.i], v)
+	}
 	p, found := l.search(e)
 	if found {
 		old := l.get(p)
@@ -407,6 +447,7 @@ func (t *bptree[E, L, PL]) overflow(path []pathStep[E, L, PL], l PL, p int, e E)
 		fillLeaf(l, es[:h])
 		fillLeaf(r, es[h:])
 		parent.keys[i+1] = r.get(0)
+		parent.agg[i+1] = min(parent.agg[i+1], parent.agg[i])
 	case i > 0 && parent.lvs[i-1].count() < c:
 		lf := t.mutLeaf(parent.lvs[i-1])
 		parent.lvs[i-1] = lf
@@ -415,10 +456,11 @@ func (t *bptree[E, L, PL]) overflow(path []pathStep[E, L, PL], l PL, p int, e E)
 		fillLeaf(lf, es[:h])
 		fillLeaf(l, es[h:])
 		parent.keys[i] = l.get(0)
+		parent.agg[i-1] = min(parent.agg[i-1], parent.agg[i])
 	case p == l.count() && i+1 == parent.n:
 		nl := t.newLeaf()
 		nl.insertAt(0, e)
-		t.addChild(path, len(path)-1, i+1, e, nil, nl)
+		t.addChild(path, len(path)-1, i+1, e, nil, nl, parent.agg[i])
 	case parent.n > 1:
 		a := i
 		if i+1 == parent.n {
@@ -435,23 +477,25 @@ func (t *bptree[E, L, PL]) overflow(path []pathStep[E, L, PL], l PL, p int, e E)
 		fillLeaf(y, es[n1:n1+n2])
 		fillLeaf(z, es[n1+n2:])
 		parent.keys[a+1] = y.get(0)
-		t.addChild(path, len(path)-1, a+2, z.get(0), nil, z)
+		m := min(parent.agg[a], parent.agg[a+1])
+		parent.agg[a], parent.agg[a+1] = m, m
+		t.addChild(path, len(path)-1, a+2, z.get(0), nil, z, m)
 	default:
 		es := merged(l)
 		h := len(es) / 2
 		z := t.newLeaf()
 		fillLeaf(l, es[:h])
 		fillLeaf(z, es[h:])
-		t.addChild(path, len(path)-1, i+1, z.get(0), nil, z)
+		t.addChild(path, len(path)-1, i+1, z.get(0), nil, z, parent.agg[i])
 	}
 }
 
-// addChild inserts a child (leaf lf, or inner node kid) at position j of
-// path[level].nd, splitting nodes up the path as needed.
-func (t *bptree[E, L, PL]) addChild(path []pathStep[E, L, PL], level, j int, key E, kid *bnode[E, L, PL], lf PL) {
+// addChild inserts a child (leaf lf, or inner node kid) with summary agg
+// at position j of path[level].nd, splitting nodes up the path as needed.
+func (t *bptree[E, L, PL]) addChild(path []pathStep[E, L, PL], level, j int, key E, kid *bnode[E, L, PL], lf PL, agg uint64) {
 	nd := path[level].nd
 	if nd.n < fanout {
-		nd.insertChild(j, key, kid, lf)
+		nd.insertChild(j, key, kid, lf, agg)
 		return
 	}
 	m := fanout / 2
@@ -459,24 +503,26 @@ func (t *bptree[E, L, PL]) addChild(path []pathStep[E, L, PL], level, j int, key
 	copy(r.keys[:], nd.keys[m:nd.n])
 	copy(r.kids[:], nd.kids[m:nd.n])
 	copy(r.lvs[:], nd.lvs[m:nd.n])
+	copy(r.agg[:], nd.agg[m:nd.n])
 	for x := m; x < nd.n; x++ {
 		nd.kids[x], nd.lvs[x] = nil, nil
 	}
 	nd.n = m
 	if j <= m {
-		nd.insertChild(j, key, kid, lf)
+		nd.insertChild(j, key, kid, lf, agg)
 	} else {
-		r.insertChild(j-m, key, kid, lf)
+		r.insertChild(j-m, key, kid, lf, agg)
 	}
 	sep := r.keys[0]
 	if level == 0 {
 		root := &bnode[E, L, PL]{cow: t.cow, n: 2}
 		root.kids[0], root.kids[1] = nd, r
 		root.keys[1] = sep
+		root.agg[0], root.agg[1] = nd.minAgg(), r.minAgg()
 		t.root = root
 		return
 	}
-	t.addChild(path, level-1, path[level-1].i+1, sep, r, nil)
+	t.addChild(path, level-1, path[level-1].i+1, sep, r, nil, r.minAgg())
 }
 
 // Delete removes the element equal to e and returns it.
@@ -504,6 +550,7 @@ func (t *bptree[E, L, PL]) Delete(e E) (E, bool) {
 			for x := 0; x < r.count(); x++ {
 				l.insertAt(l.count(), r.get(x))
 			}
+			parent.agg[i] = min(parent.agg[i], parent.agg[i+1])
 			t.removeChild(path, len(path)-1, i+1)
 		} else if i > 0 && l.count()+parent.lvs[i-1].count() <= c*3/4 {
 			lf := t.mutLeaf(parent.lvs[i-1])
@@ -511,6 +558,7 @@ func (t *bptree[E, L, PL]) Delete(e E) (E, bool) {
 			for x := 0; x < l.count(); x++ {
 				lf.insertAt(lf.count(), l.get(x))
 			}
+			parent.agg[i-1] = min(parent.agg[i-1], parent.agg[i])
 			t.removeChild(path, len(path)-1, i)
 		}
 	}
@@ -595,15 +643,16 @@ func (t *bptree[E, L, PL]) ascend(from E, hasFrom bool, stop E, hasStop bool, fn
 
 // buildPtree bulk-loads a tree from entries in strictly increasing LBA
 // order (a checkpoint), with leaves leafBulkFill full.
-func buildPtree(es []ent) *ptree {
+func buildPtree(es []ent, aggs []uint64) *ptree {
 	t := newPtree()
-	t.bulkLoad(es, leafBulkFill)
+	t.bulkLoad(es, leafBulkFill, aggs)
 	return t
 }
 
 // bulkLoad fills an empty tree from elements in strictly increasing order,
-// fill of them a leaf.
-func (t *bptree[E, L, PL]) bulkLoad(es []E, fill int) {
+// fill of them a leaf. aggs, if not nil, holds each leaf's summary (leaf k
+// holds es[k*fill:(k+1)*fill]); without it the summaries are 0.
+func (t *bptree[E, L, PL]) bulkLoad(es []E, fill int, aggs []uint64) {
 	if len(es) == 0 {
 		return
 	}
@@ -616,7 +665,11 @@ func (t *bptree[E, L, PL]) bulkLoad(es []E, fill int) {
 			cur = &bnode[E, L, PL]{cow: t.cow, leaves: true}
 			level = append(level, cur)
 		}
-		cur.insertChild(cur.n, l.get(0), nil, l)
+		var a uint64
+		if aggs != nil {
+			a = aggs[at/fill]
+		}
+		cur.insertChild(cur.n, l.get(0), nil, l, a)
 	}
 	for len(level) > 1 {
 		var up []*bnode[E, L, PL]
@@ -626,7 +679,7 @@ func (t *bptree[E, L, PL]) bulkLoad(es []E, fill int) {
 				cur = &bnode[E, L, PL]{cow: t.cow}
 				up = append(up, cur)
 			}
-			cur.insertChild(cur.n, firstKey(nd), nd, nil)
+			cur.insertChild(cur.n, firstKey(nd), nd, nil, nd.minAgg())
 		}
 		level = up
 	}
@@ -737,4 +790,136 @@ func (t *bptree[E, L, PL]) check() error {
 		return fmt.Errorf("index: %d entries, length %d", count, t.length)
 	}
 	return nil
+}
+
+// MinAgg returns the smallest summary value of any element (sum gives an
+// element's value), raising stale bounds on the way: it follows the
+// smallest bound down to a leaf and scans it; if the leaf's exact minimum
+// is that bound, it is the tree's minimum (every other bound is at least
+// as large), else the leaf's bound and those above it are raised and it
+// tries again. Each retry raises a stale bound (a leaf's, or one above it,
+// to the exact minimum of its children's bounds), so the work done is
+// paid for by earlier removals.
+func (t *bptree[E, L, PL]) MinAgg(sum func(E) uint64) (uint64, bool) {
+	if t.root == nil {
+		return 0, false
+	}
+	var buf [8]pathStep[E, L, PL]
+	for {
+		bound := t.root.minAgg()
+		// Follow the smallest bound, making the path writable (bounds
+		// are raised in place).
+		path := buf[:0]
+		t.root = t.mutNode(t.root)
+		nd := t.root
+		for {
+			i := 0
+			for j := 1; j < nd.n; j++ {
+				if nd.agg[j] < nd.agg[i] {
+					i = j
+				}
+			}
+			path = append(path, pathStep[E, L, PL]{nd, i})
+			if nd.leaves {
+				break
+			}
+			c := t.mutNode(nd.kids[i])
+			nd.kids[i] = c
+			nd = c
+		}
+		l := nd.lvs[path[len(path)-1].i]
+		m := uint64(math.MaxUint64)
+		for p := 0; p < l.count(); p++ {
+			m = min(m, sum(l.get(p)))
+		}
+		if m == bound {
+			return m, m != math.MaxUint64
+		}
+		last := path[len(path)-1]
+		last.nd.agg[last.i] = max(last.nd.agg[last.i], m)
+		for k := len(path) - 2; k >= 0; k-- {
+			st := path[k]
+			st.nd.agg[st.i] = max(st.nd.agg[st.i], path[k+1].nd.minAgg())
+		}
+	}
+}
+
+// AscendAggAtMost calls fn, in order from from on, for the elements of
+// every leaf whose bound is at most bound (so for every element whose value
+// is at most bound, and others of the same leaves), until fn returns false.
+func (t *bptree[E, L, PL]) AscendAggAtMost(from E, bound uint64, fn func(E) bool) {
+	if t.root == nil {
+		return
+	}
+	var walk func(nd *bnode[E, L, PL], seek bool) bool
+	walk = func(nd *bnode[E, L, PL], seek bool) bool {
+		i := 0
+		if seek {
+			i = nd.childIndex(from)
+		}
+		for ; i < nd.n; i, seek = i+1, false {
+			if nd.agg[i] > bound {
+				continue
+			}
+			if !nd.leaves {
+				if !walk(nd.kids[i], seek) {
+					return false
+				}
+				continue
+			}
+			l := nd.lvs[i]
+			p := 0
+			if seek {
+				p, _ = l.search(from)
+			}
+			for n := l.count(); p < n; p++ {
+				if !fn(l.get(p)) {
+					return false
+				}
+			}
+		}
+		return true
+	}
+	walk(t.root, true)
+}
+
+// checkAgg verifies that every summary is a lower bound of the values
+// (sum) of the elements under its child.
+func (t *bptree[E, L, PL]) checkAgg(sum func(E) uint64) error {
+	if t.root == nil {
+		return nil
+	}
+	var walk func(nd *bnode[E, L, PL]) (uint64, error)
+	walk = func(nd *bnode[E, L, PL]) (uint64, error) {
+		m := uint64(math.MaxUint64)
+		for i := 0; i < nd.n; i++ {
+			c := uint64(math.MaxUint64)
+			if nd.leaves {
+				l := nd.lvs[i]
+				for p := 0; p < l.count(); p++ {
+					c = min(c, sum(l.get(p)))
+				}
+			} else {
+				var err error
+				if c, err = walk(nd.kids[i]); err != nil {
+					return 0, err
+				}
+			}
+			if nd.agg[i] > c {
+				first := firstKeyOf(nd, i)
+				return 0, fmt.Errorf("index: summary %d above the minimum %d of the child from %v", nd.agg[i], c, first)
+			}
+			m = min(m, c)
+		}
+		return m, nil
+	}
+	_, err := walk(t.root)
+	return err
+}
+
+func firstKeyOf[E, L any, PL leafPtr[L, E]](nd *bnode[E, L, PL], i int) E {
+	if nd.leaves {
+		return nd.lvs[i].get(0)
+	}
+	return firstKey(nd.kids[i])
 }

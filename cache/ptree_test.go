@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"math"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -100,7 +101,7 @@ func TestPtreeModel(t *testing.T) {
 					es = append(es, e)
 					ref[k] = e
 				}
-				tr = buildPtree(es)
+				tr = buildPtree(es, nil)
 				ptreeMatches(t, tr, ref, rng, tc.span)
 			}
 			var snap *ptree
@@ -171,7 +172,7 @@ func TestPtreeCheckCatches(t *testing.T) {
 		for k := uint64(0); k < 20*leafCap; k++ {
 			es = append(es, ent{lba: 2 * k})
 		}
-		return buildPtree(es)
+		return buildPtree(es, nil)
 	}
 	for _, tc := range []struct {
 		name    string
@@ -295,4 +296,118 @@ func TestVtreeModel(t *testing.T) {
 	}
 	verify(tr, ref)
 	verify(snap, snapRef)
+}
+
+// TestPtreeSummaryModel runs the tree's summaries (lower bounds of an
+// element value, here the epoch a dirty entry's crc stands for) against a
+// map: random dirty and clean inserts, replacements, clean marks and
+// deletes, with clones, bulk loads and sparse and dense keys. After each
+// batch every bound must hold (checkAgg), MinAgg must return the exact
+// minimum, and AscendAggAtMost must yield every element at or below a
+// bound.
+func TestPtreeSummaryModel(t *testing.T) {
+	val := func(e ent) uint64 {
+		if !e.dirty() {
+			return math.MaxUint64
+		}
+		return uint64(e.crc)
+	}
+	for seed := range uint64(12) {
+		rng := rand.New(rand.NewPCG(seed, 77))
+		span := uint64(2000)
+		if seed%3 == 0 {
+			span = 200000
+		}
+		ref := map[uint64]ent{}
+		tr := newPtree()
+		if seed%4 == 1 {
+			// Bulk-loaded, with exact leaf summaries.
+			var es []ent
+			for k := uint64(0); k < span; k += 1 + rng.Uint64N(3) {
+				e := ent{lba: k, loc: uint32(k), crc: uint32(rng.IntN(50))}
+				if rng.IntN(2) == 0 {
+					e.loc |= dirtyBit
+				}
+				es = append(es, e)
+				ref[k] = e
+			}
+			aggs := make([]uint64, (len(es)+leafBulkFill-1)/leafBulkFill)
+			for i := range aggs {
+				aggs[i] = math.MaxUint64
+			}
+			for i, e := range es {
+				aggs[i/leafBulkFill] = min(aggs[i/leafBulkFill], val(e))
+			}
+			tr = buildPtree(es, aggs)
+		}
+		var snap *ptree
+		epoch := uint32(0)
+		for round := range 60 {
+			for range 300 {
+				k := rng.Uint64N(span)
+				switch r := rng.IntN(10); {
+				case r < 5: // a write: dirty in the current epoch, or clean
+					e := ent{lba: k, loc: uint32(k), crc: epoch}
+					if rng.IntN(3) > 0 {
+						e.loc |= dirtyBit
+					}
+					tr.ReplaceOrInsertAgg(e, val(e))
+					ref[k] = e
+				case r < 8: // a clean mark
+					if e, ok := ref[k]; ok {
+						e.loc &^= dirtyBit
+						tr.ReplaceOrInsertAgg(e, math.MaxUint64)
+						ref[k] = e
+					}
+				default:
+					tr.Delete(ent{lba: k})
+					delete(ref, k)
+				}
+			}
+			if rng.IntN(8) == 0 {
+				epoch++
+			}
+			if rng.IntN(5) == 0 {
+				snap = tr.Clone()
+			}
+			if err := tr.checkAgg(val); err != nil {
+				t.Fatalf("seed %d round %d: %v", seed, round, err)
+			}
+			want := uint64(math.MaxUint64)
+			for _, e := range ref {
+				want = min(want, val(e))
+			}
+			got, ok := tr.MinAgg(val)
+			if ok != (want != math.MaxUint64) || (ok && got != want) {
+				t.Fatalf("seed %d round %d: MinAgg %d %t, want %d", seed, round, got, ok, want)
+			}
+			if err := tr.checkAgg(val); err != nil {
+				t.Fatalf("seed %d round %d: after MinAgg: %v", seed, round, err)
+			}
+			ptreeMatches(t, tr, ref, rng, span)
+			bound := want + uint64(rng.IntN(3))
+			from := rng.Uint64N(span)
+			var gotKeys, wantKeys []uint64
+			tr.AscendAggAtMost(ent{lba: from}, bound, func(e ent) bool {
+				if val(e) <= bound {
+					gotKeys = append(gotKeys, e.lba)
+				}
+				return true
+			})
+			for k, e := range ref {
+				if k >= from && val(e) <= bound {
+					wantKeys = append(wantKeys, k)
+				}
+			}
+			slices.Sort(wantKeys)
+			if !slices.Equal(gotKeys, wantKeys) {
+				t.Fatalf("seed %d round %d: AscendAggAtMost(%d, %d): %d elements, want %d", seed, round, from, bound, len(gotKeys), len(wantKeys))
+			}
+		}
+		if snap != nil {
+			if err := snap.check(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
 }

@@ -324,10 +324,10 @@ func (v *Volume) drainOlderEpochs() {
 	stuck := 0
 	for stuck < 100 {
 		s.mu.Lock()
-		first, ok := v.idx.vers.Min()
+		oldest, ok := s.oldestEpochLocked(v.vi)
 		cur := v.idx.epoch
 		s.mu.Unlock()
-		if !ok || first.epoch >= cur || s.err() != nil {
+		if !ok || oldest >= cur || s.err() != nil {
 			return
 		}
 		n, err := s.writebackEpoch(v.vi, wbBatch)
@@ -359,8 +359,8 @@ func (v *Volume) olderEpochsDirty() bool {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	first, ok := v.idx.vers.Min()
-	return ok && first.epoch < v.idx.epoch
+	oldest, ok := s.oldestEpochLocked(v.vi)
+	return ok && oldest < v.idx.epoch
 }
 
 // epochZeroInCache is the largest write-zeroes written into the cache as
