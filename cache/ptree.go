@@ -586,21 +586,23 @@ func (t *bptree[E, L, PL]) removeChild(path []pathStep[E, L, PL], level, j int) 
 // Ascend calls fn for every element in order until fn returns false.
 func (t *bptree[E, L, PL]) Ascend(fn func(E) bool) {
 	var zero E
-	t.ascend(zero, false, zero, false, fn)
+	t.ascend(zero, false, zero, false, math.MaxUint64, fn)
 }
 
 // AscendGreaterOrEqual calls fn for the elements from e on.
 func (t *bptree[E, L, PL]) AscendGreaterOrEqual(e E, fn func(E) bool) {
 	var zero E
-	t.ascend(e, true, zero, false, fn)
+	t.ascend(e, true, zero, false, math.MaxUint64, fn)
 }
 
 // AscendRange calls fn for the elements in [from, to).
 func (t *bptree[E, L, PL]) AscendRange(from, to E, fn func(E) bool) {
-	t.ascend(from, true, to, true, fn)
+	t.ascend(from, true, to, true, math.MaxUint64, fn)
 }
 
-func (t *bptree[E, L, PL]) ascend(from E, hasFrom bool, stop E, hasStop bool, fn func(E) bool) {
+// ascend walks the elements from from (if hasFrom) to before stop (if
+// hasStop), skipping children whose summary is above bound.
+func (t *bptree[E, L, PL]) ascend(from E, hasFrom bool, stop E, hasStop bool, bound uint64, fn func(E) bool) {
 	if t.root == nil {
 		return
 	}
@@ -614,6 +616,9 @@ func (t *bptree[E, L, PL]) ascend(from E, hasFrom bool, stop E, hasStop bool, fn
 		for ; i < nd.n; i, seek = i+1, false {
 			if hasStop && i > 0 && !pl.less(nd.keys[i], stop) {
 				return false
+			}
+			if nd.agg[i] > bound {
+				continue
 			}
 			if !nd.leaves {
 				if !walk(nd.kids[i], seek) {
@@ -848,39 +853,8 @@ func (t *bptree[E, L, PL]) MinAgg(sum func(E) uint64) (uint64, bool) {
 // every leaf whose bound is at most bound (so for every element whose value
 // is at most bound, and others of the same leaves), until fn returns false.
 func (t *bptree[E, L, PL]) AscendAggAtMost(from E, bound uint64, fn func(E) bool) {
-	if t.root == nil {
-		return
-	}
-	var walk func(nd *bnode[E, L, PL], seek bool) bool
-	walk = func(nd *bnode[E, L, PL], seek bool) bool {
-		i := 0
-		if seek {
-			i = nd.childIndex(from)
-		}
-		for ; i < nd.n; i, seek = i+1, false {
-			if nd.agg[i] > bound {
-				continue
-			}
-			if !nd.leaves {
-				if !walk(nd.kids[i], seek) {
-					return false
-				}
-				continue
-			}
-			l := nd.lvs[i]
-			p := 0
-			if seek {
-				p, _ = l.search(from)
-			}
-			for n := l.count(); p < n; p++ {
-				if !fn(l.get(p)) {
-					return false
-				}
-			}
-		}
-		return true
-	}
-	walk(t.root, true)
+	var zero E
+	t.ascend(from, true, zero, false, bound, fn)
 }
 
 // checkAgg verifies that every summary is a lower bound of the values
