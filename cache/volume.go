@@ -3,6 +3,8 @@ package cache
 import (
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -321,28 +323,48 @@ func (v *Volume) drainOlderEpochs() {
 	if !s.keepSuperseded(v.vi) {
 		return
 	}
-	stuck := 0
+	// A run of failed attempts is logged twice: its first failure when it
+	// happens, and when it ends (progress, done, or giving up) how many
+	// attempts failed with which distinct errors, so that every failure
+	// is seen without a line per 1 ms retry (TestDeviceFailureModel/seq
+	// seed 4954: a retry's failure vanished).
+	stuck, nfail := 0, 0
+	var errs []string
+	endRun := func(outcome string) {
+		if nfail > 1 {
+			s.log.Warn("writing back older epochs before a passthrough write: a run of failed attempts ended", "volume", v.name,
+				"outcome", outcome, "failed_attempts", nfail, "errors", strings.Join(errs, "; "))
+		}
+		nfail, errs = 0, nil
+	}
 	for stuck < 100 {
 		s.mu.Lock()
 		oldest, ok := s.oldestEpochLocked(v.vi)
 		cur := v.idx.epoch
 		s.mu.Unlock()
 		if !ok || oldest >= cur || s.err() != nil {
+			endRun("older epochs done")
 			return
 		}
 		n, err := s.writebackEpoch(v.vi, wbBatch)
-		if err != nil && stuck == 0 {
-			// Retried below; a failure that does not repeat must still
-			// be seen (once per run of failures, not per retry).
-			s.log.Warn("writing back older epochs before a passthrough write failed; retrying", "volume", v.name, "err", err)
+		if err != nil {
+			if nfail == 0 {
+				s.log.Warn("writing back older epochs before a passthrough write failed; retrying", "volume", v.name, "err", err)
+			}
+			nfail++
+			if e := err.Error(); len(errs) < 8 && !slices.Contains(errs, e) {
+				errs = append(errs, e)
+			}
 		}
 		if err != nil || n == 0 {
 			stuck++
 			time.Sleep(time.Millisecond)
 			continue
 		}
+		endRun("progress")
 		stuck = 0
 	}
+	endRun("giving up")
 	s.log.Warn("older epochs cannot be written back; a write goes to the backing device out of epoch order", "volume", v.name)
 }
 
