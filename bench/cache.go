@@ -40,6 +40,7 @@ type CacheOptions struct {
 	Rev       string   // what the tiercache binary was built from, for the report
 	Only      []string // scenarios to run, e.g. S1, S3; all when empty
 	Rounds    int      // times the whole scenario list runs (medians reported); 0 or 1: once
+	S6LBA     bool     // S6 also runs pgbench in writeback with writeback_order=lba
 }
 
 var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5", "S6"}
@@ -140,6 +141,7 @@ func cacheMain(args []string) int {
 	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
 	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S6), in this order; default all")
+	fs.BoolVar(&o.S6LBA, "s6-lba", false, "S6 also runs pgbench in writeback with writeback_order=lba (issue 4: what epoch order costs; ~45 s more a round)")
 	fs.IntVar(&o.Rounds, "rounds", 1, "run the scenarios this many times, one round after the other, and report each bar's median round (every round's ratio is shown)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -184,6 +186,7 @@ type cacheRunner struct {
 	r       *runner // fio runs, process registry, command log
 	sz      cacheSizes
 	quick   bool
+	s6lba   bool
 	tcBin   string
 	workdir string
 	master  string // pseudo-random data, copied into each backing image
@@ -194,12 +197,15 @@ type cacheRunner struct {
 	nrounds int
 	details []detail // the last round's
 	dirs    []string // the current scenario's tcDir directories
-	loads   []string
-	step    int
-	total   int
-	started time.Time
-	out     io.Writer
-	outDir  string
+	// golden is S6's golden image, built in the first round that runs S6
+	// and kept in goldenDir until the suite ends.
+	golden, goldenDir string
+	loads             []string
+	step              int
+	total             int
+	started           time.Time
+	out               io.Writer
+	outDir            string
 }
 
 // Figure is one measured value.
@@ -251,7 +257,7 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	if err := checkTools([]string{"qemu-nbd"}); err != nil {
 		return err
 	}
-	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout}
+	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout, s6lba: o.S6LBA}
 	if o.Quick {
 		c.sz = quickSizes()
 	}
@@ -284,6 +290,9 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	defer func() {
 		if serr := c.r.servers.stopAll(); serr != nil {
 			err = errors.Join(err, serr)
+		}
+		if c.goldenDir != "" {
+			err = errors.Join(err, os.RemoveAll(c.goldenDir))
 		}
 	}()
 	fmt.Fprintf(stdout, "tcbench cache: workdir %s, report %s\n", c.workdir, o.Out)
@@ -396,7 +405,7 @@ func (c *cacheRunner) plannedSteps(scen []string) int {
 		case "S5":
 			n += 1 + c.sz.S5Rounds*2*len(s5Jobs(c.sz))
 		case "S6":
-			n += s6Steps()
+			n += c.s6Steps()
 		}
 	}
 	return n

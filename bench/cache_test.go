@@ -31,11 +31,15 @@ func TestCacheJobArgs(t *testing.T) {
 
 func TestCachePlannedSteps(t *testing.T) {
 	c := &cacheRunner{sz: fullSizes()}
-	// S1 5+2*3, S2 16, S3 9, S4 6, S5 1+2*2*3, S6 1+5+2*3.
-	if n := c.plannedSteps(scenarioNames); n != 67 {
-		t.Errorf("full suite steps = %d, want 67", n)
+	// S1 5+2*3, S2 16, S3 9, S4 6, S5 1+2*2*3, S6 1+4+2*3.
+	if n := c.plannedSteps(scenarioNames); n != 66 {
+		t.Errorf("full suite steps = %d, want 66", n)
 	}
-	c.sz = quickSizes()
+	c.s6lba = true // S6 1+5+2*3
+	if n := c.plannedSteps([]string{"S6"}); n != 12 {
+		t.Errorf("S6 steps with --s6-lba = %d, want 12", n)
+	}
+	c.sz, c.s6lba = quickSizes(), false
 	if n := c.plannedSteps([]string{"S5"}); n != 1+2*3 {
 		t.Errorf("quick S5 steps = %d", n)
 	}
