@@ -385,7 +385,7 @@ func (c *cacheRunner) report(ctx context.Context, o CacheOptions, root, loadStar
 
 func (c *cacheRunner) sizesLine() string {
 	s := c.sz
-	return fmt.Sprintf("HDD image %d MiB (data and workloads in its first %d MiB), S1 %d MiB of fsync'd 4K writes (plain HDD capped at %v), runs %v after %v ramp, S3 working set %d MiB, S4 %d MiB of writes, S5 %d MiB x %d rounds x %v, %s",
+	return fmt.Sprintf("HDD image %d MiB (data and workloads in its first %d MiB), S1 %d MiB of fsync'd 4K writes (plain HDD capped at %v), runs %v (S2, S3 jobs that write and S5: after a %v ramp), S3 working set %d MiB, S4 %d MiB of writes, S5 %d MiB x %d rounds x %v, %s",
 		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime, s.Apps.line())
 }
 

@@ -31,7 +31,7 @@ import (
 
 // appTools are the programs S6 runs.
 type appTools struct {
-	initdb, pgctl, pgbench, dbBench string
+	initdb, pgctl, pgbench, psql, dbBench string
 }
 
 // findAppTools locates the tools, or says what is missing and how to get
@@ -57,6 +57,7 @@ func findAppTools() (appTools, error) {
 	t.initdb = look("initdb", pgBin)
 	t.pgctl = look("pg_ctl", pgBin)
 	t.pgbench = look("pgbench", pgBin)
+	t.psql = look("psql", pgBin)
 	t.dbBench = look("db_bench")
 	for _, n := range []string{"nbdfuse", "fusermount3", "losetup", "mkfs.ext4", "mount", "umount", "runuser"} {
 		look(n)
@@ -156,7 +157,37 @@ func (p pgCluster) pgctl(ctx context.Context, args ...string) error {
 }
 
 func (p pgCluster) start(ctx context.Context) error {
-	return p.pgctl(ctx, "-l", filepath.Join(p.sock, "postgres.log"), "-o", "-k "+p.sock+" -c listen_addresses=''", "start")
+	// track_wal_io_timing: pg_stat_wal times the WAL fdatasyncs (walStats).
+	return p.pgctl(ctx, "-l", filepath.Join(p.sock, "postgres.log"), "-o", "-k "+p.sock+" -c listen_addresses='' -c track_wal_io_timing=on", "start")
+}
+
+// sql runs one statement with psql and returns its unaligned output.
+func (p pgCluster) sql(ctx context.Context, q string) (string, error) {
+	out, err := p.c.cmd(ctx, time.Minute, p.t.psql, "-h", p.sock, "-U", "postgres", "-qAt", "-c", q, "postgres")
+	return strings.TrimSpace(out), err
+}
+
+// walStats returns the WAL fdatasyncs since the last reset of pg_stat_wal
+// and their mean time in ms. PostgreSQL issues them one at a time (group
+// commit), so with the count they say what bounds the TPS: see
+// docs/BENCHMARKS.md, "S6: what bounds pgbench".
+func (p pgCluster) walStats(ctx context.Context) (syncs int, meanMs float64, err error) {
+	out, err := p.sql(ctx, "select wal_sync, wal_sync_time from pg_stat_wal")
+	if err != nil {
+		return 0, 0, err
+	}
+	f := strings.Split(out, "|")
+	if len(f) != 2 {
+		return 0, 0, fmt.Errorf("pg_stat_wal: unexpected output %q", out)
+	}
+	if syncs, err = strconv.Atoi(f[0]); err != nil {
+		return 0, 0, fmt.Errorf("pg_stat_wal: %q: %w", out, err)
+	}
+	total, err := strconv.ParseFloat(f[1], 64)
+	if err != nil {
+		return 0, 0, fmt.Errorf("pg_stat_wal: %q: %w", out, err)
+	}
+	return syncs, total / float64(max(syncs, 1)), nil
 }
 
 // stop stops the server, if it runs, without a shutdown checkpoint: the
@@ -419,6 +450,9 @@ func (c *cacheRunner) s6Mode(ctx context.Context, t appTools, golden, target str
 	if _, err := c.flush(ctx, srv); err != nil {
 		return nil, err
 	}
+	if _, err := pg.sql(ctx, "select pg_stat_reset_shared('wal')"); err != nil {
+		return nil, err
+	}
 	v0, s0, err := c.stats(ctx, srv)
 	if err != nil {
 		return nil, err
@@ -444,8 +478,12 @@ func (c *cacheRunner) s6Mode(ctx context.Context, t appTools, golden, target str
 	if err != nil {
 		return nil, err
 	}
-	res.hits = fmt.Sprintf("pgbench: %.0f flushes (%.0f journal commits), %s written (%s of it bypassed as sequential), %s read (%s hits), %s written back",
-		delta(v0, v1, "FlushOps"), delta(s0, s1, "Commits"), mib(delta(v0, v1, "WriteBytes")), mib(delta(v0, v1, "BypassSequentialBytes")),
+	syncs, syncMs, err := pg.walStats(ctx)
+	if err != nil {
+		return nil, err
+	}
+	res.hits = fmt.Sprintf("pgbench: %d WAL fdatasyncs, %.2f ms each on average; %.0f flushes (%.0f journal commits), %s written (%s of it bypassed as sequential), %s read (%s hits), %s written back",
+		syncs, syncMs, delta(v0, v1, "FlushOps"), delta(s0, s1, "Commits"), mib(delta(v0, v1, "WriteBytes")), mib(delta(v0, v1, "BypassSequentialBytes")),
 		mib(delta(v0, v1, "ReadBytes")), mib(delta(v0, v1, "ReadHitBytes")), mib(delta(v0, v1, "WritebackBytes")))
 	c.add(Figure{Scenario: "S6", Target: mode, Test: "pgbench TPC-B", Value: res.tps, Unit: "TPS", LatMeanUs: res.latMs * 1000,
 		Note: fmt.Sprintf("scale %d, %d clients, %v, %d transactions; %s", a.PgScale, a.PgClients, a.PgTime, res.tx, res.hits)})
