@@ -63,6 +63,7 @@ type cacheSizes struct {
 	S5Region     int64
 	S5Rounds     int
 	S5Runtime    time.Duration
+	S5Ramp       time.Duration
 	SmallCache   int64 // S1 and S4 cache images
 	FioMaxRetry  int
 	Apps         appSizes // S6
@@ -84,6 +85,7 @@ func fullSizes() cacheSizes {
 		S5Region:     256 << 20,
 		S5Rounds:     2,
 		S5Runtime:    5 * time.Second,
+		S5Ramp:       time.Second, // RAM devices: nothing to skip but the connection's start
 		SmallCache:   256 << 20,
 		Apps: appSizes{FS: 2 << 30, Cache: 1 << 30, PgScale: 10, PgClients: 10, PgTime: 30 * time.Second,
 			RocksKeys: 300000, RocksTime: 10 * time.Second},
@@ -385,8 +387,8 @@ func (c *cacheRunner) report(ctx context.Context, o CacheOptions, root, loadStar
 
 func (c *cacheRunner) sizesLine() string {
 	s := c.sz
-	return fmt.Sprintf("HDD image %d MiB (data and workloads in its first %d MiB), S1 %d MiB of fsync'd 4K writes (plain HDD capped at %v), runs %v (S2, S3 jobs that write and S5: after a %v ramp), S3 working set %d MiB, S4 %d MiB of writes, S5 %d MiB x %d rounds x %v, %s",
-		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime, s.Apps.line())
+	return fmt.Sprintf("HDD image %d MiB (data and workloads in its first %d MiB), S1 %d MiB of fsync'd 4K writes (plain HDD capped at %v), runs %v (S2, S3 jobs that write: after a %v ramp), S3 working set %d MiB, S4 %d MiB of writes, S5 %d MiB x %d rounds x %v after a %v ramp, %s",
+		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime, s.S5Ramp, s.Apps.line())
 }
 
 // plannedSteps counts the progress steps of the scenarios.

@@ -353,8 +353,8 @@ func (r cacheReport) write(dir string) error {
 		p("- fio runs interrupted from outside and run again: %d\n", r.Retries)
 	}
 	s := r.Sizes
-	p("- Sizes: HDD image %d MiB (the model's whole disk), data and every workload in its first %d MiB; S1 %d MiB of 4 KiB fsync'd writes through tiercache, plain HDD capped at %v; time-based runs %v (S2 and S3 jobs that write, and S5: after a %v ramp); S3 working set %d MiB; S4 %d MiB of writes; S5 %d MiB, %d rounds of %v; %s\n\n",
-		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime, s.Apps.line())
+	p("- Sizes: HDD image %d MiB (the model's whole disk), data and every workload in its first %d MiB; S1 %d MiB of 4 KiB fsync'd writes through tiercache, plain HDD capped at %v; time-based runs %v (S2 and S3 jobs that write: after a %v ramp); S3 working set %d MiB; S4 %d MiB of writes; S5 %d MiB, %d rounds of %v after a %v ramp; %s\n\n",
+		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime, s.S5Ramp, s.Apps.line())
 	p("## Bars: the seed's figure beside ours\n\n")
 	if r.Rounds > 1 {
 		p("%d rounds, one after the other; each row is its median round (by ratio), with every round's ratio beside it. The scenario tables below are the last round's.\n\n", r.Rounds)

@@ -556,9 +556,9 @@ func (c *cacheRunner) s4(ctx context.Context) error {
 
 func s5Jobs(sz cacheSizes) []job {
 	return []job{
-		{Name: "randread-4k-qd1", Title: "rand read 4 KiB QD1", RW: "randread", BS: 4096, QD: 1, Size: sz.S5Region, Runtime: sz.S5Runtime, Ramp: sz.Ramp, Metric: MetricIOPS},
-		{Name: "randread-4k-qd32", Title: "rand read 4 KiB QD32", RW: "randread", BS: 4096, QD: 32, Size: sz.S5Region, Runtime: sz.S5Runtime, Ramp: sz.Ramp, Metric: MetricIOPS},
-		{Name: "read-1m-qd8", Title: "seq read 1 MiB QD8", RW: "read", BS: 1 << 20, QD: 8, Size: sz.S5Region, Runtime: sz.S5Runtime, Ramp: sz.Ramp, Metric: MetricMiBps},
+		{Name: "randread-4k-qd1", Title: "rand read 4 KiB QD1", RW: "randread", BS: 4096, QD: 1, Size: sz.S5Region, Runtime: sz.S5Runtime, Ramp: sz.S5Ramp, Metric: MetricIOPS},
+		{Name: "randread-4k-qd32", Title: "rand read 4 KiB QD32", RW: "randread", BS: 4096, QD: 32, Size: sz.S5Region, Runtime: sz.S5Runtime, Ramp: sz.S5Ramp, Metric: MetricIOPS},
+		{Name: "read-1m-qd8", Title: "seq read 1 MiB QD8", RW: "read", BS: 1 << 20, QD: 8, Size: sz.S5Region, Runtime: sz.S5Runtime, Ramp: sz.S5Ramp, Metric: MetricMiBps},
 	}
 }
 
