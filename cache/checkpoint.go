@@ -363,6 +363,20 @@ func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens [
 // checksums is skipped (a crash while writing it is expected); it is
 // corruption only if neither slot is valid.
 func readCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (ckptHeader, *ckptData, error) {
+	h, body, err := readCheckpointBody(dev, sb)
+	if err != nil {
+		return ckptHeader{}, nil, err
+	}
+	cd, err := decodeCheckpoint(sb, h, body, volBlocks)
+	if err != nil {
+		return ckptHeader{}, nil, err
+	}
+	return h, cd, nil
+}
+
+// readCheckpointBody reads the newest valid checkpoint header and its body
+// (readCheckpoint's device reads; decodeCheckpoint does the rest).
+func readCheckpointBody(dev device.Device, sb *Superblock) (ckptHeader, []byte, error) {
 	var best *ckptHeader
 	var errs [2]error
 	for i := 0; i < 2; i++ {
@@ -389,33 +403,32 @@ func readCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (ckpt
 			best = &hh
 		}
 	}
-	// Try the newest first, then the other.
-	try := func(h *ckptHeader) (*ckptData, error) {
-		slot := sb.CkptOff[h.gen%2]
-		body := make([]byte, h.bodyLen)
-		if _, err := dev.ReadAt(body, slot+blockSize); err != nil {
-			return nil, fmt.Errorf("reading checkpoint body: %w", err)
-		}
-		if got := crc32c(body); got != h.bodyCRC {
-			return nil, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "checkpoint body", Offset: slot + blockSize,
-				Length: int64(h.bodyLen), Expected: h.bodyCRC, Actual: got, HaveSums: true}
-		}
-		cd, err := decodeCkptBody(body, sb.NBuckets, sb.blocksPerBucket(), volBlocks)
-		if err != nil {
-			return nil, placed(err, slot+blockSize, int64(h.bodyLen))
-		}
-		return cd, nil
-	}
 	if best == nil {
 		return ckptHeader{}, nil, fmt.Errorf("no valid checkpoint: slot 0: %v; slot 1: %w", errs[0], errs[1])
 	}
-	cd, err := try(best)
-	if err == nil {
-		return *best, cd, nil
+	// Only the newest is read. If its body is bad, that is reported rather
+	// than silently falling back to an older generation whose journal may
+	// have been overwritten: the header is written only after the body is
+	// durable, so a crash cannot explain it.
+	slot := sb.CkptOff[best.gen%2]
+	body := make([]byte, best.bodyLen)
+	if _, err := dev.ReadAt(body, slot+blockSize); err != nil {
+		return ckptHeader{}, nil, fmt.Errorf("reading checkpoint body: %w", err)
 	}
-	// The newest header is valid but its body is not. The header is written
-	// only after the body is durable, so a crash cannot explain this: report
-	// it rather than silently fall back to an older generation whose journal
-	// may have been overwritten.
-	return ckptHeader{}, nil, err
+	return *best, body, nil
+}
+
+// decodeCheckpoint verifies the checksum of the body of checkpoint h and
+// decodes it. It does no I/O (Open runs it beside the journal reads).
+func decodeCheckpoint(sb *Superblock, h ckptHeader, body []byte, volBlocks []uint64) (*ckptData, error) {
+	slot := sb.CkptOff[h.gen%2]
+	if got := crc32c(body); got != h.bodyCRC {
+		return nil, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "checkpoint body", Offset: slot + blockSize,
+			Length: int64(h.bodyLen), Expected: h.bodyCRC, Actual: got, HaveSums: true}
+	}
+	cd, err := decodeCkptBody(body, sb.NBuckets, sb.blocksPerBucket(), volBlocks)
+	if err != nil {
+		return nil, placed(err, slot+blockSize, int64(h.bodyLen))
+	}
+	return cd, nil
 }

@@ -173,7 +173,7 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 			return s.applyLocked(r)
 		}
 	}
-	end, nrec, err := replayJournal(dev, sb, hdr.gen, hdr.jpos, apply)
+	end, nrec, err := replayJournal(dev, sb, hdr.gen, hdr.jpos, nil, apply)
 	im.Records = nrec
 	im.JournalEnd = end.blk
 	im.JournalBlocks = int64(end.seq - hdr.jpos.seq)

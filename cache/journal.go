@@ -267,7 +267,10 @@ func maxBatchBlocks(jblocks int64) int64 { return min(64, jblocks/4) }
 // the first block that is not blockOK (or a read error), so the device sees
 // the same operations (crash-point tests count them); the look-ahead past
 // a bad block runs here, after the reader has stopped.
-func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalPos, apply func(*rec) error) (journalPos, int, error) {
+//
+// block, if not nil, is called with the offset and sequence number of each
+// valid block before its records are applied.
+func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalPos, block func(off int64, seq uint64), apply func(*rec) error) (journalPos, int, error) {
 	nonce := sb.nonce()
 	jblocks := sb.JournalLen / blockSize
 	pos := start
@@ -327,6 +330,9 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 			return pos, applied, corruptf("journal", off, blockSize, "block sequence %d, expected %d", h.seq, pos.seq)
 		}
 		if st == blockOK {
+			if block != nil {
+				block(off, h.seq)
+			}
 			for _, r := range recs {
 				if err := apply(r); err != nil {
 					return pos, applied, fmt.Errorf("journal block at offset %d (seq %d), %v: %w", off, h.seq, r, err)

@@ -1,0 +1,737 @@
+package cache
+
+// Recovery's journal replay without per-record index inserts.
+//
+// The journal is read and decoded in full first (replayJournal's reader
+// goroutine), and every record is turned into per-block items keyed by
+// (volume, LBA) in journal order (collector). The items are sorted by that
+// key with a stable radix sort, so each LBA's records come together in
+// journal order; each LBA's final state is then resolved from its
+// checkpoint entry and superseded versions plus its records (resolver),
+// walking the checkpoint's sorted entries and the sorted items together,
+// and the trees are bulk-loaded once into nearly full leaves (install).
+// On 1M extents this replaced ~0.8 s of random B-tree inserts.
+//
+// The resolution follows exactly what applying the records one by one in
+// journal order does (applyLocked: insertEpochLocked, markCleanLocked,
+// invalidateLocked, dropBucketLocked). Records of different LBAs interact
+// only through cache blocks and buckets:
+//
+//   - a reuse record drops every version in its bucket: per bucket, the
+//     reuse records' places in the journal are kept, and a version created
+//     before a reuse of its bucket is dropped at that reuse;
+//   - the generation an insert names must be its bucket's at that point
+//     of the journal: checked while collecting, in journal order (against
+//     the checkpoint's generations once the checkpoint is decoded);
+//   - an insert into a cache block some version still names is corruption.
+//     Blocks are handed out once per bucket generation, so while
+//     collecting, a block inserted twice with no reuse of its bucket
+//     between is an anomaly; a version alive at an insert into its block
+//     was then created in the same generation, which leaves the
+//     checkpoint's versions: one is checked, when it dies or at the end,
+//     against the insert into its block before any reuse (firstWin).
+//
+// Anything that applyLocked would reject, and anything unusual that would
+// make the two orders differ (a reuse dropping dirty data, superseded
+// versions left without a newer dirty entry), is an anomaly: the index is
+// then rebuilt by the old path (loadCheckpointLocked plus sortedApplier's
+// sorted batches) over the same records, in memory, so the result and the
+// error are exactly today's. A journal that ends in a read error or
+// corruption also takes that path (an earlier record's apply error comes
+// first). TestReplayMatchesSequential compares the two paths over
+// randomized journals.
+
+import (
+	"fmt"
+
+	"github.com/tiercache/tiercache/device"
+	"math"
+	"math/bits"
+	"slices"
+)
+
+// jrecs is the journal as read for recovery: every record up to the end of
+// the log, the journal block each came from, and the journal's own error.
+type jrecs struct {
+	recs   []*rec
+	blocks []jblockRef
+	end    journalPos
+	err    error // read error or corruption that ended the log, after recs
+}
+
+// jblockRef names the journal block recs[first:] (up to the next ref) came
+// from, for the fallback's error messages.
+type jblockRef struct {
+	off   int64
+	seq   uint64
+	first int
+}
+
+// Item kinds.
+const (
+	itemInsert = iota
+	itemClean
+	itemInval
+)
+
+// replayItem is one block's part of a record: an insert of one block, a
+// clean, or one block of a small invalidation.
+type replayItem struct {
+	key   uint64 // itemKey(volume, LBA)
+	epoch uint64 // insert
+	seq   uint32 // place in the journal (1, 2, ...; 0 is the checkpoint)
+	loc   uint32 // insert, clean: cache block
+	crc   uint32 // insert
+	kind  uint8
+	dirty bool // insert
+}
+
+// itemKey orders by (volume, LBA) in one compare (LBA < 2^40).
+func itemKey(vol int, lba uint64) uint64 { return uint64(vol)<<40 | lba }
+
+func (it *replayItem) lba() uint64 { return it.key & (maxIndexLBA - 1) }
+
+// bigInval is an invalidation of more than maxInvalItems blocks, kept as a
+// range instead of per-block items.
+type bigInval struct {
+	lo, hi uint64
+	seq    uint32
+}
+
+const maxInvalItems = 256
+
+type reuseEv struct{ seq, gen uint32 }
+
+// collector turns records into items in journal order (see the top of the
+// file). It needs only the superblock's layout, not the checkpoint.
+type collector struct {
+	nblocks  []uint64 // per volume
+	bpb      int64
+	total    uint64 // cache blocks
+	items    []replayItem
+	big      [][]bigInval // per volume
+	reuses   [][]reuseEv  // per bucket, in journal order
+	gen0     []uint32     // per bucket: generation inserts before its first reuse name
+	has0     bitset       // gen0 is set
+	insWin   []uint32     // per cache block: 1 + reuses of its bucket at its last insert; 0: none
+	firstWin []uint32     // per cache block: seq of its insert before any reuse of its bucket
+	anyFirst bool
+	volEpoch []uint64 // per volume: highest insert epoch
+	seq      uint32
+	anomaly  string
+}
+
+func newCollector(s *Set, nbuckets int64) *collector {
+	c := &collector{bpb: s.bpb, total: uint64(nbuckets * s.bpb)}
+	for _, v := range s.vols {
+		c.nblocks = append(c.nblocks, v.nblocks)
+	}
+	c.big = make([][]bigInval, len(s.vols))
+	c.reuses = make([][]reuseEv, nbuckets)
+	c.gen0 = make([]uint32, nbuckets)
+	c.has0 = newBitset(int(nbuckets))
+	c.insWin = make([]uint32, c.total)
+	c.firstWin = make([]uint32, c.total)
+	c.volEpoch = make([]uint64, len(s.vols))
+	return c
+}
+
+func (c *collector) fail(format string, args ...any) {
+	if c.anomaly == "" {
+		c.anomaly = fmt.Sprintf(format, args...)
+	}
+}
+
+func (c *collector) next() uint32 {
+	if c.seq == math.MaxUint32-1 {
+		c.fail("journal too long for the fast replay")
+		return c.seq
+	}
+	c.seq++
+	return c.seq
+}
+
+// add collects r, the next record in journal order.
+func (c *collector) add(r *rec) {
+	if c.anomaly != "" {
+		return
+	}
+	if r.typ != recReuse && int(r.vol) >= len(c.nblocks) {
+		c.fail("record of volume %d", r.vol)
+		return
+	}
+	switch r.typ {
+	case recInsert:
+		n := uint64(len(r.crcs))
+		loc := uint64(r.loc)
+		nb := c.nblocks[r.vol]
+		bpb := uint64(c.bpb)
+		if n == 0 || r.lba+n > nb || r.lba+n < r.lba || r.lba+n > maxIndexLBA || loc+n > c.total || loc/bpb != (loc+n-1)/bpb {
+			c.fail("insert out of range: %v", r)
+			return
+		}
+		b := loc / bpb
+		w := uint32(len(c.reuses[b]))
+		switch {
+		case w > 0 && c.reuses[b][w-1].gen != r.gen:
+			c.fail("insert into bucket %d generation %d", b, r.gen)
+			return
+		case w == 0 && c.has0.get(int(b)) && c.gen0[b] != r.gen:
+			c.fail("inserts into bucket %d generations %d and %d", b, c.gen0[b], r.gen)
+			return
+		case w == 0:
+			c.gen0[b] = r.gen
+			c.has0.set(int(b))
+		}
+		for i := uint64(0); i < n; i++ {
+			l := loc + i
+			if c.insWin[l] == w+1 {
+				c.fail("cache block %d inserted twice in one generation", l)
+				return
+			}
+			c.insWin[l] = w + 1
+			t := c.next()
+			if w == 0 {
+				c.firstWin[l] = t
+				c.anyFirst = true
+			}
+			c.items = append(c.items, replayItem{key: itemKey(int(r.vol), r.lba+i), epoch: r.epoch, seq: t,
+				loc: uint32(l), crc: r.crcs[i], kind: itemInsert, dirty: r.dirty})
+		}
+		c.volEpoch[r.vol] = max(c.volEpoch[r.vol], r.epoch)
+	case recClean:
+		if uint64(r.loc) >= c.total {
+			c.fail("clean out of range: %v", r)
+			return
+		}
+		t := c.next()
+		// No entry or version lies at or beyond the volume's end.
+		if r.lba < c.nblocks[r.vol] {
+			c.items = append(c.items, replayItem{key: itemKey(int(r.vol), r.lba), seq: t, loc: r.loc, kind: itemClean})
+		}
+	case recInvalidate:
+		n := min(r.n, 1<<48)
+		if r.lba+n < r.lba {
+			c.fail("invalidation wraps: %v", r)
+			return
+		}
+		t := c.next()
+		lo, hi := r.lba, min(r.lba+n, c.nblocks[r.vol])
+		switch {
+		case lo >= hi:
+		case hi-lo <= maxInvalItems:
+			for x := lo; x < hi; x++ {
+				c.items = append(c.items, replayItem{key: itemKey(int(r.vol), x), seq: t, kind: itemInval})
+			}
+		default:
+			c.big[r.vol] = append(c.big[r.vol], bigInval{lo: lo, hi: hi, seq: t})
+		}
+	case recReuse:
+		if uint64(r.bucket) >= uint64(len(c.reuses)) {
+			c.fail("reuse of bucket %d", r.bucket)
+			return
+		}
+		t := c.next()
+		c.reuses[r.bucket] = append(c.reuses[r.bucket], reuseEv{seq: t, gen: r.gen})
+	default:
+		c.fail("record type %d", r.typ)
+	}
+}
+
+// radixSort sorts a stably by key(&a[i]) and returns the sorted slice
+// (a or buf). Only the bits that differ between keys are sorted on, in
+// at most 11-bit digits.
+func radixSort[T any](a, buf []T, key func(*T) uint64) []T {
+	if len(a) < 2 {
+		return a
+	}
+	or, and := uint64(0), ^uint64(0)
+	for i := range a {
+		k := key(&a[i])
+		or |= k
+		and &= k
+	}
+	diff := or ^ and
+	if diff == 0 {
+		return a
+	}
+	lo := bits.TrailingZeros64(diff)
+	nbits := 64 - bits.LeadingZeros64(diff) - lo
+	passes := (nbits + 10) / 11
+	width := (nbits + passes - 1) / passes
+	buf = buf[:len(a)]
+	count := make([]int, 1<<width)
+	mask := uint64(1)<<width - 1
+	for p := 0; p < passes; p++ {
+		shift := lo + p*width
+		clear(count)
+		for i := range a {
+			count[(key(&a[i])>>shift)&mask]++
+		}
+		sum := 0
+		for d, n := range count {
+			count[d] = sum
+			sum += n
+		}
+		for i := range a {
+			d := (key(&a[i]) >> shift) & mask
+			buf[count[d]] = a[i]
+			count[d]++
+		}
+		a, buf = buf, a
+	}
+	return a
+}
+
+// rver is a version of one LBA during resolution.
+type rver struct {
+	loc, crc uint32
+	c        uint32 // seq of the insert that made it; 0: the checkpoint
+	dirty    bool
+	epoch    uint64
+}
+
+const seqEnd = math.MaxUint32 // after the journal
+
+// resolvedVol is one volume's recovered index, as sorted arrays.
+type resolvedVol struct {
+	ents   []ent            // live entries, by LBA
+	vers   []ver            // dirty versions (live and superseded), by (epoch, LBA)
+	sup    map[uint64][]ver // superseded versions
+	nsup   int64
+	ndirty int64
+	epoch  uint64
+}
+
+// resolver resolves each LBA's final state (see the top of the file).
+type resolver struct {
+	c        *collector
+	cd       *ckptData
+	clean    bool // clean shutdown: clean entries are kept
+	keepSup  []bool
+	anyReuse bool
+	anomaly  string
+	dropped  int
+	// The LBA at hand.
+	live    rver
+	hasLive bool
+	sups    []rver
+}
+
+func (r *resolver) fail(format string, args ...any) {
+	if r.anomaly == "" {
+		r.anomaly = fmt.Sprintf(format, args...)
+	}
+}
+
+// firstReuse returns the seq of the first reuse of loc's bucket in (c, t),
+// or 0.
+func (r *resolver) firstReuse(loc, c, t uint32) uint32 {
+	for _, x := range r.c.reuses[int64(loc)/r.c.bpb] {
+		if x.seq > c {
+			if x.seq < t {
+				return x.seq
+			}
+			return 0
+		}
+	}
+	return 0
+}
+
+// die records that v stops naming its cache block at seq d (seqEnd: it
+// survives). A checkpoint version still alive at the insert into its block
+// made before any reuse of the bucket: the old path's "insert into owned
+// cache block".
+func (r *resolver) die(v *rver, d uint32) {
+	if v.c == 0 && r.c.anyFirst {
+		if fw := r.c.firstWin[v.loc]; fw != 0 && d >= fw {
+			r.fail("insert into owned cache block %d", v.loc)
+		}
+	}
+}
+
+// kill drops the versions whose bucket was reused before seq t.
+func (r *resolver) kill(t uint32) {
+	if !r.anyReuse {
+		return
+	}
+	if r.hasLive {
+		if d := r.firstReuse(r.live.loc, r.live.c, t); d != 0 {
+			if r.live.dirty {
+				r.fail("reuse drops dirty cache block %d", r.live.loc)
+			}
+			r.die(&r.live, d)
+			r.hasLive = false
+		}
+	}
+	for i := range r.sups {
+		if r.firstReuse(r.sups[i].loc, r.sups[i].c, t) != 0 {
+			r.fail("reuse drops superseded version at cache block %d", r.sups[i].loc)
+		}
+	}
+}
+
+func (r *resolver) dropSups(t uint32) {
+	for i := range r.sups {
+		r.die(&r.sups[i], t)
+	}
+	r.sups = r.sups[:0]
+}
+
+// insert is insertEpochLocked.
+func (r *resolver) insert(vi int, it *replayItem) {
+	t := it.seq
+	r.kill(t)
+	if r.hasLive {
+		if it.dirty && r.live.dirty && r.live.epoch < it.epoch && r.keepSup[vi] {
+			r.sups = append(r.sups, r.live)
+		} else {
+			r.die(&r.live, t)
+		}
+	}
+	if !it.dirty {
+		r.dropSups(t)
+	}
+	r.live = rver{loc: it.loc, crc: it.crc, c: t, dirty: it.dirty, epoch: it.epoch}
+	r.hasLive = true
+}
+
+// markClean is markCleanLocked.
+func (r *resolver) markClean(t, loc uint32) {
+	r.kill(t)
+	if r.hasLive && r.live.loc == loc && r.live.dirty {
+		r.live.dirty = false
+		r.dropSups(t)
+		return
+	}
+	for i := range r.sups {
+		if r.sups[i].loc == loc {
+			r.die(&r.sups[i], t)
+			r.sups = append(r.sups[:i], r.sups[i+1:]...)
+			return
+		}
+	}
+}
+
+// inval is invalidateLocked for one LBA.
+func (r *resolver) inval(t uint32) {
+	r.kill(t)
+	if r.hasLive {
+		r.die(&r.live, t)
+		r.hasLive = false
+	}
+	r.dropSups(t)
+}
+
+// finish ends the LBA at hand and appends what survives to out.
+func (r *resolver) finish(lba uint64, out *resolvedVol) {
+	r.kill(seqEnd)
+	if r.hasLive {
+		r.die(&r.live, seqEnd)
+	}
+	for i := range r.sups {
+		r.die(&r.sups[i], seqEnd)
+	}
+	if len(r.sups) > 0 {
+		// Index invariant 4, which replay keeps for a consistent journal;
+		// the old path decides (and Open's check reports) otherwise.
+		prev := uint64(0)
+		for i, x := range r.sups {
+			if (i > 0 && x.epoch <= prev) || !r.hasLive || !r.live.dirty || x.epoch >= r.live.epoch {
+				r.fail("superseded versions of lba %d out of order", lba)
+				return
+			}
+			prev = x.epoch
+		}
+		l := make([]ver, len(r.sups))
+		for i, x := range r.sups {
+			l[i] = ver{epoch: x.epoch, lba: lba, loc: x.loc, crc: x.crc}
+			out.vers = append(out.vers, l[i])
+		}
+		if out.sup == nil {
+			out.sup = map[uint64][]ver{}
+		}
+		out.sup[lba] = l
+		out.nsup += int64(len(l))
+	}
+	if !r.hasLive {
+		return
+	}
+	loc := r.live.loc
+	if r.live.dirty {
+		loc |= dirtyBit
+		out.vers = append(out.vers, ver{epoch: r.live.epoch, lba: lba, loc: r.live.loc, crc: r.live.crc})
+		out.ndirty++
+	} else if !r.clean {
+		// dropCleanLocked: a clean entry may be stale after a crash.
+		r.dropped++
+		return
+	}
+	out.ents = append(out.ents, ent{lba: lba, loc: loc, crc: r.live.crc})
+}
+
+// volume resolves volume vi from its checkpoint part cv (nil: none), its
+// items (sorted) and big invalidations.
+func (r *resolver) volume(vi int, cv *ckptVol, items []replayItem, big []bigInval) resolvedVol {
+	var out resolvedVol
+	var ents []ent
+	var epochOf []uint64
+	var supBy map[uint64][]ver
+	if cv != nil {
+		ents, epochOf = cv.ents, cv.epochOf
+		out.epoch = cv.epoch
+		for _, x := range cv.sup {
+			if supBy == nil {
+				supBy = map[uint64][]ver{}
+			}
+			supBy[x.lba] = append(supBy[x.lba], x)
+		}
+	}
+	out.epoch = max(out.epoch, r.c.volEpoch[vi])
+	out.ents = make([]ent, 0, len(ents)+len(items))
+	out.vers = make([]ver, 0, len(ents)+len(items))
+	slices.SortFunc(big, func(a, b bigInval) int {
+		if a.lo != b.lo {
+			if a.lo < b.lo {
+				return -1
+			}
+			return 1
+		}
+		return int(a.seq) - int(b.seq)
+	})
+	var active []bigInval // big invalidations with lo <= the LBA at hand
+	var cover []uint32    // their seqs covering it, in journal order
+	bi := 0
+	ci, ii := 0, 0
+	for ci < len(ents) || ii < len(items) {
+		var x uint64
+		if ci < len(ents) && (ii >= len(items) || ents[ci].lba <= items[ii].lba()) {
+			x = ents[ci].lba
+		} else {
+			x = items[ii].lba()
+		}
+		r.hasLive = false
+		r.sups = r.sups[:0]
+		if ci < len(ents) && ents[ci].lba == x {
+			e := ents[ci]
+			ci++
+			r.live = rver{loc: e.block(), crc: e.crc, dirty: e.dirty()}
+			if r.live.dirty && epochOf != nil {
+				r.live.epoch = epochOf[e.block()]
+			}
+			r.hasLive = true
+			for _, y := range supBy[x] {
+				r.sups = append(r.sups, rver{loc: y.loc, crc: y.crc, dirty: true, epoch: y.epoch})
+			}
+		}
+		cover = cover[:0]
+		if bi < len(big) || len(active) > 0 {
+			for bi < len(big) && big[bi].lo <= x {
+				active = append(active, big[bi])
+				bi++
+			}
+			active = slices.DeleteFunc(active, func(b bigInval) bool { return b.hi <= x })
+			for _, b := range active {
+				cover = append(cover, b.seq)
+			}
+			slices.Sort(cover)
+		}
+		k := 0
+		for ; ii < len(items) && items[ii].lba() == x; ii++ {
+			it := &items[ii]
+			for ; k < len(cover) && cover[k] < it.seq; k++ {
+				r.inval(cover[k])
+			}
+			switch it.kind {
+			case itemInsert:
+				r.insert(vi, it)
+			case itemClean:
+				r.markClean(it.seq, it.loc)
+			case itemInval:
+				r.inval(it.seq)
+			}
+		}
+		for ; k < len(cover); k++ {
+			r.inval(cover[k])
+		}
+		r.finish(x, &out)
+		if r.anomaly != "" {
+			return out
+		}
+	}
+	// By (epoch, LBA): a stable sort by epoch of versions in LBA order.
+	if !slices.IsSortedFunc(out.vers, cmpVer) {
+		out.vers = radixSort(out.vers, make([]ver, len(out.vers)), func(x *ver) uint64 { return x.epoch })
+	}
+	return out
+}
+
+// resolve runs the resolver over every volume. It does not touch s.
+func (s *Set) resolve(c *collector, cd *ckptData, clean bool) (*resolver, []resolvedVol) {
+	r := &resolver{c: c, cd: cd, clean: clean, anomaly: c.anomaly}
+	if r.anomaly != "" {
+		return r, nil
+	}
+	for b := range c.gen0 {
+		if c.has0.get(b) && cd.gens[b] != c.gen0[b] {
+			r.fail("insert into bucket %d generation %d, bucket is at %d", b, c.gen0[b], cd.gens[b])
+			return r, nil
+		}
+	}
+	for _, l := range c.reuses {
+		r.anyReuse = r.anyReuse || len(l) > 0
+	}
+	for vi := range s.vols {
+		r.keepSup = append(r.keepSup, s.keepSuperseded(vi))
+	}
+	items := radixSort(c.items, make([]replayItem, len(c.items)), func(it *replayItem) uint64 { return it.key })
+	c.items = nil
+	out := make([]resolvedVol, len(s.vols))
+	for vi := range s.vols {
+		lo, _ := slices.BinarySearchFunc(items, itemKey(vi, 0), func(it replayItem, k uint64) int { return cmpU64(it.key, k) })
+		hi, _ := slices.BinarySearchFunc(items, itemKey(vi+1, 0), func(it replayItem, k uint64) int { return cmpU64(it.key, k) })
+		var cv *ckptVol
+		if vi < len(cd.vols) {
+			cv = &cd.vols[vi]
+		}
+		out[vi] = r.volume(vi, cv, items[lo:hi], c.big[vi])
+		if r.anomaly != "" {
+			return r, nil
+		}
+	}
+	return r, out
+}
+
+func cmpU64(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// resetIndexLocked sets up an empty index for recovery from a checkpoint
+// with bucket generations gens.
+// REQUIRES: exclusive access (Open)
+func (s *Set) resetIndexLocked(nbuckets int64, gens []uint32) {
+	s.mu.buckets = make([]bucket, nbuckets)
+	s.mu.owner = make([]uint64, nbuckets*s.bpb)
+	s.mu.open = -1
+	for i, g := range gens {
+		s.mu.buckets[i].gen = g
+	}
+	for _, v := range s.vols {
+		v.idx.tree, v.idx.vers, v.idx.sup = newPtree(), newVtree(), map[uint64][]ver{}
+		v.idx.nsup, v.idx.dirty, v.idx.cached, v.idx.epoch = 0, 0, 0, 0
+	}
+}
+
+// install builds the index from resolved volumes: trees bulk-loaded,
+// bucket generations, counts and epochs, and the reverse map.
+// REQUIRES: exclusive access (Open), after resetIndexLocked
+func (s *Set) install(c *collector, out []resolvedVol) {
+	for b, l := range c.reuses {
+		if len(l) > 0 {
+			s.mu.buckets[b].gen = l[len(l)-1].gen
+		}
+	}
+	for vi, rv := range out {
+		v := s.vols[vi]
+		v.idx.tree = buildPtree(rv.ents)
+		v.idx.vers = newVtree()
+		v.idx.vers.bulkLoad(rv.vers, vleafCap-vleafCap/16)
+		if rv.sup != nil {
+			v.idx.sup = rv.sup
+		}
+		v.idx.nsup = rv.nsup
+		v.idx.cached = int64(len(rv.ents))
+		v.idx.dirty = rv.ndirty
+		v.idx.epoch = rv.epoch
+		for _, e := range rv.ents {
+			loc := e.block()
+			s.mu.owner[loc] = ownerKey(vi, e.lba)
+			s.mu.buckets[int64(loc)/s.bpb].live++
+		}
+		for _, l := range rv.sup {
+			for _, x := range l {
+				s.mu.owner[x.loc] = ownerKey(vi, x.lba)
+				s.mu.buckets[int64(x.loc)/s.bpb].live++
+			}
+		}
+		// In epoch order: a bucket's epoch table is then never rebased.
+		for _, x := range rv.vers {
+			s.mu.buckets[int64(x.loc)/s.bpb].dirty++
+			s.setBlockEpoch(x.loc, x.epoch)
+		}
+	}
+}
+
+// readJournal reads the journal after checkpoint h, handing each record to
+// c in journal order.
+func readJournal(dev device.Device, sb *Superblock, h ckptHeader, c *collector) *jrecs {
+	jr := &jrecs{}
+	jr.end, _, jr.err = replayJournal(dev, sb, h.gen, h.jpos, func(off int64, seq uint64) {
+		jr.blocks = append(jr.blocks, jblockRef{off: off, seq: seq, first: len(jr.recs)})
+	}, func(r *rec) error {
+		jr.recs = append(jr.recs, r)
+		c.add(r)
+		return nil
+	})
+	return jr
+}
+
+// recoverIndex rebuilds the index from the checkpoint cd and the journal
+// jr (see the top of the file) and drops clean entries after an unclean
+// shutdown. It returns how many it dropped, and whether the fast path
+// was taken.
+// REQUIRES: exclusive access (Open)
+func (s *Set) recoverIndex(nbuckets int64, cd *ckptData, c *collector, jr *jrecs, clean bool) (dropped int, fast bool, err error) {
+	s.resetIndexLocked(nbuckets, cd.gens)
+	if jr.err == nil {
+		r, out := s.resolve(c, cd, clean)
+		if r.anomaly == "" {
+			s.install(c, out)
+			return r.dropped, true, nil
+		}
+		s.log.Debug("recovery: replaying the journal record by record", "reason", r.anomaly)
+		s.resetIndexLocked(nbuckets, cd.gens)
+	}
+	if err := s.replayOld(cd, jr); err != nil {
+		return 0, false, err
+	}
+	if !clean {
+		dropped = s.dropCleanLocked()
+	}
+	return dropped, false, nil
+}
+
+// replayOld is the record-by-record recovery (loadCheckpointLocked, then
+// sortedApplier's batches) over records already read, with the errors
+// the old replay over replayJournal returned.
+// REQUIRES: exclusive access (Open), after resetIndexLocked
+func (s *Set) replayOld(cd *ckptData, jr *jrecs) error {
+	for vi := range cd.vols {
+		if vi >= len(s.vols) {
+			break // slots detached after this checkpoint: empty (decodeCkptBody)
+		}
+		s.loadCheckpointLocked(vi, &cd.vols[vi])
+	}
+	apply, flush := s.sortedApplier()
+	for bi, b := range jr.blocks {
+		end := len(jr.recs)
+		if bi+1 < len(jr.blocks) {
+			end = jr.blocks[bi+1].first
+		}
+		for _, r := range jr.recs[b.first:end] {
+			if err := apply(r); err != nil {
+				return fmt.Errorf("journal block at offset %d (seq %d), %v: %w", b.off, b.seq, r, err)
+			}
+		}
+	}
+	if jr.err != nil {
+		return jr.err
+	}
+	return flush()
+}
