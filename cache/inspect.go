@@ -180,14 +180,7 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 	if err != nil {
 		return im, fmt.Errorf("replaying journal: %w", err)
 	}
-	for i := range s.mu.buckets {
-		if s.mu.buckets[i].live > 0 {
-			s.mu.buckets[i].state = bucketSealed
-			s.mu.sealed = append(s.mu.sealed, uint32(i))
-		} else {
-			s.mu.free = append(s.mu.free, uint32(i))
-		}
-	}
+	s.listBucketsLocked()
 	im.s = s
 	if err := s.checkLocked(); err != nil {
 		return im, fmt.Errorf("recovered index inconsistent: %w", err)

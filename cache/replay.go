@@ -42,6 +42,7 @@ package cache
 // randomized journals.
 
 import (
+	"cmp"
 	"fmt"
 
 	"github.com/tiercache/tiercache/device"
@@ -491,13 +492,10 @@ func (r *resolver) volume(vi int, cv *ckptVol, items []replayItem, big []bigInva
 	out.ents = make([]ent, 0, len(ents)+len(items))
 	out.vers = make([]ver, 0, len(ents)+len(items))
 	slices.SortFunc(big, func(a, b bigInval) int {
-		if a.lo != b.lo {
-			if a.lo < b.lo {
-				return -1
-			}
-			return 1
+		if c := cmp.Compare(a.lo, b.lo); c != 0 {
+			return c
 		}
-		return int(a.seq) - int(b.seq)
+		return cmp.Compare(a.seq, b.seq)
 	})
 	var active []bigInval // big invalidations with lo <= the LBA at hand
 	var cover []uint32    // their seqs covering it, in journal order
@@ -588,8 +586,8 @@ func (s *Set) resolve(c *collector, cd *ckptData, clean bool) (*resolver, []reso
 	c.items = nil
 	out := make([]resolvedVol, len(s.vols))
 	for vi := range s.vols {
-		lo, _ := slices.BinarySearchFunc(items, itemKey(vi, 0), func(it replayItem, k uint64) int { return cmpU64(it.key, k) })
-		hi, _ := slices.BinarySearchFunc(items, itemKey(vi+1, 0), func(it replayItem, k uint64) int { return cmpU64(it.key, k) })
+		lo, _ := slices.BinarySearchFunc(items, itemKey(vi, 0), func(it replayItem, k uint64) int { return cmp.Compare(it.key, k) })
+		hi, _ := slices.BinarySearchFunc(items, itemKey(vi+1, 0), func(it replayItem, k uint64) int { return cmp.Compare(it.key, k) })
 		var cv *ckptVol
 		if vi < len(cd.vols) {
 			cv = &cd.vols[vi]
@@ -600,16 +598,6 @@ func (s *Set) resolve(c *collector, cd *ckptData, clean bool) (*resolver, []reso
 		}
 	}
 	return r, out
-}
-
-func cmpU64(a, b uint64) int {
-	switch {
-	case a < b:
-		return -1
-	case a > b:
-		return 1
-	}
-	return 0
 }
 
 // resetIndexLocked sets up an empty index for recovery from a checkpoint
