@@ -279,12 +279,21 @@ func (ep *bucketEpochs) get(i int64) uint64 {
 	return ep.e64[i]
 }
 
-// offsets returns the largest offset stored and the largest that fits.
-func (ep *bucketEpochs) offsets() (hi, limit uint64) {
+// limit returns the largest offset the table can store.
+func (ep *bucketEpochs) limit() uint64 {
 	if ep.e16 != nil {
-		return uint64(slices.Max(ep.e16)), math.MaxUint16
+		return math.MaxUint16
 	}
-	return uint64(slices.Max(ep.e32)), math.MaxUint32
+	return math.MaxUint32
+}
+
+// maxOffset returns the largest offset stored (a scan of the table: only
+// a rebase needs it).
+func (ep *bucketEpochs) maxOffset() uint64 {
+	if ep.e16 != nil {
+		return uint64(slices.Max(ep.e16))
+	}
+	return uint64(slices.Max(ep.e32))
 }
 
 // widen moves the table to the next wider representation.
@@ -306,7 +315,7 @@ func (ep *bucketEpochs) widen() {
 
 func (ep *bucketEpochs) set(i int64, e uint64) {
 	for ep.e64 == nil {
-		hi, limit := ep.offsets()
+		limit := ep.limit()
 		switch {
 		case e >= ep.base && e-ep.base <= limit:
 			if ep.e16 != nil {
@@ -315,7 +324,7 @@ func (ep *bucketEpochs) set(i int64, e uint64) {
 				ep.e32[i] = uint32(e - ep.base)
 			}
 			return
-		case e < ep.base && ep.base-e <= limit-hi:
+		case e < ep.base && ep.base-e <= limit-ep.maxOffset():
 			// Rebase downwards: every recorded epoch still fits.
 			shift := ep.base - e
 			for j := range ep.e16 {

@@ -26,10 +26,11 @@ package cache
 //   - an insert into a cache block some version still names is corruption.
 //     Blocks are handed out once per bucket generation, so while
 //     collecting, a block inserted twice with no reuse of its bucket
-//     between is an anomaly; a version alive at an insert into its block
-//     was then created in the same generation, which leaves the
-//     checkpoint's versions: one is checked, when it dies or at the end,
-//     against the insert into its block before any reuse (firstWin).
+//     between is an anomaly, and so is (while resolving) an insert before
+//     any reuse of its bucket into a block a checkpoint version names,
+//     whether or not that version was dropped before the insert (the old
+//     path's sorted runs would reject some of those). A version alive at
+//     an insert into its block would be one of these two.
 //
 // Anything that applyLocked would reject, and anything unusual that would
 // make the two orders differ (a reuse dropping dirty data, superseded
@@ -297,7 +298,9 @@ const seqEnd = math.MaxUint32 // after the journal
 // resolvedVol is one volume's recovered index, as sorted arrays.
 type resolvedVol struct {
 	ents   []ent            // live entries, by LBA
-	vers   []ver            // dirty versions (live and superseded), by (epoch, LBA)
+	aggs   []uint64         // per leaf of leafBulkFill entries: the oldest dirty epoch (the tree's summary)
+	dirty  []ver            // every dirty version, live and superseded: its block's epoch
+	vers   []ver            // superseded versions, by (epoch, LBA)
 	sup    map[uint64][]ver // superseded versions
 	nsup   int64
 	ndirty int64
@@ -339,15 +342,12 @@ func (r *resolver) firstReuse(loc, c, t uint32) uint32 {
 	return 0
 }
 
-// die records that v stops naming its cache block at seq d (seqEnd: it
-// survives). A checkpoint version still alive at the insert into its block
-// made before any reuse of the bucket: the old path's "insert into owned
-// cache block".
-func (r *resolver) die(v *rver, d uint32) {
-	if v.c == 0 && r.c.anyFirst {
-		if fw := r.c.firstWin[v.loc]; fw != 0 && d >= fw {
-			r.fail("insert into owned cache block %d", v.loc)
-		}
+// ckptVersion checks a version of the checkpoint at cache block loc: an
+// insert into its block before any reuse of the bucket hands the block out
+// twice in one generation (see the top of the file).
+func (r *resolver) ckptVersion(loc uint32) {
+	if r.c.anyFirst && r.c.firstWin[loc] != 0 {
+		r.fail("insert into cache block %d of a checkpoint entry", loc)
 	}
 }
 
@@ -361,7 +361,6 @@ func (r *resolver) kill(t uint32) {
 			if r.live.dirty {
 				r.fail("reuse drops dirty cache block %d", r.live.loc)
 			}
-			r.die(&r.live, d)
 			r.hasLive = false
 		}
 	}
@@ -372,12 +371,7 @@ func (r *resolver) kill(t uint32) {
 	}
 }
 
-func (r *resolver) dropSups(t uint32) {
-	for i := range r.sups {
-		r.die(&r.sups[i], t)
-	}
-	r.sups = r.sups[:0]
-}
+func (r *resolver) dropSups() { r.sups = r.sups[:0] }
 
 // insert is insertEpochLocked.
 func (r *resolver) insert(vi int, it *replayItem) {
@@ -386,12 +380,10 @@ func (r *resolver) insert(vi int, it *replayItem) {
 	if r.hasLive {
 		if it.dirty && r.live.dirty && r.live.epoch < it.epoch && r.keepSup[vi] {
 			r.sups = append(r.sups, r.live)
-		} else {
-			r.die(&r.live, t)
 		}
 	}
 	if !it.dirty {
-		r.dropSups(t)
+		r.dropSups()
 	}
 	r.live = rver{loc: it.loc, crc: it.crc, c: t, dirty: it.dirty, epoch: it.epoch}
 	r.hasLive = true
@@ -402,12 +394,11 @@ func (r *resolver) markClean(t, loc uint32) {
 	r.kill(t)
 	if r.hasLive && r.live.loc == loc && r.live.dirty {
 		r.live.dirty = false
-		r.dropSups(t)
+		r.dropSups()
 		return
 	}
 	for i := range r.sups {
 		if r.sups[i].loc == loc {
-			r.die(&r.sups[i], t)
 			r.sups = append(r.sups[:i], r.sups[i+1:]...)
 			return
 		}
@@ -417,22 +408,13 @@ func (r *resolver) markClean(t, loc uint32) {
 // inval is invalidateLocked for one LBA.
 func (r *resolver) inval(t uint32) {
 	r.kill(t)
-	if r.hasLive {
-		r.die(&r.live, t)
-		r.hasLive = false
-	}
-	r.dropSups(t)
+	r.hasLive = false
+	r.dropSups()
 }
 
 // finish ends the LBA at hand and appends what survives to out.
 func (r *resolver) finish(lba uint64, out *resolvedVol) {
 	r.kill(seqEnd)
-	if r.hasLive {
-		r.die(&r.live, seqEnd)
-	}
-	for i := range r.sups {
-		r.die(&r.sups[i], seqEnd)
-	}
 	if len(r.sups) > 0 {
 		// Index invariant 4, which replay keeps for a consistent journal;
 		// the old path decides (and Open's check reports) otherwise.
@@ -448,6 +430,7 @@ func (r *resolver) finish(lba uint64, out *resolvedVol) {
 		for i, x := range r.sups {
 			l[i] = ver{epoch: x.epoch, lba: lba, loc: x.loc, crc: x.crc}
 			out.vers = append(out.vers, l[i])
+			out.dirty = append(out.dirty, l[i])
 		}
 		if out.sup == nil {
 			out.sup = map[uint64][]ver{}
@@ -458,15 +441,21 @@ func (r *resolver) finish(lba uint64, out *resolvedVol) {
 	if !r.hasLive {
 		return
 	}
-	loc := r.live.loc
-	if r.live.dirty {
-		loc |= dirtyBit
-		out.vers = append(out.vers, ver{epoch: r.live.epoch, lba: lba, loc: r.live.loc, crc: r.live.crc})
-		out.ndirty++
-	} else if !r.clean {
+	if !r.live.dirty && !r.clean {
 		// dropCleanLocked: a clean entry may be stale after a crash.
 		r.dropped++
 		return
+	}
+	loc := r.live.loc
+	if k := len(out.ents) / leafBulkFill; k == len(out.aggs) {
+		out.aggs = append(out.aggs, math.MaxUint64)
+	}
+	if r.live.dirty {
+		loc |= dirtyBit
+		out.dirty = append(out.dirty, ver{epoch: r.live.epoch, lba: lba, loc: r.live.loc})
+		out.ndirty++
+		k := len(out.ents) / leafBulkFill
+		out.aggs[k] = min(out.aggs[k], r.live.epoch)
 	}
 	out.ents = append(out.ents, ent{lba: lba, loc: loc, crc: r.live.crc})
 }
@@ -490,7 +479,7 @@ func (r *resolver) volume(vi int, cv *ckptVol, items []replayItem, big []bigInva
 	}
 	out.epoch = max(out.epoch, r.c.volEpoch[vi])
 	out.ents = make([]ent, 0, len(ents)+len(items))
-	out.vers = make([]ver, 0, len(ents)+len(items))
+	out.dirty = make([]ver, 0, len(ents)+len(items))
 	slices.SortFunc(big, func(a, b bigInval) int {
 		if c := cmp.Compare(a.lo, b.lo); c != 0 {
 			return c
@@ -513,12 +502,14 @@ func (r *resolver) volume(vi int, cv *ckptVol, items []replayItem, big []bigInva
 		if ci < len(ents) && ents[ci].lba == x {
 			e := ents[ci]
 			ci++
+			r.ckptVersion(e.block())
 			r.live = rver{loc: e.block(), crc: e.crc, dirty: e.dirty()}
 			if r.live.dirty && epochOf != nil {
 				r.live.epoch = epochOf[e.block()]
 			}
 			r.hasLive = true
 			for _, y := range supBy[x] {
+				r.ckptVersion(y.loc)
 				r.sups = append(r.sups, rver{loc: y.loc, crc: y.crc, dirty: true, epoch: y.epoch})
 			}
 		}
@@ -557,10 +548,7 @@ func (r *resolver) volume(vi int, cv *ckptVol, items []replayItem, big []bigInva
 			return out
 		}
 	}
-	// By (epoch, LBA): a stable sort by epoch of versions in LBA order.
-	if !slices.IsSortedFunc(out.vers, cmpVer) {
-		out.vers = radixSort(out.vers, make([]ver, len(out.vers)), func(x *ver) uint64 { return x.epoch })
-	}
+	slices.SortFunc(out.vers, cmpVer)
 	return out
 }
 
@@ -627,9 +615,9 @@ func (s *Set) install(c *collector, out []resolvedVol) {
 	}
 	for vi, rv := range out {
 		v := s.vols[vi]
-		v.idx.tree = buildPtree(rv.ents)
+		v.idx.tree = buildPtree(rv.ents, rv.aggs)
 		v.idx.vers = newVtree()
-		v.idx.vers.bulkLoad(rv.vers, vleafCap-vleafCap/16)
+		v.idx.vers.bulkLoad(rv.vers, vleafCap-vleafCap/16, nil)
 		if rv.sup != nil {
 			v.idx.sup = rv.sup
 		}
@@ -648,10 +636,43 @@ func (s *Set) install(c *collector, out []resolvedVol) {
 				s.mu.buckets[int64(x.loc)/s.bpb].live++
 			}
 		}
-		// In epoch order: a bucket's epoch table is then never rebased.
-		for _, x := range rv.vers {
+		for _, x := range rv.dirty {
 			s.mu.buckets[int64(x.loc)/s.bpb].dirty++
-			s.setBlockEpoch(x.loc, x.epoch)
+		}
+	}
+	s.buildEpochTables(out)
+}
+
+// buildEpochTables makes the epoch table of every bucket holding dirty
+// versions, sized once from the bucket's oldest and newest epoch (setting
+// the epochs one by one would rebase or widen tables as they come).
+// REQUIRES: exclusive access (Open)
+func (s *Set) buildEpochTables(out []resolvedVol) {
+	nb := len(s.mu.buckets)
+	lo, hi := make([]uint64, nb), make([]uint64, nb)
+	for i := range lo {
+		lo[i] = math.MaxUint64
+	}
+	for _, rv := range out {
+		for _, x := range rv.dirty {
+			b := int64(x.loc) / s.bpb
+			lo[b], hi[b] = min(lo[b], x.epoch), max(hi[b], x.epoch)
+		}
+	}
+	for b := range s.mu.buckets {
+		if lo[b] > hi[b] {
+			continue
+		}
+		ep := newBucketEpochs(s.bpb, lo[b])
+		ep.snap = s.mu.epochSnap
+		for ep.e64 == nil && hi[b]-lo[b] > ep.limit() {
+			ep.widen()
+		}
+		s.mu.buckets[b].ep = ep
+	}
+	for _, rv := range out {
+		for _, x := range rv.dirty {
+			s.mu.buckets[int64(x.loc)/s.bpb].ep.set(int64(x.loc)%s.bpb, x.epoch)
 		}
 	}
 }

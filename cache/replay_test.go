@@ -193,6 +193,7 @@ func replayCase(t *testing.T, seed uint64) (replayCfg, *ckptData, []*rec, *Set) 
 	var trees []*ptree
 	var epochs []uint64
 	var vers []verSnap
+	epochOf := s.snapshotEpochsLocked()
 	for _, v := range s.vols {
 		trees = append(trees, v.idx.tree.Clone())
 		// The volume's epoch as a checkpoint records it: the replayed
@@ -202,7 +203,7 @@ func replayCase(t *testing.T, seed uint64) (replayCfg, *ckptData, []*rec, *Set) 
 		for lba, l := range v.idx.sup {
 			sup[lba] = slices.Clone(l)
 		}
-		vers = append(vers, verSnap{t: v.idx.vers.Clone(), sup: sup})
+		vers = append(vers, verSnap{epochOf: epochOf, sup: sup, dirty: int(v.idx.dirty)})
 	}
 	var body bytes.Buffer
 	if err := encodeCkptBodyVers(gens, epochs, trees, vers, func(p []byte) error { body.Write(p); return nil }); err != nil {
