@@ -271,6 +271,12 @@ func (v *Volume) addFenceLocked(lba, n uint64) {
 // after failover: part of it is dirty in the cache or fenced.
 // REQUIRES: s.mu
 func (v *Volume) fencedLocked(lba, n uint64) bool {
+	return v.fenceOverlapsLocked(lba, n) || v.dirtyInLocked(lba, n)
+}
+
+// fenceOverlapsLocked reports whether [lba, lba+n) overlaps the fence.
+// REQUIRES: s.mu
+func (v *Volume) fenceOverlapsLocked(lba, n uint64) bool {
 	f := v.fo.fence
 	i, _ := slices.BinarySearchFunc(f, lba, func(r blockRange, t uint64) int {
 		if r.lba+r.n <= t {
@@ -281,10 +287,7 @@ func (v *Volume) fencedLocked(lba, n uint64) bool {
 		}
 		return 0
 	})
-	if i < len(f) && f[i].overlaps(lba, n) {
-		return true
-	}
-	return v.dirtyInLocked(lba, n)
+	return i < len(f) && f[i].overlaps(lba, n)
 }
 
 // dirtyInLocked reports whether a block of [lba, lba+n) is dirty in the

@@ -445,3 +445,72 @@ func TestOlderEpochRetryFailuresLogged(t *testing.T) {
 		t.Errorf("%d log lines for one run of 3 failed attempts, want 2:\n%s", n, logs)
 	}
 }
+
+// TestPassthroughRacingFailoverCountsLost: writeback writes a dirty block
+// back and marks it clean (the clean mark pending); a client write to the
+// block fails to go into the cache and goes around it, and while its backing
+// write runs the set fails over, losing the clean mark. The cache device
+// still holds the durable dirty version, which a reopen of the repaired
+// device replays over the client's write: the write must count as lost
+// (Flush fails with ErrLostWrites), not be claimed durable. Found by
+// TestDeviceFailureModel/seq seed 11588 (after heal and reopen the block
+// held the older write).
+func TestPassthroughRacingFailoverCountsLost(t *testing.T) {
+	var failCacheWrites atomic.Bool
+	s, cacheMem, specs := newFaultSet(t, func(op faultdev.Op) faultdev.Fault {
+		if failCacheWrites.Load() && op.Kind == faultdev.Write {
+			return faultdev.Error(nil)
+		}
+		return faultdev.Fault{}
+	})
+	v := s.vols[0]
+	st := v.Settings()
+	st.WritebackOrder = "lba"
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	const off = 5 * blockSize
+	data := func(wid uint64) []byte {
+		p := make([]byte, blockSize)
+		stamp(p, wid, 0, off)
+		return p
+	}
+	if err := v.WriteAt(data(1), off, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := v.Flush(); err != nil { // w1 dirty and durable in the cache
+		t.Fatal(err)
+	}
+	if n := s.writebackSweep(v, 8); n != 1 { // clean mark pending
+		t.Fatalf("writeback wrote %d blocks, want 1", n)
+	}
+	// The next backing write fails the set over before it runs.
+	var once sync.Once
+	v.back = faultdev.Wrap(v.back, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+		if op.Kind == faultdev.Write {
+			once.Do(func() { _ = s.failover(errors.New("test: cache device gone")) })
+		}
+		return faultdev.Fault{}
+	}))
+	failCacheWrites.Store(true)
+	if err := v.WriteAt(data(2), off, false); err != nil {
+		t.Fatalf("write around the failing cache: %v", err)
+	}
+	if !s.isFailed() {
+		t.Fatal("the set did not fail over")
+	}
+	if err := v.Flush(); !errors.Is(err, ErrLostWrites) {
+		// Claimed durable: check that a reopen indeed loses it.
+		s.crashStop()
+		s2, oerr := Open(cacheMem, specs, OpenOptions{noBackground: true})
+		if oerr != nil {
+			t.Fatal(oerr)
+		}
+		defer s2.crashStop()
+		got := make([]byte, blockSize)
+		if rerr := s2.vols[0].ReadAt(got, off); rerr != nil {
+			t.Fatal(rerr)
+		}
+		t.Fatalf("flush after failover: %v, want ErrLostWrites; after reopen the block holds %s (the flushed write was w2)", err, describeSectors(got))
+	}
+}

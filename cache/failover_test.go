@@ -132,8 +132,12 @@ func (r *failRun) fatalf(format string, args ...any) {
 	if len(last) > 120 {
 		last = last[len(last)-120:]
 	}
-	r.t.Fatalf("%s seed %d: %s\nreplay: go test ./cache -run 'TestDeviceFailureModel/%s' -fail-seed %d -v\nop log:\n  %s",
-		r.target, r.seed, fmt.Sprintf(format, args...), r.target, r.seed, strings.Join(last, "\n  "))
+	logs := strings.Split(strings.TrimSpace(r.logs.all()), "\n")
+	if len(logs) > 60 {
+		logs = logs[len(logs)-60:]
+	}
+	r.t.Fatalf("%s seed %d: %s\nreplay: go test ./cache -run 'TestDeviceFailureModel/%s' -fail-seed %d -v (background goroutines run: the timing does not replay; -count=N repeats)\nop log:\n  %s\nengine log (warnings and errors, last 60):\n  %s",
+		r.target, r.seed, fmt.Sprintf(format, args...), r.target, r.seed, strings.Join(last, "\n  "), strings.Join(logs, "\n  "))
 }
 
 // addCand adds c to the set l unless it is there.

@@ -823,6 +823,18 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 		dropsDirty := v.dirtyInLocked(lba, n)
 		s.invalidateLocked(v.vi, lba, n)
 		if !failed {
+			if s.isFailed() && v.fenceOverlapsLocked(lba, n) {
+				// The set failed over during the backing write, and
+				// the failover fenced part of the range: a record
+				// about it was lost (a writeback's clean mark, say),
+				// so the cache device may still hold a durable dirty
+				// version that a reopen of the repaired device would
+				// replay over this write. It counts as lost, as a
+				// lost invalidation of dirty data does
+				// (TestPassthroughRacingFailoverCountsLost; found by
+				// TestDeviceFailureModel/seq seed 11588).
+				dropsDirty = true
+			}
 			// Journaled even if nothing is cached now: replay may
 			// resurrect clean entries that eviction dropped only in
 			// memory. (Failing over meanwhile fences the range.)
