@@ -347,17 +347,30 @@ func (v *Volume) throttle() {
 	}
 	v.s.kickWB()
 	v.s.kick()
-	// The delays accrue per volume and the write that brings them to
-	// throttleQuantum sleeps them all: the same total delay in fewer,
-	// longer sleeps. Every sleep risks waking late (on a loaded 2-core box
-	// a 200 µs sleep wakes up to 30-50 ms late at p99.9), so fewer sleeps
-	// means fewer writes in the latency tail (TestMeasureForegroundLatency).
-	if v.wb.throttleDebt.Add(int64(d)) < int64(throttleQuantum) {
-		return
+	if d = v.wb.accrue(d); d > 0 {
+		time.Sleep(d)
+		v.st.throttleNanos.Add(uint64(d))
 	}
-	if d = time.Duration(v.wb.throttleDebt.Swap(0)); d <= 0 {
-		return
+}
+
+// accrue adds a write's throttle delay d to the volume's debt and returns
+// how long this write is to sleep: the whole debt once it reaches
+// throttleQuantum, else nothing. So the writes of a volume sleep the same
+// total delay in fewer, longer sleeps. Every sleep risks waking late (on a
+// loaded 2-core box a 200 µs sleep wakes up to 30-50 ms late at p99.9), so
+// fewer sleeps means fewer writes in the latency tail
+// (TestMeasureForegroundLatency). Safe for concurrent writers: each unit
+// of debt is returned to exactly one of them.
+func (w *wbState) accrue(d time.Duration) time.Duration {
+	if w.throttleDebt.Add(int64(d)) < int64(throttleQuantum) {
+		return 0
 	}
-	time.Sleep(d)
-	v.st.throttleNanos.Add(uint64(d))
+	owed := w.throttleDebt.Swap(0)
+	if owed < int64(throttleQuantum) {
+		// Another writer took the debt first: give back what came in
+		// since.
+		w.throttleDebt.Add(owed)
+		return 0
+	}
+	return time.Duration(owed)
 }

@@ -3,6 +3,8 @@ package cache
 import (
 	"bytes"
 	"errors"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -223,5 +225,55 @@ func TestWritesNeverStall(t *testing.T) {
 	t.Logf("worst write %v; throttled %v; cache-full bypass %d KiB; writeback %d KiB", worst, time.Duration(st.ThrottleNanos), st.BypassCacheFullBytes>>10, st.WritebackBytes>>10)
 	if worst > 500*time.Millisecond {
 		t.Errorf("a write took %v", worst)
+	}
+}
+
+// TestThrottleAccrues: throttle delays accrue per volume and are slept in
+// pieces of at least throttleQuantum, and concurrent writers together
+// sleep exactly the delays they accrued (none lost, none doubled).
+func TestThrottleAccrues(t *testing.T) {
+	var w wbState
+	if got := w.accrue(300 * time.Microsecond); got != 0 {
+		t.Fatalf("first 300 µs: sleep %v, want 0 (below the quantum)", got)
+	}
+	var slept time.Duration
+	n := 1
+	for ; slept == 0; n++ {
+		slept = w.accrue(300 * time.Microsecond)
+	}
+	if want := time.Duration(n) * 300 * time.Microsecond; slept != want || slept < throttleQuantum {
+		t.Fatalf("after %d writes of 300 µs: sleep %v, want %v (at least %v)", n, slept, want, throttleQuantum)
+	}
+	if got := w.accrue(throttleMax); got != throttleMax {
+		t.Fatalf("one write at the full delay: sleep %v, want %v", got, throttleMax)
+	}
+
+	const writers, each = 8, 5000
+	var total atomic.Int64
+	var wg sync.WaitGroup
+	for g := range writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range each {
+				d := time.Duration(1+(g*each+i)%997) * time.Microsecond
+				if s := w.accrue(d); s > 0 {
+					if s < throttleQuantum {
+						t.Errorf("slept %v, below the quantum", s)
+					}
+					total.Add(int64(s))
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	var want int64
+	for g := range writers {
+		for i := range each {
+			want += int64(time.Duration(1+(g*each+i)%997) * time.Microsecond)
+		}
+	}
+	if got := total.Load() + w.throttleDebt.Load(); got != want {
+		t.Errorf("slept %v plus %v still owed, want %v accrued", time.Duration(total.Load()), time.Duration(w.throttleDebt.Load()), time.Duration(want))
 	}
 }
