@@ -132,11 +132,19 @@ func (s *Set) failover(cause error) error {
 // REQUIRES: commitMu, not s.mu.
 func (s *Set) failLocked(cause error) error {
 	fe := error(&FailedError{Cause: cause})
+	// The flag is set under mu, in the critical section that counts the
+	// lost records: appendLocked (under mu) sees it set or puts its record
+	// among those counted here, and a Flush or FUA that sees the set
+	// failed and then reads a volume's lost count under mu sees every lost
+	// write. With the flag set before mu was taken, a Flush in between
+	// found the set failed with nothing lost yet and succeeded, claiming
+	// writes durable that the failover then counted lost
+	// (TestDeviceFailureModel/seq seed 11588).
+	s.mu.Lock()
 	first := s.failed.CompareAndSwap(nil, &fe)
 	if first {
 		s.stats.cacheErrors.Add(1)
 	}
-	s.mu.Lock()
 	lost := append(s.jr.taken, s.mu.pending...)
 	s.jr.taken, s.mu.pending = nil, nil
 	// The lost records are numbered durable+1, durable+2, ... (appendLocked
