@@ -40,6 +40,43 @@ func TestMeasureIndexMemory(t *testing.T) {
 	heapIndexFigure(t, 1<<20, false, 1)
 	// Inserting in LBA order (appends) fills leaves completely.
 	heapIndexFigure(t, 1<<20, true, 2)
+	// Random dirty writes that overwrite (a flush every 50 writes): in
+	// epoch order an overwrite of an earlier epoch keeps the old version.
+	for _, order := range []string{"epoch", "lba"} {
+		heapIndexOverwrites(t, 1<<20, order, 50)
+	}
+}
+
+// heapIndexOverwrites measures the index after random 4 KiB dirty writes
+// (with repeats) over a volume 4x the cache, a flush every flushEvery
+// writes, until every cache block has been written once (the log is full;
+// nothing is written back or evicted).
+func heapIndexOverwrites(t *testing.T, nblocks int, order string, flushEvery int) {
+	const bs = 1 << 20
+	bpb := int64(bs / blockSize)
+	nb := int64(nblocks) / bpb
+	s := &Set{bpb: bpb, epochOK: true}
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	s.mu.buckets = make([]bucket, nb)
+	v := &Volume{s: s, nblocks: 1 << 30}
+	st := DefaultSettings()
+	st.WritebackOrder = order
+	v.cfg.Store(&st)
+	v.idx.tree = newPtree()
+	s.setVols([]*Volume{v})
+	rng := rand.New(rand.NewPCG(1, 2))
+	for i := 0; i < nblocks; i++ {
+		v.idx.epoch = uint64(i / flushEvery)
+		s.insertLocked(0, rng.Uint64N(uint64(nblocks)*4), uint32(i), uint32(i), true)
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	used := float64(after.HeapAlloc - before.HeapAlloc)
+	t.Logf("order=%s, random dirty writes with repeats, a flush every %d: %d cache blocks written: index %.1f MiB = %.1f B per cache block = %.2f%% of cache (%d live entries, %d superseded versions)",
+		order, flushEvery, nblocks, used/(1<<20), used/float64(nblocks), 100*used/(float64(nblocks)*blockSize), v.idx.tree.Len(), v.idx.nsup)
+	runtime.KeepAlive(s)
 }
 
 // heapIndexFigure measures the index of a set as it serves (bucket table,

@@ -45,9 +45,10 @@ import (
 )
 
 const (
-	// leafCap: a leaf is 8+2+156+3*4*156 = 2040 bytes, just under Go's
-	// 2048-byte size class.
-	leafCap = 156
+	// leafCap: a leaf is 8+8+2+2+1+3*183 (+2 padding) +2*4*183 = 2036
+	// bytes: with the 8-byte header Go puts before an object with
+	// pointers larger than 512 bytes, just under the 2048-byte size class.
+	leafCap = 183
 	fanout  = 64
 	// leafBulkFill: bulk loading leaves a little room so that the first
 	// random inserts after recovery move entries to a neighbour instead of
@@ -71,6 +72,8 @@ type leafOps[E any] interface {
 	insertAt(i int, e E)
 	removeAt(i int)
 	setCount(n int)
+	reset() // before the leaf is refilled (fillLeaf)
+	own()   // after the leaf was copied (copy-on-write)
 }
 
 type leafPtr[L, E any] interface {
@@ -78,14 +81,22 @@ type leafPtr[L, E any] interface {
 	leafOps[E]
 }
 
-// pleaf is a leaf of ptree.
+// pleaf is a leaf of ptree: 11 bytes a slot. An LBA is 40 bits: the low 24
+// are stored per slot (lo, 3 bytes); the high 16 are shared by the leaf's
+// entries (hi) while they agree, which they do unless the leaf spans a
+// multiple of 2^24 blocks (64 GiB): a leaf holds ~160 neighbouring cached
+// blocks, so only a very sparse cache (under one cached block in 100,000)
+// or a leaf that happens to straddle such a boundary needs them per slot
+// (his, allocated then).
 type pleaf struct {
-	cow *cowCtx
-	n   uint16
-	hi  [leafCap]uint8 // LBA bits 32..39
-	lo  [leafCap]uint32
-	loc [leafCap]uint32 // cache block | dirtyBit
-	crc [leafCap]uint32
+	cow   *cowCtx
+	his   *[leafCap]uint16 // per-slot LBA bits 24..39, when not shared
+	n     uint16
+	hi    uint16 // LBA bits 24..39 of every entry (his == nil)
+	hiSet bool   // hi is set (a leaf being filled takes its first entry's)
+	lo    [3 * leafCap]uint8
+	loc   [leafCap]uint32 // cache block | dirtyBit
+	crc   [leafCap]uint32
 }
 
 func (l *pleaf) cowp() **cowCtx   { return &l.cow }
@@ -93,11 +104,47 @@ func (l *pleaf) count() int       { return int(l.n) }
 func (l *pleaf) setCount(n int)   { l.n = uint16(n) }
 func (*pleaf) capacity() int      { return leafCap }
 func (*pleaf) less(a, b ent) bool { return a.lba < b.lba }
-func (l *pleaf) key(i int) uint64 { return uint64(l.hi[i])<<32 | uint64(l.lo[i]) }
-func (l *pleaf) get(i int) ent    { return ent{lba: l.key(i), loc: l.loc[i], crc: l.crc[i]} }
+
+func (l *pleaf) key(i int) uint64 {
+	h := l.hi
+	if l.his != nil {
+		h = l.his[i]
+	}
+	lo := l.lo[3*i : 3*i+3 : 3*i+3]
+	return uint64(h)<<24 | uint64(lo[2])<<16 | uint64(lo[1])<<8 | uint64(lo[0])
+}
+
+func (l *pleaf) get(i int) ent { return ent{lba: l.key(i), loc: l.loc[i], crc: l.crc[i]} }
 
 func (l *pleaf) set(i int, e ent) {
-	l.hi[i], l.lo[i], l.loc[i], l.crc[i] = uint8(e.lba>>32), uint32(e.lba), e.loc, e.crc
+	h := uint16(e.lba >> 24)
+	switch {
+	case l.his != nil:
+		l.his[i] = h
+	case !l.hiSet:
+		l.hi, l.hiSet = h, true
+	case h != l.hi:
+		his := new([leafCap]uint16)
+		for j := range his {
+			his[j] = l.hi
+		}
+		his[i] = h
+		l.his = his
+	}
+	lo := l.lo[3*i : 3*i+3 : 3*i+3]
+	lo[0], lo[1], lo[2] = uint8(e.lba), uint8(e.lba>>8), uint8(e.lba>>16)
+	l.loc[i], l.crc[i] = e.loc, e.crc
+}
+
+// reset forgets the shared LBA bits before the leaf is refilled.
+func (l *pleaf) reset() { l.his, l.hiSet = nil, false }
+
+// own gives a copied leaf its own per-slot array.
+func (l *pleaf) own() {
+	if l.his != nil {
+		c := *l.his
+		l.his = &c
+	}
 }
 
 // search returns the first slot whose key is >= k.lba, and whether it is k.lba.
@@ -116,8 +163,10 @@ func (l *pleaf) search(k ent) (int, bool) {
 
 func (l *pleaf) insertAt(i int, e ent) {
 	n := int(l.n)
-	copy(l.hi[i+1:n+1], l.hi[i:n])
-	copy(l.lo[i+1:n+1], l.lo[i:n])
+	if l.his != nil {
+		copy(l.his[i+1:n+1], l.his[i:n])
+	}
+	copy(l.lo[3*(i+1):3*(n+1)], l.lo[3*i:3*n])
 	copy(l.loc[i+1:n+1], l.loc[i:n])
 	copy(l.crc[i+1:n+1], l.crc[i:n])
 	l.set(i, e)
@@ -126,8 +175,10 @@ func (l *pleaf) insertAt(i int, e ent) {
 
 func (l *pleaf) removeAt(i int) {
 	n := int(l.n)
-	copy(l.hi[i:n-1], l.hi[i+1:n])
-	copy(l.lo[i:n-1], l.lo[i+1:n])
+	if l.his != nil {
+		copy(l.his[i:n-1], l.his[i+1:n])
+	}
+	copy(l.lo[3*i:3*(n-1)], l.lo[3*(i+1):3*n])
 	copy(l.loc[i:n-1], l.loc[i+1:n])
 	copy(l.crc[i:n-1], l.crc[i+1:n])
 	l.n--
@@ -184,6 +235,9 @@ func (l *vleaf) insertAt(i int, x ver) {
 	l.n++
 }
 
+func (*vleaf) reset() {}
+func (*vleaf) own()   {}
+
 func (l *vleaf) removeAt(i int) {
 	n := int(l.n)
 	copy(l.hi[i:n-1], l.hi[i+1:n])
@@ -203,6 +257,7 @@ func newVtree() *vtree { return &vtree{cow: new(cowCtx)} }
 
 // fillLeaf replaces the leaf's elements with es.
 func fillLeaf[E any, PL leafOps[E]](l PL, es []E) {
+	l.reset()
 	for i, e := range es {
 		l.set(i, e)
 	}
@@ -306,6 +361,7 @@ func (t *bptree[E, L, PL]) mutLeaf(l PL) PL {
 	}
 	c := PL(new(L))
 	*c = *l
+	c.own()
 	*c.cowp() = t.cow
 	return c
 }
