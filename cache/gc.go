@@ -17,6 +17,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -425,13 +426,15 @@ func (s *Set) gcMove(bi int64, found []located) {
 
 // dirtyScanLocked lists up to limit dirty blocks of volume vi from lba on,
 // visiting at most maxVisit entries so that mu is held briefly even when
-// the index is mostly clean. next is where to continue; done says the end
-// of the index was reached.
+// the index is mostly clean. It skips the leaves whose epoch bound says
+// they hold no dirty entry (a bound of +inf: clean since it was built or
+// last raised). next is where to continue; done says the end of the index
+// was reached.
 // REQUIRES: s.mu
 func (s *Set) dirtyScanLocked(vi int, from uint64, limit, maxVisit int) (out []uint64, next uint64, done bool) {
 	done, next = true, from
 	visited := 0
-	s.vols[vi].idx.tree.AscendGreaterOrEqual(ent{lba: from}, func(e ent) bool {
+	s.vols[vi].idx.tree.AscendAggAtMost(ent{lba: from}, math.MaxUint64-1, func(e ent) bool {
 		if visited >= maxVisit || len(out) >= limit {
 			done, next = false, e.lba
 			return false
