@@ -227,9 +227,9 @@ func (s *Set) removeVolume(v *Volume) error {
 		restart()
 		return fmt.Errorf("%d blocks still cached", n)
 	}
-	if invariants.Enabled && (v.idx.tree.Len() != 0 || len(v.idx.sup) != 0 || v.idx.vers.Len() != 0 || len(v.idx.wbInflight) != 0) {
+	if invariants.Enabled && (v.idx.tree.Len() != 0 || v.idx.sup.Len() != 0 || len(v.idx.wbInflight) != 0) {
 		invariants.AssertionFailedf("detach: slot %d still indexes %d entries, %d superseded, %d versions, %d in writeback",
-			v.vi, v.idx.tree.Len(), len(v.idx.sup), v.idx.vers.Len(), len(v.idx.wbInflight))
+			v.vi, v.idx.tree.Len(), v.idx.sup.Len(), len(v.idx.wbInflight))
 	}
 	old := s.vols
 	vols := slices.Clone(s.vols) // never shorter: see Set.vols

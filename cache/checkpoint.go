@@ -91,12 +91,12 @@ func decodeCkptHeader(b []byte, off int64) (h ckptHeader, err error) {
 
 // verSnap is a snapshot of a volume's dirty versions for a checkpoint,
 // beside its index tree's clone: the flush epochs of the dirty entries'
-// cache blocks (epochOf reads a snapshot of the bucket epoch tables, which
-// are copied on write after it) and the superseded versions (a copy of
-// idx.sup).
+// and superseded versions' cache blocks (epochOf reads a snapshot of the
+// bucket epoch tables, which are copied on write after it) and the
+// superseded versions (a clone of idx.sup; nil: none).
 type verSnap struct {
 	epochOf func(loc uint32) uint64
-	sup     map[uint64][]ver
+	sup     *stree
 	dirty   int // the live dirty entries (a capacity hint)
 }
 
@@ -183,10 +183,13 @@ func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []v
 				return true
 			})
 			var sup []ver
-			for _, l := range vs.sup {
-				sup = append(sup, l...)
+			if vs.sup != nil {
+				vs.sup.Ascend(func(x ent) bool {
+					sup = append(sup, ver{epoch: vs.epochOf(x.loc), lba: x.lba, loc: x.loc, crc: x.crc})
+					return true
+				})
 			}
-			slices.SortFunc(sup, cmpVer)
+			slices.SortFunc(sup, cmpVer) // decoding wants them by (epoch, lba)
 			e.u64(uint64(len(live)))
 			for _, x := range live {
 				e.u32(x.loc)

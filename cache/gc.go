@@ -589,12 +589,12 @@ func (s *Set) takeEpochBatch(vi, n int) []wbItem {
 			return true
 		})
 		nlive := len(cand)
-		v.idx.vers.AscendGreaterOrEqual(ver{epoch: oldest, lba: from}, func(x ver) bool {
-			if x.epoch != oldest || (more && x.lba >= next) {
+		v.idx.sup.AscendAggAtMost(ent{lba: from}, oldest, func(e ent) bool {
+			if more && e.lba >= next {
 				return false
 			}
-			if y, ok := s.versionLocked(vi, x); ok {
-				cand = append(cand, y)
+			if s.blockEpoch(e.loc) == oldest {
+				cand = append(cand, ver{epoch: oldest, lba: e.lba, loc: e.loc, crc: e.crc})
 			}
 			return true
 		})
@@ -666,12 +666,8 @@ func (s *Set) hasVersionLocked(vi int, lba uint64, loc uint32, crc uint32) bool 
 	if e, ok := v.idx.tree.Get(ent{lba: lba}); ok && e.dirty() && e.block() == loc && e.crc == crc {
 		return true
 	}
-	for _, x := range v.idx.sup[lba] {
-		if x.loc == loc && x.crc == crc {
-			return true
-		}
-	}
-	return false
+	x, ok := v.idx.sup.Get(ent{lba: lba, loc: loc})
+	return ok && x.crc == crc
 }
 
 // writeItems writes a batch taken by writeback or writebackEpoch (items

@@ -17,11 +17,11 @@ package cache
 //     later flush epoch stays owned (owner map, bucket live and dirty
 //     counts) in idx.sup until its epoch is written back. Every superseded
 //     version of an LBA is older (lower epoch) than the live entry of that
-//     LBA, which exists and is dirty. idx.vers holds exactly the
-//     superseded versions, keyed by (epoch, lba), with their epoch also
-//     the block's (bucket.ep).
-//  5. Every summary in the index tree is at most the oldest flush epoch of
-//     the dirty entries under it (ptree.go, "Summaries"; the epochs are
+//     LBA, which exists and is dirty. A superseded version's epoch is its
+//     block's (bucket.ep), and the summaries of idx.sup bound them as
+//     those of the index tree bound the dirty entries' (invariant 5).
+//  5. Every summary in the index tree (and in idx.sup) is at most the
+//     oldest flush epoch of the dirty entries (superseded versions) under it (ptree.go, "Summaries"; the epochs are
 //     the blocks' in bucket.ep): epoch-ordered writeback finds the
 //     oldest epoch's live entries through them.
 //
@@ -92,9 +92,7 @@ type bucket struct {
 // ver is one dirty version of a block, live or superseded, in the order
 // epoch-ordered writeback takes them: by (epoch, lba), which names one
 // version (invariant 4: superseded versions of an LBA are older than its
-// live entry, and a same-epoch overwrite releases the old version). The
-// version tree (superseded versions only) stores only (epoch, lba); loc
-// and crc are filled in from idx.sup.
+// live entry, and a same-epoch overwrite releases the old version).
 type ver struct {
 	epoch uint64
 	lba   uint64
@@ -129,7 +127,7 @@ func (s *Set) versionLocked(vi int, x ver) (ver, bool) {
 		x.loc, x.crc = e.block(), e.crc
 		return x, true
 	}
-	for _, y := range v.idx.sup[x.lba] {
+	for _, y := range s.supOfLocked(vi, x.lba) {
 		if y.epoch == x.epoch {
 			return y, true
 		}
@@ -137,13 +135,29 @@ func (s *Set) versionLocked(vi int, x ver) (ver, bool) {
 	return x, false
 }
 
+// supOfLocked returns the superseded versions of lba (normally none).
+// REQUIRES: s.mu
+func (s *Set) supOfLocked(vi int, lba uint64) []ver {
+	var out []ver
+	s.vols[vi].idx.sup.AscendRange(ent{lba: lba}, ent{lba: lba + 1}, func(e ent) bool {
+		out = append(out, ver{epoch: s.blockEpoch(e.loc), lba: lba, loc: e.loc, crc: e.crc})
+		return true
+	})
+	return out
+}
+
+// supEpoch is idx.sup's summary value of a superseded version: its epoch.
+// REQUIRES: s.mu
+func (s *Set) supEpoch(e ent) uint64 { return s.blockEpoch(e.loc) }
+
 // volIndex is a volume's part of the index. Guarded by Set.mu.
 type volIndex struct {
 	tree *ptree
-	vers *vtree           // the superseded versions by (epoch, lba)
-	sup  map[uint64][]ver // superseded versions by LBA (epoch order)
-	nsup int64            // superseded versions in sup
-	busy []blockRange     // backing writes in flight (claims)
+	// sup: the superseded versions (epoch order) by (lba, cache block),
+	// with per-child bounds of their epochs (ptree.go, sleaf).
+	sup  *stree
+	nsup int64        // superseded versions in sup
+	busy []blockRange // backing writes in flight (claims)
 	// wbInflight holds the cache blocks a writeback batch has taken and not
 	// yet marked clean, so that two batches (background, eviction, Drain)
 	// never write the same version twice.
@@ -198,9 +212,7 @@ func (s *Set) insertEpochLocked(vi int, lba uint64, loc uint32, crc uint32, dirt
 	}
 	if old, ok := v.idx.tree.ReplaceOrInsertAgg(e, agg); ok {
 		if oe := s.blockEpoch(old.block()); dirty && old.dirty() && oe < epoch && s.keepSuperseded(vi) {
-			x := ver{epoch: oe, lba: lba, loc: old.block(), crc: old.crc}
-			v.idx.sup[lba] = append(v.idx.sup[lba], x)
-			v.idx.vers.ReplaceOrInsert(x)
+			v.idx.sup.ReplaceOrInsertAgg(ent{lba: lba, loc: old.block(), crc: old.crc}, oe)
 			v.idx.nsup++
 			v.idx.dirty-- // counted as superseded from now on (bucket counts unchanged)
 			v.idx.cached--
@@ -235,14 +247,14 @@ func (s *Set) entEpoch(e ent) uint64 {
 }
 
 // oldestEpochLocked returns the oldest flush epoch of volume vi's dirty
-// versions: the smallest of the live entries' (the index tree's summaries)
-// and the superseded versions' (idx.vers).
+// versions: the smallest of the live entries' and the superseded
+// versions' (both trees' summaries).
 // REQUIRES: s.mu
 func (s *Set) oldestEpochLocked(vi int) (uint64, bool) {
 	v := s.vols[vi]
 	e, ok := v.idx.tree.MinAgg(s.entEpoch)
-	if x, sok := v.idx.vers.Min(); sok && (!ok || x.epoch < e) {
-		return x.epoch, true
+	if x, sok := v.idx.sup.MinAgg(s.supEpoch); sok && (!ok || x < e) {
+		return x, true
 	}
 	return e, ok
 }
@@ -406,11 +418,8 @@ func (s *Set) undirtyLocked(loc uint32) {
 // REQUIRES: s.mu
 func (s *Set) initVersionsLocked() {
 	for _, v := range s.vols {
-		if v.idx.vers == nil {
-			v.idx.vers = newVtree()
-		}
 		if v.idx.sup == nil {
-			v.idx.sup = map[uint64][]ver{}
+			v.idx.sup = newStree()
 		}
 	}
 }
@@ -427,10 +436,9 @@ func (s *Set) keepSuperseded(vi int) bool {
 func (s *Set) insertSupLocked(vi int, x ver) {
 	s.initVersionsLocked()
 	v := s.vols[vi]
-	v.idx.sup[x.lba] = append(v.idx.sup[x.lba], x)
-	v.idx.nsup++
-	v.idx.vers.ReplaceOrInsert(x)
 	s.setBlockEpoch(x.loc, x.epoch)
+	v.idx.sup.ReplaceOrInsertAgg(ent{lba: x.lba, loc: x.loc, crc: x.crc}, x.epoch)
+	v.idx.nsup++
 	if s.mu.owner != nil {
 		s.mu.owner[x.loc] = ownerKey(vi, x.lba)
 	}
@@ -444,38 +452,38 @@ func (s *Set) insertSupLocked(vi int, x ver) {
 // REQUIRES: s.mu
 func (s *Set) releaseSupLocked(vi int, lba uint64, loc uint32) bool {
 	v := s.vols[vi]
-	l := v.idx.sup[lba]
-	for i, x := range l {
-		if x.loc != loc {
-			continue
-		}
-		l = append(l[:i:i], l[i+1:]...)
-		if len(l) == 0 {
-			delete(v.idx.sup, lba)
-		} else {
-			v.idx.sup[lba] = l
-		}
-		v.idx.nsup--
-		v.idx.vers.Delete(x)
-		if s.mu.owner != nil {
-			s.mu.owner[loc] = 0
-		}
-		s.mu.buckets[int64(loc)/s.bpb].live--
-		s.undirtyLocked(loc)
-		return true
+	if _, ok := v.idx.sup.Delete(ent{lba: lba, loc: loc}); !ok {
+		return false
 	}
-	return false
+	v.idx.nsup--
+	if s.mu.owner != nil {
+		s.mu.owner[loc] = 0
+	}
+	s.mu.buckets[int64(loc)/s.bpb].live--
+	s.undirtyLocked(loc)
+	return true
 }
 
 // dropSupLocked releases every superseded version of lba.
 // REQUIRES: s.mu
 func (s *Set) dropSupLocked(vi int, lba uint64) {
-	l := s.vols[vi].idx.sup[lba]
-	if len(l) == 0 {
+	s.dropSupRangeLocked(vi, lba, 1)
+}
+
+// dropSupRangeLocked releases every superseded version of [lba, lba+n).
+// REQUIRES: s.mu
+func (s *Set) dropSupRangeLocked(vi int, lba, n uint64) {
+	v := s.vols[vi]
+	if v.idx.nsup == 0 {
 		return
 	}
-	for _, x := range append([]ver(nil), l...) {
-		s.releaseSupLocked(vi, lba, x.loc)
+	var drop []ent
+	v.idx.sup.AscendRange(ent{lba: lba}, ent{lba: lba + n}, func(e ent) bool {
+		drop = append(drop, e)
+		return true
+	})
+	for _, e := range drop {
+		s.releaseSupLocked(vi, e.lba, e.loc)
 	}
 }
 
@@ -483,13 +491,7 @@ func (s *Set) dropSupLocked(vi int, lba uint64) {
 // volume left epoch order).
 // REQUIRES: s.mu
 func (s *Set) dropAllSupLocked(vi int) {
-	var lbas []uint64
-	for lba := range s.vols[vi].idx.sup {
-		lbas = append(lbas, lba)
-	}
-	for _, lba := range lbas {
-		s.dropSupLocked(vi, lba)
-	}
+	s.dropSupRangeLocked(vi, 0, math.MaxUint64-1)
 }
 
 // unaccountLocked releases the cache block of an entry already removed from
@@ -529,21 +531,7 @@ func (s *Set) invalidateLocked(vi int, lba, n uint64) {
 	}
 	// Superseded versions of the range: the backing device now holds newer
 	// data (or zeroes) there.
-	if uint64(len(v.idx.sup)) < n {
-		var lbas []uint64
-		for l := range v.idx.sup {
-			if l >= lba && l-lba < n {
-				lbas = append(lbas, l)
-			}
-		}
-		for _, l := range lbas {
-			s.dropSupLocked(vi, l)
-		}
-	} else {
-		for l := lba; l < lba+n; l++ {
-			s.dropSupLocked(vi, l)
-		}
-	}
+	s.dropSupRangeLocked(vi, lba, n)
 }
 
 // markCleanLocked records that the version of lba at cache block loc is on
@@ -723,49 +711,47 @@ func (s *Set) checkIndexLocked(exact bool) error {
 			return fmt.Errorf("volume %s: counted %d dirty/%d cached, accounted %d/%d", v.name, nd, nc, v.idx.dirty, v.idx.cached)
 		}
 		total += int(nc)
-		// Invariant 4: superseded versions. !exact: fingerprints of the
-		// versions the version tree must hold (fp) and of those it holds
-		// (tfp).
+		// Invariant 4: superseded versions (few: each is checked exactly).
+		if err := v.idx.sup.check(); err != nil {
+			return fmt.Errorf("volume %s: superseded versions: %w", v.name, err)
+		}
+		if exact {
+			if err := v.idx.sup.checkAgg(s.supEpoch); err != nil {
+				return fmt.Errorf("volume %s: superseded versions: %w", v.name, err)
+			}
+		}
 		var ns int64
-		var fp, tfp uint64
-		for lba, l := range v.idx.sup {
-			live, ok := v.idx.tree.Get(ent{lba: lba})
-			for _, x := range l {
-				loc := int64(x.loc)
-				switch {
-				case x.lba != lba || loc >= nb*s.bpb || named.get(int(loc)) || (s.mu.owner != nil && s.mu.owner[loc] != ownerKey(vi, lba)):
-					return fmt.Errorf("volume %s: superseded version %+v out of range, not owned, or its block named twice", v.name, x)
-				case !ok || !live.dirty() || s.blockEpoch(live.block()) <= x.epoch:
-					return fmt.Errorf("volume %s: superseded version %+v without a newer dirty live entry (%+v, %t)", v.name, x, live, ok)
-				case s.blockEpoch(uint32(loc)) != x.epoch:
-					return fmt.Errorf("volume %s: superseded version %+v, block epoch %d", v.name, x, s.blockEpoch(uint32(loc)))
-				}
-				if !exact {
-					fp += pairHash(x.epoch, x.lba)
-					entOwnFP += pairHash(uint64(loc), ownerKey(vi, lba))
-				} else if _, in := v.idx.vers.Get(x); !in {
-					return fmt.Errorf("volume %s: superseded version %+v missing from the version tree", v.name, x)
-				}
-				if y, ok := s.versionLocked(vi, x); !ok || y != x {
-					return fmt.Errorf("volume %s: superseded version %+v resolves to %+v (%t): two versions of one epoch", v.name, x, y, ok)
-				}
-				named.set(int(loc))
-				liveB[loc/s.bpb]++
-				dirtyB[loc/s.bpb]++
-				ns++
+		v.idx.sup.Ascend(func(e ent) bool {
+			x := ver{epoch: s.blockEpoch(e.loc), lba: e.lba, loc: e.loc, crc: e.crc}
+			live, ok := v.idx.tree.Get(ent{lba: x.lba})
+			loc := int64(x.loc)
+			switch {
+			case loc >= nb*s.bpb || named.get(int(loc)) || (s.mu.owner != nil && s.mu.owner[loc] != ownerKey(vi, x.lba)):
+				err = fmt.Errorf("volume %s: superseded version %+v out of range, not owned, or its block named twice", v.name, x)
+			case !ok || !live.dirty() || s.blockEpoch(live.block()) <= x.epoch:
+				err = fmt.Errorf("volume %s: superseded version %+v without a newer dirty live entry (%+v, %t)", v.name, x, live, ok)
 			}
-		}
-		if ns != v.idx.nsup || int64(v.idx.vers.Len()) != ns {
-			return fmt.Errorf("volume %s: %d superseded (accounted %d), %d in the version tree", v.name, ns, v.idx.nsup, v.idx.vers.Len())
-		}
-		if !exact {
-			v.idx.vers.Ascend(func(x ver) bool {
-				tfp += pairHash(x.epoch, x.lba)
-				return true
-			})
-			if fp != tfp {
-				return fmt.Errorf("volume %s: the version tree does not hold exactly the superseded versions (fingerprint %#x, expected %#x)", v.name, tfp, fp)
+			if err != nil {
+				return false
 			}
+			if y, ok := s.versionLocked(vi, x); !ok || y != x {
+				err = fmt.Errorf("volume %s: superseded version %+v resolves to %+v (%t): two versions of one epoch", v.name, x, y, ok)
+				return false
+			}
+			if !exact && s.mu.owner != nil {
+				entOwnFP += pairHash(uint64(loc), ownerKey(vi, x.lba))
+			}
+			named.set(int(loc))
+			liveB[loc/s.bpb]++
+			dirtyB[loc/s.bpb]++
+			ns++
+			return true
+		})
+		if err != nil {
+			return err
+		}
+		if ns != v.idx.nsup {
+			return fmt.Errorf("volume %s: %d superseded, accounted %d", v.name, ns, v.idx.nsup)
 		}
 		total += int(ns)
 	}

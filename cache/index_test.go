@@ -3,7 +3,6 @@ package cache
 import (
 	"context"
 	"errors"
-	"fmt"
 	"math/rand/v2"
 	"strconv"
 	"strings"
@@ -214,14 +213,22 @@ func TestCheckCatchesCorruption(t *testing.T) {
 			v.idx.dirty++
 			return func() { v.idx.dirty-- }
 		}, "dirty", false},
-		// The version tree (superseded versions) keeps its size; only its
-		// contents are wrong.
-		{"version-wrong-lba", func(s *Set) func() {
-			return swapVersion(s, 1, func(x ver) ver { x.lba = 40; return x })
-		}, "version tree", false},
-		{"version-wrong-epoch", func(s *Set) func() {
-			return swapVersion(s, 2, func(x ver) ver { x.epoch++; return x })
-		}, "version tree", false},
+		// Superseded versions (lba 1 and 2, epoch 0).
+		{"superseded-not-older", func(s *Set) func() {
+			x := s.supOfLocked(0, 1)[0]
+			s.setBlockEpoch(x.loc, 1)
+			return func() { s.setBlockEpoch(x.loc, x.epoch) }
+		}, "without a newer dirty live entry", false},
+		{"superseded-count", func(s *Set) func() {
+			s.vols[0].idx.nsup++
+			return func() { s.vols[0].idx.nsup-- }
+		}, "superseded", false},
+		{"superseded-summary-too-high", func(s *Set) func() {
+			tr := s.vols[0].idx.sup
+			saved := tr.root.agg[0]
+			tr.root.agg[0] = saved + 1
+			return func() { tr.root.agg[0] = saved }
+		}, "summary", true},
 		// Recovery's reverse map, right but for two blocks' owners swapped
 		// (counts and uniqueness stay right).
 		{"reverse-map-swapped", func(s *Set) func() {
@@ -319,31 +326,10 @@ func buildOwner(s *Set) {
 			s.mu.owner[e.block()] = ownerKey(vi, e.lba)
 			return true
 		})
-		for lba, l := range v.idx.sup {
-			for _, x := range l {
-				s.mu.owner[x.loc] = ownerKey(vi, lba)
-			}
-		}
-	}
-}
-
-// swapVersion replaces the version-tree element of volume 0's superseded
-// version of lba by change(it) and returns the undo.
-// REQUIRES: s.mu
-func swapVersion(s *Set, lba uint64, change func(ver) ver) func() {
-	v := s.vols[0]
-	if len(v.idx.sup[lba]) == 0 {
-		panic(fmt.Sprintf("lba %d has no superseded version", lba))
-	}
-	x := v.idx.sup[lba][0]
-	if _, ok := v.idx.vers.Delete(x); !ok {
-		panic(fmt.Sprintf("version %+v not in the tree", x))
-	}
-	y := change(x)
-	v.idx.vers.ReplaceOrInsert(y)
-	return func() {
-		v.idx.vers.Delete(y)
-		v.idx.vers.ReplaceOrInsert(x)
+		v.idx.sup.Ascend(func(x ent) bool {
+			s.mu.owner[x.loc] = ownerKey(vi, x.lba)
+			return true
+		})
 	}
 }
 

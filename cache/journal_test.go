@@ -221,8 +221,15 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 	{
 		tr := []*ptree{newPtree(), newPtree()}
 		tr[0].ReplaceOrInsert(ent{lba: 3, loc: 2 | dirtyBit, crc: 9})
-		epochOf := func(uint32) uint64 { return 5 }
-		vt := []verSnap{{epochOf: epochOf, sup: map[uint64][]ver{3: {{epoch: 2, lba: 3, loc: 7, crc: 4}}}}, {epochOf: epochOf}}
+		epochOf := func(loc uint32) uint64 {
+			if loc == 7 {
+				return 2 // the superseded version's block
+			}
+			return 5
+		}
+		sup := newStree()
+		sup.ReplaceOrInsert(ent{lba: 3, loc: 7, crc: 4})
+		vt := []verSnap{{epochOf: epochOf, sup: sup}, {epochOf: epochOf}}
 		var out []byte
 		_ = encodeCkptBodyVers([]uint32{1, 2, 3, 4}, []uint64{7, 8}, tr, vt, func(p []byte) error {
 			out = append(out, p...)
@@ -244,11 +251,18 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 				if vt == nil {
 					vt = make([]verSnap, len(cd.vols))
 				}
-				epochOf := cv.epochOf
-				vt[i] = verSnap{epochOf: func(loc uint32) uint64 { return epochOf[loc] }, sup: map[uint64][]ver{}}
+				epochOf, supEpoch := cv.epochOf, map[uint32]uint64{}
+				sup := newStree()
 				for _, x := range cv.sup {
-					vt[i].sup[x.lba] = append(vt[i].sup[x.lba], x)
+					sup.ReplaceOrInsert(ent{lba: x.lba, loc: x.loc, crc: x.crc})
+					supEpoch[x.loc] = x.epoch
 				}
+				vt[i] = verSnap{epochOf: func(loc uint32) uint64 {
+					if e, ok := supEpoch[loc]; ok {
+						return e
+					}
+					return epochOf[loc]
+				}, sup: sup}
 			}
 		}
 		var out []byte

@@ -1,16 +1,16 @@
 package cache
 
 // ptree is a volume's index: an ordered map from LBA to ent, kept as a
-// copy-on-write B+tree whose leaves are packed sorted arrays. vtree, the
-// volume's dirty versions ordered by (epoch, LBA), is the same B+tree with
-// another leaf (vleaf).
+// copy-on-write B+tree whose leaves are packed sorted arrays. stree, the
+// volume's superseded versions ordered by (LBA, cache block), is the same
+// B+tree with the same slots and another order (sleaf).
 //
 // Why not a generic B-tree of ent: an ent is 16 bytes in memory (13 carry
 // information: a 40-bit LBA, the 32-bit cache block with its dirty bit and
 // the 32-bit checksum), and a B-tree that splits full nodes in the middle
 // stays about 70 % full under random inserts, so google/btree cost about 25
 // bytes per cached block. Here a leaf stores the fields as separate arrays
-// (13 bytes a slot, no padding), and a full leaf first hands entries to a
+// (11 bytes a slot, no padding: see pleaf), and a full leaf first hands entries to a
 // sibling with room, then splits two full leaves into three (2/3 full each),
 // so that random inserts keep leaves above 2/3 and on average near 80 % full;
 // appending past the last entry of the tree (LBA-ordered inserts) and bulk
@@ -184,76 +184,38 @@ func (l *pleaf) removeAt(i int) {
 	l.n--
 }
 
-// vleafCap: a vleaf is 8+2+156 (+2 padding) +4*156 +8*156 = 2040 bytes.
-const vleafCap = 156
+// sleaf is a leaf of stree, the superseded versions of a volume (epoch
+// order): the same packed slots as pleaf, holding {lba, cache block, crc}
+// ordered by (lba, cache block), since an LBA can have several superseded
+// versions (of different epochs). The version's epoch is its cache
+// block's (Set.blockEpoch), not stored again.
+type sleaf struct{ pleaf }
 
-// vleaf is a leaf of vtree: 13 bytes a dirty version, (epoch, LBA) only.
-// The version's cache block and checksum are those of the live entry of
-// the LBA, or of the superseded version of that epoch in idx.sup (see
-// Set.versionLocked); (epoch, LBA) names one version (index invariant 4).
-type vleaf struct {
-	cow   *cowCtx
-	n     uint16
-	hi    [vleafCap]uint8
-	lo    [vleafCap]uint32
-	epoch [vleafCap]uint64
-}
+func (*sleaf) less(a, b ent) bool { return supLess(a, b) }
 
-func (l *vleaf) cowp() **cowCtx   { return &l.cow }
-func (l *vleaf) count() int       { return int(l.n) }
-func (l *vleaf) setCount(n int)   { l.n = uint16(n) }
-func (*vleaf) capacity() int      { return vleafCap }
-func (*vleaf) less(a, b ver) bool { return verLess(a, b) }
+func supLess(a, b ent) bool { return a.lba < b.lba || (a.lba == b.lba && a.loc < b.loc) }
 
-func (l *vleaf) get(i int) ver {
-	return ver{epoch: l.epoch[i], lba: uint64(l.hi[i])<<32 | uint64(l.lo[i])}
-}
-
-func (l *vleaf) set(i int, x ver) {
-	l.epoch[i], l.hi[i], l.lo[i] = x.epoch, uint8(x.lba>>32), uint32(x.lba)
-}
-
-func (l *vleaf) search(k ver) (int, bool) {
+func (l *sleaf) search(k ent) (int, bool) {
 	lo, hi := 0, int(l.n)
 	for lo < hi {
 		m := int(uint(lo+hi) >> 1)
-		if verLess(l.get(m), k) {
+		if supLess(l.get(m), k) {
 			lo = m + 1
 		} else {
 			hi = m
 		}
 	}
-	return lo, lo < int(l.n) && !verLess(k, l.get(lo))
+	return lo, lo < int(l.n) && !supLess(k, l.get(lo))
 }
 
-func (l *vleaf) insertAt(i int, x ver) {
-	n := int(l.n)
-	copy(l.hi[i+1:n+1], l.hi[i:n])
-	copy(l.lo[i+1:n+1], l.lo[i:n])
-	copy(l.epoch[i+1:n+1], l.epoch[i:n])
-	l.set(i, x)
-	l.n++
-}
-
-func (*vleaf) reset() {}
-func (*vleaf) own()   {}
-
-func (l *vleaf) removeAt(i int) {
-	n := int(l.n)
-	copy(l.hi[i:n-1], l.hi[i+1:n])
-	copy(l.lo[i:n-1], l.lo[i+1:n])
-	copy(l.epoch[i:n-1], l.epoch[i+1:n])
-	l.n--
-}
-
-// ptree is the index of a volume (ent by LBA); vtree its dirty versions.
+// ptree is the index of a volume (ent by LBA); stree its superseded versions.
 type (
 	ptree = bptree[ent, pleaf, *pleaf]
-	vtree = bptree[ver, vleaf, *vleaf]
+	stree = bptree[ent, sleaf, *sleaf]
 )
 
 func newPtree() *ptree { return &ptree{cow: new(cowCtx)} }
-func newVtree() *vtree { return &vtree{cow: new(cowCtx)} }
+func newStree() *stree { return &stree{cow: new(cowCtx)} }
 
 // fillLeaf replaces the leaf's elements with es.
 func fillLeaf[E any, PL leafOps[E]](l PL, es []E) {

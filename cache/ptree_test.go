@@ -203,100 +203,90 @@ func TestPtreeCheckCatches(t *testing.T) {
 	}
 }
 
-// TestVtreeModel: the dirty-version tree (ordered by epoch, LBA) against
-// a map, with clones, Min and ranged iteration from an
-// epoch on, as epoch-ordered writeback uses them.
-func TestVtreeModel(t *testing.T) {
+// TestStreeModel runs the superseded-version tree (several versions per
+// LBA, ordered by (LBA, cache block), epoch bounds from a value per cache
+// block) against a map, with a snapshot: per-LBA ranges, MinAgg and the
+// bounds after every batch.
+func TestStreeModel(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 9))
-	ref := map[ver]uint32{}
-	tr := newVtree()
-	var snap *vtree
-	var snapRef map[ver]uint32
-	sorted := func(m map[ver]uint32) []ver {
-		var out []ver
-		for x, crc := range m {
-			x.crc = crc
-			out = append(out, x)
+	epochOf := map[uint32]uint64{}
+	val := func(e ent) uint64 { return epochOf[e.loc] }
+	ref := map[[2]uint64]uint32{} // (lba, loc) -> crc
+	tr := newStree()
+	var snap *stree
+	var snapWant []ent
+	sorted := func() []ent {
+		var out []ent
+		for k, crc := range ref {
+			out = append(out, ent{lba: k[0], loc: uint32(k[1]), crc: crc})
 		}
-		slices.SortFunc(out, func(a, b ver) int {
-			if verLess(a, b) {
+		slices.SortFunc(out, func(a, b ent) int {
+			if supLess(a, b) {
 				return -1
 			}
-			if verLess(b, a) {
+			if supLess(b, a) {
 				return 1
 			}
 			return 0
 		})
 		return out
 	}
-	verify := func(tr *vtree, ref map[ver]uint32) {
-		t.Helper()
+	all := func(tr *stree) []ent {
+		var got []ent
+		tr.Ascend(func(e ent) bool { got = append(got, e); return true })
+		return got
+	}
+	for op := 0; op < 40000; op++ {
+		lba, loc := rng.Uint64N(1500), uint32(rng.IntN(4000))
+		if rng.IntN(100) < 45 {
+			_, ok := tr.Delete(ent{lba: lba, loc: loc})
+			if _, in := ref[[2]uint64{lba, uint64(loc)}]; ok != in {
+				t.Fatalf("Delete (%d, %d): %t", lba, loc, ok)
+			}
+			delete(ref, [2]uint64{lba, uint64(loc)})
+		} else if _, in := ref[[2]uint64{lba, uint64(loc)}]; !in {
+			epochOf[loc] = uint64(op / 500)
+			tr.ReplaceOrInsertAgg(ent{lba: lba, loc: loc, crc: uint32(op)}, epochOf[loc])
+			ref[[2]uint64{lba, uint64(loc)}] = uint32(op)
+		}
+		if op%2000 != 1999 {
+			continue
+		}
 		if err := tr.check(); err != nil {
 			t.Fatal(err)
 		}
-		want := sorted(ref)
-		var got []ver
-		tr.Ascend(func(x ver) bool { got = append(got, x); return true })
-		if !slices.Equal(got, want) || tr.Len() != len(want) {
-			t.Fatalf("Ascend: %d versions, want %d (Len %d)", len(got), len(want), tr.Len())
+		if err := tr.checkAgg(val); err != nil {
+			t.Fatal(err)
 		}
-		if m, ok := tr.Min(); ok != (len(want) > 0) || (ok && m != want[0]) {
-			t.Fatalf("Min %+v %t", m, ok)
+		want := sorted()
+		if got := all(tr); !slices.Equal(got, want) || tr.Len() != len(want) {
+			t.Fatalf("op %d: Ascend: %d versions, want %d (Len %d)", op, len(got), len(want), tr.Len())
 		}
-		ep := rng.Uint64N(60)
-		var from []ver
-		tr.AscendGreaterOrEqual(ver{epoch: ep}, func(x ver) bool { from = append(from, x); return x.epoch == ep })
-		i, _ := slices.BinarySearchFunc(want, ver{epoch: ep}, func(a, b ver) int {
-			if verLess(a, b) {
-				return -1
-			}
-			if verLess(b, a) {
-				return 1
-			}
-			return 0
-		})
-		var wantFrom []ver
-		for _, x := range want[i:] {
-			wantFrom = append(wantFrom, x)
-			if x.epoch != ep {
-				break
+		m := uint64(math.MaxUint64)
+		for _, e := range want {
+			m = min(m, val(e))
+		}
+		if got, ok := tr.MinAgg(val); ok != (len(want) > 0) || (ok && got != m) {
+			t.Fatalf("op %d: MinAgg %d %t, want %d", op, got, ok, m)
+		}
+		q := rng.Uint64N(1500)
+		var got, wantL []ent
+		tr.AscendRange(ent{lba: q}, ent{lba: q + 1}, func(e ent) bool { got = append(got, e); return true })
+		for _, e := range want {
+			if e.lba == q {
+				wantL = append(wantL, e)
 			}
 		}
-		if !slices.Equal(from, wantFrom) {
-			t.Fatalf("from epoch %d: %d versions, want %d", ep, len(from), len(wantFrom))
+		if !slices.Equal(got, wantL) {
+			t.Fatalf("op %d: versions of lba %d: %v, want %v", op, q, got, wantL)
 		}
-	}
-	for op := 0; op < 60000; op++ {
-		x := ver{epoch: rng.Uint64N(50), lba: rng.Uint64N(2000)}
-		if rng.IntN(100) < 45 {
-			_, ok := tr.Delete(x)
-			if _, in := ref[x]; ok != in {
-				t.Fatalf("Delete %+v: %t", x, ok)
-			}
-			delete(ref, x)
-		} else {
-			// The tree keeps (epoch, lba) only: cache block and checksum are
-			// dropped.
-			old, ok := tr.ReplaceOrInsert(ver{epoch: x.epoch, lba: x.lba, loc: 5, crc: 6})
-			if _, in := ref[x]; ok != in || (ok && old != x) {
-				t.Fatalf("ReplaceOrInsert %+v: %+v %t", x, old, ok)
-			}
-			ref[x] = 0
+		if snap != nil && !slices.Equal(all(snap), snapWant) {
+			t.Fatalf("op %d: the snapshot changed", op)
 		}
-		if op%15000 == 7000 {
-			verify(tr, ref)
-			if snap != nil {
-				verify(snap, snapRef)
-			}
-			snap = tr.Clone()
-			snapRef = map[ver]uint32{}
-			for x, crc := range ref {
-				snapRef[x] = crc
-			}
+		if rng.IntN(3) == 0 {
+			snap, snapWant = tr.Clone(), want
 		}
 	}
-	verify(tr, ref)
-	verify(snap, snapRef)
 }
 
 // TestPtreeSummaryModel runs the tree's summaries (lower bounds of an
@@ -413,15 +403,12 @@ func TestPtreeSummaryModel(t *testing.T) {
 	}
 }
 
-// TestLeafSizes: a leaf of either tree, with the 8-byte header Go's
+// TestLeafSizes: a leaf (of ptree and stree), with the 8-byte header Go's
 // allocator puts before an object with pointers larger than 512 bytes,
 // fits its 2048-byte size class (one byte more and it takes a 2304-byte
 // block: 12 % more memory per entry).
 func TestLeafSizes(t *testing.T) {
 	if n := unsafe.Sizeof(pleaf{}); n+8 > 2048 {
 		t.Errorf("pleaf is %d bytes", n)
-	}
-	if n := unsafe.Sizeof(vleaf{}); n+8 > 2048 {
-		t.Errorf("vleaf is %d bytes", n)
 	}
 }

@@ -431,8 +431,7 @@ func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
 	v.wb.done = make(chan struct{})
 	v.idx.tree = newPtree()
 	v.idx.wbInflight = map[uint32]struct{}{}
-	v.idx.vers = newVtree()
-	v.idx.sup = map[uint64][]ver{}
+	v.idx.sup = newStree()
 	return v
 }
 
@@ -491,7 +490,7 @@ func (s *Set) loadCheckpointLocked(vi int, cv *ckptVol) {
 		}
 	}
 	v.idx.tree = buildPtree(cv.ents, aggs)
-	v.idx.vers = newVtree()
+	v.idx.sup = newStree()
 	for _, x := range cv.sup {
 		s.insertSupLocked(vi, x)
 	}
@@ -881,14 +880,8 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 		trees[i] = v.idx.tree.Clone()
 		epochs[i] = v.idx.epoch
 		if vers != nil {
-			// sup holds the superseded versions only (normally few); the
-			// copy is made under mu, the trees and the epoch tables are
-			// copy-on-write.
-			sup := make(map[uint64][]ver, len(v.idx.sup))
-			for lba, l := range v.idx.sup {
-				sup[lba] = slices.Clone(l)
-			}
-			vers[i] = verSnap{epochOf: epochOf, sup: sup, dirty: int(v.idx.dirty)}
+			// The trees and the epoch tables are copy-on-write.
+			vers[i] = verSnap{epochOf: epochOf, sup: v.idx.sup.Clone(), dirty: int(v.idx.dirty)}
 		}
 	}
 	s.mu.Unlock()
