@@ -297,11 +297,10 @@ const seqEnd = math.MaxUint32 // after the journal
 
 // resolvedVol is one volume's recovered index, as sorted arrays.
 type resolvedVol struct {
-	ents   []ent            // live entries, by LBA
-	aggs   []uint64         // per leaf of leafBulkFill entries: the oldest dirty epoch (the tree's summary)
-	dirty  []ver            // every dirty version, live and superseded: its block's epoch
-	vers   []ver            // superseded versions, by (epoch, LBA)
-	sup    map[uint64][]ver // superseded versions
+	ents   []ent    // live entries, by LBA
+	aggs   []uint64 // per leaf of leafBulkFill entries: the oldest dirty epoch (the tree's summary)
+	dirty  []ver    // every dirty version, live and superseded: its block's epoch
+	vers   []ver    // superseded versions, by LBA
 	nsup   int64
 	ndirty int64
 	epoch  uint64
@@ -432,10 +431,6 @@ func (r *resolver) finish(lba uint64, out *resolvedVol) {
 			out.vers = append(out.vers, l[i])
 			out.dirty = append(out.dirty, l[i])
 		}
-		if out.sup == nil {
-			out.sup = map[uint64][]ver{}
-		}
-		out.sup[lba] = l
 		out.nsup += int64(len(l))
 	}
 	if !r.hasLive {
@@ -599,7 +594,7 @@ func (s *Set) resetIndexLocked(nbuckets int64, gens []uint32) {
 		s.mu.buckets[i].gen = g
 	}
 	for _, v := range s.vols {
-		v.idx.tree, v.idx.vers, v.idx.sup = newPtree(), newVtree(), map[uint64][]ver{}
+		v.idx.tree, v.idx.sup = newPtree(), newStree()
 		v.idx.nsup, v.idx.dirty, v.idx.cached, v.idx.epoch = 0, 0, 0, 0
 	}
 }
@@ -616,10 +611,11 @@ func (s *Set) install(c *collector, out []resolvedVol) {
 	for vi, rv := range out {
 		v := s.vols[vi]
 		v.idx.tree = buildPtree(rv.ents, rv.aggs)
-		v.idx.vers = newVtree()
-		v.idx.vers.bulkLoad(rv.vers, vleafCap-vleafCap/16, nil)
-		if rv.sup != nil {
-			v.idx.sup = rv.sup
+		// Superseded versions are normally few: inserted one by one,
+		// each with its epoch as its summary.
+		v.idx.sup = newStree()
+		for _, x := range rv.vers {
+			v.idx.sup.ReplaceOrInsertAgg(ent{lba: x.lba, loc: x.loc, crc: x.crc}, x.epoch)
 		}
 		v.idx.nsup = rv.nsup
 		v.idx.cached = int64(len(rv.ents))
@@ -630,11 +626,9 @@ func (s *Set) install(c *collector, out []resolvedVol) {
 			s.mu.owner[loc] = ownerKey(vi, e.lba)
 			s.mu.buckets[int64(loc)/s.bpb].live++
 		}
-		for _, l := range rv.sup {
-			for _, x := range l {
-				s.mu.owner[x.loc] = ownerKey(vi, x.lba)
-				s.mu.buckets[int64(x.loc)/s.bpb].live++
-			}
+		for _, x := range rv.vers {
+			s.mu.owner[x.loc] = ownerKey(vi, x.lba)
+			s.mu.buckets[int64(x.loc)/s.bpb].live++
 		}
 		for _, x := range rv.dirty {
 			s.mu.buckets[int64(x.loc)/s.bpb].dirty++

@@ -119,12 +119,18 @@ func (g *replayGen) dirtyVersion() (vi int, lba uint64, loc uint32, ok bool) {
 	s := g.sim
 	vi = g.rng.IntN(len(s.vols))
 	v := s.vols[vi]
-	if v.idx.vers.Len() == 0 {
+	var all []ver
+	v.idx.tree.Ascend(func(e ent) bool {
+		if e.dirty() {
+			all = append(all, ver{lba: e.lba, loc: e.block()})
+		}
+		return true
+	})
+	v.idx.sup.Ascend(func(e ent) bool { all = append(all, ver{lba: e.lba, loc: e.loc}); return true })
+	if len(all) == 0 {
 		return 0, 0, 0, false
 	}
-	var all []ver
-	v.idx.vers.Ascend(func(x ver) bool { all = append(all, x); return true })
-	x, _ := s.versionLocked(vi, all[g.rng.IntN(len(all))])
+	x := all[g.rng.IntN(len(all))]
 	return vi, x.lba, x.loc, true
 }
 
@@ -199,11 +205,7 @@ func replayCase(t *testing.T, seed uint64) (replayCfg, *ckptData, []*rec, *Set) 
 		// The volume's epoch as a checkpoint records it: the replayed
 		// inserts' highest.
 		epochs = append(epochs, v.idx.epoch)
-		sup := map[uint64][]ver{}
-		for lba, l := range v.idx.sup {
-			sup[lba] = slices.Clone(l)
-		}
-		vers = append(vers, verSnap{epochOf: epochOf, sup: sup, dirty: int(v.idx.dirty)})
+		vers = append(vers, verSnap{epochOf: epochOf, sup: v.idx.sup.Clone(), dirty: int(v.idx.dirty)})
 	}
 	var body bytes.Buffer
 	if err := encodeCkptBodyVers(gens, epochs, trees, vers, func(p []byte) error { body.Write(p); return nil }); err != nil {
@@ -236,17 +238,8 @@ func dumpRecovered(s *Set) string {
 			fmt.Fprintf(&b, " ent %d -> %d dirty=%t crc %x\n", e.lba, e.block(), e.dirty(), e.crc)
 			return true
 		})
-		lbas := make([]uint64, 0, len(v.idx.sup))
-		for lba := range v.idx.sup {
-			lbas = append(lbas, lba)
-		}
-		slices.Sort(lbas)
-		for _, lba := range lbas {
-			fmt.Fprintf(&b, " sup %d: %+v\n", lba, v.idx.sup[lba])
-		}
-		v.idx.vers.Ascend(func(x ver) bool {
-			y, ok := s.versionLocked(vi, x)
-			fmt.Fprintf(&b, " ver %+v %t\n", y, ok)
+		v.idx.sup.Ascend(func(e ent) bool {
+			fmt.Fprintf(&b, " sup %d -> %d crc %x epoch %d\n", e.lba, e.loc, e.crc, s.blockEpoch(e.loc))
 			return true
 		})
 	}
