@@ -268,9 +268,9 @@ func maxBatchBlocks(jblocks int64) int64 { return min(64, jblocks/4) }
 // the same operations (crash-point tests count them); the look-ahead past
 // a bad block runs here, after the reader has stopped.
 //
-// block, if not nil, is called with the offset and sequence number of each
-// valid block before its records are applied.
-func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalPos, block func(off int64, seq uint64), apply func(*rec) error) (journalPos, int, error) {
+// block, if not nil, is called with the offset, sequence number and a copy
+// of the record payload of each valid block before its records are applied.
+func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalPos, block func(off int64, seq uint64, payload []byte), apply func(*rec) error) (journalPos, int, error) {
 	nonce := sb.nonce()
 	jblocks := sb.JournalLen / blockSize
 	pos := start
@@ -286,6 +286,7 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 		err       error // read error
 		h         jhdr
 		recs      []*rec
+		payload   []byte // a copy, if block wants it
 		st        blockStatus
 		want, got uint32
 		derr      error
@@ -302,6 +303,9 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 			d := decoded{off: sb.JournalOff + ((start.blk+n)%jblocks)*blockSize}
 			if _, d.err = dev.ReadAt(rbuf, d.off); d.err == nil {
 				d.h, d.recs, d.st, d.want, d.got, d.derr = decodeJournalBlock(rbuf, nonce, gen)
+				if block != nil && d.st == blockOK {
+					d.payload = append([]byte(nil), rbuf[jHeaderSize:jHeaderSize+d.h.used]...)
+				}
 			}
 			select {
 			case blocks <- d:
@@ -331,7 +335,7 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 		}
 		if st == blockOK {
 			if block != nil {
-				block(off, h.seq)
+				block(off, h.seq, d.payload)
 			}
 			for _, r := range recs {
 				if err := apply(r); err != nil {

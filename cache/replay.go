@@ -52,21 +52,23 @@ import (
 	"slices"
 )
 
-// jrecs is the journal as read for recovery: every record up to the end of
-// the log, the journal block each came from, and the journal's own error.
+// jrecs is the journal as read for recovery: the record payload of every
+// valid block up to the end of the log (for the record-by-record fallback:
+// at most the journal's size, where the decoded records took about three
+// times that), and the journal's own error.
 type jrecs struct {
-	recs   []*rec
 	blocks []jblockRef
+	n      int // records
 	end    journalPos
-	err    error // read error or corruption that ended the log, after recs
+	err    error // read error or corruption that ended the log, after blocks
 }
 
-// jblockRef names the journal block recs[first:] (up to the next ref) came
-// from, for the fallback's error messages.
+// jblockRef is one valid journal block: its offset and sequence number
+// (for the fallback's error messages) and its records, encoded.
 type jblockRef struct {
-	off   int64
-	seq   uint64
-	first int
+	off     int64
+	seq     uint64
+	payload []byte
 }
 
 // Item kinds.
@@ -675,10 +677,9 @@ func (s *Set) buildEpochTables(out []resolvedVol) {
 // c in journal order.
 func readJournal(dev device.Device, sb *Superblock, h ckptHeader, c *collector) *jrecs {
 	jr := &jrecs{}
-	jr.end, _, jr.err = replayJournal(dev, sb, h.gen, h.jpos, func(off int64, seq uint64) {
-		jr.blocks = append(jr.blocks, jblockRef{off: off, seq: seq, first: len(jr.recs)})
+	jr.end, jr.n, jr.err = replayJournal(dev, sb, h.gen, h.jpos, func(off int64, seq uint64, payload []byte) {
+		jr.blocks = append(jr.blocks, jblockRef{off: off, seq: seq, payload: payload})
 	}, func(r *rec) error {
-		jr.recs = append(jr.recs, r)
 		c.add(r)
 		return nil
 	})
@@ -722,12 +723,14 @@ func (s *Set) replayOld(cd *ckptData, jr *jrecs) error {
 		s.loadCheckpointLocked(vi, &cd.vols[vi])
 	}
 	apply, flush := s.sortedApplier()
-	for bi, b := range jr.blocks {
-		end := len(jr.recs)
-		if bi+1 < len(jr.blocks) {
-			end = jr.blocks[bi+1].first
-		}
-		for _, r := range jr.recs[b.first:end] {
+	for _, b := range jr.blocks {
+		for p := b.payload; len(p) > 0; {
+			var r *rec
+			var err error
+			if r, p, err = decodeRec(p); err != nil {
+				// Unreachable: the block's records decoded once already.
+				return placed(err, b.off, blockSize)
+			}
 			if err := apply(r); err != nil {
 				return fmt.Errorf("journal block at offset %d (seq %d), %v: %w", b.off, b.seq, r, err)
 			}

@@ -267,7 +267,11 @@ func dumpRecovered(s *Set) string {
 // and dropCleanLocked), and fails the test if anything differs.
 func recoverBoth(t *testing.T, what string, cfg replayCfg, cd *ckptData, recs []*rec) (*Set, bool, error) {
 	t.Helper()
-	jr := &jrecs{recs: recs, blocks: []jblockRef{{off: 4096, seq: 1}}}
+	var payload []byte
+	for _, r := range recs {
+		payload = appendRec(payload, r)
+	}
+	jr := &jrecs{blocks: []jblockRef{{off: 4096, seq: 1, payload: payload}}, n: len(recs)}
 	fast := newReplaySet(cfg, cd.gens)
 	c := newCollector(fast, cfg.nb)
 	for _, r := range recs {

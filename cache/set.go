@@ -346,7 +346,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if err != nil {
 		return nil, fmt.Errorf("open: replaying journal: %w", err)
 	}
-	end, nrec := jr.end, len(jr.recs)
+	end, nrec := jr.end, jr.n
 	s.listBucketsLocked()
 	if err := s.checkIndexLocked(invariants.Enabled); err != nil {
 		return nil, fmt.Errorf("open: recovered index inconsistent: %w", err)
