@@ -227,9 +227,9 @@ type Set struct {
 	// random in commits (tests that look at the journal's records need
 	// them to stay in the journal).
 	fixedJournal atomic.Bool
-	durable atomic.Uint64         // records durable on the cache device
-	failed  atomic.Pointer[error] // set by failover: passthrough mode (failover.go)
-	errRun  atomic.Int32          // cache data I/O errors in a row
+	durable      atomic.Uint64         // records durable on the cache device
+	failed       atomic.Pointer[error] // set by failover: passthrough mode (failover.go)
+	errRun       atomic.Int32          // cache data I/O errors in a row
 
 	// sbMu serializes superblock updates.
 	sbMu sync.Mutex
