@@ -394,7 +394,14 @@ func (v *Volume) fenceErr(lba, n uint64) error {
 // and kept (durableErr): every later Flush or FUA request of the volume
 // returns it, so its client learns that acknowledged writes may be lost;
 // reads and writes go on.
+//
+// Callers are serialized (syncMu): a caller that finds a flag clear
+// returns only after the sync that cleared it has finished, so a failure
+// of that sync is in backSyncErr (durableErr) by then.
+// REQUIRES: not s.mu
 func (s *Set) syncBackings() error {
+	s.syncMu.Lock()
+	defer s.syncMu.Unlock()
 	var first error
 	for _, v := range s.volList() {
 		if v.backingUnsynced.Swap(false) {

@@ -215,7 +215,16 @@ type Set struct {
 	// commitMu serializes journal writes and checkpoints (group commit:
 	// callers queue here and the holder writes everything pending).
 	commitMu sync.Mutex
-	jr       struct { // REQUIRES: commitMu
+	// syncMu serializes syncBackings: a caller that finds a backing
+	// device's unsynced flag clear must know that the sync which cleared
+	// it has finished and recorded its failure, if any. After failover,
+	// flushes sync the backing devices without commitMu, and one that
+	// found the flag taken by another's sync still in progress returned
+	// success for writes that sync then failed to make durable
+	// (TestFlushWaitsForConcurrentBackingSync). Taken under commitMu,
+	// never under mu.
+	syncMu sync.Mutex
+	jr     struct { // REQUIRES: commitMu
 		gen  uint64
 		pos  journalPos // where the next block goes
 		used int64      // blocks written in this generation
