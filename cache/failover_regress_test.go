@@ -187,8 +187,16 @@ func TestFUARacingFailover(t *testing.T) {
 func newStuckSyncSet(t *testing.T) (s *Set, armed *atomic.Bool, entered, release chan struct{}) {
 	armed = new(atomic.Bool)
 	entered, release = make(chan struct{}), make(chan struct{})
+	s, _, _ = newFaultSet(t, stuckSync(armed, entered, release))
+	return s, armed, entered, release
+}
+
+// stuckSync, once armed is set, blocks the first sync until release is
+// closed (entered is closed when it starts) and then fails it and every
+// later sync.
+func stuckSync(armed *atomic.Bool, entered, release chan struct{}) faultdev.InjectorFunc {
 	var once sync.Once
-	s, _, _ = newFaultSet(t, func(op faultdev.Op) faultdev.Fault {
+	return func(op faultdev.Op) faultdev.Fault {
 		if !armed.Load() || op.Kind != faultdev.Sync {
 			return faultdev.Fault{}
 		}
@@ -197,8 +205,7 @@ func newStuckSyncSet(t *testing.T) (s *Set, armed *atomic.Bool, entered, release
 			<-release
 		})
 		return faultdev.Error(nil)
-	})
-	return s, armed, entered, release
+	}
 }
 
 // newFaultSet formats a writeback set of one 32-block volume on memory
@@ -333,25 +340,14 @@ func TestBackingSyncFailuresAllLogged(t *testing.T) {
 // carry both (parallel kept only the first, so the second failure vanished;
 // found by TestDeviceFailureModel/seq, seeds 110 and 118).
 func TestWritebackBatchReportsEveryError(t *testing.T) {
-	bs := int64(4 * blockSize)
-	cache := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
-	back := device.NewMem(32 * blockSize)
-	if _, err := Format(cache, []BackingSpec{{Name: "vol0", Dev: back}}, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writeback}); err != nil {
-		t.Fatal(err)
-	}
 	var armed atomic.Bool
-	failing := faultdev.Wrap(back, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+	s := newBackFaultSet(t, Writeback, func(op faultdev.Op) faultdev.Fault {
 		if !armed.Load() || op.Kind != faultdev.Write {
 			return faultdev.Fault{}
 		}
 		// Slow, so that the second run starts before the first fails.
 		return faultdev.Fault{Latency: 50 * time.Millisecond, Fail: true, Err: &seqFault{dev: "back", op: op}}
-	}))
-	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: failing}}, OpenOptions{noBackground: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.crashStop)
+	})
 	v := s.vols[0]
 	st := v.Settings()
 	st.WritebackOrder = "lba"
@@ -366,7 +362,7 @@ func TestWritebackBatchReportsEveryError(t *testing.T) {
 		}
 	}
 	armed.Store(true)
-	_, err = s.writeback(0, []uint64{2, 9})
+	_, err := s.writeback(0, []uint64{2, 9})
 	if got := seqFaultsIn(err); len(got) != 2 {
 		t.Fatalf("writeback of two runs, both failing: error %v carries %d of the 2 failures", err, len(got))
 	}
@@ -525,30 +521,9 @@ func TestPassthroughRacingFailoverCountsLost(t *testing.T) {
 // a block read back older than a flushed write after the power cut, in
 // about 2 of 3 loaded full-package runs; not once unloaded).
 func TestFlushWaitsForConcurrentBackingSync(t *testing.T) {
-	bs := int64(4 * blockSize)
-	cache := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
-	back := device.NewMem(32 * blockSize)
-	if _, err := Format(cache, []BackingSpec{{Name: "vol0", Dev: back}}, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writethrough}); err != nil {
-		t.Fatal(err)
-	}
 	var armed atomic.Bool
 	entered, release := make(chan struct{}), make(chan struct{})
-	var once sync.Once
-	stuck := faultdev.Wrap(back, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
-		if !armed.Load() || op.Kind != faultdev.Sync {
-			return faultdev.Fault{}
-		}
-		once.Do(func() {
-			close(entered)
-			<-release
-		})
-		return faultdev.Error(nil)
-	}))
-	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: stuck}}, OpenOptions{noBackground: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.crashStop)
+	s := newBackFaultSet(t, Writethrough, stuckSync(&armed, entered, release))
 	v := s.vols[0]
 	if err := s.failover(errors.New("test: cache device failed")); !errors.Is(err, ErrCacheFailed) {
 		t.Fatalf("failover: %v", err)
@@ -577,4 +552,23 @@ func TestFlushWaitsForConcurrentBackingSync(t *testing.T) {
 	if err := <-second; !errors.Is(err, faultdev.ErrInjected) {
 		t.Fatalf("flush that waited for a failed backing sync: %v, want the injected error", err)
 	}
+}
+
+// newBackFaultSet formats a set of one 32-block volume in mode on memory
+// devices and opens it with inj on the backing device and no background
+// goroutines.
+func newBackFaultSet(t *testing.T, mode Mode, inj faultdev.InjectorFunc) *Set {
+	t.Helper()
+	bs := int64(4 * blockSize)
+	cache := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
+	back := device.NewMem(32 * blockSize)
+	if _, err := Format(cache, []BackingSpec{{Name: "vol0", Dev: back}}, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: faultdev.Wrap(back, inj)}}, OpenOptions{noBackground: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.crashStop)
+	return s
 }
