@@ -572,3 +572,72 @@ func newBackFaultSet(t *testing.T, mode Mode, inj faultdev.InjectorFunc) *Set {
 	t.Cleanup(s.crashStop)
 	return s
 }
+
+// TestWritethroughRacingFailoverCountsLost: writeback wrote a dirty block
+// back and marked it clean (the mark still pending); a writethrough write
+// of that block passed the failed-set check, and while its backing write
+// ran, a failover lost the clean mark and fenced the block. The device
+// still holds the durable dirty version. The write's clean insert, journaled
+// after the failover, was dropped as a lost clean insert that replaced
+// nothing dirty (the block was clean in memory), so the FUA succeeded, and
+// a reopen of the repaired device replayed the older dirty version over
+// it. The write must count as lost (ErrLostWrites), as a passthrough write
+// in the same race does (TestPassthroughRacingFailoverCountsLost). Found by
+// TestDeviceFailureModel/seq seed 1786 (about 1 replay in 5).
+func TestWritethroughRacingFailoverCountsLost(t *testing.T) {
+	s, cacheMem, specs := newFaultSet(t, func(faultdev.Op) faultdev.Fault { return faultdev.Fault{} })
+	v := s.vols[0]
+	st := v.Settings()
+	st.WritebackOrder = "lba"
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	const off = 5 * blockSize
+	data := func(wid uint64) []byte {
+		p := make([]byte, blockSize)
+		stamp(p, wid, 0, off)
+		return p
+	}
+	if err := v.WriteAt(data(1), off, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := v.Flush(); err != nil { // w1 dirty and durable in the cache
+		t.Fatal(err)
+	}
+	if err := v.SetMode(Writethrough); err != nil {
+		t.Fatal(err)
+	}
+	if n := s.writebackSweep(v, 8); n != 1 { // clean mark pending
+		t.Fatalf("writeback wrote %d blocks, want 1", n)
+	}
+	// The next backing write (the writethrough write's, after its cache
+	// write) fails the set over before it runs.
+	var once sync.Once
+	v.back = faultdev.Wrap(v.back, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+		if op.Kind == faultdev.Write {
+			once.Do(func() { _ = s.failover(errors.New("test: cache device gone")) })
+		}
+		return faultdev.Fault{}
+	}))
+	err := v.WriteAt(data(2), off, true)
+	if !s.isFailed() {
+		t.Fatal("the set did not fail over")
+	}
+	if !errors.Is(err, ErrLostWrites) {
+		// Claimed durable: check that a reopen indeed loses it.
+		s.crashStop()
+		s2, oerr := Open(cacheMem, specs, OpenOptions{noBackground: true})
+		if oerr != nil {
+			t.Fatal(oerr)
+		}
+		defer s2.crashStop()
+		got := make([]byte, blockSize)
+		if rerr := s2.vols[0].ReadAt(got, off); rerr != nil {
+			t.Fatal(rerr)
+		}
+		t.Fatalf("FUA writethrough write racing a failover that fenced its block: %v, want ErrLostWrites; after reopen the block holds %s (the write was w2)", err, describeSectors(got))
+	}
+	if err := v.Flush(); !errors.Is(err, ErrLostWrites) {
+		t.Fatalf("flush after the lost write: %v, want ErrLostWrites", err)
+	}
+}
