@@ -453,34 +453,57 @@ func TestOlderEpochRetryFailuresLogged(t *testing.T) {
 // held the older write).
 func TestPassthroughRacingFailoverCountsLost(t *testing.T) {
 	var failCacheWrites atomic.Bool
-	s, cacheMem, specs := newFaultSet(t, func(op faultdev.Op) faultdev.Fault {
+	s, v, w2, reopenRead := newLostCleanMarkSet(t, func(op faultdev.Op) faultdev.Fault {
 		if failCacheWrites.Load() && op.Kind == faultdev.Write {
 			return faultdev.Error(nil)
 		}
 		return faultdev.Fault{}
-	})
-	v := s.vols[0]
+	}, Writeback)
+	failCacheWrites.Store(true)
+	if err := v.WriteAt(w2, lostMarkOff, false); err != nil {
+		t.Fatalf("write around the failing cache: %v", err)
+	}
+	if !s.isFailed() {
+		t.Fatal("the set did not fail over")
+	}
+	if err := v.Flush(); !errors.Is(err, ErrLostWrites) {
+		t.Fatalf("flush after failover: %v, want ErrLostWrites; after reopen the block holds %s (the flushed write was w2)", err, describeSectors(reopenRead()))
+	}
+}
+
+// lostMarkOff is the block newLostCleanMarkSet sets up.
+const lostMarkOff = 5 * blockSize
+
+// newLostCleanMarkSet is newFaultSet (inj on the cache device) in lba
+// writeback order with the block at lostMarkOff written (w1), flushed
+// (dirty and durable in the cache), switched to mode and written back, its
+// clean mark pending; the next backing write fails the set over before it
+// runs. It returns w2 (the block's next version, to write) and reopenRead,
+// which stops the set, reopens the healed cache device and reads the block.
+func newLostCleanMarkSet(t *testing.T, inj faultdev.InjectorFunc, mode Mode) (s *Set, v *Volume, w2 []byte, reopenRead func() []byte) {
+	t.Helper()
+	s, cacheMem, specs := newFaultSet(t, inj)
+	v = s.vols[0]
 	st := v.Settings()
 	st.WritebackOrder = "lba"
 	if err := v.SetSettings(st); err != nil {
 		t.Fatal(err)
 	}
-	const off = 5 * blockSize
-	data := func(wid uint64) []byte {
-		p := make([]byte, blockSize)
-		stamp(p, wid, 0, off)
-		return p
-	}
-	if err := v.WriteAt(data(1), off, false); err != nil {
+	w1, w2 := make([]byte, blockSize), make([]byte, blockSize)
+	stamp(w1, 1, 0, lostMarkOff)
+	stamp(w2, 2, 0, lostMarkOff)
+	if err := v.WriteAt(w1, lostMarkOff, false); err != nil {
 		t.Fatal(err)
 	}
-	if err := v.Flush(); err != nil { // w1 dirty and durable in the cache
+	if err := v.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	if n := s.writebackSweep(v, 8); n != 1 { // clean mark pending
+	if err := v.SetMode(mode); err != nil {
+		t.Fatal(err)
+	}
+	if n := s.writebackSweep(v, 8); n != 1 {
 		t.Fatalf("writeback wrote %d blocks, want 1", n)
 	}
-	// The next backing write fails the set over before it runs.
 	var once sync.Once
 	v.back = faultdev.Wrap(v.back, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
 		if op.Kind == faultdev.Write {
@@ -488,27 +511,21 @@ func TestPassthroughRacingFailoverCountsLost(t *testing.T) {
 		}
 		return faultdev.Fault{}
 	}))
-	failCacheWrites.Store(true)
-	if err := v.WriteAt(data(2), off, false); err != nil {
-		t.Fatalf("write around the failing cache: %v", err)
-	}
-	if !s.isFailed() {
-		t.Fatal("the set did not fail over")
-	}
-	if err := v.Flush(); !errors.Is(err, ErrLostWrites) {
-		// Claimed durable: check that a reopen indeed loses it.
+	reopenRead = func() []byte {
+		t.Helper()
 		s.crashStop()
-		s2, oerr := Open(cacheMem, specs, OpenOptions{noBackground: true})
-		if oerr != nil {
-			t.Fatal(oerr)
+		s2, err := Open(cacheMem, specs, OpenOptions{noBackground: true})
+		if err != nil {
+			t.Fatal(err)
 		}
 		defer s2.crashStop()
 		got := make([]byte, blockSize)
-		if rerr := s2.vols[0].ReadAt(got, off); rerr != nil {
-			t.Fatal(rerr)
+		if err := s2.vols[0].ReadAt(got, lostMarkOff); err != nil {
+			t.Fatal(err)
 		}
-		t.Fatalf("flush after failover: %v, want ErrLostWrites; after reopen the block holds %s (the flushed write was w2)", err, describeSectors(got))
+		return got
 	}
+	return s, v, w2, reopenRead
 }
 
 // TestFlushWaitsForConcurrentBackingSync: after failover a Flush only
@@ -585,57 +602,14 @@ func newBackFaultSet(t *testing.T, mode Mode, inj faultdev.InjectorFunc) *Set {
 // in the same race does (TestPassthroughRacingFailoverCountsLost). Found by
 // TestDeviceFailureModel/seq seed 1786 (about 1 replay in 5).
 func TestWritethroughRacingFailoverCountsLost(t *testing.T) {
-	s, cacheMem, specs := newFaultSet(t, func(faultdev.Op) faultdev.Fault { return faultdev.Fault{} })
-	v := s.vols[0]
-	st := v.Settings()
-	st.WritebackOrder = "lba"
-	if err := v.SetSettings(st); err != nil {
-		t.Fatal(err)
-	}
-	const off = 5 * blockSize
-	data := func(wid uint64) []byte {
-		p := make([]byte, blockSize)
-		stamp(p, wid, 0, off)
-		return p
-	}
-	if err := v.WriteAt(data(1), off, false); err != nil {
-		t.Fatal(err)
-	}
-	if err := v.Flush(); err != nil { // w1 dirty and durable in the cache
-		t.Fatal(err)
-	}
-	if err := v.SetMode(Writethrough); err != nil {
-		t.Fatal(err)
-	}
-	if n := s.writebackSweep(v, 8); n != 1 { // clean mark pending
-		t.Fatalf("writeback wrote %d blocks, want 1", n)
-	}
-	// The next backing write (the writethrough write's, after its cache
-	// write) fails the set over before it runs.
-	var once sync.Once
-	v.back = faultdev.Wrap(v.back, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
-		if op.Kind == faultdev.Write {
-			once.Do(func() { _ = s.failover(errors.New("test: cache device gone")) })
-		}
-		return faultdev.Fault{}
-	}))
-	err := v.WriteAt(data(2), off, true)
+	s, v, w2, reopenRead := newLostCleanMarkSet(t, func(faultdev.Op) faultdev.Fault { return faultdev.Fault{} }, Writethrough)
+	// Its backing write (after its cache write) fails the set over.
+	err := v.WriteAt(w2, lostMarkOff, true)
 	if !s.isFailed() {
 		t.Fatal("the set did not fail over")
 	}
 	if !errors.Is(err, ErrLostWrites) {
-		// Claimed durable: check that a reopen indeed loses it.
-		s.crashStop()
-		s2, oerr := Open(cacheMem, specs, OpenOptions{noBackground: true})
-		if oerr != nil {
-			t.Fatal(oerr)
-		}
-		defer s2.crashStop()
-		got := make([]byte, blockSize)
-		if rerr := s2.vols[0].ReadAt(got, off); rerr != nil {
-			t.Fatal(rerr)
-		}
-		t.Fatalf("FUA writethrough write racing a failover that fenced its block: %v, want ErrLostWrites; after reopen the block holds %s (the write was w2)", err, describeSectors(got))
+		t.Fatalf("FUA writethrough write racing a failover that fenced its block: %v, want ErrLostWrites; after reopen the block holds %s (the write was w2)", err, describeSectors(reopenRead()))
 	}
 	if err := v.Flush(); !errors.Is(err, ErrLostWrites) {
 		t.Fatalf("flush after the lost write: %v, want ErrLostWrites", err)
