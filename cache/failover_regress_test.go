@@ -306,19 +306,8 @@ func TestEpochWriteNotStuckOnOtherVolume(t *testing.T) {
 // second one was visible nowhere but a counter; found by
 // TestDeviceFailureModel/seq, seeds 18, 80, 113 and others).
 func TestBackingSyncFailuresAllLogged(t *testing.T) {
-	bs := int64(4 * blockSize)
-	cache := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
-	back := device.NewMem(32 * blockSize)
-	if _, err := Format(cache, []BackingSpec{{Name: "vol0", Dev: back}}, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writearound}); err != nil {
-		t.Fatal(err)
-	}
-	failing := faultdev.Wrap(back, faultdev.OnKind(faultdev.Sync, faultdev.Always(faultdev.Error(nil))))
 	log := &cpLog{}
-	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: failing}}, OpenOptions{Logger: slog.New(log), noBackground: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.crashStop)
+	s, failing := newBackFaultSetLog(t, Writearound, faultdev.OnKind(faultdev.Sync, faultdev.Always(faultdev.Error(nil))), log)
 	v := s.vols[0]
 	p := make([]byte, blockSize)
 	for i := range 3 {
@@ -374,16 +363,10 @@ func TestWritebackBatchReportsEveryError(t *testing.T) {
 // vanished (TestDeviceFailureModel/seq seed 4954). Every failure must be in
 // the log, without a line per retry.
 func TestOlderEpochRetryFailuresLogged(t *testing.T) {
-	bs := int64(4 * blockSize)
-	cache := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
-	back := device.NewMem(32 * blockSize)
-	if _, err := Format(cache, []BackingSpec{{Name: "vol0", Dev: back}}, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writeback}); err != nil {
-		t.Fatal(err)
-	}
 	var toFail atomic.Int32
 	var fired []string
 	var mu sync.Mutex
-	failing := faultdev.Wrap(back, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+	inj := faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
 		if op.Kind != faultdev.Write || toFail.Add(-1) < 0 {
 			return faultdev.Fault{}
 		}
@@ -392,13 +375,9 @@ func TestOlderEpochRetryFailuresLogged(t *testing.T) {
 		fired = append(fired, f.Error())
 		mu.Unlock()
 		return faultdev.Error(f)
-	}))
+	})
 	log := &cpLog{}
-	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: failing}}, OpenOptions{Logger: slog.New(log), noBackground: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.crashStop)
+	s, _ := newBackFaultSetLog(t, Writeback, inj, log)
 	v := s.vols[0]
 	st := v.Settings()
 	st.WritebackOrder = "epoch"
@@ -576,18 +555,31 @@ func TestFlushWaitsForConcurrentBackingSync(t *testing.T) {
 // goroutines.
 func newBackFaultSet(t *testing.T, mode Mode, inj faultdev.InjectorFunc) *Set {
 	t.Helper()
+	s, _ := newBackFaultSetLog(t, mode, inj, nil)
+	return s
+}
+
+// newBackFaultSetLog is newBackFaultSet logging to log (if not nil); it
+// also returns the faulty backing device, whose counts the tests check.
+func newBackFaultSetLog(t *testing.T, mode Mode, inj faultdev.Injector, log *cpLog) (*Set, *faultdev.Device) {
+	t.Helper()
 	bs := int64(4 * blockSize)
 	cache := device.NewMem(cacheSizeFor(minBuckets, bs, minJournalLen, 1))
 	back := device.NewMem(32 * blockSize)
 	if _, err := Format(cache, []BackingSpec{{Name: "vol0", Dev: back}}, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode}); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: faultdev.Wrap(back, inj)}}, OpenOptions{noBackground: true})
+	opts := OpenOptions{noBackground: true}
+	if log != nil {
+		opts.Logger = slog.New(log)
+	}
+	failing := faultdev.Wrap(back, inj)
+	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: failing}}, opts)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(s.crashStop)
-	return s
+	return s, failing
 }
 
 // TestWritethroughRacingFailoverCountsLost: writeback wrote a dirty block
