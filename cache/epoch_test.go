@@ -197,3 +197,78 @@ func runEpochSeed(t *testing.T, seed uint64) {
 	}
 	t.Logf("%d epochs, %d writes, up to %d superseded versions", len(states)-1, wid, maxSup)
 }
+
+// TestEpochBatchResumesAtCursor checks that epoch order's writeback sweeps
+// the oldest epoch from where its last batch stopped, wrapping at the end
+// of the volume, as lba order does: blocks cleaned and dirtied again
+// behind the cursor wait for the next lap instead of being taken again
+// before blocks dirty longer (with no client flush, all of a workload is
+// one epoch).
+func TestEpochBatchResumesAtCursor(t *testing.T) {
+	const nblk = 64
+	cache := device.NewMem(cacheSizeFor(16, 16*blockSize, minJournalLen, 1))
+	back := device.NewMem(nblk * blockSize)
+	specs := []BackingSpec{{Name: "a", Dev: back}}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 * blockSize, JournalSize: minJournalLen}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(cache, specs, OpenOptions{noBackground: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.crashStop)
+	v := s.vols[0]
+	st := v.Settings()
+	st.WritebackOrder = "epoch"
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	p := make([]byte, blockSize)
+	write := func(lbas ...int) {
+		t.Helper()
+		for _, b := range lbas {
+			stamp(p, uint64(b)+1, 0, int64(b)*blockSize)
+			if err := v.WriteAt(p, int64(b)*blockSize, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	batch := func(n int, want ...uint64) {
+		t.Helper()
+		items := s.takeEpochBatch(0, n)
+		var got []uint64
+		for _, it := range items {
+			got = append(got, it.lba)
+		}
+		s.mu.Lock()
+		for _, it := range items {
+			delete(v.idx.wbInflight, it.loc)
+		}
+		s.mu.Unlock()
+		if fmt.Sprint(got) != fmt.Sprint(want) {
+			t.Fatalf("batch of %d: LBAs %v, want %v", n, got, want)
+		}
+	}
+	write(2, 5, 9, 20, 33, 40, 41, 60)
+	batch(3, 2, 5, 9)
+	batch(3, 20, 33, 40)
+	// The next batch reaches the end of the volume and wraps to its start
+	// (LBA-sorted, in one epoch any order is allowed).
+	batch(3, 2, 41, 60)
+	batch(2, 5, 9)
+	// Written back for real: the cursor moves on past the blocks cleaned.
+	if n, err := s.writebackEpoch(0, 3); err != nil || n != 3 {
+		t.Fatalf("writeback: %d, %v", n, err)
+	}
+	// 20, 33, 40 are clean; 33 dirty again is behind the cursor (41): the
+	// lap ends first.
+	write(33)
+	batch(2, 41, 60)
+	batch(8, 2, 5, 9, 33, 41, 60)
+	// A flush starts a new epoch: only the oldest one is taken.
+	if err := v.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	write(21)
+	batch(8, 2, 5, 9, 33, 41, 60)
+}

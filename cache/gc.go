@@ -557,27 +557,56 @@ func (s *Set) writebackEpoch(vi, n int) (int, error) {
 }
 
 // takeEpochBatch takes (into wbInflight) up to n versions of volume vi's
-// oldest epoch, in LBA order, for writebackEpoch.
+// oldest epoch for writebackEpoch, LBA-sorted. It sweeps from the volume's
+// writeback cursor, wrapping at the end, as lba order does: within one
+// epoch any order is allowed, and resuming where the last batch stopped
+// reaches the blocks that have been dirty longest (densest, so the longest
+// runs and shortest seeks) instead of going back to LBA 0 each batch to
+// the blocks just cleaned and dirtied again. With no client flushes the
+// whole workload is one epoch, so this is all of epoch order's writeback.
 func (s *Set) takeEpochBatch(vi, n int) []wbItem {
 	v := s.vol(vi)
-	var items []wbItem
 	s.mu.Lock()
 	oldest, ok := s.oldestEpochLocked(vi)
 	if !ok {
 		s.mu.Unlock()
 		return nil
 	}
-	// In chunks of at most lockChunk entries scanned per hold of mu: the
-	// live entries of the oldest epoch (in the leaves whose summary admits
-	// it), merged in LBA order with the superseded versions of that epoch
-	// in the LBA range the chunk covered. The oldest epoch cannot get
-	// older between chunks (new versions take the current epoch, GC moves
-	// keep theirs).
+	start := v.wb.cursor.Load()
+	items, next, more := s.takeEpochRangeLocked(vi, oldest, start, math.MaxUint64, n, nil)
+	if !more && start > 0 && len(items) < n {
+		items, next, more = s.takeEpochRangeLocked(vi, oldest, 0, start, n, items)
+	}
+	if more {
+		v.wb.cursor.Store(next)
+	} else {
+		v.wb.cursor.Store(0)
+	}
+	s.mu.Unlock()
+	slices.SortFunc(items, func(a, b wbItem) int { return cmp.Compare(a.lba, b.lba) })
+	return items
+}
+
+// takeEpochRangeLocked appends to items versions of epoch oldest with LBAs
+// in [from, limit), in LBA order, until it holds n. more reports that it
+// stopped early at LBA next. It scans in chunks of at most lockChunk
+// entries per hold of mu (dropping it in between): the live entries of the
+// oldest epoch (in the leaves whose summary admits it), merged in LBA
+// order with the superseded versions of that epoch in the LBA range the
+// chunk covered. The oldest epoch cannot get older between chunks (new
+// versions take the current epoch, GC moves keep theirs).
+// REQUIRES: s.mu (dropped and retaken between chunks)
+func (s *Set) takeEpochRangeLocked(vi int, oldest, from, limit uint64, n int, items []wbItem) (_ []wbItem, next uint64, more bool) {
+	v := s.vols[vi]
 	var cand []ver
-	for from := uint64(0); ; {
+	for {
 		cand = cand[:0]
-		visited, next, more := 0, uint64(0), false
+		visited := 0
+		next, more = 0, false
 		v.idx.tree.AscendAggAtMost(ent{lba: from}, oldest, func(e ent) bool {
+			if e.lba >= limit {
+				return false
+			}
 			if visited >= lockChunk || len(cand) >= n-len(items) {
 				next, more = e.lba, true
 				return false
@@ -588,9 +617,13 @@ func (s *Set) takeEpochBatch(vi, n int) []wbItem {
 			}
 			return true
 		})
+		end := limit
+		if more {
+			end = next
+		}
 		nlive := len(cand)
 		v.idx.sup.AscendAggAtMost(ent{lba: from}, oldest, func(e ent) bool {
-			if more && e.lba >= next {
+			if e.lba >= end {
 				return false
 			}
 			if s.blockEpoch(e.loc) == oldest {
@@ -603,6 +636,8 @@ func (s *Set) takeEpochBatch(vi, n int) []wbItem {
 		}
 		for _, x := range cand {
 			if len(items) >= n {
+				// Resume at the first version not taken.
+				next, more = x.lba, true
 				break
 			}
 			if _, busy := v.idx.wbInflight[x.loc]; busy {
@@ -613,14 +648,12 @@ func (s *Set) takeEpochBatch(vi, n int) []wbItem {
 			items = append(items, wbItem{lba: x.lba, loc: x.loc, crc: x.crc, gen: b.gen})
 		}
 		if !more || len(items) >= n {
-			break
+			return items, next, more
 		}
 		from = next
 		s.mu.Unlock()
 		s.mu.Lock()
 	}
-	s.mu.Unlock()
-	return items
 }
 
 // writebackEpochLBAs writes back, of the given LBAs, the live versions that
