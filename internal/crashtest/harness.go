@@ -31,6 +31,19 @@ type StartKiller interface {
 	StartAndKill(ctx context.Context, delay time.Duration) error
 }
 
+// Stopper is optionally implemented by a Server that can also be stopped
+// gracefully (SIGTERM for tiercache serve: stop taking requests, answer
+// those taken in, flush every export, exit 0).
+type Stopper interface {
+	// Stop asks the server to stop cleanly and returns once it is gone. If
+	// killAfter > 0 and it is still running that long after the request,
+	// it is killed there (a crash in the middle of the shutdown). clean
+	// reports that it exited by itself with success; err reports anything
+	// else that is wrong (a failed exit it was not killed into, a hang, a
+	// race report).
+	Stop(ctx context.Context, killAfter time.Duration) (clean bool, err error)
+}
+
 // Config describes one run.
 type Config struct {
 	// Server is started by Run, killed and restarted every cycle, and left
@@ -63,6 +76,13 @@ type Config struct {
 	// write-zeroes are off unless set. Zero selects the default, a negative
 	// value turns the operation off.
 	FlushPercent, ReadPercent, TrimPercent, ZeroPercent, FUAPercent int
+	// StopPercent is the share of cycles that end with a graceful stop
+	// instead of a kill, for a Server that implements Stopper (default 0:
+	// none). Half of those stops are cut by a kill 0-1.5x the last clean
+	// stop's duration after they were asked for. After a clean stop every
+	// acknowledged operation must have survived (Oracle.CleanStop); after a
+	// cut one, the crash promises hold.
+	StopPercent int
 	// HangTimeout fails the run when operations are outstanding and none
 	// completes for this long (default 60 s).
 	HangTimeout time.Duration
@@ -86,13 +106,18 @@ type Stats struct {
 	KillsDuringWrites, KillsAfterFlush, KillsIdle int
 	KillsAfterRestart                             int // second kills right after a restart, before any client I/O
 	KillsDuringStart                              int // kills before the restarted server listened (StartKiller)
+	CleanStops, StopsCut                          int // graceful stops that ended cleanly / that a kill cut (Stopper)
 	// Outcomes of the blocks checked after restarts.
 	FoundDurable, FoundMaybeLatest, FoundMaybeOlder int64
 }
 
 func (s Stats) String() string {
-	return fmt.Sprintf("%d cycles (kills: %d during writes, %d right after a flush, %d idle; %d more during start, %d right after a restart), %d writes (%d FUA), %d flushes, %d trims, %d write-zeroes, %d MiB written, %d blocks / %d MiB verified after restarts (%d durable, %d latest maybe-new, %d older maybe-new), %d ops in flight at kills, %d blocks live-checked, %d MiB scanned at the end",
-		s.Cycles, s.KillsDuringWrites, s.KillsAfterFlush, s.KillsIdle, s.KillsDuringStart, s.KillsAfterRestart, s.Writes, s.FUAWrites, s.Flushes, s.Trims, s.Zeroes,
+	stops := ""
+	if s.CleanStops+s.StopsCut > 0 {
+		stops = fmt.Sprintf(", %d clean stops and %d stops cut by a kill instead", s.CleanStops, s.StopsCut)
+	}
+	return fmt.Sprintf("%d cycles (kills: %d during writes, %d right after a flush, %d idle; %d more during start, %d right after a restart%s), %d writes (%d FUA), %d flushes, %d trims, %d write-zeroes, %d MiB written, %d blocks / %d MiB verified after restarts (%d durable, %d latest maybe-new, %d older maybe-new), %d ops in flight at kills, %d blocks live-checked, %d MiB scanned at the end",
+		s.Cycles, s.KillsDuringWrites, s.KillsAfterFlush, s.KillsIdle, s.KillsDuringStart, s.KillsAfterRestart, stops, s.Writes, s.FUAWrites, s.Flushes, s.Trims, s.Zeroes,
 		s.BytesWritten>>20, s.BlocksVerified, s.BytesVerified>>20, s.FoundDurable, s.FoundMaybeLatest, s.FoundMaybeOlder,
 		s.InFlightAtKill, s.LiveReads, s.BytesScanned>>20)
 }
@@ -133,6 +158,7 @@ type run struct {
 	cfg       Config
 	oracle    *Oracle
 	startTime time.Duration // how long the last Start took
+	stopTime  time.Duration // how long the last clean Stop took
 	st        Stats
 	stMu      sync.Mutex // guards st during a cycle's workload
 
@@ -373,7 +399,24 @@ func (r *run) cycle(ctx context.Context, cycle int) error {
 	doubleWait := time.Duration(prng.IntN(100)) * time.Millisecond
 	idleFlush := prng.IntN(2) == 0
 	idleWait := time.Duration(prng.IntN(300)) * time.Millisecond
-	r.logf("cycle %d: kill %s after %d ops", cycle, killNames[cs.kind], cs.killAt)
+	// The graceful-stop plan has its own stream, so that the kill plans of
+	// runs without stops stay what they were for a given seed.
+	srng := rand.New(rand.NewPCG(cfg.Seed, uint64(cycle)<<32|1))
+	stopper, _ := cfg.Server.(Stopper)
+	stop := stopper != nil && srng.IntN(100) < cfg.StopPercent
+	var stopKill time.Duration
+	if srng.IntN(2) == 0 {
+		// 0 when no stop finished yet: the stop then runs to its end.
+		stopKill = time.Duration(float64(r.stopTime) * srng.Float64() * 1.5)
+	}
+	end := "kill"
+	if stop {
+		end = "graceful stop"
+		if stopKill > 0 {
+			end += fmt.Sprintf(" (kill %v into it)", stopKill)
+		}
+	}
+	r.logf("cycle %d: %s %s after %d ops", cycle, end, killNames[cs.kind], cs.killAt)
 
 	clients := make([]*nbd.Client, cfg.Conns)
 	for i := range clients {
@@ -434,20 +477,51 @@ func (r *run) cycle(ctx context.Context, cycle int) error {
 	cs.killed.Store(true)
 	cs.stop.Store(true)
 	inflight := cs.pending.Load()
-	r.logf("c%d KILL (%s, %d ops issued, %d in flight)", cycle, killNames[cs.kind], cs.issued.Load(), inflight)
-	if err := cfg.Server.Kill(); err != nil {
-		return r.fail(cycle, fmt.Errorf("kill: %w", err))
+	clean := false
+	if stop {
+		r.logf("c%d STOP (%s, %d ops issued, %d in flight)", cycle, killNames[cs.kind], cs.issued.Load(), inflight)
+		t0 := time.Now()
+		var err error
+		clean, err = stopper.Stop(ctx, stopKill)
+		if err != nil {
+			return r.fail(cycle, fmt.Errorf("graceful stop: %w", err))
+		}
+		if clean {
+			r.stopTime = time.Since(t0)
+		}
+		r.logf("c%d stopped in %v, clean %t", cycle, time.Since(t0), clean)
+	} else {
+		r.logf("c%d KILL (%s, %d ops issued, %d in flight)", cycle, killNames[cs.kind], cs.issued.Load(), inflight)
+		if err := cfg.Server.Kill(); err != nil {
+			return r.fail(cycle, fmt.Errorf("kill: %w", err))
+		}
 	}
-	for _, c := range clients {
-		c.Close()
+	// A server that stops cleanly answers what it took in and closes the
+	// connections itself: the clients are closed only once their
+	// operations ended, so that no reply sent is thrown away.
+	if !clean {
+		for _, c := range clients {
+			c.Close()
+		}
 	}
 	select {
 	case <-workersDone:
 	case <-time.After(cfg.HangTimeout):
-		return r.fail(cycle, fmt.Errorf("client operations did not end within %v of the kill", cfg.HangTimeout))
+		return r.fail(cycle, fmt.Errorf("client operations did not end within %v of the kill or stop", cfg.HangTimeout))
+	}
+	for _, c := range clients {
+		c.Close()
 	}
 	if err := cs.getErr(); err != nil {
 		return r.fail(cycle, err) // an operation failed before the kill
+	}
+	if clean {
+		// Every operation has ended and the server is gone: what was
+		// acknowledged is all there is.
+		r.oracle.CleanStop()
+		r.st.CleanStops++
+	} else if stop {
+		r.st.StopsCut++
 	}
 	switch cs.kind {
 	case killDuringWrites:
@@ -487,8 +561,15 @@ func (r *run) cycle(ctx context.Context, cycle int) error {
 	if err := r.verify(ctx, cs); err != nil {
 		return r.fail(cycle, err)
 	}
-	cfg.Logf("cycle %d: killed %s after %d ops (%d in flight); verified %d blocks (%d durable, %d latest maybe-new, %d older maybe-new)",
-		cycle, killNames[cs.kind], cs.issued.Load(), inflight, r.st.BlocksVerified-before.BlocksVerified,
+	how := "killed"
+	switch {
+	case clean:
+		how = "stopped cleanly"
+	case stop:
+		how = fmt.Sprintf("stopped and killed %v into the stop", stopKill)
+	}
+	cfg.Logf("cycle %d: %s %s after %d ops (%d in flight); verified %d blocks (%d durable, %d latest maybe-new, %d older maybe-new)",
+		cycle, how, killNames[cs.kind], cs.issued.Load(), inflight, r.st.BlocksVerified-before.BlocksVerified,
 		r.st.FoundDurable-before.FoundDurable, r.st.FoundMaybeLatest-before.FoundMaybeLatest, r.st.FoundMaybeOlder-before.FoundMaybeOlder)
 	return nil
 }

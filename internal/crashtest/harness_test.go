@@ -144,6 +144,29 @@ func (f *fakeServer) Kill() error {
 	return nil
 }
 
+// Stop shuts the server down the way tiercache does (drain, flush every
+// export) and then crash-clones the backend, which after the flush holds
+// everything acknowledged. Bug "stop-noflush" skips that flush. A killAfter
+// cuts the stop: a plain Kill.
+func (f *fakeServer) Stop(ctx context.Context, killAfter time.Duration) (bool, error) {
+	if killAfter > 0 {
+		return false, f.Kill()
+	}
+	if f.be.bug == "stop-noflush" {
+		f.be.mu.Lock()
+		f.be.bug = "flush-noop"
+		f.be.mu.Unlock()
+		defer func() { f.be.bug = "stop-noflush" }()
+	}
+	sctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := f.srv.Shutdown(sctx); err != nil {
+		return false, err
+	}
+	f.be = f.be.crash(f.rng)
+	return true, nil
+}
+
 // StartAndKill: the fake has no recovery to interrupt; it starts and
 // crashes at once.
 func (f *fakeServer) StartAndKill(ctx context.Context, _ time.Duration) error {
@@ -183,7 +206,7 @@ func TestHarnessFake(t *testing.T) {
 	srv, dial := newFake(t, 512, seed, "")
 	st, err := Run(context.Background(), Config{
 		Server: srv, Dial: dial, Seed: seed, Cycles: cycles, OpsPerCycle: 100,
-		TrimPercent: 3, ZeroPercent: 3,
+		TrimPercent: 3, ZeroPercent: 3, StopPercent: 30,
 		Replay: fmt.Sprintf("go test ./internal/crashtest -run TestHarnessFake -seed %d -v", seed),
 		Logf:   t.Logf,
 	})
@@ -194,6 +217,9 @@ func TestHarnessFake(t *testing.T) {
 	if st.Cycles != cycles || st.Writes == 0 || st.Flushes == 0 || st.BlocksVerified == 0 {
 		t.Fatalf("run did too little: %v", st)
 	}
+	if st.CleanStops == 0 {
+		t.Fatalf("no clean stop in %d cycles at 30%%: %v", cycles, st)
+	}
 	if st.FoundMaybeLatest+st.FoundMaybeOlder == 0 {
 		t.Fatalf("no unflushed write ever survived a crash: the fake or the harness is wrong: %v", st)
 	}
@@ -202,11 +228,16 @@ func TestHarnessFake(t *testing.T) {
 // TestHarnessCatchesBugs runs the harness against deliberately broken
 // servers: each must be reported as a Failure naming the seed.
 func TestHarnessCatchesBugs(t *testing.T) {
-	for _, bug := range []string{"flush-noop", "stale"} {
+	for _, bug := range []string{"flush-noop", "stale", "stop-noflush"} {
 		t.Run(bug, func(t *testing.T) {
 			srv, dial := newFake(t, 256, 1, bug)
+			stops := 0
+			if bug == "stop-noflush" {
+				// Only stops show it: FLUSH works, so no kill can.
+				stops = 50
+			}
 			st, err := Run(context.Background(), Config{
-				Server: srv, Dial: dial, Seed: 1, Cycles: 40, OpsPerCycle: 100, FUAPercent: -1,
+				Server: srv, Dial: dial, Seed: 1, Cycles: 40, OpsPerCycle: 100, FUAPercent: -1, StopPercent: stops,
 			})
 			var f *Failure
 			if !errors.As(err, &f) {

@@ -200,6 +200,26 @@ func (o *Oracle) FlushAck(f FlushToken) {
 	}
 }
 
+// CleanStop records that the server stopped cleanly (SIGTERM, exit status
+// 0) after every client operation ended: it answered what it had taken in,
+// flushed every export and exited, so in every block the latest
+// acknowledged operation is durable, on any connection, whatever the
+// server advertised (tiercache's documented shutdown). Operations without a
+// reply stay maybe-new: the server may have stopped before reading them.
+func (o *Oracle) CleanStop() {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	for b := range o.mu.blocks {
+		bs := &o.mu.blocks[b]
+		for i := len(bs.maybe) - 1; i >= 0; i-- {
+			if bs.maybe[i].op.acked {
+				bs.promoteLocked(i)
+				break
+			}
+		}
+	}
+}
+
 // Latest returns the contents block lba must read as now, with no crash in
 // between (invariant 1), or ok false when an operation on it is in flight.
 // A trimmed block may hold more than one value.

@@ -194,3 +194,21 @@ func TestOracleLive(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestOracleCleanStop: after a clean stop every acknowledged write is
+// durable, on any connection and without a FLUSH; one without a reply may
+// or may not have landed.
+func TestOracleCleanStop(t *testing.T) {
+	o := NewOracle(8, false)
+	w1 := mustBegin(t, o, OpWrite, 0, 1, 0, false)
+	o.Ack(w1)
+	w2 := mustBegin(t, o, OpWrite, 1, 1, 3, false)
+	o.Ack(w2)
+	w3 := mustBegin(t, o, OpWrite, 2, 1, 1, false) // no reply before the stop
+	o.CleanStop()
+	wantCrash(t, cloneOracle(o), 0, zero(), false, "durable {write w1")
+	wantCrash(t, cloneOracle(o), 1, zero(), false, "durable {write w2")
+	wantCrash(t, cloneOracle(o), 0, wr(w1.ID), true, "")
+	wantCrash(t, cloneOracle(o), 2, zero(), true, "")
+	wantCrash(t, cloneOracle(o), 2, wr(w3.ID), true, "")
+}
