@@ -68,6 +68,19 @@ type Server struct {
 	stop    chan struct{}
 	wg      sync.WaitGroup
 
+	// Requests in progress, so that Close can wait for them: the serve
+	// command closes the cache set right after, and a flush, check or
+	// detach still running would call into the closed set and write to
+	// closed devices. base is cancelled by Shutdown.
+	base       context.Context
+	cancelBase context.CancelCauseFunc
+	reqs       struct {
+		sync.Mutex           // guards the fields below
+		active     int       // requests in progress
+		closing    bool      // Shutdown was called: new requests are refused
+		idle       sync.Cond // signalled when active drops to 0
+	}
+
 	mu struct {
 		sync.Mutex                   // guards the fields below
 		exports    []Export          // served now (cfg.Exports, then attach/detach)
@@ -87,6 +100,8 @@ type rateSample struct {
 // New returns the admin server for cfg and starts its rate sampler.
 func New(cfg Config) *Server {
 	s := &Server{cfg: cfg, log: cfg.Logger, started: time.Now(), stop: make(chan struct{})}
+	s.base, s.cancelBase = context.WithCancelCause(context.Background())
+	s.reqs.idle.L = &s.reqs.Mutex
 	if s.log == nil {
 		s.log = slog.New(slog.DiscardHandler)
 	}
@@ -105,10 +120,70 @@ func New(cfg Config) *Server {
 	return s
 }
 
-// Close stops the rate sampler.
+// ErrShuttingDown is the cause given to requests cut short by Shutdown.
+var ErrShuttingDown = errors.New("the server is shutting down")
+
+// Shutdown refuses new requests (503) and cancels the context of those in
+// progress: a flush or a check ends early with ErrShuttingDown as the
+// cause (what it did stays done: writeback is crash-safe at any point); a
+// detach, which must not stop half-way, runs on to its end. Call it when
+// the server starts to stop, before Close.
+func (s *Server) Shutdown() {
+	s.reqs.Lock()
+	s.reqs.closing = true
+	s.reqs.Unlock()
+	s.cancelBase(ErrShuttingDown)
+}
+
+// Close stops the rate sampler and waits until every request in progress
+// has ended (after Shutdown, so that none starts meanwhile); the cache set
+// may be closed after it returns.
 func (s *Server) Close() {
+	s.Shutdown()
 	close(s.stop)
 	s.wg.Wait()
+	s.reqs.Lock()
+	for s.reqs.active > 0 {
+		s.reqs.idle.Wait()
+	}
+	s.reqs.Unlock()
+}
+
+// track counts a request in progress for Close, refuses it after
+// Shutdown, and gives it a context that Shutdown cancels.
+func (s *Server) track(next http.Handler) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		s.reqs.Lock()
+		if s.reqs.closing {
+			s.reqs.Unlock()
+			writeError(w, http.StatusServiceUnavailable, "", ErrShuttingDown.Error())
+			return
+		}
+		s.reqs.active++
+		s.reqs.Unlock()
+		defer func() {
+			s.reqs.Lock()
+			s.reqs.active--
+			if s.reqs.active == 0 {
+				s.reqs.idle.Broadcast()
+			}
+			s.reqs.Unlock()
+		}()
+		ctx, cancel := context.WithCancelCause(r.Context())
+		defer cancel(nil)
+		stop := context.AfterFunc(s.base, func() { cancel(context.Cause(s.base)) })
+		defer stop()
+		next.ServeHTTP(w, r.WithContext(ctx))
+	})
+}
+
+// interrupted names the cause of a context error: ErrShuttingDown for a
+// request cut short by Shutdown.
+func interrupted(ctx context.Context, err error) error {
+	if c := context.Cause(ctx); err != nil && c != nil && errors.Is(err, ctx.Err()) && !errors.Is(err, c) {
+		return fmt.Errorf("%w: %w", err, c)
+	}
+	return err
 }
 
 func (s *Server) sampleLoop() {
@@ -164,7 +239,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "", fmt.Sprintf("no such API endpoint: %s %s", r.Method, r.URL.Path))
 	})
-	return mux
+	return s.track(mux)
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -522,14 +597,18 @@ func (s *Server) handleFlush(w http.ResponseWriter, r *http.Request) {
 		final = Progress{Op: "flush", Export: name}
 	} else {
 		cb, last := drainProgress(st, "flush", name)
-		err = v.DrainDirty(r.Context(), cb)
+		err = interrupted(r.Context(), v.DrainDirty(r.Context(), cb))
 		final = last()
 	}
 	final.Finished = true
-	if err != nil {
+	switch {
+	case errors.Is(err, ErrShuttingDown):
+		final.Error = err.Error()
+		s.log.Warn("flush cut short by the shutdown; the rest stays dirty in the cache", "export", name, "written_back", final.Done)
+	case err != nil:
 		final.Error = err.Error()
 		s.log.Error("flush failed", "export", name, "err", err)
-	} else {
+	default:
 		s.log.Info("flushed", "export", name, "bytes", final.Done)
 	}
 	end()
@@ -710,7 +789,7 @@ func (s *Server) handleCheck(w http.ResponseWriter, r *http.Request) {
 		final.Problems = append(final.Problems, fmt.Sprintf("... and %d more", n))
 	}
 	if err != nil {
-		final.Error = err.Error()
+		final.Error = interrupted(r.Context(), err).Error()
 	}
 	final.Message = fmt.Sprintf("%d cached blocks verified (%d dirty), %d bad", rep.Blocks, rep.DirtyBlocks, rep.Bad)
 	s.log.Info("check", "blocks", rep.Blocks, "bad", rep.Bad, "problems", len(final.Problems))

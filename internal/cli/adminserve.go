@@ -75,6 +75,11 @@ func startAdmin(g *globals, o *serveOptions, log *slog.Logger, cfg admin.Config)
 		}()
 	}
 	return func() error {
+		// Flushes and checks in progress end now (a detach runs on), so
+		// that Shutdown does not wait for them; srv.Close then waits for
+		// every handler still running, since the cache set is closed
+		// next and nothing may call into it after.
+		srv.Shutdown()
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
 		err := hs.Shutdown(ctx)
