@@ -137,17 +137,11 @@ func (s *killableServer) Start(ctx context.Context) error {
 	if s.cur != nil {
 		return errors.New("server already running")
 	}
-	s.log = &syncBuffer{}
-	s.done = make(chan struct{})
-	cmd := exec.Command(bin, append([]string{"serve", "--listen", "unix:" + s.sock}, s.args...)...)
-	cmd.Stdout, cmd.Stderr = s.log, s.log
-	cmd.Env = append(os.Environ(), "GORACE=halt_on_error=1")
-	if err := cmd.Start(); err != nil {
+	cmd, done, err := s.spawn()
+	if err != nil {
 		return err
 	}
 	s.cur = cmd
-	done := s.done
-	go func() { s.err = cmd.Wait(); close(done) }()
 	deadline := time.Now().Add(60 * time.Second)
 	for {
 		c, err := net.Dial("unix", s.sock)
@@ -171,12 +165,9 @@ func (s *killableServer) Start(ctx context.Context) error {
 	}
 }
 
-// StartAndKill starts the server and SIGKILLs it after delay, listening or
-// not: a crash during recovery (crashtest.StartKiller).
-func (s *killableServer) StartAndKill(ctx context.Context, delay time.Duration) error {
-	if s.cur != nil {
-		return errors.New("server already running")
-	}
+// spawn starts `tiercache serve` with a fresh log; done closes when it has
+// exited (s.err is then Wait's result).
+func (s *killableServer) spawn() (*exec.Cmd, chan struct{}, error) {
 	s.log = &syncBuffer{}
 	done := make(chan struct{})
 	s.done = done
@@ -184,9 +175,22 @@ func (s *killableServer) StartAndKill(ctx context.Context, delay time.Duration) 
 	cmd.Stdout, cmd.Stderr = s.log, s.log
 	cmd.Env = append(os.Environ(), "GORACE=halt_on_error=1")
 	if err := cmd.Start(); err != nil {
-		return err
+		return nil, nil, err
 	}
 	go func() { s.err = cmd.Wait(); close(done) }()
+	return cmd, done, nil
+}
+
+// StartAndKill starts the server and SIGKILLs it after delay, listening or
+// not: a crash during recovery (crashtest.StartKiller).
+func (s *killableServer) StartAndKill(ctx context.Context, delay time.Duration) error {
+	if s.cur != nil {
+		return errors.New("server already running")
+	}
+	cmd, done, err := s.spawn()
+	if err != nil {
+		return err
+	}
 	select {
 	case <-done:
 		return fmt.Errorf("tiercache exited by itself %v into its start: %v\n%s", delay, s.err, s.log)
@@ -294,6 +298,7 @@ func TestKillCycles(t *testing.T) {
 		{"none", max(cycles/5, 2)},
 		{"plain", max(cycles/5, 2)},
 		{"modeswitch", max(cycles/5, 2)},
+		{"lifecycle", max(cycles/5, 2)},
 	}
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -305,23 +310,46 @@ func TestKillCycles(t *testing.T) {
 				args = []string{"--export", "vol=" + p}
 			} else {
 				mode := c.name
-				if mode == "modeswitch" {
+				if mode == "modeswitch" || mode == "lifecycle" {
 					mode = "writeback"
 				}
 				cs := formatSet(t, 16*mib, 64*mib, []string{export}, "--mode", mode, "--bucket-size", "256K")
 				args = []string{"--cache", cs.cache}
 			}
+			var cachePath, tcpAddr, pki string
+			if c.name == "lifecycle" {
+				need(t, "nbdinfo")
+				cachePath = args[1]
+				pki = filepath.Join(t.TempDir(), "pki")
+				os.Mkdir(pki, 0o700)
+				writePKI(t, pki)
+				tcpAddr = fmt.Sprintf("127.0.0.1:%d", freePort(t))
+				args = append(args, "--listen", "tcp:"+tcpAddr,
+					"--tls-cert", filepath.Join(pki, "server-cert.pem"), "--tls-key", filepath.Join(pki, "server-key.pem"),
+					"--tls-client-ca", filepath.Join(pki, "ca-cert.pem"))
+			}
 			srv := newKillableServer(t, args...)
 			var server crashtest.Server = srv
+			dial := srv.dial(export)
+			stopPercent := 0
 			var ms *modeSwitcher
-			if c.name == "modeswitch" {
+			var lc *lifecycleServer
+			switch c.name {
+			case "modeswitch":
 				ms = &modeSwitcher{killableServer: srv, export: export, rng: rand.New(rand.NewPCG(seed, 0x5e7))}
 				server = ms
+			case "lifecycle":
+				var err error
+				if lc, err = newLifecycleServer(t, srv, cachePath, tcpAddr, pki, seed); err != nil {
+					t.Fatal(err)
+				}
+				server, dial, stopPercent = lc, lc.dial, 50
 			}
 			start := time.Now()
 			st, err := crashtest.Run(context.Background(), crashtest.Config{
 				Server:         server,
-				Dial:           srv.dial(export),
+				Dial:           dial,
+				StopPercent:    stopPercent,
 				Seed:           seed,
 				Cycles:         c.cycles,
 				Conns:          4,
@@ -335,6 +363,9 @@ func TestKillCycles(t *testing.T) {
 				Logf: t.Logf,
 			})
 			t.Logf("%s: %v in %v; server: %s", c.name, st, time.Since(start).Round(time.Millisecond), srv.recoveryStats())
+			if lc != nil {
+				t.Logf("lifecycle: %s", lc.summary())
+			}
 			if ms != nil {
 				t.Logf("modeswitch: %d mode switches succeeded, %d failed because of the kill; %d were still running when the kill was ordered", ms.ok, ms.cut, ms.late)
 				if ms.ok == 0 {
@@ -354,7 +385,11 @@ func TestKillCycles(t *testing.T) {
 			if ms != nil {
 				ms.halt()
 			}
-			if err := srv.stop(); err != nil {
+			stop := srv.stop
+			if lc != nil {
+				stop = func() error { return lc.end(srv.stop) }
+			}
+			if err := stop(); err != nil {
 				t.Fatal(err)
 			}
 		})
