@@ -127,6 +127,9 @@ func (f *fakeServer) Start(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	// A listener the last server's Serve took up only after its Shutdown
+	// is closed late: it must not unlink the socket this one created.
+	ln.(*net.UnixListener).SetUnlinkOnClose(false)
 	f.srv = nbd.NewServer(nbd.Config{})
 	if err := f.srv.AddExport(nbd.Export{Name: "x", Backend: f.be}); err != nil {
 		ln.Close()
