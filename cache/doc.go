@@ -163,9 +163,11 @@
 // Every insert record carries the volume's flush epoch (advanced by each
 // Flush). In epoch order a dirty block of epoch e overwritten in a later
 // epoch is not released: it stays owned as a superseded version (its
-// bucket's live and dirty counts include it) in a per-volume tree of all
-// dirty versions keyed by (epoch, lba). Writeback takes the oldest epoch
-// with dirty versions, writes its versions LBA-sorted, syncs the backing
+// bucket's live and dirty counts include it) in a per-volume tree of
+// superseded versions keyed by (lba, cache block). Writeback takes the
+// oldest epoch with dirty versions (found through per-child epoch bounds in
+// both trees), writes its versions LBA-sorted in a sweep that resumes where
+// the last batch stopped (any order is allowed within an epoch), syncs the backing
 // device and journals them clean (a clean record naming a superseded
 // version's cache block releases it), and only then goes on to the next
 // epoch. So if the cache device dies at any moment the backing device holds
