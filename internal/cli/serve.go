@@ -73,7 +73,11 @@ A backing file that belongs to a cache set is refused (the set may hold
 newer, dirty data for it) unless --force.
 
 On SIGINT or SIGTERM the server stops accepting connections, lets in-flight
-requests finish, flushes every export and exits 0.`,
+requests finish, flushes every export, cuts short a 'tiercache flush' or
+'check' in progress (a detach runs to its end), closes the cache set (final
+checkpoint, marked clean) and exits 0. If any of that fails it exits 1 with
+the reason; a cache set failed over to passthrough is left unclean on
+purpose (a repaired cache device replays its journal).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if o.config != "" {
@@ -132,7 +136,7 @@ func parseNamePath(flag, s string) (name, path string, err error) {
 	return name, path, nil
 }
 
-func serve(ctx context.Context, g *globals, o *serveOptions) error {
+func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 	log, err := g.logger()
 	if err != nil {
 		return err
@@ -174,12 +178,23 @@ func serve(ctx context.Context, g *globals, o *serveOptions) error {
 		return err
 	}
 	srv := nbd.NewServer(nbd.Config{Logger: log, TLSConfig: tlsCfg, RequireTLS: o.tls.required})
+	// Closed in reverse order: the admin API (waiting for its requests),
+	// then the cache set (final checkpoint, clean flag), then devices. A
+	// failure there is the exit status too: "stopped cleanly" and exit 0
+	// mean the set is marked clean (a failed-over set is not, on purpose).
 	var closers []func() error
+	served := false
 	defer func() {
 		for i := len(closers) - 1; i >= 0; i-- {
-			if err := closers[i](); err != nil {
-				log.Error("close", "err", err)
+			if cerr := closers[i](); cerr != nil {
+				log.Error("close", "err", cerr)
+				if err == nil {
+					err = cerr
+				}
 			}
+		}
+		if served && err == nil {
+			log.Info("stopped cleanly")
 		}
 	}()
 	metrics := admin.NewMetrics()
@@ -262,6 +277,7 @@ func serve(ctx context.Context, g *globals, o *serveOptions) error {
 		return err
 	}
 	closers = append(closers, stopAdmin)
+	served = true
 	return run2(ctx, log, srv, specs, listeners, o.drainWait)
 }
 
@@ -303,9 +319,6 @@ func run2(ctx context.Context, log *slog.Logger, srv *nbd.Server, specs []listen
 		if spec.network == "unix" {
 			os.Remove(spec.addr)
 		}
-	}
-	if err == nil {
-		log.Info("stopped cleanly")
 	}
 	return err
 }
