@@ -31,33 +31,12 @@ func TestKernelExt4(t *testing.T) {
 }
 
 func kernelExt4(t *testing.T, s *server, export string) {
-	if _, err := os.Stat("/dev/fuse"); err != nil {
-		t.Fatalf("/dev/fuse missing: %v", err)
-	}
 	dir := t.TempDir()
-
-	fuseDir := filepath.Join(dir, "fuse")
 	mnt := filepath.Join(dir, "mnt")
-	os.Mkdir(fuseDir, 0o700)
 	os.Mkdir(mnt, 0o700)
-	pidfile := filepath.Join(dir, "nbdfuse.pid")
-	fuse, fuseLog, fuseDone := background(t, "nbdfuse", "-P", pidfile, filepath.Join(fuseDir, "disk"), s.uri(export))
-	t.Cleanup(func() {
-		exec.Command("fusermount3", "-u", fuseDir).Run()
-		select {
-		case <-fuseDone:
-		case <-time.After(10 * time.Second):
-			fuse.Process.Kill()
-			<-fuseDone
-		}
-	})
-	waitFor(t, 20*time.Second, func() bool {
-		_, err := os.Stat(pidfile)
-		return err == nil
-	}, "nbdfuse ready")
-	diskFile := filepath.Join(fuseDir, "disk")
+	diskFile := nbdfuseFile(t, s.uri(export))
 	if fi, err := os.Stat(diskFile); err != nil || fi.Size() != 256*mib {
-		t.Fatalf("nbdfuse file: %v size %v\n%s", err, fi, fuseLog)
+		t.Fatalf("nbdfuse file: %v size %v", err, fi)
 	}
 
 	out, err := runErr(30*time.Second, "losetup", "--find", "--show", "--direct-io=on", diskFile)
@@ -111,6 +90,44 @@ func kernelExt4(t *testing.T, s *server, export string) {
 	}
 	umount()
 	mounted = false
+}
+
+// nbdfuseFile mounts nbdfuse with args (an NBD URI, or "[ CMD ARGS ]" to
+// run a server) on a FUSE directory in a temporary directory, waits until
+// it is ready and returns the file that exposes the export; cleanup
+// unmounts it.
+func nbdfuseFile(t *testing.T, args ...string) string {
+	t.Helper()
+	if _, err := os.Stat("/dev/fuse"); err != nil {
+		t.Fatalf("/dev/fuse missing: %v", err)
+	}
+	dir := t.TempDir()
+	fuseDir := filepath.Join(dir, "fuse")
+	os.Mkdir(fuseDir, 0o700)
+	pidfile := filepath.Join(dir, "nbdfuse.pid")
+	file := filepath.Join(fuseDir, "disk")
+	fuse, fuseLog, fuseDone := background(t, "nbdfuse", append([]string{"-P", pidfile, file}, args...)...)
+	t.Cleanup(func() {
+		exec.Command("fusermount3", "-u", fuseDir).Run()
+		select {
+		case <-fuseDone:
+		case <-time.After(10 * time.Second):
+			fuse.Process.Kill()
+			<-fuseDone
+		}
+	})
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		if _, err := os.Stat(pidfile); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("nbdfuse not ready within 20s:\n%s", fuseLog)
+		}
+	}
+	if _, err := os.Stat(file); err != nil {
+		t.Fatalf("nbdfuse file: %v\n%s", err, fuseLog)
+	}
+	return file
 }
 
 func waitFor(t *testing.T, d time.Duration, cond func() bool, what string) {
