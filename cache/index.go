@@ -166,6 +166,20 @@ type volIndex struct {
 	epoch      uint64 // client flush epoch, bumped by Flush
 	dirty      int64
 	cached     int64
+	// replayable says a recovery could find an entry of this volume: the
+	// newest durable checkpoint holds one, or an insert record of the
+	// volume was appended since that checkpoint's snapshot. Invariant:
+	// !replayable implies the volume has no entry, live or superseded, in
+	// memory either (every entry comes from a journaled insert or from
+	// recovery, and a volume starts replayable until Open's checkpoint).
+	// Passthrough skips its invalidation record while it is false: no
+	// record or checkpoint entry exists that the record could cancel
+	// (docs/CACHE.md, "Flush protocol"). Set by appendInsertEpochLocked,
+	// cleared only by a durable checkpoint whose snapshot held no entry of
+	// the volume when no insert of it was appended after the snapshot.
+	replayable bool
+	// insertSeq is Set.mu.seq just after the volume's last insert record.
+	insertSeq uint64
 }
 
 // cacheBlocks returns the number of cache blocks (buckets × blocks per bucket).
@@ -752,6 +766,10 @@ func (s *Set) checkIndexLocked(exact bool) error {
 		}
 		if ns != v.idx.nsup {
 			return fmt.Errorf("volume %s: %d superseded, accounted %d", v.name, ns, v.idx.nsup)
+		}
+		if !v.idx.replayable && nc+ns > 0 {
+			// The skipped invalidations would have dropped these.
+			return fmt.Errorf("volume %s: %d entries and %d superseded versions, but marked as having nothing a recovery could replay", v.name, nc, ns)
 		}
 		total += int(ns)
 	}

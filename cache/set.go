@@ -445,6 +445,9 @@ func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
 	v.idx.tree = newPtree()
 	v.idx.wbInflight = map[uint32]struct{}{}
 	v.idx.sup = newStree()
+	// Until a checkpoint shows otherwise, a recovery may find entries of
+	// the slot (Open replays them; a checkpoint clears it if empty).
+	v.idx.replayable = true
 	return v
 }
 
@@ -721,6 +724,9 @@ func (s *Set) appendInsertEpochLocked(vi int, lba uint64, loc uint32, dirty bool
 		loc += uint32(k)
 		crcs = crcs[k:]
 	}
+	v := s.vols[vi]
+	v.idx.replayable = true
+	v.idx.insertSeq = s.mu.seq
 }
 
 func (s *Set) err() error {
@@ -889,7 +895,13 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	if vers != nil {
 		epochOf = s.snapshotEpochsLocked()
 	}
+	// The volumes this checkpoint holds no entry of: once it is durable,
+	// a recovery starts from it and finds none of theirs unless an insert
+	// is appended after this snapshot (idx.replayable).
+	vols := s.vols
+	empty := make([]bool, len(vols))
 	for i, v := range s.vols {
+		empty[i] = v.idx.tree.Len() == 0 && v.idx.nsup == 0
 		trees[i] = v.idx.tree.Clone()
 		epochs[i] = v.idx.epoch
 		if vers != nil {
@@ -911,6 +923,15 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	s.jr.gen, s.jr.pos, s.jr.used = h.gen, h.jpos, 0
 	s.stats.checkpoints.Add(1)
 	s.setDurable(upto)
+	s.mu.Lock()
+	for i, v := range vols {
+		// The slot list changes only under commitMu (held), but compare
+		// anyway: the flag belongs to the volume the snapshot saw.
+		if empty[i] && i < len(s.vols) && s.vols[i] == v && v.idx.insertSeq <= upto {
+			v.idx.replayable = false
+		}
+	}
+	s.mu.Unlock()
 	return nil
 }
 

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/internal/invariants"
 )
 
 // Volume is one backing device seen through the cache: what an NBD export
@@ -831,6 +832,7 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 	defer s.mu.Unlock()
 	if err == nil {
 		dropsDirty := v.dirtyInLocked(lba, n)
+		had := v.idx.cached + v.idx.nsup // the volume's entries before the drop
 		s.invalidateLocked(v.vi, lba, n)
 		if !failed {
 			if s.isFailed() && v.fenceOverlapsLocked(lba, n) {
@@ -845,11 +847,21 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 				// TestDeviceFailureModel/seq seed 11588).
 				dropsDirty = true
 			}
-			// Journaled even if nothing is cached now: replay may
-			// resurrect clean entries that eviction dropped only in
-			// memory. (Failing over meanwhile fences the range.)
-			s.appendLocked(&rec{typ: recInvalidate, vol: uint16(v.vi), lba: lba, n: n})
-			s.noteInvalidateLocked(v, s.mu.seq-1, lba, n, dropsDirty)
+			// Journaled even if nothing is cached now (replay may
+			// resurrect entries that eviction dropped only in memory),
+			// unless no recovery could find any entry of the volume
+			// (idx.replayable): then the record would cancel nothing,
+			// and a FLUSH in none mode needs no journal commit, only
+			// the backing device's sync (docs/BENCHMARKS.md, S6 point
+			// 6). (Failing over meanwhile fences the range: journaled
+			// then, as before.)
+			if v.idx.replayable || s.isFailed() {
+				s.appendLocked(&rec{typ: recInvalidate, vol: uint16(v.vi), lba: lba, n: n})
+				s.noteInvalidateLocked(v, s.mu.seq-1, lba, n, dropsDirty)
+			} else if had != 0 {
+				invariants.AssertionFailedf("volume %s: invalidation of [%d, +%d) skipped with %d entries in the volume",
+					v.name, lba, n, had)
+			}
 		}
 		v.idx.mutations++
 	}
