@@ -63,7 +63,9 @@
 // crosses the link at WriteRate, then completes WriteLatency later (in the
 // drive's cache) and keeps its channel busy for max(WriteLatency,
 // ProgramTime). The link carries one transfer at a time. A flush waits for
-// every completed write and adds FlushLatency. So at QD1 random 4 KiB
+// every completed write and adds FlushLatency; a flush with nothing written
+// or discarded since the previous one costs CleanFlushLatency (a command's
+// round trip), no earlier than that previous flush. So at QD1 random 4 KiB
 // reads run at 1/(ReadLatency + 4096/ReadRate) and writes at
 // 1/(WriteLatency + 4096/WriteRate); deep queues at
 // min(Channels/ReadLatency, ReadRate/4096) and

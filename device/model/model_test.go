@@ -437,13 +437,56 @@ func TestSSD(t *testing.T) {
 		if !near(sr.MBps, 530, 0.03) || !near(sw.MBps, 500, 0.03) {
 			t.Errorf("sequential %.0f/%.0f MB/s, want 530/500", sr.MBps, sw.MBps)
 		}
-		s := open(SATASSD())
-		start := time.Now()
-		if err := s.Sync(); err != nil {
+	})
+}
+
+// TestSSDFlush: a flush after a write costs FlushLatency once the write is
+// in the drive's cache; one with nothing written or discarded since the
+// previous flush costs only CleanFlushLatency, but never ends before a
+// flush still in progress (which covers the writes before it).
+func TestSSDFlush(t *testing.T) {
+	synctest.Test(t, func(t *testing.T) {
+		p := SATASSD()
+		p.virtual = true
+		s, err := NewSSD(nullDevice{gib}, p)
+		if err != nil {
 			t.Fatal(err)
 		}
-		if el := time.Since(start); el != SATASSD().FlushLatency {
-			t.Errorf("flush took %v, want %v", el, SATASSD().FlushLatency)
+		t.Cleanup(func() { s.Close() })
+		timed := func(what string, f func() error, want time.Duration) {
+			t.Helper()
+			start := time.Now()
+			if err := f(); err != nil {
+				t.Fatal(err)
+			}
+			if el := time.Since(start); el != want {
+				t.Errorf("%s took %v, want %v", what, el, want)
+			}
+		}
+		write := func() error { _, err := s.WriteAt(make([]byte, 4096), 0); return err }
+		writeTime := p.WriteLatency + time.Duration(4096*1e9/p.WriteRate)
+		timed("flush of a drive never written", s.Sync, p.CleanFlushLatency)
+		timed("4 KiB write", write, writeTime)
+		timed("flush after a write", s.Sync, p.FlushLatency)
+		timed("second flush, nothing written", s.Sync, p.CleanFlushLatency)
+		if err := s.Discard(0, 4096); err != nil {
+			t.Fatal(err)
+		}
+		timed("flush after a discard", s.Sync, p.FlushLatency)
+		// A clean flush that arrives while a dirty one is in progress
+		// waits for it.
+		timed("4 KiB write", write, writeTime)
+		var wg sync.WaitGroup
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			timed("flush after a write (concurrent)", s.Sync, p.FlushLatency)
+		}()
+		time.Sleep(p.FlushLatency / 4)
+		timed("clean flush behind a dirty one", s.Sync, p.FlushLatency*3/4)
+		wg.Wait()
+		if st := s.Stats(); st.Syncs != 6 {
+			t.Errorf("%d syncs counted, want 6", st.Syncs)
 		}
 	})
 }

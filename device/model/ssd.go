@@ -28,8 +28,12 @@ type SSDParams struct {
 	// link carries one request's data at a time.
 	ReadRate, WriteRate float64
 	// FlushLatency is the time a flush takes once every completed write has
-	// reached the write cache.
-	FlushLatency time.Duration
+	// reached the write cache, if anything was written (or discarded) since
+	// the previous flush arrived. CleanFlushLatency is what a flush costs
+	// when nothing was: a volatile cache with nothing new to destage only
+	// has the command to answer (it still completes no earlier than the
+	// flush before it, which may be destaging what it must cover).
+	FlushLatency, CleanFlushLatency time.Duration
 	// TimeScale is wall-clock time per model time (1: real time; 1e-4 to
 	// 1e4).
 	TimeScale float64
@@ -48,7 +52,10 @@ func SATASSD() SSDParams {
 		ReadRate:     530e6,
 		WriteRate:    500e6,
 		FlushLatency: time.Millisecond,
-		TimeScale:    1,
+		// Assumption: one command's round trip, as a 4 KiB write's
+		// WriteLatency (16 µs) plus the link.
+		CleanFlushLatency: 20 * time.Microsecond,
+		TimeScale:         1,
 	}
 }
 
@@ -56,14 +63,15 @@ func SATASSD() SSDParams {
 // class (3,500/3,300 MB/s, 19k/60k IOPS at QD1, 600k/550k at depth).
 func NVMeSSD() SSDParams {
 	return SSDParams{
-		ReadLatency:  50 * time.Microsecond,
-		WriteLatency: 15 * time.Microsecond,
-		ProgramTime:  58 * time.Microsecond,
-		Channels:     32,
-		ReadRate:     3500e6,
-		WriteRate:    3300e6,
-		FlushLatency: 300 * time.Microsecond,
-		TimeScale:    1,
+		ReadLatency:       50 * time.Microsecond,
+		WriteLatency:      15 * time.Microsecond,
+		ProgramTime:       58 * time.Microsecond,
+		Channels:          32,
+		ReadRate:          3500e6,
+		WriteRate:         3300e6,
+		FlushLatency:      300 * time.Microsecond,
+		CleanFlushLatency: 15 * time.Microsecond,
+		TimeScale:         1,
 	}
 }
 
@@ -76,6 +84,7 @@ func (p SSDParams) withDefaults(base SSDParams) SSDParams {
 	orDefault(&p.ReadRate, base.ReadRate)
 	orDefault(&p.WriteRate, base.WriteRate)
 	orDefault(&p.FlushLatency, base.FlushLatency)
+	orDefault(&p.CleanFlushLatency, base.CleanFlushLatency)
 	orDefault(&p.TimeScale, base.TimeScale)
 	p.virtual = p.virtual || base.virtual
 	return p
@@ -93,7 +102,10 @@ func (p SSDParams) withDefaults(base SSDParams) SSDParams {
 //  2. The host link carries one request's data at a time: link is the
 //     model time it becomes free.
 //  3. A flush completes no earlier than every write that completed before
-//     it arrived (lastWrite), plus FlushLatency.
+//     it arrived (lastWrite), plus FlushLatency; if no write or discard
+//     arrived since the previous flush (written false), CleanFlushLatency
+//     after it arrived instead, and never before the previous flush
+//     (lastFlush).
 type SSD struct {
 	front
 	p  SSDParams
@@ -109,6 +121,8 @@ type SSD struct {
 		chans     []int64
 		link      int64
 		lastWrite int64 // completion of the latest write
+		lastFlush int64 // completion of the latest flush
+		written   bool  // a write or discard arrived since the latest flush
 		lastEnd   int64 // latest completion, for BusyTime
 		stats     Stats
 	}
@@ -123,7 +137,7 @@ func NewSSD(inner device.Device, p SSDParams) (*SSD, error) {
 	}
 	p = p.withDefaults(SATASSD())
 	switch {
-	case p.ReadLatency < 0 || p.WriteLatency < 0 || p.ProgramTime < 0 || p.FlushLatency < 0:
+	case p.ReadLatency < 0 || p.WriteLatency < 0 || p.ProgramTime < 0 || p.FlushLatency < 0 || p.CleanFlushLatency < 0:
 		return nil, fmt.Errorf("model: negative SSD latency")
 	case p.Channels < 1 || p.Channels > 4096:
 		return nil, fmt.Errorf("model: %d channels, want 1..4096", p.Channels)
@@ -227,12 +241,21 @@ func (s *SSD) at(op opKind, n int64) (int64, error) {
 		end = onChan + int64(s.p.WriteLatency)
 		s.mu.chans[c] = onChan + int64(max(s.p.WriteLatency, s.p.ProgramTime))
 		s.mu.lastWrite = max(s.mu.lastWrite, end)
+		s.mu.written = true
 	case opSync:
 		st.Syncs++
-		start = max(now, s.mu.lastWrite)
-		end = start + int64(s.p.FlushLatency)
+		if s.mu.written {
+			start = max(now, s.mu.lastWrite)
+			end = start + int64(s.p.FlushLatency)
+		} else {
+			start = now
+			end = max(start+int64(s.p.CleanFlushLatency), s.mu.lastFlush)
+		}
+		s.mu.written = false
+		s.mu.lastFlush = max(s.mu.lastFlush, end)
 	case opNop:
 		st.Discards++
+		s.mu.written = true
 		start = max(now, s.mu.chans[c])
 		end = start + int64(s.p.WriteLatency)
 		s.mu.chans[c] = end
