@@ -2,9 +2,13 @@ package cache
 
 import (
 	"bytes"
+	"sync"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/device/faultdev"
 )
 
 // Passthrough writes (none, writearound, write-zeroes, trim) skip their
@@ -227,5 +231,53 @@ func TestCheckpointKeepsReplayableWithEntries(t *testing.T) {
 	}
 	if got := s.appended() - seq0; got != 1 {
 		t.Fatalf("%d records appended by a passthrough write of a volume with entries, want 1", got)
+	}
+}
+
+// TestFlushWaitsForInFlightBackingSync: with the invalidation skipped, a
+// none-mode write leaves no record to commit, so a flush relies on the
+// backing device's unsynced flag alone. Another flush's commit clears the
+// flag before its backing sync; a flush that found it clear then must wait
+// for that sync, not return at once (TestCrashPointsConcurrent seed 17: a
+// crash during the sync lost a write whose flush had succeeded).
+func TestFlushWaitsForInFlightBackingSync(t *testing.T) {
+	var armed atomic.Bool
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	s := newBackFaultSet(t, None, func(op faultdev.Op) faultdev.Fault {
+		if armed.Load() && op.Kind == faultdev.Sync {
+			once.Do(func() {
+				close(entered)
+				<-release
+			})
+		}
+		return faultdev.Fault{}
+	})
+	v := s.vols[0]
+	for i := range 2 {
+		if err := v.WriteAt(bytes.Repeat([]byte{byte(i + 1)}, blockSize), int64(i)*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if replayable(s, v) || s.durable.Load() < s.appended() {
+		t.Fatal("the none-mode writes left records to commit: the test needs none")
+	}
+	armed.Store(true)
+	first := make(chan error, 1)
+	go func() { first <- v.Flush() }()
+	<-entered
+	second := make(chan error, 1)
+	go func() { second <- v.Flush() }()
+	select {
+	case err := <-second:
+		close(release)
+		t.Fatalf("a flush returned %v while the backing sync covering its writes was in progress", err)
+	case <-time.After(100 * time.Millisecond):
+	}
+	close(release)
+	for _, ch := range []chan error{first, second} {
+		if err := <-ch; err != nil {
+			t.Fatal(err)
+		}
 	}
 }
