@@ -529,6 +529,21 @@ func TestFlushWaitsForConcurrentBackingSync(t *testing.T) {
 	if err := v.WriteAt(p, 0, false); err != nil { // passthrough
 		t.Fatal(err)
 	}
+	errs := flushTwiceDuringSync(t, v, &armed, entered, release)
+	if !errors.Is(errs[0], faultdev.ErrInjected) {
+		t.Fatalf("flush whose backing sync failed: %v, want the injected error", errs[0])
+	}
+	if !errors.Is(errs[1], faultdev.ErrInjected) {
+		t.Fatalf("flush that waited for a failed backing sync: %v, want the injected error", errs[1])
+	}
+}
+
+// flushTwiceDuringSync arms a stuck backing sync, starts a flush of v and,
+// once its sync is stuck (entered), a second flush, which must not return
+// while the sync is held; then it releases the sync and returns both
+// flushes' errors.
+func flushTwiceDuringSync(t *testing.T, v *Volume, armed *atomic.Bool, entered, release chan struct{}) [2]error {
+	t.Helper()
 	armed.Store(true)
 	first := make(chan error, 1)
 	go func() { first <- v.Flush() }()
@@ -542,12 +557,7 @@ func TestFlushWaitsForConcurrentBackingSync(t *testing.T) {
 	case <-time.After(100 * time.Millisecond):
 	}
 	close(release)
-	if err := <-first; !errors.Is(err, faultdev.ErrInjected) {
-		t.Fatalf("flush whose backing sync failed: %v, want the injected error", err)
-	}
-	if err := <-second; !errors.Is(err, faultdev.ErrInjected) {
-		t.Fatalf("flush that waited for a failed backing sync: %v, want the injected error", err)
-	}
+	return [2]error{<-first, <-second}
 }
 
 // newBackFaultSet formats a set of one 32-block volume in mode on memory

@@ -5,7 +5,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/faultdev"
@@ -262,21 +261,8 @@ func TestFlushWaitsForInFlightBackingSync(t *testing.T) {
 	if replayable(s, v) || s.durable.Load() < s.appended() {
 		t.Fatal("the none-mode writes left records to commit: the test needs none")
 	}
-	armed.Store(true)
-	first := make(chan error, 1)
-	go func() { first <- v.Flush() }()
-	<-entered
-	second := make(chan error, 1)
-	go func() { second <- v.Flush() }()
-	select {
-	case err := <-second:
-		close(release)
-		t.Fatalf("a flush returned %v while the backing sync covering its writes was in progress", err)
-	case <-time.After(100 * time.Millisecond):
-	}
-	close(release)
-	for _, ch := range []chan error{first, second} {
-		if err := <-ch; err != nil {
+	for _, err := range flushTwiceDuringSync(t, v, &armed, entered, release) {
+		if err != nil {
 			t.Fatal(err)
 		}
 	}
