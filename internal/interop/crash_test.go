@@ -275,6 +275,10 @@ func (s *killableServer) dial(export string) func(context.Context) (*nbd.Client,
 // set vol cache_mode=...`) every 2-60 ms while the clients run, so kills
 // land in the middle of mode switches (a switch to none drains first).
 //
+// The "lifecycle" case (a fifth of the cycles) ends cycles in admin
+// flushes and checks, TLS and NBD handshakes, listener set-up and graceful
+// stops (SIGTERM, some cut by a SIGKILL): see lifecycleServer.
+//
 // Replay a failure with the seed it logs:
 //
 //	go test ./internal/interop -run 'TestKillCycles/writeback' -seed N -v

@@ -577,10 +577,10 @@ func TestStopDuringAdminFlush(t *testing.T) {
 	if _, err := ac.SetSettings(context.Background(), "vol", map[string]string{"writeback_rate_max": "4K"}); err != nil {
 		t.Fatal(err)
 	}
-	// 64 MiB of random 4 KiB writes over 2 GiB: the model's seeks make
+	// 40 MiB of random 4 KiB writes over 2 GiB: the model's seeks make
 	// the writeback take seconds.
 	job := []string{"--name=dirty", "--ioengine=nbd", "--uri=" + s.uri("vol"), "--rw=randwrite", "--bs=4k",
-		"--size=2g", "--io_size=64m", "--iodepth=16", "--randseed=11",
+		"--size=2g", "--io_size=40m", "--iodepth=16", "--randseed=11",
 		"--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json"}
 	checkFio(t, run(t, 5*time.Minute, "fio", append(job, "--do_verify=0")...))
 
