@@ -527,6 +527,10 @@ func (m *modeSwitcher) Start(ctx context.Context) error {
 	// The admin API itself (what `tiercache set` calls): spawning the
 	// race-built CLI takes about a second, longer than a kill cycle.
 	ac := admin.NewClient(filepath.Join(m.args[1], "admin.sock")) // newKillableServer's --data-dir
+	// The admin API listens just after the NBD socket Start waited for.
+	if err := ac.Wait(ctx, 30*time.Second); err != nil {
+		return fmt.Errorf("admin API: %w", err)
+	}
 	seed := m.rng.Uint64()
 	go func() {
 		defer close(m.done)

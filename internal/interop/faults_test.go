@@ -43,6 +43,18 @@ func newFaultyDisk(t *testing.T, size string) *faultyDisk {
 	return d
 }
 
+// adminClient returns a client of the admin API at sock once it answers:
+// the server listens there just after its NBD socket, which startServer
+// waited for.
+func adminClient(t *testing.T, sock string) *admin.Client {
+	t.Helper()
+	ac := admin.NewClient(sock)
+	if err := ac.Wait(context.Background(), 30*time.Second); err != nil {
+		t.Fatalf("admin API at %s: %v", sock, err)
+	}
+	return ac
+}
+
 // checkers returns must (fail on an error) and wantEIO (fail unless the
 // error is EIO), both printing the current server's log.
 func checkers(t *testing.T, s **server) (must, wantEIO func(what string, err error)) {
@@ -184,7 +196,7 @@ func TestDeviceErrorsThroughBinary(t *testing.T) {
 	run(t, time.Minute, bin, "format", "--cache", cachePath, "--backing", "a="+disk.path, "--backing", "b="+bPath, "--bucket-size", "256K")
 	dd := filepath.Join(dir, "data")
 	s := startServer(t, "--cache", cachePath, "--data-dir", dd)
-	ac := admin.NewClient(filepath.Join(dd, "admin.sock"))
+	ac := adminClient(t, filepath.Join(dd, "admin.sock"))
 	must, wantEIO := checkers(t, &s)
 
 	checkPre := func(what string) error {
@@ -356,7 +368,7 @@ func TestCacheDeviceErrorsThroughBinary(t *testing.T) {
 	run(t, time.Minute, bin, "format", "--cache", disk.path, "--backing", "a="+aPath, "--backing", "b="+bPath, "--bucket-size", "256K")
 	dd := filepath.Join(dir, "data")
 	s := startServer(t, "--cache", disk.path, "--data-dir", dd)
-	ac := admin.NewClient(filepath.Join(dd, "admin.sock"))
+	ac := adminClient(t, filepath.Join(dd, "admin.sock"))
 	must, wantEIO := checkers(t, &s)
 	ca := newStampedClient(t, s.sock, "a", 0, 4096, seed)
 	cb := newStampedClient(t, s.sock, "b", 0, 4096, seed)

@@ -572,7 +572,7 @@ func TestStopDuringAdminFlush(t *testing.T) {
 	dd := filepath.Join(dir, "data")
 	s := startServer(t, "--cache", cachePath, "--data-dir", dd)
 	adminSock := filepath.Join(dd, "admin.sock")
-	ac := admin.NewClient(adminSock)
+	ac := adminClient(t, adminSock)
 	// Background writeback held back, so that the data stays dirty.
 	if _, err := ac.SetSettings(context.Background(), "vol", map[string]string{"writeback_rate_max": "4K"}); err != nil {
 		t.Fatal(err)
