@@ -71,6 +71,20 @@ func (f *fakeNBD) AddExport(e nbd.Export) error { f.added = append(f.added, e.Na
 
 // newTestServer serves a set with volumes "a" and "b" on memory devices
 // plus a plain export "p", over a unix socket.
+// serveHTTP serves srv's API on a unix socket in a temporary directory
+// and returns a client of it and the function that stops serving.
+func serveHTTP(t *testing.T, srv *Server) (*Client, func()) {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "admin.sock")
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := &http.Server{Handler: srv.Handler()}
+	go hs.Serve(l)
+	return NewClient(sock), func() { hs.Close() }
+}
+
 func newTestServer(t *testing.T) (*Client, *cache.Set, *fakeNBD, *[]string) {
 	t.Helper()
 	cdev := device.NewMem(64 << 20)
@@ -101,15 +115,9 @@ func newTestServer(t *testing.T) (*Client, *cache.Set, *fakeNBD, *[]string) {
 			v, err := set.Attach(cache.BackingSpec{Name: req.Name, Dev: device.NewMem(4 << 20), Path: req.Path}, cache.AttachOptions{Mode: mode})
 			return v, req.Path, err
 		}})
-	sock := filepath.Join(t.TempDir(), "admin.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
-	}
-	hs := &http.Server{Handler: srv.Handler()}
-	go hs.Serve(l)
+	c, stopHTTP := serveHTTP(t, srv)
 	t.Cleanup(func() {
-		hs.Close()
+		stopHTTP()
 		srv.Close()
 		if err := set.Check(); err != nil {
 			t.Error(err)
@@ -129,7 +137,6 @@ func newTestServer(t *testing.T) (*Client, *cache.Set, *fakeNBD, *[]string) {
 	if err := exports[2].Backend.ReadAt(buf, 0); err != nil {
 		t.Fatal(err)
 	}
-	c := NewClient(sock)
 	registries.Store(c, m.reg)
 	return c, set, fn, &released
 }
