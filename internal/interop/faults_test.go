@@ -20,26 +20,54 @@ import (
 )
 
 // faultyDisk is a file that returns real EIO from the kernel while a
-// trigger file exists: nbdfuse exposes an nbdkit memory disk under the
-// error filter (one trigger for reads, one for writes), so the unmodified
-// tiercache binary gets its errors from pread and pwrite on an O_DIRECT
-// file, as from a failing disk. No test hook in the binary is involved.
-// (nbdkit 1.32's error filter cannot fail flushes: failed syncs are left
-// to the engine's tests.)
+// trigger file exists (one for reads, one for writes, one for flushes):
+// nbdfuse exposes an nbdkit disk, so the unmodified tiercache binary gets
+// its errors from pread, pwrite and fdatasync on an O_DIRECT file, as from
+// a failing disk. No test hook in the binary is involved. The fast variant
+// is nbdkit's memory plugin under its error filter, which cannot fail a
+// flush (nbdkit 1.32); the one with flushes is a shell plugin over a
+// sparse file, slow (a process a request) but fine for a backing device
+// that sees a few hundred requests.
 type faultyDisk struct {
-	path          string
-	readT, writeT string
+	path                  string
+	readT, writeT, flushT string
 }
 
-func newFaultyDisk(t *testing.T, size string) *faultyDisk {
+// faultyShPlugin is nbdkit's sh plugin script of a faultyDisk with
+// flushes: STORE, READT, WRITET and FLUSHT are replaced.
+const faultyShPlugin = `#!/bin/sh
+case "$1" in
+get_size) stat -c %s STORE ;;
+can_write|can_flush|can_multi_conn) exit 0 ;;
+pread) [ -e READT ] && { echo "EIO injected read error" >&2; exit 1; }
+  dd if=STORE skip=$4 count=$3 iflag=skip_bytes,count_bytes status=none || exit 1 ;;
+pwrite) [ -e WRITET ] && { echo "EIO injected write error" >&2; exit 1; }
+  dd of=STORE seek=$4 oflag=seek_bytes conv=notrunc status=none || exit 1 ;;
+flush) [ -e FLUSHT ] && { echo "EIO injected flush error" >&2; exit 1; }
+  exit 0 ;;
+*) exit 2 ;;
+esac
+`
+
+func newFaultyDisk(t *testing.T, size int64, flushes bool) *faultyDisk {
 	t.Helper()
 	needRoot(t)
 	need(t, "nbdfuse", "nbdkit", "fusermount3")
 	dir := t.TempDir()
-	d := &faultyDisk{readT: filepath.Join(dir, "read.fail"), writeT: filepath.Join(dir, "write.fail")}
-	d.path = nbdfuseFile(t, "[", "nbdkit", "--filter=error", "memory", size, "error=EIO",
-		"error-pread-rate=100%", "error-pread-file="+d.readT,
-		"error-pwrite-rate=100%", "error-pwrite-file="+d.writeT, "]")
+	d := &faultyDisk{readT: filepath.Join(dir, "read.fail"), writeT: filepath.Join(dir, "write.fail"), flushT: filepath.Join(dir, "flush.fail")}
+	if !flushes {
+		d.path = nbdfuseFile(t, "[", "nbdkit", "--filter=error", "memory", fmt.Sprint(size), "error=EIO",
+			"error-pread-rate=100%", "error-pread-file="+d.readT,
+			"error-pwrite-rate=100%", "error-pwrite-file="+d.writeT, "]")
+		return d
+	}
+	script := strings.NewReplacer("STORE", sparseFile(t, dir, "store.img", size),
+		"READT", d.readT, "WRITET", d.writeT, "FLUSHT", d.flushT).Replace(faultyShPlugin)
+	sh := filepath.Join(dir, "faulty.sh")
+	if err := os.WriteFile(sh, []byte(script), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	d.path = nbdfuseFile(t, "[", "nbdkit", "sh", sh, "]")
 	return d
 }
 
@@ -161,18 +189,20 @@ func (s *stampedClient) read(i, n int64, crash bool) error {
 
 // TestDeviceErrorsThroughBinary serves a cache set whose backing device
 // "a" returns real EIO on demand (faultyDisk) next to a healthy "b", and
-// checks through NBD clients what docs/RELIABILITY.md promises for
-// backing device errors: a read that needs the failing device and a write
-// that must reach it get EIO; cached data of "a" is still served; nothing
-// wrong is ever returned (stamped blocks, three-state oracle: a failed
-// write leaves old or new data); "a" works again once the device does; a
-// client of "b" writes (some FUA), reads, checks and flushes throughout
-// without one error; the server stops cleanly, and after the restart
-// every flushed write of both exports is there.
+// checks through NBD clients what docs/OPERATIONS.md promises for backing
+// device errors: a read that needs the failing device and a write that
+// must reach it get EIO; cached data of "a" is still served; in writeback
+// mode only writeback suffers; nothing wrong is ever returned (stamped
+// blocks, three-state oracle: a failed write leaves old or new data); a
+// failed sync makes FLUSH and FUA of "a" fail until restart, and the stop
+// exit 1; "b" flushes again once the device syncs. A client of "b"
+// writes, reads, checks and (but while syncs fail) flushes throughout
+// without one error. After a restart with the device healthy every
+// flushed write of both exports is there.
 func TestDeviceErrorsThroughBinary(t *testing.T) {
 	seed := uint64(time.Now().UnixNano())
 	t.Logf("seed %d", seed)
-	disk := newFaultyDisk(t, "64M")
+	disk := newFaultyDisk(t, 64*mib, true)
 	dir := t.TempDir()
 	// Blocks [0, 512) of "a" hold data before the set exists: reading
 	// them needs the backing device.
@@ -229,7 +259,7 @@ func TestDeviceErrorsThroughBinary(t *testing.T) {
 
 	// The client of "b": random stamped writes, reads checked against the
 	// latest write, FLUSHes.
-	var bStop, bFailed atomic.Bool // bFailed is set after bErr
+	var bStop, bNoFlush, bFailed atomic.Bool // bFailed is set after bErr
 	var bOps, bFlushes atomic.Int64
 	var bErr error
 	var bWG sync.WaitGroup
@@ -241,14 +271,14 @@ func TestDeviceErrorsThroughBinary(t *testing.T) {
 			i, n := rng.Int64N(4096-16), 1+rng.Int64N(16)
 			var err error
 			switch k := rng.IntN(10); {
-			case k == 0:
+			case k == 0 && !bNoFlush.Load():
 				if err = cb.flush(); err == nil {
 					bFlushes.Add(1)
 				}
 			case k < 4:
 				err = cb.read(i, n, false)
 			default:
-				err = cb.write(i, n, rng.IntN(10) == 0)
+				err = cb.write(i, n, rng.IntN(10) == 0 && !bNoFlush.Load())
 			}
 			if err != nil {
 				bErr = fmt.Errorf("client of b, while a fails: %w", err)
@@ -321,6 +351,23 @@ func TestDeviceErrorsThroughBinary(t *testing.T) {
 	must("read a again", ca.read(300, 16, false))
 
 	must("FLUSH of a once its device works again", ca.flush())
+
+	// A failed sync: FLUSH and FUA of a fail, and keep failing once the
+	// device syncs again (sticky until restart: the kernel may have
+	// dropped what it could not write). While the device cannot sync the
+	// set's journal commits are held back, so b's FLUSH and FUA are left
+	// out; once it syncs, b flushes again.
+	bNoFlush.Store(true)
+	disk.set(t, disk.flushT, true)
+	must("write a before the failing sync", ca.write(400, 8, false))
+	wantEIO("FLUSH of a while its device fails syncs", ca.flush())
+	waitB()
+	disk.set(t, disk.flushT, false)
+	wantEIO("FLUSH of a after its device syncs again (sticky until restart)", ca.flush())
+	wantEIO("FUA write to a after a failed sync (sticky until restart)", ca.write(420, 1, true))
+	must("read a after the failed sync", ca.read(400, 8, false))
+	bNoFlush.Store(false)
+	must("FLUSH of b once a's device syncs again", cb.flush())
 	must("a's old data at the end", checkPre("at the end"))
 	bStop.Store(true)
 	bWG.Wait()
@@ -330,7 +377,19 @@ func TestDeviceErrorsThroughBinary(t *testing.T) {
 	must("final FLUSH of b", cb.flush())
 	t.Logf("client of b: %d operations (%d FLUSHes) without an error while a failed", bOps.Load(), bFlushes.Load())
 
-	s.stop() // SIGTERM: exit status 0 required
+	// SIGTERM: the shutdown's FLUSH of a fails (sticky), and the exit
+	// status says so.
+	s.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-s.done:
+	case <-time.After(60 * time.Second):
+		t.Fatalf("no exit within 60s of SIGTERM\n%s", s.log)
+	}
+	if log := s.log.String(); s.waited == nil || strings.Contains(log, "stopped cleanly") || !strings.Contains(log, "flush at shutdown") {
+		t.Errorf("SIGTERM after a failed sync of a: exit %v; want a failure naming the shutdown's flush\n%s", s.waited, log)
+	}
+	t.Logf("exit after SIGTERM with a's sync failed earlier: %v", s.waited)
+	s.waited = nil // looked at above
 	s = startServer(t, "--cache", cachePath, "--data-dir", dd)
 	must("a's old data after the restart", checkPre("after the restart"))
 	ca.c.Close()
@@ -361,7 +420,7 @@ func TestDeviceErrorsThroughBinary(t *testing.T) {
 func TestCacheDeviceErrorsThroughBinary(t *testing.T) {
 	seed := uint64(time.Now().UnixNano())
 	t.Logf("seed %d", seed)
-	disk := newFaultyDisk(t, "16M")
+	disk := newFaultyDisk(t, 16*mib, false)
 	dir := t.TempDir()
 	aPath := sparseFile(t, dir, "a.img", 64*mib)
 	bPath := sparseFile(t, dir, "b.img", 64*mib)
