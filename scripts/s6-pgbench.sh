@@ -14,7 +14,9 @@
 # TARGET: plain (tiercache serving the HDD model, no cache set) or a cache
 # mode (none, writethrough, writearound, writeback) with a 1 GiB SATA SSD
 # model cache. WORKDIR keeps the golden image between calls (built on first
-# use); each run's files are removed after it. One line per run on stdout:
+# use); each run's files are removed after it. PGTIME (30) sets pgbench -T;
+# KEEPSTATS=DIR keeps `tiercache stats --json` from before and after each
+# run. One line per run on stdout:
 #   LABEL TARGET tps=.. wal_syncs=.. wal_sync_ms=.. flushes=.. commits=.. load=..
 set -euo pipefail
 
@@ -35,6 +37,9 @@ cleanup() {
 trap cleanup EXIT
 
 pg() { runuser -u postgres -- "$pgbin/pg_ctl" -D "$1/pg" -w "${@:2}"; }
+# retry CMD...: up to 5 s, for unmounts that find the device still busy
+# for a moment (the loop device holds the FUSE file until it is detached).
+retry() { for _ in $(seq 50); do "$@" && return 0; sleep 0.1; done; return 1; }
 pgstart() { # mnt sockdir
 	pg "$1" -l "$2/postgres.log" -o "-k $2 -c listen_addresses='' -c track_wal_io_timing=on" start >/dev/null
 }
@@ -85,12 +90,12 @@ for spec in "$@"; do
 	cleanup_cmds+=("rm -rf $d" "kill $srv; wait $srv")
 	for _ in $(seq 200); do [[ -S $d/nbd.sock ]] && break; sleep 0.05; done
 	nbdfuse -P "$d/nbdfuse.pid" "$d/fuse/disk" "nbd+unix:///vol?socket=$d/nbd.sock" >"$d/nbdfuse.log" 2>&1 &
-	cleanup_cmds+=("fusermount3 -u $d/fuse")
+	cleanup_cmds+=("retry fusermount3 -u $d/fuse || fusermount3 -uz $d/fuse")
 	for _ in $(seq 400); do [[ -f $d/nbdfuse.pid ]] && break; sleep 0.05; done
 	loop=$(losetup --find --show --sizelimit 2147483648 --direct-io=on "$d/fuse/disk")
 	cleanup_cmds+=("losetup -d $loop")
 	mount -t ext4 -o noatime "$loop" "$d/mnt"
-	cleanup_cmds+=("umount -l $d/mnt")
+	cleanup_cmds+=("retry umount $d/mnt || umount -l $d/mnt")
 	chown postgres: "$d/sock"
 	chmod 755 "$d/mnt"
 	pgstart "$d/mnt" "$d/sock"
@@ -103,6 +108,11 @@ for spec in "$@"; do
 	load=$(cut -d' ' -f1 /proc/loadavg)
 	out=$(pgbench -h "$d/sock" -U postgres -c 10 -j 2 -T "$PGTIME" postgres 2>&1)
 	st1=$("$bin" --data-dir "$d" stats --json)
+	if [[ -n ${KEEPSTATS:-} ]]; then # the raw counters before and after
+		mkdir -p "$KEEPSTATS"
+		printf '%s\n' "$st0" >"$KEEPSTATS/run$n-$label.before.json"
+		printf '%s\n' "$st1" >"$KEEPSTATS/run$n-$label.after.json"
+	fi
 	wal=$(psql -h "$d/sock" -U postgres -qAt -c "select wal_sync, round((wal_sync_time / greatest(wal_sync, 1))::numeric, 2) from pg_stat_wal" postgres)
 	tps=$(sed -n 's/^tps = \([0-9.]*\) (without initial connection time)/\1/p' <<<"$out")
 	d0=$(jq -r '[([.exports[]? | select(.name == "vol") | .volume.FlushOps][0] // 0), (.set.Commits? // 0)] | @tsv' <<<"$st0")
