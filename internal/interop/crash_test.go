@@ -377,6 +377,9 @@ func TestKillCycles(t *testing.T) {
 				}
 			}
 			if err != nil {
+				if lc != nil {
+					lc.abandon() // no goroutine may report after the test
+				}
 				log := ""
 				if srv.log != nil {
 					log = srv.log.String()

@@ -498,6 +498,26 @@ func (l *lifecycleServer) end(do func() error) error {
 	return err
 }
 
+// abandon stops the activities of a failed run without waiting for the
+// server's end: the loops finish their current request, parked
+// connections are closed here.
+func (l *lifecycleServer) abandon() {
+	if l.halt == nil {
+		return
+	}
+	close(l.halt)
+	l.halt = nil
+	for _, p := range l.parked {
+		p.nc.Close()
+	}
+	done := make(chan struct{})
+	go func() { l.wg.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(2 * time.Minute):
+	}
+}
+
 func (l *lifecycleServer) Kill() error {
 	return l.end(l.killableServer.Kill)
 }
