@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"testing"
+	"time"
 
 	"github.com/tiercache/tiercache/device"
 )
@@ -271,4 +272,62 @@ func TestEpochBatchResumesAtCursor(t *testing.T) {
 	}
 	write(21)
 	batch(8, 2, 5, 9, 33, 41, 60)
+}
+
+// TestEpochSpaceWaitWithoutWritebackGoroutine checks that an epoch-order
+// write waiting for space on a set with no writeback goroutine
+// (OpenOptions.noBackground, as the crash-point tests run) writes back
+// itself instead of waiting for ever: TestCrashPoints/gc hung at 40 seeds
+// in a Trim's zero blocks.
+func TestEpochSpaceWaitWithoutWritebackGoroutine(t *testing.T) {
+	const nblk = 512
+	cache := device.NewMem(cacheSizeFor(8, 16*blockSize, minJournalLen, 1))
+	back := device.NewMem(nblk * blockSize)
+	specs := []BackingSpec{{Name: "a", Dev: back}}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 * blockSize, JournalSize: minJournalLen}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(cache, specs, OpenOptions{noBackground: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.crashStop)
+	v := s.vols[0]
+	st := v.Settings()
+	st.WritebackOrder = "epoch"
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		p := make([]byte, blockSize)
+		// Three times the cache's blocks, a flush every 16 writes: the
+		// cache fills with older epochs' dirty data many times over.
+		for i := range 3 * 8 * 16 {
+			b := (i * 37) % nblk
+			stamp(p, uint64(i+1), 0, int64(b)*blockSize)
+			if err := v.WriteAt(p, int64(b)*blockSize, false); err != nil {
+				done <- err
+				return
+			}
+			if i%16 == 15 {
+				if err := v.Flush(); err != nil {
+					done <- err
+					return
+				}
+			}
+		}
+		done <- nil
+	}()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("writes waiting for space did not finish in 30 s")
+	}
+	if got := v.Stats().WritebackBytes; got == 0 {
+		t.Fatal("nothing was written back")
+	}
 }

@@ -538,8 +538,22 @@ func (v *Volume) allocWaitWriteback(n int) (run, error) {
 		if !v.hasDirty() {
 			return run{}, err
 		}
-		s.kick()
-		s.kickWB()
+		if s.noBackground {
+			// No writeback goroutine runs (OpenOptions.noBackground, the
+			// crash-point sets): the waiter writes back itself, or it
+			// would wait for ever (TestCrashPoints/gc, 40 seeds, hung in
+			// a Trim's zero blocks).
+			wrote, werr := s.writebackEpoch(v.vi, wbBatchShort)
+			if werr != nil {
+				return run{}, fmt.Errorf("no free cache bucket, and writeback failed: %w", werr)
+			}
+			if wrote > 0 {
+				continue
+			}
+		} else {
+			s.kick()
+			s.kickWB()
+		}
 		time.Sleep(200 * time.Microsecond)
 	}
 }
