@@ -207,23 +207,7 @@ func runEpochSeed(t *testing.T, seed uint64) {
 // one epoch).
 func TestEpochBatchResumesAtCursor(t *testing.T) {
 	const nblk = 64
-	cache := device.NewMem(cacheSizeFor(16, 16*blockSize, minJournalLen, 1))
-	back := device.NewMem(nblk * blockSize)
-	specs := []BackingSpec{{Name: "a", Dev: back}}
-	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 * blockSize, JournalSize: minJournalLen}); err != nil {
-		t.Fatal(err)
-	}
-	s, err := Open(cache, specs, OpenOptions{noBackground: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.crashStop)
-	v := s.vols[0]
-	st := v.Settings()
-	st.WritebackOrder = "epoch"
-	if err := v.SetSettings(st); err != nil {
-		t.Fatal(err)
-	}
+	s, v := newEpochSetNoBackground(t, 16, nblk)
 	p := make([]byte, blockSize)
 	write := func(lbas ...int) {
 		t.Helper()
@@ -281,23 +265,7 @@ func TestEpochBatchResumesAtCursor(t *testing.T) {
 // in a Trim's zero blocks.
 func TestEpochSpaceWaitWithoutWritebackGoroutine(t *testing.T) {
 	const nblk = 512
-	cache := device.NewMem(cacheSizeFor(8, 16*blockSize, minJournalLen, 1))
-	back := device.NewMem(nblk * blockSize)
-	specs := []BackingSpec{{Name: "a", Dev: back}}
-	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 * blockSize, JournalSize: minJournalLen}); err != nil {
-		t.Fatal(err)
-	}
-	s, err := Open(cache, specs, OpenOptions{noBackground: true})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.crashStop)
-	v := s.vols[0]
-	st := v.Settings()
-	st.WritebackOrder = "epoch"
-	if err := v.SetSettings(st); err != nil {
-		t.Fatal(err)
-	}
+	_, v := newEpochSetNoBackground(t, 8, nblk)
 	done := make(chan error, 1)
 	go func() {
 		p := make([]byte, blockSize)
@@ -329,5 +297,35 @@ func TestEpochSpaceWaitWithoutWritebackGoroutine(t *testing.T) {
 	}
 	if got := v.Stats().WritebackBytes; got == 0 {
 		t.Fatal("nothing was written back")
+	}
+}
+
+// newEpochSetNoBackground opens a one-volume set of nBuckets buckets of 16
+// blocks over an nblk-block memory backing device, in epoch order, with no
+// background goroutine: the test steps writeback itself.
+func newEpochSetNoBackground(t *testing.T, nBuckets, nblk int64) (*Set, *Volume) {
+	t.Helper()
+	cache := device.NewMem(cacheSizeFor(nBuckets, 16*blockSize, minJournalLen, 1))
+	specs := []BackingSpec{{Name: "a", Dev: device.NewMem(nblk * blockSize)}}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 * blockSize, JournalSize: minJournalLen}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(cache, specs, OpenOptions{noBackground: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.crashStop)
+	v := s.vols[0]
+	setWritebackOrder(t, v, "epoch")
+	return s, v
+}
+
+// setWritebackOrder sets v's writeback_order.
+func setWritebackOrder(t *testing.T, v *Volume, order string) {
+	t.Helper()
+	st := v.Settings()
+	st.WritebackOrder = order
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -35,11 +35,7 @@ func TestFailoverFencesLostCleanInsert(t *testing.T) {
 	})
 	var err error
 	v := s.vols[0]
-	st := v.Settings()
-	st.WritebackOrder = "lba"
-	if err := v.SetSettings(st); err != nil {
-		t.Fatal(err)
-	}
+	setWritebackOrder(t, v, "lba")
 	const off = 5 * blockSize
 	data := func(wid uint64) []byte {
 		p := make([]byte, blockSize)
@@ -342,11 +338,7 @@ func TestWritebackBatchReportsEveryError(t *testing.T) {
 		return faultdev.Fault{Latency: 50 * time.Millisecond, Fail: true, Err: &seqFault{dev: "back", op: op}}
 	})
 	v := s.vols[0]
-	st := v.Settings()
-	st.WritebackOrder = "lba"
-	if err := v.SetSettings(st); err != nil {
-		t.Fatal(err)
-	}
+	setWritebackOrder(t, v, "lba")
 	p := make([]byte, blockSize)
 	for _, lba := range []uint64{2, 9} { // two runs
 		stamp(p, lba, 0, int64(lba)*blockSize)
