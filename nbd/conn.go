@@ -297,6 +297,10 @@ func (c *conn) writeOK() bool {
 func (c *conn) validate(h requestHeader) (uint32, string) {
 	x := c.x
 	allowed := CmdFlagFUA // FUA is valid on every command
+	// Only requests with a payload (READ's reply, WRITE's data) are bound
+	// by the maximum block size; TRIM, WRITE_ZEROES, CACHE and
+	// BLOCK_STATUS may cover any range the 32-bit length allows (the
+	// spec's maximum payload size) and are split in handle.
 	supported, writes, lenLimited := true, false, false
 	rangeErr := EINVAL
 	switch h.Type {
@@ -318,11 +322,10 @@ func (c *conn) validate(h requestHeader) (uint32, string) {
 	case cmdTrim:
 		supported, writes = x.trimmer != nil, true
 	case cmdCache:
-		supported, lenLimited = x.prefetcher != nil, true
+		supported = x.prefetcher != nil
 	case cmdWriteZeroes:
 		allowed |= CmdFlagNoHole | CmdFlagFastZero
 		supported, writes, rangeErr = x.zeroWriter != nil, true, ENOSPC
-		lenLimited = h.Flags&CmdFlagFastZero == 0
 	case cmdBlockStatus:
 		allowed |= CmdFlagReqOne
 		supported = c.blockStatus
@@ -381,20 +384,14 @@ func (c *conn) handle(r *request) {
 	case cmdFlush:
 		err = x.Backend.Flush()
 	case cmdTrim:
-		if n > 0 {
-			err = x.trimmer.Trim(off, n, fua)
-			if errors.Is(err, errors.ErrUnsupported) {
-				err = nil // TRIM is a hint; ignoring it is allowed
-			}
+		err = c.split(off, n, func(off, n int64) error { return x.trimmer.Trim(off, n, fua) })
+		if errors.Is(err, errors.ErrUnsupported) {
+			err = nil // TRIM is a hint; ignoring it is allowed
 		}
 	case cmdWriteZeroes:
-		if n > 0 {
-			err = c.writeZeroes(off, n, fua, h.Flags)
-		}
+		err = c.split(off, n, func(off, n int64) error { return c.writeZeroes(off, n, fua, h.Flags) })
 	case cmdCache:
-		if n > 0 {
-			err = x.prefetcher.Prefetch(off, n)
-		}
+		err = c.split(off, n, x.prefetcher.Prefetch)
 	case cmdBlockStatus:
 		c.sendBlockStatus(r)
 		return
@@ -411,6 +408,24 @@ func (c *conn) handle(r *request) {
 	r.bufArr[0] = r.hdr[:simpleReplySize]
 	r.bufs = r.bufArr[:1]
 	c.queueReply(r)
+}
+
+// split runs fn over [off, off+n) in pieces of at most the export's
+// maximum block size, cut at multiples of it (so pieces stay as aligned as
+// the request): a long TRIM, WRITE_ZEROES or CACHE holds the backend (its
+// locks, its allocations) no longer per call than the longest WRITE does. It stops at the first error; with FUA
+// each piece is durable before the next starts.
+func (c *conn) split(off, n int64, fn func(off, n int64) error) error {
+	step := int64(c.x.MaxBlockSize)
+	for n > 0 {
+		k := min(n, (off/step+1)*step-off)
+		if err := fn(off, k); err != nil {
+			return err
+		}
+		off += k
+		n -= k
+	}
+	return nil
 }
 
 // zeroBuf backs the WRITE_ZEROES fallback. Backends never modify the

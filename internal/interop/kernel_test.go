@@ -7,7 +7,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 )
@@ -39,13 +38,7 @@ func kernelExt4(t *testing.T, s *server, export string) {
 		t.Fatalf("nbdfuse file: %v size %v", err, fi)
 	}
 
-	out, err := runErr(30*time.Second, "losetup", "--find", "--show", "--direct-io=on", diskFile)
-	loop := strings.TrimSpace(out)
-	if err != nil || !strings.HasPrefix(loop, "/dev/loop") {
-		// Some kernels refuse direct I/O on a FUSE file: retry buffered.
-		loop = strings.TrimSpace(run(t, 30*time.Second, "losetup", "--find", "--show", diskFile))
-	}
-	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
+	loop := loopDevice(t, diskFile)
 
 	run(t, 2*time.Minute, "mkfs.ext4", "-q", "-F", "-E", "lazy_itable_init=0,lazy_journal_init=0", loop)
 	mount := func() {
