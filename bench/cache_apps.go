@@ -170,7 +170,7 @@ func (p pgCluster) sql(ctx context.Context, q string) (string, error) {
 // walStats returns the WAL fdatasyncs since the last reset of pg_stat_wal
 // and their mean time in ms. PostgreSQL issues them one at a time (group
 // commit), so with the count they say what bounds the TPS: see
-// docs/BENCHMARKS.md, "S6: what bounds pgbench".
+// docs/BENCHMARKS.md, "Reading the results".
 func (p pgCluster) walStats(ctx context.Context) (syncs int, meanMs float64, err error) {
 	out, err := p.sql(ctx, "select wal_sync, wal_sync_time from pg_stat_wal")
 	if err != nil {
