@@ -1,8 +1,8 @@
 package admin
 
 // Prometheus metrics. The table below maps every numeric field of
-// cache.VolumeStats and cache.SetStats to a metric; TestMetricsTableComplete
-// fails when a field has no line here, so a field added to the engine gets
+// cache.VolumeStats and cache.SetStats to a metric; the package's tests
+// fail when a field has no line here, so a field added to the engine gets
 // a metric (or an explicit reason why not) in this one place.
 
 import (

@@ -1,12 +1,12 @@
 package bench
 
-// The cache scenarios (issue 5, item 2): `tcbench cache`, behind `make bench`.
+// The cache scenarios: `tcbench cache`, behind `make bench`.
 //
 // Each scenario runs tiercache with its cache set on device models (an HDD
 // model behind an SSD model, see docs/MODELS.md) side by side with the plain
 // HDD model served without a cache (or, for S5, with qemu-nbd on the same
 // RAM-backed file), all through NBD with fio, and compares the ratios with
-// the published figures the issue names. Every image lives in a RAM-backed
+// the published bcache and bcachefs figures. Every image lives in a RAM-backed
 // directory (/dev/shm when it exists), so the models alone decide the
 // devices' timing. The models run on the real clock: the CLI does not expose
 // their TimeScale, so the suite fits its time budget by its sizes, which
@@ -225,7 +225,7 @@ type Figure struct {
 	Note       string  `json:"note,omitempty"`
 }
 
-// Check is one bar of the issue, with the seed's figure beside ours.
+// Check is one bar, with the seed's figure beside ours.
 type Check struct {
 	Scenario string  `json:"scenario"`
 	What     string  `json:"what"`

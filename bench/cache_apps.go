@@ -91,9 +91,9 @@ func (a appSizes) line() string {
 }
 
 // s6Modes are S6's targets: the cache modes, and with --s6-lba writeback
-// once more in lba writeback order (the default order is epoch), for issue
-// 4's cost of epoch order on a real overwrite workload. That one is not an
-// issue-5 figure and costs ~45 s a round, so it is not run by default.
+// once more in lba writeback order (the default order is epoch), for the
+// cost of epoch order on a real overwrite workload. That one has no
+// published seed and costs ~45 s a round, so it is not run by default.
 func (c *cacheRunner) s6Modes() []string {
 	m := []string{"none", "writethrough", "writearound", "writeback"}
 	if c.s6lba {

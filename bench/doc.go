@@ -19,10 +19,11 @@
 // Every command line the harness runs is printed and written into the report,
 // so a result can be reproduced by hand.
 //
-// `tcbench cache` (cache.go, cache_scenarios.go, cache_report.go) runs the
-// cache scenarios S1-S5 of issue 5: tiercache with an SSD model in front of
-// an HDD model, side by side with the plain HDD model (and qemu-nbd in S5),
-// driving tiercache's admin CLI (set, flush, stats --json) between fio runs,
+// `tcbench cache` (cache.go, cache_scenarios.go, cache_apps.go,
+// cache_report.go) runs the cache scenarios S1-S6: tiercache with an SSD
+// model in front of an HDD model, side by side with the plain HDD model (and
+// qemu-nbd in S5), driving tiercache's admin CLI (set, flush, stats --json)
+// between fio runs (S6: pgbench and db_bench on ext4 through the kernel),
 // and reports each published seed figure beside ours; docs/BENCHMARKS.md
 // describes the method.
 //

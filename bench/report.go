@@ -129,7 +129,7 @@ func (s summary) peers() []string {
 
 // throughputTable: median IOPS or MiB/s per target and the ratios of
 // tiercache to each peer and, for the baseline workloads, to fio O_DIRECT
-// on the file (the stretch goal).
+// on the file (the stretch goal).
 func (s summary) throughputTable() [][]string {
 	tc := s.has("tiercache")
 	head := []string{"Workload", "Unit"}

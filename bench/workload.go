@@ -38,7 +38,7 @@ type Workload struct {
 
 // Workloads are the shapes every server runs, in run order. Queue depths:
 // QD1 measures the round-trip latency a single synchronous client sees; QD32
-// is a busy file system or VM and the stretch target (4 KiB QD32
+// is a busy file system or VM and the stretch target (4 KiB QD32
 // random reads against fio O_DIRECT on the file); 1 MiB at QD8 keeps 8 MiB in
 // flight, enough to fill one connection on a 2-core host, where more would
 // only wait in the socket.

@@ -518,10 +518,9 @@ func (c *conn) sendError(r *request, errno uint32, msg string) {
 // once it is written. If no goroutine is writing, the caller becomes the
 // writer and sends everything queued, in as few writev calls as possible,
 // until the queue is empty. If other requests are still executing, the new
-// writer first yields once so that their replies can join the batch (this
-// cut syscalls per 4 KiB reply at QD32 from ~0.7 to ~0.06 and time per
-// request by a third); with a single request in flight the reply goes out
-// at once.
+// writer first yields once so that their replies can join the batch (at
+// depth most replies then share a writev); with a single request in flight
+// the reply goes out at once.
 func (c *conn) queueReply(r *request) {
 	c.running.Add(-1)
 	c.wmu.Lock()

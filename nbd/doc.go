@@ -43,7 +43,7 @@
 //     batch, until the queue is empty. Replies never interleave. With one
 //     request in flight the reply goes out at once; with more, the new
 //     writer first yields once so that replies finishing meanwhile join
-//     its batch (at QD32, ~17 replies per writev). A success header is only ever queued after
+//     its batch. A success header is only ever queued after
 //     the backend call succeeded, and a READ's data is complete before its
 //     header is queued, so an error can always still be reported.
 //
