@@ -1,5 +1,7 @@
-// Command tcbench runs tiercache's NBD benchmark (make bench). All of it
-// lives in package bench; see its documentation and docs/BENCHMARKS.md.
+// Command tcbench runs tiercache's benchmarks: `tcbench cache` the cache
+// scenarios S1-S6 (make bench), `tcbench` the NBD server against qemu-nbd
+// and nbdkit (make bench-nbd). All of it lives in package bench; see its
+// documentation and docs/BENCHMARKS.md.
 package main
 
 import (
