@@ -444,7 +444,9 @@ func formatOpt(v float64) string {
 	return formatValue(v)
 }
 
-// publishFiles copies names from src into dst.
+// publishFiles copies names from src into dst, replacing the published
+// run: a name src lacks (a scenario left out with --only) is removed from
+// dst, so dst never mixes one run's report with another run's charts.
 func publishFiles(src, dst string, names []string) error {
 	if err := os.MkdirAll(dst, 0o755); err != nil {
 		return fmt.Errorf("publish: %w", err)
@@ -452,7 +454,10 @@ func publishFiles(src, dst string, names []string) error {
 	for _, name := range names {
 		data, err := os.ReadFile(filepath.Join(src, name))
 		if os.IsNotExist(err) {
-			continue // a scenario left out with --only
+			if err := os.Remove(filepath.Join(dst, name)); err != nil && !os.IsNotExist(err) {
+				return fmt.Errorf("publish: %w", err)
+			}
+			continue
 		}
 		if err != nil {
 			return fmt.Errorf("publish: %w", err)
