@@ -41,7 +41,7 @@ import (
 func (v *Volume) DirtyBlocks() int64 {
 	v.s.mu.Lock()
 	defer v.s.mu.Unlock()
-	return v.idx.dirty
+	return v.idx.Dirty
 }
 
 // DrainDirty writes every dirty block of the volume back to its backing
@@ -164,15 +164,15 @@ func (v *Volume) Detach(ctx context.Context, opts DetachOptions) error {
 	s := v.s
 	v.rmw.Lock()
 	s.mu.Lock()
-	if v.idx.dirty != 0 || v.idx.nsup != 0 {
-		n := v.idx.dirty + v.idx.nsup
+	if v.idx.Dirty != 0 || v.idx.NSup != 0 {
+		n := v.idx.Dirty + v.idx.NSup
 		s.mu.Unlock()
 		v.rmw.Unlock()
 		reopen()
 		return fmt.Errorf("detach %s: %d dirty blocks left after writeback", v.name, n)
 	}
-	s.invalidateLocked(v.vi, 0, v.nblocks)
-	s.appendLocked(&rec{typ: recInvalidate, vol: uint16(v.vi), lba: 0, n: v.nblocks})
+	s.mu.Invalidate(v.vi, 0, v.nblocks)
+	s.appendLocked(&rec{Type: recInvalidate, Vol: uint16(v.vi), LBA: 0, N: v.nblocks})
 	v.idx.mutations++
 	target := s.mu.seq
 	s.mu.Unlock()
@@ -215,21 +215,21 @@ func (s *Set) removeVolume(v *Volume) error {
 	defer s.commitMu.Unlock()
 	s.sbMu.Lock() // held to the end: no other superblock update in between
 	defer s.sbMu.Unlock()
-	nsb := s.sb.clone()
+	nsb := s.sb.Clone()
 	nsb.Backings[v.vi] = BackingInfo{}
 	for len(nsb.Backings) > 0 && nsb.Backings[len(nsb.Backings)-1].Free() {
 		nsb.Backings = nsb.Backings[:len(nsb.Backings)-1]
 	}
 	s.mu.Lock()
-	if v.idx.cached != 0 || v.idx.dirty != 0 || v.idx.nsup != 0 {
-		n := v.idx.cached + v.idx.nsup
+	if v.idx.Cached != 0 || v.idx.Dirty != 0 || v.idx.NSup != 0 {
+		n := v.idx.Cached + v.idx.NSup
 		s.mu.Unlock()
 		restart()
 		return fmt.Errorf("%d blocks still cached", n)
 	}
-	if invariants.Enabled && (v.idx.tree.Len() != 0 || v.idx.sup.Len() != 0 || len(v.idx.wbInflight) != 0) {
+	if invariants.Enabled && (v.idx.Tree.Len() != 0 || v.idx.Sup.Len() != 0 || len(v.idx.wbInflight) != 0) {
 		invariants.AssertionFailedf("detach: slot %d still indexes %d entries, %d superseded, %d versions, %d in writeback",
-			v.vi, v.idx.tree.Len(), v.idx.sup.Len(), len(v.idx.wbInflight))
+			v.vi, v.idx.Tree.Len(), v.idx.Sup.Len(), len(v.idx.wbInflight))
 	}
 	old := s.vols
 	vols := slices.Clone(s.vols) // never shorter: see Set.vols
@@ -287,7 +287,7 @@ func (s *Set) Attach(spec BackingSpec, opts AttachOptions) (*Volume, error) {
 		return nil, fmt.Errorf("attach %q: %w: want a name of 1..%d bytes, an id of at most %d, a path of at most %d, and a device",
 			spec.Name, ErrInvalid, maxNameLen, maxNameLen, maxPathLen)
 	}
-	if !opts.Mode.valid() {
+	if !opts.Mode.Valid() {
 		return nil, fmt.Errorf("attach %s: %w: mode %d", spec.Name, ErrInvalid, int(opts.Mode))
 	}
 	size := spec.Dev.Size()
@@ -338,14 +338,14 @@ func (s *Set) Attach(spec BackingSpec, opts AttachOptions) (*Volume, error) {
 	st := DefaultSettings()
 	st.Mode = opts.Mode
 	bi := BackingInfo{Name: spec.Name, ID: spec.ID, Path: spec.Path, Size: size, Mode: opts.Mode, Settings: st}
-	nsb := s.sb.clone()
+	nsb := s.sb.Clone()
 	if slot < len(nsb.Backings) {
 		nsb.Backings[slot] = bi
 	} else {
 		nsb.Backings = append(nsb.Backings, bi)
 	}
 	nsb.Seq++
-	if err := nsb.validate(-1); err != nil {
+	if err := nsb.Validate(-1); err != nil {
 		return nil, fmt.Errorf("attach %s: %w", spec.Name, err)
 	}
 	if err := writeSuperblock(s.dev, nsb); err != nil {

@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -262,10 +263,10 @@ func TestAttachDetachUnderLoad(t *testing.T) {
 // superblock (attached since: empty) or more (a trailing slot detached
 // since), but an extra or free slot may hold nothing.
 func TestCheckpointVolumeCount(t *testing.T) {
-	body := func(nvols int, ents ...ent) []byte {
-		tr := make([]*ptree, nvols)
+	body := func(nvols int, ents ...index.Ent) []byte {
+		tr := make([]*index.Ptree, nvols)
 		for i := range tr {
-			tr[i] = newPtree()
+			tr[i] = index.NewPtree()
 		}
 		for _, e := range ents {
 			tr[nvols-1].ReplaceOrInsert(e)
@@ -280,8 +281,8 @@ func TestCheckpointVolumeCount(t *testing.T) {
 		return out
 	}
 	const nb, bpb = 4, 4
-	e := ent{lba: 3, loc: 5, crc: 9}
-	if cd, err := decodeCkptBody(body(1, e), nb, bpb, []uint64{64, 64, 64}); err != nil || len(cd.vols) != 1 {
+	e := index.Ent{LBA: 3, Loc: 5, CRC: 9}
+	if cd, err := decodeCkptBody(body(1, e), nb, bpb, []uint64{64, 64, 64}); err != nil || len(cd.Vols) != 1 {
 		t.Fatalf("fewer volumes than the superblock: %v", err)
 	}
 	if _, err := decodeCkptBody(body(3), nb, bpb, []uint64{64}); err != nil {

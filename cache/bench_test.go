@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -56,26 +57,27 @@ func heapIndexOverwrites(t *testing.T, nblocks int, order string, flushEvery int
 	bpb := int64(bs / blockSize)
 	nb := int64(nblocks) / bpb
 	s := &Set{bpb: bpb, epochOK: true}
+	s.mu.BPB = s.bpb
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
-	s.mu.buckets = make([]bucket, nb)
+	s.mu.Buckets = make([]index.Bucket, nb)
 	v := &Volume{s: s, nblocks: 1 << 30}
 	st := DefaultSettings()
 	st.WritebackOrder = order
 	v.cfg.Store(&st)
-	v.idx.tree = newPtree()
+	v.idx.Tree = index.NewPtree()
 	s.setVols([]*Volume{v})
 	rng := rand.New(rand.NewPCG(1, 2))
 	for i := 0; i < nblocks; i++ {
 		v.idx.epoch = uint64(i / flushEvery)
-		s.insertLocked(0, rng.Uint64N(uint64(nblocks)*4), uint32(i), uint32(i), true)
+		s.mu.Insert(0, rng.Uint64N(uint64(nblocks)*4), uint32(i), uint32(i), true, s.vols[0].idx.epoch, s.keepSuperseded(0))
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&after)
 	used := float64(after.HeapAlloc - before.HeapAlloc)
 	t.Logf("order=%s, random dirty writes with repeats, a flush every %d: %d cache blocks written: index %.1f MiB = %.1f B per cache block = %.2f%% of cache (%d live entries, %d superseded versions)",
-		order, flushEvery, nblocks, used/(1<<20), used/float64(nblocks), 100*used/(float64(nblocks)*blockSize), v.idx.tree.Len(), v.idx.nsup)
+		order, flushEvery, nblocks, used/(1<<20), used/float64(nblocks), 100*used/(float64(nblocks)*blockSize), v.idx.Tree.Len(), v.idx.NSup)
 	runtime.KeepAlive(s)
 }
 
@@ -87,12 +89,13 @@ func heapIndexFigure(t *testing.T, nblocks int, sorted bool, dirtyEvery int) {
 	bpb := int64(bs / blockSize)
 	nb := int64(nblocks) / bpb
 	s := &Set{bpb: bpb}
+	s.mu.BPB = s.bpb
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
-	s.mu.buckets = make([]bucket, nb)
+	s.mu.Buckets = make([]index.Bucket, nb)
 	v := &Volume{s: s, nblocks: 1 << 30}
-	v.idx.tree = newPtree()
+	v.idx.Tree = index.NewPtree()
 	s.setVols([]*Volume{v})
 	rng := rand.New(rand.NewPCG(1, 2))
 	perm := rng.Perm(nblocks * 4)[:nblocks] // random LBAs in a 4x larger volume
@@ -100,18 +103,18 @@ func heapIndexFigure(t *testing.T, nblocks int, sorted bool, dirtyEvery int) {
 		slices.Sort(perm)
 	}
 	for i := 0; i < nblocks; i++ {
-		s.insertLocked(0, uint64(perm[i]), uint32(i), uint32(i), dirtyEvery > 0 && i%dirtyEvery == 0)
+		s.mu.Insert(0, uint64(perm[i]), uint32(i), uint32(i), dirtyEvery > 0 && i%dirtyEvery == 0, s.vols[0].idx.epoch, s.keepSuperseded(0))
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&after)
 	used := float64(after.HeapAlloc - before.HeapAlloc)
 	perBlock := used / float64(nblocks)
 	cacheBytes := float64(nblocks) * blockSize
-	st := v.idx.tree.stats()
+	st := v.idx.Tree.Stats()
 	t.Logf("sorted=%t dirty=1/%d: %d cached 4 KiB blocks (%.0f MiB cache): index %.1f MiB = %.1f B/block = %.2f%% of cache = %.1f MiB per GiB of cache (%d entries, leaves %.0f%% full, %d dirty)",
 		sorted, dirtyEvery, nblocks, cacheBytes/(1<<20), used/(1<<20), perBlock, 100*used/cacheBytes, perBlock*(1<<30)/blockSize/(1<<20),
-		v.idx.tree.Len(), 100*float64(v.idx.tree.Len())/float64(st.leaves*leafCap), v.idx.dirty)
-	if err := v.idx.tree.check(); err != nil {
+		v.idx.Tree.Len(), 100*float64(v.idx.Tree.Len())/float64(st.Leaves*index.LeafCap), v.idx.Dirty)
+	if err := v.idx.Tree.Check(); err != nil {
 		t.Fatal(err)
 	}
 	// Eviction's index walk over this index (no reverse map), for a batch
@@ -158,7 +161,7 @@ func TestMeasureRecovery(t *testing.T) {
 	crcs := make([]uint32, 1)
 	for i := 0; i < nblocks; i++ {
 		s.mu.Lock()
-		s.insertLocked(0, uint64(lbas[i]), uint32(i), uint32(i), true)
+		s.mu.Insert(0, uint64(lbas[i]), uint32(i), uint32(i), true, s.vols[0].idx.epoch, s.keepSuperseded(0))
 		crcs[0] = uint32(i)
 		s.appendInsertLocked(0, uint64(lbas[i]), uint32(i), true, crcs)
 		s.mu.Unlock()

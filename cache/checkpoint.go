@@ -6,6 +6,7 @@ import (
 	"hash/crc32"
 	"slices"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -42,23 +43,23 @@ func ckptLenFor(nbuckets, bpb int64, nvols int) int64 {
 }
 
 type ckptHeader struct {
-	nonce   uint64
-	gen     uint64
-	jpos    journalPos
-	bodyLen uint64
-	bodyCRC uint32
+	Nonce   uint64
+	Gen     uint64
+	JPos    journalPos
+	BodyLen uint64
+	BodyCRC uint32
 }
 
-func (h *ckptHeader) encode() []byte {
+func (h *ckptHeader) Encode() []byte {
 	b := make([]byte, blockSize)
 	copy(b, ckptMagic)
 	le.PutUint32(b[8:], formatVersion)
-	le.PutUint64(b[16:], h.nonce)
-	le.PutUint64(b[24:], h.gen)
-	le.PutUint64(b[32:], uint64(h.jpos.blk))
-	le.PutUint64(b[40:], h.jpos.seq)
-	le.PutUint64(b[48:], h.bodyLen)
-	le.PutUint32(b[56:], h.bodyCRC)
+	le.PutUint64(b[16:], h.Nonce)
+	le.PutUint64(b[24:], h.Gen)
+	le.PutUint64(b[32:], uint64(h.JPos.Blk))
+	le.PutUint64(b[40:], h.JPos.Seq)
+	le.PutUint64(b[48:], h.BodyLen)
+	le.PutUint32(b[56:], h.BodyCRC)
 	le.PutUint32(b[12:], crc32c(b[:ckptHdrLen]))
 	return b
 }
@@ -80,12 +81,12 @@ func decodeCkptHeader(b []byte, off int64) (h ckptHeader, err error) {
 	if v := le.Uint32(b[8:]); v != formatVersion {
 		return h, corruptf("checkpoint header", off, blockSize, "version %d", v)
 	}
-	h.nonce = le.Uint64(b[16:])
-	h.gen = le.Uint64(b[24:])
-	h.jpos.blk = int64(le.Uint64(b[32:]))
-	h.jpos.seq = le.Uint64(b[40:])
-	h.bodyLen = le.Uint64(b[48:])
-	h.bodyCRC = le.Uint32(b[56:])
+	h.Nonce = le.Uint64(b[16:])
+	h.Gen = le.Uint64(b[24:])
+	h.JPos.Blk = int64(le.Uint64(b[32:]))
+	h.JPos.Seq = le.Uint64(b[40:])
+	h.BodyLen = le.Uint64(b[48:])
+	h.BodyCRC = le.Uint32(b[56:])
 	return h, nil
 }
 
@@ -93,34 +94,34 @@ func decodeCkptHeader(b []byte, off int64) (h ckptHeader, err error) {
 // beside its index tree's clone: the flush epochs of the dirty entries'
 // and superseded versions' cache blocks (epochOf reads a snapshot of the
 // bucket epoch tables, which are copied on write after it) and the
-// superseded versions (a clone of idx.sup; nil: none).
+// superseded versions (a clone of idx.Sup; nil: none).
 type verSnap struct {
-	epochOf func(loc uint32) uint64
-	sup     *stree
-	dirty   int // the live dirty entries (a capacity hint)
+	EpochOf func(loc uint32) uint64
+	Sup     *index.Stree
+	Dirty   int // the live dirty entries (a capacity hint)
 }
 
 // ckptVol is one volume's part of a checkpoint.
 type ckptVol struct {
-	epoch uint64
-	ents  []ent
+	Epoch uint64
+	Ents  []index.Ent
 	// epochOf[loc] is the flush epoch of the dirty entry at cache block loc
 	// (nil without an epoch section). One slice indexed by cache block,
 	// shared by all volumes (no block is named twice), is much cheaper to
 	// build and read than a map for a million dirty blocks.
-	epochOf []uint64
-	sup     []ver // superseded versions (epoch order)
+	EpochOf []uint64
+	Sup     []index.Ver // superseded versions (epoch order)
 }
 
 // ckptData is a decoded checkpoint body.
 type ckptData struct {
-	gens []uint32
-	vols []ckptVol
+	Gens []uint32
+	Vols []ckptVol
 }
 
 // encodeCkptBody streams the body to w in chunks (the index of a large cache
 // is tens of MiB; it is never held twice in memory).
-func encodeCkptBody(gens []uint32, epochs []uint64, trees []*ptree, w func([]byte) error) error {
+func encodeCkptBody(gens []uint32, epochs []uint64, trees []*index.Ptree, w func([]byte) error) error {
 	return encodeCkptBodyVers(gens, epochs, trees, nil, w)
 }
 
@@ -129,7 +130,7 @@ func encodeCkptBody(gens []uint32, epochs []uint64, trees []*ptree, w func([]byt
 // live dirty entry's cache block, then the superseded versions.
 //
 //	"EPCH" u32 | { n u64 | { loc u32 | epoch u64 } × n | m u64 | { lba u64 | loc u32 | crc u32 | epoch u64 } × m } per volume
-func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []verSnap, w func([]byte) error) error {
+func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*index.Ptree, vers []verSnap, w func([]byte) error) error {
 	const chunk = 1 << 20
 	e := enc{b: make([]byte, 0, 64<<10)}
 	flush := func(force bool) error {
@@ -153,10 +154,10 @@ func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []v
 		e.u64(epochs[i])
 		e.u64(uint64(t.Len()))
 		var err error
-		t.Ascend(func(x ent) bool {
-			e.u64(x.lba)
-			e.u32(x.loc)
-			e.u32(x.crc)
+		t.Ascend(func(x index.Ent) bool {
+			e.u64(x.LBA)
+			e.u32(x.Loc)
+			e.u32(x.CRC)
 			err = flush(false)
 			return err == nil
 		})
@@ -175,21 +176,21 @@ func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []v
 			}
 			// Sized up front: growing it by doubling cost 0.16 s of a
 			// 1M-version checkpoint.
-			live := make([]locEpoch, 0, vs.dirty)
-			trees[i].Ascend(func(x ent) bool {
-				if x.dirty() {
-					live = append(live, locEpoch{x.block(), vs.epochOf(x.block())})
+			live := make([]locEpoch, 0, vs.Dirty)
+			trees[i].Ascend(func(x index.Ent) bool {
+				if x.Dirty() {
+					live = append(live, locEpoch{x.Block(), vs.EpochOf(x.Block())})
 				}
 				return true
 			})
-			var sup []ver
-			if vs.sup != nil {
-				vs.sup.Ascend(func(x ent) bool {
-					sup = append(sup, ver{epoch: vs.epochOf(x.loc), lba: x.lba, loc: x.loc, crc: x.crc})
+			var sup []index.Ver
+			if vs.Sup != nil {
+				vs.Sup.Ascend(func(x index.Ent) bool {
+					sup = append(sup, index.Ver{Epoch: vs.EpochOf(x.Loc), LBA: x.LBA, Loc: x.Loc, CRC: x.CRC})
 					return true
 				})
 			}
-			slices.SortFunc(sup, cmpVer) // decoding wants them by (epoch, lba)
+			slices.SortFunc(sup, index.CmpVer) // decoding wants them by (epoch, lba)
 			e.u64(uint64(len(live)))
 			for _, x := range live {
 				e.u32(x.loc)
@@ -200,10 +201,10 @@ func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*ptree, vers []v
 			}
 			e.u64(uint64(len(sup)))
 			for _, x := range sup {
-				e.u64(x.lba)
-				e.u32(x.loc)
-				e.u32(x.crc)
-				e.u64(x.epoch)
+				e.u64(x.LBA)
+				e.u32(x.Loc)
+				e.u32(x.CRC)
+				e.u64(x.Epoch)
 				if err := flush(false); err != nil {
 					return err
 				}
@@ -223,9 +224,9 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 	if d.bad || nb != nbuckets {
 		return nil, badf("checkpoint body", "checkpoint has %d buckets, superblock %d", nb, nbuckets)
 	}
-	cd := &ckptData{gens: make([]uint32, nb)}
-	for i := range cd.gens {
-		cd.gens[i] = d.u32()
+	cd := &ckptData{Gens: make([]uint32, nb)}
+	for i := range cd.Gens {
+		cd.Gens[i] = d.u32()
 	}
 	// The volume count may differ from the superblock's: attach and detach
 	// change the slot list with one superblock write, and the checkpoint
@@ -244,37 +245,37 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 		return 0
 	}
 	total := uint64(nbuckets * bpb)
-	seen := newBitset(int(total))
+	seen := index.NewBitset(int(total))
 	for v := 0; v < nv; v++ {
 		var cv ckptVol
-		cv.epoch = d.u64()
+		cv.Epoch = d.u64()
 		n := d.u64()
 		if d.bad || n > total || n*ckptEntrySize > uint64(d.remaining()) {
 			return nil, badf("checkpoint body", "volume %d: %d entries", v, n)
 		}
-		cv.ents = make([]ent, n)
-		for i := range cv.ents {
-			x := ent{lba: d.u64(), loc: d.u32(), crc: d.u32()}
-			if x.lba >= blocksOf(v) || uint64(x.block()) >= total || (i > 0 && x.lba <= cv.ents[i-1].lba) || seen.get(int(x.block())) {
-				return nil, badf("checkpoint body", "volume %d entry %d (lba %d loc %d) out of order or out of range", v, i, x.lba, x.block())
+		cv.Ents = make([]index.Ent, n)
+		for i := range cv.Ents {
+			x := index.Ent{LBA: d.u64(), Loc: d.u32(), CRC: d.u32()}
+			if x.LBA >= blocksOf(v) || uint64(x.Block()) >= total || (i > 0 && x.LBA <= cv.Ents[i-1].LBA) || seen.Get(int(x.Block())) {
+				return nil, badf("checkpoint body", "volume %d entry %d (lba %d loc %d) out of order or out of range", v, i, x.LBA, x.Block())
 			}
-			seen.set(int(x.block()))
-			cv.ents[i] = x
+			seen.Set(int(x.Block()))
+			cv.Ents[i] = x
 		}
-		cd.vols = append(cd.vols, cv)
+		cd.Vols = append(cd.Vols, cv)
 	}
 	if !d.bad && d.remaining() > 0 {
 		if d.u32() != ckptEpochTag {
 			return nil, badf("checkpoint body", "unknown section after the volumes")
 		}
 		epochOf := make([]uint64, total)
-		dirtyAt := newBitset(int(total)) // the dirty entries of the volume at hand
-		for vi := range cd.vols {
-			cv := &cd.vols[vi]
+		dirtyAt := index.NewBitset(int(total)) // the dirty entries of the volume at hand
+		for vi := range cd.Vols {
+			cv := &cd.Vols[vi]
 			nd := 0
-			for _, x := range cv.ents {
-				if x.dirty() {
-					dirtyAt.set(int(x.block()))
+			for _, x := range cv.Ents {
+				if x.Dirty() {
+					dirtyAt.Set(int(x.Block()))
 					nd++
 				}
 			}
@@ -282,35 +283,35 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 			if d.bad || n > uint64(nd) || n*12 > uint64(d.remaining()) {
 				return nil, badf("checkpoint body", "volume %d: %d dirty epochs", vi, n)
 			}
-			cv.epochOf = epochOf
+			cv.EpochOf = epochOf
 			for range n {
 				loc, ep := d.u32(), d.u64()
-				if uint64(loc) >= total || !dirtyAt.get(int(loc)) || ep > cv.epoch {
-					return nil, badf("checkpoint body", "volume %d: epoch %d for cache block %d (not a dirty entry, or beyond the volume's epoch %d)", vi, ep, loc, cv.epoch)
+				if uint64(loc) >= total || !dirtyAt.Get(int(loc)) || ep > cv.Epoch {
+					return nil, badf("checkpoint body", "volume %d: epoch %d for cache block %d (not a dirty entry, or beyond the volume's epoch %d)", vi, ep, loc, cv.Epoch)
 				}
 				epochOf[loc] = ep
 			}
-			for _, x := range cv.ents {
-				dirtyAt.clear(int(x.block()))
+			for _, x := range cv.Ents {
+				dirtyAt.Clear(int(x.Block()))
 			}
 			m := d.u64()
 			if d.bad || m > total || m*24 > uint64(d.remaining()) {
 				return nil, badf("checkpoint body", "volume %d: %d superseded versions", vi, m)
 			}
 			for range m {
-				x := ver{lba: d.u64(), loc: d.u32(), crc: d.u32(), epoch: d.u64()}
-				if d.bad || x.lba >= blocksOf(vi) || uint64(x.loc) >= total || seen.get(int(x.loc)) || x.epoch > cv.epoch {
+				x := index.Ver{LBA: d.u64(), Loc: d.u32(), CRC: d.u32(), Epoch: d.u64()}
+				if d.bad || x.LBA >= blocksOf(vi) || uint64(x.Loc) >= total || seen.Get(int(x.Loc)) || x.Epoch > cv.Epoch {
 					return nil, badf("checkpoint body", "volume %d: superseded version %+v out of range or owned twice", vi, x)
 				}
 				// In (epoch, lba) order, each older than the live dirty
 				// entry of its LBA (index invariant 4): (epoch, lba) names
 				// one version.
-				i, found := slices.BinarySearchFunc(cv.ents, x.lba, func(e ent, lba uint64) int { return cmp.Compare(e.lba, lba) })
-				if (len(cv.sup) > 0 && !verLess(cv.sup[len(cv.sup)-1], x)) || !found || !cv.ents[i].dirty() || epochOf[cv.ents[i].block()] <= x.epoch {
+				i, found := slices.BinarySearchFunc(cv.Ents, x.LBA, func(e index.Ent, lba uint64) int { return cmp.Compare(e.LBA, lba) })
+				if (len(cv.Sup) > 0 && !index.VerLess(cv.Sup[len(cv.Sup)-1], x)) || !found || !cv.Ents[i].Dirty() || epochOf[cv.Ents[i].Block()] <= x.Epoch {
 					return nil, badf("checkpoint body", "volume %d: superseded version %+v out of order or not older than a dirty entry", vi, x)
 				}
-				seen.set(int(x.loc))
-				cv.sup = append(cv.sup, x)
+				seen.Set(int(x.Loc))
+				cv.Sup = append(cv.Sup, x)
 			}
 		}
 	}
@@ -322,14 +323,14 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 
 // writeCheckpoint writes a checkpoint into slot h.gen%2 and syncs. The
 // caller has already made everything the snapshot depends on durable.
-func writeCheckpoint(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*ptree) error {
+func writeCheckpoint(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*index.Ptree) error {
 	return writeCheckpointVers(dev, sb, h, gens, epochs, trees, nil)
 }
 
 // writeCheckpointVers writes a checkpoint with the epoch section (vers
 // non-nil), which needs slots sized by ckptLenEpoch.
-func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*ptree, vers []verSnap) error {
-	slot := sb.CkptOff[h.gen%2]
+func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*index.Ptree, vers []verSnap) error {
+	slot := sb.CkptOff[h.Gen%2]
 	off := slot + blockSize
 	crc := uint32(0)
 	var n int64
@@ -352,8 +353,8 @@ func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens [
 	if err := dev.Sync(); err != nil {
 		return fmt.Errorf("syncing checkpoint body: %w", err)
 	}
-	h.bodyLen, h.bodyCRC = uint64(n), crc
-	if _, err := dev.WriteAt(h.encode(), slot); err != nil {
+	h.BodyLen, h.BodyCRC = uint64(n), crc
+	if _, err := dev.WriteAt(h.Encode(), slot); err != nil {
 		return fmt.Errorf("writing checkpoint header at %d: %w", slot, err)
 	}
 	if err := dev.Sync(); err != nil {
@@ -391,17 +392,17 @@ func readCheckpointBody(dev device.Device, sb *Superblock) (ckptHeader, []byte, 
 			return ckptHeader{}, nil, fmt.Errorf("reading checkpoint slot %d at %d: %w", i, sb.CkptOff[i], err)
 		}
 		h, err := decodeCkptHeader(buf, sb.CkptOff[i])
-		if err == nil && (h.nonce != sb.nonce() || h.gen%2 != uint64(i)) {
-			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "slot %d holds generation %d of another set", i, h.gen)
+		if err == nil && (h.Nonce != sb.Nonce() || h.Gen%2 != uint64(i)) {
+			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "slot %d holds generation %d of another set", i, h.Gen)
 		}
-		if err == nil && (h.bodyLen > uint64(sb.CkptLen-blockSize) || h.jpos.blk < 0 || h.jpos.blk >= sb.JournalLen/blockSize) {
-			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "body length %d, journal block %d", h.bodyLen, h.jpos.blk)
+		if err == nil && (h.BodyLen > uint64(sb.CkptLen-blockSize) || h.JPos.Blk < 0 || h.JPos.Blk >= sb.JournalLen/blockSize) {
+			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "body length %d, journal block %d", h.BodyLen, h.JPos.Blk)
 		}
 		if err != nil {
 			errs[i] = err
 			continue
 		}
-		if best == nil || h.gen > best.gen {
+		if best == nil || h.Gen > best.Gen {
 			hh := h
 			best = &hh
 		}
@@ -413,8 +414,8 @@ func readCheckpointBody(dev device.Device, sb *Superblock) (ckptHeader, []byte, 
 	// than silently falling back to an older generation whose journal may
 	// have been overwritten: the header is written only after the body is
 	// durable, so a crash cannot explain it.
-	slot := sb.CkptOff[best.gen%2]
-	body := make([]byte, best.bodyLen)
+	slot := sb.CkptOff[best.Gen%2]
+	body := make([]byte, best.BodyLen)
 	if _, err := dev.ReadAt(body, slot+blockSize); err != nil {
 		return ckptHeader{}, nil, fmt.Errorf("reading checkpoint body: %w", err)
 	}
@@ -424,14 +425,14 @@ func readCheckpointBody(dev device.Device, sb *Superblock) (ckptHeader, []byte, 
 // decodeCheckpoint verifies the checksum of the body of checkpoint h and
 // decodes it. It does no I/O (Open runs it beside the journal reads).
 func decodeCheckpoint(sb *Superblock, h ckptHeader, body []byte, volBlocks []uint64) (*ckptData, error) {
-	slot := sb.CkptOff[h.gen%2]
-	if got := crc32c(body); got != h.bodyCRC {
+	slot := sb.CkptOff[h.Gen%2]
+	if got := crc32c(body); got != h.BodyCRC {
 		return nil, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "checkpoint body", Offset: slot + blockSize,
-			Length: int64(h.bodyLen), Expected: h.bodyCRC, Actual: got, HaveSums: true}
+			Length: int64(h.BodyLen), Expected: h.BodyCRC, Actual: got, HaveSums: true}
 	}
-	cd, err := decodeCkptBody(body, sb.NBuckets, sb.blocksPerBucket(), volBlocks)
+	cd, err := decodeCkptBody(body, sb.NBuckets, sb.BlocksPerBucket(), volBlocks)
 	if err != nil {
-		return nil, placed(err, slot+blockSize, int64(h.bodyLen))
+		return nil, placed(err, slot+blockSize, int64(h.BodyLen))
 	}
 	return cd, nil
 }

@@ -4,6 +4,8 @@ import (
 	"math/rand/v2"
 	"testing"
 	"time"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
 // TestMeasureEpochBatchCPU measures the CPU that epoch-ordered writeback
@@ -27,9 +29,10 @@ func measureEpochBatches(t *testing.T, nblocks, ndirty, perEpoch, batch int) {
 	const bs = 1 << 20
 	bpb := int64(bs / blockSize)
 	s := &Set{bpb: bpb}
-	s.mu.buckets = make([]bucket, int64(nblocks)/bpb)
+	s.mu.BPB = s.bpb
+	s.mu.Buckets = make([]index.Bucket, int64(nblocks)/bpb)
 	v := &Volume{s: s, nblocks: 1 << 30}
-	v.idx.tree = newPtree()
+	v.idx.Tree = index.NewPtree()
 	v.idx.wbInflight = map[uint32]struct{}{}
 	s.setVols([]*Volume{v})
 	rng := rand.New(rand.NewPCG(7, 8))
@@ -44,7 +47,7 @@ func measureEpochBatches(t *testing.T, nblocks, ndirty, perEpoch, batch int) {
 			v.idx.epoch = uint64(dirty / perEpoch)
 			dirty++
 		}
-		s.insertLocked(0, uint64(perm[i]), uint32(i), uint32(i), d)
+		s.mu.Insert(0, uint64(perm[i]), uint32(i), uint32(i), d, s.vols[0].idx.epoch, s.keepSuperseded(0))
 	}
 	s.mu.Unlock()
 	fill := time.Since(start)
@@ -59,7 +62,7 @@ func measureEpochBatches(t *testing.T, nblocks, ndirty, perEpoch, batch int) {
 		blocks += len(items)
 		s.mu.Lock()
 		for _, it := range items {
-			s.markCleanLocked(0, it.lba, it.loc)
+			s.mu.MarkClean(0, it.lba, it.loc)
 			delete(v.idx.wbInflight, it.loc)
 		}
 		s.mu.Unlock()

@@ -55,6 +55,8 @@ import (
 	"fmt"
 	"slices"
 	"time"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
 // cacheErrLimit is how many cache data I/O errors in a row (no successful
@@ -159,21 +161,21 @@ func (s *Set) failLocked(cause error) error {
 		lost = rest
 		seq++
 		_, dropsDirty := s.mu.dirtyInval[seq]
-		switch r.typ {
+		switch r.Type {
 		case recClean:
-			if cleaned[r.vol] == nil {
-				cleaned[r.vol] = map[uint64]bool{}
+			if cleaned[r.Vol] == nil {
+				cleaned[r.Vol] = map[uint64]bool{}
 			}
-			cleaned[r.vol][r.lba] = true
+			cleaned[r.Vol][r.LBA] = true
 		case recInvalidate:
-			for l := range cleaned[r.vol] {
-				dropsDirty = dropsDirty || (l >= r.lba && l-r.lba < r.n)
+			for l := range cleaned[r.Vol] {
+				dropsDirty = dropsDirty || (l >= r.LBA && l-r.LBA < r.N)
 			}
 		case recInsert:
-			if !r.dirty {
-				n := uint64(len(r.crcs))
-				for l := range cleaned[r.vol] {
-					dropsDirty = dropsDirty || (l >= r.lba && l-r.lba < n)
+			if !r.Dirty {
+				n := uint64(len(r.CRCs))
+				for l := range cleaned[r.Vol] {
+					dropsDirty = dropsDirty || (l >= r.LBA && l-r.LBA < n)
 				}
 			}
 		}
@@ -188,7 +190,7 @@ func (s *Set) failLocked(cause error) error {
 	var reps []volReport
 	if first {
 		for _, v := range s.vols {
-			r := volReport{name: v.name, dirty: v.idx.dirty, sup: v.idx.nsup, lost: v.fo.lost, fences: int64(len(v.fo.fence))}
+			r := volReport{name: v.name, dirty: v.idx.Dirty, sup: v.idx.NSup, lost: v.fo.lost, fences: int64(len(v.fo.fence))}
 			r.ranges = v.dirtyRangesLocked(16)
 			reps = append(reps, r)
 		}
@@ -227,22 +229,22 @@ func (s *Set) failLocked(cause error) error {
 // which a reopen after failover drops.)
 // REQUIRES: s.mu
 func (s *Set) lostLocked(r *rec, dropsDirty bool) {
-	if int(r.vol) >= len(s.vols) {
+	if int(r.Vol) >= len(s.vols) {
 		return
 	}
-	v := s.vols[r.vol]
-	switch r.typ {
+	v := s.vols[r.Vol]
+	switch r.Type {
 	case recInsert:
-		if n := uint64(len(r.crcs)); r.dirty || dropsDirty {
+		if n := uint64(len(r.CRCs)); r.Dirty || dropsDirty {
 			v.fo.lost += int64(n)
-			v.addFenceLocked(r.lba, n)
+			v.addFenceLocked(r.LBA, n)
 		}
 	case recClean:
-		v.addFenceLocked(r.lba, 1)
+		v.addFenceLocked(r.LBA, 1)
 	case recInvalidate:
-		v.addFenceLocked(r.lba, r.n)
+		v.addFenceLocked(r.LBA, r.N)
 		if dropsDirty {
-			v.fo.lost += int64(r.n)
+			v.fo.lost += int64(r.N)
 		}
 	}
 }
@@ -302,8 +304,8 @@ func (v *Volume) fenceOverlapsLocked(lba, n uint64) bool {
 // index. REQUIRES: s.mu
 func (v *Volume) dirtyInLocked(lba, n uint64) bool {
 	dirty := false
-	v.idx.tree.AscendRange(ent{lba: lba}, ent{lba: lba + n}, func(e ent) bool {
-		dirty = e.dirty()
+	v.idx.Tree.AscendRange(index.Ent{LBA: lba}, index.Ent{LBA: lba + n}, func(e index.Ent) bool {
+		dirty = e.Dirty()
 		return !dirty
 	})
 	return dirty
@@ -313,18 +315,18 @@ func (v *Volume) dirtyInLocked(lba, n uint64) bool {
 // REQUIRES: s.mu
 func (v *Volume) dirtyRangesLocked(limit int) []blockRange {
 	var out []blockRange
-	v.idx.tree.Ascend(func(e ent) bool {
-		if !e.dirty() {
+	v.idx.Tree.Ascend(func(e index.Ent) bool {
+		if !e.Dirty() {
 			return true
 		}
-		if k := len(out); k > 0 && out[k-1].lba+out[k-1].n == e.lba {
+		if k := len(out); k > 0 && out[k-1].lba+out[k-1].n == e.LBA {
 			out[k-1].n++
 			return true
 		}
 		if len(out) == limit {
 			return false
 		}
-		out = append(out, blockRange{e.lba, 1})
+		out = append(out, blockRange{e.LBA, 1})
 		return true
 	})
 	return out
@@ -346,10 +348,10 @@ func fmtRanges(rs []blockRange) string {
 func (v *Volume) readFailed(buf []byte, lba uint64, n int) error {
 	s := v.s
 	s.mu.Lock()
-	var bad ent
+	var bad index.Ent
 	found := false
-	v.idx.tree.AscendRange(ent{lba: lba}, ent{lba: lba + uint64(n)}, func(e ent) bool {
-		if e.dirty() {
+	v.idx.Tree.AscendRange(index.Ent{LBA: lba}, index.Ent{LBA: lba + uint64(n)}, func(e index.Ent) bool {
+		if e.Dirty() {
 			bad, found = e, true
 		}
 		return !found
@@ -362,10 +364,10 @@ func (v *Volume) readFailed(buf []byte, lba uint64, n int) error {
 	if found {
 		v.st.unreachableReads.Add(1)
 		err := fmt.Errorf("volume %s: reading %d bytes at %d: block at %d: %w (%w)", v.name, n*blockSize,
-			int64(lba)*blockSize, int64(bad.lba)*blockSize, ErrDirtyUnreachable, s.err())
+			int64(lba)*blockSize, int64(bad.LBA)*blockSize, ErrDirtyUnreachable, s.err())
 		if logIt {
 			s.log.Error("read of dirty data on the failed cache device: I/O error to the client (logged at most once a second per volume)",
-				"volume", v.name, "offset", int64(bad.lba)*blockSize, "unreachable_reads_so_far", v.st.unreachableReads.Load())
+				"volume", v.name, "offset", int64(bad.LBA)*blockSize, "unreachable_reads_so_far", v.st.unreachableReads.Load())
 		}
 		return err
 	}
@@ -493,23 +495,23 @@ func (v *Volume) lostCount() int64 {
 // block; a dirty block that still cannot be read fails the read. It
 // returns the LBAs read from the backing device (not to be verified against
 // the cache checksum).
-func (v *Volume) readAroundCache(dst []byte, hs []ent) (fromBacking []uint64, err error) {
+func (v *Volume) readAroundCache(dst []byte, hs []index.Ent) (fromBacking []uint64, err error) {
 	s := v.s
 	for i, e := range hs {
 		p := dst[i*blockSize : (i+1)*blockSize]
-		if !e.dirty() {
-			if err := v.readBacking(p, e.lba); err != nil {
+		if !e.Dirty() {
+			if err := v.readBacking(p, e.LBA); err != nil {
 				return fromBacking, fmt.Errorf("volume %s: %w", v.name, err)
 			}
-			fromBacking = append(fromBacking, e.lba)
+			fromBacking = append(fromBacking, e.LBA)
 			continue
 		}
-		if _, err := s.dev.ReadAt(p, s.cacheOff(e.block())); err != nil {
+		if _, err := s.dev.ReadAt(p, s.cacheOff(e.Block())); err != nil {
 			s.cacheIOError("read retry", err)
 			v.st.unreachableReads.Add(1)
 			s.log.Error("dirty block cannot be read from the cache device: I/O error to the client",
-				"volume", v.name, "offset", int64(e.lba)*blockSize, "err", err)
-			return fromBacking, fmt.Errorf("volume %s: reading dirty block at %d: %w: %w", v.name, int64(e.lba)*blockSize, ErrDirtyUnreachable, err)
+				"volume", v.name, "offset", int64(e.LBA)*blockSize, "err", err)
+			return fromBacking, fmt.Errorf("volume %s: reading dirty block at %d: %w: %w", v.name, int64(e.LBA)*blockSize, ErrDirtyUnreachable, err)
 		}
 		s.cacheIOOK()
 	}

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/faultdev"
 )
@@ -151,7 +152,7 @@ func TestFUARacingFailover(t *testing.T) {
 	// Let the write reach the cache and its commit wait for commitMu.
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
 		s.mu.Lock()
-		_, ok := v.idx.tree.Get(ent{lba: 0})
+		_, ok := v.idx.Tree.Get(index.Ent{LBA: 0})
 		s.mu.Unlock()
 		if ok {
 			break

@@ -31,8 +31,8 @@ func requireTyped(t *testing.T, err error) {
 }
 
 func FuzzDecodeCheckpointHeader(f *testing.F) {
-	h := ckptHeader{nonce: 0x1234, gen: 7, jpos: journalPos{blk: 3, seq: 9}, bodyLen: 4096, bodyCRC: 0xabcdef}
-	f.Add(h.encode())
+	h := ckptHeader{Nonce: 0x1234, Gen: 7, JPos: journalPos{Blk: 3, Seq: 9}, BodyLen: 4096, BodyCRC: 0xabcdef}
+	f.Add(h.Encode())
 	f.Add(make([]byte, ckptHdrLen))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		got, err := decodeCkptHeader(data, 0)
@@ -40,7 +40,7 @@ func FuzzDecodeCheckpointHeader(f *testing.F) {
 		if err != nil {
 			return
 		}
-		enc := got.encode()
+		enc := got.Encode()
 		if len(data) < ckptHdrLen || string(enc[:ckptHdrLen]) != string(data[:ckptHdrLen]) {
 			t.Fatalf("round trip changed the header: %+v", got)
 		}
@@ -107,17 +107,17 @@ func newFuzzImage(f testing.TB) *fuzzImage {
 	if err != nil {
 		f.Fatal(err)
 	}
-	im.ckpt = make([]byte, hdr.bodyLen)
-	if _, err := im.cache.ReadAt(im.ckpt, im.sb.CkptOff[hdr.gen%2]+blockSize); err != nil {
+	im.ckpt = make([]byte, hdr.BodyLen)
+	if _, err := im.cache.ReadAt(im.ckpt, im.sb.CkptOff[hdr.Gen%2]+blockSize); err != nil {
 		f.Fatal(err)
 	}
-	if im.pos.seq > 0 {
+	if im.pos.Seq > 0 {
 		jb := im.sb.JournalLen / blockSize
 		b := make([]byte, blockSize)
-		if _, err := im.cache.ReadAt(b, im.sb.JournalOff+((im.pos.blk+jb-1)%jb)*blockSize); err != nil {
+		if _, err := im.cache.ReadAt(b, im.sb.JournalOff+((im.pos.Blk+jb-1)%jb)*blockSize); err != nil {
 			f.Fatal(err)
 		}
-		if _, recs, st, _, _, _ := decodeJournalBlock(b, im.sb.nonce(), im.gen); st == blockOK {
+		if _, recs, st, _, _, _ := decodeJournalBlock(b, im.sb.Nonce(), im.gen); st == blockOK {
 			im.recs = recs
 		}
 	}
@@ -160,19 +160,19 @@ func FuzzOpenForgedJournal(f *testing.F) {
 		stream = appendRec(stream, r)
 	}
 	f.Add(stream)
-	f.Add(appendRec(nil, &rec{typ: recReuse, bucket: 1, gen: 9}))
-	f.Add(appendRec(appendRec(nil, &rec{typ: recInvalidate, vol: 1, lba: 0, n: 1 << 40}),
-		&rec{typ: recClean, vol: 0, lba: 2, loc: 5}))
-	f.Add(appendRec(nil, &rec{typ: recInsert, vol: 0, lba: 30, loc: 31, gen: 0, dirty: true, epoch: 3, crcs: []uint32{1}}))
-	nonce := im.sb.nonce()
+	f.Add(appendRec(nil, &rec{Type: recReuse, Bucket: 1, Gen: 9}))
+	f.Add(appendRec(appendRec(nil, &rec{Type: recInvalidate, Vol: 1, LBA: 0, N: 1 << 40}),
+		&rec{Type: recClean, Vol: 0, LBA: 2, Loc: 5}))
+	f.Add(appendRec(nil, &rec{Type: recInsert, Vol: 0, LBA: 30, Loc: 31, Gen: 0, Dirty: true, Epoch: 3, CRCs: []uint32{1}}))
+	nonce := im.sb.Nonce()
 	jb := im.sb.JournalLen / blockSize
 	f.Fuzz(func(t *testing.T, payload []byte) {
 		if len(payload) > jPayload {
 			payload = payload[:jPayload]
 		}
 		im.open(t, func(c *device.Mem) {
-			b := encodeJournalBlock(jhdr{nonce: nonce, gen: im.gen, seq: im.pos.seq, batchStart: im.pos.seq}, payload)
-			if _, err := c.WriteAt(b, im.sb.JournalOff+(im.pos.blk%jb)*blockSize); err != nil {
+			b := encodeJournalBlock(jhdr{Nonce: nonce, Gen: im.gen, Seq: im.pos.Seq, BatchStart: im.pos.Seq}, payload)
+			if _, err := c.WriteAt(b, im.sb.JournalOff+(im.pos.Blk%jb)*blockSize); err != nil {
 				t.Fatal(err)
 			}
 		})
@@ -183,19 +183,19 @@ func FuzzOpenForgedCheckpoint(f *testing.F) {
 	im := newFuzzImage(f)
 	f.Add(im.ckpt)
 	f.Add([]byte{})
-	nonce := im.sb.nonce()
+	nonce := im.sb.Nonce()
 	f.Fuzz(func(t *testing.T, body []byte) {
 		if int64(len(body)) > im.sb.CkptLen-blockSize {
 			body = body[:im.sb.CkptLen-blockSize]
 		}
 		im.open(t, func(c *device.Mem) {
 			// A newer checkpoint, with a valid header, vouching for body.
-			h := ckptHeader{nonce: nonce, gen: im.gen + 1, jpos: journalPos{blk: im.pos.blk}, bodyLen: uint64(len(body)), bodyCRC: crc32c(body)}
-			slot := im.sb.CkptOff[h.gen%2]
+			h := ckptHeader{Nonce: nonce, Gen: im.gen + 1, JPos: journalPos{Blk: im.pos.Blk}, BodyLen: uint64(len(body)), BodyCRC: crc32c(body)}
+			slot := im.sb.CkptOff[h.Gen%2]
 			if _, err := c.WriteAt(body, slot+blockSize); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := c.WriteAt(h.encode(), slot); err != nil {
+			if _, err := c.WriteAt(h.Encode(), slot); err != nil {
 				t.Fatal(err)
 			}
 		})
@@ -208,7 +208,7 @@ func FuzzOpenForgedCheckpoint(f *testing.F) {
 func TestForgedMetadataNamesThePlace(t *testing.T) {
 	im := newFuzzImage(t)
 	jb := im.sb.JournalLen / blockSize
-	jOff := im.sb.JournalOff + (im.pos.blk%jb)*blockSize
+	jOff := im.sb.JournalOff + (im.pos.Blk%jb)*blockSize
 	slot := im.sb.CkptOff[(im.gen+1)%2]
 	for _, tc := range []struct {
 		name  string
@@ -217,18 +217,18 @@ func TestForgedMetadataNamesThePlace(t *testing.T) {
 		off   int64
 	}{
 		{"journal record of unknown type", func(c *device.Mem) {
-			b := encodeJournalBlock(jhdr{nonce: im.sb.nonce(), gen: im.gen, seq: im.pos.seq, batchStart: im.pos.seq}, []byte{99, 0, 0})
+			b := encodeJournalBlock(jhdr{Nonce: im.sb.Nonce(), Gen: im.gen, Seq: im.pos.Seq, BatchStart: im.pos.Seq}, []byte{99, 0, 0})
 			if _, err := c.WriteAt(b, jOff); err != nil {
 				t.Fatal(err)
 			}
 		}, "journal record", jOff},
 		{"checkpoint body with another bucket count", func(c *device.Mem) {
 			body := []byte{1, 0, 0, 0, 0, 0, 0, 0, 0, 0}
-			h := ckptHeader{nonce: im.sb.nonce(), gen: im.gen + 1, jpos: journalPos{blk: im.pos.blk}, bodyLen: uint64(len(body)), bodyCRC: crc32c(body)}
+			h := ckptHeader{Nonce: im.sb.Nonce(), Gen: im.gen + 1, JPos: journalPos{Blk: im.pos.Blk}, BodyLen: uint64(len(body)), BodyCRC: crc32c(body)}
 			if _, err := c.WriteAt(body, slot+blockSize); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := c.WriteAt(h.encode(), slot); err != nil {
+			if _, err := c.WriteAt(h.Encode(), slot); err != nil {
 				t.Fatal(err)
 			}
 		}, "checkpoint body", slot + blockSize},

@@ -23,6 +23,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
 
@@ -32,7 +33,7 @@ type run struct {
 	n   int
 }
 
-func (s *Set) lowWater() int { return max(2, len(s.mu.buckets)/8) }
+func (s *Set) lowWater() int { return max(2, len(s.mu.Buckets)/8) }
 
 func (s *Set) kick() {
 	select {
@@ -84,17 +85,17 @@ func (s *Set) alloc(n int, how allocHow) (run, error) {
 			return run{}, err
 		}
 		if s.mu.open >= 0 {
-			b := &s.mu.buckets[s.mu.open]
-			if int64(b.fill) < s.bpb {
-				k := min(n, int(s.bpb)-int(b.fill))
-				r := run{loc: uint32(s.mu.open*s.bpb) + b.fill, n: k}
-				b.fill += uint32(k)
-				b.pins++
+			b := &s.mu.Buckets[s.mu.open]
+			if int64(b.Fill) < s.bpb {
+				k := min(n, int(s.bpb)-int(b.Fill))
+				r := run{loc: uint32(s.mu.open*s.bpb) + b.Fill, n: k}
+				b.Fill += uint32(k)
+				b.Pins++
 				s.mu.tick++
-				b.atime = s.mu.tick
+				b.Atime = s.mu.tick
 				return r, nil
 			}
-			b.state = bucketSealed
+			b.State = index.BucketSealed
 			s.mu.sealed = append(s.mu.sealed, uint32(s.mu.open))
 			s.mu.open = -1
 		}
@@ -110,15 +111,15 @@ func (s *Set) alloc(n int, how allocHow) (run, error) {
 		}
 		bi := s.mu.free[0]
 		s.mu.free = s.mu.free[1:]
-		b := &s.mu.buckets[bi]
-		b.state, b.fill = bucketOpen, 0
+		b := &s.mu.Buckets[bi]
+		b.State, b.Fill = index.BucketOpen, 0
 		s.mu.open = int64(bi)
 	}
 }
 
 // REQUIRES: s.mu
 func (s *Set) unpinLocked(loc uint32) {
-	s.mu.buckets[int64(loc)/s.bpb].pins--
+	s.mu.Buckets[int64(loc)/s.bpb].Pins--
 	s.mu.cond.Broadcast()
 }
 
@@ -170,18 +171,18 @@ func (s *Set) pickVictimsLocked(k int) []int64 {
 	}
 	var cands []cand
 	for _, bi := range s.mu.sealed {
-		b := &s.mu.buckets[bi]
-		if b.pins > 0 && b.live == 0 {
+		b := &s.mu.Buckets[bi]
+		if b.Pins > 0 && b.Live == 0 {
 			continue
 		}
 		var key [3]uint64
 		switch {
-		case b.live == 0:
-			key = [3]uint64{0, 0, b.atime}
-		case b.dirty == 0:
-			key = [3]uint64{1, b.atime, 0}
+		case b.Live == 0:
+			key = [3]uint64{0, 0, b.Atime}
+		case b.Dirty == 0:
+			key = [3]uint64{1, b.Atime, 0}
 		default:
-			key = [3]uint64{2, uint64(b.live), b.atime}
+			key = [3]uint64{2, uint64(b.Live), b.Atime}
 		}
 		cands = append(cands, cand{int64(bi), key})
 	}
@@ -202,7 +203,7 @@ const evictBatchMin = 64
 // located is an index entry found by a walk, with its volume.
 type located struct {
 	vi int
-	e  ent
+	e  index.Ent
 }
 
 // walkChunk bounds the entries an index walk visits per hold of Set.mu
@@ -223,13 +224,13 @@ func (s *Set) entriesIn(want func(loc int64) bool) []located {
 			more = false
 			visited := 0
 			s.mu.Lock()
-			v.idx.tree.AscendGreaterOrEqual(ent{lba: from}, func(e ent) bool {
+			v.idx.Tree.AscendGreaterOrEqual(index.Ent{LBA: from}, func(e index.Ent) bool {
 				if visited == walkChunk {
-					from, more = e.lba, true
+					from, more = e.LBA, true
 					return false
 				}
 				visited++
-				if want(int64(e.block())) {
+				if want(int64(e.Block())) {
 					out = append(out, located{vi, e})
 				}
 				return true
@@ -246,13 +247,13 @@ func (s *Set) entriesIn(want func(loc int64) bool) []located {
 // them. It reports whether it freed any.
 func (s *Set) evictOne() bool {
 	s.mu.Lock()
-	k := max(s.lowWater()-len(s.mu.free), len(s.mu.buckets)/evictBatchMin, 1)
+	k := max(s.lowWater()-len(s.mu.free), len(s.mu.Buckets)/evictBatchMin, 1)
 	victims := s.pickVictimsLocked(k)
 	isVictim := make(map[int64]bool, len(victims))
 	walk := false
 	for _, bi := range victims {
 		isVictim[bi] = true
-		walk = walk || s.mu.buckets[bi].live > 0
+		walk = walk || s.mu.Buckets[bi].Live > 0
 	}
 	s.mu.Unlock()
 	if len(victims) == 0 {
@@ -261,7 +262,7 @@ func (s *Set) evictOne() bool {
 	found := map[int64][]located{}
 	if walk {
 		for _, l := range s.entriesIn(func(loc int64) bool { return isVictim[loc/s.bpb] }) {
-			bi := int64(l.e.block()) / s.bpb
+			bi := int64(l.e.Block()) / s.bpb
 			found[bi] = append(found[bi], l)
 		}
 	}
@@ -278,8 +279,8 @@ func (s *Set) evictOne() bool {
 // (items). It reports whether the bucket was freed.
 func (s *Set) evictVictim(victim int64, items []located) bool {
 	s.mu.Lock()
-	vb := &s.mu.buckets[victim]
-	if vb.state != bucketSealed {
+	vb := &s.mu.Buckets[victim]
+	if vb.State != index.BucketSealed {
 		s.mu.Unlock()
 		return false
 	}
@@ -288,15 +289,15 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 	// a quarter of a bucket (from the free reserve if need be) and frees a
 	// whole one, without waiting for the backing device. Writeback then
 	// still sees them, merged with their neighbours, at its own pace.
-	if vb.dirty > 0 && int64(vb.live)*gcMoveFraction <= s.bpb && len(s.mu.free) >= 1 {
+	if vb.Dirty > 0 && int64(vb.Live)*gcMoveFraction <= s.bpb && len(s.mu.free) >= 1 {
 		s.mu.Unlock()
 		s.gcMove(victim, items)
 		s.mu.Lock()
 	}
 	perVol := map[int][]uint64{}
 	for _, it := range items {
-		if e, ok := s.vols[it.vi].idx.tree.Get(it.e); ok && e.dirty() && e.block() == it.e.block() {
-			perVol[it.vi] = append(perVol[it.vi], e.lba)
+		if e, ok := s.vols[it.vi].idx.Tree.Get(it.e); ok && e.Dirty() && e.Block() == it.e.Block() {
+			perVol[it.vi] = append(perVol[it.vi], e.LBA)
 		}
 	}
 	s.mu.Unlock()
@@ -307,12 +308,12 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 		}
 	}
 	s.mu.Lock()
-	b := &s.mu.buckets[victim]
+	b := &s.mu.Buckets[victim]
 	for _, it := range items {
 		v := s.vols[it.vi]
-		if e, ok := v.idx.tree.Get(it.e); ok && !e.dirty() && e.block() == it.e.block() {
-			v.idx.tree.Delete(e)
-			s.unaccountLocked(it.vi, e)
+		if e, ok := v.idx.Tree.Get(it.e); ok && !e.Dirty() && e.Block() == it.e.Block() {
+			v.idx.Tree.Delete(e)
+			s.mu.Unaccount(it.vi, e)
 		}
 	}
 	if invariants.Enabled {
@@ -320,22 +321,22 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 			invariants.AssertionFailedf("after evicting bucket %d: %v", victim, err)
 		}
 	}
-	if b.live > 0 || b.pins > 0 || b.state != bucketSealed {
+	if b.Live > 0 || b.Pins > 0 || b.State != index.BucketSealed {
 		// Dirty blocks that could not be written back yet (claimed by a
 		// passthrough write, or failing), entries of writes that were in
 		// flight during the walk, or reads in flight: retry later, after
 		// the other sealed buckets.
 		s.mu.sealed = slices.DeleteFunc(s.mu.sealed, func(x uint32) bool { return int64(x) == victim })
-		if b.state == bucketSealed {
+		if b.State == index.BucketSealed {
 			s.mu.sealed = append(s.mu.sealed, uint32(victim))
 		}
 		s.mu.Unlock()
 		return false
 	}
 	s.mu.sealed = slices.DeleteFunc(s.mu.sealed, func(x uint32) bool { return int64(x) == victim })
-	b.gen++
-	b.state = bucketFreeing
-	s.appendLocked(&rec{typ: recReuse, bucket: uint32(victim), gen: b.gen})
+	b.Gen++
+	b.State = index.BucketFreeing
+	s.appendLocked(&rec{Type: recReuse, Bucket: uint32(victim), Gen: b.Gen})
 	target := s.mu.seq
 	s.mu.Unlock()
 	// The generation bump must be durable before new data lands in the
@@ -347,7 +348,7 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 		// The set has failed; keep the bucket out of circulation.
 		return false
 	}
-	b.state, b.fill = bucketFree, 0
+	b.State, b.Fill = index.BucketFree, 0
 	s.mu.free = append(s.mu.free, uint32(victim))
 	s.mu.cond.Broadcast()
 	s.stats.evictions.Add(1)
@@ -375,32 +376,32 @@ func (s *Set) gcMove(bi int64, found []located) {
 	type item struct {
 		vi    int
 		lba   uint64
-		e     ent
+		e     index.Ent
 		epoch uint64
 	}
 	var items []item
 	s.mu.Lock()
 	for _, it := range found {
-		if e, ok := s.vols[it.vi].idx.tree.Get(it.e); ok && e.dirty() && e.block() == it.e.block() {
-			items = append(items, item{it.vi, e.lba, e, s.blockEpoch(e.block())})
+		if e, ok := s.vols[it.vi].idx.Tree.Get(it.e); ok && e.Dirty() && e.Block() == it.e.Block() {
+			items = append(items, item{it.vi, e.LBA, e, s.mu.BlockEpoch(e.Block())})
 		}
 	}
-	slices.SortFunc(items, func(a, b item) int { return cmp.Compare(a.e.block(), b.e.block()) })
-	s.mu.buckets[bi].pins++
+	slices.SortFunc(items, func(a, b item) int { return cmp.Compare(a.e.Block(), b.e.Block()) })
+	s.mu.Buckets[bi].Pins++
 	s.mu.Unlock()
 	defer func() {
 		s.mu.Lock()
-		s.mu.buckets[bi].pins--
+		s.mu.Buckets[bi].Pins--
 		s.mu.cond.Broadcast()
 		s.mu.Unlock()
 	}()
 	buf := make([]byte, blockSize)
 	for _, it := range items {
-		if _, err := s.dev.ReadAt(buf, s.cacheOff(it.e.block())); err != nil {
+		if _, err := s.dev.ReadAt(buf, s.cacheOff(it.e.Block())); err != nil {
 			s.cacheIOError("GC move read", err)
 			continue // left for writeback, which reports it
 		}
-		if crc32c(buf) != it.e.crc {
+		if crc32c(buf) != it.e.CRC {
 			continue // left for writeback, which reports it
 		}
 		r, err := s.alloc(1, allocNoWait)
@@ -412,11 +413,11 @@ func (s *Set) gcMove(bi int64, found []located) {
 			s.cacheIOError("GC move write", werr)
 		}
 		s.mu.Lock()
-		if cur, ok := s.vols[it.vi].idx.tree.Get(ent{lba: it.lba}); werr == nil && ok && cur == it.e {
+		if cur, ok := s.vols[it.vi].idx.Tree.Get(index.Ent{LBA: it.lba}); werr == nil && ok && cur == it.e {
 			// Same epoch as the copied version: it replaces it (never
 			// superseding it), and keeps its place in epoch order.
-			s.insertEpochLocked(it.vi, it.lba, r.loc, it.e.crc, true, it.epoch)
-			s.appendInsertEpochLocked(it.vi, it.lba, r.loc, true, []uint32{it.e.crc}, it.epoch)
+			s.mu.Insert(it.vi, it.lba, r.loc, it.e.CRC, true, it.epoch, s.keepSuperseded(it.vi))
+			s.appendInsertEpochLocked(it.vi, it.lba, r.loc, true, []uint32{it.e.CRC}, it.epoch)
 			s.stats.gcMoves.Add(1)
 		}
 		s.unpinLocked(r.loc)
@@ -434,14 +435,14 @@ func (s *Set) gcMove(bi int64, found []located) {
 func (s *Set) dirtyScanLocked(vi int, from uint64, limit, maxVisit int) (out []uint64, next uint64, done bool) {
 	done, next = true, from
 	visited := 0
-	s.vols[vi].idx.tree.AscendAggAtMost(ent{lba: from}, math.MaxUint64-1, func(e ent) bool {
+	s.vols[vi].idx.Tree.AscendAggAtMost(index.Ent{LBA: from}, math.MaxUint64-1, func(e index.Ent) bool {
 		if visited >= maxVisit || len(out) >= limit {
-			done, next = false, e.lba
+			done, next = false, e.LBA
 			return false
 		}
 		visited++
-		if e.dirty() {
-			out = append(out, e.lba)
+		if e.Dirty() {
+			out = append(out, e.LBA)
 		}
 		return true
 	})
@@ -452,9 +453,9 @@ func (s *Set) dirtyScanLocked(vi int, from uint64, limit, maxVisit int) (out []u
 // REQUIRES: s.mu
 func (s *Set) dirtyLBAsLocked(vi int, from uint64, limit int) []uint64 {
 	var out []uint64
-	s.vols[vi].idx.tree.AscendGreaterOrEqual(ent{lba: from}, func(e ent) bool {
-		if e.dirty() {
-			out = append(out, e.lba)
+	s.vols[vi].idx.Tree.AscendGreaterOrEqual(index.Ent{LBA: from}, func(e index.Ent) bool {
+		if e.Dirty() {
+			out = append(out, e.LBA)
 		}
 		return len(out) < limit
 	})
@@ -494,21 +495,21 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 	for at := 0; at < len(lbas); at += lockChunk {
 		s.mu.Lock()
 		for _, lba := range lbas[at:min(at+lockChunk, len(lbas))] {
-			e, ok := v.idx.tree.Get(ent{lba: lba})
-			if !ok || !e.dirty() {
+			e, ok := v.idx.Tree.Get(index.Ent{LBA: lba})
+			if !ok || !e.Dirty() {
 				continue
 			}
-			if _, ok := v.idx.wbInflight[e.block()]; ok {
+			if _, ok := v.idx.wbInflight[e.Block()]; ok {
 				continue // written by another batch, not yet marked clean
 			}
-			v.idx.wbInflight[e.block()] = struct{}{}
+			v.idx.wbInflight[e.Block()] = struct{}{}
 			if len(items) > 0 && items[len(items)-1].lba+1 == lba && runs[len(runs)-1].n < wbMaxRun {
 				runs[len(runs)-1].n++
 			} else {
 				runs = append(runs, blockRange{uint64(len(items)), 1})
 			}
-			b := &s.mu.buckets[int64(e.block())/s.bpb]
-			items = append(items, wbItem{lba: lba, loc: e.block(), crc: e.crc, gen: b.gen})
+			b := &s.mu.Buckets[int64(e.Block())/s.bpb]
+			items = append(items, wbItem{lba: lba, loc: e.Block(), crc: e.CRC, gen: b.Gen})
 		}
 		s.mu.Unlock()
 	}
@@ -567,7 +568,7 @@ func (s *Set) writebackEpoch(vi, n int) (int, error) {
 func (s *Set) takeEpochBatch(vi, n int) []wbItem {
 	v := s.vol(vi)
 	s.mu.Lock()
-	oldest, ok := s.oldestEpochLocked(vi)
+	oldest, ok := s.mu.OldestEpoch(vi)
 	if !ok {
 		s.mu.Unlock()
 		return nil
@@ -598,22 +599,22 @@ func (s *Set) takeEpochBatch(vi, n int) []wbItem {
 // REQUIRES: s.mu (dropped and retaken between chunks)
 func (s *Set) takeEpochRangeLocked(vi int, oldest, from, limit uint64, n int, items []wbItem) (_ []wbItem, next uint64, more bool) {
 	v := s.vols[vi]
-	var cand []ver
+	var cand []index.Ver
 	for {
 		cand = cand[:0]
 		visited := 0
 		next, more = 0, false
-		v.idx.tree.AscendAggAtMost(ent{lba: from}, oldest, func(e ent) bool {
-			if e.lba >= limit {
+		v.idx.Tree.AscendAggAtMost(index.Ent{LBA: from}, oldest, func(e index.Ent) bool {
+			if e.LBA >= limit {
 				return false
 			}
 			if visited >= lockChunk || len(cand) >= n-len(items) {
-				next, more = e.lba, true
+				next, more = e.LBA, true
 				return false
 			}
 			visited++
-			if e.dirty() && s.blockEpoch(e.block()) == oldest {
-				cand = append(cand, ver{epoch: oldest, lba: e.lba, loc: e.block(), crc: e.crc})
+			if e.Dirty() && s.mu.BlockEpoch(e.Block()) == oldest {
+				cand = append(cand, index.Ver{Epoch: oldest, LBA: e.LBA, Loc: e.Block(), CRC: e.CRC})
 			}
 			return true
 		})
@@ -622,30 +623,30 @@ func (s *Set) takeEpochRangeLocked(vi int, oldest, from, limit uint64, n int, it
 			end = next
 		}
 		nlive := len(cand)
-		v.idx.sup.AscendAggAtMost(ent{lba: from}, oldest, func(e ent) bool {
-			if e.lba >= end {
+		v.idx.Sup.AscendAggAtMost(index.Ent{LBA: from}, oldest, func(e index.Ent) bool {
+			if e.LBA >= end {
 				return false
 			}
-			if s.blockEpoch(e.loc) == oldest {
-				cand = append(cand, ver{epoch: oldest, lba: e.lba, loc: e.loc, crc: e.crc})
+			if s.mu.BlockEpoch(e.Loc) == oldest {
+				cand = append(cand, index.Ver{Epoch: oldest, LBA: e.LBA, Loc: e.Loc, CRC: e.CRC})
 			}
 			return true
 		})
 		if len(cand) > nlive {
-			slices.SortFunc(cand, cmpVer)
+			slices.SortFunc(cand, index.CmpVer)
 		}
 		for _, x := range cand {
 			if len(items) >= n {
 				// Resume at the first version not taken.
-				next, more = x.lba, true
+				next, more = x.LBA, true
 				break
 			}
-			if _, busy := v.idx.wbInflight[x.loc]; busy {
+			if _, busy := v.idx.wbInflight[x.Loc]; busy {
 				continue
 			}
-			v.idx.wbInflight[x.loc] = struct{}{}
-			b := &s.mu.buckets[int64(x.loc)/s.bpb]
-			items = append(items, wbItem{lba: x.lba, loc: x.loc, crc: x.crc, gen: b.gen})
+			v.idx.wbInflight[x.Loc] = struct{}{}
+			b := &s.mu.Buckets[int64(x.Loc)/s.bpb]
+			items = append(items, wbItem{lba: x.LBA, loc: x.Loc, crc: x.CRC, gen: b.Gen})
 		}
 		if !more || len(items) >= n {
 			return items, next, more
@@ -666,22 +667,22 @@ func (s *Set) writebackEpochLBAs(vi int, lbas []uint64) (int, error) {
 	var items []wbItem
 	var runs []blockRange
 	s.mu.Lock()
-	if oldest, ok := s.oldestEpochLocked(vi); ok {
+	if oldest, ok := s.mu.OldestEpoch(vi); ok {
 		for _, lba := range lbas {
-			e, ok := v.idx.tree.Get(ent{lba: lba})
-			if !ok || !e.dirty() || s.blockEpoch(e.block()) != oldest {
+			e, ok := v.idx.Tree.Get(index.Ent{LBA: lba})
+			if !ok || !e.Dirty() || s.mu.BlockEpoch(e.Block()) != oldest {
 				continue
 			}
-			if _, busy := v.idx.wbInflight[e.block()]; busy {
+			if _, busy := v.idx.wbInflight[e.Block()]; busy {
 				continue
 			}
-			v.idx.wbInflight[e.block()] = struct{}{}
+			v.idx.wbInflight[e.Block()] = struct{}{}
 			if len(items) > 0 && items[len(items)-1].lba+1 == lba && runs[len(runs)-1].n < wbMaxRun {
 				runs[len(runs)-1].n++
 			} else {
 				runs = append(runs, blockRange{uint64(len(items)), 1})
 			}
-			items = append(items, wbItem{lba: lba, loc: e.block(), crc: e.crc, gen: s.mu.buckets[int64(e.block())/s.bpb].gen})
+			items = append(items, wbItem{lba: lba, loc: e.Block(), crc: e.CRC, gen: s.mu.Buckets[int64(e.Block())/s.bpb].Gen})
 		}
 	}
 	s.mu.Unlock()
@@ -696,11 +697,11 @@ func (s *Set) writebackEpochLBAs(vi int, lbas []uint64) (int, error) {
 // REQUIRES: s.mu
 func (s *Set) hasVersionLocked(vi int, lba uint64, loc uint32, crc uint32) bool {
 	v := s.vols[vi]
-	if e, ok := v.idx.tree.Get(ent{lba: lba}); ok && e.dirty() && e.block() == loc && e.crc == crc {
+	if e, ok := v.idx.Tree.Get(index.Ent{LBA: lba}); ok && e.Dirty() && e.Block() == loc && e.CRC == crc {
 		return true
 	}
-	x, ok := v.idx.sup.Get(ent{lba: lba, loc: loc})
-	return ok && x.crc == crc
+	x, ok := v.idx.Sup.Get(index.Ent{LBA: lba, Loc: loc})
+	return ok && x.CRC == crc
 }
 
 // writeItems writes a batch taken by writeback or writebackEpoch (items
@@ -752,10 +753,10 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 		valid := make([]bool, r.n)
 		for i := range valid {
 			it := &items[int(r.lba)+i]
-			b := &s.mu.buckets[int64(it.loc)/s.bpb]
-			valid[i] = claimed && b.gen == it.gen && s.hasVersionLocked(vi, it.lba, it.loc, it.crc)
+			b := &s.mu.Buckets[int64(it.loc)/s.bpb]
+			valid[i] = claimed && b.Gen == it.gen && s.hasVersionLocked(vi, it.lba, it.loc, it.crc)
 			if valid[i] {
-				b.pins++
+				b.Pins++
 			}
 		}
 		s.mu.Unlock()
@@ -845,8 +846,8 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 	for at := 0; at < len(items); at += lockChunk {
 		s.mu.Lock()
 		for _, it := range items[at:min(at+lockChunk, len(items))] {
-			if it.ok && s.mu.buckets[int64(it.loc)/s.bpb].gen == it.gen && s.markCleanLocked(vi, it.lba, it.loc) {
-				s.appendLocked(&rec{typ: recClean, vol: uint16(vi), lba: it.lba, loc: it.loc})
+			if it.ok && s.mu.Buckets[int64(it.loc)/s.bpb].Gen == it.gen && s.mu.MarkClean(vi, it.lba, it.loc) {
+				s.appendLocked(&rec{Type: recClean, Vol: uint16(vi), LBA: it.lba, Loc: it.loc})
 				n++
 			}
 		}
@@ -893,7 +894,7 @@ func (s *Set) Drain(ctx context.Context) error {
 		}
 		s.mu.Lock()
 		for _, v := range s.vols {
-			left += v.idx.dirty
+			left += v.idx.Dirty
 		}
 		target := s.mu.seq
 		s.mu.Unlock()
@@ -913,7 +914,7 @@ func (s *Set) Drain(ctx context.Context) error {
 			s.mu.Lock()
 			still := int64(0)
 			for _, v := range s.vols {
-				still += v.idx.dirty
+				still += v.idx.Dirty
 			}
 			s.mu.Unlock()
 			if still == left && s.checksumFailures() > failedBefore {

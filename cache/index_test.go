@@ -3,11 +3,12 @@ package cache
 import (
 	"context"
 	"errors"
-	"math/rand/v2"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
 // dumpIndex renders the first n blocks of volume vi: '.' not cached,
@@ -16,11 +17,11 @@ func dumpIndex(s *Set, vi int, n int) string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	b := []byte(strings.Repeat(".", n))
-	s.vols[vi].idx.tree.Ascend(func(e ent) bool {
-		if int(e.lba) < n {
-			b[e.lba] = 'c'
-			if e.dirty() {
-				b[e.lba] = 'd'
+	s.vols[vi].idx.Tree.Ascend(func(e index.Ent) bool {
+		if int(e.LBA) < n {
+			b[e.LBA] = 'c'
+			if e.Dirty() {
+				b[e.LBA] = 'd'
 			}
 		}
 		return true
@@ -130,8 +131,8 @@ func TestChecksumClean(t *testing.T) {
 	if err := v.WriteAt(p, 3*blockSize, false); err != nil {
 		t.Fatal(err)
 	}
-	e, _ := v.idx.tree.Get(ent{lba: 3})
-	if err := cache.Corrupt(s.cacheOff(e.block())+100, 1); err != nil {
+	e, _ := v.idx.Tree.Get(index.Ent{LBA: 3})
+	if err := cache.Corrupt(s.cacheOff(e.Block())+100, 1); err != nil {
 		t.Fatal(err)
 	}
 	got := make([]byte, blockSize)
@@ -154,13 +155,13 @@ func TestChecksumDirty(t *testing.T) {
 	if err := v.WriteAt(make([]byte, 2*blockSize), 5*blockSize, false); err != nil {
 		t.Fatal(err)
 	}
-	e, _ := v.idx.tree.Get(ent{lba: 6})
-	if err := cache.Corrupt(s.cacheOff(e.block()), 1); err != nil {
+	e, _ := v.idx.Tree.Get(index.Ent{LBA: 6})
+	if err := cache.Corrupt(s.cacheOff(e.Block()), 1); err != nil {
 		t.Fatal(err)
 	}
 	err := v.ReadAt(make([]byte, 3*blockSize), 4*blockSize)
 	var ce *CorruptionError
-	if !errors.Is(err, ErrChecksum) || !IsCorruption(err) || !errors.As(err, &ce) || ce.Offset != s.cacheOff(e.block()) {
+	if !errors.Is(err, ErrChecksum) || !IsCorruption(err) || !errors.As(err, &ce) || ce.Offset != s.cacheOff(e.Block()) {
 		t.Fatalf("read of corrupt dirty block: %v", err)
 	}
 	t.Log(err)
@@ -191,63 +192,43 @@ func TestCheckCatchesCorruption(t *testing.T) {
 	}{
 		{"block-named-twice", func(s *Set) func() {
 			v := s.vols[0]
-			a, _ := v.idx.tree.Get(ent{lba: 1})
-			b, _ := v.idx.tree.Get(ent{lba: 2})
-			v.idx.tree.ReplaceOrInsert(ent{lba: 2, loc: a.loc, crc: b.crc})
-			return func() { v.idx.tree.ReplaceOrInsert(b) }
+			a, _ := v.idx.Tree.Get(index.Ent{LBA: 1})
+			b, _ := v.idx.Tree.Get(index.Ent{LBA: 2})
+			v.idx.Tree.ReplaceOrInsert(index.Ent{LBA: 2, Loc: a.Loc, CRC: b.CRC})
+			return func() { v.idx.Tree.ReplaceOrInsert(b) }
 		}, "another entry names", false},
 		{"bucket-count", func(s *Set) func() {
-			e, _ := s.vols[0].idx.tree.Get(ent{lba: 3})
-			b := &s.mu.buckets[int64(e.block())/s.bpb]
-			b.live++
-			return func() { b.live-- }
+			e, _ := s.vols[0].idx.Tree.Get(index.Ent{LBA: 3})
+			b := &s.mu.Buckets[int64(e.Block())/s.bpb]
+			b.Live++
+			return func() { b.Live-- }
 		}, "accounted", false},
-		{"tree-structure", func(s *Set) func() {
-			tr := s.vols[0].idx.tree
-			saved := tr.length
-			tr.length++
-			return func() { tr.length = saved }
-		}, "length", false},
 		{"dirty-count", func(s *Set) func() {
 			v := s.vols[0]
-			v.idx.dirty++
-			return func() { v.idx.dirty-- }
+			v.idx.Dirty++
+			return func() { v.idx.Dirty-- }
 		}, "dirty", false},
 		// Superseded versions (lba 1 and 2, epoch 0).
 		{"superseded-not-older", func(s *Set) func() {
-			x := s.supOfLocked(0, 1)[0]
-			s.setBlockEpoch(x.loc, 1)
-			return func() { s.setBlockEpoch(x.loc, x.epoch) }
+			x := s.mu.SupOf(0, 1)[0]
+			s.mu.SetBlockEpoch(x.Loc, 1)
+			return func() { s.mu.SetBlockEpoch(x.Loc, x.Epoch) }
 		}, "without a newer dirty live entry", false},
 		{"superseded-count", func(s *Set) func() {
-			s.vols[0].idx.nsup++
-			return func() { s.vols[0].idx.nsup-- }
+			s.vols[0].idx.NSup++
+			return func() { s.vols[0].idx.NSup-- }
 		}, "superseded", false},
-		{"superseded-summary-too-high", func(s *Set) func() {
-			tr := s.vols[0].idx.sup
-			saved := tr.root.agg[0]
-			tr.root.agg[0] = saved + 1
-			return func() { tr.root.agg[0] = saved }
-		}, "summary", true},
 		// Recovery's reverse map, right but for two blocks' owners swapped
 		// (counts and uniqueness stay right).
 		{"reverse-map-swapped", func(s *Set) func() {
 			v := s.vols[0]
 			buildOwner(s)
-			a, _ := v.idx.tree.Get(ent{lba: 1})
-			b, _ := v.idx.tree.Get(ent{lba: 2})
-			o := s.mu.owner
-			o[a.block()], o[b.block()] = o[b.block()], o[a.block()]
-			return func() { s.mu.owner = nil }
+			a, _ := v.idx.Tree.Get(index.Ent{LBA: 1})
+			b, _ := v.idx.Tree.Get(index.Ent{LBA: 2})
+			o := s.mu.Owner
+			o[a.Block()], o[b.Block()] = o[b.Block()], o[a.Block()]
+			return func() { s.mu.Owner = nil }
 		}, "owned by (vol 0, lba 2)|reverse map does not name", false},
-		// A summary above its child's oldest dirty epoch would hide
-		// those entries from epoch-ordered writeback.
-		{"summary-too-high", func(s *Set) func() {
-			tr := s.vols[0].idx.tree
-			saved := tr.root.agg[0]
-			tr.root.agg[0] = saved + 1
-			return func() { tr.root.agg[0] = saved }
-		}, "summary", true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s, _, _ := newTestSet(t, 8, 4*blockSize, 64*blockSize)
@@ -269,7 +250,7 @@ func TestCheckCatchesCorruption(t *testing.T) {
 				t.Fatal(err)
 			}
 			s.mu.Lock()
-			if s.mu.owner != nil {
+			if s.mu.Owner != nil {
 				t.Error("a served set keeps the reverse map")
 			}
 			undo := tc.corrupt(s)
@@ -282,10 +263,10 @@ func TestCheckCatchesCorruption(t *testing.T) {
 			// And with a right reverse map, as in recovery, where it reads
 			// the epochs in cache-block order.
 			var fastOwned error
-			if s.mu.owner == nil {
+			if s.mu.Owner == nil {
 				buildOwner(s)
 				fastOwned = s.checkIndexLocked(false)
-				s.mu.owner = nil
+				s.mu.Owner = nil
 			} else {
 				fastOwned = fast
 			}
@@ -320,52 +301,15 @@ func TestCheckCatchesCorruption(t *testing.T) {
 // superseded versions).
 // REQUIRES: s.mu
 func buildOwner(s *Set) {
-	s.mu.owner = make([]uint64, s.cacheBlocks())
+	s.mu.Owner = make([]uint64, s.mu.CacheBlocks())
 	for vi, v := range s.vols {
-		v.idx.tree.Ascend(func(e ent) bool {
-			s.mu.owner[e.block()] = ownerKey(vi, e.lba)
+		v.idx.Tree.Ascend(func(e index.Ent) bool {
+			s.mu.Owner[e.Block()] = index.OwnerKey(vi, e.LBA)
 			return true
 		})
-		v.idx.sup.Ascend(func(x ent) bool {
-			s.mu.owner[x.loc] = ownerKey(vi, x.lba)
+		v.idx.Sup.Ascend(func(x index.Ent) bool {
+			s.mu.Owner[x.Loc] = index.OwnerKey(vi, x.LBA)
 			return true
 		})
-	}
-}
-
-// TestBucketEpochsWiden sets random epochs in a bucket's table, near each
-// other, then far below and above (rebase, 32-bit and 64-bit tables), and
-// reads every one back.
-func TestBucketEpochsWiden(t *testing.T) {
-	rng := rand.New(rand.NewPCG(5, 6))
-	for round := range 200 {
-		const n = 64
-		base := rng.Uint64N(1 << 40)
-		ep := newBucketEpochs(n, base)
-		want := map[int64]uint64{}
-		for range 100 {
-			i := rng.Int64N(n)
-			var e uint64
-			switch r := rng.IntN(20); {
-			case round%4 == 0 || r < 15:
-				e = base + rng.Uint64N(1000) - 500 // close: stays 16-bit
-			case r < 18:
-				e = base + rng.Uint64N(1<<24)
-			case r < 19:
-				e = base - rng.Uint64N(1<<20)
-			default:
-				e = rng.Uint64()
-			}
-			ep.set(i, e)
-			want[i] = e
-			for j, w := range want {
-				if got := ep.get(j); got != w {
-					t.Fatalf("round %d: block %d epoch %d, want %d (base %d, widths %t/%t/%t)", round, j, got, w, ep.base, ep.e16 != nil, ep.e32 != nil, ep.e64 != nil)
-				}
-			}
-		}
-		if round%4 == 0 && ep.e16 == nil {
-			t.Fatalf("round %d: epochs within 1000 of each other widened the table", round)
-		}
 	}
 }

@@ -19,6 +19,7 @@ import (
 	"log/slog"
 	"sync"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -56,7 +57,7 @@ func ReadSuperblockCopies(dev device.Device) [2]SuperblockCopy {
 		}
 		sb, err := decodeSuperblock(buf, off)
 		if err == nil {
-			err = sb.validate(dev.Size())
+			err = sb.Validate(dev.Size())
 		}
 		if err != nil {
 			out[i].Err = err
@@ -90,15 +91,15 @@ func ReadCheckpointSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
 			continue
 		}
 		h, err := decodeCkptHeader(buf, sb.CkptOff[i])
-		if err == nil && (h.nonce != sb.nonce() || h.gen%2 != uint64(i)) {
-			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "slot %d holds generation %d of another set", i, h.gen)
+		if err == nil && (h.Nonce != sb.Nonce() || h.Gen%2 != uint64(i)) {
+			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "slot %d holds generation %d of another set", i, h.Gen)
 		}
 		if err != nil {
 			out[i].Err = err
 			continue
 		}
-		out[i].Generation, out[i].JournalBlock, out[i].JournalSeq = h.gen, h.jpos.blk, h.jpos.seq
-		out[i].BodyLen, out[i].BodyCRC = h.bodyLen, h.bodyCRC
+		out[i].Generation, out[i].JournalBlock, out[i].JournalSeq = h.Gen, h.JPos.Blk, h.JPos.Seq
+		out[i].BodyLen, out[i].BodyCRC = h.BodyLen, h.BodyCRC
 	}
 	return out
 }
@@ -133,9 +134,10 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 	}
 	im.SB = sb
 	im.Slots = ReadCheckpointSlots(dev, sb)
-	s := &Set{dev: dev, lay: sb.clone(), sb: sb.clone(), nonce: sb.nonce(), bpb: sb.blocksPerBucket(),
+	s := &Set{dev: dev, lay: sb.Clone(), sb: sb.Clone(), nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(),
 		log: slog.New(slog.DiscardHandler), stop: make(chan struct{})}
 	s.mu.cond = sync.NewCond(&s.mu.Mutex)
+	s.mu.BPB = s.bpb
 	volBlocks := make([]uint64, len(sb.Backings))
 	var vols []*Volume
 	for i, bi := range sb.Backings {
@@ -148,22 +150,22 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 	if err != nil {
 		return im, err
 	}
-	im.Generation = hdr.gen
-	im.JournalStart = hdr.jpos.blk
+	im.Generation = hdr.Gen
+	im.JournalStart = hdr.JPos.Blk
 	total := sb.NBuckets * s.bpb
-	s.mu.buckets = make([]bucket, sb.NBuckets)
-	s.mu.owner = make([]uint64, total)
+	s.mu.Buckets = make([]index.Bucket, sb.NBuckets)
+	s.mu.Owner = make([]uint64, total)
 	s.mu.open = -1
-	for i, g := range cd.gens {
-		s.mu.buckets[i].gen = g
+	for i, g := range cd.Gens {
+		s.mu.Buckets[i].Gen = g
 	}
-	for vi, cv := range cd.vols {
+	for vi, cv := range cd.Vols {
 		if vi >= len(s.vols) {
 			break // slots detached after this checkpoint: empty
 		}
-		s.vols[vi].idx.epoch = cv.epoch
-		for _, e := range cv.ents {
-			s.insertLocked(vi, e.lba, e.block(), e.crc, e.dirty())
+		s.vols[vi].idx.epoch = cv.Epoch
+		for _, e := range cv.Ents {
+			s.mu.Insert(vi, e.LBA, e.Block(), e.CRC, e.Dirty(), s.vols[vi].idx.epoch, s.keepSuperseded(vi))
 		}
 	}
 	apply := s.applyLocked
@@ -173,10 +175,10 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 			return s.applyLocked(r)
 		}
 	}
-	end, nrec, err := replayJournal(dev, sb, hdr.gen, hdr.jpos, nil, apply)
+	end, nrec, err := replayJournal(dev, sb, hdr.Gen, hdr.JPos, nil, apply)
 	im.Records = nrec
-	im.JournalEnd = end.blk
-	im.JournalBlocks = int64(end.seq - hdr.jpos.seq)
+	im.JournalEnd = end.Blk
+	im.JournalBlocks = int64(end.Seq - hdr.JPos.Seq)
 	if err != nil {
 		return im, fmt.Errorf("replaying journal: %w", err)
 	}
@@ -221,8 +223,8 @@ func (im *Image) Volumes() []VolumeSummary {
 		if v.free {
 			continue
 		}
-		out = append(out, VolumeSummary{Name: v.name, Size: v.size, Mode: v.Mode(), CachedBlocks: v.idx.cached,
-			DirtyBlocks: v.idx.dirty, FlushEpoch: v.idx.epoch, DirtyIfServed: v.idx.dirty})
+		out = append(out, VolumeSummary{Name: v.name, Size: v.size, Mode: v.Mode(), CachedBlocks: v.idx.Cached,
+			DirtyBlocks: v.idx.Dirty, FlushEpoch: v.idx.epoch, DirtyIfServed: v.idx.Dirty})
 	}
 	return out
 }
@@ -236,10 +238,10 @@ func (im *Image) Index(fn func(IndexEntry) bool) {
 	s := im.s
 	for _, v := range s.vols {
 		cont := true
-		v.idx.tree.Ascend(func(e ent) bool {
-			b := int64(e.block()) / s.bpb
-			cont = fn(IndexEntry{Volume: v.name, LBA: e.lba, CacheBlock: e.block(), CacheOffset: s.cacheOff(e.block()),
-				Bucket: b, Generation: s.mu.buckets[b].gen, CRC: e.crc, Dirty: e.dirty()})
+		v.idx.Tree.Ascend(func(e index.Ent) bool {
+			b := int64(e.Block()) / s.bpb
+			cont = fn(IndexEntry{Volume: v.name, LBA: e.LBA, CacheBlock: e.Block(), CacheOffset: s.cacheOff(e.Block()),
+				Bucket: b, Generation: s.mu.Buckets[b].Gen, CRC: e.CRC, Dirty: e.Dirty()})
 			return cont
 		})
 		if !cont {
@@ -260,7 +262,7 @@ func (v *Volume) Cached(off, n int64) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	got := 0
-	v.idx.tree.AscendRange(ent{lba: first}, ent{lba: first + uint64(count)}, func(ent) bool {
+	v.idx.Tree.AscendRange(index.Ent{LBA: first}, index.Ent{LBA: first + uint64(count)}, func(index.Ent) bool {
 		got++
 		return true
 	})

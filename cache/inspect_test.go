@@ -4,6 +4,8 @@ import (
 	"context"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
 // TestImageMatchesLiveIndex: OpenImage repeats the load half of Open, so it
@@ -36,8 +38,8 @@ func TestImageMatchesLiveIndex(t *testing.T) {
 	}
 	var live []IndexEntry
 	for _, v := range s.vols {
-		v.idx.tree.Ascend(func(e ent) bool {
-			live = append(live, IndexEntry{Volume: v.name, LBA: e.lba, CacheBlock: e.block(), CRC: e.crc, Dirty: e.dirty()})
+		v.idx.Tree.Ascend(func(e index.Ent) bool {
+			live = append(live, IndexEntry{Volume: v.name, LBA: e.LBA, CacheBlock: e.Block(), CRC: e.CRC, Dirty: e.Dirty()})
 			return true
 		})
 	}

@@ -12,7 +12,7 @@ import (
 
 // Passthrough writes (none, writearound, write-zeroes, trim) skip their
 // invalidation record when no recovery could find an entry of the volume
-// (idx.replayable), and keep it when one could. These tests pin both
+// (idx.Replayable), and keep it when one could. These tests pin both
 // sides: the skip must save the journal commit of a FLUSH in none mode on
 // an empty cache (docs/BENCHMARKS.md, S6 point 6), and the record must stay
 // when a durable insert of the range could otherwise come back on replay.
@@ -59,7 +59,7 @@ func crashReopen(t *testing.T, cache, back *device.Mem) (*Set, *Volume, *device.
 func replayable(s *Set, v *Volume) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return v.idx.replayable
+	return v.idx.Replayable
 }
 
 // imageHas reports whether the index rebuilt from dev (checkpoint plus
@@ -149,7 +149,7 @@ func TestPassthroughKeepsInvalidateWhenReplayable(t *testing.T) {
 	// comes later, once the bucket is empty and unpinned): the durable
 	// insert could bring block 0 back on replay.
 	s.mu.Lock()
-	s.invalidateLocked(v.vi, 0, 1)
+	s.mu.Invalidate(v.vi, 0, 1)
 	s.mu.Unlock()
 	if v.Cached(0, blockSize) {
 		t.Fatal("block 0 still cached after the in-memory drop")

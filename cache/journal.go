@@ -28,65 +28,65 @@ const (
 
 // rec is one decoded journal record.
 type rec struct {
-	typ    uint8
-	vol    uint16
-	lba    uint64
-	n      uint64 // invalidate: block count
-	loc    uint32 // insert: first cache block of the run; clean: cache block
-	gen    uint32 // insert: bucket generation; reuse: new generation
-	bucket uint32 // reuse
-	dirty  bool
-	epoch  uint64   // insert: client flush epoch of the write
-	crcs   []uint32 // insert: one per block
+	Type   uint8
+	Vol    uint16
+	LBA    uint64
+	N      uint64 // invalidate: block count
+	Loc    uint32 // insert: first cache block of the run; clean: cache block
+	Gen    uint32 // insert: bucket generation; reuse: new generation
+	Bucket uint32 // reuse
+	Dirty  bool
+	Epoch  uint64   // insert: client flush epoch of the write
+	CRCs   []uint32 // insert: one per block
 }
 
 func (r *rec) String() string {
-	switch r.typ {
+	switch r.Type {
 	case recInsert:
-		return fmt.Sprintf("insert vol=%d lba=%d n=%d loc=%d gen=%d dirty=%t epoch=%d", r.vol, r.lba, len(r.crcs), r.loc, r.gen, r.dirty, r.epoch)
+		return fmt.Sprintf("insert vol=%d lba=%d n=%d loc=%d gen=%d dirty=%t epoch=%d", r.Vol, r.LBA, len(r.CRCs), r.Loc, r.Gen, r.Dirty, r.Epoch)
 	case recClean:
-		return fmt.Sprintf("clean vol=%d lba=%d loc=%d", r.vol, r.lba, r.loc)
+		return fmt.Sprintf("clean vol=%d lba=%d loc=%d", r.Vol, r.LBA, r.Loc)
 	case recInvalidate:
-		return fmt.Sprintf("invalidate vol=%d lba=%d n=%d", r.vol, r.lba, r.n)
+		return fmt.Sprintf("invalidate vol=%d lba=%d n=%d", r.Vol, r.LBA, r.N)
 	case recReuse:
-		return fmt.Sprintf("reuse bucket=%d gen=%d", r.bucket, r.gen)
+		return fmt.Sprintf("reuse bucket=%d gen=%d", r.Bucket, r.Gen)
 	}
-	return fmt.Sprintf("rec(%d)", r.typ)
+	return fmt.Sprintf("rec(%d)", r.Type)
 }
 
 // appendRec encodes r onto b.
 func appendRec(b []byte, r *rec) []byte {
 	e := enc{b: b}
 	start := len(e.b)
-	e.u8(r.typ)
+	e.u8(r.Type)
 	e.u16(0) // body length, patched below
-	switch r.typ {
+	switch r.Type {
 	case recInsert:
-		e.u16(r.vol)
-		e.u64(r.lba)
-		e.u32(r.loc)
-		e.u32(r.gen)
-		if r.dirty {
+		e.u16(r.Vol)
+		e.u64(r.LBA)
+		e.u32(r.Loc)
+		e.u32(r.Gen)
+		if r.Dirty {
 			e.u8(1)
 		} else {
 			e.u8(0)
 		}
-		e.u64(r.epoch)
-		e.u16(uint16(len(r.crcs)))
-		for _, c := range r.crcs {
+		e.u64(r.Epoch)
+		e.u16(uint16(len(r.CRCs)))
+		for _, c := range r.CRCs {
 			e.u32(c)
 		}
 	case recClean:
-		e.u16(r.vol)
-		e.u64(r.lba)
-		e.u32(r.loc)
+		e.u16(r.Vol)
+		e.u64(r.LBA)
+		e.u32(r.Loc)
 	case recInvalidate:
-		e.u16(r.vol)
-		e.u64(r.lba)
-		e.u64(r.n)
+		e.u16(r.Vol)
+		e.u64(r.LBA)
+		e.u64(r.N)
 	case recReuse:
-		e.u32(r.bucket)
-		e.u32(r.gen)
+		e.u32(r.Bucket)
+		e.u32(r.Gen)
 	}
 	le.PutUint16(e.b[start+1:], uint16(len(e.b)-start-recHdrSize))
 	return e.b
@@ -102,40 +102,40 @@ func decodeRec(b []byte) (*rec, []byte, error) {
 		return nil, nil, badf("journal record", "record body of %d bytes exceeds block", n)
 	}
 	d := dec{b: b[recHdrSize : recHdrSize+n]}
-	r := &rec{typ: typ}
+	r := &rec{Type: typ}
 	switch typ {
 	case recInsert:
-		r.vol = d.u16()
-		r.lba = d.u64()
-		r.loc = d.u32()
-		r.gen = d.u32()
+		r.Vol = d.u16()
+		r.LBA = d.u64()
+		r.Loc = d.u32()
+		r.Gen = d.u32()
 		switch d.u8() {
 		case 0:
 		case 1:
-			r.dirty = true
+			r.Dirty = true
 		default:
 			d.bad = true
 		}
-		r.epoch = d.u64()
+		r.Epoch = d.u64()
 		cnt := int(d.u16())
 		if cnt == 0 || cnt > maxInsertRun {
 			return nil, nil, badf("journal record", "insert record with %d blocks", cnt)
 		}
-		r.crcs = make([]uint32, 0, cnt)
+		r.CRCs = make([]uint32, 0, cnt)
 		for i := 0; i < cnt && !d.bad; i++ {
-			r.crcs = append(r.crcs, d.u32())
+			r.CRCs = append(r.CRCs, d.u32())
 		}
 	case recClean:
-		r.vol = d.u16()
-		r.lba = d.u64()
-		r.loc = d.u32()
+		r.Vol = d.u16()
+		r.LBA = d.u64()
+		r.Loc = d.u32()
 	case recInvalidate:
-		r.vol = d.u16()
-		r.lba = d.u64()
-		r.n = d.u64()
+		r.Vol = d.u16()
+		r.LBA = d.u64()
+		r.N = d.u64()
 	case recReuse:
-		r.bucket = d.u32()
-		r.gen = d.u32()
+		r.Bucket = d.u32()
+		r.Gen = d.u32()
 	default:
 		return nil, nil, badf("journal record", "unknown record type %d", typ)
 	}
@@ -147,11 +147,11 @@ func decodeRec(b []byte) (*rec, []byte, error) {
 
 // jhdr is a journal block header.
 type jhdr struct {
-	nonce      uint64
-	gen        uint64 // checkpoint generation the block follows
-	seq        uint64 // block sequence number within the generation, from the checkpoint's start
-	batchStart uint64 // seq of the first block of the commit this block belongs to
-	used       int    // payload bytes
+	Nonce      uint64
+	Gen        uint64 // checkpoint generation the block follows
+	Seq        uint64 // block sequence number within the generation, from the checkpoint's start
+	BatchStart uint64 // seq of the first block of the commit this block belongs to
+	Used       int    // payload bytes
 }
 
 // blockStatus classifies a journal block read during replay.
@@ -168,10 +168,10 @@ const (
 func encodeJournalBlock(h jhdr, payload []byte) []byte {
 	b := make([]byte, blockSize)
 	le.PutUint32(b[0:], jMagic)
-	le.PutUint64(b[8:], h.nonce)
-	le.PutUint64(b[16:], h.gen)
-	le.PutUint64(b[24:], h.seq)
-	le.PutUint64(b[32:], h.batchStart)
+	le.PutUint64(b[8:], h.Nonce)
+	le.PutUint64(b[16:], h.Gen)
+	le.PutUint64(b[24:], h.Seq)
+	le.PutUint64(b[32:], h.BatchStart)
 	le.PutUint16(b[40:], uint16(len(payload)))
 	copy(b[jHeaderSize:], payload)
 	le.PutUint32(b[4:], crc32c(b[8:]))
@@ -192,18 +192,18 @@ func decodeJournalBlock(b []byte, nonce, gen uint64) (h jhdr, recs []*rec, st bl
 	if le.Uint32(b[0:]) != jMagic || want != got {
 		return h, nil, blockBad, want, got, nil
 	}
-	h.nonce = le.Uint64(b[8:])
-	h.gen = le.Uint64(b[16:])
-	h.seq = le.Uint64(b[24:])
-	h.batchStart = le.Uint64(b[32:])
-	h.used = int(le.Uint16(b[40:]))
-	if h.nonce != nonce || h.gen != gen {
+	h.Nonce = le.Uint64(b[8:])
+	h.Gen = le.Uint64(b[16:])
+	h.Seq = le.Uint64(b[24:])
+	h.BatchStart = le.Uint64(b[32:])
+	h.Used = int(le.Uint16(b[40:]))
+	if h.Nonce != nonce || h.Gen != gen {
 		return h, nil, blockForeign, want, got, nil
 	}
-	if h.used > jPayload || h.batchStart > h.seq {
-		return h, nil, blockBad, want, got, badf("journal block", "header: used %d, batch start %d, seq %d", h.used, h.batchStart, h.seq)
+	if h.Used > jPayload || h.BatchStart > h.Seq {
+		return h, nil, blockBad, want, got, badf("journal block", "header: used %d, batch start %d, seq %d", h.Used, h.BatchStart, h.Seq)
 	}
-	p := b[jHeaderSize : jHeaderSize+h.used]
+	p := b[jHeaderSize : jHeaderSize+h.Used]
 	for len(p) > 0 {
 		var r *rec
 		r, p, err = decodeRec(p)
@@ -247,8 +247,8 @@ func packRecords(stream []byte) [][]byte {
 // journalPos is a position in the circular journal: block index within the
 // region and the sequence number of the block written there.
 type journalPos struct {
-	blk int64
-	seq uint64
+	Blk int64
+	Seq uint64
 }
 
 // maxBatchBlocks is the largest number of journal blocks written between two
@@ -271,7 +271,7 @@ func maxBatchBlocks(jblocks int64) int64 { return min(64, jblocks/4) }
 // block, if not nil, is called with the offset, sequence number and a copy
 // of the record payload of each valid block before its records are applied.
 func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalPos, block func(off int64, seq uint64, payload []byte), apply func(*rec) error) (journalPos, int, error) {
-	nonce := sb.nonce()
+	nonce := sb.Nonce()
 	jblocks := sb.JournalLen / blockSize
 	pos := start
 	buf := make([]byte, blockSize)
@@ -300,11 +300,11 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 		defer close(blocks)
 		rbuf := make([]byte, blockSize)
 		for n := int64(0); n < jblocks; n++ {
-			d := decoded{off: sb.JournalOff + ((start.blk+n)%jblocks)*blockSize}
+			d := decoded{off: sb.JournalOff + ((start.Blk+n)%jblocks)*blockSize}
 			if _, d.err = dev.ReadAt(rbuf, d.off); d.err == nil {
 				d.h, d.recs, d.st, d.want, d.got, d.derr = decodeJournalBlock(rbuf, nonce, gen)
 				if block != nil && d.st == blockOK {
-					d.payload = append([]byte(nil), rbuf[jHeaderSize:jHeaderSize+d.h.used]...)
+					d.payload = append([]byte(nil), rbuf[jHeaderSize:jHeaderSize+d.h.Used]...)
 				}
 			}
 			select {
@@ -330,33 +330,33 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 		if err != nil {
 			return pos, applied, fmt.Errorf("reading journal block at %d: %w", off, err)
 		}
-		if st == blockOK && h.seq != pos.seq {
-			return pos, applied, corruptf("journal", off, blockSize, "block sequence %d, expected %d", h.seq, pos.seq)
+		if st == blockOK && h.Seq != pos.Seq {
+			return pos, applied, corruptf("journal", off, blockSize, "block sequence %d, expected %d", h.Seq, pos.Seq)
 		}
 		if st == blockOK {
 			if block != nil {
-				block(off, h.seq, d.payload)
+				block(off, h.Seq, d.payload)
 			}
 			for _, r := range recs {
 				if err := apply(r); err != nil {
-					return pos, applied, fmt.Errorf("journal block at offset %d (seq %d), %v: %w", off, h.seq, r, err)
+					return pos, applied, fmt.Errorf("journal block at offset %d (seq %d), %v: %w", off, h.Seq, r, err)
 				}
 				applied++
 			}
-			pos = journalPos{blk: (pos.blk + 1) % jblocks, seq: pos.seq + 1}
+			pos = journalPos{Blk: (pos.Blk + 1) % jblocks, Seq: pos.Seq + 1}
 			continue
 		}
 		// End of the log or damage. A later batch of this generation beyond
 		// this block means this block was durable once: corruption.
 		for j := int64(1); j <= maxBatchBlocks(jblocks) && n+j < jblocks; j++ {
-			b2, _, err := readBlk(pos.blk + j)
+			b2, _, err := readBlk(pos.Blk + j)
 			if err != nil {
 				return pos, applied, fmt.Errorf("reading journal: %w", err)
 			}
 			h2, _, st2, _, _, _ := decodeJournalBlock(b2, nonce, gen)
-			if st2 == blockOK && h2.seq > pos.seq && h2.batchStart > pos.seq {
+			if st2 == blockOK && h2.Seq > pos.Seq && h2.BatchStart > pos.Seq {
 				ce := &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "journal block", Offset: off, Length: blockSize,
-					Detail: fmt.Sprintf("block seq %d unreadable but later batch (seq %d) is durable", pos.seq, h2.seq)}
+					Detail: fmt.Sprintf("block seq %d unreadable but later batch (seq %d) is durable", pos.Seq, h2.Seq)}
 				if st == blockBad && derr == nil {
 					ce.Expected, ce.Actual, ce.HaveSums = want, got, true
 				}

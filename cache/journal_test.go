@@ -5,6 +5,8 @@ import (
 	"errors"
 	"reflect"
 	"testing"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
 // journalSetup writes block 0 and flushes (batch 1), writes block 1 and
@@ -50,7 +52,7 @@ func journalSetupOnce(t *testing.T) (s *Set, a, b []byte, off1, off2 int64, ok b
 	}
 	jb := s.lay.JournalLen / blockSize
 	s.commitMu.Lock()
-	last := (s.jr.pos.blk - 1 + jb) % jb
+	last := (s.jr.pos.Blk - 1 + jb) % jb
 	s.commitMu.Unlock()
 	off2 = s.lay.JournalOff + last*blockSize
 	off1 = s.lay.JournalOff + ((last-1+jb)%jb)*blockSize
@@ -114,11 +116,11 @@ func TestJournalCorruption(t *testing.T) {
 
 func sampleRecs() []*rec {
 	return []*rec{
-		{typ: recInsert, vol: 1, lba: 77, loc: 12, gen: 3, dirty: true, epoch: 9, crcs: []uint32{1, 2, 3}},
-		{typ: recClean, vol: 0, lba: 5, loc: 6},
-		{typ: recInvalidate, vol: 1, lba: 100, n: 1000},
-		{typ: recReuse, bucket: 2, gen: 4},
-		{typ: recInsert, vol: 0, lba: 1, loc: 8, gen: 0, crcs: []uint32{0xdeadbeef}},
+		{Type: recInsert, Vol: 1, LBA: 77, Loc: 12, Gen: 3, Dirty: true, Epoch: 9, CRCs: []uint32{1, 2, 3}},
+		{Type: recClean, Vol: 0, LBA: 5, Loc: 6},
+		{Type: recInvalidate, Vol: 1, LBA: 100, N: 1000},
+		{Type: recReuse, Bucket: 2, Gen: 4},
+		{Type: recInsert, Vol: 0, LBA: 1, Loc: 8, Gen: 0, CRCs: []uint32{0xdeadbeef}},
 	}
 }
 
@@ -131,9 +133,9 @@ func TestJournalBlockRoundTrip(t *testing.T) {
 	if len(blocks) != 1 {
 		t.Fatalf("%d blocks", len(blocks))
 	}
-	b := encodeJournalBlock(jhdr{nonce: 5, gen: 2, seq: 10, batchStart: 9}, blocks[0])
+	b := encodeJournalBlock(jhdr{Nonce: 5, Gen: 2, Seq: 10, BatchStart: 9}, blocks[0])
 	h, recs, st, _, _, err := decodeJournalBlock(b, 5, 2)
-	if err != nil || st != blockOK || h.seq != 10 || !reflect.DeepEqual(recs, sampleRecs()) {
+	if err != nil || st != blockOK || h.Seq != 10 || !reflect.DeepEqual(recs, sampleRecs()) {
 		t.Fatalf("decode: %v %v %+v %v", st, err, h, recs)
 	}
 	if _, _, st, _, _, _ := decodeJournalBlock(b, 5, 3); st != blockForeign {
@@ -152,7 +154,7 @@ func TestJournalBlockRoundTrip(t *testing.T) {
 // survive a round trip.
 
 func FuzzDecodeSuperblock(f *testing.F) {
-	b, _ := testSuperblock().encode()
+	b, _ := testSuperblock().Encode()
 	f.Add(b)
 	f.Add(make([]byte, 64))
 	f.Fuzz(func(t *testing.T, data []byte) {
@@ -161,7 +163,7 @@ func FuzzDecodeSuperblock(f *testing.F) {
 		if err != nil {
 			return
 		}
-		enc, err := sb.encode()
+		enc, err := sb.Encode()
 		if err != nil {
 			t.Fatalf("accepted superblock does not encode: %v", err)
 		}
@@ -176,8 +178,8 @@ func FuzzDecodeJournalBlock(f *testing.F) {
 	for _, r := range sampleRecs() {
 		stream = appendRec(stream, r)
 	}
-	f.Add(encodeJournalBlock(jhdr{nonce: 5, gen: 2, seq: 10, batchStart: 9}, stream))
-	f.Add(encodeJournalBlock(jhdr{nonce: 5, gen: 2, seq: 0}, nil))
+	f.Add(encodeJournalBlock(jhdr{Nonce: 5, Gen: 2, Seq: 10, BatchStart: 9}, stream))
+	f.Add(encodeJournalBlock(jhdr{Nonce: 5, Gen: 2, Seq: 0}, nil))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		b := make([]byte, blockSize)
 		copy(b, data)
@@ -202,8 +204,8 @@ func FuzzDecodeJournalBlock(f *testing.F) {
 
 func FuzzDecodeCheckpoint(f *testing.F) {
 	vb := []uint64{64, 64}
-	seed := func(ents ...ent) []byte {
-		tr := []*ptree{newPtree(), newPtree()}
+	seed := func(ents ...index.Ent) []byte {
+		tr := []*index.Ptree{index.NewPtree(), index.NewPtree()}
 		for _, e := range ents {
 			tr[0].ReplaceOrInsert(e)
 		}
@@ -215,21 +217,21 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 		return out
 	}
 	f.Add(seed())
-	f.Add(seed(ent{lba: 3, loc: 2 | dirtyBit, crc: 9}, ent{lba: 9, loc: 15, crc: 1}))
+	f.Add(seed(index.Ent{LBA: 3, Loc: 2 | index.DirtyBit, CRC: 9}, index.Ent{LBA: 9, Loc: 15, CRC: 1}))
 	// With the epoch section: a dirty entry of epoch 5 and a superseded
 	// version of the same block from epoch 2.
 	{
-		tr := []*ptree{newPtree(), newPtree()}
-		tr[0].ReplaceOrInsert(ent{lba: 3, loc: 2 | dirtyBit, crc: 9})
+		tr := []*index.Ptree{index.NewPtree(), index.NewPtree()}
+		tr[0].ReplaceOrInsert(index.Ent{LBA: 3, Loc: 2 | index.DirtyBit, CRC: 9})
 		epochOf := func(loc uint32) uint64 {
 			if loc == 7 {
 				return 2 // the superseded version's block
 			}
 			return 5
 		}
-		sup := newStree()
-		sup.ReplaceOrInsert(ent{lba: 3, loc: 7, crc: 4})
-		vt := []verSnap{{epochOf: epochOf, sup: sup}, {epochOf: epochOf}}
+		sup := index.NewStree()
+		sup.ReplaceOrInsert(index.Ent{LBA: 3, Loc: 7, CRC: 4})
+		vt := []verSnap{{EpochOf: epochOf, Sup: sup}, {EpochOf: epochOf}}
 		var out []byte
 		_ = encodeCkptBodyVers([]uint32{1, 2, 3, 4}, []uint64{7, 8}, tr, vt, func(p []byte) error {
 			out = append(out, p...)
@@ -238,35 +240,35 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 		f.Add(out)
 	}
 	reencode := func(cd *ckptData) []byte {
-		tr := make([]*ptree, len(cd.vols))
-		epochs := make([]uint64, len(cd.vols))
+		tr := make([]*index.Ptree, len(cd.Vols))
+		epochs := make([]uint64, len(cd.Vols))
 		var vt []verSnap
-		for i, cv := range cd.vols {
-			tr[i] = newPtree()
-			for _, e := range cv.ents {
+		for i, cv := range cd.Vols {
+			tr[i] = index.NewPtree()
+			for _, e := range cv.Ents {
 				tr[i].ReplaceOrInsert(e)
 			}
-			epochs[i] = cv.epoch
-			if cv.epochOf != nil {
+			epochs[i] = cv.Epoch
+			if cv.EpochOf != nil {
 				if vt == nil {
-					vt = make([]verSnap, len(cd.vols))
+					vt = make([]verSnap, len(cd.Vols))
 				}
-				epochOf, supEpoch := cv.epochOf, map[uint32]uint64{}
-				sup := newStree()
-				for _, x := range cv.sup {
-					sup.ReplaceOrInsert(ent{lba: x.lba, loc: x.loc, crc: x.crc})
-					supEpoch[x.loc] = x.epoch
+				epochOf, supEpoch := cv.EpochOf, map[uint32]uint64{}
+				sup := index.NewStree()
+				for _, x := range cv.Sup {
+					sup.ReplaceOrInsert(index.Ent{LBA: x.LBA, Loc: x.Loc, CRC: x.CRC})
+					supEpoch[x.Loc] = x.Epoch
 				}
-				vt[i] = verSnap{epochOf: func(loc uint32) uint64 {
+				vt[i] = verSnap{EpochOf: func(loc uint32) uint64 {
 					if e, ok := supEpoch[loc]; ok {
 						return e
 					}
 					return epochOf[loc]
-				}, sup: sup}
+				}, Sup: sup}
 			}
 		}
 		var out []byte
-		_ = encodeCkptBodyVers(cd.gens, epochs, tr, vt, func(p []byte) error {
+		_ = encodeCkptBodyVers(cd.Gens, epochs, tr, vt, func(p []byte) error {
 			out = append(out, p...)
 			return nil
 		})
@@ -280,12 +282,12 @@ func FuzzDecodeCheckpoint(f *testing.F) {
 		}
 		out := reencode(cd)
 		epochs := false
-		for _, cv := range cd.vols {
-			epochs = epochs || cv.epochOf != nil
+		for _, cv := range cd.Vols {
+			epochs = epochs || cv.EpochOf != nil
 		}
 		// With no volume (a set whose volumes were all detached) an epoch
 		// tag has nothing to re-encode: checked for stability below.
-		if !epochs && len(cd.vols) > 0 {
+		if !epochs && len(cd.Vols) > 0 {
 			if !bytes.Equal(out, data) {
 				t.Fatal("round trip changed the checkpoint")
 			}

@@ -33,7 +33,7 @@ func (m Mode) String() string {
 	return fmt.Sprintf("Mode(%d)", int(m))
 }
 
-func (m Mode) valid() bool { return m >= 0 && int(m) < len(modeNames) }
+func (m Mode) Valid() bool { return m >= 0 && int(m) < len(modeNames) }
 
 // ParseMode parses a mode name as printed by Mode.String.
 func ParseMode(s string) (Mode, error) {

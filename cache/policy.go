@@ -127,7 +127,7 @@ func (v *Volume) SetSettings(st Settings) error {
 	s := v.s
 	s.sbMu.Lock()
 	defer s.sbMu.Unlock()
-	nsb := s.sb.clone()
+	nsb := s.sb.Clone()
 	nsb.Backings[v.vi].Mode = st.Mode
 	nsb.Backings[v.vi].Settings = st
 	nsb.Seq++
@@ -142,7 +142,7 @@ func (v *Volume) SetSettings(st Settings) error {
 		// lba order writes back). The superblock already says lba, so
 		// replay will not keep them either.
 		s.mu.Lock()
-		s.dropAllSupLocked(v.vi)
+		s.mu.DropAllSup(v.vi)
 		s.mu.Unlock()
 	}
 	s.kickWB()

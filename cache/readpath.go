@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"sync"
 	"sync/atomic"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
 // The device reads of one client read (readBlocks).
@@ -63,7 +65,7 @@ type piece struct {
 	lba     uint64 // backing: first block; cache: unused
 	off     int64  // cache: device offset
 	backing bool
-	hits    []ent // cache: the entries read
+	hits    []index.Ent // cache: the entries read
 }
 
 // readPieces fills buf (n blocks from lba) from the cached entries hits
@@ -73,19 +75,19 @@ type piece struct {
 // device failed to read them: readAroundCache). It does not verify
 // checksums: readBlocks does, for the hits read from the cache, after
 // every piece is in buf.
-func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) (misses []blockRange, fromBacking map[uint64]bool, err error) {
+func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []index.Ent) (misses []blockRange, fromBacking map[uint64]bool, err error) {
 	s := v.s
 	next := lba
 	for k := 0; k <= len(hits); k++ {
 		end := lba + uint64(n)
 		if k < len(hits) {
-			end = hits[k].lba
+			end = hits[k].LBA
 		}
 		if end > next {
 			misses = append(misses, blockRange{next, end - next})
 		}
 		if k < len(hits) {
-			next = hits[k].lba + 1
+			next = hits[k].LBA + 1
 		}
 	}
 	strat := readStrategy(readStrategyUsed.Load())
@@ -125,22 +127,22 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) (misses [
 		return false
 	}
 	for i := 0; i < len(hits); {
-		if strat == readCoalesced && !hits[i].dirty() && covered(hits[i].lba) {
+		if strat == readCoalesced && !hits[i].Dirty() && covered(hits[i].LBA) {
 			if fromBacking == nil {
 				fromBacking = map[uint64]bool{}
 			}
-			fromBacking[hits[i].lba] = true
+			fromBacking[hits[i].LBA] = true
 			i++
 			continue
 		}
 		j := i + 1
-		for j < len(hits) && hits[j].lba == hits[j-1].lba+1 && hits[j].block() == hits[j-1].block()+1 &&
-			covered(hits[j].lba) == covered(hits[i].lba) && (strat != readCoalesced || hits[j].dirty() || !covered(hits[j].lba)) {
+		for j < len(hits) && hits[j].LBA == hits[j-1].LBA+1 && hits[j].Block() == hits[j-1].Block()+1 &&
+			covered(hits[j].LBA) == covered(hits[i].LBA) && (strat != readCoalesced || hits[j].Dirty() || !covered(hits[j].LBA)) {
 			j++
 		}
-		at := int(hits[i].lba-lba) * blockSize
+		at := int(hits[i].LBA-lba) * blockSize
 		dst := buf[at : at+(j-i)*blockSize]
-		if covered(hits[i].lba) {
+		if covered(hits[i].LBA) {
 			if scratch == nil {
 				scratch = make([]byte, 0, len(hits)*blockSize)
 			}
@@ -149,7 +151,7 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []ent) (misses [
 			overlays = append(overlays, o)
 			dst = o.src
 		}
-		ps = append(ps, piece{dst: dst, off: s.cacheOff(hits[i].block()), hits: hits[i:j]})
+		ps = append(ps, piece{dst: dst, off: s.cacheOff(hits[i].Block()), hits: hits[i:j]})
 		i = j
 	}
 	var fbMu sync.Mutex // guards fromBacking

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"math/rand/v2"
 	"testing"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
 // withReadStrategy runs f with readPieces using strategy st.
@@ -104,11 +106,11 @@ func TestReadPiecesChecksum(t *testing.T) {
 	stamp(want[10*blockSize:11*blockSize], 2, 0, 10*blockSize)
 	stamp(want[20*blockSize:21*blockSize], 3, 0, 20*blockSize)
 	corrupt := func(lba uint64) {
-		e, ok := v.idx.tree.Get(ent{lba: lba})
+		e, ok := v.idx.Tree.Get(index.Ent{LBA: lba})
 		if !ok {
 			t.Fatalf("lba %d not cached", lba)
 		}
-		if err := cache.Corrupt(s.cacheOff(e.block())+7, 1); err != nil {
+		if err := cache.Corrupt(s.cacheOff(e.Block())+7, 1); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -13,8 +13,8 @@ package cache
 // On 1M extents this replaced ~0.8 s of random B-tree inserts.
 //
 // The resolution follows exactly what applying the records one by one in
-// journal order does (applyLocked: insertEpochLocked, markCleanLocked,
-// invalidateLocked, dropBucketLocked). Records of different LBAs interact
+// journal order does (applyLocked: index.Index.Insert, MarkClean,
+// Invalidate, DropBucket). Records of different LBAs interact
 // only through cache blocks and buckets:
 //
 //   - a reuse record drops every version in its bucket: per bucket, the
@@ -46,10 +46,12 @@ import (
 	"cmp"
 	"fmt"
 
-	"github.com/tiercache/tiercache/device"
 	"math"
 	"math/bits"
 	"slices"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/device"
 )
 
 // jrecs is the journal as read for recovery: the record payload of every
@@ -93,7 +95,7 @@ type replayItem struct {
 // itemKey orders by (volume, LBA) in one compare (LBA < 2^40).
 func itemKey(vol int, lba uint64) uint64 { return uint64(vol)<<40 | lba }
 
-func (it *replayItem) lba() uint64 { return it.key & (maxIndexLBA - 1) }
+func (it *replayItem) lba() uint64 { return it.key & (index.MaxLBA - 1) }
 
 // bigInval is an invalidation of more than maxInvalItems blocks, kept as a
 // range instead of per-block items.
@@ -116,7 +118,7 @@ type collector struct {
 	big      [][]bigInval // per volume
 	reuses   [][]reuseEv  // per bucket, in journal order
 	gen0     []uint32     // per bucket: generation inserts before its first reuse name
-	has0     bitset       // gen0 is set
+	has0     index.Bitset // gen0 is set
 	insWin   []uint32     // per cache block: 1 + reuses of its bucket at its last insert; 0: none
 	firstWin []uint32     // per cache block: seq of its insert before any reuse of its bucket
 	anyFirst bool
@@ -133,7 +135,7 @@ func newCollector(s *Set, nbuckets int64) *collector {
 	c.big = make([][]bigInval, len(s.vols))
 	c.reuses = make([][]reuseEv, nbuckets)
 	c.gen0 = make([]uint32, nbuckets)
-	c.has0 = newBitset(int(nbuckets))
+	c.has0 = index.NewBitset(int(nbuckets))
 	c.insWin = make([]uint32, c.total)
 	c.firstWin = make([]uint32, c.total)
 	c.volEpoch = make([]uint64, len(s.vols))
@@ -160,32 +162,32 @@ func (c *collector) add(r *rec) {
 	if c.anomaly != "" {
 		return
 	}
-	if r.typ != recReuse && int(r.vol) >= len(c.nblocks) {
-		c.fail("record of volume %d", r.vol)
+	if r.Type != recReuse && int(r.Vol) >= len(c.nblocks) {
+		c.fail("record of volume %d", r.Vol)
 		return
 	}
-	switch r.typ {
+	switch r.Type {
 	case recInsert:
-		n := uint64(len(r.crcs))
-		loc := uint64(r.loc)
-		nb := c.nblocks[r.vol]
+		n := uint64(len(r.CRCs))
+		loc := uint64(r.Loc)
+		nb := c.nblocks[r.Vol]
 		bpb := uint64(c.bpb)
-		if n == 0 || r.lba+n > nb || r.lba+n < r.lba || r.lba+n > maxIndexLBA || loc+n > c.total || loc/bpb != (loc+n-1)/bpb {
+		if n == 0 || r.LBA+n > nb || r.LBA+n < r.LBA || r.LBA+n > index.MaxLBA || loc+n > c.total || loc/bpb != (loc+n-1)/bpb {
 			c.fail("insert out of range: %v", r)
 			return
 		}
 		b := loc / bpb
 		w := uint32(len(c.reuses[b]))
 		switch {
-		case w > 0 && c.reuses[b][w-1].gen != r.gen:
-			c.fail("insert into bucket %d generation %d", b, r.gen)
+		case w > 0 && c.reuses[b][w-1].gen != r.Gen:
+			c.fail("insert into bucket %d generation %d", b, r.Gen)
 			return
-		case w == 0 && c.has0.get(int(b)) && c.gen0[b] != r.gen:
-			c.fail("inserts into bucket %d generations %d and %d", b, c.gen0[b], r.gen)
+		case w == 0 && c.has0.Get(int(b)) && c.gen0[b] != r.Gen:
+			c.fail("inserts into bucket %d generations %d and %d", b, c.gen0[b], r.Gen)
 			return
 		case w == 0:
-			c.gen0[b] = r.gen
-			c.has0.set(int(b))
+			c.gen0[b] = r.Gen
+			c.has0.Set(int(b))
 		}
 		for i := uint64(0); i < n; i++ {
 			l := loc + i
@@ -199,46 +201,46 @@ func (c *collector) add(r *rec) {
 				c.firstWin[l] = t
 				c.anyFirst = true
 			}
-			c.items = append(c.items, replayItem{key: itemKey(int(r.vol), r.lba+i), epoch: r.epoch, seq: t,
-				loc: uint32(l), crc: r.crcs[i], kind: itemInsert, dirty: r.dirty})
+			c.items = append(c.items, replayItem{key: itemKey(int(r.Vol), r.LBA+i), epoch: r.Epoch, seq: t,
+				loc: uint32(l), crc: r.CRCs[i], kind: itemInsert, dirty: r.Dirty})
 		}
-		c.volEpoch[r.vol] = max(c.volEpoch[r.vol], r.epoch)
+		c.volEpoch[r.Vol] = max(c.volEpoch[r.Vol], r.Epoch)
 	case recClean:
-		if uint64(r.loc) >= c.total {
+		if uint64(r.Loc) >= c.total {
 			c.fail("clean out of range: %v", r)
 			return
 		}
 		t := c.next()
 		// No entry or version lies at or beyond the volume's end.
-		if r.lba < c.nblocks[r.vol] {
-			c.items = append(c.items, replayItem{key: itemKey(int(r.vol), r.lba), seq: t, loc: r.loc, kind: itemClean})
+		if r.LBA < c.nblocks[r.Vol] {
+			c.items = append(c.items, replayItem{key: itemKey(int(r.Vol), r.LBA), seq: t, loc: r.Loc, kind: itemClean})
 		}
 	case recInvalidate:
-		n := min(r.n, 1<<48)
-		if r.lba+n < r.lba {
+		n := min(r.N, 1<<48)
+		if r.LBA+n < r.LBA {
 			c.fail("invalidation wraps: %v", r)
 			return
 		}
 		t := c.next()
-		lo, hi := r.lba, min(r.lba+n, c.nblocks[r.vol])
+		lo, hi := r.LBA, min(r.LBA+n, c.nblocks[r.Vol])
 		switch {
 		case lo >= hi:
 		case hi-lo <= maxInvalItems:
 			for x := lo; x < hi; x++ {
-				c.items = append(c.items, replayItem{key: itemKey(int(r.vol), x), seq: t, kind: itemInval})
+				c.items = append(c.items, replayItem{key: itemKey(int(r.Vol), x), seq: t, kind: itemInval})
 			}
 		default:
-			c.big[r.vol] = append(c.big[r.vol], bigInval{lo: lo, hi: hi, seq: t})
+			c.big[r.Vol] = append(c.big[r.Vol], bigInval{lo: lo, hi: hi, seq: t})
 		}
 	case recReuse:
-		if uint64(r.bucket) >= uint64(len(c.reuses)) {
-			c.fail("reuse of bucket %d", r.bucket)
+		if uint64(r.Bucket) >= uint64(len(c.reuses)) {
+			c.fail("reuse of bucket %d", r.Bucket)
 			return
 		}
 		t := c.next()
-		c.reuses[r.bucket] = append(c.reuses[r.bucket], reuseEv{seq: t, gen: r.gen})
+		c.reuses[r.Bucket] = append(c.reuses[r.Bucket], reuseEv{seq: t, gen: r.Gen})
 	default:
-		c.fail("record type %d", r.typ)
+		c.fail("record type %d", r.Type)
 	}
 }
 
@@ -299,10 +301,10 @@ const seqEnd = math.MaxUint32 // after the journal
 
 // resolvedVol is one volume's recovered index, as sorted arrays.
 type resolvedVol struct {
-	ents   []ent    // live entries, by LBA
-	aggs   []uint64 // per leaf of leafBulkFill entries: the oldest dirty epoch (the tree's summary)
-	dirty  []ver    // every dirty version, live and superseded: its block's epoch
-	vers   []ver    // superseded versions, by LBA
+	ents   []index.Ent // live entries, by LBA
+	aggs   []uint64    // per leaf of leafBulkFill entries: the oldest dirty epoch (the tree's summary)
+	dirty  []index.Ver // every dirty version, live and superseded: its block's epoch
+	vers   []index.Ver // superseded versions, by LBA
 	nsup   int64
 	ndirty int64
 	epoch  uint64
@@ -374,7 +376,7 @@ func (r *resolver) kill(t uint32) {
 
 func (r *resolver) dropSups() { r.sups = r.sups[:0] }
 
-// insert is insertEpochLocked.
+// insert is index.Index.Insert.
 func (r *resolver) insert(vi int, it *replayItem) {
 	t := it.seq
 	r.kill(t)
@@ -390,7 +392,7 @@ func (r *resolver) insert(vi int, it *replayItem) {
 	r.hasLive = true
 }
 
-// markClean is markCleanLocked.
+// markClean is MarkClean.
 func (r *resolver) markClean(t, loc uint32) {
 	r.kill(t)
 	if r.hasLive && r.live.loc == loc && r.live.dirty {
@@ -406,7 +408,7 @@ func (r *resolver) markClean(t, loc uint32) {
 	}
 }
 
-// inval is invalidateLocked for one LBA.
+// inval is Invalidate for one LBA.
 func (r *resolver) inval(t uint32) {
 	r.kill(t)
 	r.hasLive = false
@@ -427,9 +429,9 @@ func (r *resolver) finish(lba uint64, out *resolvedVol) {
 			}
 			prev = x.epoch
 		}
-		l := make([]ver, len(r.sups))
+		l := make([]index.Ver, len(r.sups))
 		for i, x := range r.sups {
-			l[i] = ver{epoch: x.epoch, lba: lba, loc: x.loc, crc: x.crc}
+			l[i] = index.Ver{Epoch: x.epoch, LBA: lba, Loc: x.loc, CRC: x.crc}
 			out.vers = append(out.vers, l[i])
 			out.dirty = append(out.dirty, l[i])
 		}
@@ -444,39 +446,39 @@ func (r *resolver) finish(lba uint64, out *resolvedVol) {
 		return
 	}
 	loc := r.live.loc
-	if k := len(out.ents) / leafBulkFill; k == len(out.aggs) {
+	if k := len(out.ents) / index.LeafBulkFill; k == len(out.aggs) {
 		out.aggs = append(out.aggs, math.MaxUint64)
 	}
 	if r.live.dirty {
-		loc |= dirtyBit
-		out.dirty = append(out.dirty, ver{epoch: r.live.epoch, lba: lba, loc: r.live.loc})
+		loc |= index.DirtyBit
+		out.dirty = append(out.dirty, index.Ver{Epoch: r.live.epoch, LBA: lba, Loc: r.live.loc})
 		out.ndirty++
-		k := len(out.ents) / leafBulkFill
+		k := len(out.ents) / index.LeafBulkFill
 		out.aggs[k] = min(out.aggs[k], r.live.epoch)
 	}
-	out.ents = append(out.ents, ent{lba: lba, loc: loc, crc: r.live.crc})
+	out.ents = append(out.ents, index.Ent{LBA: lba, Loc: loc, CRC: r.live.crc})
 }
 
 // volume resolves volume vi from its checkpoint part cv (nil: none), its
 // items (sorted) and big invalidations.
 func (r *resolver) volume(vi int, cv *ckptVol, items []replayItem, big []bigInval) resolvedVol {
 	var out resolvedVol
-	var ents []ent
+	var ents []index.Ent
 	var epochOf []uint64
-	var supBy map[uint64][]ver
+	var supBy map[uint64][]index.Ver
 	if cv != nil {
-		ents, epochOf = cv.ents, cv.epochOf
-		out.epoch = cv.epoch
-		for _, x := range cv.sup {
+		ents, epochOf = cv.Ents, cv.EpochOf
+		out.epoch = cv.Epoch
+		for _, x := range cv.Sup {
 			if supBy == nil {
-				supBy = map[uint64][]ver{}
+				supBy = map[uint64][]index.Ver{}
 			}
-			supBy[x.lba] = append(supBy[x.lba], x)
+			supBy[x.LBA] = append(supBy[x.LBA], x)
 		}
 	}
 	out.epoch = max(out.epoch, r.c.volEpoch[vi])
-	out.ents = make([]ent, 0, len(ents)+len(items))
-	out.dirty = make([]ver, 0, len(ents)+len(items))
+	out.ents = make([]index.Ent, 0, len(ents)+len(items))
+	out.dirty = make([]index.Ver, 0, len(ents)+len(items))
 	slices.SortFunc(big, func(a, b bigInval) int {
 		if c := cmp.Compare(a.lo, b.lo); c != 0 {
 			return c
@@ -489,25 +491,25 @@ func (r *resolver) volume(vi int, cv *ckptVol, items []replayItem, big []bigInva
 	ci, ii := 0, 0
 	for ci < len(ents) || ii < len(items) {
 		var x uint64
-		if ci < len(ents) && (ii >= len(items) || ents[ci].lba <= items[ii].lba()) {
-			x = ents[ci].lba
+		if ci < len(ents) && (ii >= len(items) || ents[ci].LBA <= items[ii].lba()) {
+			x = ents[ci].LBA
 		} else {
 			x = items[ii].lba()
 		}
 		r.hasLive = false
 		r.sups = r.sups[:0]
-		if ci < len(ents) && ents[ci].lba == x {
+		if ci < len(ents) && ents[ci].LBA == x {
 			e := ents[ci]
 			ci++
-			r.ckptVersion(e.block())
-			r.live = rver{loc: e.block(), crc: e.crc, dirty: e.dirty()}
+			r.ckptVersion(e.Block())
+			r.live = rver{loc: e.Block(), crc: e.CRC, dirty: e.Dirty()}
 			if r.live.dirty && epochOf != nil {
-				r.live.epoch = epochOf[e.block()]
+				r.live.epoch = epochOf[e.Block()]
 			}
 			r.hasLive = true
 			for _, y := range supBy[x] {
-				r.ckptVersion(y.loc)
-				r.sups = append(r.sups, rver{loc: y.loc, crc: y.crc, dirty: true, epoch: y.epoch})
+				r.ckptVersion(y.Loc)
+				r.sups = append(r.sups, rver{loc: y.Loc, crc: y.CRC, dirty: true, epoch: y.Epoch})
 			}
 		}
 		cover = cover[:0]
@@ -545,7 +547,7 @@ func (r *resolver) volume(vi int, cv *ckptVol, items []replayItem, big []bigInva
 			return out
 		}
 	}
-	slices.SortFunc(out.vers, cmpVer)
+	slices.SortFunc(out.vers, index.CmpVer)
 	return out
 }
 
@@ -556,8 +558,8 @@ func (s *Set) resolve(c *collector, cd *ckptData, clean bool) (*resolver, []reso
 		return r, nil
 	}
 	for b := range c.gen0 {
-		if c.has0.get(b) && cd.gens[b] != c.gen0[b] {
-			r.fail("insert into bucket %d generation %d, bucket is at %d", b, c.gen0[b], cd.gens[b])
+		if c.has0.Get(b) && cd.Gens[b] != c.gen0[b] {
+			r.fail("insert into bucket %d generation %d, bucket is at %d", b, c.gen0[b], cd.Gens[b])
 			return r, nil
 		}
 	}
@@ -574,8 +576,8 @@ func (s *Set) resolve(c *collector, cd *ckptData, clean bool) (*resolver, []reso
 		lo, _ := slices.BinarySearchFunc(items, itemKey(vi, 0), func(it replayItem, k uint64) int { return cmp.Compare(it.key, k) })
 		hi, _ := slices.BinarySearchFunc(items, itemKey(vi+1, 0), func(it replayItem, k uint64) int { return cmp.Compare(it.key, k) })
 		var cv *ckptVol
-		if vi < len(cd.vols) {
-			cv = &cd.vols[vi]
+		if vi < len(cd.Vols) {
+			cv = &cd.Vols[vi]
 		}
 		out[vi] = r.volume(vi, cv, items[lo:hi], c.big[vi])
 		if r.anomaly != "" {
@@ -589,15 +591,15 @@ func (s *Set) resolve(c *collector, cd *ckptData, clean bool) (*resolver, []reso
 // with bucket generations gens.
 // REQUIRES: exclusive access (Open)
 func (s *Set) resetIndexLocked(nbuckets int64, gens []uint32) {
-	s.mu.buckets = make([]bucket, nbuckets)
-	s.mu.owner = make([]uint64, nbuckets*s.bpb)
+	s.mu.Buckets = make([]index.Bucket, nbuckets)
+	s.mu.Owner = make([]uint64, nbuckets*s.bpb)
 	s.mu.open = -1
 	for i, g := range gens {
-		s.mu.buckets[i].gen = g
+		s.mu.Buckets[i].Gen = g
 	}
 	for _, v := range s.vols {
-		v.idx.tree, v.idx.sup = newPtree(), newStree()
-		v.idx.nsup, v.idx.dirty, v.idx.cached, v.idx.epoch = 0, 0, 0, 0
+		v.idx.Tree, v.idx.Sup = index.NewPtree(), index.NewStree()
+		v.idx.NSup, v.idx.Dirty, v.idx.Cached, v.idx.epoch = 0, 0, 0, 0
 	}
 }
 
@@ -607,77 +609,47 @@ func (s *Set) resetIndexLocked(nbuckets int64, gens []uint32) {
 func (s *Set) install(c *collector, out []resolvedVol) {
 	for b, l := range c.reuses {
 		if len(l) > 0 {
-			s.mu.buckets[b].gen = l[len(l)-1].gen
+			s.mu.Buckets[b].Gen = l[len(l)-1].gen
 		}
 	}
 	for vi, rv := range out {
 		v := s.vols[vi]
-		v.idx.tree = buildPtree(rv.ents, rv.aggs)
+		v.idx.Tree = index.BuildPtree(rv.ents, rv.aggs)
 		// Superseded versions are normally few: inserted one by one,
 		// each with its epoch as its summary.
-		v.idx.sup = newStree()
+		v.idx.Sup = index.NewStree()
 		for _, x := range rv.vers {
-			v.idx.sup.ReplaceOrInsertAgg(ent{lba: x.lba, loc: x.loc, crc: x.crc}, x.epoch)
+			v.idx.Sup.ReplaceOrInsertAgg(index.Ent{LBA: x.LBA, Loc: x.Loc, CRC: x.CRC}, x.Epoch)
 		}
-		v.idx.nsup = rv.nsup
-		v.idx.cached = int64(len(rv.ents))
-		v.idx.dirty = rv.ndirty
+		v.idx.NSup = rv.nsup
+		v.idx.Cached = int64(len(rv.ents))
+		v.idx.Dirty = rv.ndirty
 		v.idx.epoch = rv.epoch
 		for _, e := range rv.ents {
-			loc := e.block()
-			s.mu.owner[loc] = ownerKey(vi, e.lba)
-			s.mu.buckets[int64(loc)/s.bpb].live++
+			loc := e.Block()
+			s.mu.Owner[loc] = index.OwnerKey(vi, e.LBA)
+			s.mu.Buckets[int64(loc)/s.bpb].Live++
 		}
 		for _, x := range rv.vers {
-			s.mu.owner[x.loc] = ownerKey(vi, x.lba)
-			s.mu.buckets[int64(x.loc)/s.bpb].live++
+			s.mu.Owner[x.Loc] = index.OwnerKey(vi, x.LBA)
+			s.mu.Buckets[int64(x.Loc)/s.bpb].Live++
 		}
 		for _, x := range rv.dirty {
-			s.mu.buckets[int64(x.loc)/s.bpb].dirty++
+			s.mu.Buckets[int64(x.Loc)/s.bpb].Dirty++
 		}
 	}
-	s.buildEpochTables(out)
-}
-
-// buildEpochTables makes the epoch table of every bucket holding dirty
-// versions, sized once from the bucket's oldest and newest epoch (setting
-// the epochs one by one would rebase or widen tables as they come).
-// REQUIRES: exclusive access (Open)
-func (s *Set) buildEpochTables(out []resolvedVol) {
-	nb := len(s.mu.buckets)
-	lo, hi := make([]uint64, nb), make([]uint64, nb)
-	for i := range lo {
-		lo[i] = math.MaxUint64
+	dirty := make([][]index.Ver, len(out))
+	for vi := range out {
+		dirty[vi] = out[vi].dirty
 	}
-	for _, rv := range out {
-		for _, x := range rv.dirty {
-			b := int64(x.loc) / s.bpb
-			lo[b], hi[b] = min(lo[b], x.epoch), max(hi[b], x.epoch)
-		}
-	}
-	for b := range s.mu.buckets {
-		if lo[b] > hi[b] {
-			continue
-		}
-		ep := newBucketEpochs(s.bpb, lo[b])
-		ep.snap = s.mu.epochSnap
-		for ep.e64 == nil && hi[b]-lo[b] > ep.limit() {
-			ep.widen()
-		}
-		s.mu.buckets[b].ep = ep
-	}
-	for _, rv := range out {
-		for _, x := range rv.dirty {
-			s.mu.buckets[int64(x.loc)/s.bpb].ep.set(int64(x.loc)%s.bpb, x.epoch)
-		}
-	}
+	s.mu.BuildEpochTables(dirty)
 }
 
 // readJournal reads the journal after checkpoint h, handing each record to
 // c in journal order.
 func readJournal(dev device.Device, sb *Superblock, h ckptHeader, c *collector) *jrecs {
 	jr := &jrecs{}
-	jr.end, jr.n, jr.err = replayJournal(dev, sb, h.gen, h.jpos, func(off int64, seq uint64, payload []byte) {
+	jr.end, jr.n, jr.err = replayJournal(dev, sb, h.Gen, h.JPos, func(off int64, seq uint64, payload []byte) {
 		jr.blocks = append(jr.blocks, jblockRef{off: off, seq: seq, payload: payload})
 	}, func(r *rec) error {
 		c.add(r)
@@ -692,7 +664,7 @@ func readJournal(dev device.Device, sb *Superblock, h ckptHeader, c *collector) 
 // was taken.
 // REQUIRES: exclusive access (Open)
 func (s *Set) recoverIndex(nbuckets int64, cd *ckptData, c *collector, jr *jrecs, clean bool) (dropped int, fast bool, err error) {
-	s.resetIndexLocked(nbuckets, cd.gens)
+	s.resetIndexLocked(nbuckets, cd.Gens)
 	if jr.err == nil {
 		r, out := s.resolve(c, cd, clean)
 		if r.anomaly == "" {
@@ -700,7 +672,7 @@ func (s *Set) recoverIndex(nbuckets int64, cd *ckptData, c *collector, jr *jrecs
 			return r.dropped, true, nil
 		}
 		s.log.Debug("recovery: replaying the journal record by record", "reason", r.anomaly)
-		s.resetIndexLocked(nbuckets, cd.gens)
+		s.resetIndexLocked(nbuckets, cd.Gens)
 	}
 	if err := s.replayOld(cd, jr); err != nil {
 		return 0, false, err
@@ -716,11 +688,11 @@ func (s *Set) recoverIndex(nbuckets int64, cd *ckptData, c *collector, jr *jrecs
 // the old replay over replayJournal returned.
 // REQUIRES: exclusive access (Open), after resetIndexLocked
 func (s *Set) replayOld(cd *ckptData, jr *jrecs) error {
-	for vi := range cd.vols {
+	for vi := range cd.Vols {
 		if vi >= len(s.vols) {
 			break // slots detached after this checkpoint: empty (decodeCkptBody)
 		}
-		s.loadCheckpointLocked(vi, &cd.vols[vi])
+		s.loadCheckpointLocked(vi, &cd.Vols[vi])
 	}
 	apply, flush := s.sortedApplier()
 	for _, b := range jr.blocks {

@@ -7,6 +7,8 @@ import (
 	"math/rand/v2"
 	"slices"
 	"testing"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
 // replayCfg is the shape of a randomized recovery: volumes (each in epoch
@@ -22,6 +24,7 @@ type replayCfg struct {
 // reverse map, as Open has it before recovery, without devices.
 func newReplaySet(cfg replayCfg, gens []uint32) *Set {
 	s := &Set{bpb: cfg.bpb, log: slog.New(slog.DiscardHandler), epochOK: true}
+	s.mu.BPB = s.bpb
 	var vols []*Volume
 	for i, o := range cfg.orders {
 		st := DefaultSettings()
@@ -100,16 +103,16 @@ func (g *replayGen) reuse(t *testing.T) bool {
 	b := sealed[g.rng.IntN(len(sealed))]
 	s := g.sim
 	for loc := b * g.cfg.bpb; loc < (b+1)*g.cfg.bpb; loc++ {
-		if k := s.mu.owner[loc]; k != 0 {
-			vi, lba := splitOwner(k)
-			e, ok := s.vols[vi].idx.tree.Get(ent{lba: lba})
-			if (ok && e.block() == uint32(loc) && e.dirty()) || !ok || e.block() != uint32(loc) {
-				g.emit(t, &rec{typ: recClean, vol: uint16(vi), lba: lba, loc: uint32(loc)})
+		if k := s.mu.Owner[loc]; k != 0 {
+			vi, lba := index.SplitOwner(k)
+			e, ok := s.vols[vi].idx.Tree.Get(index.Ent{LBA: lba})
+			if (ok && e.Block() == uint32(loc) && e.Dirty()) || !ok || e.Block() != uint32(loc) {
+				g.emit(t, &rec{Type: recClean, Vol: uint16(vi), LBA: lba, Loc: uint32(loc)})
 			}
 		}
 	}
-	gen := s.mu.buckets[b].gen + 1
-	g.emit(t, &rec{typ: recReuse, bucket: uint32(b), gen: gen})
+	gen := s.mu.Buckets[b].Gen + 1
+	g.emit(t, &rec{Type: recReuse, Bucket: uint32(b), Gen: gen})
 	g.state[b] = 0
 	return true
 }
@@ -119,19 +122,19 @@ func (g *replayGen) dirtyVersion() (vi int, lba uint64, loc uint32, ok bool) {
 	s := g.sim
 	vi = g.rng.IntN(len(s.vols))
 	v := s.vols[vi]
-	var all []ver
-	v.idx.tree.Ascend(func(e ent) bool {
-		if e.dirty() {
-			all = append(all, ver{lba: e.lba, loc: e.block()})
+	var all []index.Ver
+	v.idx.Tree.Ascend(func(e index.Ent) bool {
+		if e.Dirty() {
+			all = append(all, index.Ver{LBA: e.LBA, Loc: e.Block()})
 		}
 		return true
 	})
-	v.idx.sup.Ascend(func(e ent) bool { all = append(all, ver{lba: e.lba, loc: e.loc}); return true })
+	v.idx.Sup.Ascend(func(e index.Ent) bool { all = append(all, index.Ver{LBA: e.LBA, Loc: e.Loc}); return true })
 	if len(all) == 0 {
 		return 0, 0, 0, false
 	}
 	x := all[g.rng.IntN(len(all))]
-	return vi, x.lba, x.loc, true
+	return vi, x.LBA, x.Loc, true
 }
 
 func (g *replayGen) step(t *testing.T) {
@@ -148,15 +151,15 @@ func (g *replayGen) step(t *testing.T) {
 		for i := range crcs {
 			crcs[i] = g.rng.Uint32()
 		}
-		g.emit(t, &rec{typ: recInsert, vol: uint16(vi), lba: lba, loc: loc, gen: s.mu.buckets[b].gen,
-			dirty: g.rng.IntN(10) < 7, epoch: g.epochs[vi], crcs: crcs})
+		g.emit(t, &rec{Type: recInsert, Vol: uint16(vi), LBA: lba, Loc: loc, Gen: s.mu.Buckets[b].Gen,
+			Dirty: g.rng.IntN(10) < 7, Epoch: g.epochs[vi], CRCs: crcs})
 	case p < 65:
 		g.epochs[vi] += uint64(1 + g.rng.IntN(2)) // a client FLUSH
 	case p < 78:
 		if vj, lba, loc, ok := g.dirtyVersion(); ok {
-			g.emit(t, &rec{typ: recClean, vol: uint16(vj), lba: lba, loc: loc})
+			g.emit(t, &rec{Type: recClean, Vol: uint16(vj), LBA: lba, Loc: loc})
 		} else {
-			g.emit(t, &rec{typ: recClean, vol: uint16(vi), lba: uint64(g.rng.IntN(int(g.cfg.nblocks) + 8)), loc: uint32(g.rng.Int64N(g.cfg.nb * g.cfg.bpb))})
+			g.emit(t, &rec{Type: recClean, Vol: uint16(vi), LBA: uint64(g.rng.IntN(int(g.cfg.nblocks) + 8)), Loc: uint32(g.rng.Int64N(g.cfg.nb * g.cfg.bpb))})
 		}
 	case p < 88:
 		lba := uint64(g.rng.IntN(int(hot)))
@@ -167,7 +170,7 @@ func (g *replayGen) step(t *testing.T) {
 		case 1:
 			n = 1 << 50 // clamped to the volume
 		}
-		g.emit(t, &rec{typ: recInvalidate, vol: uint16(vi), lba: lba, n: n})
+		g.emit(t, &rec{Type: recInvalidate, Vol: uint16(vi), LBA: lba, N: n})
 	case p < 93:
 		g.reuse(t)
 	default:
@@ -193,19 +196,19 @@ func replayCase(t *testing.T, seed uint64) (replayCfg, *ckptData, []*rec, *Set) 
 	}
 	s := g.sim
 	gens := make([]uint32, cfg.nb)
-	for i := range s.mu.buckets {
-		gens[i] = s.mu.buckets[i].gen
+	for i := range s.mu.Buckets {
+		gens[i] = s.mu.Buckets[i].Gen
 	}
-	var trees []*ptree
+	var trees []*index.Ptree
 	var epochs []uint64
 	var vers []verSnap
-	epochOf := s.snapshotEpochsLocked()
+	epochOf := s.mu.SnapshotEpochs()
 	for _, v := range s.vols {
-		trees = append(trees, v.idx.tree.Clone())
+		trees = append(trees, v.idx.Tree.Clone())
 		// The volume's epoch as a checkpoint records it: the replayed
 		// inserts' highest.
 		epochs = append(epochs, v.idx.epoch)
-		vers = append(vers, verSnap{epochOf: epochOf, sup: v.idx.sup.Clone(), dirty: int(v.idx.dirty)})
+		vers = append(vers, verSnap{EpochOf: epochOf, Sup: v.idx.Sup.Clone(), Dirty: int(v.idx.Dirty)})
 	}
 	var body bytes.Buffer
 	if err := encodeCkptBodyVers(gens, epochs, trees, vers, func(p []byte) error { body.Write(p); return nil }); err != nil {
@@ -233,28 +236,28 @@ func replayCase(t *testing.T, seed uint64) (replayCfg, *ckptData, []*rec, *Set) 
 func dumpRecovered(s *Set) string {
 	var b bytes.Buffer
 	for vi, v := range s.vols {
-		fmt.Fprintf(&b, "vol %d: cached %d dirty %d nsup %d epoch %d\n", vi, v.idx.cached, v.idx.dirty, v.idx.nsup, v.idx.epoch)
-		v.idx.tree.Ascend(func(e ent) bool {
-			fmt.Fprintf(&b, " ent %d -> %d dirty=%t crc %x\n", e.lba, e.block(), e.dirty(), e.crc)
+		fmt.Fprintf(&b, "vol %d: cached %d dirty %d nsup %d epoch %d\n", vi, v.idx.Cached, v.idx.Dirty, v.idx.NSup, v.idx.epoch)
+		v.idx.Tree.Ascend(func(e index.Ent) bool {
+			fmt.Fprintf(&b, " ent %d -> %d dirty=%t crc %x\n", e.LBA, e.Block(), e.Dirty(), e.CRC)
 			return true
 		})
-		v.idx.sup.Ascend(func(e ent) bool {
-			fmt.Fprintf(&b, " sup %d -> %d crc %x epoch %d\n", e.lba, e.loc, e.crc, s.blockEpoch(e.loc))
+		v.idx.Sup.Ascend(func(e index.Ent) bool {
+			fmt.Fprintf(&b, " sup %d -> %d crc %x epoch %d\n", e.LBA, e.Loc, e.CRC, s.mu.BlockEpoch(e.Loc))
 			return true
 		})
 	}
-	for i := range s.mu.buckets {
-		bk := &s.mu.buckets[i]
-		fmt.Fprintf(&b, "bucket %d: gen %d live %d dirty %d epochs %t\n", i, bk.gen, bk.live, bk.dirty, bk.ep != nil)
+	for i := range s.mu.Buckets {
+		bk := &s.mu.Buckets[i]
+		fmt.Fprintf(&b, "bucket %d: gen %d live %d dirty %d epochs %t\n", i, bk.Gen, bk.Live, bk.Dirty, bk.Ep != nil)
 	}
-	for loc, k := range s.mu.owner {
+	for loc, k := range s.mu.Owner {
 		if k != 0 {
-			vi, lba := splitOwner(k)
-			e, ok := s.vols[vi].idx.tree.Get(ent{lba: lba})
-			dirty := (ok && e.block() == uint32(loc) && e.dirty()) || !ok || e.block() != uint32(loc)
+			vi, lba := index.SplitOwner(k)
+			e, ok := s.vols[vi].idx.Tree.Get(index.Ent{LBA: lba})
+			dirty := (ok && e.Block() == uint32(loc) && e.Dirty()) || !ok || e.Block() != uint32(loc)
 			fmt.Fprintf(&b, "block %d: vol %d lba %d", loc, vi, lba)
 			if dirty {
-				fmt.Fprintf(&b, " epoch %d", s.blockEpoch(uint32(loc)))
+				fmt.Fprintf(&b, " epoch %d", s.mu.BlockEpoch(uint32(loc)))
 			}
 			b.WriteString("\n")
 		}
@@ -272,13 +275,13 @@ func recoverBoth(t *testing.T, what string, cfg replayCfg, cd *ckptData, recs []
 		payload = appendRec(payload, r)
 	}
 	jr := &jrecs{blocks: []jblockRef{{off: 4096, seq: 1, payload: payload}}, n: len(recs)}
-	fast := newReplaySet(cfg, cd.gens)
+	fast := newReplaySet(cfg, cd.Gens)
 	c := newCollector(fast, cfg.nb)
 	for _, r := range recs {
 		c.add(r)
 	}
 	fdrop, took, ferr := fast.recoverIndex(cfg.nb, cd, c, jr, cfg.clean)
-	old := newReplaySet(cfg, cd.gens)
+	old := newReplaySet(cfg, cd.Gens)
 	oerr := old.replayOld(cd, jr)
 	odrop := 0
 	if oerr == nil && !cfg.clean {
@@ -357,20 +360,20 @@ func TestReplayMatchesSequential(t *testing.T) {
 			fastN++
 		}
 		for _, v := range s.vols {
-			cover[0] += int(v.idx.nsup)
+			cover[0] += int(v.idx.NSup)
 		}
 		for _, r := range recs {
 			switch {
-			case r.typ == recReuse:
+			case r.Type == recReuse:
 				cover[1]++
-			case r.typ == recInvalidate && r.n > maxInvalItems:
+			case r.Type == recInvalidate && r.N > maxInvalItems:
 				cover[2]++
-			case r.typ == recInsert && len(r.crcs) > 1:
+			case r.Type == recInsert && len(r.CRCs) > 1:
 				cover[3]++
 			}
 		}
-		for _, cv := range cd.vols {
-			cover[4] += len(cv.sup)
+		for _, cv := range cd.Vols {
+			cover[4] += len(cv.Sup)
 		}
 		if err := s.checkIndexLocked(true); err != nil {
 			t.Fatalf("%s: recovered index: %v", what, err)
@@ -391,33 +394,33 @@ func TestReplayMatchesSequential(t *testing.T) {
 		r := *bad[i]
 		switch rng.IntN(7) {
 		case 0:
-			r.gen++
+			r.Gen++
 		case 1:
-			r.vol = uint16(len(cfg.orders))
+			r.Vol = uint16(len(cfg.orders))
 		case 2:
 			// An insert into a block some earlier insert used.
 			for _, x := range bad[:i] {
-				if x.typ == recInsert {
-					r = rec{typ: recInsert, vol: x.vol, lba: uint64(rng.IntN(40)), loc: x.loc, gen: x.gen, dirty: true, epoch: x.epoch, crcs: []uint32{1}}
+				if x.Type == recInsert {
+					r = rec{Type: recInsert, Vol: x.Vol, LBA: uint64(rng.IntN(40)), Loc: x.Loc, Gen: x.Gen, Dirty: true, Epoch: x.Epoch, CRCs: []uint32{1}}
 					break
 				}
 			}
 		case 3:
 			// Reuse of a bucket that may hold dirty data.
-			r = rec{typ: recReuse, bucket: uint32(rng.Int64N(cfg.nb)), gen: uint32(rng.IntN(3))}
+			r = rec{Type: recReuse, Bucket: uint32(rng.Int64N(cfg.nb)), Gen: uint32(rng.IntN(3))}
 		case 5, 6:
 			// An insert into a block of a checkpoint entry (of its own
 			// LBA or another), in the checkpoint's generation.
-			if vi := rng.IntN(len(cd.vols)); len(cd.vols[vi].ents) > 0 {
-				e := cd.vols[vi].ents[rng.IntN(len(cd.vols[vi].ents))]
-				lba := e.lba
+			if vi := rng.IntN(len(cd.Vols)); len(cd.Vols[vi].Ents) > 0 {
+				e := cd.Vols[vi].Ents[rng.IntN(len(cd.Vols[vi].Ents))]
+				lba := e.LBA
 				if rng.IntN(2) == 0 {
 					lba = uint64(rng.IntN(40))
 				}
-				r = rec{typ: recInsert, vol: uint16(vi), lba: lba, loc: e.block(), gen: cd.gens[int64(e.block())/cfg.bpb], dirty: true, epoch: 1 << 20, crcs: []uint32{4}}
+				r = rec{Type: recInsert, Vol: uint16(vi), LBA: lba, Loc: e.Block(), Gen: cd.Gens[int64(e.Block())/cfg.bpb], Dirty: true, Epoch: 1 << 20, CRCs: []uint32{4}}
 			}
 		case 4:
-			r = rec{typ: recInsert, vol: 0, lba: uint64(rng.IntN(40)), loc: uint32(rng.Int64N(cfg.nb * cfg.bpb)), gen: uint32(rng.IntN(3)), dirty: rng.IntN(2) == 0, crcs: []uint32{2, 3}}
+			r = rec{Type: recInsert, Vol: 0, LBA: uint64(rng.IntN(40)), Loc: uint32(rng.Int64N(cfg.nb * cfg.bpb)), Gen: uint32(rng.IntN(3)), Dirty: rng.IntN(2) == 0, CRCs: []uint32{2, 3}}
 		}
 		bad[i] = &r
 		recoverBoth(t, what+fmt.Sprintf(", record %d replaced by %v", i, &r), cfg, cd, bad)
@@ -440,23 +443,23 @@ func TestReplayMatchesSequential(t *testing.T) {
 // nil epoch table (a panic on data from disk).
 func TestReplayCheckpointWithoutEpochs(t *testing.T) {
 	cfg := replayCfg{nb: 4, bpb: 8, orders: []string{"epoch"}, nblocks: 64, clean: true}
-	tr := newPtree()
-	tr.ReplaceOrInsert(ent{lba: 3, loc: 5 | dirtyBit, crc: 7})
-	tr.ReplaceOrInsert(ent{lba: 9, loc: 6, crc: 8})
+	tr := index.NewPtree()
+	tr.ReplaceOrInsert(index.Ent{LBA: 3, Loc: 5 | index.DirtyBit, CRC: 7})
+	tr.ReplaceOrInsert(index.Ent{LBA: 9, Loc: 6, CRC: 8})
 	var body bytes.Buffer
-	if err := encodeCkptBody(make([]uint32, cfg.nb), []uint64{4}, []*ptree{tr}, func(p []byte) error { body.Write(p); return nil }); err != nil {
+	if err := encodeCkptBody(make([]uint32, cfg.nb), []uint64{4}, []*index.Ptree{tr}, func(p []byte) error { body.Write(p); return nil }); err != nil {
 		t.Fatal(err)
 	}
 	cd, err := decodeCkptBody(body.Bytes(), cfg.nb, cfg.bpb, []uint64{cfg.nblocks})
-	if err != nil || cd.vols[0].epochOf != nil {
-		t.Fatalf("decode: %v (epoch table %v)", err, cd.vols[0].epochOf)
+	if err != nil || cd.Vols[0].EpochOf != nil {
+		t.Fatalf("decode: %v (epoch table %v)", err, cd.Vols[0].EpochOf)
 	}
-	recs := []*rec{{typ: recInsert, vol: 0, lba: 3, loc: 8, gen: 0, dirty: true, epoch: 5, crcs: []uint32{1}}}
+	recs := []*rec{{Type: recInsert, Vol: 0, LBA: 3, Loc: 8, Gen: 0, Dirty: true, Epoch: 5, CRCs: []uint32{1}}}
 	s, took, err := recoverBoth(t, "no epoch section", cfg, cd, recs)
 	if err != nil || !took {
 		t.Fatalf("recovery: %v (bulk %t)", err, took)
 	}
-	if n := s.vols[0].idx.nsup; n != 1 {
+	if n := s.vols[0].idx.NSup; n != 1 {
 		t.Fatalf("%d superseded versions, want the checkpoint's dirty entry (epoch 0) kept under the epoch-5 write", n)
 	}
 }

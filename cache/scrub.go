@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"slices"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -58,13 +59,13 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 	var rep ScrubReport
 	s.mu.Lock()
 	total := s.entries()
-	nblocks := s.cacheBlocks()
+	nblocks := s.mu.CacheBlocks()
 	s.mu.Unlock()
 	const chunk = 256 // cache blocks per read (1 MiB)
 	buf := make([]byte, chunk*blockSize)
 	type item struct {
 		vi int
-		e  ent
+		e  index.Ent
 	}
 	type bad struct {
 		item
@@ -83,77 +84,77 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 		if start%win == 0 {
 			lo, hi := start, start+win
 			inWin = s.entriesIn(func(loc int64) bool { return loc >= lo && loc < hi })
-			slices.SortFunc(inWin, func(a, b located) int { return cmp.Compare(a.e.block(), b.e.block()) })
+			slices.SortFunc(inWin, func(a, b located) int { return cmp.Compare(a.e.Block(), b.e.Block()) })
 		}
 		end := min(start+chunk, nblocks)
-		for len(inWin) > 0 && int64(inWin[0].e.block()) < start {
+		for len(inWin) > 0 && int64(inWin[0].e.Block()) < start {
 			inWin = inWin[1:]
 		}
 		var items []item
 		s.mu.Lock()
-		for len(inWin) > 0 && int64(inWin[0].e.block()) < end {
+		for len(inWin) > 0 && int64(inWin[0].e.Block()) < end {
 			it := inWin[0]
 			inWin = inWin[1:]
-			e, ok := s.vols[it.vi].idx.tree.Get(it.e)
+			e, ok := s.vols[it.vi].idx.Tree.Get(it.e)
 			if !ok || e != it.e {
 				continue // changed since the walk
 			}
 			items = append(items, item{it.vi, e})
-			s.mu.buckets[int64(e.block())/s.bpb].pins++
+			s.mu.Buckets[int64(e.Block())/s.bpb].Pins++
 		}
 		s.mu.Unlock()
 		if len(items) == 0 {
 			continue
 		}
-		first := int64(items[0].e.block())
-		last := int64(items[len(items)-1].e.block())
+		first := int64(items[0].e.Block())
+		last := int64(items[len(items)-1].e.Block())
 		run := buf[:(last-first+1)*blockSize]
 		_, rerr := s.dev.ReadAt(run, s.cacheOff(uint32(first)))
 		var bads []bad
 		for _, it := range items {
-			at := (int64(it.e.block()) - first) * blockSize
+			at := (int64(it.e.Block()) - first) * blockSize
 			p := run[at : at+blockSize]
 			if rerr != nil {
 				// Find which blocks of the chunk fail, one by one.
-				if _, err := s.dev.ReadAt(p, s.cacheOff(it.e.block())); err != nil {
+				if _, err := s.dev.ReadAt(p, s.cacheOff(it.e.Block())); err != nil {
 					bads = append(bads, bad{item: it, readFail: err})
 					continue
 				}
 			}
-			if got := crc32c(p); got != it.e.crc {
+			if got := crc32c(p); got != it.e.CRC {
 				bads = append(bads, bad{item: it, got: got})
 			}
 		}
 		s.mu.Lock()
 		for _, it := range items {
-			s.unpinLocked(it.e.block())
+			s.unpinLocked(it.e.Block())
 		}
 		for _, b := range bads {
 			v := s.vols[b.vi]
-			cur, ok := v.idx.tree.Get(b.e)
+			cur, ok := v.idx.Tree.Get(b.e)
 			if !ok || cur != b.e {
 				continue // rewritten or evicted while we read: not a finding
 			}
-			off := s.cacheOff(b.e.block())
+			off := s.cacheOff(b.e.Block())
 			kind := "clean"
-			if b.e.dirty() {
+			if b.e.Dirty() {
 				kind = "dirty"
 			}
 			if b.readFail != nil {
 				rep.ReadErrors++
-				rep.problem("volume %s lba %d (%s): reading cache offset %d: %v", v.name, b.e.lba, kind, off, b.readFail)
+				rep.problem("volume %s lba %d (%s): reading cache offset %d: %v", v.name, b.e.LBA, kind, off, b.readFail)
 				continue
 			}
 			rep.Bad++
-			cerr := &CorruptionError{Err: ErrChecksum, Device: "cache", What: fmt.Sprintf("%s data block of %s lba %d", kind, v.name, b.e.lba),
-				Offset: off, Length: blockSize, Expected: b.e.crc, Actual: b.got, HaveSums: true}
-			if b.e.dirty() {
+			cerr := &CorruptionError{Err: ErrChecksum, Device: "cache", What: fmt.Sprintf("%s data block of %s lba %d", kind, v.name, b.e.LBA),
+				Offset: off, Length: blockSize, Expected: b.e.CRC, Actual: b.got, HaveSums: true}
+			if b.e.Dirty() {
 				rep.BadDirty++
 			} else {
 				// As a client read would: drop the clean copy (the next
 				// read re-reads the backing device).
-				v.idx.tree.Delete(b.e)
-				s.unaccountLocked(b.vi, b.e)
+				v.idx.Tree.Delete(b.e)
+				s.mu.Unaccount(b.vi, b.e)
 				v.st.checksumRepairs.Add(1)
 			}
 			rep.problem("%v", cerr)
@@ -162,7 +163,7 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 		s.mu.Unlock()
 		for _, it := range items {
 			rep.Blocks++
-			if it.e.dirty() {
+			if it.e.Dirty() {
 				rep.DirtyBlocks++
 			}
 		}

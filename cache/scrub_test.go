@@ -6,6 +6,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device/faultdev"
 )
 
@@ -36,8 +37,8 @@ func TestScrubOnlineFindsCorruptDirtyBlock(t *testing.T) {
 	// Corrupt the cache copy of lba 4 (dirty: exists nowhere else).
 	var off int64 = -1
 	s.mu.Lock()
-	if e, ok := v.idx.tree.Get(ent{lba: 4}); ok {
-		off = s.cacheOff(e.block())
+	if e, ok := v.idx.Tree.Get(index.Ent{LBA: 4}); ok {
+		off = s.cacheOff(e.Block())
 	}
 	s.mu.Unlock()
 	if off < 0 {
@@ -153,8 +154,8 @@ func TestCheckOfflineReadError(t *testing.T) {
 	}
 	var bad int64 = -1
 	s.mu.Lock()
-	if e, ok := v.idx.tree.Get(ent{lba: 3}); ok {
-		bad = s.cacheOff(e.block())
+	if e, ok := v.idx.Tree.Get(index.Ent{LBA: 3}); ok {
+		bad = s.cacheOff(e.Block())
 	}
 	s.mu.Unlock()
 	if bad < 0 {

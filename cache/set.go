@@ -12,6 +12,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
@@ -69,7 +70,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	if len(backings) > maxBackings {
 		return nil, fmt.Errorf("%w: %d backing devices (want at most %d)", ErrInvalid, len(backings), maxBackings)
 	}
-	if !opts.Mode.valid() {
+	if !opts.Mode.Valid() {
 		return nil, fmt.Errorf("%w: mode %v", ErrInvalid, opts.Mode)
 	}
 	if !opts.Force {
@@ -143,13 +144,13 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	if n < minBuckets {
 		return nil, fmt.Errorf("%w: cache device of %d bytes holds fewer than %d buckets of %d bytes", ErrInvalid, devSize, minBuckets, bs)
 	}
-	if err := sb.validate(devSize); err != nil {
+	if err := sb.Validate(devSize); err != nil {
 		return nil, fmt.Errorf("format: computed layout invalid: %w", err)
 	}
 	// Empty checkpoint of generation 1, then the superblock copies.
-	trees := make([]*ptree, len(backings))
+	trees := make([]*index.Ptree, len(backings))
 	for i := range trees {
-		trees[i] = newPtree()
+		trees[i] = index.NewPtree()
 	}
 	// Destroy the superblock of any earlier set on the device first, and
 	// make that durable: the steps below overwrite its checkpoint slots, and
@@ -170,7 +171,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	if _, err := cacheDev.WriteAt(zero, sb.CkptOff[0]); err != nil {
 		return nil, fmt.Errorf("format: %w", err)
 	}
-	h := ckptHeader{nonce: sb.nonce(), gen: 1}
+	h := ckptHeader{Nonce: sb.Nonce(), Gen: 1}
 	if err := writeCheckpoint(cacheDev, sb, h, make([]uint32, n), make([]uint64, len(backings)), trees); err != nil {
 		return nil, fmt.Errorf("format: %w", err)
 	}
@@ -184,7 +185,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		return nil, fmt.Errorf("format: %w", err)
 	}
 	progress(3)
-	return sb.clone(), nil
+	return sb.Clone(), nil
 }
 
 // Set is an open cache set: one cache device serving several volumes.
@@ -246,19 +247,14 @@ type Set struct {
 
 	mu struct {
 		sync.Mutex
-		cond    *sync.Cond // free bucket, claim released, pins dropped
-		buckets []bucket
-		owner   []uint64 // per cache block: ownerKey or 0; only during recovery (index.go)
+		cond *sync.Cond // free bucket, claim released, pins dropped
+		index.Index
 		free    []uint32 // free buckets whose generation bump is durable
 		sealed  []uint32 // FIFO of sealed buckets, oldest first
 		open    int64    // open bucket or -1
 		pending []byte   // encoded records not yet written
 		seq     uint64   // records appended so far
 		tick    uint64   // recency clock: bumped by reads and allocations
-		// epochSnap counts the checkpoints' snapshots of the bucket epoch
-		// tables (snapshotEpochsLocked): a table made before the last one
-		// is copied before it changes.
-		epochSnap uint64
 		// dirtyInval: sequence numbers of pending invalidation records
 		// whose passthrough write replaced dirty data (failover.go).
 		dirtyInval map[uint64]struct{}
@@ -301,9 +297,10 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	for _, b := range backings {
 		byName[b.Name] = b
 	}
-	s := &Set{dev: cacheDev, lay: sb.clone(), sb: sb, nonce: sb.nonce(), bpb: sb.blocksPerBucket(), log: log,
+	s := &Set{dev: cacheDev, lay: sb.Clone(), sb: sb, nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(), log: log,
 		kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1), stop: make(chan struct{})}
 	s.mu.cond = sync.NewCond(&s.mu.Mutex)
+	s.mu.BPB = s.bpb
 	volBlocks := make([]uint64, len(sb.Backings))
 	var vols []*Volume
 	for i, bi := range sb.Backings {
@@ -365,10 +362,10 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		return nil, fmt.Errorf("open: recovered index inconsistent: %w", err)
 	}
 	// The reverse map served the replay; serving does without it.
-	s.mu.owner = nil
+	s.mu.Owner = nil
 	// New generation: the next journal block follows the replayed end, so
 	// any torn leftovers of the old generation are foreign from now on.
-	s.jr.gen, s.jr.pos = hdr.gen, journalPos{blk: end.blk}
+	s.jr.gen, s.jr.pos = hdr.Gen, journalPos{Blk: end.Blk}
 	replayed := time.Now()
 	s.commitMu.Lock()
 	err = s.checkpointLocked()
@@ -376,7 +373,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}
-	log.Info("cache set recovered", "checkpoint_gen", hdr.gen, "journal_records", nrec, "bulk_replay", fast,
+	log.Info("cache set recovered", "checkpoint_gen", hdr.Gen, "journal_records", nrec, "bulk_replay", fast,
 		"entries", s.entries(), "dropped_clean", dropped, "took", time.Since(start),
 		"read_checkpoint_and_journal", loaded.Sub(start), "replay_journal", replayed.Sub(loaded), "write_checkpoint", time.Since(replayed))
 	s.sbMu.Lock()
@@ -415,9 +412,9 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 // holding entries) or the free list.
 // REQUIRES: exclusive access (Open)
 func (s *Set) listBucketsLocked() {
-	for i := range s.mu.buckets {
-		if s.mu.buckets[i].live > 0 {
-			s.mu.buckets[i].state = bucketSealed
+	for i := range s.mu.Buckets {
+		if s.mu.Buckets[i].Live > 0 {
+			s.mu.Buckets[i].State = index.BucketSealed
 			s.mu.sealed = append(s.mu.sealed, uint32(i))
 		} else {
 			s.mu.free = append(s.mu.free, uint32(i))
@@ -442,12 +439,11 @@ func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
 	v.wb.kick = make(chan struct{}, 1)
 	v.wb.stop = make(chan struct{})
 	v.wb.done = make(chan struct{})
-	v.idx.tree = newPtree()
+	// Replayable: until a checkpoint shows otherwise, a recovery may find
+	// entries of the slot (Open replays them; a checkpoint clears it if
+	// empty).
+	v.idx.Vol = index.NewVol(bi.Name, v.nblocks)
 	v.idx.wbInflight = map[uint32]struct{}{}
-	v.idx.sup = newStree()
-	// Until a checkpoint shows otherwise, a recovery may find entries of
-	// the slot (Open replays them; a checkpoint clears it if empty).
-	v.idx.replayable = true
 	return v
 }
 
@@ -455,6 +451,10 @@ func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
 // REQUIRES: s.commitMu and s.mu, or exclusive access (Open)
 func (s *Set) setVols(vols []*Volume) {
 	s.vols = vols
+	s.mu.Vols = make([]*index.Vol, len(vols))
+	for i, v := range vols {
+		s.mu.Vols[i] = &v.idx.Vol
+	}
 	s.volSnap.Store(&vols)
 }
 
@@ -481,34 +481,34 @@ func (s *Set) volList() []*Volume { return *s.volSnap.Load() }
 // REQUIRES: s.mu (or exclusive access during Open)
 func (s *Set) loadCheckpointLocked(vi int, cv *ckptVol) {
 	v := s.vols[vi]
-	v.idx.epoch = cv.epoch
-	aggs := make([]uint64, (len(cv.ents)+leafBulkFill-1)/leafBulkFill)
+	v.idx.epoch = cv.Epoch
+	aggs := make([]uint64, (len(cv.Ents)+index.LeafBulkFill-1)/index.LeafBulkFill)
 	for i := range aggs {
 		aggs[i] = math.MaxUint64
 	}
-	for i, e := range cv.ents {
-		loc := e.block()
-		if s.mu.owner != nil {
-			s.mu.owner[loc] = ownerKey(vi, e.lba)
+	for i, e := range cv.Ents {
+		loc := e.Block()
+		if s.mu.Owner != nil {
+			s.mu.Owner[loc] = index.OwnerKey(vi, e.LBA)
 		}
-		b := &s.mu.buckets[int64(loc)/s.bpb]
-		b.live++
-		v.idx.cached++
-		if e.dirty() {
+		b := &s.mu.Buckets[int64(loc)/s.bpb]
+		b.Live++
+		v.idx.Cached++
+		if e.Dirty() {
 			var ep uint64 // a checkpoint without the epoch section: 0
-			if cv.epochOf != nil {
-				ep = cv.epochOf[loc]
+			if cv.EpochOf != nil {
+				ep = cv.EpochOf[loc]
 			}
-			b.dirty++
-			v.idx.dirty++
-			s.setBlockEpoch(loc, ep)
-			aggs[i/leafBulkFill] = min(aggs[i/leafBulkFill], ep)
+			b.Dirty++
+			v.idx.Dirty++
+			s.mu.SetBlockEpoch(loc, ep)
+			aggs[i/index.LeafBulkFill] = min(aggs[i/index.LeafBulkFill], ep)
 		}
 	}
-	v.idx.tree = buildPtree(cv.ents, aggs)
-	v.idx.sup = newStree()
-	for _, x := range cv.sup {
-		s.insertSupLocked(vi, x)
+	v.idx.Tree = index.BuildPtree(cv.Ents, aggs)
+	v.idx.Sup = index.NewStree()
+	for _, x := range cv.Sup {
+		s.mu.InsertSup(vi, x)
 	}
 }
 
@@ -552,9 +552,9 @@ func (s *Set) sortedApplier() (apply func(*rec) error, flush func() error) {
 		var one rec
 		for _, it := range batch {
 			r := it.r
-			if !it.all && len(r.crcs) > 1 {
+			if !it.all && len(r.CRCs) > 1 {
 				one = *r
-				one.lba, one.loc, one.crcs = r.lba+uint64(it.i), r.loc+it.i, r.crcs[it.i:it.i+1]
+				one.LBA, one.Loc, one.CRCs = r.LBA+uint64(it.i), r.Loc+it.i, r.CRCs[it.i:it.i+1]
 				r = &one
 			}
 			if err := s.applyLocked(r); err != nil {
@@ -565,16 +565,16 @@ func (s *Set) sortedApplier() (apply func(*rec) error, flush func() error) {
 		return nil
 	}
 	apply = func(r *rec) error {
-		if r.typ == recInsert {
+		if r.Type == recInsert {
 			// A record that leaves its bucket is kept whole for applyLocked
 			// to reject.
-			n := uint32(len(r.crcs))
-			if n == 0 || int64(r.loc)/s.bpb != (int64(r.loc)+int64(n)-1)/s.bpb {
-				batch = append(batch, item{key: ownerKey(int(r.vol), r.lba), seq: uint32(len(batch)), r: r, all: true})
+			n := uint32(len(r.CRCs))
+			if n == 0 || int64(r.Loc)/s.bpb != (int64(r.Loc)+int64(n)-1)/s.bpb {
+				batch = append(batch, item{key: index.OwnerKey(int(r.Vol), r.LBA), seq: uint32(len(batch)), r: r, all: true})
 				n = 0
 			}
 			for i := range n {
-				batch = append(batch, item{key: ownerKey(int(r.vol), r.lba+uint64(i)), seq: uint32(len(batch)), r: r, i: i})
+				batch = append(batch, item{key: index.OwnerKey(int(r.Vol), r.LBA+uint64(i)), seq: uint32(len(batch)), r: r, i: i})
 			}
 			if len(batch) < replayBatch {
 				return nil
@@ -600,16 +600,16 @@ func (s *Set) sortedApplier() (apply func(*rec) error, flush func() error) {
 func (s *Set) dropCleanLocked() int {
 	n := 0
 	for vi, v := range s.vols {
-		var drop []ent
-		v.idx.tree.Ascend(func(e ent) bool {
-			if !e.dirty() {
+		var drop []index.Ent
+		v.idx.Tree.Ascend(func(e index.Ent) bool {
+			if !e.Dirty() {
 				drop = append(drop, e)
 			}
 			return true
 		})
 		for _, e := range drop {
-			v.idx.tree.Delete(e)
-			s.unaccountLocked(vi, e)
+			v.idx.Tree.Delete(e)
+			s.mu.Unaccount(vi, e)
 		}
 		n += len(drop)
 	}
@@ -618,7 +618,7 @@ func (s *Set) dropCleanLocked() int {
 
 func (s *Set) entries() (n int64) {
 	for _, v := range s.vols {
-		n += v.idx.cached
+		n += v.idx.Cached
 	}
 	return n
 }
@@ -627,60 +627,60 @@ func (s *Set) entries() (n int64) {
 // block, but their contents are still validated before use.
 // REQUIRES: s.mu (or exclusive access during Open)
 func (s *Set) applyLocked(r *rec) error {
-	total := uint64(s.cacheBlocks())
+	total := uint64(s.mu.CacheBlocks())
 	vol := func() (*Volume, error) {
-		if int(r.vol) >= len(s.vols) {
-			return nil, corruptf("journal record", 0, 0, "volume %d of %d", r.vol, len(s.vols))
+		if int(r.Vol) >= len(s.vols) {
+			return nil, corruptf("journal record", 0, 0, "volume %d of %d", r.Vol, len(s.vols))
 		}
-		return s.vols[r.vol], nil
+		return s.vols[r.Vol], nil
 	}
-	switch r.typ {
+	switch r.Type {
 	case recInsert:
 		v, err := vol()
 		if err != nil {
 			return err
 		}
-		n := uint64(len(r.crcs))
-		loc := uint64(r.loc)
-		if r.lba+n > v.nblocks || r.lba+n < r.lba || loc+n > total || loc/uint64(s.bpb) != (loc+n-1)/uint64(s.bpb) {
+		n := uint64(len(r.CRCs))
+		loc := uint64(r.Loc)
+		if r.LBA+n > v.nblocks || r.LBA+n < r.LBA || loc+n > total || loc/uint64(s.bpb) != (loc+n-1)/uint64(s.bpb) {
 			return corruptf("journal record", 0, 0, "insert out of range: %v", r)
 		}
-		b := &s.mu.buckets[loc/uint64(s.bpb)]
-		if b.gen != r.gen {
-			return corruptf("journal record", 0, 0, "insert into bucket %d generation %d, bucket is at %d", loc/uint64(s.bpb), r.gen, b.gen)
+		b := &s.mu.Buckets[loc/uint64(s.bpb)]
+		if b.Gen != r.Gen {
+			return corruptf("journal record", 0, 0, "insert into bucket %d generation %d, bucket is at %d", loc/uint64(s.bpb), r.Gen, b.Gen)
 		}
 		for i := uint64(0); i < n; i++ {
-			if k := s.mu.owner[loc+i]; k != 0 {
+			if k := s.mu.Owner[loc+i]; k != 0 {
 				// The block is being reused within its generation only if
 				// the journal is wrong.
 				return corruptf("journal record", 0, 0, "insert into owned cache block %d", loc+i)
 			}
-			s.insertEpochLocked(int(r.vol), r.lba+i, uint32(loc+i), r.crcs[i], r.dirty, r.epoch)
+			s.mu.Insert(int(r.Vol), r.LBA+i, uint32(loc+i), r.CRCs[i], r.Dirty, r.Epoch, s.keepSuperseded(int(r.Vol)))
 		}
-		v.idx.epoch = max(v.idx.epoch, r.epoch)
+		v.idx.epoch = max(v.idx.epoch, r.Epoch)
 	case recClean:
 		if _, err := vol(); err != nil {
 			return err
 		}
-		if uint64(r.loc) >= total {
+		if uint64(r.Loc) >= total {
 			return corruptf("journal record", 0, 0, "clean out of range: %v", r)
 		}
-		s.markCleanLocked(int(r.vol), r.lba, r.loc)
+		s.mu.MarkClean(int(r.Vol), r.LBA, r.Loc)
 	case recInvalidate:
 		if _, err := vol(); err != nil {
 			return err
 		}
-		s.invalidateLocked(int(r.vol), r.lba, min(r.n, 1<<48))
+		s.mu.Invalidate(int(r.Vol), r.LBA, min(r.N, 1<<48))
 	case recReuse:
-		if int64(r.bucket) >= int64(len(s.mu.buckets)) {
-			return corruptf("journal record", 0, 0, "reuse of bucket %d", r.bucket)
+		if int64(r.Bucket) >= int64(len(s.mu.Buckets)) {
+			return corruptf("journal record", 0, 0, "reuse of bucket %d", r.Bucket)
 		}
-		if d := s.dropBucketLocked(int64(r.bucket), false); d > 0 {
-			s.log.Error("journal reuses a bucket holding dirty data; dropped", "bucket", r.bucket, "dirty_blocks", d)
+		if d := s.mu.DropBucket(int64(r.Bucket), false); d > 0 {
+			s.log.Error("journal reuses a bucket holding dirty data; dropped", "bucket", r.Bucket, "dirty_blocks", d)
 		}
-		s.mu.buckets[r.bucket].gen = r.gen
+		s.mu.Buckets[r.Bucket].Gen = r.Gen
 	default:
-		return corruptf("journal record", 0, 0, "type %d", r.typ)
+		return corruptf("journal record", 0, 0, "type %d", r.Type)
 	}
 	return nil
 }
@@ -715,17 +715,17 @@ func (s *Set) appendInsertLocked(vi int, lba uint64, loc uint32, dirty bool, crc
 // appendInsertEpochLocked journals a run written in the given epoch.
 // REQUIRES: s.mu
 func (s *Set) appendInsertEpochLocked(vi int, lba uint64, loc uint32, dirty bool, crcs []uint32, epoch uint64) {
-	gen := s.mu.buckets[int64(loc)/s.bpb].gen
+	gen := s.mu.Buckets[int64(loc)/s.bpb].Gen
 	for len(crcs) > 0 {
 		k := min(len(crcs), maxInsertRun)
-		s.appendLocked(&rec{typ: recInsert, vol: uint16(vi), lba: lba, loc: loc, gen: gen, dirty: dirty,
-			epoch: epoch, crcs: crcs[:k]})
+		s.appendLocked(&rec{Type: recInsert, Vol: uint16(vi), LBA: lba, Loc: loc, Gen: gen, Dirty: dirty,
+			Epoch: epoch, CRCs: crcs[:k]})
 		lba += uint64(k)
 		loc += uint32(k)
 		crcs = crcs[k:]
 	}
 	v := s.vols[vi]
-	v.idx.replayable = true
+	v.idx.Replayable = true
 	v.idx.insertSeq = s.mu.seq
 }
 
@@ -765,7 +765,7 @@ func (s *Set) commit(target uint64) error {
 // durableErr). A clear flag may have been taken by a syncBackings whose
 // sync is still running: waiting for syncMu waits for it. Without the wait
 // a flush that found no record to commit (a passthrough write whose
-// invalidation was skipped, idx.replayable) returned while another
+// invalidation was skipped, idx.Replayable) returned while another
 // commit's backing sync covering its write was in flight, and a crash then
 // lost the write (TestFlushWaitsForInFlightBackingSync; found by
 // TestCrashPointsConcurrent seed 17 in none mode).
@@ -835,14 +835,14 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 		k := min(len(blocks), mb)
 		batch := blocks[:k]
 		blocks = blocks[k:]
-		batchStart := s.jr.pos.seq
+		batchStart := s.jr.pos.Seq
 		buf := make([]byte, 0, k*blockSize)
 		for i, p := range batch {
-			buf = append(buf, encodeJournalBlock(jhdr{nonce: s.nonce, gen: s.jr.gen, seq: batchStart + uint64(i), batchStart: batchStart}, p)...)
+			buf = append(buf, encodeJournalBlock(jhdr{Nonce: s.nonce, Gen: s.jr.gen, Seq: batchStart + uint64(i), BatchStart: batchStart}, p)...)
 		}
 		// The region is circular: at most two writes.
-		first := min(int64(k), jblocks-s.jr.pos.blk)
-		off := s.lay.JournalOff + s.jr.pos.blk*blockSize
+		first := min(int64(k), jblocks-s.jr.pos.Blk)
+		off := s.lay.JournalOff + s.jr.pos.Blk*blockSize
 		if _, err := s.dev.WriteAt(buf[:first*blockSize], off); err != nil {
 			return s.failLocked(fmt.Errorf("writing journal at %d: %w", off, err))
 		}
@@ -854,7 +854,7 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 		if err := s.dev.Sync(); err != nil {
 			return s.failLocked(fmt.Errorf("syncing journal: %w", err))
 		}
-		s.jr.pos = journalPos{blk: (s.jr.pos.blk + int64(k)) % jblocks, seq: s.jr.pos.seq + uint64(k)}
+		s.jr.pos = journalPos{Blk: (s.jr.pos.Blk + int64(k)) % jblocks, Seq: s.jr.pos.Seq + uint64(k)}
 		s.jr.used += int64(k)
 		s.stats.journalBlocks.Add(uint64(k))
 	}
@@ -901,11 +901,11 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	s.jr.taken = append(s.jr.taken, s.mu.pending...)
 	s.mu.pending = nil
 	upto := max(taken, s.mu.seq)
-	gens := make([]uint32, len(s.mu.buckets))
-	for i := range s.mu.buckets {
-		gens[i] = s.mu.buckets[i].gen
+	gens := make([]uint32, len(s.mu.Buckets))
+	for i := range s.mu.Buckets {
+		gens[i] = s.mu.Buckets[i].Gen
 	}
-	trees := make([]*ptree, len(s.vols))
+	trees := make([]*index.Ptree, len(s.vols))
 	epochs := make([]uint64, len(s.vols))
 	var vers []verSnap
 	if s.epochOK {
@@ -913,20 +913,20 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	}
 	var epochOf func(loc uint32) uint64
 	if vers != nil {
-		epochOf = s.snapshotEpochsLocked()
+		epochOf = s.mu.SnapshotEpochs()
 	}
 	// The volumes this checkpoint holds no entry of: once it is durable,
 	// a recovery starts from it and finds none of theirs unless an insert
-	// is appended after this snapshot (idx.replayable).
+	// is appended after this snapshot (idx.Replayable).
 	vols := s.vols
 	empty := make([]bool, len(vols))
 	for i, v := range s.vols {
-		empty[i] = v.idx.tree.Len() == 0 && v.idx.nsup == 0
-		trees[i] = v.idx.tree.Clone()
+		empty[i] = v.idx.Tree.Len() == 0 && v.idx.NSup == 0
+		trees[i] = v.idx.Tree.Clone()
 		epochs[i] = v.idx.epoch
 		if vers != nil {
 			// The trees and the epoch tables are copy-on-write.
-			vers[i] = verSnap{epochOf: epochOf, sup: v.idx.sup.Clone(), dirty: int(v.idx.dirty)}
+			vers[i] = verSnap{EpochOf: epochOf, Sup: v.idx.Sup.Clone(), Dirty: int(v.idx.Dirty)}
 		}
 	}
 	s.mu.Unlock()
@@ -936,11 +936,11 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	if err := s.dev.Sync(); err != nil {
 		return s.failLocked(fmt.Errorf("syncing cache device: %w", err))
 	}
-	h := ckptHeader{nonce: s.nonce, gen: s.jr.gen + 1, jpos: journalPos{blk: s.jr.pos.blk}}
+	h := ckptHeader{Nonce: s.nonce, Gen: s.jr.gen + 1, JPos: journalPos{Blk: s.jr.pos.Blk}}
 	if err := writeCheckpointVers(s.dev, s.lay, h, gens, epochs, trees, vers); err != nil {
 		return s.failLocked(err)
 	}
-	s.jr.gen, s.jr.pos, s.jr.used = h.gen, h.jpos, 0
+	s.jr.gen, s.jr.pos, s.jr.used = h.Gen, h.JPos, 0
 	s.stats.checkpoints.Add(1)
 	s.setDurable(upto)
 	s.mu.Lock()
@@ -948,7 +948,7 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 		// The slot list changes only under commitMu (held), but compare
 		// anyway: the flag belongs to the volume the snapshot saw.
 		if empty[i] && i < len(s.vols) && s.vols[i] == v && v.idx.insertSeq <= upto {
-			v.idx.replayable = false
+			v.idx.Replayable = false
 		}
 	}
 	s.mu.Unlock()
@@ -1001,7 +1001,7 @@ func (s *Set) Volumes() []*Volume {
 func (s *Set) Superblock() *Superblock {
 	s.sbMu.Lock()
 	defer s.sbMu.Unlock()
-	return s.sb.clone()
+	return s.sb.Clone()
 }
 
 // Close shuts the set down cleanly: it stops the background goroutines,
@@ -1096,10 +1096,10 @@ type SetStats struct {
 // Stats returns whole-set counters.
 func (s *Set) Stats() SetStats {
 	s.mu.Lock()
-	st := SetStats{Buckets: int64(len(s.mu.buckets)), FreeBuckets: int64(len(s.mu.free)), SealedBuckets: int64(len(s.mu.sealed))}
+	st := SetStats{Buckets: int64(len(s.mu.Buckets)), FreeBuckets: int64(len(s.mu.free)), SealedBuckets: int64(len(s.mu.sealed))}
 	for _, v := range s.vols {
-		st.CachedBlocks += v.idx.cached
-		st.DirtyBlocks += v.idx.dirty
+		st.CachedBlocks += v.idx.Cached
+		st.DirtyBlocks += v.idx.Dirty
 	}
 	s.mu.Unlock()
 	st.Commits = s.stats.commits.Load()

@@ -40,7 +40,7 @@ func DefaultSettings() Settings {
 
 // Validate reports the first invalid field.
 func (s Settings) Validate() error {
-	if !s.Mode.valid() {
+	if !s.Mode.Valid() {
 		return fmt.Errorf("%w: cache_mode %d", ErrInvalid, int(s.Mode))
 	}
 	if s.SequentialCutoff < 0 {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -78,7 +79,7 @@ const (
 	maxPathLen    = 4096
 	// maxLBABlocks bounds a backing device: the index packs LBAs into 40
 	// bits (4 PiB of 4 KiB blocks; see ptree.go).
-	maxLBABlocks = maxIndexLBA
+	maxLBABlocks = index.MaxLBA
 	// maxCacheBlocks: the dirty flag lives in the top bit of a 32-bit cache
 	// block number.
 	maxCacheBlocks = 1 << 31
@@ -87,11 +88,11 @@ const (
 // Nonce derives the 64-bit value that tags journal blocks and checkpoints
 // of this set, so that metadata left over from an earlier Format of the same
 // device is never mistaken for ours.
-func (sb *Superblock) nonce() uint64 { return le.Uint64(sb.SetUUID[:8]) ^ le.Uint64(sb.SetUUID[8:]) }
+func (sb *Superblock) Nonce() uint64 { return le.Uint64(sb.SetUUID[:8]) ^ le.Uint64(sb.SetUUID[8:]) }
 
-func (sb *Superblock) blocksPerBucket() int64 { return sb.BucketSize / blockSize }
+func (sb *Superblock) BlocksPerBucket() int64 { return sb.BucketSize / blockSize }
 
-func (sb *Superblock) encode() ([]byte, error) {
+func (sb *Superblock) Encode() ([]byte, error) {
 	e := enc{b: make([]byte, sbHeaderSize, 1024)}
 	e.u64(sb.Seq)
 	e.b = append(e.b, sb.SetUUID[:]...)
@@ -220,7 +221,7 @@ func decodeSuperblock(b []byte, off int64) (*Superblock, error) {
 	if d.bad || d.remaining() != 0 {
 		return nil, corruptf("superblock", off, sbCopySize, "malformed payload")
 	}
-	if err := sb.validate(-1); err != nil {
+	if err := sb.Validate(-1); err != nil {
 		return nil, fmt.Errorf("superblock at offset %d: %w", off, err)
 	}
 	return sb, nil
@@ -229,7 +230,7 @@ func decodeSuperblock(b []byte, off int64) (*Superblock, error) {
 // validate checks the layout for internal consistency, and against the
 // device size when devSize >= 0. Data from disk goes through here before any
 // of it is used as an offset.
-func (sb *Superblock) validate(devSize int64) error {
+func (sb *Superblock) Validate(devSize int64) error {
 	bad := func(f string, a ...any) error { return corruptf("superblock", 0, sbCopySize, f, a...) }
 	if sb.BlockSize != blockSize {
 		return bad("block size %d", sb.BlockSize)
@@ -237,13 +238,13 @@ func (sb *Superblock) validate(devSize int64) error {
 	if sb.BucketSize < 2*blockSize || sb.BucketSize%blockSize != 0 || sb.BucketSize > 1<<30 {
 		return bad("bucket size %d", sb.BucketSize)
 	}
-	if sb.NBuckets < minBuckets || sb.NBuckets*sb.blocksPerBucket() > maxCacheBlocks {
+	if sb.NBuckets < minBuckets || sb.NBuckets*sb.BlocksPerBucket() > maxCacheBlocks {
 		return bad("%d buckets", sb.NBuckets)
 	}
 	if sb.JournalOff != 2*sbCopySize || sb.JournalLen < minJournalLen || sb.JournalLen%blockSize != 0 || sb.JournalLen > 1<<40 {
 		return bad("journal region %d+%d", sb.JournalOff, sb.JournalLen)
 	}
-	if sb.CkptOff[0] != sb.JournalOff+sb.JournalLen || sb.CkptLen < ckptLenFor(sb.NBuckets, sb.blocksPerBucket(), len(sb.Backings)) ||
+	if sb.CkptOff[0] != sb.JournalOff+sb.JournalLen || sb.CkptLen < ckptLenFor(sb.NBuckets, sb.BlocksPerBucket(), len(sb.Backings)) ||
 		sb.CkptLen%blockSize != 0 || sb.CkptOff[1] != sb.CkptOff[0]+sb.CkptLen || sb.CkptLen > 1<<40 {
 		return bad("checkpoint slots %v+%d", sb.CkptOff, sb.CkptLen)
 	}
@@ -261,7 +262,7 @@ func (sb *Superblock) validate(devSize int64) error {
 			}
 			continue
 		}
-		if b.Size <= 0 || (b.Size+blockSize-1)/blockSize >= maxLBABlocks || !b.Mode.valid() || b.Name == "" {
+		if b.Size <= 0 || (b.Size+blockSize-1)/blockSize >= maxLBABlocks || !b.Mode.Valid() || b.Name == "" {
 			return bad("backing %d (%q): size %d mode %d", i, b.Name, b.Size, b.Mode)
 		}
 		for _, o := range sb.Backings[:i] {
@@ -307,7 +308,7 @@ func readSuperblock(dev device.Device) (*Superblock, int, error) {
 		}
 		sb, err := decodeSuperblock(buf, off)
 		if err == nil {
-			err = sb.validate(dev.Size())
+			err = sb.Validate(dev.Size())
 		}
 		if err != nil {
 			errs[i] = err
@@ -329,7 +330,7 @@ func readSuperblock(dev device.Device) (*Superblock, int, error) {
 // writeSuperblock writes sb (with sb.Seq already advanced) into copy
 // sb.Seq%2, then syncs. The other copy still holds the previous version.
 func writeSuperblock(dev device.Device, sb *Superblock) error {
-	b, err := sb.encode()
+	b, err := sb.Encode()
 	if err != nil {
 		return err
 	}
@@ -346,7 +347,7 @@ func writeSuperblock(dev device.Device, sb *Superblock) error {
 	return nil
 }
 
-func (sb *Superblock) clone() *Superblock {
+func (sb *Superblock) Clone() *Superblock {
 	c := *sb
 	c.Backings = append([]BackingInfo(nil), sb.Backings...)
 	return &c

@@ -11,7 +11,7 @@ import (
 // encodeDecode encodes sb and decodes the result.
 func encodeDecode(t *testing.T, sb *Superblock) ([]byte, *Superblock) {
 	t.Helper()
-	b, err := sb.encode()
+	b, err := sb.Encode()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -24,7 +24,7 @@ func encodeDecode(t *testing.T, sb *Superblock) ([]byte, *Superblock) {
 
 func TestSuperblockRoundTrip(t *testing.T) {
 	b, got := encodeDecode(t, testSuperblock())
-	b2, _ := got.encode()
+	b2, _ := got.Encode()
 	if string(b) != string(b2) {
 		t.Fatal("round trip changed the encoding")
 	}
@@ -166,7 +166,7 @@ func TestSuperblockTooLarge(t *testing.T) {
 	for i := 0; i < 20; i++ {
 		sb.Backings = append(sb.Backings, BackingInfo{Name: fmt.Sprint("b", i), Size: 1 << 20, Path: long})
 	}
-	if _, err := sb.encode(); !errors.Is(err, ErrInvalid) {
+	if _, err := sb.Encode(); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("oversized superblock: %v", err)
 	}
 }
@@ -188,7 +188,7 @@ func TestParseMode(t *testing.T) {
 func TestSuperblockFreeSlots(t *testing.T) {
 	sb := testSuperblock()
 	sb.Backings = append([]BackingInfo{{}}, sb.Backings...)
-	sb.CkptLen = ckptLenFor(8, sb.blocksPerBucket(), 3)
+	sb.CkptLen = ckptLenFor(8, sb.BlocksPerBucket(), 3)
 	sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
 	sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + sb.BucketSize - 1) / sb.BucketSize * sb.BucketSize
 	_, got := encodeDecode(t, sb)
@@ -200,16 +200,16 @@ func TestSuperblockFreeSlots(t *testing.T) {
 		"free slot with an id":  func(s *Superblock) { s.Backings[0].ID = "x" },
 		"free slot last":        func(s *Superblock) { s.Backings = append(s.Backings, BackingInfo{}) },
 	} {
-		c := sb.clone()
+		c := sb.Clone()
 		mut(c)
-		if err := c.validate(-1); !errors.Is(err, ErrCorrupt) {
+		if err := c.Validate(-1); !errors.Is(err, ErrCorrupt) {
 			t.Errorf("%s: validate = %v, want corruption", name, err)
 		}
 	}
 	// No backing device at all is a valid (empty) set.
-	e := sb.clone()
+	e := sb.Clone()
 	e.Backings = nil
-	if err := e.validate(-1); err != nil {
+	if err := e.Validate(-1); err != nil {
 		t.Errorf("empty set: %v", err)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
@@ -161,7 +162,7 @@ func (v *Volume) Mode() Mode { return Mode(v.mode.Load()) }
 // superblock. Leaving writeback keeps dirty data readable (reads consult the
 // index in every mode); the gc goroutine writes it back in the background.
 func (v *Volume) SetMode(m Mode) error {
-	if !m.valid() {
+	if !m.Valid() {
 		return fmt.Errorf("%w: mode %d", ErrInvalid, int(m))
 	}
 	if err := v.enter(); err != nil {
@@ -174,7 +175,7 @@ func (v *Volume) SetMode(m Mode) error {
 	s := v.s
 	s.sbMu.Lock()
 	defer s.sbMu.Unlock()
-	nsb := s.sb.clone()
+	nsb := s.sb.Clone()
 	nsb.Backings[v.vi].Mode = m
 	nsb.Backings[v.vi].Settings.Mode = m
 	nsb.Seq++
@@ -204,10 +205,10 @@ func (v *Volume) Stats() VolumeStats {
 		UnreachableReadErrors: v.st.unreachableReads.Load(), FencedWriteErrors: v.st.fencedWrites.Load(),
 		BackingSyncErrors: v.st.backingSyncErrors.Load(), EpochDeferBytes: v.st.epochDeferBytes.Load()}
 	v.s.mu.Lock()
-	st.CachedBlocks, st.DirtyBlocks, st.SupersededBlocks = v.idx.cached, v.idx.dirty, v.idx.nsup
+	st.CachedBlocks, st.DirtyBlocks, st.SupersededBlocks = v.idx.Cached, v.idx.Dirty, v.idx.NSup
 	st.LostWriteBlocks = v.fo.lost
 	if v.s.isFailed() {
-		st.UnreachableDirtyBlocks = v.idx.dirty
+		st.UnreachableDirtyBlocks = v.idx.Dirty
 	}
 	v.s.mu.Unlock()
 	return st
@@ -340,7 +341,7 @@ func (v *Volume) drainOlderEpochs() {
 	}
 	for stuck < 100 {
 		s.mu.Lock()
-		oldest, ok := s.oldestEpochLocked(v.vi)
+		oldest, ok := s.mu.OldestEpoch(v.vi)
 		cur := v.idx.epoch
 		s.mu.Unlock()
 		if !ok || oldest >= cur || s.err() != nil {
@@ -382,7 +383,7 @@ func (v *Volume) olderEpochsDirty() bool {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	oldest, ok := s.oldestEpochLocked(v.vi)
+	oldest, ok := s.mu.OldestEpoch(v.vi)
 	return ok && oldest < v.idx.epoch
 }
 
@@ -400,7 +401,7 @@ func init() { epochDefer.Store(true) }
 func (v *Volume) hasDirty() bool {
 	v.s.mu.Lock()
 	defer v.s.mu.Unlock()
-	return v.idx.dirty+v.idx.nsup > 0
+	return v.idx.Dirty+v.idx.NSup > 0
 }
 
 // touch records foreground activity (idle detection for writeback).
@@ -414,29 +415,29 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 	if s.isFailed() {
 		return v.readFailed(buf, lba, n)
 	}
-	var hits []ent
+	var hits []index.Ent
 	s.mu.Lock()
 	s.mu.tick++
-	v.idx.tree.AscendRange(ent{lba: lba}, ent{lba: lba + uint64(n)}, func(e ent) bool {
+	v.idx.Tree.AscendRange(index.Ent{LBA: lba}, index.Ent{LBA: lba + uint64(n)}, func(e index.Ent) bool {
 		hits = append(hits, e)
-		b := &s.mu.buckets[int64(e.block())/s.bpb]
-		b.pins++
-		b.atime = s.mu.tick // recency for eviction
+		b := &s.mu.Buckets[int64(e.Block())/s.bpb]
+		b.Pins++
+		b.Atime = s.mu.tick // recency for eviction
 		return true
 	})
 	muts := v.idx.mutations
 	busy := v.busyLocked(lba, uint64(n))
 	s.mu.Unlock()
-	var drop []ent
+	var drop []index.Ent
 	defer func() {
 		s.mu.Lock()
 		for _, e := range hits {
-			s.unpinLocked(e.block())
+			s.unpinLocked(e.Block())
 		}
 		for _, e := range drop {
-			if cur, ok := v.idx.tree.Get(e); ok && cur == e {
-				v.idx.tree.Delete(e)
-				s.unaccountLocked(v.vi, e)
+			if cur, ok := v.idx.Tree.Get(e); ok && cur == e {
+				v.idx.Tree.Delete(e)
+				s.mu.Unaccount(v.vi, e)
 			}
 		}
 		s.mu.Unlock()
@@ -448,24 +449,24 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 	}
 	// Verify every block read from the cache.
 	for _, e := range hits {
-		if fromBacking[e.lba] {
+		if fromBacking[e.LBA] {
 			continue
 		}
-		at := int(e.lba-lba) * blockSize
+		at := int(e.LBA-lba) * blockSize
 		p := buf[at : at+blockSize]
 		got := crc32c(p)
-		if got == e.crc {
+		if got == e.CRC {
 			continue
 		}
 		v.st.checksumErrors.Add(1)
-		cerr := &CorruptionError{Err: ErrChecksum, Device: "cache", What: fmt.Sprintf("data block of %s lba %d", v.name, e.lba),
-			Offset: s.cacheOff(e.block()), Length: blockSize, Expected: e.crc, Actual: got, HaveSums: true}
-		if e.dirty() {
+		cerr := &CorruptionError{Err: ErrChecksum, Device: "cache", What: fmt.Sprintf("data block of %s lba %d", v.name, e.LBA),
+			Offset: s.cacheOff(e.Block()), Length: blockSize, Expected: e.CRC, Actual: got, HaveSums: true}
+		if e.Dirty() {
 			s.log.Error("dirty cached block fails its checksum", "err", cerr)
 			return cerr
 		}
 		s.log.Warn("clean cached block fails its checksum; re-reading backing device", "err", cerr)
-		if err := v.readBacking(p, e.lba); err != nil {
+		if err := v.readBacking(p, e.LBA); err != nil {
 			return fmt.Errorf("volume %s: %w", v.name, err)
 		}
 		v.st.checksumRepairs.Add(1)
@@ -548,14 +549,14 @@ func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 		s.mu.Lock()
 		ok := werr == nil && v.idx.mutations == muts
 		if ok {
-			v.idx.tree.AscendRange(ent{lba: lba + uint64(done)}, ent{lba: lba + uint64(done+r.n)}, func(ent) bool {
+			v.idx.Tree.AscendRange(index.Ent{LBA: lba + uint64(done)}, index.Ent{LBA: lba + uint64(done+r.n)}, func(index.Ent) bool {
 				ok = false
 				return false
 			})
 		}
 		if ok {
 			for i := 0; i < r.n; i++ {
-				s.insertLocked(v.vi, lba+uint64(done+i), r.loc+uint32(i), crcs[i], false)
+				s.mu.Insert(v.vi, lba+uint64(done+i), r.loc+uint32(i), crcs[i], false, v.idx.epoch, s.keepSuperseded(v.vi))
 			}
 			s.appendInsertLocked(v.vi, lba+uint64(done), r.loc, false, crcs)
 		}
@@ -782,7 +783,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 			s.isFailed() && v.fenceOverlapsLocked(at, uint64(r.n)))
 		from := s.mu.seq
 		for i := 0; i < r.n; i++ {
-			s.insertLocked(v.vi, at+uint64(i), r.loc+uint32(i), crcs[i], dirty)
+			s.mu.Insert(v.vi, at+uint64(i), r.loc+uint32(i), crcs[i], dirty, v.idx.epoch, s.keepSuperseded(v.vi))
 		}
 		s.appendInsertLocked(v.vi, at, r.loc, dirty, crcs)
 		s.noteInvalidateLocked(v, from, at, uint64(r.n), dropsDirty)
@@ -832,8 +833,8 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 	defer s.mu.Unlock()
 	if err == nil {
 		dropsDirty := v.dirtyInLocked(lba, n)
-		had := v.idx.cached + v.idx.nsup // the volume's entries before the drop
-		s.invalidateLocked(v.vi, lba, n)
+		had := v.idx.Cached + v.idx.NSup // the volume's entries before the drop
+		s.mu.Invalidate(v.vi, lba, n)
 		if !failed {
 			if s.isFailed() && v.fenceOverlapsLocked(lba, n) {
 				// The set failed over during the backing write, and
@@ -855,8 +856,8 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 			// the backing device's sync (docs/BENCHMARKS.md, S6 point
 			// 6). (Failing over meanwhile fences the range: journaled
 			// then, as before.)
-			if v.idx.replayable || s.isFailed() {
-				s.appendLocked(&rec{typ: recInvalidate, vol: uint16(v.vi), lba: lba, n: n})
+			if v.idx.Replayable || s.isFailed() {
+				s.appendLocked(&rec{Type: recInvalidate, Vol: uint16(v.vi), LBA: lba, N: n})
 				s.noteInvalidateLocked(v, s.mu.seq-1, lba, n, dropsDirty)
 			} else if had != 0 {
 				invariants.AssertionFailedf("volume %s: invalidation of [%d, +%d) skipped with %d entries in the volume",

@@ -170,9 +170,9 @@ func (s *Set) pressure() (dirtyShare float64, short bool, total int64, freeLack 
 	defer s.mu.Unlock()
 	var d int64
 	for _, v := range s.vols {
-		d += v.idx.dirty + v.idx.nsup
+		d += v.idx.Dirty + v.idx.NSup
 	}
-	total = s.cacheBlocks()
+	total = s.mu.CacheBlocks()
 	lw := s.lowWater()
 	if f := len(s.mu.free); f < lw {
 		freeLack = float64(lw-f) / float64(lw)
@@ -184,9 +184,9 @@ func (s *Set) pressure() (dirtyShare float64, short bool, total int64, freeLack 
 // full speed, 0 nothing to do now.
 func (s *Set) wbRate(v *Volume) int64 {
 	s.mu.Lock()
-	dirty := v.idx.dirty + v.idx.nsup
+	dirty := v.idx.Dirty + v.idx.NSup
 	short := len(s.mu.free) < s.lowWater()
-	total := s.cacheBlocks()
+	total := s.mu.CacheBlocks()
 	s.mu.Unlock()
 	if dirty == 0 {
 		return 0

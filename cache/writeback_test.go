@@ -60,7 +60,7 @@ func TestSettingsPersist(t *testing.T) {
 // trailer existed decodes with default settings.
 func TestSuperblockWithoutSettings(t *testing.T) {
 	sb := testSuperblock()
-	b, err := sb.encode()
+	b, err := sb.Encode()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -136,7 +136,7 @@ func TestWritebackRate(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.crashStop() // no background goroutines touch the counters below
-	total := s.cacheBlocks()
+	total := s.mu.CacheBlocks()
 	target := total / 10
 	for _, tc := range []struct {
 		dirty int64
@@ -153,8 +153,8 @@ func TestWritebackRate(t *testing.T) {
 		{1, true, -1},
 	} {
 		s.mu.Lock()
-		saved := v.idx.dirty
-		v.idx.dirty = tc.dirty
+		saved := v.idx.Dirty
+		v.idx.Dirty = tc.dirty
 		s.mu.Unlock()
 		if tc.idle {
 			v.lastIO.Store(0)
@@ -163,7 +163,7 @@ func TestWritebackRate(t *testing.T) {
 		}
 		got := s.wbRate(v)
 		s.mu.Lock()
-		v.idx.dirty = saved
+		v.idx.Dirty = saved
 		s.mu.Unlock()
 		if got != tc.want {
 			t.Errorf("dirty %d idle %t: rate %d, want %d", tc.dirty, tc.idle, got, tc.want)
@@ -171,15 +171,15 @@ func TestWritebackRate(t *testing.T) {
 	}
 	// Growing with the excess.
 	s.mu.Lock()
-	saved := v.idx.dirty
-	v.idx.dirty = target + 400*wbHorizon
+	saved := v.idx.Dirty
+	v.idx.Dirty = target + 400*wbHorizon
 	s.mu.Unlock()
 	v.lastIO.Store(nowNanos())
 	if got := s.wbRate(v); got != 400 {
 		t.Errorf("excess %d blocks: rate %d blocks/s, want 400", 400*wbHorizon, got)
 	}
 	s.mu.Lock()
-	v.idx.dirty = saved
+	v.idx.Dirty = saved
 	s.mu.Unlock()
 }
 

@@ -1,4 +1,4 @@
-package cache
+package index
 
 import (
 	"math"
@@ -11,9 +11,9 @@ import (
 
 // ptreeMatches compares t with the reference map: Len, Get of every key,
 // full and ranged iteration, and the structural check.
-func ptreeMatches(t *testing.T, tr *ptree, ref map[uint64]ent, rng *rand.Rand, span uint64) {
+func ptreeMatches(t *testing.T, tr *Ptree, ref map[uint64]Ent, rng *rand.Rand, span uint64) {
 	t.Helper()
-	if err := tr.check(); err != nil {
+	if err := tr.Check(); err != nil {
 		t.Fatal(err)
 	}
 	if tr.Len() != len(ref) {
@@ -25,7 +25,7 @@ func ptreeMatches(t *testing.T, tr *ptree, ref map[uint64]ent, rng *rand.Rand, s
 	}
 	slices.Sort(keys)
 	i := 0
-	tr.Ascend(func(e ent) bool {
+	tr.Ascend(func(e Ent) bool {
 		if i >= len(keys) || e != ref[keys[i]] {
 			t.Fatalf("Ascend item %d: %+v, reference %v", i, e, ref[keys[min(i, len(keys)-1)]])
 		}
@@ -39,7 +39,7 @@ func ptreeMatches(t *testing.T, tr *ptree, ref map[uint64]ent, rng *rand.Rand, s
 		from := rng.Uint64N(span + 2)
 		to := from + rng.Uint64N(span/4+2)
 		var got []uint64
-		tr.AscendRange(ent{lba: from}, ent{lba: to}, func(e ent) bool { got = append(got, e.lba); return len(got) < 50 })
+		tr.AscendRange(Ent{LBA: from}, Ent{LBA: to}, func(e Ent) bool { got = append(got, e.LBA); return len(got) < 50 })
 		var want []uint64
 		for _, k := range keys {
 			if k >= from && k < to && len(want) < 50 {
@@ -50,7 +50,7 @@ func ptreeMatches(t *testing.T, tr *ptree, ref map[uint64]ent, rng *rand.Rand, s
 			t.Fatalf("AscendRange [%d,%d): %v, want %v", from, to, got, want)
 		}
 		var ge []uint64
-		tr.AscendGreaterOrEqual(ent{lba: from}, func(e ent) bool { ge = append(ge, e.lba); return len(ge) < 10 })
+		tr.AscendGreaterOrEqual(Ent{LBA: from}, func(e Ent) bool { ge = append(ge, e.LBA); return len(ge) < 10 })
 		j, _ := slices.BinarySearch(keys, from)
 		if wantGE := keys[j:min(j+10, len(keys))]; !slices.Equal(ge, wantGE) && !(len(ge) == 0 && len(wantGE) == 0) {
 			t.Fatalf("AscendGreaterOrEqual %d: %v, want %v", from, ge, wantGE)
@@ -58,7 +58,7 @@ func ptreeMatches(t *testing.T, tr *ptree, ref map[uint64]ent, rng *rand.Rand, s
 	}
 	for range 50 {
 		k := rng.Uint64N(span + 2)
-		e, ok := tr.Get(ent{lba: k})
+		e, ok := tr.Get(Ent{LBA: k})
 		r, rok := ref[k]
 		if ok != rok || e != r {
 			t.Fatalf("Get %d: %+v %t, reference %+v %t", k, e, ok, r, rok)
@@ -80,7 +80,7 @@ func TestPtreeModel(t *testing.T) {
 		bulk   bool
 	}{
 		{"dense", 3000, 20000, 40, false, false},
-		{"sparse", maxIndexLBA - 1, 20000, 30, false, false},
+		{"sparse", MaxLBA - 1, 20000, 30, false, false},
 		{"grow", 200000, 60000, 5, false, false},
 		{"shrink", 5000, 30000, 70, false, false},
 		{"sequential", 1 << 20, 40000, 0, true, false},
@@ -93,34 +93,34 @@ func TestPtreeModel(t *testing.T) {
 				t.Skip("slow under -short and -race")
 			}
 			rng := rand.New(rand.NewPCG(uint64(len(tc.name)), 7))
-			ref := map[uint64]ent{}
-			tr := newPtree()
+			ref := map[uint64]Ent{}
+			tr := NewPtree()
 			if tc.bulk {
-				var es []ent
+				var es []Ent
 				for k := uint64(0); k < tc.span; k += 1 + rng.Uint64N(3) {
-					e := ent{lba: k, loc: rng.Uint32(), crc: rng.Uint32()}
+					e := Ent{LBA: k, Loc: rng.Uint32(), CRC: rng.Uint32()}
 					es = append(es, e)
 					ref[k] = e
 				}
-				tr = buildPtree(es, nil)
+				tr = BuildPtree(es, nil)
 				ptreeMatches(t, tr, ref, rng, tc.span)
 			}
-			var snap *ptree
-			var snapRef map[uint64]ent
+			var snap *Ptree
+			var snapRef map[uint64]Ent
 			for op := 0; op < tc.ops; op++ {
 				k := rng.Uint64N(tc.span)
 				if tc.seq {
 					k = uint64(op) * 3
 				}
 				if rng.IntN(100) < tc.delPct {
-					old, ok := tr.Delete(ent{lba: k})
+					old, ok := tr.Delete(Ent{LBA: k})
 					r, rok := ref[k]
 					if ok != rok || old != r {
 						t.Fatalf("Delete %d: %+v %t, reference %+v %t", k, old, ok, r, rok)
 					}
 					delete(ref, k)
 				} else {
-					e := ent{lba: k, loc: rng.Uint32(), crc: rng.Uint32()}
+					e := Ent{LBA: k, Loc: rng.Uint32(), CRC: rng.Uint32()}
 					old, ok := tr.ReplaceOrInsert(e)
 					r, rok := ref[k]
 					if ok != rok || old != r {
@@ -138,18 +138,18 @@ func TestPtreeModel(t *testing.T) {
 			}
 			ptreeMatches(t, tr, ref, rng, tc.span)
 			ptreeMatches(t, snap, snapRef, rng, tc.span)
-			st := tr.stats()
-			if st.leaves > 0 {
+			st := tr.Stats()
+			if st.Leaves > 0 {
 				t.Logf("%d entries in %d leaves (%.0f%% full), %d inner nodes, height %d",
-					tr.Len(), st.leaves, 100*float64(tr.Len())/float64(st.leaves*leafCap), st.inner, st.height)
+					tr.Len(), st.Leaves, 100*float64(tr.Len())/float64(st.Leaves*LeafCap), st.Inner, st.Height)
 			}
-			if !tc.seq && tc.delPct <= 10 && tr.Len() > 10*leafCap {
-				if fill := float64(tr.Len()) / float64(st.leaves*leafCap); fill < 0.7 {
+			if !tc.seq && tc.delPct <= 10 && tr.Len() > 10*LeafCap {
+				if fill := float64(tr.Len()) / float64(st.Leaves*LeafCap); fill < 0.7 {
 					t.Errorf("leaves %.0f%% full after random inserts; want above 70%%", 100*fill)
 				}
 			}
 			if tc.seq {
-				if fill := float64(tr.Len()) / float64(st.leaves*leafCap); fill < 0.95 {
+				if fill := float64(tr.Len()) / float64(st.Leaves*LeafCap); fill < 0.95 {
 					t.Errorf("leaves %.0f%% full after ascending inserts; want nearly full", 100*fill)
 				}
 			}
@@ -157,8 +157,8 @@ func TestPtreeModel(t *testing.T) {
 	}
 }
 
-func maps(m map[uint64]ent) map[uint64]ent {
-	c := make(map[uint64]ent, len(m))
+func maps(m map[uint64]Ent) map[uint64]Ent {
+	c := make(map[uint64]Ent, len(m))
 	for k, v := range m {
 		c[k] = v
 	}
@@ -168,34 +168,34 @@ func maps(m map[uint64]ent) map[uint64]ent {
 // TestPtreeCheckCatches corrupts a tree in each way check guards against
 // and expects check to report it.
 func TestPtreeCheckCatches(t *testing.T) {
-	build := func() *ptree {
-		var es []ent
-		for k := uint64(0); k < 20*leafCap; k++ {
-			es = append(es, ent{lba: 2 * k})
+	build := func() *Ptree {
+		var es []Ent
+		for k := uint64(0); k < 20*LeafCap; k++ {
+			es = append(es, Ent{LBA: 2 * k})
 		}
-		return buildPtree(es, nil)
+		return BuildPtree(es, nil)
 	}
 	for _, tc := range []struct {
 		name    string
-		corrupt func(tr *ptree)
+		corrupt func(tr *Ptree)
 		want    string
 	}{
-		{"order", func(tr *ptree) { l := tr.root.lvs[1]; l.set(3, ent{lba: l.key(5)}) }, "out of order"},
-		{"separator", func(tr *ptree) { tr.root.keys[2].lba += 7 }, "separator"},
-		{"below", func(tr *ptree) {
+		{"order", func(tr *Ptree) { l := tr.root.lvs[1]; l.set(3, Ent{LBA: l.key(5)}) }, "out of order"},
+		{"separator", func(tr *Ptree) { tr.root.keys[2].LBA += 7 }, "separator"},
+		{"below", func(tr *Ptree) {
 			l := tr.root.lvs[2]
-			l.set(0, ent{lba: tr.root.keys[2].lba - 1})
+			l.set(0, Ent{LBA: tr.root.keys[2].LBA - 1})
 		}, "below its separator"},
-		{"length", func(tr *ptree) { tr.length++ }, "length"},
-		{"empty-leaf", func(tr *ptree) { tr.root.lvs[0].n = 0 }, "bad count"},
+		{"length", func(tr *Ptree) { tr.length++ }, "length"},
+		{"empty-leaf", func(tr *Ptree) { tr.root.lvs[0].n = 0 }, "bad count"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			tr := build()
-			if err := tr.check(); err != nil {
+			if err := tr.Check(); err != nil {
 				t.Fatal(err)
 			}
 			tc.corrupt(tr)
-			err := tr.check()
+			err := tr.Check()
 			if err == nil || !strings.Contains(err.Error(), tc.want) {
 				t.Fatalf("check after corrupting: %v, want %q", err, tc.want)
 			}
@@ -210,17 +210,17 @@ func TestPtreeCheckCatches(t *testing.T) {
 func TestStreeModel(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 9))
 	epochOf := map[uint32]uint64{}
-	val := func(e ent) uint64 { return epochOf[e.loc] }
+	val := func(e Ent) uint64 { return epochOf[e.Loc] }
 	ref := map[[2]uint64]uint32{} // (lba, loc) -> crc
-	tr := newStree()
-	var snap *stree
-	var snapWant []ent
-	sorted := func() []ent {
-		var out []ent
+	tr := NewStree()
+	var snap *Stree
+	var snapWant []Ent
+	sorted := func() []Ent {
+		var out []Ent
 		for k, crc := range ref {
-			out = append(out, ent{lba: k[0], loc: uint32(k[1]), crc: crc})
+			out = append(out, Ent{LBA: k[0], Loc: uint32(k[1]), CRC: crc})
 		}
-		slices.SortFunc(out, func(a, b ent) int {
+		slices.SortFunc(out, func(a, b Ent) int {
 			if supLess(a, b) {
 				return -1
 			}
@@ -231,31 +231,31 @@ func TestStreeModel(t *testing.T) {
 		})
 		return out
 	}
-	all := func(tr *stree) []ent {
-		var got []ent
-		tr.Ascend(func(e ent) bool { got = append(got, e); return true })
+	all := func(tr *Stree) []Ent {
+		var got []Ent
+		tr.Ascend(func(e Ent) bool { got = append(got, e); return true })
 		return got
 	}
 	for op := 0; op < 40000; op++ {
 		lba, loc := rng.Uint64N(1500), uint32(rng.IntN(4000))
 		if rng.IntN(100) < 45 {
-			_, ok := tr.Delete(ent{lba: lba, loc: loc})
+			_, ok := tr.Delete(Ent{LBA: lba, Loc: loc})
 			if _, in := ref[[2]uint64{lba, uint64(loc)}]; ok != in {
 				t.Fatalf("Delete (%d, %d): %t", lba, loc, ok)
 			}
 			delete(ref, [2]uint64{lba, uint64(loc)})
 		} else if _, in := ref[[2]uint64{lba, uint64(loc)}]; !in {
 			epochOf[loc] = uint64(op / 500)
-			tr.ReplaceOrInsertAgg(ent{lba: lba, loc: loc, crc: uint32(op)}, epochOf[loc])
+			tr.ReplaceOrInsertAgg(Ent{LBA: lba, Loc: loc, CRC: uint32(op)}, epochOf[loc])
 			ref[[2]uint64{lba, uint64(loc)}] = uint32(op)
 		}
 		if op%2000 != 1999 {
 			continue
 		}
-		if err := tr.check(); err != nil {
+		if err := tr.Check(); err != nil {
 			t.Fatal(err)
 		}
-		if err := tr.checkAgg(val); err != nil {
+		if err := tr.CheckAgg(val); err != nil {
 			t.Fatal(err)
 		}
 		want := sorted()
@@ -270,10 +270,10 @@ func TestStreeModel(t *testing.T) {
 			t.Fatalf("op %d: MinAgg %d %t, want %d", op, got, ok, m)
 		}
 		q := rng.Uint64N(1500)
-		var got, wantL []ent
-		tr.AscendRange(ent{lba: q}, ent{lba: q + 1}, func(e ent) bool { got = append(got, e); return true })
+		var got, wantL []Ent
+		tr.AscendRange(Ent{LBA: q}, Ent{LBA: q + 1}, func(e Ent) bool { got = append(got, e); return true })
 		for _, e := range want {
-			if e.lba == q {
+			if e.LBA == q {
 				wantL = append(wantL, e)
 			}
 		}
@@ -297,11 +297,11 @@ func TestStreeModel(t *testing.T) {
 // minimum, and AscendAggAtMost must yield every element at or below a
 // bound.
 func TestPtreeSummaryModel(t *testing.T) {
-	val := func(e ent) uint64 {
-		if !e.dirty() {
+	val := func(e Ent) uint64 {
+		if !e.Dirty() {
 			return math.MaxUint64
 		}
-		return uint64(e.crc)
+		return uint64(e.CRC)
 	}
 	for seed := range uint64(12) {
 		rng := rand.New(rand.NewPCG(seed, 77))
@@ -309,49 +309,49 @@ func TestPtreeSummaryModel(t *testing.T) {
 		if seed%3 == 0 {
 			span = 200000
 		}
-		ref := map[uint64]ent{}
-		tr := newPtree()
+		ref := map[uint64]Ent{}
+		tr := NewPtree()
 		if seed%4 == 1 {
 			// Bulk-loaded, with exact leaf summaries.
-			var es []ent
+			var es []Ent
 			for k := uint64(0); k < span; k += 1 + rng.Uint64N(3) {
-				e := ent{lba: k, loc: uint32(k), crc: uint32(rng.IntN(50))}
+				e := Ent{LBA: k, Loc: uint32(k), CRC: uint32(rng.IntN(50))}
 				if rng.IntN(2) == 0 {
-					e.loc |= dirtyBit
+					e.Loc |= DirtyBit
 				}
 				es = append(es, e)
 				ref[k] = e
 			}
-			aggs := make([]uint64, (len(es)+leafBulkFill-1)/leafBulkFill)
+			aggs := make([]uint64, (len(es)+LeafBulkFill-1)/LeafBulkFill)
 			for i := range aggs {
 				aggs[i] = math.MaxUint64
 			}
 			for i, e := range es {
-				aggs[i/leafBulkFill] = min(aggs[i/leafBulkFill], val(e))
+				aggs[i/LeafBulkFill] = min(aggs[i/LeafBulkFill], val(e))
 			}
-			tr = buildPtree(es, aggs)
+			tr = BuildPtree(es, aggs)
 		}
-		var snap *ptree
+		var snap *Ptree
 		epoch := uint32(0)
 		for round := range 60 {
 			for range 300 {
 				k := rng.Uint64N(span)
 				switch r := rng.IntN(10); {
 				case r < 5: // a write: dirty in the current epoch, or clean
-					e := ent{lba: k, loc: uint32(k), crc: epoch}
+					e := Ent{LBA: k, Loc: uint32(k), CRC: epoch}
 					if rng.IntN(3) > 0 {
-						e.loc |= dirtyBit
+						e.Loc |= DirtyBit
 					}
 					tr.ReplaceOrInsertAgg(e, val(e))
 					ref[k] = e
 				case r < 8: // a clean mark
 					if e, ok := ref[k]; ok {
-						e.loc &^= dirtyBit
+						e.Loc &^= DirtyBit
 						tr.ReplaceOrInsertAgg(e, math.MaxUint64)
 						ref[k] = e
 					}
 				default:
-					tr.Delete(ent{lba: k})
+					tr.Delete(Ent{LBA: k})
 					delete(ref, k)
 				}
 			}
@@ -361,7 +361,7 @@ func TestPtreeSummaryModel(t *testing.T) {
 			if rng.IntN(5) == 0 {
 				snap = tr.Clone()
 			}
-			if err := tr.checkAgg(val); err != nil {
+			if err := tr.CheckAgg(val); err != nil {
 				t.Fatalf("seed %d round %d: %v", seed, round, err)
 			}
 			want := uint64(math.MaxUint64)
@@ -372,16 +372,16 @@ func TestPtreeSummaryModel(t *testing.T) {
 			if ok != (want != math.MaxUint64) || (ok && got != want) {
 				t.Fatalf("seed %d round %d: MinAgg %d %t, want %d", seed, round, got, ok, want)
 			}
-			if err := tr.checkAgg(val); err != nil {
+			if err := tr.CheckAgg(val); err != nil {
 				t.Fatalf("seed %d round %d: after MinAgg: %v", seed, round, err)
 			}
 			ptreeMatches(t, tr, ref, rng, span)
 			bound := want + uint64(rng.IntN(3))
 			from := rng.Uint64N(span)
 			var gotKeys, wantKeys []uint64
-			tr.AscendAggAtMost(ent{lba: from}, bound, func(e ent) bool {
+			tr.AscendAggAtMost(Ent{LBA: from}, bound, func(e Ent) bool {
 				if val(e) <= bound {
-					gotKeys = append(gotKeys, e.lba)
+					gotKeys = append(gotKeys, e.LBA)
 				}
 				return true
 			})
@@ -396,7 +396,7 @@ func TestPtreeSummaryModel(t *testing.T) {
 			}
 		}
 		if snap != nil {
-			if err := snap.check(); err != nil {
+			if err := snap.Check(); err != nil {
 				t.Fatal(err)
 			}
 		}

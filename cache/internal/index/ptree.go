@@ -1,4 +1,4 @@
-package cache
+package index
 
 // ptree is a volume's index: an ordered map from LBA to ent, kept as a
 // copy-on-write B+tree whose leaves are packed sorted arrays. stree, the
@@ -48,14 +48,14 @@ const (
 	// leafCap: a leaf is 8+8+2+2+1+3*183 (+2 padding) +2*4*183 = 2036
 	// bytes: with the 8-byte header Go puts before an object with
 	// pointers larger than 512 bytes, just under the 2048-byte size class.
-	leafCap = 183
+	LeafCap = 183
 	fanout  = 64
 	// leafBulkFill: bulk loading leaves a little room so that the first
 	// random inserts after recovery move entries to a neighbour instead of
 	// splitting at once.
-	leafBulkFill = leafCap - leafCap/16
+	LeafBulkFill = LeafCap - LeafCap/16
 	// maxIndexLBA bounds the LBAs a leaf can store (40 bits).
-	maxIndexLBA = 1 << 40
+	MaxLBA = 1 << 40
 )
 
 type cowCtx struct{ _ int } // not zero-sized: every context has its own address
@@ -90,20 +90,20 @@ type leafPtr[L, E any] interface {
 // (his, allocated then).
 type pleaf struct {
 	cow   *cowCtx
-	his   *[leafCap]uint16 // per-slot LBA bits 24..39, when not shared
+	his   *[LeafCap]uint16 // per-slot LBA bits 24..39, when not shared
 	n     uint16
 	hi    uint16 // LBA bits 24..39 of every entry (his == nil)
 	hiSet bool   // hi is set (a leaf being filled takes its first entry's)
-	lo    [3 * leafCap]uint8
-	loc   [leafCap]uint32 // cache block | dirtyBit
-	crc   [leafCap]uint32
+	lo    [3 * LeafCap]uint8
+	loc   [LeafCap]uint32 // cache block | dirtyBit
+	crc   [LeafCap]uint32
 }
 
 func (l *pleaf) cowp() **cowCtx   { return &l.cow }
 func (l *pleaf) count() int       { return int(l.n) }
 func (l *pleaf) setCount(n int)   { l.n = uint16(n) }
-func (*pleaf) capacity() int      { return leafCap }
-func (*pleaf) less(a, b ent) bool { return a.lba < b.lba }
+func (*pleaf) capacity() int      { return LeafCap }
+func (*pleaf) less(a, b Ent) bool { return a.LBA < b.LBA }
 
 func (l *pleaf) key(i int) uint64 {
 	h := l.hi
@@ -114,17 +114,17 @@ func (l *pleaf) key(i int) uint64 {
 	return uint64(h)<<24 | uint64(lo[2])<<16 | uint64(lo[1])<<8 | uint64(lo[0])
 }
 
-func (l *pleaf) get(i int) ent { return ent{lba: l.key(i), loc: l.loc[i], crc: l.crc[i]} }
+func (l *pleaf) get(i int) Ent { return Ent{LBA: l.key(i), Loc: l.loc[i], CRC: l.crc[i]} }
 
-func (l *pleaf) set(i int, e ent) {
-	h := uint16(e.lba >> 24)
+func (l *pleaf) set(i int, e Ent) {
+	h := uint16(e.LBA >> 24)
 	switch {
 	case l.his != nil:
 		l.his[i] = h
 	case !l.hiSet:
 		l.hi, l.hiSet = h, true
 	case h != l.hi:
-		his := new([leafCap]uint16)
+		his := new([LeafCap]uint16)
 		for j := range his {
 			his[j] = l.hi
 		}
@@ -132,8 +132,8 @@ func (l *pleaf) set(i int, e ent) {
 		l.his = his
 	}
 	lo := l.lo[3*i : 3*i+3 : 3*i+3]
-	lo[0], lo[1], lo[2] = uint8(e.lba), uint8(e.lba>>8), uint8(e.lba>>16)
-	l.loc[i], l.crc[i] = e.loc, e.crc
+	lo[0], lo[1], lo[2] = uint8(e.LBA), uint8(e.LBA>>8), uint8(e.LBA>>16)
+	l.loc[i], l.crc[i] = e.Loc, e.CRC
 }
 
 // reset forgets the shared LBA bits before the leaf is refilled.
@@ -148,20 +148,20 @@ func (l *pleaf) own() {
 }
 
 // search returns the first slot whose key is >= k.lba, and whether it is k.lba.
-func (l *pleaf) search(k ent) (int, bool) {
+func (l *pleaf) search(k Ent) (int, bool) {
 	lo, hi := 0, int(l.n)
 	for lo < hi {
 		m := int(uint(lo+hi) >> 1)
-		if l.key(m) < k.lba {
+		if l.key(m) < k.LBA {
 			lo = m + 1
 		} else {
 			hi = m
 		}
 	}
-	return lo, lo < int(l.n) && l.key(lo) == k.lba
+	return lo, lo < int(l.n) && l.key(lo) == k.LBA
 }
 
-func (l *pleaf) insertAt(i int, e ent) {
+func (l *pleaf) insertAt(i int, e Ent) {
 	n := int(l.n)
 	if l.his != nil {
 		copy(l.his[i+1:n+1], l.his[i:n])
@@ -191,11 +191,11 @@ func (l *pleaf) removeAt(i int) {
 // block's (Set.blockEpoch), not stored again.
 type sleaf struct{ pleaf }
 
-func (*sleaf) less(a, b ent) bool { return supLess(a, b) }
+func (*sleaf) less(a, b Ent) bool { return supLess(a, b) }
 
-func supLess(a, b ent) bool { return a.lba < b.lba || (a.lba == b.lba && a.loc < b.loc) }
+func supLess(a, b Ent) bool { return a.LBA < b.LBA || (a.LBA == b.LBA && a.Loc < b.Loc) }
 
-func (l *sleaf) search(k ent) (int, bool) {
+func (l *sleaf) search(k Ent) (int, bool) {
 	lo, hi := 0, int(l.n)
 	for lo < hi {
 		m := int(uint(lo+hi) >> 1)
@@ -208,14 +208,14 @@ func (l *sleaf) search(k ent) (int, bool) {
 	return lo, lo < int(l.n) && !supLess(k, l.get(lo))
 }
 
-// ptree is the index of a volume (ent by LBA); stree its superseded versions.
+// Ptree is the index of a volume (ent by LBA); Stree its superseded versions.
 type (
-	ptree = bptree[ent, pleaf, *pleaf]
-	stree = bptree[ent, sleaf, *sleaf]
+	Ptree = bptree[Ent, pleaf, *pleaf]
+	Stree = bptree[Ent, sleaf, *sleaf]
 )
 
-func newPtree() *ptree { return &ptree{cow: new(cowCtx)} }
-func newStree() *stree { return &stree{cow: new(cowCtx)} }
+func NewPtree() *Ptree { return &Ptree{cow: new(cowCtx)} }
+func NewStree() *Stree { return &Stree{cow: new(cowCtx)} }
 
 // fillLeaf replaces the leaf's elements with es.
 func fillLeaf[E any, PL leafOps[E]](l PL, es []E) {
@@ -666,9 +666,9 @@ func (t *bptree[E, L, PL]) ascend(from E, hasFrom bool, stop E, hasStop bool, bo
 
 // buildPtree bulk-loads a tree from entries in strictly increasing LBA
 // order (a checkpoint), with leaves leafBulkFill full.
-func buildPtree(es []ent, aggs []uint64) *ptree {
-	t := newPtree()
-	t.bulkLoad(es, leafBulkFill, aggs)
+func BuildPtree(es []Ent, aggs []uint64) *Ptree {
+	t := NewPtree()
+	t.bulkLoad(es, LeafBulkFill, aggs)
 	return t
 }
 
@@ -718,17 +718,17 @@ func firstKey[E, L any, PL leafPtr[L, E]](nd *bnode[E, L, PL]) E {
 }
 
 // ptreeStats describes a tree's shape (for the memory measurement).
-type ptreeStats struct {
-	leaves, inner, height int
+type TreeStats struct {
+	Leaves, Inner, Height int
 }
 
-func (t *bptree[E, L, PL]) stats() (st ptreeStats) {
+func (t *bptree[E, L, PL]) Stats() (st TreeStats) {
 	var walk func(nd *bnode[E, L, PL], depth int)
 	walk = func(nd *bnode[E, L, PL], depth int) {
-		st.inner++
-		st.height = max(st.height, depth+1)
+		st.Inner++
+		st.Height = max(st.Height, depth+1)
 		if nd.leaves {
-			st.leaves += nd.n
+			st.Leaves += nd.n
 			return
 		}
 		for i := 0; i < nd.n; i++ {
@@ -742,7 +742,7 @@ func (t *bptree[E, L, PL]) stats() (st ptreeStats) {
 }
 
 // check verifies the structural invariants listed at the top of the file.
-func (t *bptree[E, L, PL]) check() error {
+func (t *bptree[E, L, PL]) Check() error {
 	if t.root == nil {
 		if t.length != 0 {
 			return fmt.Errorf("index: empty tree with length %d", t.length)
@@ -877,7 +877,7 @@ func (t *bptree[E, L, PL]) AscendAggAtMost(from E, bound uint64, fn func(E) bool
 
 // checkAgg verifies that every summary is a lower bound of the values
 // (sum) of the elements under its child.
-func (t *bptree[E, L, PL]) checkAgg(sum func(E) uint64) error {
+func (t *bptree[E, L, PL]) CheckAgg(sum func(E) uint64) error {
 	if t.root == nil {
 		return nil
 	}
