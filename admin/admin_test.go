@@ -3,11 +3,13 @@ package admin
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"net"
 	"net/http"
 	"path/filepath"
 	"reflect"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -157,8 +159,21 @@ func TestAPI(t *testing.T) {
 		s.Exports[1].HitRatio != 0 || s.Exports[2].Volume != nil || len(s.Exports[0].Latency) == 0 {
 		t.Fatalf("stats %+v err %v", s, err)
 	}
-	if !strings.Contains(string(raw), `"WriteOps": 8`) {
-		t.Errorf("stats JSON does not carry VolumeStats as is: %s", raw)
+	// The API is snake_case throughout: engine counters under derived
+	// names, the mode by name.
+	for _, want := range []string{`"write_ops": 8`, `"mode": "writeback"`, `"bypass_write_bytes": 0`, `"writeback_target_rate": `, `"p99_us": `} {
+		if !strings.Contains(string(raw), want) {
+			t.Errorf("stats JSON lacks %s: %s", want, raw)
+		}
+	}
+	for _, path := range []string{"/v1/status", "/v1/usage", "/v1/stats"} {
+		var m json.RawMessage
+		if err := c.getJSON(ctx, "GET", path, nil, &m); err != nil {
+			t.Fatal(err)
+		}
+		if k := regexp.MustCompile(`"[^"]*[A-Z][^"]*":`).FindString(string(m)); k != "" {
+			t.Errorf("%s: key %s is not snake_case:\n%s", path, k, m)
+		}
 	}
 
 	// Flush with progress.

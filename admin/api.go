@@ -24,8 +24,6 @@ package admin
 
 import (
 	"time"
-
-	"github.com/tiercache/tiercache/cache"
 )
 
 // Status is the reply of GET /v1/status.
@@ -34,6 +32,8 @@ type Status struct {
 	PID           int          `json:"pid"`
 	Started       time.Time    `json:"started"`
 	UptimeSeconds float64      `json:"uptime_seconds"`
+	Listeners     []string     `json:"listeners"` // NBD: unix:PATH, tcp:HOST:PORT
+	Admin         []string     `json:"admin"`     // this API: unix:PATH, tcp:HOST:PORT
 	Set           *SetInfo     `json:"set,omitempty"`
 	Exports       []ExportInfo `json:"exports"`
 }
@@ -42,9 +42,16 @@ type Status struct {
 type SetInfo struct {
 	UUID       string `json:"uuid"`
 	CachePath  string `json:"cache_path"`
-	CacheSize  int64  `json:"cache_size"`
+	CacheSize  int64  `json:"cache_size"`  // bucket space (buckets x bucket size)
+	DeviceSize int64  `json:"device_size"` // the whole cache device: bucket space + metadata
 	BucketSize int64  `json:"bucket_size"`
 	Buckets    int64  `json:"buckets"`
+	// State is "ok", or "failed" after the cache device failed (every
+	// export is then served from its backing device; FailCause says why).
+	State       string `json:"state"`
+	FailCause   string `json:"fail_cause,omitempty"`
+	CachedBytes int64  `json:"cached_bytes"`
+	DirtyBytes  int64  `json:"dirty_bytes"`
 }
 
 // ExportInfo describes one export.
@@ -54,6 +61,12 @@ type ExportInfo struct {
 	Size   int64  `json:"size"`
 	Cached bool   `json:"cached"` // a volume of the cache set (else a plain export)
 	Mode   string `json:"mode"`   // cache mode; "plain" for plain exports
+	// Volumes only (zero for plain exports):
+	CachedBytes int64 `json:"cached_bytes"`
+	DirtyBytes  int64 `json:"dirty_bytes"`
+	// HitRatio is the share of bytes read that came from the cache, since
+	// the server started; 0 before the first read.
+	HitRatio float64 `json:"hit_ratio"`
 }
 
 // AttachRequest is the body of POST /v1/attach.
@@ -109,34 +122,51 @@ type ExportUsage struct {
 
 // Stats is the reply of GET /v1/stats.
 type Stats struct {
-	Time    time.Time       `json:"time"`
-	Set     *cache.SetStats `json:"set,omitempty"`
-	Exports []ExportStats   `json:"exports"`
+	Time    time.Time     `json:"time"`
+	Started time.Time     `json:"started"` // the counters count since then
+	Set     *SetStats     `json:"set,omitempty"`
+	Exports []ExportStats `json:"exports"`
 }
 
 // ExportStats are one export's counters. Volume is the engine's
-// VolumeStats serialized as it is (field names as in Go), so fields added
-// to the engine appear here without a change.
+// VolumeStats with snake_case names (see SnakeName), so fields added to
+// the engine appear here without a change.
 type ExportStats struct {
-	Name    string             `json:"name"`
-	Mode    string             `json:"mode"`
-	Cached  bool               `json:"cached"`
-	Volume  *cache.VolumeStats `json:"volume,omitempty"`
-	Latency []LatencySummary   `json:"latency,omitempty"`
-	// HitRatio is ReadHitBytes / (ReadHitBytes + ReadMissBytes), 0 before the first read.
+	Name    string           `json:"name"`
+	Mode    string           `json:"mode"`
+	Cached  bool             `json:"cached"`
+	Volume  *VolumeStats     `json:"volume,omitempty"`
+	Latency []LatencySummary `json:"latency,omitempty"`
+	// HitRatio is ReadHitBytes / (ReadHitBytes + ReadMissBytes) since the
+	// start, 0 before the first read.
 	HitRatio float64 `json:"hit_ratio"`
-	// WritebackRate is bytes written back per second, averaged over the last seconds.
+	// WritebackRate is bytes written back per second, measured over the
+	// last seconds (smoothed).
 	WritebackRate float64 `json:"writeback_rate"`
 	// WritebackETASeconds is dirty bytes / WritebackRate; 0 when nothing is
 	// dirty, -1 when dirty data waits but writeback is idle.
 	WritebackETASeconds float64 `json:"writeback_eta_seconds"`
 }
 
-// LatencySummary summarizes one request type's latency histogram.
+// LatencySummary summarizes one request type's latency since the server
+// started, as the backend served it (the NBD server's queueing aside).
+// Reads appear three times: all of them (Tier ""), and split by the tier
+// that served them: "cache" (every block was cached) and "backing".
+// Percentiles are the upper bounds of the histogram's buckets (8 per power
+// of two: within 12.5%). Buckets lists the non-empty ones as [upper bound
+// in ns, count], so that the percentiles of an interval can be taken from
+// two replies (LatencySummary.Sub).
 type LatencySummary struct {
-	Op      string  `json:"op"`
-	Count   uint64  `json:"count"`
-	MeanSec float64 `json:"mean_seconds"`
+	Op         string      `json:"op"`
+	Tier       string      `json:"tier,omitempty"`
+	Count      uint64      `json:"count"`
+	MeanMicros float64     `json:"mean_us"`
+	P50Micros  float64     `json:"p50_us"`
+	P99Micros  float64     `json:"p99_us"`
+	P999Micros float64     `json:"p999_us"`
+	MaxMicros  float64     `json:"max_us"`
+	SumNanos   uint64      `json:"sum_ns"`
+	Buckets    [][2]uint64 `json:"buckets,omitempty"`
 }
 
 // Progress is one line of a streaming reply (flush, detach, check).

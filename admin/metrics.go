@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"reflect"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -164,12 +163,12 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 		if e.Volume == nil {
 			continue
 		}
-		emitStruct(ch, volumeMetrics, *e.Volume, e.Name)
+		emitStruct(ch, volumeMetrics, e.Volume.VolumeStats, e.Name)
 		ch <- prometheus.MustNewConstMetric(ratioDesc, gauge, e.HitRatio, e.Name)
 		ch <- prometheus.MustNewConstMetric(rateDesc, gauge, e.WritebackRate, e.Name)
 	}
 	if st.Set != nil {
-		emitStruct(ch, setMetrics, *st.Set, "")
+		emitStruct(ch, setMetrics, st.Set.SetStats, "")
 	}
 }
 
@@ -240,15 +239,16 @@ type instrumented struct {
 	tier  [2]prometheus.Observer // read latency: backing, cache
 	hist  [len(ops)]prometheus.Observer
 	errs  [len(ops)]prometheus.Counter
-	count [len(ops)]atomic.Uint64
-	nanos [len(ops)]atomic.Uint64
+	// For /v1/stats: finer than the Prometheus buckets, so that p99.9
+	// means something.
+	lat     [len(ops)]histogram
+	tierLat [2]histogram // reads: backing, cache
 }
 
 func (w *instrumented) observe(op int, start time.Time, err error) error {
 	d := time.Since(start)
 	w.hist[op].Observe(d.Seconds())
-	w.count[op].Add(1)
-	w.nanos[op].Add(uint64(d))
+	w.lat[op].observe(d)
 	if err != nil {
 		w.errs[op].Inc()
 	}
@@ -266,7 +266,9 @@ func (w *instrumented) ReadAt(p []byte, off int64) error {
 		if hit {
 			i = 1
 		}
-		w.tier[i].Observe(time.Since(t).Seconds())
+		d := time.Since(t)
+		w.tier[i].Observe(d.Seconds())
+		w.tierLat[i].observe(d)
 	}
 	return err
 }
@@ -284,11 +286,17 @@ func (w *instrumented) Flush() error {
 func (w *instrumented) latency() []LatencySummary {
 	var out []LatencySummary
 	for i, name := range ops {
-		n := w.count[i].Load()
-		if n == 0 {
+		if w.lat[i].n.Load() == 0 {
 			continue
 		}
-		out = append(out, LatencySummary{Op: name, Count: n, MeanSec: time.Duration(w.nanos[i].Load() / n).Seconds()})
+		out = append(out, w.lat[i].summary(name, ""))
+		if i == opRead && w.tiers != nil {
+			for t, tier := range []string{"backing", "cache"} {
+				if w.tierLat[t].n.Load() > 0 {
+					out = append(out, w.tierLat[t].summary(name, tier))
+				}
+			}
+		}
 	}
 	return out
 }

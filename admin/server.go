@@ -57,6 +57,9 @@ type Config struct {
 	Detached func(name string)
 	// ReadOnly: exports are served read-only (attached ones too).
 	ReadOnly bool
+	// Listeners are the NBD server's addresses and Admin this API's
+	// (unix:PATH, tcp:HOST:PORT), as /v1/status reports them.
+	Listeners, Admin []string
 }
 
 // Server implements the admin API. Create it with New, serve Handler, and
@@ -303,11 +306,17 @@ func (s *Server) volume(name string) *cache.Volume {
 }
 
 func (s *Server) status() Status {
-	st := Status{Version: s.cfg.Version, PID: os.Getpid(), Started: s.started, UptimeSeconds: time.Since(s.started).Seconds()}
+	st := Status{Version: s.cfg.Version, PID: os.Getpid(), Started: s.started, UptimeSeconds: time.Since(s.started).Seconds(),
+		Listeners: s.cfg.Listeners, Admin: s.cfg.Admin}
 	if s.cfg.Set != nil {
 		sb := s.cfg.Set.Superblock()
+		ss := s.cfg.Set.Stats()
 		st.Set = &SetInfo{UUID: fmtUUID(sb.SetUUID), CachePath: s.cfg.CachePath, CacheSize: sb.NBuckets * sb.BucketSize,
-			BucketSize: sb.BucketSize, Buckets: sb.NBuckets}
+			DeviceSize: deviceSize(s.cfg.CachePath), BucketSize: sb.BucketSize, Buckets: sb.NBuckets, State: "ok",
+			CachedBytes: ss.CachedBlocks * blockBytes, DirtyBytes: ss.DirtyBlocks * blockBytes}
+		if ss.Failed {
+			st.Set.State, st.Set.FailCause = "failed", ss.Cause
+		}
 	}
 	for _, e := range s.exportList() {
 		st.Exports = append(st.Exports, s.exportInfo(e))
@@ -318,9 +327,36 @@ func (s *Server) status() Status {
 func (s *Server) exportInfo(e Export) ExportInfo {
 	ei := ExportInfo{Name: e.Name, Path: e.Path, Size: e.Backend.Size(), Mode: "plain"}
 	if v := s.volume(e.Name); v != nil {
+		vs := v.Stats()
 		ei.Cached, ei.Mode = true, v.Mode().String()
+		ei.CachedBytes, ei.DirtyBytes, ei.HitRatio = vs.CachedBlocks*blockBytes, vs.DirtyBlocks*blockBytes, hitRatio(vs)
 	}
 	return ei
+}
+
+func hitRatio(vs cache.VolumeStats) float64 {
+	if r := vs.ReadHitBytes + vs.ReadMissBytes; r > 0 {
+		return float64(vs.ReadHitBytes) / float64(r)
+	}
+	return 0
+}
+
+// deviceSize is the size of the file or block device at path (a device
+// spec such as ssd:PATH names its file after the colon); 0 if unknown.
+func deviceSize(path string) int64 {
+	if i := strings.IndexByte(path, ':'); i > 0 && !strings.Contains(path[:i], "/") {
+		path = path[i+1:]
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return 0
+	}
+	defer f.Close()
+	n, err := f.Seek(0, io.SeekEnd)
+	if err != nil {
+		return 0
+	}
+	return n
 }
 
 func (s *Server) handleStatus(w http.ResponseWriter, _ *http.Request) {
@@ -370,10 +406,9 @@ func (s *Server) handleUsage(w http.ResponseWriter, _ *http.Request) {
 }
 
 func (s *Server) stats() Stats {
-	st := Stats{Time: time.Now()}
+	st := Stats{Time: time.Now(), Started: s.started}
 	if s.cfg.Set != nil {
-		ss := s.cfg.Set.Stats()
-		st.Set = &ss
+		st.Set = &SetStats{s.cfg.Set.Stats()}
 	}
 	for _, ei := range s.status().Exports {
 		es := ExportStats{Name: ei.Name, Mode: ei.Mode, Cached: ei.Cached}
@@ -382,10 +417,8 @@ func (s *Server) stats() Stats {
 		}
 		if v := s.volume(ei.Name); v != nil {
 			vs := v.Stats()
-			es.Volume = &vs
-			if r := vs.ReadHitBytes + vs.ReadMissBytes; r > 0 {
-				es.HitRatio = float64(vs.ReadHitBytes) / float64(r)
-			}
+			es.Volume = &VolumeStats{vs}
+			es.HitRatio = hitRatio(vs)
 			s.mu.Lock()
 			if r := s.mu.rate[ei.Name]; r != nil {
 				es.WritebackRate = r.rate

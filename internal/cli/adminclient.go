@@ -1,12 +1,15 @@
 package cli
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
+	"text/tabwriter"
 	"time"
 
 	"github.com/spf13/cobra"
@@ -26,14 +29,19 @@ func (g *globals) adminAddr() string {
 	return filepath.Join(g.dataDir, "admin.sock")
 }
 
-// client returns an admin API client; errors it returns say how the
-// address was chosen when no server answers.
-func (g *globals) client() *admin.Client { return admin.NewClient(g.adminAddr()) }
+// client returns an admin API client for the server the commands talk to
+// (g.discover); errors it returns say how the address was chosen when no
+// server answers.
+func (g *globals) client() *admin.Client {
+	addr, _ := g.discover()
+	return admin.NewClient(addr)
+}
 
 // apiErr makes an admin API error readable on the command line.
 func (g *globals) apiErr(err error) error {
 	if errors.Is(err, admin.ErrNoServer) {
-		return fmt.Errorf("no tiercache server is running at %s (start one with 'tiercache serve'; or point to it with --admin PATH or $TIERCACHE_ADMIN)", g.adminAddr())
+		addr, how := g.discover()
+		return fmt.Errorf("no tiercache server is running at %s (%s; start one with 'tiercache serve', or point to it with --admin PATH, $TIERCACHE_ADMIN or --config FILE)", addr, how)
 	}
 	return err
 }
@@ -86,4 +94,36 @@ func humanRate(r float64) string {
 		return "0 B/s"
 	}
 	return human(int64(r)) + "/s"
+}
+
+// table is a tabwriter whose output loses its trailing spaces (the padding
+// of empty last columns) on the way to out.
+type table struct {
+	*tabwriter.Writer
+	buf bytes.Buffer
+	out io.Writer
+}
+
+func newTable(out io.Writer, flags uint) *table {
+	t := &table{out: out}
+	t.Writer = tabwriter.NewWriter(&t.buf, 0, 4, 2, ' ', flags)
+	return t
+}
+
+// Flush writes the table to out.
+func (t *table) Flush() error {
+	if err := t.Writer.Flush(); err != nil {
+		return err
+	}
+	var b strings.Builder
+	for _, l := range strings.SplitAfter(t.buf.String(), "\n") {
+		nl := strings.HasSuffix(l, "\n")
+		b.WriteString(strings.TrimRight(l, " \n"))
+		if nl {
+			b.WriteByte('\n')
+		}
+	}
+	t.buf.Reset()
+	_, err := io.WriteString(t.out, b.String())
+	return err
 }

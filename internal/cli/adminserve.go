@@ -50,8 +50,6 @@ func startAdmin(g *globals, o *serveOptions, log *slog.Logger, cfg admin.Config)
 	if len(specs) == 0 {
 		return func() error { return nil }, nil
 	}
-	srv := admin.New(cfg)
-	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
 	var ls []net.Listener
 	for _, spec := range specs {
 		l, err := listen(spec, 0o600)
@@ -63,14 +61,18 @@ func startAdmin(g *globals, o *serveOptions, log *slog.Logger, cfg admin.Config)
 			for _, l := range ls {
 				l.Close()
 			}
-			srv.Close()
 			return nil, fmt.Errorf("admin API: %w", err)
 		}
 		ls = append(ls, l)
+		cfg.Admin = append(cfg.Admin, spec.String())
 		log.Info("admin API listening", "addr", spec.String())
+	}
+	srv := admin.New(cfg)
+	hs := &http.Server{Handler: srv.Handler(), ReadHeaderTimeout: 10 * time.Second, ErrorLog: slog.NewLogLogger(log.Handler(), slog.LevelWarn)}
+	for _, l := range ls {
 		go func() {
 			if err := hs.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				log.Error("admin API", "addr", spec.String(), "err", err)
+				log.Error("admin API", "addr", l.Addr().String(), "err", err)
 			}
 		}()
 	}

@@ -19,7 +19,7 @@ import (
 func newAttachCmd(g *globals) *cobra.Command {
 	var (
 		cachePath, mode, direct string
-		force                   bool
+		force, asJSON           bool
 	)
 	cmd := &cobra.Command{
 		Use:   "attach [--cache PATH] NAME=PATH [--mode MODE] [--force]",
@@ -53,10 +53,19 @@ only when that set is gone: it may hold newer, dirty data for the disk).`,
 			}
 			req := admin.AttachRequest{Name: name, Path: absSpec(path), Mode: mode, Force: force}
 			if cachePath == "" {
-				ei, err := g.client().Attach(cmdContext(cmd), req)
+				ctx := cmdContext(cmd)
+				s, err := g.connect(ctx)
+				if err != nil {
+					return err
+				}
+				ei, err := s.c.Attach(ctx, req)
 				if err != nil {
 					return g.apiErr(err) // the server's message names the attach
 				}
+				if asJSON {
+					return writeServerJSON(g.stdout, s.id, ei)
+				}
+				s.header(g.stdout)
 				fmt.Fprintf(g.stdout, "attached %s (%s, %s) in mode %s; export %q is served now\n", ei.Path, human(ei.Size), name, ei.Mode, name)
 				return nil
 			}
@@ -78,6 +87,7 @@ only when that set is gone: it may hold newer, dirty data for the disk).`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&cachePath, "cache", "", "change the cache set on this cache device offline (not being served)")
+	f.BoolVar(&asJSON, "json", false, "print JSON (the new export)")
 	f.StringVar(&mode, "mode", "writeback", "cache mode of the new volume: writeback, writethrough, writearound or none")
 	f.BoolVar(&force, "force", false, "take over a disk that belongs to another cache set")
 	f.StringVar(&direct, "direct", "auto", "offline: O_DIRECT for the devices: auto, on, off")

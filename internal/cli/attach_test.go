@@ -143,7 +143,7 @@ func TestAttachDetachCommands(t *testing.T) {
 	failTC(t, "want NAME=PATH", "attach", "x")
 	failTC(t, "in use by another tiercache process", "attach", "--cache", p("cache.img"), "x="+p("claimed.img"))
 	failTC(t, `no export named "zz" (exports: a, data)`, "detach", "zz")
-	failTC(t, "accepts 1 arg(s), received 0", "detach")
+	failTC(t, "detach needs the EXPORT to detach (exports: a, data)", "detach")
 	failTC(t, `unknown setting "cache_mod"`, "set", "data", "cache_mod=none")
 
 	// --force takes over a disk of another set.

@@ -12,6 +12,7 @@ import (
 
 func newCheckCmd(g *globals) *cobra.Command {
 	var cachePath string
+	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "check [--cache PATH]",
 		Short: "Verify a cache set's metadata and every cached block's checksum; exit 1 on any problem",
@@ -34,17 +35,33 @@ Exit status: 0 when everything checks out, 1 on any problem or error.`,
 			if cachePath != "" {
 				return checkOffline(cmd, g, cachePath)
 			}
+			ctx := cmdContext(cmd)
+			s, err := g.connect(ctx)
+			if err != nil {
+				return err
+			}
 			pl := newProgressLine(g.stderr, "check", func(n int64) string { return fmt.Sprintf("%d blocks", n) })
-			fin, err := g.client().Check(cmdContext(cmd), pl.update)
+			fin, err := s.c.Check(ctx, pl.update)
 			pl.done()
 			if err != nil {
 				return fmt.Errorf("check: %w", g.apiErr(err))
 			}
+			if asJSON {
+				if err := writeServerJSON(g.stdout, s.id, fin); err != nil {
+					return err
+				}
+				if len(fin.Problems) > 0 {
+					return &exitError{code: 1, err: fmt.Errorf("check found %d problem(s)", len(fin.Problems))}
+				}
+				return nil
+			}
+			s.header(g.stdout)
 			fmt.Fprintln(g.stdout, fin.Message)
 			return reportProblems(g, fin.Problems)
 		},
 	}
 	cmd.Flags().StringVar(&cachePath, "cache", "", "check this cache device offline (read-only) instead of asking the running server")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON (online: the final progress with its problems)")
 	return cmd
 }
 

@@ -61,6 +61,7 @@ func (p *progressLine) done() {
 }
 
 func newFlushCmd(g *globals) *cobra.Command {
+	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "flush [EXPORT]",
 		Short: "Write an export's dirty data back to its backing device now (all exports without EXPORT)",
@@ -68,35 +69,50 @@ func newFlushCmd(g *globals) *cobra.Command {
 device, sync it, and wait until none is left, with a progress bar and ETA.
 The export keeps serving meanwhile. In writeback mode new writes make new
 dirty data: to empty the cache for good, 'tiercache set EXPORT
-cache_mode=writethrough' first, or use 'tiercache detach'.`,
-		Args: cobra.MaximumNArgs(1),
+cache_mode=writethrough' first, or use 'tiercache detach'.
+
+This is not what an NBD FLUSH (sync, fsync) does: a FLUSH makes acknowledged
+writes durable, in the cache (the journal); 'tiercache flush' moves the
+dirty data to the backing device, so the cache device holds none of it.`,
+		Args:              cobra.MaximumNArgs(1),
+		ValidArgsFunction: completeExport(g),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			c := g.client()
 			ctx := cmdContext(cmd)
+			s, err := g.connect(ctx)
+			if err != nil {
+				return err
+			}
 			var names []string
 			if len(args) == 1 {
 				names = args
 			} else {
-				st, err := c.Status(ctx)
-				if err != nil {
-					return g.apiErr(err)
-				}
-				for _, e := range st.Exports {
+				for _, e := range s.st.Exports {
 					names = append(names, e.Name)
 				}
 			}
+			if !asJSON {
+				s.header(g.stdout)
+			}
+			var results []admin.Progress
 			for _, name := range names {
 				start := time.Now()
 				pl := newProgressLine(g.stderr, "flush "+name, human)
-				fin, err := c.Flush(ctx, name, pl.update)
+				fin, err := s.c.Flush(ctx, name, pl.update)
 				pl.done()
 				if err != nil {
 					return fmt.Errorf("flush %s: %w", name, g.apiErr(err))
 				}
-				fmt.Fprintf(g.stdout, "%s: wrote back %s in %s; %s dirty\n", name, human(fin.Done), humanDur(time.Since(start).Seconds()), human(fin.DirtyBytes))
+				results = append(results, fin)
+				if !asJSON {
+					fmt.Fprintf(g.stdout, "%s: wrote back %s in %s; %s dirty\n", name, human(fin.Done), humanDur(time.Since(start).Seconds()), human(fin.DirtyBytes))
+				}
+			}
+			if asJSON {
+				return writeServerJSON(g.stdout, s.id, map[string]any{"flushed": results})
 			}
 			return nil
 		},
 	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON (the final progress of each export)")
 	return cmd
 }

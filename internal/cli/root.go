@@ -51,8 +51,12 @@ type globals struct {
 	logFormat string
 	logLevel  string
 	admin     string // admin API address (--admin)
-	stdout    io.Writer
-	stderr    io.Writer
+	config    string // --config FILE
+	// dataDirSet: --data-dir was given (the admin commands then look
+	// there before the packaged server's socket).
+	dataDirSet bool
+	stdout     io.Writer
+	stderr     io.Writer
 }
 
 func newRoot(stdout, stderr io.Writer) *cobra.Command {
@@ -73,17 +77,21 @@ directory and serves them, so you can try it at once:
 		SilenceErrors: true,
 		Version:       Version,
 	}
+	root.PersistentPreRun = func(cmd *cobra.Command, _ []string) {
+		g.dataDirSet = cmd.Flags().Changed("data-dir")
+	}
 	root.SetOut(stdout)
 	root.SetErr(stderr)
 	pf := root.PersistentFlags()
 	pf.StringVar(&g.dataDir, "data-dir", defaultDataDir(), "directory for the embedded default's files, sockets and state ($TIERCACHE_DATA_DIR)")
 	pf.StringVar(&g.logFormat, "log-format", "text", "log format: text or json")
 	pf.StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn or error")
-	pf.StringVar(&g.admin, "admin", "", "admin API socket of the running server (default $TIERCACHE_ADMIN, else DATA_DIR/admin.sock); serve: where to listen, \"none\" to disable")
+	pf.StringVar(&g.admin, "admin", "", "admin API socket of the running server (default: $TIERCACHE_ADMIN, the config file's, the packaged server's, else DATA_DIR/admin.sock); serve: where to listen, \"none\" to disable")
+	pf.StringVar(&g.config, "config", "", "the server's TOML config `FILE` ($TIERCACHE_CONFIG; see docs/OPERATIONS.md): serve reads its settings (flags override them), the other commands its admin socket")
 
 	root.AddCommand(newServeCmd(g), newFormatCmd(g))
-	root.AddCommand(newUsageCmd(g), newStatsCmd(g), newSetCmd(g), newFlushCmd(g), newDetachCmd(g), newAttachCmd(g),
-		newCheckCmd(g), newInspectCmd(g))
+	root.AddCommand(newStatusCmd(g), newListCmd(g), newUsageCmd(g), newStatsCmd(g), newSetCmd(g), newFlushCmd(g), newDetachCmd(g), newAttachCmd(g),
+		newCheckCmd(g), newInspectCmd(g), newShowCmd(g))
 	return root
 }
 

@@ -45,7 +45,6 @@ type serveOptions struct {
 	socketMode string
 	drainWait  time.Duration
 	adminTCP   string
-	config     string
 	tls        tlsOptions
 }
 
@@ -80,8 +79,8 @@ the reason; a cache set failed over to passthrough is left unclean on
 purpose (a repaired cache device replays its journal).`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if o.config != "" {
-				c, err := loadServeConfig(o.config)
+			if cfgPath, _ := g.configPath(); cfgPath != "" {
+				c, err := loadServeConfig(cfgPath)
 				if err != nil {
 					return err
 				}
@@ -107,7 +106,6 @@ purpose (a repaired cache device replays its journal).`,
 	f.BoolVar(&o.tls.required, "tls-required", false, "refuse clients that do not start TLS")
 	f.DurationVar(&o.drainWait, "shutdown-timeout", 30*time.Second, "how long to wait for in-flight requests at shutdown")
 	f.StringVar(&o.adminTCP, "admin-tcp", "", "also serve the admin API and /metrics on TCP `HOST:PORT` (host defaults to 127.0.0.1)")
-	f.StringVar(&o.config, "config", "", "read settings from this TOML `FILE` (see docs/OPERATIONS.md); flags override it")
 	return cmd
 }
 
@@ -267,6 +265,7 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 			return err
 		}
 		listeners = append(listeners, l)
+		adminCfg.Listeners = append(adminCfg.Listeners, spec.String())
 		log.Info("listening", "addr", spec.String())
 	}
 	stopAdmin, err := startAdmin(g, o, log, adminCfg)

@@ -4,10 +4,9 @@ import (
 	"fmt"
 	"io"
 	"reflect"
+	"strconv"
 	"strings"
-	"text/tabwriter"
 	"time"
-	"unicode"
 
 	"github.com/spf13/cobra"
 
@@ -17,82 +16,135 @@ import (
 
 func newStatsCmd(g *globals) *cobra.Command {
 	var asJSON bool
-	var watch time.Duration
+	var watch string
 	cmd := &cobra.Command{
-		Use:   "stats",
-		Short: "Show counters per export: hits, misses, hit ratio, bypass, promotions, writeback, errors",
-		Long: `Show the running server's counters, one column per export, and the cache
-set's counters. Every counter of the engine is shown (byte counts in binary
-units, block counts as bytes), followed by the derived values: read hit
-ratio, writeback rate and the time the dirty data needs to be written back
-at that rate, and the mean latency of each request type.
+		Use:   "stats [INTERVAL [COUNT]]",
+		Short: "Show counters per export: hits, misses, bypass, writeback, latency percentiles; with INTERVAL one line per export per interval",
+		Long: `Show the running server's counters since it started: one column per
+export, then the cache set's. Every counter of the engine is shown (bytes
+in binary units, block counts also as bytes, times as durations), followed
+by the derived values (hit ratio, measured writeback rate and the time the
+dirty data needs at that rate) and each request type's latency in µs:
+mean, p50, p99 and p99.9, for reads also per tier (cache, backing).
 
---watch[=INTERVAL] (default 2s) repeats, adding per-second rates of the
-counters. docs/OPERATIONS.md explains each counter.`,
-		Args: cobra.NoArgs,
-		RunE: func(cmd *cobra.Command, _ []string) error {
-			c := g.client()
+With INTERVAL (2, 5s, 500ms; a plain number is seconds), like iostat: one
+line per export every INTERVAL, COUNT times (default: until interrupted),
+with the rates of that interval: reads and writes per second, MiB/s read
+and written, the hit ratio of the interval's reads, dirty data, writeback
+MiB/s and the interval's p99 read and write latency in µs. The first line
+covers the time since the server started. --watch[=INTERVAL] is the same
+(default 2s).
+
+--json prints the API's reply (one object per interval), snake_case, with
+the server that answered under "server". docs/OPERATIONS.md explains each
+counter.`,
+		Args: cobra.MaximumNArgs(2),
+		RunE: func(cmd *cobra.Command, args []string) error {
+			interval, count := time.Duration(0), 0
+			if watch != "" {
+				d, err := parseInterval(watch)
+				if err != nil {
+					return fmt.Errorf("--watch %q: %w", watch, err)
+				}
+				interval = d
+			}
+			if len(args) > 0 {
+				d, err := parseInterval(args[0])
+				if err != nil {
+					return fmt.Errorf("INTERVAL %q: %w", args[0], err)
+				}
+				interval = d
+			}
+			if len(args) > 1 {
+				n, err := strconv.Atoi(args[1])
+				if err != nil || n < 1 {
+					return fmt.Errorf("COUNT %q: want a whole number >= 1", args[1])
+				}
+				count = n
+			}
 			ctx := cmdContext(cmd)
+			s, err := g.connect(ctx)
+			if err != nil {
+				return err
+			}
+			if interval == 0 {
+				st, _, err := s.c.Stats(ctx)
+				if err != nil {
+					return g.apiErr(err)
+				}
+				if asJSON {
+					return writeServerJSON(g.stdout, s.id, st)
+				}
+				s.header(g.stdout)
+				return printStats(g.stdout, st)
+			}
+			if !asJSON {
+				s.header(g.stdout)
+			}
 			var prev *admin.Stats
-			for {
-				st, raw, err := c.Stats(ctx)
-				if err != nil && watch > 0 && prev != nil && ctx.Err() != nil {
-					return nil // interrupted while asking for the next frame: the normal end of --watch
+			for n := 0; count == 0 || n < count; n++ {
+				if n > 0 {
+					select {
+					case <-ctx.Done():
+						return nil // interrupted: the normal end of an interval run
+					case <-time.After(interval):
+					}
+				}
+				st, _, err := s.c.Stats(ctx)
+				if err != nil && ctx.Err() != nil {
+					return nil
 				}
 				if err != nil {
 					return g.apiErr(err)
 				}
 				if asJSON {
-					if _, err := g.stdout.Write(raw); err != nil {
+					if err := writeServerJSON(g.stdout, s.id, st); err != nil {
 						return err
 					}
 				} else {
-					if watch > 0 {
-						fmt.Fprintf(g.stdout, "--- %s\n", st.Time.Format(time.DateTime))
-					}
-					if err := printStats(g.stdout, st, prev); err != nil {
-						return err
-					}
-				}
-				if watch <= 0 {
-					return nil
+					printInterval(g.stdout, st, prev, n%20 == 0)
 				}
 				prev = &st
-				select {
-				case <-ctx.Done():
-					return nil
-				case <-time.After(watch):
-				}
-				if !asJSON {
-					fmt.Fprintln(g.stdout)
-				}
 			}
+			return nil
 		},
 	}
-	cmd.Flags().BoolVar(&asJSON, "json", false, "print the API's JSON (with --watch: one object per interval)")
-	cmd.Flags().DurationVar(&watch, "watch", 0, "repeat every `INTERVAL` (--watch alone: 2s)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON (with INTERVAL: one object per interval)")
+	cmd.Flags().StringVar(&watch, "watch", "", "one line per export every `INTERVAL` (--watch alone: 2s), like 'stats INTERVAL'")
 	cmd.Flags().Lookup("watch").NoOptDefVal = "2s"
 	return cmd
 }
 
-// snake turns a Go field name into the words shown: ReadHitBytes -> read_hit_bytes.
-func snake(s string) string {
-	rs := []rune(s)
-	var b strings.Builder
-	for i, r := range rs {
-		// A word starts at an upper-case letter after a lower-case one,
-		// or at the last capital of an acronym (GCMoves -> gc_moves).
-		if i > 0 && unicode.IsUpper(r) && (unicode.IsLower(rs[i-1]) || i+1 < len(rs) && unicode.IsLower(rs[i+1]) && unicode.IsUpper(rs[i-1])) {
-			b.WriteByte('_')
+// parseInterval reads 5, 2.5, 5s or 500ms (a plain number is seconds).
+func parseInterval(s string) (time.Duration, error) {
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		f, ferr := strconv.ParseFloat(s, 64)
+		if ferr != nil {
+			return 0, fmt.Errorf("want seconds (5, 0.5) or a duration (5s, 500ms)")
 		}
-		b.WriteRune(unicode.ToLower(r))
+		d = time.Duration(f * float64(time.Second))
 	}
-	return b.String()
+	if d < 10*time.Millisecond {
+		return 0, fmt.Errorf("want at least 10ms")
+	}
+	return d, nil
 }
 
-// statValue formats one numeric field: bytes and blocks (as bytes) in
-// binary units, other counts as they are.
-func statValue(name string, v reflect.Value) (string, float64, bool) {
+// statName is the name a counter is shown under: the API's (snake_case),
+// with *_nanos shown as *_time since it prints as a duration.
+func statName(field string) string {
+	n := admin.SnakeName(field)
+	if s, ok := strings.CutSuffix(n, "_nanos"); ok {
+		return s + "_time"
+	}
+	return n
+}
+
+// statValue formats one field: bytes and blocks (as bytes) in binary
+// units, nanoseconds as durations, rates per second; ok is false for
+// fields that are not numbers.
+func statValue(name string, v reflect.Value) (string, bool) {
 	var f float64
 	switch v.Kind() {
 	case reflect.Int, reflect.Int8, reflect.Int16, reflect.Int32, reflect.Int64:
@@ -101,44 +153,59 @@ func statValue(name string, v reflect.Value) (string, float64, bool) {
 		f = float64(v.Uint())
 	case reflect.Float32, reflect.Float64:
 		f = v.Float()
+	case reflect.Bool:
+		if v.Bool() {
+			return "yes", true
+		}
+		return "no", true
+	case reflect.String:
+		if v.String() == "" {
+			return "-", true
+		}
+		return v.String(), true
+	case reflect.Struct:
+		if t, ok := v.Interface().(time.Time); ok {
+			if t.IsZero() {
+				return "-", true
+			}
+			return t.Local().Format(time.DateTime), true
+		}
+		return "", false
 	default:
-		return "", 0, false
+		return "", false
 	}
 	switch {
 	case strings.HasSuffix(name, "Bytes"):
-		return human(int64(f)), f, true
+		return human(int64(f)), true
 	case strings.HasSuffix(name, "Blocks") && !strings.HasSuffix(name, "JournalBlocks"):
-		return fmt.Sprintf("%d (%s)", int64(f), human(int64(f)*4096)), f, true
-	case strings.HasSuffix(name, "Rate"):
-		if f < 0 {
-			return "full speed", f, true
+		return fmt.Sprintf("%d (%s)", int64(f), human(int64(f)*4096)), true
+	case name == "WritebackRate":
+		switch {
+		case f < 0:
+			return "full speed", true
+		case f == 0:
+			return "0 (under the dirty target)", true
 		}
-		return humanRate(f), f, true
+		return humanRate(f), true
 	case strings.HasSuffix(name, "Nanos"):
-		return time.Duration(int64(f)).Round(time.Microsecond).String(), f, true
+		return humanMicros(f / 1e3), true
 	case v.Kind() == reflect.Float32 || v.Kind() == reflect.Float64:
-		return fmt.Sprintf("%.3g", f), f, true
+		return fmt.Sprintf("%.3g", f), true
 	}
-	return fmt.Sprint(int64(f)), f, true
+	return fmt.Sprint(int64(f)), true
 }
 
-func rateSuffix(name string, cur, old float64, dt float64, isBytes bool) string {
-	if dt <= 0 || cur < old {
-		return ""
+// humanMicros prints a duration given in µs: µs below 10 ms, else a
+// rounded duration.
+func humanMicros(us float64) string {
+	if us < 10000 {
+		return fmt.Sprintf("%.0f µs", us)
 	}
-	r := (cur - old) / dt
-	if r == 0 {
-		return ""
-	}
-	if isBytes {
-		return " (+" + humanRate(r) + ")"
-	}
-	return fmt.Sprintf(" (+%.0f/s)", r)
+	return humanDur(us / 1e6)
 }
 
-// structRows renders the numeric fields of vals (one struct per column),
-// with per-second rates against prevs when given.
-func structRows(w io.Writer, vals, prevs []reflect.Value, dt float64) {
+// structRows renders the fields of vals (one struct per column).
+func structRows(w io.Writer, vals []reflect.Value) {
 	var t reflect.Type
 	for _, v := range vals {
 		if v.IsValid() {
@@ -151,27 +218,20 @@ func structRows(w io.Writer, vals, prevs []reflect.Value, dt float64) {
 	}
 	for i := 0; i < t.NumField(); i++ {
 		name := t.Field(i).Name
-		if t.Field(i).Type == reflect.TypeFor[cache.Mode]() {
-			continue // shown in the header
+		if t.Field(i).Type == reflect.TypeFor[cache.Mode]() || hideWhenZero[name] && allZero(vals, i) {
+			continue // the mode is in the header
 		}
-		row := "  " + snake(name)
+		row := "  " + statName(name)
 		ok := true
-		if hideWhenZero[name] && allZero(vals, i) {
-			continue
-		}
-		for j, v := range vals {
+		for _, v := range vals {
 			if !v.IsValid() {
 				row += "\t-"
 				continue
 			}
-			s, f, isNum := statValue(name, v.Field(i))
-			if !isNum {
+			s, isStat := statValue(name, v.Field(i))
+			if !isStat {
 				ok = false
 				break
-			}
-			if prevs != nil && prevs[j].IsValid() && (strings.HasSuffix(name, "Ops") || strings.HasSuffix(name, "Bytes") || strings.HasSuffix(name, "Errors")) {
-				_, old, _ := statValue(name, prevs[j].Field(i))
-				s += rateSuffix(name, f, old, dt, strings.HasSuffix(name, "Bytes"))
 			}
 			row += "\t" + s
 		}
@@ -186,6 +246,7 @@ func structRows(w io.Writer, vals, prevs []reflect.Value, dt float64) {
 var hideWhenZero = map[string]bool{
 	"BypassCacheFailedBytes": true, "UnreachableDirtyBlocks": true, "LostWriteBlocks": true,
 	"UnreachableReadErrors": true, "FencedWriteErrors": true, "CacheErrors": true, "BackingSyncErrors": true, "EpochDeferBytes": true,
+	"Failed": true, "Cause": true,
 }
 
 func allZero(vals []reflect.Value, field int) bool {
@@ -197,47 +258,40 @@ func allZero(vals []reflect.Value, field int) bool {
 	return true
 }
 
-func printStats(out io.Writer, st admin.Stats, prev *admin.Stats) error {
-	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
-	header := "export"
-	var vals, prevs []reflect.Value
-	dt := 0.0
-	if prev != nil {
-		dt = st.Time.Sub(prev.Time).Seconds()
-		prevs = []reflect.Value{}
+// latencyCell prints one latency summary: count, mean and percentiles in µs.
+func latencyCell(l admin.LatencySummary) string {
+	if l.Count == 0 {
+		return "-"
 	}
+	return fmt.Sprintf("n=%d mean %.0f p50 %.0f p99 %.0f p99.9 %.0f µs", l.Count, l.MeanMicros, l.P50Micros, l.P99Micros, l.P999Micros)
+}
+
+func printStats(out io.Writer, st admin.Stats) error {
+	w := newTable(out, 0)
+	fmt.Fprintf(w, "counters since %s (up %s)\n", st.Started.Local().Format(time.DateTime), humanDur(st.Time.Sub(st.Started).Seconds()))
+	header := "export"
+	var vals []reflect.Value
 	for _, e := range st.Exports {
 		header += "\t" + e.Name + " (" + e.Mode + ")"
 		if e.Volume != nil {
-			vals = append(vals, reflect.ValueOf(*e.Volume))
+			vals = append(vals, reflect.ValueOf(e.Volume.VolumeStats))
 		} else {
 			vals = append(vals, reflect.Value{})
 		}
-		if prev != nil {
-			var pv reflect.Value
-			for _, p := range prev.Exports {
-				if p.Name == e.Name && p.Volume != nil {
-					pv = reflect.ValueOf(*p.Volume)
-				}
-			}
-			prevs = append(prevs, pv)
-		}
 	}
 	fmt.Fprintln(w, header)
-	var valid []reflect.Value
+	anyVolume := false
 	for _, v := range vals {
-		if v.IsValid() {
-			valid = append(valid, v)
-		}
+		anyVolume = anyVolume || v.IsValid()
 	}
-	if len(valid) > 0 {
-		structRows(w, vals, prevs, dt)
+	if anyVolume {
+		structRows(w, vals)
 		derived := []struct {
 			name string
 			f    func(admin.ExportStats) string
 		}{
 			{"hit_ratio", func(e admin.ExportStats) string { return fmt.Sprintf("%.1f%%", 100*e.HitRatio) }},
-			{"writeback_measured", func(e admin.ExportStats) string { return humanRate(e.WritebackRate) }},
+			{"writeback_rate", func(e admin.ExportStats) string { return humanRate(e.WritebackRate) }},
 			{"writeback_eta", func(e admin.ExportStats) string {
 				switch {
 				case e.WritebackETASeconds == 0:
@@ -260,14 +314,15 @@ func printStats(out io.Writer, st admin.Stats, prev *admin.Stats) error {
 			fmt.Fprintln(w, row)
 		}
 	}
-	for _, op := range []string{"read", "write", "flush", "trim", "write_zeroes", "prefetch"} {
-		row := "  latency_" + op
+	for _, op := range []string{"read", "read/cache", "read/backing", "write", "flush", "trim", "write_zeroes", "prefetch"} {
+		name, tier, _ := strings.Cut(op, "/")
+		row := "  latency_" + strings.ReplaceAll(op, "/", "_")
 		seen := false
 		for _, e := range st.Exports {
 			cell := "-"
 			for _, l := range e.Latency {
-				if l.Op == op {
-					cell = fmt.Sprintf("%s avg of %d", humanDur(l.MeanSec), l.Count)
+				if l.Op == name && l.Tier == tier {
+					cell = latencyCell(l)
 					seen = true
 				}
 			}
@@ -283,11 +338,69 @@ func printStats(out io.Writer, st admin.Stats, prev *admin.Stats) error {
 		if st.Set.Failed {
 			fmt.Fprintf(w, "  FAILED\tcache device failed, serving from the backing devices: %s\n", st.Set.Cause)
 		}
-		var pv []reflect.Value
-		if prev != nil && prev.Set != nil {
-			pv = []reflect.Value{reflect.ValueOf(*prev.Set)}
-		}
-		structRows(w, []reflect.Value{reflect.ValueOf(*st.Set)}, pv, dt)
+		structRows(w, []reflect.Value{reflect.ValueOf(st.Set.SetStats)})
 	}
 	return w.Flush()
+}
+
+// printInterval prints one line per export: the rates between prev and st
+// (since the start when prev is nil), like iostat, in fixed-width columns
+// so that the lines of successive intervals align.
+func printInterval(out io.Writer, st admin.Stats, prev *admin.Stats, header bool) {
+	const format = "%-8s  %-12s %7s %7s %7s %7s %6s %10s %8s %9s %9s\n"
+	if header {
+		fmt.Fprintf(out, format, "time", "export", "r/s", "w/s", "rMiB/s", "wMiB/s", "hit%", "dirty", "wbMiB/s", "r_p99_us", "w_p99_us")
+	}
+	dt := st.Time.Sub(st.Started).Seconds()
+	if prev != nil {
+		dt = st.Time.Sub(prev.Time).Seconds()
+	}
+	dt = max(dt, 1e-3)
+	for _, e := range st.Exports {
+		var cur, old cache.VolumeStats
+		var oldLat []admin.LatencySummary
+		if e.Volume != nil {
+			cur = e.Volume.VolumeStats
+		}
+		if prev != nil {
+			for _, p := range prev.Exports {
+				if p.Name == e.Name {
+					if p.Volume != nil {
+						old = p.Volume.VolumeStats
+					}
+					oldLat = p.Latency
+				}
+			}
+		}
+		d := func(a, b uint64) float64 { return float64(a-min(a, b)) / dt }
+		mib := func(a, b uint64) string { return fmt.Sprintf("%.1f", d(a, b)/(1<<20)) }
+		p99 := func(op string) string {
+			for _, l := range e.Latency {
+				if l.Op != op || l.Tier != "" {
+					continue
+				}
+				for _, o := range oldLat {
+					if o.Op == op && o.Tier == "" {
+						l = l.Sub(o)
+					}
+				}
+				if l.Count > 0 {
+					return fmt.Sprintf("%.0f", l.P99Micros)
+				}
+			}
+			return "-"
+		}
+		hit, dirty, wb := "-", "-", "-"
+		if e.Volume != nil {
+			h, m := cur.ReadHitBytes-min(cur.ReadHitBytes, old.ReadHitBytes), cur.ReadMissBytes-min(cur.ReadMissBytes, old.ReadMissBytes)
+			if h+m > 0 {
+				hit = fmt.Sprintf("%.1f", 100*float64(h)/float64(h+m))
+			}
+			dirty = human(cur.DirtyBlocks * 4096)
+			wb = mib(cur.WritebackBytes, old.WritebackBytes)
+		}
+		fmt.Fprintf(out, format, st.Time.Local().Format(time.TimeOnly), e.Name,
+			fmt.Sprintf("%.0f", d(cur.ReadOps, old.ReadOps)), fmt.Sprintf("%.0f", d(cur.WriteOps, old.WriteOps)),
+			mib(cur.ReadBytes, old.ReadBytes), mib(cur.WriteBytes, old.WriteBytes), hit, dirty, wb, p99("read"), p99("write"))
+	}
 }

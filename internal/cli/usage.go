@@ -4,7 +4,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"text/tabwriter"
 
 	"github.com/spf13/cobra"
 
@@ -25,14 +24,24 @@ of that is dirty (newer in the cache than on the device) and how much is
 waiting for writeback. Each line has a bar relative to the device's size.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			u, err := g.client().Usage(cmdContext(cmd))
+			ctx := cmdContext(cmd)
+			s, err := g.connect(ctx)
+			if err != nil {
+				return err
+			}
+			u, err := s.c.Usage(ctx)
 			if err != nil {
 				return g.apiErr(err)
 			}
 			if asJSON {
-				return writeJSON(g.stdout, u)
+				return writeServerJSON(g.stdout, s.id, u)
 			}
-			return printUsage(g.stdout, u)
+			s.header(g.stdout)
+			var dev int64
+			if s.st.Set != nil {
+				dev = s.st.Set.DeviceSize
+			}
+			return printUsage(g.stdout, u, dev)
 		},
 	}
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
@@ -49,11 +58,20 @@ func usageLine(w io.Writer, what string, n, of int64) {
 	fmt.Fprintf(w, "  %s\t%s\t%s\t%s\n", what, human(n), bar(float64(n)/float64(max(of, 1)), barWidth), pct(n, of))
 }
 
-func printUsage(out io.Writer, u admin.Usage) error {
-	w := tabwriter.NewWriter(out, 0, 4, 2, ' ', 0)
+// printUsage prints u; devSize is the cache device's whole size (0 if
+// unknown), of which the bucket space is c.Size and the rest metadata.
+func printUsage(out io.Writer, u admin.Usage, devSize int64) error {
+	w := newTable(out, 0)
 	if c := u.Cache; c != nil {
-		fmt.Fprintf(w, "cache device %s\n", c.Path)
+		if devSize > 0 {
+			fmt.Fprintf(w, "cache device %s (%s)\n", c.Path, human(devSize))
+		} else {
+			fmt.Fprintf(w, "cache device %s\n", c.Path)
+		}
 		fmt.Fprintf(w, "  size\t%s\t%d buckets of %s\t\n", human(c.Size), c.Buckets, human(c.Size/max(c.Buckets, 1)))
+		if devSize > c.Size {
+			fmt.Fprintf(w, "  metadata\t%s\tjournal and checkpoints\t\n", human(devSize-c.Size))
+		}
 		usageLine(w, "used (buckets)", c.UsedBytes, c.Size)
 		usageLine(w, "cached", c.CachedBytes, c.Size)
 		usageLine(w, "dirty", c.DirtyBytes, c.Size)

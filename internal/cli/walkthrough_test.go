@@ -99,7 +99,7 @@ var (
 	maskNum  = regexp.MustCompile(`\d+(\.\d+)?`)
 	// Values that depend on timing (rates, latencies, the writeback
 	// clock): masked whole.
-	maskVolatile = regexp.MustCompile(`^(\s*(writeback_rate|writeback_measured|writeback_eta|latency_\w+|throttle_nanos|space_wait_nanos|commits|journal_blocks|checkpoints|evictions|gc_moves|sealed_buckets|free_buckets)\s).*$`)
+	maskVolatile = regexp.MustCompile(`^(\s*(writeback_rate|writeback_target_rate|writeback_eta|latency_\w+|throttle_time|space_wait_time|commits|journal_blocks|checkpoints|evictions|gc_moves|sealed_buckets|free_buckets)\s).*$`)
 	progressRE   = regexp.MustCompile(`^(detach|flush|attach) \S+ \[`)
 )
 

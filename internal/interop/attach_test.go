@@ -79,7 +79,9 @@ func TestAttachDetachLive(t *testing.T) {
 	var st struct {
 		Exports []struct {
 			Name   string
-			Volume struct{ DirtyBlocks int64 }
+			Volume struct {
+				DirtyBlocks int64 `json:"dirty_blocks"`
+			}
 		}
 	}
 	if err := json.Unmarshal([]byte(tc("stats", "--json")), &st); err != nil {

@@ -55,7 +55,11 @@ func TestOperationsWalkthrough(t *testing.T) {
 	var st struct {
 		Exports []struct {
 			HitRatio float64 `json:"hit_ratio"`
-			Volume   struct{ WriteOps, ReadHitBytes, PromoteBytes uint64 }
+			Volume   struct {
+				WriteOps     uint64 `json:"write_ops"`
+				ReadHitBytes uint64 `json:"read_hit_bytes"`
+				PromoteBytes uint64 `json:"promote_bytes"`
+			}
 		}
 	}
 	if err := json.Unmarshal([]byte(tc("stats", "--json")), &st); err != nil {

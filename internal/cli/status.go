@@ -1,0 +1,102 @@
+package cli
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"time"
+
+	"github.com/spf13/cobra"
+
+	"github.com/tiercache/tiercache/admin"
+)
+
+func newStatusCmd(g *globals) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "status",
+		Short: "One screen on the running server: version, uptime, listeners, cache set and state, every export",
+		Long: `Show the running server on one screen, like 'casadm -L': its version,
+pid and uptime, the NBD listeners and admin API, the cache set (UUID,
+device, size, ok or failed) and each export with its mode, size, cached
+and dirty data, hit ratio and device.`,
+		Args: cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			s, err := g.connect(cmdContext(cmd))
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return writeServerJSON(g.stdout, s.id, s.st)
+			}
+			return printStatus(g.stdout, s)
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func newListCmd(g *globals) *cobra.Command {
+	var asJSON bool
+	cmd := &cobra.Command{
+		Use:   "list",
+		Short: "List the running server's exports: mode, size, cached, dirty, hit ratio, device",
+		Args:  cobra.NoArgs,
+		RunE: func(cmd *cobra.Command, _ []string) error {
+			s, err := g.connect(cmdContext(cmd))
+			if err != nil {
+				return err
+			}
+			if asJSON {
+				return writeServerJSON(g.stdout, s.id, struct {
+					Exports []admin.ExportInfo `json:"exports"`
+				}{s.st.Exports})
+			}
+			s.header(g.stdout)
+			return printExports(g.stdout, s.st.Exports)
+		},
+	}
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
+	return cmd
+}
+
+func printStatus(out io.Writer, s *session) error {
+	st := s.st
+	w := newTable(out, 0)
+	fmt.Fprintf(w, "server\t%s, pid %d, up %s (since %s)\n", st.Version, st.PID, humanDur(st.UptimeSeconds), st.Started.Local().Format(time.DateTime))
+	fmt.Fprintf(w, "admin API\t%s (found by %s)\n", joinOrNone(st.Admin), s.id.Found)
+	fmt.Fprintf(w, "NBD\t%s\n", joinOrNone(st.Listeners))
+	if c := st.Set; c != nil {
+		fmt.Fprintf(w, "cache set\t%s\n", c.UUID)
+		fmt.Fprintf(w, "cache device\t%s (%s: %d buckets of %s, the rest metadata)\n", c.CachePath, human(max(c.DeviceSize, c.CacheSize)), c.Buckets, human(c.BucketSize))
+		state := "ok"
+		if c.State != "ok" {
+			state = strings.ToUpper(c.State) + ": " + c.FailCause + " (every export is served from its backing device)"
+		}
+		fmt.Fprintf(w, "state\t%s; %s cached, %s dirty\n", state, human(c.CachedBytes), human(c.DirtyBytes))
+	} else {
+		fmt.Fprintf(w, "cache set\tnone (plain exports only)\n")
+	}
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(out)
+	return printExports(out, st.Exports)
+}
+
+func printExports(out io.Writer, exports []admin.ExportInfo) error {
+	if len(exports) == 0 {
+		fmt.Fprintln(out, "no exports")
+		return nil
+	}
+	w := newTable(out, 0)
+	fmt.Fprintln(w, "EXPORT\tMODE\tSIZE\tCACHED\tDIRTY\tHIT\tDEVICE")
+	for _, e := range exports {
+		cached, dirty, hit := "-", "-", "-"
+		if e.Cached {
+			cached, dirty, hit = human(e.CachedBytes), human(e.DirtyBytes), fmt.Sprintf("%.1f%%", 100*e.HitRatio)
+		}
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", e.Name, e.Mode, human(e.Size), cached, dirty, hit, e.Path)
+	}
+	return w.Flush()
+}
