@@ -43,7 +43,7 @@ type CacheOptions struct {
 	S6LBA     bool     // S6 also runs pgbench in writeback with writeback_order=lba
 }
 
-var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5", "S6"}
+var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8", "S9"}
 
 // cacheSizes are the sizes and times of a suite run. The full suite keeps the
 // seeds' shapes where the time budget (15 minutes on 2 cores, models on the
@@ -66,7 +66,8 @@ type cacheSizes struct {
 	S5Ramp       time.Duration
 	SmallCache   int64 // S1 and S4 cache images
 	FioMaxRetry  int
-	Apps         appSizes // S6
+	Apps         appSizes   // S6
+	Cliff        cliffSizes // S7-S9
 }
 
 func fullSizes() cacheSizes {
@@ -89,6 +90,7 @@ func fullSizes() cacheSizes {
 		SmallCache:   256 << 20,
 		Apps: appSizes{FS: 2 << 30, Cache: 1 << 30, PgScale: 10, PgClients: 10, PgTime: 30 * time.Second,
 			RocksKeys: 300000, RocksTime: 10 * time.Second},
+		Cliff: fullCliffSizes(),
 	}
 }
 
@@ -111,6 +113,7 @@ func quickSizes() cacheSizes {
 		SmallCache:   64 << 20,
 		Apps: appSizes{FS: 256 << 20, Cache: 128 << 20, PgScale: 1, PgClients: 4, PgTime: 2 * time.Second,
 			RocksKeys: 10000, RocksTime: 1 * time.Second},
+		Cliff: quickCliffSizes(),
 	}
 }
 
@@ -202,12 +205,14 @@ type cacheRunner struct {
 	// golden is S6's golden image, built in the first round that runs S6
 	// and kept in goldenDir until the suite ends.
 	golden, goldenDir string
-	loads             []string
-	step              int
-	total             int
-	started           time.Time
-	out               io.Writer
-	outDir            string
+	// cliffGolden is S7's and S8's empty ext4 image, built once.
+	cliffGolden string
+	loads       []string
+	step        int
+	total       int
+	started     time.Time
+	out         io.Writer
+	outDir      string
 }
 
 // Figure is one measured value.
@@ -221,6 +226,8 @@ type Figure struct {
 	SuiteRound int     `json:"suite_round"`     // the suite's round (--rounds)
 	LatMeanUs  float64 `json:"lat_mean_us,omitempty"`
 	LatP99Us   float64 `json:"lat_p99_us,omitempty"`
+	LatP999Us  float64 `json:"lat_p999_us,omitempty"`
+	LatMaxUs   float64 `json:"lat_max_us,omitempty"`
 	ServerCPU  float64 `json:"server_cpu_s_per_gib,omitempty"`
 	Note       string  `json:"note,omitempty"`
 }
@@ -296,6 +303,9 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 		if c.goldenDir != "" {
 			err = errors.Join(err, os.RemoveAll(c.goldenDir))
 		}
+		if c.cliffGolden != "" {
+			err = errors.Join(err, os.RemoveAll(filepath.Dir(c.cliffGolden)))
+		}
 	}()
 	fmt.Fprintf(stdout, "tcbench cache: workdir %s, report %s\n", c.workdir, o.Out)
 	if c.tcBin, err = tiercacheBinary(ctx, o.Tiercache, root, rootErr, c.workdir); err != nil {
@@ -314,7 +324,7 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	}
 	loadStart := loadAvg()
 	c.started = time.Now()
-	runs := map[string]func(context.Context) error{"S1": c.s1, "S2": c.s2, "S3": c.s3, "S4": c.s4, "S5": c.s5, "S6": c.s6}
+	runs := map[string]func(context.Context) error{"S1": c.s1, "S2": c.s2, "S3": c.s3, "S4": c.s4, "S5": c.s5, "S6": c.s6, "S7": c.s7, "S8": c.s8, "S9": c.s9}
 	for c.round = 1; c.round <= c.nrounds; c.round++ {
 		c.checks, c.details = nil, nil
 		for _, s := range scen {
@@ -388,7 +398,7 @@ func (c *cacheRunner) report(ctx context.Context, o CacheOptions, root, loadStar
 func (c *cacheRunner) sizesLine() string {
 	s := c.sz
 	return fmt.Sprintf("HDD image %d MiB (data and workloads in its first %d MiB), S1 %d MiB of fsync'd 4K writes (plain HDD capped at %v), runs %v (S2, S3 jobs that write: after a %v ramp), S3 working set %d MiB, S4 %d MiB of writes, S5 %d MiB x %d rounds x %v after a %v ramp, %s",
-		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime, s.S5Ramp, s.Apps.line())
+		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime, s.S5Ramp, s.Apps.line()) + "; " + s.Cliff.line()
 }
 
 // plannedSteps counts the progress steps of the scenarios.
@@ -408,6 +418,10 @@ func (c *cacheRunner) plannedSteps(scen []string) int {
 			n += 1 + c.sz.S5Rounds*2*len(s5Jobs(c.sz))
 		case "S6":
 			n += c.s6Steps()
+		case "S7", "S8":
+			n += 3 * len(cliffTargets)
+		case "S9":
+			n += 2
 		}
 	}
 	return n
@@ -442,15 +456,34 @@ type job struct {
 	Runtime time.Duration
 	Ramp    time.Duration
 	Fsync   bool // fsync after every write (fio --fsync=1)
+	FsyncN  int  // fsync after every FsyncN writes (fio --fsync=N), when not Fsync
 	EndSync bool // fsync at the end (fio --end_fsync=1)
+	MixRead int  // percentage of reads of a randrw job (fio --rwmixread); 0: fio's 50
 	Seed    int  // fio --randseed, 0: fio's default
 	Metric  Metric
+	// BSSplit is fio's --bssplit (block sizes and their shares), which
+	// overrides BS.
+	BSSplit string
+	// File, when set, is a file on a mounted file system that fio writes
+	// with libaio and O_DIRECT (the kernel path) instead of the NBD export.
+	File string
 }
 
 func (j job) args(uri, out string) []string {
-	a := []string{"--name=" + j.Name, "--ioengine=nbd", "--uri=" + uri,
-		"--rw=" + j.RW, "--bs=" + strconv.Itoa(j.BS), "--iodepth=" + strconv.Itoa(j.QD), "--numjobs=1",
-		"--size=" + strconv.FormatInt(j.Size, 10)}
+	a := []string{"--name=" + j.Name}
+	if j.File != "" {
+		a = append(a, "--ioengine=libaio", "--direct=1", "--filename="+j.File)
+	} else {
+		a = append(a, "--ioengine=nbd", "--uri="+uri)
+	}
+	a = append(a, "--rw="+j.RW, "--bs="+strconv.Itoa(j.BS), "--iodepth="+strconv.Itoa(j.QD), "--numjobs=1",
+		"--size="+strconv.FormatInt(j.Size, 10))
+	if j.BSSplit != "" {
+		a = append(a, "--bssplit="+j.BSSplit)
+	}
+	if j.MixRead > 0 {
+		a = append(a, "--rwmixread="+strconv.Itoa(j.MixRead))
+	}
 	switch {
 	case j.IOSize > 0:
 		a = append(a, "--io_size="+strconv.FormatInt(j.IOSize, 10))
@@ -468,6 +501,8 @@ func (j job) args(uri, out string) []string {
 	}
 	if j.Fsync {
 		a = append(a, "--fsync=1")
+	} else if j.FsyncN > 0 {
+		a = append(a, "--fsync="+strconv.Itoa(j.FsyncN))
 	}
 	if j.EndSync {
 		a = append(a, "--end_fsync=1")

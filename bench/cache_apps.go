@@ -402,31 +402,8 @@ func (c *cacheRunner) s6Mode(ctx context.Context, t appTools, golden, target str
 	}
 	mode = target
 	dir := filepath.Join(c.workdir, "s6-"+mode)
-	fuseDir, mnt := filepath.Join(dir, "fuse"), filepath.Join(dir, "mnt")
-	if err := os.MkdirAll(fuseDir, 0o700); err != nil {
-		return nil, err
-	}
-	pidfile := filepath.Join(dir, "nbdfuse.pid")
-	argv := []string{"nbdfuse", "-P", pidfile, filepath.Join(fuseDir, "disk"), "nbd+unix:///" + srv.export + "?socket=" + srv.sock}
-	c.r.noteCommand(argv)
-	fuse, err := startProcess("nbdfuse", argv, filepath.Join(dir, "nbdfuse.log"))
+	mnt, err := c.kernelFS(ctx, &u, srv, dir, a.FS)
 	if err != nil {
-		return nil, err
-	}
-	u.push(func() error {
-		_, _ = c.cmd(context.Background(), 30*time.Second, "fusermount3", "-u", fuseDir)
-		_ = fuse.stop(10 * time.Second)
-		return nil
-	})
-	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(50 * time.Millisecond) {
-		if _, err := os.Stat(pidfile); err == nil {
-			break
-		}
-		if fuse.exited() || time.Now().After(deadline) {
-			return nil, fmt.Errorf("nbdfuse not ready: %s", fuse.logTail())
-		}
-	}
-	if err := c.mountExt4(ctx, &u, filepath.Join(fuseDir, "disk"), a.FS, true, false, mnt); err != nil {
 		return nil, err
 	}
 	pg, err := c.newPG(dir, mnt)

@@ -14,6 +14,8 @@ type fioResult struct {
 	BW         float64 // bytes per second, read plus write
 	LatMeanUs  float64 // mean completion latency of the busier direction
 	LatP99Us   float64 // 99th percentile completion latency, same direction
+	LatP999Us  float64 // 99.9th percentile, same direction
+	LatMaxUs   float64 // the slowest request, same direction
 	ClientCPU  float64 // fio's own usr+sys CPU, percent of one CPU
 	RuntimeSec float64 // measured time fio reports
 }
@@ -39,6 +41,7 @@ type fioDir struct {
 	TotalIOs int64   `json:"total_ios"`
 	ClatNs   struct {
 		Mean       float64            `json:"mean"`
+		Max        float64            `json:"max"`
 		Percentile map[string]float64 `json:"percentile"`
 	} `json:"clat_ns"`
 }
@@ -82,5 +85,7 @@ func parseFioJSON(data []byte) (fioResult, error) {
 	r.BW = float64(r.Bytes) / r.RuntimeSec
 	r.LatMeanUs = busiest.ClatNs.Mean / 1000
 	r.LatP99Us = busiest.ClatNs.Percentile["99.000000"] / 1000
+	r.LatP999Us = busiest.ClatNs.Percentile["99.900000"] / 1000
+	r.LatMaxUs = busiest.ClatNs.Max / 1000
 	return r, nil
 }
