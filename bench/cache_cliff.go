@@ -54,22 +54,25 @@ type cliffSizes struct {
 	CapMin      time.Duration
 	CapFactor   float64
 	Grace       time.Duration // after the cap, before a server is killed as stalled
-	WarmRegion  int64         // S9 working set
-	WarmTime    time.Duration // S9 per job
-	WarmSample  time.Duration // S9 sampling interval of the hit ratio
+	// ConsistentWait bounds S8's wait, after its last job, for a degraded
+	// volume to become consistent again.
+	ConsistentWait time.Duration
+	WarmRegion     int64         // S9 working set
+	WarmTime       time.Duration // S9 per job
+	WarmSample     time.Duration // S9 sampling interval of the hit ratio
 }
 
 func fullCliffSizes() cliffSizes {
 	return cliffSizes{Cache: 256 << 20, SeqWrite: 768 << 20, MixWrite: 768 << 20, MixRegion: 1 << 30, FS: 2 << 30, RocksKeys: 131072,
 		HistRegion: 32 << 20, HistWrites: 256 << 20, HistHDDTime: 10 * time.Second, HistSeq: 512 << 20,
-		CapMin: 20 * time.Second, CapFactor: 4, Grace: 30 * time.Second,
+		CapMin: 20 * time.Second, CapFactor: 4, Grace: 30 * time.Second, ConsistentWait: time.Minute,
 		WarmRegion: 32 << 20, WarmTime: 30 * time.Second, WarmSample: 2 * time.Second}
 }
 
 func quickCliffSizes() cliffSizes {
 	return cliffSizes{Cache: 64 << 20, SeqWrite: 96 << 20, MixWrite: 16 << 20, MixRegion: 64 << 20, FS: 256 << 20, RocksKeys: 4000,
 		HistRegion: 4 << 20, HistWrites: 8 << 20, HistHDDTime: 2 * time.Second, HistSeq: 32 << 20,
-		CapMin: 10 * time.Second, CapFactor: 4, Grace: 20 * time.Second,
+		CapMin: 10 * time.Second, CapFactor: 4, Grace: 20 * time.Second, ConsistentWait: 10 * time.Second,
 		WarmRegion: 4 << 20, WarmTime: 2 * time.Second, WarmSample: 500 * time.Millisecond}
 }
 
@@ -104,7 +107,7 @@ func (r cliffRun) status() string {
 	case r.skipped != "":
 		return "not run: " + r.skipped
 	case r.stalled:
-		return fmt.Sprintf("stalled: killed %v after its %v cap", r.secs, r.cap)
+		return fmt.Sprintf("stalled: killed %.0f s after its start (cap %v)", r.secs, r.cap)
 	case r.cut:
 		return fmt.Sprintf("cut at %v (%s of %s)", r.cap, r.doneOf, r.wantOf)
 	}
@@ -175,12 +178,49 @@ func (c *cacheRunner) cliffFio(ctx context.Context, srv *server, j job, tag stri
 	return r, nil
 }
 
-// tcCounters is what a cliff run reports of tiercache's counters.
+// tcCounters is what a cliff run reports of tiercache's counters: v0 and
+// v1 the volume's before and after, s1 the set's after. Degrades and
+// BackingConsistent are reported by servers that degrade epoch order when
+// writeback falls behind.
 func tcCounters(v0, v1, s1 map[string]float64) string {
-	return fmt.Sprintf("%s written, %s bypassed as sequential, %s around (cache full), %.1f s of space waits, %s written back; after: %s dirty, %s superseded, %.0f of %.0f buckets free",
+	s := fmt.Sprintf("%s written, %s bypassed as sequential, %s around (cache full), %.1f s of space waits, %s written back; after: %s dirty, %s superseded, %.0f of %.0f buckets free",
 		mib(delta(v0, v1, "WriteBytes")), mib(delta(v0, v1, "BypassSequentialBytes")), mib(delta(v0, v1, "BypassCacheFullBytes")),
 		delta(v0, v1, "SpaceWaitNanos")/1e9, mib(delta(v0, v1, "WritebackBytes")),
 		mib(4096*v1["DirtyBlocks"]), mib(4096*v1["SupersededBlocks"]), s1["FreeBuckets"], s1["Buckets"])
+	if _, ok := v1["Degrades"]; ok {
+		s += fmt.Sprintf("; degraded %.0f times", delta(v0, v1, "Degrades"))
+	}
+	if c, ok := v1["BackingConsistent"]; ok && c == 0 {
+		s += "; backing device not consistent at the end"
+	}
+	return s
+}
+
+// untilConsistent waits (up to limit) for a volume whose backing device is
+// not consistent (it degraded from epoch order) to become consistent again
+// once the load has stopped, and says how long it took; "" when the server
+// does not report the state.
+func (c *cacheRunner) untilConsistent(ctx context.Context, srv *server, limit time.Duration) string {
+	t0 := time.Now()
+	for {
+		v, _ := c.quickStats(ctx, srv)
+		st, ok := v["BackingConsistent"]
+		switch {
+		case !ok:
+			return ""
+		case st == 1 && time.Since(t0) < time.Second:
+			return "backing device consistent when the load stopped"
+		case st == 1:
+			return fmt.Sprintf("backing device consistent again %.1f s after the load stopped (%s dirty left)", time.Since(t0).Seconds(), mib(4096*v["DirtyBlocks"]))
+		case time.Since(t0) > limit:
+			return fmt.Sprintf("backing device still not consistent %v after the load stopped (%s dirty)", limit, mib(4096*v["DirtyBlocks"]))
+		}
+		select {
+		case <-ctx.Done():
+			return ""
+		case <-time.After(250 * time.Millisecond):
+		}
+	}
 }
 
 // quickStats reads srv's counters with a short timeout (a stalled server's
@@ -399,6 +439,9 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 			} else if !r.stalled {
 				v2, s2 := c.quickStats(ctx, srv)
 				r.tc = tcCounters(v1, v2, s2)
+				if u := c.untilConsistent(ctx, srv, z.ConsistentWait); u != "" {
+					r.tc += "; " + u
+				}
 			}
 			runs[2] = r
 			return r, nil

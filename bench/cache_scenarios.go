@@ -22,12 +22,18 @@ type tcStats struct {
 	} `json:"exports"`
 }
 
-// numbers keeps the numeric values of m.
+// numbers keeps the numeric values of m, and its flags as 1 (true) or 0.
 func numbers(m map[string]any) map[string]float64 {
 	out := make(map[string]float64, len(m))
 	for k, v := range m {
-		if f, ok := v.(float64); ok {
-			out[k] = f
+		switch x := v.(type) {
+		case float64:
+			out[k] = x
+		case bool:
+			out[k] = 0
+			if x {
+				out[k] = 1
+			}
 		}
 	}
 	return out
