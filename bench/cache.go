@@ -451,7 +451,8 @@ type job struct {
 	RW      string
 	BS      int
 	QD      int
-	Size    int64 // region from offset 0 (fio --size)
+	Size    int64 // region from Offset (fio --size)
+	Offset  int64 // fio --offset
 	IOSize  int64 // bytes to move; 0 with Runtime > 0: time-based
 	Runtime time.Duration
 	Ramp    time.Duration
@@ -478,6 +479,9 @@ func (j job) args(uri, out string) []string {
 	}
 	a = append(a, "--rw="+j.RW, "--bs="+strconv.Itoa(j.BS), "--iodepth="+strconv.Itoa(j.QD), "--numjobs=1",
 		"--size="+strconv.FormatInt(j.Size, 10))
+	if j.Offset > 0 {
+		a = append(a, "--offset="+strconv.FormatInt(j.Offset, 10))
+	}
 	if j.BSSplit != "" {
 		a = append(a, "--bssplit="+j.BSSplit)
 	}
