@@ -63,8 +63,9 @@ stress:
 	TIERCACHE_CRASHPOINT_SEEDS=40 $(GO) test -count=1 -timeout 1h -run 'Test(Crash|Error)Points$$' -v ./cache/
 	TIERCACHE_CRASH_CYCLES=1000 $(GO) test -count=1 -timeout 3h -run 'TestKillCycles$$' -v ./internal/interop/
 
-# The cache scenarios S1-S6 (HDD/SSD models, fio through NBD, side by side;
-# S6 pgbench and db_bench on ext4 through the kernel, needs root);
+# The cache scenarios S1-S9 (HDD/SSD models, fio through NBD, side by side;
+# S6 pgbench and db_bench on ext4 through the kernel, needs root; S7-S8
+# writes larger than the cache in every writeback order; S9 warm-up);
 # docs/BENCHMARKS.md has the method and results. BENCHFLAGS="--rounds 3"
 # for medians.
 bench: bench-deps

@@ -117,10 +117,11 @@ func quickSizes() cacheSizes {
 	}
 }
 
-const cacheUsage = `tcbench cache runs tiercache's cache scenarios S1-S5 (issue 5) with fio
-through NBD: tiercache on device models (HDD behind an SSD) side by side with
-the plain HDD model (and, in S5, qemu-nbd), and compares the ratios with the
-published figures. See docs/BENCHMARKS.md.
+const cacheUsage = `tcbench cache runs tiercache's cache scenarios S1-S9 with fio through NBD
+(S6-S8 also on ext4 through the kernel): tiercache on device models (HDD
+behind an SSD) side by side with the plain HDD model (and, in S5, qemu-nbd),
+and compares the ratios with the published figures and with the plain HDD
+model when the data outgrows the cache (S7, S8). See docs/BENCHMARKS.md.
 
 Usage: go run ./cmd/tcbench cache [flags]
 
@@ -145,7 +146,7 @@ func cacheMain(args []string) int {
 	fs.BoolVar(&o.Publish, "publish", false, "copy CACHE_RESULTS.md, cache-results.json and the charts into docs/bench in the module")
 	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
-	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S6), in this order; default all")
+	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S9), in this order; default all")
 	fs.BoolVar(&o.S6LBA, "s6-lba", false, "S6 also runs pgbench in writeback with writeback_order=lba (issue 4: what epoch order costs; ~45 s more a round)")
 	fs.IntVar(&o.Rounds, "rounds", 1, "run the scenarios this many times, one round after the other, and report each bar's median round (every round's ratio is shown)")
 	if err := fs.Parse(args); err != nil {

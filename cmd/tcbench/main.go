@@ -1,5 +1,5 @@
 // Command tcbench runs tiercache's benchmarks: `tcbench cache` the cache
-// scenarios S1-S6 (make bench), `tcbench` the NBD server against qemu-nbd
+// scenarios S1-S9 (make bench), `tcbench` the NBD server against qemu-nbd
 // and nbdkit (make bench-nbd). All of it lives in package bench; see its
 // documentation and docs/BENCHMARKS.md.
 package main
