@@ -27,6 +27,39 @@ func TestCacheJobArgs(t *testing.T) {
 	if !tb.timeBased() {
 		t.Error("time-based job not recognised")
 	}
+	// The kernel path: a file on a mounted file system, libaio and
+	// O_DIRECT instead of the NBD export.
+	kf := job{Name: "k", RW: "randrw", MixRead: 70, BS: 4096, BSSplit: "4k/50:1m/50", QD: 16, Offset: 2 << 30, Size: 32 << 20, IOSize: 64 << 20, FsyncN: 32, File: "/mnt/f"}
+	got = kf.args("U", "o")
+	want = []string{"--name=k", "--ioengine=libaio", "--direct=1", "--filename=/mnt/f", "--rw=randrw", "--bs=4096", "--iodepth=16", "--numjobs=1",
+		"--size=33554432", "--offset=2147483648", "--bssplit=4k/50:1m/50", "--rwmixread=70", "--io_size=67108864", "--fsync=32", "--output-format=json", "--output=o"}
+	if !slices.Equal(got, want) {
+		t.Errorf("file job args\n got %q\nwant %q", got, want)
+	}
+}
+
+func TestDBBenchParse(t *testing.T) {
+	out := []byte(`2026/12/02-07:28:15  ... thread 0: (45000,45000) ops and (42266.3,42266.3) ops/second in (1.064677,1.064677) seconds
+2026/12/02-07:28:16  ... thread 0: (15000,60000) ops and (15000.0,39852.0) ops/second in (1.000000,1.506000) seconds
+fillrandom   :      62.722 micros/op 15487 ops/sec 1.291 seconds 20000 operations;   60.7 MB/s
+Microseconds per write:
+Count: 20000 Average: 62.7174  StdDev: 1990.51
+Min: 5  Median: 9.2280  Max: 172131
+Percentiles: P50: 9.23 P75: 13.52 P99: 145.23 P99.9: 7920.00 P99.99: 110000.00
+`)
+	m := dbBenchR.FindSubmatch(out)
+	if m == nil || string(m[1]) != "fillrandom" || string(m[3]) != "15487" {
+		t.Errorf("result line: %q", m)
+	}
+	if m := dbP999Re.FindSubmatch(out); m == nil || string(m[1]) != "7920.00" {
+		t.Errorf("p99.9: %q", m)
+	}
+	if m := dbMaxRe.FindSubmatch(out); m == nil || string(m[1]) != "172131" {
+		t.Errorf("max: %q", m)
+	}
+	if ms := dbProgressRe.FindAllSubmatch(out, -1); len(ms) != 2 || string(ms[1][2]) != "60000" {
+		t.Errorf("progress lines: %q", ms)
+	}
 }
 
 func TestCachePlannedSteps(t *testing.T) {

@@ -23,12 +23,12 @@ func near(a, b float64) bool { return math.Abs(a-b) <= 1e-6*math.Max(1, math.Abs
 // lines against nbdkit, 1 s runs.
 func TestParseFioJSON(t *testing.T) {
 	tests := []struct {
-		file                           string
-		bytes                          int64
-		iops, runtime, latMean, latP99 float64
+		file                                            string
+		bytes                                           int64
+		iops, runtime, latMean, latP99, latP999, latMax float64
 	}{
-		{"fio-randread-nbd.json", 151900160, 37047.952048, 1.001, 851.60632466, 6193.152},
-		{"fio-write-nbd.json", 990904320, 936.570862, 1.009, 8477.764616931, 20578.304},
+		{"fio-randread-nbd.json", 151900160, 37047.952048, 1.001, 851.60632466, 6193.152, 16711.68, 38355.942},
+		{"fio-write-nbd.json", 990904320, 936.570862, 1.009, 8477.764616931, 20578.304, 34865.152, 35011.752},
 	}
 	for _, tt := range tests {
 		t.Run(tt.file, func(t *testing.T) {
@@ -44,6 +44,9 @@ func TestParseFioJSON(t *testing.T) {
 			}
 			if !near(r.LatMeanUs, tt.latMean) || !near(r.LatP99Us, tt.latP99) {
 				t.Errorf("latency mean, p99 = %v, %v µs; want %v, %v", r.LatMeanUs, r.LatP99Us, tt.latMean, tt.latP99)
+			}
+			if !near(r.LatP999Us, tt.latP999) || !near(r.LatMaxUs, tt.latMax) {
+				t.Errorf("latency p99.9, max = %v, %v µs; want %v, %v", r.LatP999Us, r.LatMaxUs, tt.latP999, tt.latMax)
 			}
 			if r.ClientCPU <= 0 {
 				t.Errorf("client cpu = %v, want > 0", r.ClientCPU)
