@@ -22,10 +22,14 @@ type tcStats struct {
 	} `json:"exports"`
 }
 
-// numbers keeps the numeric values of m, and its flags as 1 (true) or 0.
+// numbers keeps the numeric values of m, and its flags as 1 (true) or 0,
+// under the engine's Go field names: the admin API names them in
+// snake_case (read_hit_bytes; older servers sent ReadHitBytes), and
+// bypass_write_bytes is BypassBytes.
 func numbers(m map[string]any) map[string]float64 {
 	out := make(map[string]float64, len(m))
 	for k, v := range m {
+		k = goName(k)
 		switch x := v.(type) {
 		case float64:
 			out[k] = x
@@ -37,6 +41,22 @@ func numbers(m map[string]any) map[string]float64 {
 		}
 	}
 	return out
+}
+
+// goName turns an API counter name (dirty_blocks) into the engine's field
+// name (DirtyBlocks); a name without underscores keeps its spelling but
+// for the first letter.
+func goName(k string) string {
+	if k == "bypass_write_bytes" {
+		return "BypassBytes"
+	}
+	var b strings.Builder
+	for _, w := range strings.Split(k, "_") {
+		if w != "" {
+			b.WriteString(strings.ToUpper(w[:1]) + w[1:])
+		}
+	}
+	return b.String()
 }
 
 // vol returns export vol's counters and the set's.

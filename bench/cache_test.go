@@ -77,3 +77,16 @@ func TestCachePlannedSteps(t *testing.T) {
 		t.Errorf("quick S5 steps = %d", n)
 	}
 }
+
+func TestStatsNumbers(t *testing.T) {
+	// Today's API (snake_case) and older servers' (Go names) read alike.
+	for _, m := range []map[string]any{
+		{"dirty_blocks": 7.0, "bypass_sequential_bytes": 4096.0, "bypass_write_bytes": 1.0, "backing_consistent": true, "degrade_reason": "space-wait"},
+		{"DirtyBlocks": 7.0, "BypassSequentialBytes": 4096.0, "BypassBytes": 1.0, "BackingConsistent": true},
+	} {
+		n := numbers(m)
+		if n["DirtyBlocks"] != 7 || n["BypassSequentialBytes"] != 4096 || n["BypassBytes"] != 1 || n["BackingConsistent"] != 1 || len(n) != 4 {
+			t.Errorf("numbers(%v) = %v", m, n)
+		}
+	}
+}
