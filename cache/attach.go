@@ -34,6 +34,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
 
@@ -172,7 +173,7 @@ func (v *Volume) Detach(ctx context.Context, opts DetachOptions) error {
 		return fmt.Errorf("detach %s: %d dirty blocks left after writeback", v.name, n)
 	}
 	s.mu.Invalidate(v.vi, 0, v.nblocks)
-	s.appendLocked(&rec{Type: recInvalidate, Vol: uint16(v.vi), LBA: 0, N: v.nblocks})
+	s.appendLocked(&ondisk.Rec{Type: ondisk.RecInvalidate, Vol: uint16(v.vi), LBA: 0, N: v.nblocks})
 	v.idx.mutations++
 	target := s.mu.seq
 	s.mu.Unlock()
@@ -246,7 +247,7 @@ func (s *Set) removeVolume(v *Volume) error {
 		return err
 	}
 	nsb.Seq = s.sb.Seq + 1
-	if err := writeSuperblock(s.dev, nsb); err != nil {
+	if err := ondisk.WriteSuperblock(s.dev, nsb); err != nil {
 		s.mu.Lock()
 		s.setVols(old)
 		s.mu.Unlock()
@@ -283,15 +284,15 @@ type AttachOptions struct {
 // superblock); the backing device is only measured. A name or an ID
 // already in the set is refused with ErrExists.
 func (s *Set) Attach(spec BackingSpec, opts AttachOptions) (*Volume, error) {
-	if spec.Dev == nil || spec.Name == "" || len(spec.Name) > maxNameLen || len(spec.ID) > maxNameLen || len(spec.Path) > maxPathLen {
+	if spec.Dev == nil || spec.Name == "" || len(spec.Name) > ondisk.MaxNameLen || len(spec.ID) > ondisk.MaxNameLen || len(spec.Path) > ondisk.MaxPathLen {
 		return nil, fmt.Errorf("attach %q: %w: want a name of 1..%d bytes, an id of at most %d, a path of at most %d, and a device",
-			spec.Name, ErrInvalid, maxNameLen, maxNameLen, maxPathLen)
+			spec.Name, ErrInvalid, ondisk.MaxNameLen, ondisk.MaxNameLen, ondisk.MaxPathLen)
 	}
 	if !opts.Mode.Valid() {
 		return nil, fmt.Errorf("attach %s: %w: mode %d", spec.Name, ErrInvalid, int(opts.Mode))
 	}
 	size := spec.Dev.Size()
-	if size <= 0 || (size+blockSize-1)/blockSize >= maxLBABlocks {
+	if size <= 0 || (size+blockSize-1)/blockSize >= ondisk.MaxLBABlocks {
 		return nil, fmt.Errorf("attach %s: %w: device size %d", spec.Name, ErrInvalid, size)
 	}
 	s.volMu.Lock()
@@ -320,16 +321,16 @@ func (s *Set) Attach(spec BackingSpec, opts AttachOptions) (*Volume, error) {
 			return nil, fmt.Errorf("attach %s: %w: the device (id %s) is attached as %q", spec.Name, ErrExists, spec.ID, b.Name)
 		}
 	}
-	if slot >= maxBackings {
-		return nil, fmt.Errorf("attach %s: %w: the set has %d backing devices, at most %d", spec.Name, ErrInvalid, slot, maxBackings)
+	if slot >= ondisk.MaxBackings {
+		return nil, fmt.Errorf("attach %s: %w: the set has %d backing devices, at most %d", spec.Name, ErrInvalid, slot, ondisk.MaxBackings)
 	}
 	nslots := max(len(s.sb.Backings), slot+1)
 	s.mu.Lock()
 	nvols := max(len(s.vols), nslots) // the checkpoint writes every in-memory slot
 	s.mu.Unlock()
-	need := ckptLenFor(s.lay.NBuckets, s.bpb, nvols)
+	need := ondisk.CkptLenFor(s.lay.NBuckets, s.bpb, nvols)
 	if s.epochOK {
-		need = ckptLenEpoch(s.lay.NBuckets, s.bpb, nvols)
+		need = ondisk.CkptLenEpoch(s.lay.NBuckets, s.bpb, nvols)
 	}
 	if need > s.lay.CkptLen {
 		return nil, fmt.Errorf("attach %s: %w: the checkpoint slots of this set (formatted by an older tiercache for %d backing devices) cannot hold %d; format a new set",
@@ -348,7 +349,7 @@ func (s *Set) Attach(spec BackingSpec, opts AttachOptions) (*Volume, error) {
 	if err := nsb.Validate(-1); err != nil {
 		return nil, fmt.Errorf("attach %s: %w", spec.Name, err)
 	}
-	if err := writeSuperblock(s.dev, nsb); err != nil {
+	if err := ondisk.WriteSuperblock(s.dev, nsb); err != nil {
 		return nil, fmt.Errorf("attach %s: %w", spec.Name, err)
 	}
 	s.sb = nsb

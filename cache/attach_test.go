@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -272,7 +273,7 @@ func TestCheckpointVolumeCount(t *testing.T) {
 			tr[nvols-1].ReplaceOrInsert(e)
 		}
 		var out []byte
-		if err := encodeCkptBody([]uint32{1, 2, 3, 4}, make([]uint64, nvols), tr, func(p []byte) error {
+		if err := ondisk.EncodeCkptBody([]uint32{1, 2, 3, 4}, make([]uint64, nvols), tr, nil, func(p []byte) error {
 			out = append(out, p...)
 			return nil
 		}); err != nil {
@@ -282,16 +283,16 @@ func TestCheckpointVolumeCount(t *testing.T) {
 	}
 	const nb, bpb = 4, 4
 	e := index.Ent{LBA: 3, Loc: 5, CRC: 9}
-	if cd, err := decodeCkptBody(body(1, e), nb, bpb, []uint64{64, 64, 64}); err != nil || len(cd.Vols) != 1 {
+	if cd, err := ondisk.DecodeCkptBody(body(1, e), nb, bpb, []uint64{64, 64, 64}); err != nil || len(cd.Vols) != 1 {
 		t.Fatalf("fewer volumes than the superblock: %v", err)
 	}
-	if _, err := decodeCkptBody(body(3), nb, bpb, []uint64{64}); err != nil {
+	if _, err := ondisk.DecodeCkptBody(body(3), nb, bpb, []uint64{64}); err != nil {
 		t.Fatalf("extra empty volumes: %v", err)
 	}
-	if _, err := decodeCkptBody(body(3, e), nb, bpb, []uint64{64}); err == nil {
+	if _, err := ondisk.DecodeCkptBody(body(3, e), nb, bpb, []uint64{64}); err == nil {
 		t.Fatal("an extra volume holding an entry was accepted")
 	}
-	if _, err := decodeCkptBody(body(2, e), nb, bpb, []uint64{64, 0}); err == nil {
+	if _, err := ondisk.DecodeCkptBody(body(2, e), nb, bpb, []uint64{64, 0}); err == nil {
 		t.Fatal("a free slot (0 blocks) holding an entry was accepted")
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -239,7 +240,7 @@ func describeSector(p []byte) string {
 	if len(p) < 17 {
 		return "short"
 	}
-	if isZero(p) {
+	if ondisk.IsZero(p) {
 		return "zero"
 	}
 	return fmt.Sprintf("w%d/s%d", le.Uint64(p), le.Uint64(p[8:]))

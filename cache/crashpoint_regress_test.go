@@ -7,6 +7,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/faultdev"
 )
@@ -135,7 +136,7 @@ func TestOpenRefusesUnreadableMetadata(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, off := range []int64{0, sbCopySize, sb.CkptOff[0], sb.CkptOff[1]} {
+	for _, off := range []int64{0, ondisk.SBCopySize, sb.CkptOff[0], sb.CkptOff[1]} {
 		fd := faultdev.Wrap(cache, faultdev.OnKind(faultdev.Read, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
 			if op.Offset == off {
 				return faultdev.Error(nil)

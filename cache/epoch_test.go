@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -81,7 +82,7 @@ func runEpochSeed(t *testing.T, seed uint64) {
 			if _, err := clone.ReadAt(p, int64(b)*blockSize); err != nil {
 				t.Fatal(err)
 			}
-			if !isZero(p) {
+			if !ondisk.IsZero(p) {
 				got[b] = le.Uint64(p)
 				want := make([]byte, blockSize)
 				stamp(want, got[b], 0, int64(b)*blockSize)
@@ -169,7 +170,7 @@ func runEpochSeed(t *testing.T, seed uint64) {
 			if err := v.ReadAt(p, int64(b)*blockSize); err != nil {
 				fail("read: %v", err)
 			}
-			if g := le.Uint64(p); (isZero(p) && cur[b] != 0) || (!isZero(p) && g != cur[b]) {
+			if g := le.Uint64(p); (ondisk.IsZero(p) && cur[b] != 0) || (!ondisk.IsZero(p) && g != cur[b]) {
 				fail("read block %d: id %d, want %d", b, g, cur[b])
 			}
 		default:
@@ -192,7 +193,7 @@ func runEpochSeed(t *testing.T, seed uint64) {
 		if _, err := back.ReadAt(p, int64(b)*blockSize); err != nil {
 			t.Fatal(err)
 		}
-		if g := le.Uint64(p); (isZero(p) && cur[b] != 0) || (!isZero(p) && g != cur[b]) {
+		if g := le.Uint64(p); (ondisk.IsZero(p) && cur[b] != 0) || (!ondisk.IsZero(p) && g != cur[b]) {
 			fail("after drain, backing block %d holds id %d, want %d", b, g, cur[b])
 		}
 	}

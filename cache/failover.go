@@ -57,6 +57,7 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 )
 
 // cacheErrLimit is how many cache data I/O errors in a row (no successful
@@ -154,7 +155,7 @@ func (s *Set) failLocked(cause error) error {
 	seq := s.durable.Load()
 	cleaned := map[uint16]map[uint64]bool{} // lost clean marks: still dirty on the device
 	for len(lost) > 0 {
-		r, rest, err := decodeRec(lost)
+		r, rest, err := ondisk.DecodeRec(lost)
 		if err != nil {
 			break // our own encoding: cannot happen
 		}
@@ -162,16 +163,16 @@ func (s *Set) failLocked(cause error) error {
 		seq++
 		_, dropsDirty := s.mu.dirtyInval[seq]
 		switch r.Type {
-		case recClean:
+		case ondisk.RecClean:
 			if cleaned[r.Vol] == nil {
 				cleaned[r.Vol] = map[uint64]bool{}
 			}
 			cleaned[r.Vol][r.LBA] = true
-		case recInvalidate:
+		case ondisk.RecInvalidate:
 			for l := range cleaned[r.Vol] {
 				dropsDirty = dropsDirty || (l >= r.LBA && l-r.LBA < r.N)
 			}
-		case recInsert:
+		case ondisk.RecInsert:
 			if !r.Dirty {
 				n := uint64(len(r.CRCs))
 				for l := range cleaned[r.Vol] {
@@ -228,20 +229,20 @@ func (s *Set) failLocked(cause error) error {
 // replaced nothing dirty: the device holds at most a clean entry there,
 // which a reopen after failover drops.)
 // REQUIRES: s.mu
-func (s *Set) lostLocked(r *rec, dropsDirty bool) {
+func (s *Set) lostLocked(r *ondisk.Rec, dropsDirty bool) {
 	if int(r.Vol) >= len(s.vols) {
 		return
 	}
 	v := s.vols[r.Vol]
 	switch r.Type {
-	case recInsert:
+	case ondisk.RecInsert:
 		if n := uint64(len(r.CRCs)); r.Dirty || dropsDirty {
 			v.fo.lost += int64(n)
 			v.addFenceLocked(r.LBA, n)
 		}
-	case recClean:
+	case ondisk.RecClean:
 		v.addFenceLocked(r.LBA, 1)
-	case recInvalidate:
+	case ondisk.RecInvalidate:
 		v.addFenceLocked(r.LBA, r.N)
 		if dropsDirty {
 			v.fo.lost += int64(r.N)

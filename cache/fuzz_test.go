@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -30,23 +31,6 @@ func requireTyped(t *testing.T, err error) {
 	}
 }
 
-func FuzzDecodeCheckpointHeader(f *testing.F) {
-	h := ckptHeader{Nonce: 0x1234, Gen: 7, JPos: journalPos{Blk: 3, Seq: 9}, BodyLen: 4096, BodyCRC: 0xabcdef}
-	f.Add(h.Encode())
-	f.Add(make([]byte, ckptHdrLen))
-	f.Fuzz(func(t *testing.T, data []byte) {
-		got, err := decodeCkptHeader(data, 0)
-		requireTyped(t, err)
-		if err != nil {
-			return
-		}
-		enc := got.Encode()
-		if len(data) < ckptHdrLen || string(enc[:ckptHdrLen]) != string(data[:ckptHdrLen]) {
-			t.Fatalf("round trip changed the header: %+v", got)
-		}
-	})
-}
-
 // fuzzImage is a small set (two volumes, one writethrough) left as a crash
 // would leave it, with where its next journal block goes.
 type fuzzImage struct {
@@ -54,9 +38,9 @@ type fuzzImage struct {
 	backs []*device.Mem
 	sb    *Superblock
 	gen   uint64
-	pos   journalPos
-	ckpt  []byte // body of its newest checkpoint
-	recs  []*rec // records of its last journal block
+	pos   ondisk.JournalPos
+	ckpt  []byte        // body of its newest checkpoint
+	recs  []*ondisk.Rec // records of its last journal block
 }
 
 func newFuzzImage(f testing.TB) *fuzzImage {
@@ -103,7 +87,7 @@ func newFuzzImage(f testing.TB) *fuzzImage {
 	// The newest checkpoint's body, and the records of the last journal
 	// block (if the last commit wrote one): seeds in the engine's own
 	// encoding.
-	hdr, _, err := readCheckpoint(im.cache, im.sb, []uint64{32, 32})
+	hdr, _, err := ondisk.ReadCheckpoint(im.cache, im.sb, []uint64{32, 32})
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -117,7 +101,7 @@ func newFuzzImage(f testing.TB) *fuzzImage {
 		if _, err := im.cache.ReadAt(b, im.sb.JournalOff+((im.pos.Blk+jb-1)%jb)*blockSize); err != nil {
 			f.Fatal(err)
 		}
-		if _, recs, st, _, _, _ := decodeJournalBlock(b, im.sb.Nonce(), im.gen); st == blockOK {
+		if _, recs, st, _, _, _ := ondisk.DecodeJournalBlock(b, im.sb.Nonce(), im.gen); st == ondisk.BlockOK {
 			im.recs = recs
 		}
 	}
@@ -157,21 +141,21 @@ func FuzzOpenForgedJournal(f *testing.F) {
 	im := newFuzzImage(f)
 	var stream []byte
 	for _, r := range im.recs {
-		stream = appendRec(stream, r)
+		stream = ondisk.AppendRec(stream, r)
 	}
 	f.Add(stream)
-	f.Add(appendRec(nil, &rec{Type: recReuse, Bucket: 1, Gen: 9}))
-	f.Add(appendRec(appendRec(nil, &rec{Type: recInvalidate, Vol: 1, LBA: 0, N: 1 << 40}),
-		&rec{Type: recClean, Vol: 0, LBA: 2, Loc: 5}))
-	f.Add(appendRec(nil, &rec{Type: recInsert, Vol: 0, LBA: 30, Loc: 31, Gen: 0, Dirty: true, Epoch: 3, CRCs: []uint32{1}}))
+	f.Add(ondisk.AppendRec(nil, &ondisk.Rec{Type: ondisk.RecReuse, Bucket: 1, Gen: 9}))
+	f.Add(ondisk.AppendRec(ondisk.AppendRec(nil, &ondisk.Rec{Type: ondisk.RecInvalidate, Vol: 1, LBA: 0, N: 1 << 40}),
+		&ondisk.Rec{Type: ondisk.RecClean, Vol: 0, LBA: 2, Loc: 5}))
+	f.Add(ondisk.AppendRec(nil, &ondisk.Rec{Type: ondisk.RecInsert, Vol: 0, LBA: 30, Loc: 31, Gen: 0, Dirty: true, Epoch: 3, CRCs: []uint32{1}}))
 	nonce := im.sb.Nonce()
 	jb := im.sb.JournalLen / blockSize
 	f.Fuzz(func(t *testing.T, payload []byte) {
-		if len(payload) > jPayload {
-			payload = payload[:jPayload]
+		if len(payload) > ondisk.JPayload {
+			payload = payload[:ondisk.JPayload]
 		}
 		im.open(t, func(c *device.Mem) {
-			b := encodeJournalBlock(jhdr{Nonce: nonce, Gen: im.gen, Seq: im.pos.Seq, BatchStart: im.pos.Seq}, payload)
+			b := ondisk.EncodeJournalBlock(ondisk.BlockHeader{Nonce: nonce, Gen: im.gen, Seq: im.pos.Seq, BatchStart: im.pos.Seq}, payload)
 			if _, err := c.WriteAt(b, im.sb.JournalOff+(im.pos.Blk%jb)*blockSize); err != nil {
 				t.Fatal(err)
 			}
@@ -190,7 +174,7 @@ func FuzzOpenForgedCheckpoint(f *testing.F) {
 		}
 		im.open(t, func(c *device.Mem) {
 			// A newer checkpoint, with a valid header, vouching for body.
-			h := ckptHeader{Nonce: nonce, Gen: im.gen + 1, JPos: journalPos{Blk: im.pos.Blk}, BodyLen: uint64(len(body)), BodyCRC: crc32c(body)}
+			h := ondisk.CkptHeader{Nonce: nonce, Gen: im.gen + 1, JPos: ondisk.JournalPos{Blk: im.pos.Blk}, BodyLen: uint64(len(body)), BodyCRC: ondisk.CRC32C(body)}
 			slot := im.sb.CkptOff[h.Gen%2]
 			if _, err := c.WriteAt(body, slot+blockSize); err != nil {
 				t.Fatal(err)
@@ -217,14 +201,14 @@ func TestForgedMetadataNamesThePlace(t *testing.T) {
 		off   int64
 	}{
 		{"journal record of unknown type", func(c *device.Mem) {
-			b := encodeJournalBlock(jhdr{Nonce: im.sb.Nonce(), Gen: im.gen, Seq: im.pos.Seq, BatchStart: im.pos.Seq}, []byte{99, 0, 0})
+			b := ondisk.EncodeJournalBlock(ondisk.BlockHeader{Nonce: im.sb.Nonce(), Gen: im.gen, Seq: im.pos.Seq, BatchStart: im.pos.Seq}, []byte{99, 0, 0})
 			if _, err := c.WriteAt(b, jOff); err != nil {
 				t.Fatal(err)
 			}
 		}, "journal record", jOff},
 		{"checkpoint body with another bucket count", func(c *device.Mem) {
 			body := []byte{1, 0, 0, 0, 0, 0, 0, 0, 0, 0}
-			h := ckptHeader{Nonce: im.sb.Nonce(), Gen: im.gen + 1, JPos: journalPos{Blk: im.pos.Blk}, BodyLen: uint64(len(body)), BodyCRC: crc32c(body)}
+			h := ondisk.CkptHeader{Nonce: im.sb.Nonce(), Gen: im.gen + 1, JPos: ondisk.JournalPos{Blk: im.pos.Blk}, BodyLen: uint64(len(body)), BodyCRC: ondisk.CRC32C(body)}
 			if _, err := c.WriteAt(body, slot+blockSize); err != nil {
 				t.Fatal(err)
 			}

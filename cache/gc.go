@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
 
@@ -336,7 +337,7 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 	s.mu.sealed = slices.DeleteFunc(s.mu.sealed, func(x uint32) bool { return int64(x) == victim })
 	b.Gen++
 	b.State = index.BucketFreeing
-	s.appendLocked(&rec{Type: recReuse, Bucket: uint32(victim), Gen: b.Gen})
+	s.appendLocked(&ondisk.Rec{Type: ondisk.RecReuse, Bucket: uint32(victim), Gen: b.Gen})
 	target := s.mu.seq
 	s.mu.Unlock()
 	// The generation bump must be durable before new data lands in the
@@ -401,7 +402,7 @@ func (s *Set) gcMove(bi int64, found []located) {
 			s.cacheIOError("GC move read", err)
 			continue // left for writeback, which reports it
 		}
-		if crc32c(buf) != it.e.CRC {
+		if ondisk.CRC32C(buf) != it.e.CRC {
 			continue // left for writeback, which reports it
 		}
 		r, err := s.alloc(1, allocNoWait)
@@ -797,7 +798,7 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 				if !valid[i] {
 					continue
 				}
-				if got := crc32c(buf[i*blockSize : (i+1)*blockSize]); got != its[i].crc {
+				if got := ondisk.CRC32C(buf[i*blockSize : (i+1)*blockSize]); got != its[i].crc {
 					v.st.checksumErrors.Add(1)
 					s.log.Error("dirty block fails its checksum; not written back", "volume", v.name,
 						"lba", its[i].lba, "cache_offset", s.cacheOff(its[i].loc), "expected", its[i].crc, "actual", got)
@@ -847,7 +848,7 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 		s.mu.Lock()
 		for _, it := range items[at:min(at+lockChunk, len(items))] {
 			if it.ok && s.mu.Buckets[int64(it.loc)/s.bpb].Gen == it.gen && s.mu.MarkClean(vi, it.lba, it.loc) {
-				s.appendLocked(&rec{Type: recClean, Vol: uint16(vi), LBA: it.lba, Loc: it.loc})
+				s.appendLocked(&ondisk.Rec{Type: ondisk.RecClean, Vol: uint16(vi), LBA: it.lba, Loc: it.loc})
 				n++
 			}
 		}

@@ -1,16 +1,18 @@
 package cache
 
 import (
+	"encoding/binary"
 	"testing"
 
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
 // cacheSizeFor returns a cache device size that formats to n buckets of bs.
 func cacheSizeFor(n, bs, journal int64, nvols int) int64 {
 	bpb := bs / blockSize
-	ckpt := ckptLenEpoch(n, bpb, maxBackings) // Format sizes slots for every slot; nvols kept for callers
-	off := 2*sbCopySize + journal + 2*ckpt
+	ckpt := ondisk.CkptLenEpoch(n, bpb, ondisk.MaxBackings) // Format sizes slots for every slot; nvols kept for callers
+	off := 2*ondisk.SBCopySize + journal + 2*ckpt
 	align := min(bs, 1<<20)
 	off = (off + align - 1) / align * align
 	return off + n*bs + 2*bs
@@ -48,3 +50,5 @@ func newTestSet(t testing.TB, nBuckets, bucketSize int64, backSizes ...int64) (*
 	checkAfter(t, s)
 	return s, cache, backs
 }
+
+var le = binary.LittleEndian

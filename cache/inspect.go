@@ -15,11 +15,13 @@ package cache
 // the load step instead.
 
 import (
+	"encoding/binary"
 	"fmt"
 	"log/slog"
 	"sync"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -35,9 +37,9 @@ type SuperblockCopy struct {
 func ReadSuperblockCopies(dev device.Device) [2]SuperblockCopy {
 	var out [2]SuperblockCopy
 	for i := range out {
-		off := int64(i) * sbCopySize
+		off := int64(i) * ondisk.SBCopySize
 		out[i] = SuperblockCopy{Index: i, Offset: off}
-		if dev.Size() < 2*sbCopySize {
+		if dev.Size() < 2*ondisk.SBCopySize {
 			out[i].Err = fmt.Errorf("%w: cache device of %d bytes", ErrNotFormatted, dev.Size())
 			continue
 		}
@@ -46,8 +48,8 @@ func ReadSuperblockCopies(dev device.Device) [2]SuperblockCopy {
 			out[i].Err = fmt.Errorf("reading superblock copy %d: %w", i, err)
 			continue
 		}
-		if string(buf[:8]) == sbMagic {
-			if n := sbHeaderSize + int(le.Uint32(buf[12:])); n > blockSize && n <= sbCopySize {
+		if string(buf[:8]) == ondisk.SBMagic {
+			if n := ondisk.SBHeaderSize + int(binary.LittleEndian.Uint32(buf[12:])); n > blockSize && n <= ondisk.SBCopySize {
 				buf = make([]byte, (n+blockSize-1)/blockSize*blockSize)
 				if _, err := dev.ReadAt(buf, off); err != nil {
 					out[i].Err = fmt.Errorf("reading superblock copy %d: %w", i, err)
@@ -55,7 +57,7 @@ func ReadSuperblockCopies(dev device.Device) [2]SuperblockCopy {
 				}
 			}
 		}
-		sb, err := decodeSuperblock(buf, off)
+		sb, err := ondisk.DecodeSuperblock(buf, off)
 		if err == nil {
 			err = sb.Validate(dev.Size())
 		}
@@ -90,9 +92,9 @@ func ReadCheckpointSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
 			out[i].Err = fmt.Errorf("reading checkpoint slot %d: %w", i, err)
 			continue
 		}
-		h, err := decodeCkptHeader(buf, sb.CkptOff[i])
+		h, err := ondisk.DecodeCkptHeader(buf, sb.CkptOff[i])
 		if err == nil && (h.Nonce != sb.Nonce() || h.Gen%2 != uint64(i)) {
-			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "slot %d holds generation %d of another set", i, h.Gen)
+			err = ondisk.Corruptf("checkpoint header", sb.CkptOff[i], blockSize, "slot %d holds generation %d of another set", i, h.Gen)
 		}
 		if err != nil {
 			out[i].Err = err
@@ -128,7 +130,7 @@ type ImageOptions struct {
 // dev and rebuilds the index in memory, without writing anything.
 func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 	im := &Image{Copies: ReadSuperblockCopies(dev)}
-	sb, _, err := readSuperblock(dev)
+	sb, _, err := ondisk.ReadSuperblock(dev)
 	if err != nil {
 		return im, err
 	}
@@ -146,7 +148,7 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 		vols = append(vols, v)
 	}
 	s.setVols(vols)
-	hdr, cd, err := readCheckpoint(dev, sb, volBlocks)
+	hdr, cd, err := ondisk.ReadCheckpoint(dev, sb, volBlocks)
 	if err != nil {
 		return im, err
 	}
@@ -170,12 +172,12 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 	}
 	apply := s.applyLocked
 	if opts.OnRecord != nil {
-		apply = func(r *rec) error {
+		apply = func(r *ondisk.Rec) error {
 			opts.OnRecord(r.String())
 			return s.applyLocked(r)
 		}
 	}
-	end, nrec, err := replayJournal(dev, sb, hdr.Gen, hdr.JPos, nil, apply)
+	end, nrec, err := ondisk.ReplayJournal(dev, sb, hdr.Gen, hdr.JPos, nil, apply)
 	im.Records = nrec
 	im.JournalEnd = end.Blk
 	im.JournalBlocks = int64(end.Seq - hdr.JPos.Seq)

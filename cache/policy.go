@@ -26,6 +26,8 @@ package cache
 import (
 	"fmt"
 	"sync"
+
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 )
 
 const (
@@ -131,7 +133,7 @@ func (v *Volume) SetSettings(st Settings) error {
 	nsb.Backings[v.vi].Mode = st.Mode
 	nsb.Backings[v.vi].Settings = st
 	nsb.Seq++
-	if err := writeSuperblock(s.dev, nsb); err != nil {
+	if err := ondisk.WriteSuperblock(s.dev, nsb); err != nil {
 		return fmt.Errorf("settings of %s: %w", v.name, err)
 	}
 	s.sb = nsb
@@ -147,13 +149,4 @@ func (v *Volume) SetSettings(st Settings) error {
 	}
 	s.kickWB()
 	return nil
-}
-
-// promoteNeed is the miss count that promotes a block under the settings.
-func (st *Settings) promoteNeed() int {
-	n, err := parsePromote(st.Promote)
-	if err != nil {
-		return 1
-	}
-	return n
 }

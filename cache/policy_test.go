@@ -182,7 +182,7 @@ func (r *refPolicy) read(lba uint64, n int) string {
 	if seq {
 		return "miss bypass"
 	}
-	need := r.st.promoteNeed()
+	need := r.st.PromoteNeed()
 	k := 0
 	for i := 0; i < n; i++ {
 		b := lba + uint64(i)

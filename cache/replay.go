@@ -51,6 +51,7 @@ import (
 	"slices"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -61,7 +62,7 @@ import (
 type jrecs struct {
 	blocks []jblockRef
 	n      int // records
-	end    journalPos
+	end    ondisk.JournalPos
 	err    error // read error or corruption that ended the log, after blocks
 }
 
@@ -158,16 +159,16 @@ func (c *collector) next() uint32 {
 }
 
 // add collects r, the next record in journal order.
-func (c *collector) add(r *rec) {
+func (c *collector) add(r *ondisk.Rec) {
 	if c.anomaly != "" {
 		return
 	}
-	if r.Type != recReuse && int(r.Vol) >= len(c.nblocks) {
+	if r.Type != ondisk.RecReuse && int(r.Vol) >= len(c.nblocks) {
 		c.fail("record of volume %d", r.Vol)
 		return
 	}
 	switch r.Type {
-	case recInsert:
+	case ondisk.RecInsert:
 		n := uint64(len(r.CRCs))
 		loc := uint64(r.Loc)
 		nb := c.nblocks[r.Vol]
@@ -205,7 +206,7 @@ func (c *collector) add(r *rec) {
 				loc: uint32(l), crc: r.CRCs[i], kind: itemInsert, dirty: r.Dirty})
 		}
 		c.volEpoch[r.Vol] = max(c.volEpoch[r.Vol], r.Epoch)
-	case recClean:
+	case ondisk.RecClean:
 		if uint64(r.Loc) >= c.total {
 			c.fail("clean out of range: %v", r)
 			return
@@ -215,7 +216,7 @@ func (c *collector) add(r *rec) {
 		if r.LBA < c.nblocks[r.Vol] {
 			c.items = append(c.items, replayItem{key: itemKey(int(r.Vol), r.LBA), seq: t, loc: r.Loc, kind: itemClean})
 		}
-	case recInvalidate:
+	case ondisk.RecInvalidate:
 		n := min(r.N, 1<<48)
 		if r.LBA+n < r.LBA {
 			c.fail("invalidation wraps: %v", r)
@@ -232,7 +233,7 @@ func (c *collector) add(r *rec) {
 		default:
 			c.big[r.Vol] = append(c.big[r.Vol], bigInval{lo: lo, hi: hi, seq: t})
 		}
-	case recReuse:
+	case ondisk.RecReuse:
 		if uint64(r.Bucket) >= uint64(len(c.reuses)) {
 			c.fail("reuse of bucket %d", r.Bucket)
 			return
@@ -313,7 +314,7 @@ type resolvedVol struct {
 // resolver resolves each LBA's final state (see the top of the file).
 type resolver struct {
 	c        *collector
-	cd       *ckptData
+	cd       *ondisk.CkptData
 	clean    bool // clean shutdown: clean entries are kept
 	keepSup  []bool
 	anyReuse bool
@@ -461,7 +462,7 @@ func (r *resolver) finish(lba uint64, out *resolvedVol) {
 
 // volume resolves volume vi from its checkpoint part cv (nil: none), its
 // items (sorted) and big invalidations.
-func (r *resolver) volume(vi int, cv *ckptVol, items []replayItem, big []bigInval) resolvedVol {
+func (r *resolver) volume(vi int, cv *ondisk.CkptVol, items []replayItem, big []bigInval) resolvedVol {
 	var out resolvedVol
 	var ents []index.Ent
 	var epochOf []uint64
@@ -552,7 +553,7 @@ func (r *resolver) volume(vi int, cv *ckptVol, items []replayItem, big []bigInva
 }
 
 // resolve runs the resolver over every volume. It does not touch s.
-func (s *Set) resolve(c *collector, cd *ckptData, clean bool) (*resolver, []resolvedVol) {
+func (s *Set) resolve(c *collector, cd *ondisk.CkptData, clean bool) (*resolver, []resolvedVol) {
 	r := &resolver{c: c, cd: cd, clean: clean, anomaly: c.anomaly}
 	if r.anomaly != "" {
 		return r, nil
@@ -575,7 +576,7 @@ func (s *Set) resolve(c *collector, cd *ckptData, clean bool) (*resolver, []reso
 	for vi := range s.vols {
 		lo, _ := slices.BinarySearchFunc(items, itemKey(vi, 0), func(it replayItem, k uint64) int { return cmp.Compare(it.key, k) })
 		hi, _ := slices.BinarySearchFunc(items, itemKey(vi+1, 0), func(it replayItem, k uint64) int { return cmp.Compare(it.key, k) })
-		var cv *ckptVol
+		var cv *ondisk.CkptVol
 		if vi < len(cd.Vols) {
 			cv = &cd.Vols[vi]
 		}
@@ -647,11 +648,11 @@ func (s *Set) install(c *collector, out []resolvedVol) {
 
 // readJournal reads the journal after checkpoint h, handing each record to
 // c in journal order.
-func readJournal(dev device.Device, sb *Superblock, h ckptHeader, c *collector) *jrecs {
+func readJournal(dev device.Device, sb *Superblock, h ondisk.CkptHeader, c *collector) *jrecs {
 	jr := &jrecs{}
-	jr.end, jr.n, jr.err = replayJournal(dev, sb, h.Gen, h.JPos, func(off int64, seq uint64, payload []byte) {
+	jr.end, jr.n, jr.err = ondisk.ReplayJournal(dev, sb, h.Gen, h.JPos, func(off int64, seq uint64, payload []byte) {
 		jr.blocks = append(jr.blocks, jblockRef{off: off, seq: seq, payload: payload})
-	}, func(r *rec) error {
+	}, func(r *ondisk.Rec) error {
 		c.add(r)
 		return nil
 	})
@@ -663,7 +664,7 @@ func readJournal(dev device.Device, sb *Superblock, h ckptHeader, c *collector) 
 // shutdown. It returns how many it dropped, and whether the fast path
 // was taken.
 // REQUIRES: exclusive access (Open)
-func (s *Set) recoverIndex(nbuckets int64, cd *ckptData, c *collector, jr *jrecs, clean bool) (dropped int, fast bool, err error) {
+func (s *Set) recoverIndex(nbuckets int64, cd *ondisk.CkptData, c *collector, jr *jrecs, clean bool) (dropped int, fast bool, err error) {
 	s.resetIndexLocked(nbuckets, cd.Gens)
 	if jr.err == nil {
 		r, out := s.resolve(c, cd, clean)
@@ -687,7 +688,7 @@ func (s *Set) recoverIndex(nbuckets int64, cd *ckptData, c *collector, jr *jrecs
 // sortedApplier's batches) over records already read, with the errors
 // the old replay over replayJournal returned.
 // REQUIRES: exclusive access (Open), after resetIndexLocked
-func (s *Set) replayOld(cd *ckptData, jr *jrecs) error {
+func (s *Set) replayOld(cd *ondisk.CkptData, jr *jrecs) error {
 	for vi := range cd.Vols {
 		if vi >= len(s.vols) {
 			break // slots detached after this checkpoint: empty (decodeCkptBody)
@@ -697,11 +698,11 @@ func (s *Set) replayOld(cd *ckptData, jr *jrecs) error {
 	apply, flush := s.sortedApplier()
 	for _, b := range jr.blocks {
 		for p := b.payload; len(p) > 0; {
-			var r *rec
+			var r *ondisk.Rec
 			var err error
-			if r, p, err = decodeRec(p); err != nil {
+			if r, p, err = ondisk.DecodeRec(p); err != nil {
 				// Unreachable: the block's records decoded once already.
-				return placed(err, b.off, blockSize)
+				return ondisk.Placed(err, b.off, blockSize)
 			}
 			if err := apply(r); err != nil {
 				return fmt.Errorf("journal block at offset %d (seq %d), %v: %w", b.off, b.seq, r, err)

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 )
 
 // replayCfg is the shape of a randomized recovery: volumes (each in epoch
@@ -48,10 +49,10 @@ type replayGen struct {
 	fill   int64
 	state  []int // 0 free, 1 open, 2 sealed
 	epochs []uint64
-	recs   []*rec
+	recs   []*ondisk.Rec
 }
 
-func (g *replayGen) emit(t *testing.T, r *rec) {
+func (g *replayGen) emit(t *testing.T, r *ondisk.Rec) {
 	t.Helper()
 	if err := g.sim.applyLocked(r); err != nil {
 		t.Fatalf("generator wrote a record the journal order rejects: %v: %v", r, err)
@@ -107,12 +108,12 @@ func (g *replayGen) reuse(t *testing.T) bool {
 			vi, lba := index.SplitOwner(k)
 			e, ok := s.vols[vi].idx.Tree.Get(index.Ent{LBA: lba})
 			if (ok && e.Block() == uint32(loc) && e.Dirty()) || !ok || e.Block() != uint32(loc) {
-				g.emit(t, &rec{Type: recClean, Vol: uint16(vi), LBA: lba, Loc: uint32(loc)})
+				g.emit(t, &ondisk.Rec{Type: ondisk.RecClean, Vol: uint16(vi), LBA: lba, Loc: uint32(loc)})
 			}
 		}
 	}
 	gen := s.mu.Buckets[b].Gen + 1
-	g.emit(t, &rec{Type: recReuse, Bucket: uint32(b), Gen: gen})
+	g.emit(t, &ondisk.Rec{Type: ondisk.RecReuse, Bucket: uint32(b), Gen: gen})
 	g.state[b] = 0
 	return true
 }
@@ -151,15 +152,15 @@ func (g *replayGen) step(t *testing.T) {
 		for i := range crcs {
 			crcs[i] = g.rng.Uint32()
 		}
-		g.emit(t, &rec{Type: recInsert, Vol: uint16(vi), LBA: lba, Loc: loc, Gen: s.mu.Buckets[b].Gen,
+		g.emit(t, &ondisk.Rec{Type: ondisk.RecInsert, Vol: uint16(vi), LBA: lba, Loc: loc, Gen: s.mu.Buckets[b].Gen,
 			Dirty: g.rng.IntN(10) < 7, Epoch: g.epochs[vi], CRCs: crcs})
 	case p < 65:
 		g.epochs[vi] += uint64(1 + g.rng.IntN(2)) // a client FLUSH
 	case p < 78:
 		if vj, lba, loc, ok := g.dirtyVersion(); ok {
-			g.emit(t, &rec{Type: recClean, Vol: uint16(vj), LBA: lba, Loc: loc})
+			g.emit(t, &ondisk.Rec{Type: ondisk.RecClean, Vol: uint16(vj), LBA: lba, Loc: loc})
 		} else {
-			g.emit(t, &rec{Type: recClean, Vol: uint16(vi), LBA: uint64(g.rng.IntN(int(g.cfg.nblocks) + 8)), Loc: uint32(g.rng.Int64N(g.cfg.nb * g.cfg.bpb))})
+			g.emit(t, &ondisk.Rec{Type: ondisk.RecClean, Vol: uint16(vi), LBA: uint64(g.rng.IntN(int(g.cfg.nblocks) + 8)), Loc: uint32(g.rng.Int64N(g.cfg.nb * g.cfg.bpb))})
 		}
 	case p < 88:
 		lba := uint64(g.rng.IntN(int(hot)))
@@ -170,7 +171,7 @@ func (g *replayGen) step(t *testing.T) {
 		case 1:
 			n = 1 << 50 // clamped to the volume
 		}
-		g.emit(t, &rec{Type: recInvalidate, Vol: uint16(vi), LBA: lba, N: n})
+		g.emit(t, &ondisk.Rec{Type: ondisk.RecInvalidate, Vol: uint16(vi), LBA: lba, N: n})
 	case p < 93:
 		g.reuse(t)
 	default:
@@ -183,7 +184,7 @@ func (g *replayGen) step(t *testing.T) {
 
 // replayCase builds a checkpoint (encoded and decoded as Open reads it)
 // after a random prefix of a workload, and the journal of the rest.
-func replayCase(t *testing.T, seed uint64) (replayCfg, *ckptData, []*rec, *Set) {
+func replayCase(t *testing.T, seed uint64) (replayCfg, *ondisk.CkptData, []*ondisk.Rec, *Set) {
 	rng := rand.New(rand.NewPCG(seed, 7))
 	cfg := replayCfg{nb: int64(6 + rng.IntN(6)), bpb: 8, nblocks: 600, clean: rng.IntN(2) == 0}
 	for range 1 + rng.IntN(3) {
@@ -201,24 +202,24 @@ func replayCase(t *testing.T, seed uint64) (replayCfg, *ckptData, []*rec, *Set) 
 	}
 	var trees []*index.Ptree
 	var epochs []uint64
-	var vers []verSnap
+	var vers []ondisk.VerSnap
 	epochOf := s.mu.SnapshotEpochs()
 	for _, v := range s.vols {
 		trees = append(trees, v.idx.Tree.Clone())
 		// The volume's epoch as a checkpoint records it: the replayed
 		// inserts' highest.
 		epochs = append(epochs, v.idx.epoch)
-		vers = append(vers, verSnap{EpochOf: epochOf, Sup: v.idx.Sup.Clone(), Dirty: int(v.idx.Dirty)})
+		vers = append(vers, ondisk.VerSnap{EpochOf: epochOf, Sup: v.idx.Sup.Clone(), Dirty: int(v.idx.Dirty)})
 	}
 	var body bytes.Buffer
-	if err := encodeCkptBodyVers(gens, epochs, trees, vers, func(p []byte) error { body.Write(p); return nil }); err != nil {
+	if err := ondisk.EncodeCkptBody(gens, epochs, trees, vers, func(p []byte) error { body.Write(p); return nil }); err != nil {
 		t.Fatal(err)
 	}
 	volBlocks := make([]uint64, len(cfg.orders))
 	for i := range volBlocks {
 		volBlocks[i] = cfg.nblocks
 	}
-	cd, err := decodeCkptBody(body.Bytes(), cfg.nb, cfg.bpb, volBlocks)
+	cd, err := ondisk.DecodeCkptBody(body.Bytes(), cfg.nb, cfg.bpb, volBlocks)
 	if err != nil {
 		t.Fatalf("seed %d: checkpoint: %v", seed, err)
 	}
@@ -268,11 +269,11 @@ func dumpRecovered(s *Set) string {
 // recoverBoth recovers cfg's set from cd and recs by the bulk replay
 // (recoverIndex) and by the record-by-record path of before (replayOld
 // and dropCleanLocked), and fails the test if anything differs.
-func recoverBoth(t *testing.T, what string, cfg replayCfg, cd *ckptData, recs []*rec) (*Set, bool, error) {
+func recoverBoth(t *testing.T, what string, cfg replayCfg, cd *ondisk.CkptData, recs []*ondisk.Rec) (*Set, bool, error) {
 	t.Helper()
 	var payload []byte
 	for _, r := range recs {
-		payload = appendRec(payload, r)
+		payload = ondisk.AppendRec(payload, r)
 	}
 	jr := &jrecs{blocks: []jblockRef{{off: 4096, seq: 1, payload: payload}}, n: len(recs)}
 	fast := newReplaySet(cfg, cd.Gens)
@@ -364,11 +365,11 @@ func TestReplayMatchesSequential(t *testing.T) {
 		}
 		for _, r := range recs {
 			switch {
-			case r.Type == recReuse:
+			case r.Type == ondisk.RecReuse:
 				cover[1]++
-			case r.Type == recInvalidate && r.N > maxInvalItems:
+			case r.Type == ondisk.RecInvalidate && r.N > maxInvalItems:
 				cover[2]++
-			case r.Type == recInsert && len(r.CRCs) > 1:
+			case r.Type == ondisk.RecInsert && len(r.CRCs) > 1:
 				cover[3]++
 			}
 		}
@@ -400,14 +401,14 @@ func TestReplayMatchesSequential(t *testing.T) {
 		case 2:
 			// An insert into a block some earlier insert used.
 			for _, x := range bad[:i] {
-				if x.Type == recInsert {
-					r = rec{Type: recInsert, Vol: x.Vol, LBA: uint64(rng.IntN(40)), Loc: x.Loc, Gen: x.Gen, Dirty: true, Epoch: x.Epoch, CRCs: []uint32{1}}
+				if x.Type == ondisk.RecInsert {
+					r = ondisk.Rec{Type: ondisk.RecInsert, Vol: x.Vol, LBA: uint64(rng.IntN(40)), Loc: x.Loc, Gen: x.Gen, Dirty: true, Epoch: x.Epoch, CRCs: []uint32{1}}
 					break
 				}
 			}
 		case 3:
 			// Reuse of a bucket that may hold dirty data.
-			r = rec{Type: recReuse, Bucket: uint32(rng.Int64N(cfg.nb)), Gen: uint32(rng.IntN(3))}
+			r = ondisk.Rec{Type: ondisk.RecReuse, Bucket: uint32(rng.Int64N(cfg.nb)), Gen: uint32(rng.IntN(3))}
 		case 5, 6:
 			// An insert into a block of a checkpoint entry (of its own
 			// LBA or another), in the checkpoint's generation.
@@ -417,10 +418,10 @@ func TestReplayMatchesSequential(t *testing.T) {
 				if rng.IntN(2) == 0 {
 					lba = uint64(rng.IntN(40))
 				}
-				r = rec{Type: recInsert, Vol: uint16(vi), LBA: lba, Loc: e.Block(), Gen: cd.Gens[int64(e.Block())/cfg.bpb], Dirty: true, Epoch: 1 << 20, CRCs: []uint32{4}}
+				r = ondisk.Rec{Type: ondisk.RecInsert, Vol: uint16(vi), LBA: lba, Loc: e.Block(), Gen: cd.Gens[int64(e.Block())/cfg.bpb], Dirty: true, Epoch: 1 << 20, CRCs: []uint32{4}}
 			}
 		case 4:
-			r = rec{Type: recInsert, Vol: 0, LBA: uint64(rng.IntN(40)), Loc: uint32(rng.Int64N(cfg.nb * cfg.bpb)), Gen: uint32(rng.IntN(3)), Dirty: rng.IntN(2) == 0, CRCs: []uint32{2, 3}}
+			r = ondisk.Rec{Type: ondisk.RecInsert, Vol: 0, LBA: uint64(rng.IntN(40)), Loc: uint32(rng.Int64N(cfg.nb * cfg.bpb)), Gen: uint32(rng.IntN(3)), Dirty: rng.IntN(2) == 0, CRCs: []uint32{2, 3}}
 		}
 		bad[i] = &r
 		recoverBoth(t, what+fmt.Sprintf(", record %d replaced by %v", i, &r), cfg, cd, bad)
@@ -447,14 +448,14 @@ func TestReplayCheckpointWithoutEpochs(t *testing.T) {
 	tr.ReplaceOrInsert(index.Ent{LBA: 3, Loc: 5 | index.DirtyBit, CRC: 7})
 	tr.ReplaceOrInsert(index.Ent{LBA: 9, Loc: 6, CRC: 8})
 	var body bytes.Buffer
-	if err := encodeCkptBody(make([]uint32, cfg.nb), []uint64{4}, []*index.Ptree{tr}, func(p []byte) error { body.Write(p); return nil }); err != nil {
+	if err := ondisk.EncodeCkptBody(make([]uint32, cfg.nb), []uint64{4}, []*index.Ptree{tr}, nil, func(p []byte) error { body.Write(p); return nil }); err != nil {
 		t.Fatal(err)
 	}
-	cd, err := decodeCkptBody(body.Bytes(), cfg.nb, cfg.bpb, []uint64{cfg.nblocks})
+	cd, err := ondisk.DecodeCkptBody(body.Bytes(), cfg.nb, cfg.bpb, []uint64{cfg.nblocks})
 	if err != nil || cd.Vols[0].EpochOf != nil {
 		t.Fatalf("decode: %v (epoch table %v)", err, cd.Vols[0].EpochOf)
 	}
-	recs := []*rec{{Type: recInsert, Vol: 0, LBA: 3, Loc: 8, Gen: 0, Dirty: true, Epoch: 5, CRCs: []uint32{1}}}
+	recs := []*ondisk.Rec{{Type: ondisk.RecInsert, Vol: 0, LBA: 3, Loc: 8, Gen: 0, Dirty: true, Epoch: 5, CRCs: []uint32{1}}}
 	s, took, err := recoverBoth(t, "no epoch section", cfg, cd, recs)
 	if err != nil || !took {
 		t.Fatalf("recovery: %v (bulk %t)", err, took)

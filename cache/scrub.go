@@ -19,6 +19,7 @@ import (
 	"slices"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -121,7 +122,7 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 					continue
 				}
 			}
-			if got := crc32c(p); got != it.e.CRC {
+			if got := ondisk.CRC32C(p); got != it.e.CRC {
 				bads = append(bads, bad{item: it, got: got})
 			}
 		}

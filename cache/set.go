@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
@@ -57,8 +58,8 @@ type OpenOptions struct {
 
 const (
 	defaultBucketSize = 1 << 20
-	minBuckets        = 4
-	minJournalLen     = 64 << 10
+	minBuckets        = ondisk.MinBuckets
+	minJournalLen     = ondisk.MinJournalLen
 	commitInterval    = time.Second // bound on unflushed work lost in a crash
 	pendingKick       = 256 << 10   // journal bytes that wake the committer
 )
@@ -67,8 +68,8 @@ const (
 // cache device: backing devices keep their bytes (they are only measured).
 func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) (*Superblock, error) {
 	// No backing device is fine: they can be attached later (Set.Attach).
-	if len(backings) > maxBackings {
-		return nil, fmt.Errorf("%w: %d backing devices (want at most %d)", ErrInvalid, len(backings), maxBackings)
+	if len(backings) > ondisk.MaxBackings {
+		return nil, fmt.Errorf("%w: %d backing devices (want at most %d)", ErrInvalid, len(backings), ondisk.MaxBackings)
 	}
 	if !opts.Mode.Valid() {
 		return nil, fmt.Errorf("%w: mode %v", ErrInvalid, opts.Mode)
@@ -105,8 +106,8 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	if jl < minJournalLen {
 		return nil, fmt.Errorf("%w: journal size %d (at least %d)", ErrInvalid, jl, minJournalLen)
 	}
-	sb := &Superblock{Version: formatVersion, Seq: 1, BlockSize: blockSize, BucketSize: bs,
-		JournalOff: 2 * sbCopySize, JournalLen: jl}
+	sb := &Superblock{Version: ondisk.FormatVersion, Seq: 1, BlockSize: blockSize, BucketSize: bs,
+		JournalOff: 2 * ondisk.SBCopySize, JournalLen: jl}
 	if _, err := rand.Read(sb.SetUUID[:]); err != nil {
 		return nil, err
 	}
@@ -123,13 +124,13 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	bpb := bs / blockSize
 	// Checkpoint slots have room for maxBackings volumes (a few KiB), so
 	// that attach never needs a larger slot.
-	fixed := sb.JournalOff + jl + 2*ckptLenEpoch(0, bpb, maxBackings) + bs
-	per := bs + 2*(4+bpb*(ckptEntrySize+ckptEpochExtra))
+	fixed := sb.JournalOff + jl + 2*ondisk.CkptLenEpoch(0, bpb, ondisk.MaxBackings) + bs
+	per := bs + 2*(4+bpb*(ondisk.CkptEntrySize+ondisk.CkptEpochExtra))
 	n := (devSize - fixed) / per
 	for ; n >= minBuckets; n-- {
 		sb.NBuckets = n
 		sb.CkptOff[0] = sb.JournalOff + jl
-		sb.CkptLen = ckptLenEpoch(n, bpb, maxBackings)
+		sb.CkptLen = ondisk.CkptLenEpoch(n, bpb, ondisk.MaxBackings)
 		sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
 		align := min(bs, 1<<20)
 		sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + align - 1) / align * align
@@ -137,8 +138,8 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 			break
 		}
 	}
-	if n > maxCacheBlocks/bpb {
-		n = maxCacheBlocks / bpb
+	if n > ondisk.MaxCacheBlocks/bpb {
+		n = ondisk.MaxCacheBlocks / bpb
 		sb.NBuckets = n
 	}
 	if n < minBuckets {
@@ -158,7 +159,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	// from an older checkpoint, or none, and serve stale data). A crash from
 	// here on leaves a device with no set, which Format accepts again.
 	zero := make([]byte, blockSize)
-	for _, off := range []int64{0, sbCopySize} {
+	for _, off := range []int64{0, ondisk.SBCopySize} {
 		if _, err := cacheDev.WriteAt(zero, off); err != nil {
 			return nil, fmt.Errorf("format: erasing superblock copy at %d: %w", off, err)
 		}
@@ -171,17 +172,17 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	if _, err := cacheDev.WriteAt(zero, sb.CkptOff[0]); err != nil {
 		return nil, fmt.Errorf("format: %w", err)
 	}
-	h := ckptHeader{Nonce: sb.Nonce(), Gen: 1}
-	if err := writeCheckpoint(cacheDev, sb, h, make([]uint32, n), make([]uint64, len(backings)), trees); err != nil {
+	h := ondisk.CkptHeader{Nonce: sb.Nonce(), Gen: 1}
+	if err := ondisk.WriteCheckpoint(cacheDev, sb, h, make([]uint32, n), make([]uint64, len(backings)), trees, nil); err != nil {
 		return nil, fmt.Errorf("format: %w", err)
 	}
 	progress(1)
-	if err := writeSuperblock(cacheDev, sb); err != nil {
+	if err := ondisk.WriteSuperblock(cacheDev, sb); err != nil {
 		return nil, fmt.Errorf("format: %w", err)
 	}
 	progress(2)
 	sb.Seq++
-	if err := writeSuperblock(cacheDev, sb); err != nil {
+	if err := ondisk.WriteSuperblock(cacheDev, sb); err != nil {
 		return nil, fmt.Errorf("format: %w", err)
 	}
 	progress(3)
@@ -227,8 +228,8 @@ type Set struct {
 	syncMu sync.Mutex
 	jr     struct { // REQUIRES: commitMu
 		gen  uint64
-		pos  journalPos // where the next block goes
-		used int64      // blocks written in this generation
+		pos  ondisk.JournalPos // where the next block goes
+		used int64             // blocks written in this generation
 		// taken: records taken by the commit in progress (or the last
 		// one, if it failed), not yet durable; failover fences them.
 		taken []byte
@@ -285,7 +286,7 @@ type setStats struct {
 // never be replayed later), clears the clean flag and starts the background
 // writeback/eviction and commit goroutines.
 func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Set, error) {
-	sb, _, err := readSuperblock(cacheDev)
+	sb, _, err := ondisk.ReadSuperblock(cacheDev)
 	if err != nil {
 		return nil, err
 	}
@@ -328,21 +329,21 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	s.setVols(vols)
 	start := time.Now()
-	hdr, body, err := readCheckpointBody(cacheDev, sb)
+	hdr, body, err := ondisk.ReadCheckpointBody(cacheDev, sb)
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}
-	s.epochOK = sb.CkptLen >= ckptLenEpoch(sb.NBuckets, s.bpb, len(sb.Backings))
+	s.epochOK = sb.CkptLen >= ondisk.CkptLenEpoch(sb.NBuckets, s.bpb, len(sb.Backings))
 	// The checkpoint body is verified and decoded on another core while
 	// the journal is read, decoded and collected (replay.go). The device
 	// sees the same reads in the same order as before.
 	type decoded struct {
-		cd  *ckptData
+		cd  *ondisk.CkptData
 		err error
 	}
 	dch := make(chan decoded, 1)
 	go func() {
-		cd, err := decodeCheckpoint(sb, hdr, body, volBlocks)
+		cd, err := ondisk.DecodeCheckpoint(sb, hdr, body, volBlocks)
 		dch <- decoded{cd, err}
 	}()
 	c := newCollector(s, sb.NBuckets)
@@ -365,7 +366,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	s.mu.Owner = nil
 	// New generation: the next journal block follows the replayed end, so
 	// any torn leftovers of the old generation are foreign from now on.
-	s.jr.gen, s.jr.pos = hdr.Gen, journalPos{Blk: end.Blk}
+	s.jr.gen, s.jr.pos = hdr.Gen, ondisk.JournalPos{Blk: end.Blk}
 	replayed := time.Now()
 	s.commitMu.Lock()
 	err = s.checkpointLocked()
@@ -379,7 +380,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	s.sbMu.Lock()
 	s.sb.Clean = false
 	s.sb.Seq++
-	err = writeSuperblock(cacheDev, s.sb)
+	err = ondisk.WriteSuperblock(cacheDev, s.sb)
 	s.sbMu.Unlock()
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
@@ -479,7 +480,7 @@ func (s *Set) volList() []*Volume { return *s.volSnap.Load() }
 // and the recovery-time reverse map follow. Inserting one by one instead
 // cost 1.9 s for 1M entries (random B-tree inserts).
 // REQUIRES: s.mu (or exclusive access during Open)
-func (s *Set) loadCheckpointLocked(vi int, cv *ckptVol) {
+func (s *Set) loadCheckpointLocked(vi int, cv *ondisk.CkptVol) {
 	v := s.vols[vi]
 	v.idx.epoch = cv.Epoch
 	aggs := make([]uint64, (len(cv.Ents)+index.LeafBulkFill-1)/index.LeafBulkFill)
@@ -523,7 +524,7 @@ const replayBatch = 1 << 16
 // inserts of one LBA keep their order (records are split per block, since
 // multi-block records may overlap); an insert into a block owned earlier
 // in the run is corruption in either order.
-func (s *Set) sortedApplier() (apply func(*rec) error, flush func() error) {
+func (s *Set) sortedApplier() (apply func(*ondisk.Rec) error, flush func() error) {
 	// One item per block: records of several blocks can overlap (a later
 	// write over part of an earlier one), and only per-block items sort
 	// into a per-LBA order. seq (the item's place in the journal) makes
@@ -535,7 +536,7 @@ func (s *Set) sortedApplier() (apply func(*rec) error, flush func() error) {
 		// the batch was applied in.
 		key uint64
 		seq uint32
-		r   *rec
+		r   *ondisk.Rec
 		i   uint32 // block within r
 		all bool   // apply r whole
 	}
@@ -549,7 +550,7 @@ func (s *Set) sortedApplier() (apply func(*rec) error, flush func() error) {
 		})
 		// one is reused for the per-block records: a copy per item
 		// escaped to the heap (one allocation per replayed block).
-		var one rec
+		var one ondisk.Rec
 		for _, it := range batch {
 			r := it.r
 			if !it.all && len(r.CRCs) > 1 {
@@ -564,8 +565,8 @@ func (s *Set) sortedApplier() (apply func(*rec) error, flush func() error) {
 		batch = batch[:0]
 		return nil
 	}
-	apply = func(r *rec) error {
-		if r.Type == recInsert {
+	apply = func(r *ondisk.Rec) error {
+		if r.Type == ondisk.RecInsert {
 			// A record that leaves its bucket is kept whole for applyLocked
 			// to reject.
 			n := uint32(len(r.CRCs))
@@ -626,16 +627,16 @@ func (s *Set) entries() (n int64) {
 // applyLocked replays one journal record. Records come from a checksummed
 // block, but their contents are still validated before use.
 // REQUIRES: s.mu (or exclusive access during Open)
-func (s *Set) applyLocked(r *rec) error {
+func (s *Set) applyLocked(r *ondisk.Rec) error {
 	total := uint64(s.mu.CacheBlocks())
 	vol := func() (*Volume, error) {
 		if int(r.Vol) >= len(s.vols) {
-			return nil, corruptf("journal record", 0, 0, "volume %d of %d", r.Vol, len(s.vols))
+			return nil, ondisk.Corruptf("journal record", 0, 0, "volume %d of %d", r.Vol, len(s.vols))
 		}
 		return s.vols[r.Vol], nil
 	}
 	switch r.Type {
-	case recInsert:
+	case ondisk.RecInsert:
 		v, err := vol()
 		if err != nil {
 			return err
@@ -643,44 +644,44 @@ func (s *Set) applyLocked(r *rec) error {
 		n := uint64(len(r.CRCs))
 		loc := uint64(r.Loc)
 		if r.LBA+n > v.nblocks || r.LBA+n < r.LBA || loc+n > total || loc/uint64(s.bpb) != (loc+n-1)/uint64(s.bpb) {
-			return corruptf("journal record", 0, 0, "insert out of range: %v", r)
+			return ondisk.Corruptf("journal record", 0, 0, "insert out of range: %v", r)
 		}
 		b := &s.mu.Buckets[loc/uint64(s.bpb)]
 		if b.Gen != r.Gen {
-			return corruptf("journal record", 0, 0, "insert into bucket %d generation %d, bucket is at %d", loc/uint64(s.bpb), r.Gen, b.Gen)
+			return ondisk.Corruptf("journal record", 0, 0, "insert into bucket %d generation %d, bucket is at %d", loc/uint64(s.bpb), r.Gen, b.Gen)
 		}
 		for i := uint64(0); i < n; i++ {
 			if k := s.mu.Owner[loc+i]; k != 0 {
 				// The block is being reused within its generation only if
 				// the journal is wrong.
-				return corruptf("journal record", 0, 0, "insert into owned cache block %d", loc+i)
+				return ondisk.Corruptf("journal record", 0, 0, "insert into owned cache block %d", loc+i)
 			}
 			s.mu.Insert(int(r.Vol), r.LBA+i, uint32(loc+i), r.CRCs[i], r.Dirty, r.Epoch, s.keepSuperseded(int(r.Vol)))
 		}
 		v.idx.epoch = max(v.idx.epoch, r.Epoch)
-	case recClean:
+	case ondisk.RecClean:
 		if _, err := vol(); err != nil {
 			return err
 		}
 		if uint64(r.Loc) >= total {
-			return corruptf("journal record", 0, 0, "clean out of range: %v", r)
+			return ondisk.Corruptf("journal record", 0, 0, "clean out of range: %v", r)
 		}
 		s.mu.MarkClean(int(r.Vol), r.LBA, r.Loc)
-	case recInvalidate:
+	case ondisk.RecInvalidate:
 		if _, err := vol(); err != nil {
 			return err
 		}
 		s.mu.Invalidate(int(r.Vol), r.LBA, min(r.N, 1<<48))
-	case recReuse:
+	case ondisk.RecReuse:
 		if int64(r.Bucket) >= int64(len(s.mu.Buckets)) {
-			return corruptf("journal record", 0, 0, "reuse of bucket %d", r.Bucket)
+			return ondisk.Corruptf("journal record", 0, 0, "reuse of bucket %d", r.Bucket)
 		}
 		if d := s.mu.DropBucket(int64(r.Bucket), false); d > 0 {
 			s.log.Error("journal reuses a bucket holding dirty data; dropped", "bucket", r.Bucket, "dirty_blocks", d)
 		}
 		s.mu.Buckets[r.Bucket].Gen = r.Gen
 	default:
-		return corruptf("journal record", 0, 0, "type %d", r.Type)
+		return ondisk.Corruptf("journal record", 0, 0, "type %d", r.Type)
 	}
 	return nil
 }
@@ -688,14 +689,14 @@ func (s *Set) applyLocked(r *rec) error {
 // appendLocked queues a journal record; it becomes durable at the next
 // commit (Flush, FUA, a full buffer, or the periodic commit).
 // REQUIRES: s.mu
-func (s *Set) appendLocked(r *rec) {
+func (s *Set) appendLocked(r *ondisk.Rec) {
 	if s.isFailed() {
 		// Nothing reaches the journal any more.
 		s.lostLocked(r, false)
 		s.mu.seq++
 		return
 	}
-	s.mu.pending = appendRec(s.mu.pending, r)
+	s.mu.pending = ondisk.AppendRec(s.mu.pending, r)
 	s.mu.seq++
 	if len(s.mu.pending) >= pendingKick {
 		select {
@@ -717,8 +718,8 @@ func (s *Set) appendInsertLocked(vi int, lba uint64, loc uint32, dirty bool, crc
 func (s *Set) appendInsertEpochLocked(vi int, lba uint64, loc uint32, dirty bool, crcs []uint32, epoch uint64) {
 	gen := s.mu.Buckets[int64(loc)/s.bpb].Gen
 	for len(crcs) > 0 {
-		k := min(len(crcs), maxInsertRun)
-		s.appendLocked(&rec{Type: recInsert, Vol: uint16(vi), LBA: lba, Loc: loc, Gen: gen, Dirty: dirty,
+		k := min(len(crcs), ondisk.MaxInsertRun)
+		s.appendLocked(&ondisk.Rec{Type: ondisk.RecInsert, Vol: uint16(vi), LBA: lba, Loc: loc, Gen: gen, Dirty: dirty,
 			Epoch: epoch, CRCs: crcs[:k]})
 		lba += uint64(k)
 		loc += uint32(k)
@@ -809,7 +810,7 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 	s.mu.pending = nil
 	s.jr.taken = append(s.jr.taken, stream...)
 	upto := s.mu.seq
-	blocks := packRecords(stream)
+	blocks := ondisk.PackRecords(stream)
 	jblocks := s.lay.JournalLen / blockSize
 	// In invariants builds, checkpoint at random to exercise generation
 	// switches and slot alternation far more often than a full journal does.
@@ -830,7 +831,7 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 	if err := s.dev.Sync(); err != nil {
 		return s.failLocked(fmt.Errorf("syncing cache device: %w", err))
 	}
-	mb := int(maxBatchBlocks(jblocks))
+	mb := int(ondisk.MaxBatchBlocks(jblocks))
 	for len(blocks) > 0 {
 		k := min(len(blocks), mb)
 		batch := blocks[:k]
@@ -838,7 +839,7 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 		batchStart := s.jr.pos.Seq
 		buf := make([]byte, 0, k*blockSize)
 		for i, p := range batch {
-			buf = append(buf, encodeJournalBlock(jhdr{Nonce: s.nonce, Gen: s.jr.gen, Seq: batchStart + uint64(i), BatchStart: batchStart}, p)...)
+			buf = append(buf, ondisk.EncodeJournalBlock(ondisk.BlockHeader{Nonce: s.nonce, Gen: s.jr.gen, Seq: batchStart + uint64(i), BatchStart: batchStart}, p)...)
 		}
 		// The region is circular: at most two writes.
 		first := min(int64(k), jblocks-s.jr.pos.Blk)
@@ -854,7 +855,7 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 		if err := s.dev.Sync(); err != nil {
 			return s.failLocked(fmt.Errorf("syncing journal: %w", err))
 		}
-		s.jr.pos = journalPos{Blk: (s.jr.pos.Blk + int64(k)) % jblocks, Seq: s.jr.pos.Seq + uint64(k)}
+		s.jr.pos = ondisk.JournalPos{Blk: (s.jr.pos.Blk + int64(k)) % jblocks, Seq: s.jr.pos.Seq + uint64(k)}
 		s.jr.used += int64(k)
 		s.stats.journalBlocks.Add(uint64(k))
 	}
@@ -907,9 +908,9 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	}
 	trees := make([]*index.Ptree, len(s.vols))
 	epochs := make([]uint64, len(s.vols))
-	var vers []verSnap
+	var vers []ondisk.VerSnap
 	if s.epochOK {
-		vers = make([]verSnap, len(s.vols))
+		vers = make([]ondisk.VerSnap, len(s.vols))
 	}
 	var epochOf func(loc uint32) uint64
 	if vers != nil {
@@ -926,7 +927,7 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 		epochs[i] = v.idx.epoch
 		if vers != nil {
 			// The trees and the epoch tables are copy-on-write.
-			vers[i] = verSnap{EpochOf: epochOf, Sup: v.idx.Sup.Clone(), Dirty: int(v.idx.Dirty)}
+			vers[i] = ondisk.VerSnap{EpochOf: epochOf, Sup: v.idx.Sup.Clone(), Dirty: int(v.idx.Dirty)}
 		}
 	}
 	s.mu.Unlock()
@@ -936,8 +937,8 @@ func (s *Set) checkpointLockedUnlocked(taken uint64) error {
 	if err := s.dev.Sync(); err != nil {
 		return s.failLocked(fmt.Errorf("syncing cache device: %w", err))
 	}
-	h := ckptHeader{Nonce: s.nonce, Gen: s.jr.gen + 1, JPos: journalPos{Blk: s.jr.pos.Blk}}
-	if err := writeCheckpointVers(s.dev, s.lay, h, gens, epochs, trees, vers); err != nil {
+	h := ondisk.CkptHeader{Nonce: s.nonce, Gen: s.jr.gen + 1, JPos: ondisk.JournalPos{Blk: s.jr.pos.Blk}}
+	if err := ondisk.WriteCheckpoint(s.dev, s.lay, h, gens, epochs, trees, vers); err != nil {
 		return s.failLocked(err)
 	}
 	s.jr.gen, s.jr.pos, s.jr.used = h.Gen, h.JPos, 0
@@ -1039,7 +1040,7 @@ func (s *Set) Close() error {
 	defer s.sbMu.Unlock()
 	s.sb.Clean = true
 	s.sb.Seq++
-	if err := writeSuperblock(s.dev, s.sb); err != nil {
+	if err := ondisk.WriteSuperblock(s.dev, s.sb); err != nil {
 		return fmt.Errorf("close: %w", err)
 	}
 	return nil

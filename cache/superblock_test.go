@@ -2,50 +2,20 @@ package cache
 
 import (
 	"errors"
-	"fmt"
 	"testing"
 
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
-// encodeDecode encodes sb and decodes the result.
-func encodeDecode(t *testing.T, sb *Superblock) ([]byte, *Superblock) {
-	t.Helper()
-	b, err := sb.Encode()
-	if err != nil {
-		t.Fatal(err)
-	}
-	got, err := decodeSuperblock(b, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return b, got
-}
-
-func TestSuperblockRoundTrip(t *testing.T) {
-	b, got := encodeDecode(t, testSuperblock())
-	b2, _ := got.Encode()
-	if string(b) != string(b2) {
-		t.Fatal("round trip changed the encoding")
-	}
-	// Every single-bit flip is detected.
-	for i := 0; i < len(b); i += 7 {
-		c := append([]byte(nil), b...)
-		c[i] ^= 0x10
-		if _, err := decodeSuperblock(c, 0); err == nil {
-			t.Fatalf("flip at byte %d not detected", i)
-		}
-	}
-}
-
 func testSuperblock() *Superblock {
 	bs := int64(16 << 10)
-	sb := &Superblock{Version: formatVersion, Seq: 7, BlockSize: blockSize, BucketSize: bs, NBuckets: 8,
-		JournalOff: 2 * sbCopySize, JournalLen: minJournalLen,
+	sb := &Superblock{Version: ondisk.FormatVersion, Seq: 7, BlockSize: blockSize, BucketSize: bs, NBuckets: 8,
+		JournalOff: 2 * ondisk.SBCopySize, JournalLen: minJournalLen,
 		Backings: []BackingInfo{{Name: "a", ID: "uuid-a", Size: 1 << 20, Mode: Writeback, Path: "/dev/disk/by-id/a"}, {Name: "b", Size: 5<<20 + 512, Mode: None}}}
 	sb.SetUUID[3] = 9
 	sb.CkptOff[0] = sb.JournalOff + sb.JournalLen
-	sb.CkptLen = ckptLenFor(8, bs/blockSize, 2)
+	sb.CkptLen = ondisk.CkptLenFor(8, bs/blockSize, 2)
 	sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
 	sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + bs - 1) / bs * bs
 	return sb
@@ -60,15 +30,15 @@ func TestSuperblockTwoCopies(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.crashStop()
-	sb, idx, err := readSuperblock(cache)
+	sb, idx, err := ondisk.ReadSuperblock(cache)
 	if err != nil || sb.Backings[0].Mode != Writearound {
 		t.Fatalf("newest copy: %+v %v", sb, err)
 	}
 	// Damage the newest copy: the previous one (mode writeback) is used.
-	if err := cache.Corrupt(int64(idx)*sbCopySize+30, 4); err != nil {
+	if err := cache.Corrupt(int64(idx)*ondisk.SBCopySize+30, 4); err != nil {
 		t.Fatal(err)
 	}
-	sb2, idx2, err := readSuperblock(cache)
+	sb2, idx2, err := ondisk.ReadSuperblock(cache)
 	if err != nil || idx2 == idx || sb2.Seq != sb.Seq-1 || sb2.Backings[0].Mode != Writeback {
 		t.Fatalf("fallback: copy %d seq %d (newest was %d), err %v", idx2, sb2.Seq, sb.Seq, err)
 	}
@@ -85,7 +55,7 @@ func TestSuperblockTwoCopies(t *testing.T) {
 	// Both damaged: a corruption error, not ErrNotFormatted.
 	s2.crashStop()
 	for i := 0; i < 2; i++ {
-		if err := cache.Corrupt(int64(i)*sbCopySize+40, 2); err != nil {
+		if err := cache.Corrupt(int64(i)*ondisk.SBCopySize+40, 2); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -157,59 +127,5 @@ func TestOpenRefusesMismatch(t *testing.T) {
 		if err := s.Close(); err != nil {
 			t.Fatal(err)
 		}
-	}
-}
-
-func TestSuperblockTooLarge(t *testing.T) {
-	sb := testSuperblock()
-	long := string(make([]byte, maxPathLen))
-	for i := 0; i < 20; i++ {
-		sb.Backings = append(sb.Backings, BackingInfo{Name: fmt.Sprint("b", i), Size: 1 << 20, Path: long})
-	}
-	if _, err := sb.Encode(); !errors.Is(err, ErrInvalid) {
-		t.Fatalf("oversized superblock: %v", err)
-	}
-}
-
-func TestParseMode(t *testing.T) {
-	for m := Writeback; m <= None; m++ {
-		got, err := ParseMode(m.String())
-		if err != nil || got != m {
-			t.Errorf("%v: %v %v", m, got, err)
-		}
-	}
-	if _, err := ParseMode("sometimes"); !errors.Is(err, ErrInvalid) {
-		t.Errorf("bad mode: %v", err)
-	}
-}
-
-// TestSuperblockFreeSlots: a free slot (left by Detach) round-trips; a free
-// slot that carries anything, or comes last, is corruption.
-func TestSuperblockFreeSlots(t *testing.T) {
-	sb := testSuperblock()
-	sb.Backings = append([]BackingInfo{{}}, sb.Backings...)
-	sb.CkptLen = ckptLenFor(8, sb.BlocksPerBucket(), 3)
-	sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
-	sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + sb.BucketSize - 1) / sb.BucketSize * sb.BucketSize
-	_, got := encodeDecode(t, sb)
-	if !got.Backings[0].Free() || got.Backings[1].Name != "a" || got.LiveBackings() != 2 {
-		t.Fatalf("decoded %+v", got.Backings)
-	}
-	for name, mut := range map[string]func(*Superblock){
-		"free slot with a size": func(s *Superblock) { s.Backings[0].Size = 4096 },
-		"free slot with an id":  func(s *Superblock) { s.Backings[0].ID = "x" },
-		"free slot last":        func(s *Superblock) { s.Backings = append(s.Backings, BackingInfo{}) },
-	} {
-		c := sb.Clone()
-		mut(c)
-		if err := c.Validate(-1); !errors.Is(err, ErrCorrupt) {
-			t.Errorf("%s: validate = %v, want corruption", name, err)
-		}
-	}
-	// No backing device at all is a valid (empty) set.
-	e := sb.Clone()
-	e.Backings = nil
-	if err := e.Validate(-1); err != nil {
-		t.Errorf("empty set: %v", err)
 	}
 }

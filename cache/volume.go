@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
@@ -179,7 +180,7 @@ func (v *Volume) SetMode(m Mode) error {
 	nsb.Backings[v.vi].Mode = m
 	nsb.Backings[v.vi].Settings.Mode = m
 	nsb.Seq++
-	if err := writeSuperblock(s.dev, nsb); err != nil {
+	if err := ondisk.WriteSuperblock(s.dev, nsb); err != nil {
 		return fmt.Errorf("set mode of %s: %w", v.name, err)
 	}
 	s.sb = nsb
@@ -454,7 +455,7 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 		}
 		at := int(e.LBA-lba) * blockSize
 		p := buf[at : at+blockSize]
-		got := crc32c(p)
+		got := ondisk.CRC32C(p)
 		if got == e.CRC {
 			continue
 		}
@@ -494,7 +495,7 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 	case busy:
 		return nil
 	}
-	need := v.cfg.Load().promoteNeed()
+	need := v.cfg.Load().PromoteNeed()
 	for _, m := range misses {
 		// Split each miss into runs of blocks the policy promotes (each
 		// block's miss counted once).
@@ -538,7 +539,7 @@ func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 		p := data[done*blockSize : (done+r.n)*blockSize]
 		crcs := make([]uint32, r.n)
 		for i := range crcs {
-			crcs[i] = crc32c(p[i*blockSize : (i+1)*blockSize])
+			crcs[i] = ondisk.CRC32C(p[i*blockSize : (i+1)*blockSize])
 		}
 		_, werr := s.dev.WriteAt(p, s.cacheOff(r.loc))
 		if werr != nil {
@@ -735,7 +736,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 		at := lba + uint64(done)
 		crcs := make([]uint32, r.n)
 		for i := range crcs {
-			crcs[i] = crc32c(p[i*blockSize : (i+1)*blockSize])
+			crcs[i] = ondisk.CRC32C(p[i*blockSize : (i+1)*blockSize])
 		}
 		fail := func(err error) error {
 			s.mu.Lock()
@@ -857,7 +858,7 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 			// 6). (Failing over meanwhile fences the range: journaled
 			// then, as before.)
 			if v.idx.Replayable || s.isFailed() {
-				s.appendLocked(&rec{Type: recInvalidate, Vol: uint16(v.vi), LBA: lba, N: n})
+				s.appendLocked(&ondisk.Rec{Type: ondisk.RecInvalidate, Vol: uint16(v.vi), LBA: lba, N: n})
 				s.noteInvalidateLocked(v, s.mu.seq-1, lba, n, dropsDirty)
 			} else if had != 0 {
 				invariants.AssertionFailedf("volume %s: invalidation of [%d, +%d) skipped with %d entries in the volume",

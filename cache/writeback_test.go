@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -70,10 +71,10 @@ func TestSuperblockWithoutSettings(t *testing.T) {
 		tl += 8 + 1 + 2 + len(d.WritebackOrder) + 2 + len(d.Promote) + 8
 	}
 	old := append([]byte(nil), b[:len(b)-tl]...)
-	le.PutUint32(old[12:], uint32(len(old)-sbHeaderSize))
+	le.PutUint32(old[12:], uint32(len(old)-ondisk.SBHeaderSize))
 	le.PutUint32(old[16:], 0)
-	le.PutUint32(old[16:], crc32c(old))
-	got, err := decodeSuperblock(old, 0)
+	le.PutUint32(old[16:], ondisk.CRC32C(old))
+	got, err := ondisk.DecodeSuperblock(old, 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -1,4 +1,4 @@
-package cache
+package ondisk
 
 import (
 	"cmp"
@@ -18,68 +18,68 @@ import (
 
 const (
 	ckptMagic     = "TIERCCK\x01"
-	ckptHdrLen    = 64
-	ckptEntrySize = 16
+	CkptHdrLen    = 64
+	CkptEntrySize = 16
 	ckptVolHdr    = 2 + 8 + 8
 )
 
-// ckptLenFor is the slot size needed for a full cache.
-// ckptLenEpoch is the slot size Format uses: ckptLenFor plus the epoch
+// CkptLenFor is the slot size needed for a full cache.
+// CkptLenEpoch is the slot size Format uses: CkptLenFor plus the epoch
 // section (a dirty live entry costs 12 more bytes, a superseded version 24
 // instead of an entry's 16, so at most 28 bytes per cache block).
-func ckptLenEpoch(nbuckets, bpb int64, nvols int) int64 {
-	n := ckptLenFor(nbuckets, bpb, nvols) + 4 + int64(nvols)*16 + nbuckets*bpb*ckptEpochExtra
-	return (n + blockSize - 1) / blockSize * blockSize
+func CkptLenEpoch(nbuckets, bpb int64, nvols int) int64 {
+	n := CkptLenFor(nbuckets, bpb, nvols) + 4 + int64(nvols)*16 + nbuckets*bpb*CkptEpochExtra
+	return (n + BlockSize - 1) / BlockSize * BlockSize
 }
 
 const (
 	ckptEpochTag   = 0x48435045 // "EPCH": the epoch section follows the volumes
-	ckptEpochExtra = 12         // worst-case bytes per cache block for the epoch section
+	CkptEpochExtra = 12         // worst-case bytes per cache block for the epoch section
 )
 
-func ckptLenFor(nbuckets, bpb int64, nvols int) int64 {
-	n := blockSize + 4 + 4*nbuckets + 2 + int64(nvols)*ckptVolHdr + nbuckets*bpb*ckptEntrySize
-	return (n + blockSize - 1) / blockSize * blockSize
+func CkptLenFor(nbuckets, bpb int64, nvols int) int64 {
+	n := BlockSize + 4 + 4*nbuckets + 2 + int64(nvols)*ckptVolHdr + nbuckets*bpb*CkptEntrySize
+	return (n + BlockSize - 1) / BlockSize * BlockSize
 }
 
-type ckptHeader struct {
+type CkptHeader struct {
 	Nonce   uint64
 	Gen     uint64
-	JPos    journalPos
+	JPos    JournalPos
 	BodyLen uint64
 	BodyCRC uint32
 }
 
-func (h *ckptHeader) Encode() []byte {
-	b := make([]byte, blockSize)
+func (h *CkptHeader) Encode() []byte {
+	b := make([]byte, BlockSize)
 	copy(b, ckptMagic)
-	le.PutUint32(b[8:], formatVersion)
+	le.PutUint32(b[8:], FormatVersion)
 	le.PutUint64(b[16:], h.Nonce)
 	le.PutUint64(b[24:], h.Gen)
 	le.PutUint64(b[32:], uint64(h.JPos.Blk))
 	le.PutUint64(b[40:], h.JPos.Seq)
 	le.PutUint64(b[48:], h.BodyLen)
 	le.PutUint32(b[56:], h.BodyCRC)
-	le.PutUint32(b[12:], crc32c(b[:ckptHdrLen]))
+	le.PutUint32(b[12:], CRC32C(b[:CkptHdrLen]))
 	return b
 }
 
-// decodeCkptHeader validates a checkpoint header block. ok is false for a
+// DecodeCkptHeader validates a checkpoint header block. ok is false for a
 // slot that was never written or belongs to another set (not an error).
-func decodeCkptHeader(b []byte, off int64) (h ckptHeader, err error) {
-	if len(b) < ckptHdrLen || string(b[:8]) != ckptMagic {
-		return h, corruptf("checkpoint header", off, blockSize, "no checkpoint magic")
+func DecodeCkptHeader(b []byte, off int64) (h CkptHeader, err error) {
+	if len(b) < CkptHdrLen || string(b[:8]) != ckptMagic {
+		return h, Corruptf("checkpoint header", off, BlockSize, "no checkpoint magic")
 	}
 	want := le.Uint32(b[12:])
-	tmp := make([]byte, ckptHdrLen)
+	tmp := make([]byte, CkptHdrLen)
 	copy(tmp, b)
 	le.PutUint32(tmp[12:], 0)
-	if got := crc32c(tmp); got != want {
+	if got := CRC32C(tmp); got != want {
 		return h, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "checkpoint header", Offset: off,
-			Length: ckptHdrLen, Expected: want, Actual: got, HaveSums: true}
+			Length: CkptHdrLen, Expected: want, Actual: got, HaveSums: true}
 	}
-	if v := le.Uint32(b[8:]); v != formatVersion {
-		return h, corruptf("checkpoint header", off, blockSize, "version %d", v)
+	if v := le.Uint32(b[8:]); v != FormatVersion {
+		return h, Corruptf("checkpoint header", off, BlockSize, "version %d", v)
 	}
 	h.Nonce = le.Uint64(b[16:])
 	h.Gen = le.Uint64(b[24:])
@@ -90,19 +90,19 @@ func decodeCkptHeader(b []byte, off int64) (h ckptHeader, err error) {
 	return h, nil
 }
 
-// verSnap is a snapshot of a volume's dirty versions for a checkpoint,
+// VerSnap is a snapshot of a volume's dirty versions for a checkpoint,
 // beside its index tree's clone: the flush epochs of the dirty entries'
 // and superseded versions' cache blocks (epochOf reads a snapshot of the
 // bucket epoch tables, which are copied on write after it) and the
 // superseded versions (a clone of idx.Sup; nil: none).
-type verSnap struct {
+type VerSnap struct {
 	EpochOf func(loc uint32) uint64
 	Sup     *index.Stree
 	Dirty   int // the live dirty entries (a capacity hint)
 }
 
-// ckptVol is one volume's part of a checkpoint.
-type ckptVol struct {
+// CkptVol is one volume's part of a checkpoint.
+type CkptVol struct {
 	Epoch uint64
 	Ents  []index.Ent
 	// epochOf[loc] is the flush epoch of the dirty entry at cache block loc
@@ -113,24 +113,19 @@ type ckptVol struct {
 	Sup     []index.Ver // superseded versions (epoch order)
 }
 
-// ckptData is a decoded checkpoint body.
-type ckptData struct {
+// CkptData is a decoded checkpoint body.
+type CkptData struct {
 	Gens []uint32
-	Vols []ckptVol
+	Vols []CkptVol
 }
 
-// encodeCkptBody streams the body to w in chunks (the index of a large cache
-// is tens of MiB; it is never held twice in memory).
-func encodeCkptBody(gens []uint32, epochs []uint64, trees []*index.Ptree, w func([]byte) error) error {
-	return encodeCkptBodyVers(gens, epochs, trees, nil, w)
-}
-
-// encodeCkptBodyVers also writes the epoch section from vers (per volume,
-// every dirty version; nil: no section): for each volume the epoch of each
+// EncodeCkptBody streams the body to w in chunks (the index of a large
+// cache is tens of MiB; it is never held twice in memory), with the epoch
+// section from vers (per volume, every dirty version; nil: no section): for each volume the epoch of each
 // live dirty entry's cache block, then the superseded versions.
 //
 //	"EPCH" u32 | { n u64 | { loc u32 | epoch u64 } × n | m u64 | { lba u64 | loc u32 | crc u32 | epoch u64 } × m } per volume
-func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*index.Ptree, vers []verSnap, w func([]byte) error) error {
+func EncodeCkptBody(gens []uint32, epochs []uint64, trees []*index.Ptree, vers []VerSnap, w func([]byte) error) error {
 	const chunk = 1 << 20
 	e := enc{b: make([]byte, 0, 64<<10)}
 	flush := func(force bool) error {
@@ -214,17 +209,17 @@ func encodeCkptBodyVers(gens []uint32, epochs []uint64, trees []*index.Ptree, ve
 	return flush(true)
 }
 
-// decodeCkptBody parses and validates a checkpoint body against the layout:
+// DecodeCkptBody parses and validates a checkpoint body against the layout:
 // every entry must name a cache block inside the bucket area and an LBA inside
 // its volume, in strictly increasing LBA order, and no cache block may be
 // named twice. It never panics.
-func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*ckptData, error) {
+func DecodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*CkptData, error) {
 	d := dec{b: b}
 	nb := int64(d.u32())
 	if d.bad || nb != nbuckets {
-		return nil, badf("checkpoint body", "checkpoint has %d buckets, superblock %d", nb, nbuckets)
+		return nil, Badf("checkpoint body", "checkpoint has %d buckets, superblock %d", nb, nbuckets)
 	}
-	cd := &ckptData{Gens: make([]uint32, nb)}
+	cd := &CkptData{Gens: make([]uint32, nb)}
 	for i := range cd.Gens {
 		cd.Gens[i] = d.u32()
 	}
@@ -235,8 +230,8 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 	// written). A slot the superblock does not list, or lists as free, has
 	// no blocks, so any entry in it fails the range check below.
 	nv := int(d.u16())
-	if d.bad || nv > maxBackings {
-		return nil, badf("checkpoint body", "checkpoint has %d volumes (at most %d)", nv, maxBackings)
+	if d.bad || nv > MaxBackings {
+		return nil, Badf("checkpoint body", "checkpoint has %d volumes (at most %d)", nv, MaxBackings)
 	}
 	blocksOf := func(v int) uint64 {
 		if v < len(volBlocks) {
@@ -247,17 +242,17 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 	total := uint64(nbuckets * bpb)
 	seen := index.NewBitset(int(total))
 	for v := 0; v < nv; v++ {
-		var cv ckptVol
+		var cv CkptVol
 		cv.Epoch = d.u64()
 		n := d.u64()
-		if d.bad || n > total || n*ckptEntrySize > uint64(d.remaining()) {
-			return nil, badf("checkpoint body", "volume %d: %d entries", v, n)
+		if d.bad || n > total || n*CkptEntrySize > uint64(d.remaining()) {
+			return nil, Badf("checkpoint body", "volume %d: %d entries", v, n)
 		}
 		cv.Ents = make([]index.Ent, n)
 		for i := range cv.Ents {
 			x := index.Ent{LBA: d.u64(), Loc: d.u32(), CRC: d.u32()}
 			if x.LBA >= blocksOf(v) || uint64(x.Block()) >= total || (i > 0 && x.LBA <= cv.Ents[i-1].LBA) || seen.Get(int(x.Block())) {
-				return nil, badf("checkpoint body", "volume %d entry %d (lba %d loc %d) out of order or out of range", v, i, x.LBA, x.Block())
+				return nil, Badf("checkpoint body", "volume %d entry %d (lba %d loc %d) out of order or out of range", v, i, x.LBA, x.Block())
 			}
 			seen.Set(int(x.Block()))
 			cv.Ents[i] = x
@@ -266,7 +261,7 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 	}
 	if !d.bad && d.remaining() > 0 {
 		if d.u32() != ckptEpochTag {
-			return nil, badf("checkpoint body", "unknown section after the volumes")
+			return nil, Badf("checkpoint body", "unknown section after the volumes")
 		}
 		epochOf := make([]uint64, total)
 		dirtyAt := index.NewBitset(int(total)) // the dirty entries of the volume at hand
@@ -281,13 +276,13 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 			}
 			n := d.u64()
 			if d.bad || n > uint64(nd) || n*12 > uint64(d.remaining()) {
-				return nil, badf("checkpoint body", "volume %d: %d dirty epochs", vi, n)
+				return nil, Badf("checkpoint body", "volume %d: %d dirty epochs", vi, n)
 			}
 			cv.EpochOf = epochOf
 			for range n {
 				loc, ep := d.u32(), d.u64()
 				if uint64(loc) >= total || !dirtyAt.Get(int(loc)) || ep > cv.Epoch {
-					return nil, badf("checkpoint body", "volume %d: epoch %d for cache block %d (not a dirty entry, or beyond the volume's epoch %d)", vi, ep, loc, cv.Epoch)
+					return nil, Badf("checkpoint body", "volume %d: epoch %d for cache block %d (not a dirty entry, or beyond the volume's epoch %d)", vi, ep, loc, cv.Epoch)
 				}
 				epochOf[loc] = ep
 			}
@@ -296,19 +291,19 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 			}
 			m := d.u64()
 			if d.bad || m > total || m*24 > uint64(d.remaining()) {
-				return nil, badf("checkpoint body", "volume %d: %d superseded versions", vi, m)
+				return nil, Badf("checkpoint body", "volume %d: %d superseded versions", vi, m)
 			}
 			for range m {
 				x := index.Ver{LBA: d.u64(), Loc: d.u32(), CRC: d.u32(), Epoch: d.u64()}
 				if d.bad || x.LBA >= blocksOf(vi) || uint64(x.Loc) >= total || seen.Get(int(x.Loc)) || x.Epoch > cv.Epoch {
-					return nil, badf("checkpoint body", "volume %d: superseded version %+v out of range or owned twice", vi, x)
+					return nil, Badf("checkpoint body", "volume %d: superseded version %+v out of range or owned twice", vi, x)
 				}
 				// In (epoch, lba) order, each older than the live dirty
 				// entry of its LBA (index invariant 4): (epoch, lba) names
 				// one version.
 				i, found := slices.BinarySearchFunc(cv.Ents, x.LBA, func(e index.Ent, lba uint64) int { return cmp.Compare(e.LBA, lba) })
 				if (len(cv.Sup) > 0 && !index.VerLess(cv.Sup[len(cv.Sup)-1], x)) || !found || !cv.Ents[i].Dirty() || epochOf[cv.Ents[i].Block()] <= x.Epoch {
-					return nil, badf("checkpoint body", "volume %d: superseded version %+v out of order or not older than a dirty entry", vi, x)
+					return nil, Badf("checkpoint body", "volume %d: superseded version %+v out of order or not older than a dirty entry", vi, x)
 				}
 				seen.Set(int(x.Loc))
 				cv.Sup = append(cv.Sup, x)
@@ -316,26 +311,21 @@ func decodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*c
 		}
 	}
 	if d.bad || d.remaining() != 0 {
-		return nil, badf("checkpoint body", "malformed checkpoint body")
+		return nil, Badf("checkpoint body", "malformed checkpoint body")
 	}
 	return cd, nil
 }
 
-// writeCheckpoint writes a checkpoint into slot h.gen%2 and syncs. The
+// WriteCheckpoint writes a checkpoint into slot h.Gen%2 and syncs; the
+// epoch section (vers non-nil) needs slots sized by CkptLenEpoch. The
 // caller has already made everything the snapshot depends on durable.
-func writeCheckpoint(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*index.Ptree) error {
-	return writeCheckpointVers(dev, sb, h, gens, epochs, trees, nil)
-}
-
-// writeCheckpointVers writes a checkpoint with the epoch section (vers
-// non-nil), which needs slots sized by ckptLenEpoch.
-func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens []uint32, epochs []uint64, trees []*index.Ptree, vers []verSnap) error {
+func WriteCheckpoint(dev device.Device, sb *Superblock, h CkptHeader, gens []uint32, epochs []uint64, trees []*index.Ptree, vers []VerSnap) error {
 	slot := sb.CkptOff[h.Gen%2]
-	off := slot + blockSize
+	off := slot + BlockSize
 	crc := uint32(0)
 	var n int64
-	err := encodeCkptBodyVers(gens, epochs, trees, vers, func(p []byte) error {
-		if n+int64(len(p)) > sb.CkptLen-blockSize {
+	err := EncodeCkptBody(gens, epochs, trees, vers, func(p []byte) error {
+		if n+int64(len(p)) > sb.CkptLen-BlockSize {
 			return fmt.Errorf("%w: checkpoint larger than its slot (%d bytes)", ErrInvalid, sb.CkptLen)
 		}
 		if _, err := dev.WriteAt(p, off+n); err != nil {
@@ -363,40 +353,40 @@ func writeCheckpointVers(dev device.Device, sb *Superblock, h ckptHeader, gens [
 	return nil
 }
 
-// readCheckpoint loads the newest valid checkpoint. A slot that fails its
+// ReadCheckpoint loads the newest valid checkpoint. A slot that fails its
 // checksums is skipped (a crash while writing it is expected); it is
 // corruption only if neither slot is valid.
-func readCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (ckptHeader, *ckptData, error) {
-	h, body, err := readCheckpointBody(dev, sb)
+func ReadCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (CkptHeader, *CkptData, error) {
+	h, body, err := ReadCheckpointBody(dev, sb)
 	if err != nil {
-		return ckptHeader{}, nil, err
+		return CkptHeader{}, nil, err
 	}
-	cd, err := decodeCheckpoint(sb, h, body, volBlocks)
+	cd, err := DecodeCheckpoint(sb, h, body, volBlocks)
 	if err != nil {
-		return ckptHeader{}, nil, err
+		return CkptHeader{}, nil, err
 	}
 	return h, cd, nil
 }
 
-// readCheckpointBody reads the newest valid checkpoint header and its body
-// (readCheckpoint's device reads; decodeCheckpoint does the rest).
-func readCheckpointBody(dev device.Device, sb *Superblock) (ckptHeader, []byte, error) {
-	var best *ckptHeader
+// ReadCheckpointBody reads the newest valid checkpoint header and its body
+// (ReadCheckpoint's device reads; DecodeCheckpoint does the rest).
+func ReadCheckpointBody(dev device.Device, sb *Superblock) (CkptHeader, []byte, error) {
+	var best *CkptHeader
 	var errs [2]error
 	for i := 0; i < 2; i++ {
-		buf := make([]byte, blockSize)
+		buf := make([]byte, BlockSize)
 		if _, err := dev.ReadAt(buf, sb.CkptOff[i]); err != nil {
 			// An unreadable slot may hold the newest checkpoint: falling
 			// back to the other would recover an older index and serve
 			// stale data. Only a damaged (torn) header is skipped.
-			return ckptHeader{}, nil, fmt.Errorf("reading checkpoint slot %d at %d: %w", i, sb.CkptOff[i], err)
+			return CkptHeader{}, nil, fmt.Errorf("reading checkpoint slot %d at %d: %w", i, sb.CkptOff[i], err)
 		}
-		h, err := decodeCkptHeader(buf, sb.CkptOff[i])
+		h, err := DecodeCkptHeader(buf, sb.CkptOff[i])
 		if err == nil && (h.Nonce != sb.Nonce() || h.Gen%2 != uint64(i)) {
-			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "slot %d holds generation %d of another set", i, h.Gen)
+			err = Corruptf("checkpoint header", sb.CkptOff[i], BlockSize, "slot %d holds generation %d of another set", i, h.Gen)
 		}
-		if err == nil && (h.BodyLen > uint64(sb.CkptLen-blockSize) || h.JPos.Blk < 0 || h.JPos.Blk >= sb.JournalLen/blockSize) {
-			err = corruptf("checkpoint header", sb.CkptOff[i], blockSize, "body length %d, journal block %d", h.BodyLen, h.JPos.Blk)
+		if err == nil && (h.BodyLen > uint64(sb.CkptLen-BlockSize) || h.JPos.Blk < 0 || h.JPos.Blk >= sb.JournalLen/BlockSize) {
+			err = Corruptf("checkpoint header", sb.CkptOff[i], BlockSize, "body length %d, journal block %d", h.BodyLen, h.JPos.Blk)
 		}
 		if err != nil {
 			errs[i] = err
@@ -408,7 +398,7 @@ func readCheckpointBody(dev device.Device, sb *Superblock) (ckptHeader, []byte, 
 		}
 	}
 	if best == nil {
-		return ckptHeader{}, nil, fmt.Errorf("no valid checkpoint: slot 0: %v; slot 1: %w", errs[0], errs[1])
+		return CkptHeader{}, nil, fmt.Errorf("no valid checkpoint: slot 0: %v; slot 1: %w", errs[0], errs[1])
 	}
 	// Only the newest is read. If its body is bad, that is reported rather
 	// than silently falling back to an older generation whose journal may
@@ -416,23 +406,23 @@ func readCheckpointBody(dev device.Device, sb *Superblock) (ckptHeader, []byte, 
 	// durable, so a crash cannot explain it.
 	slot := sb.CkptOff[best.Gen%2]
 	body := make([]byte, best.BodyLen)
-	if _, err := dev.ReadAt(body, slot+blockSize); err != nil {
-		return ckptHeader{}, nil, fmt.Errorf("reading checkpoint body: %w", err)
+	if _, err := dev.ReadAt(body, slot+BlockSize); err != nil {
+		return CkptHeader{}, nil, fmt.Errorf("reading checkpoint body: %w", err)
 	}
 	return *best, body, nil
 }
 
-// decodeCheckpoint verifies the checksum of the body of checkpoint h and
+// DecodeCheckpoint verifies the checksum of the body of checkpoint h and
 // decodes it. It does no I/O (Open runs it beside the journal reads).
-func decodeCheckpoint(sb *Superblock, h ckptHeader, body []byte, volBlocks []uint64) (*ckptData, error) {
+func DecodeCheckpoint(sb *Superblock, h CkptHeader, body []byte, volBlocks []uint64) (*CkptData, error) {
 	slot := sb.CkptOff[h.Gen%2]
-	if got := crc32c(body); got != h.BodyCRC {
-		return nil, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "checkpoint body", Offset: slot + blockSize,
+	if got := CRC32C(body); got != h.BodyCRC {
+		return nil, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "checkpoint body", Offset: slot + BlockSize,
 			Length: int64(h.BodyLen), Expected: h.BodyCRC, Actual: got, HaveSums: true}
 	}
-	cd, err := decodeCkptBody(body, sb.NBuckets, sb.BlocksPerBucket(), volBlocks)
+	cd, err := DecodeCkptBody(body, sb.NBuckets, sb.BlocksPerBucket(), volBlocks)
 	if err != nil {
-		return nil, placed(err, slot+blockSize, int64(h.BodyLen))
+		return nil, Placed(err, slot+BlockSize, int64(h.BodyLen))
 	}
 	return cd, nil
 }

@@ -1,4 +1,4 @@
-package cache
+package ondisk
 
 import (
 	"fmt"
@@ -11,23 +11,23 @@ import (
 // order over the checkpoint they follow rebuilds the index exactly. See the
 // package comment for the framing.
 const (
-	recInsert     = 1 // a run of blocks now lives at (loc.., gen); dirty or clean
-	recClean      = 2 // block lba at loc was written back: clear dirty if still there
-	recInvalidate = 3 // drop any cached blocks in [lba, lba+n)
-	recReuse      = 4 // bucket starts generation gen: drop everything in it
+	RecInsert     = 1 // a run of blocks now lives at (loc.., gen); dirty or clean
+	RecClean      = 2 // block lba at loc was written back: clear dirty if still there
+	RecInvalidate = 3 // drop any cached blocks in [lba, lba+n)
+	RecReuse      = 4 // bucket starts generation gen: drop everything in it
 )
 
 const (
-	jHeaderSize  = 48
-	jPayload     = blockSize - jHeaderSize
+	JHeaderSize  = 48
+	JPayload     = BlockSize - JHeaderSize
 	jMagic       = 0x4C4E524A // "JRNL"
-	recHdrSize   = 3          // type u8, body length u16
-	maxInsertRun = 256
-	insertFixed  = 2 + 8 + 4 + 4 + 1 + 8 + 2
+	RecHdrSize   = 3          // type u8, body length u16
+	MaxInsertRun = 256
+	InsertFixed  = 2 + 8 + 4 + 4 + 1 + 8 + 2
 )
 
 // rec is one decoded journal record.
-type rec struct {
+type Rec struct {
 	Type   uint8
 	Vol    uint16
 	LBA    uint64
@@ -40,28 +40,28 @@ type rec struct {
 	CRCs   []uint32 // insert: one per block
 }
 
-func (r *rec) String() string {
+func (r *Rec) String() string {
 	switch r.Type {
-	case recInsert:
+	case RecInsert:
 		return fmt.Sprintf("insert vol=%d lba=%d n=%d loc=%d gen=%d dirty=%t epoch=%d", r.Vol, r.LBA, len(r.CRCs), r.Loc, r.Gen, r.Dirty, r.Epoch)
-	case recClean:
+	case RecClean:
 		return fmt.Sprintf("clean vol=%d lba=%d loc=%d", r.Vol, r.LBA, r.Loc)
-	case recInvalidate:
+	case RecInvalidate:
 		return fmt.Sprintf("invalidate vol=%d lba=%d n=%d", r.Vol, r.LBA, r.N)
-	case recReuse:
+	case RecReuse:
 		return fmt.Sprintf("reuse bucket=%d gen=%d", r.Bucket, r.Gen)
 	}
 	return fmt.Sprintf("rec(%d)", r.Type)
 }
 
-// appendRec encodes r onto b.
-func appendRec(b []byte, r *rec) []byte {
+// AppendRec encodes r onto b.
+func AppendRec(b []byte, r *Rec) []byte {
 	e := enc{b: b}
 	start := len(e.b)
 	e.u8(r.Type)
 	e.u16(0) // body length, patched below
 	switch r.Type {
-	case recInsert:
+	case RecInsert:
 		e.u16(r.Vol)
 		e.u64(r.LBA)
 		e.u32(r.Loc)
@@ -76,35 +76,35 @@ func appendRec(b []byte, r *rec) []byte {
 		for _, c := range r.CRCs {
 			e.u32(c)
 		}
-	case recClean:
+	case RecClean:
 		e.u16(r.Vol)
 		e.u64(r.LBA)
 		e.u32(r.Loc)
-	case recInvalidate:
+	case RecInvalidate:
 		e.u16(r.Vol)
 		e.u64(r.LBA)
 		e.u64(r.N)
-	case recReuse:
+	case RecReuse:
 		e.u32(r.Bucket)
 		e.u32(r.Gen)
 	}
-	le.PutUint16(e.b[start+1:], uint16(len(e.b)-start-recHdrSize))
+	le.PutUint16(e.b[start+1:], uint16(len(e.b)-start-RecHdrSize))
 	return e.b
 }
 
-// decodeRec decodes one record from the front of b and returns the rest.
-func decodeRec(b []byte) (*rec, []byte, error) {
-	if len(b) < recHdrSize {
-		return nil, nil, badf("journal record", "record header truncated")
+// DecodeRec decodes one record from the front of b and returns the rest.
+func DecodeRec(b []byte) (*Rec, []byte, error) {
+	if len(b) < RecHdrSize {
+		return nil, nil, Badf("journal record", "record header truncated")
 	}
 	typ, n := b[0], int(le.Uint16(b[1:]))
-	if n > len(b)-recHdrSize {
-		return nil, nil, badf("journal record", "record body of %d bytes exceeds block", n)
+	if n > len(b)-RecHdrSize {
+		return nil, nil, Badf("journal record", "record body of %d bytes exceeds block", n)
 	}
-	d := dec{b: b[recHdrSize : recHdrSize+n]}
-	r := &rec{Type: typ}
+	d := dec{b: b[RecHdrSize : RecHdrSize+n]}
+	r := &Rec{Type: typ}
 	switch typ {
-	case recInsert:
+	case RecInsert:
 		r.Vol = d.u16()
 		r.LBA = d.u64()
 		r.Loc = d.u32()
@@ -118,35 +118,35 @@ func decodeRec(b []byte) (*rec, []byte, error) {
 		}
 		r.Epoch = d.u64()
 		cnt := int(d.u16())
-		if cnt == 0 || cnt > maxInsertRun {
-			return nil, nil, badf("journal record", "insert record with %d blocks", cnt)
+		if cnt == 0 || cnt > MaxInsertRun {
+			return nil, nil, Badf("journal record", "insert record with %d blocks", cnt)
 		}
 		r.CRCs = make([]uint32, 0, cnt)
 		for i := 0; i < cnt && !d.bad; i++ {
 			r.CRCs = append(r.CRCs, d.u32())
 		}
-	case recClean:
+	case RecClean:
 		r.Vol = d.u16()
 		r.LBA = d.u64()
 		r.Loc = d.u32()
-	case recInvalidate:
+	case RecInvalidate:
 		r.Vol = d.u16()
 		r.LBA = d.u64()
 		r.N = d.u64()
-	case recReuse:
+	case RecReuse:
 		r.Bucket = d.u32()
 		r.Gen = d.u32()
 	default:
-		return nil, nil, badf("journal record", "unknown record type %d", typ)
+		return nil, nil, Badf("journal record", "unknown record type %d", typ)
 	}
 	if d.bad || d.remaining() != 0 {
-		return nil, nil, badf("journal record", "malformed record type %d (%d bytes)", typ, n)
+		return nil, nil, Badf("journal record", "malformed record type %d (%d bytes)", typ, n)
 	}
-	return r, b[recHdrSize+n:], nil
+	return r, b[RecHdrSize+n:], nil
 }
 
-// jhdr is a journal block header.
-type jhdr struct {
+// BlockHeader is a journal block header.
+type BlockHeader struct {
 	Nonce      uint64
 	Gen        uint64 // checkpoint generation the block follows
 	Seq        uint64 // block sequence number within the generation, from the checkpoint's start
@@ -154,43 +154,43 @@ type jhdr struct {
 	Used       int    // payload bytes
 }
 
-// blockStatus classifies a journal block read during replay.
-type blockStatus int
+// BlockStatus classifies a journal block read during replay.
+type BlockStatus int
 
 const (
-	blockOK      blockStatus = iota
-	blockZero                // never written (zeroed tail)
-	blockForeign             // valid frame of another set or generation: end of log
-	blockBad                 // checksum or framing mismatch: torn write or corruption
+	BlockOK      BlockStatus = iota
+	BlockZero                // never written (zeroed tail)
+	BlockForeign             // valid frame of another set or generation: end of log
+	BlockBad                 // checksum or framing mismatch: torn write or corruption
 )
 
-// encodeJournalBlock frames payload (whole records) into a 4 KiB block.
-func encodeJournalBlock(h jhdr, payload []byte) []byte {
-	b := make([]byte, blockSize)
+// EncodeJournalBlock frames payload (whole records) into a 4 KiB block.
+func EncodeJournalBlock(h BlockHeader, payload []byte) []byte {
+	b := make([]byte, BlockSize)
 	le.PutUint32(b[0:], jMagic)
 	le.PutUint64(b[8:], h.Nonce)
 	le.PutUint64(b[16:], h.Gen)
 	le.PutUint64(b[24:], h.Seq)
 	le.PutUint64(b[32:], h.BatchStart)
 	le.PutUint16(b[40:], uint16(len(payload)))
-	copy(b[jHeaderSize:], payload)
-	le.PutUint32(b[4:], crc32c(b[8:]))
+	copy(b[JHeaderSize:], payload)
+	le.PutUint32(b[4:], CRC32C(b[8:]))
 	return b
 }
 
-// decodeJournalBlock validates the frame of b and returns its header and
-// records. It never panics. For blockBad, want/got are the checksums.
-func decodeJournalBlock(b []byte, nonce, gen uint64) (h jhdr, recs []*rec, st blockStatus, want, got uint32, err error) {
-	if len(b) != blockSize {
-		return h, nil, blockBad, 0, 0, badf("journal block", "journal block of %d bytes", len(b))
+// DecodeJournalBlock validates the frame of b and returns its header and
+// records. It never panics. For BlockBad, want/got are the checksums.
+func DecodeJournalBlock(b []byte, nonce, gen uint64) (h BlockHeader, recs []*Rec, st BlockStatus, want, got uint32, err error) {
+	if len(b) != BlockSize {
+		return h, nil, BlockBad, 0, 0, Badf("journal block", "journal block of %d bytes", len(b))
 	}
-	if isZero(b) {
-		return h, nil, blockZero, 0, 0, nil
+	if IsZero(b) {
+		return h, nil, BlockZero, 0, 0, nil
 	}
 	want = le.Uint32(b[4:])
-	got = crc32c(b[8:])
+	got = CRC32C(b[8:])
 	if le.Uint32(b[0:]) != jMagic || want != got {
-		return h, nil, blockBad, want, got, nil
+		return h, nil, BlockBad, want, got, nil
 	}
 	h.Nonce = le.Uint64(b[8:])
 	h.Gen = le.Uint64(b[16:])
@@ -198,25 +198,25 @@ func decodeJournalBlock(b []byte, nonce, gen uint64) (h jhdr, recs []*rec, st bl
 	h.BatchStart = le.Uint64(b[32:])
 	h.Used = int(le.Uint16(b[40:]))
 	if h.Nonce != nonce || h.Gen != gen {
-		return h, nil, blockForeign, want, got, nil
+		return h, nil, BlockForeign, want, got, nil
 	}
-	if h.Used > jPayload || h.BatchStart > h.Seq {
-		return h, nil, blockBad, want, got, badf("journal block", "header: used %d, batch start %d, seq %d", h.Used, h.BatchStart, h.Seq)
+	if h.Used > JPayload || h.BatchStart > h.Seq {
+		return h, nil, BlockBad, want, got, Badf("journal block", "header: used %d, batch start %d, seq %d", h.Used, h.BatchStart, h.Seq)
 	}
-	p := b[jHeaderSize : jHeaderSize+h.Used]
+	p := b[JHeaderSize : JHeaderSize+h.Used]
 	for len(p) > 0 {
-		var r *rec
-		r, p, err = decodeRec(p)
+		var r *Rec
+		r, p, err = DecodeRec(p)
 		if err != nil {
 			// The frame checksum is good, so this is not a torn write.
-			return h, nil, blockBad, want, got, err
+			return h, nil, BlockBad, want, got, err
 		}
 		recs = append(recs, r)
 	}
-	return h, recs, blockOK, want, got, nil
+	return h, recs, BlockOK, want, got, nil
 }
 
-func isZero(b []byte) bool {
+func IsZero(b []byte) bool {
 	for _, c := range b {
 		if c != 0 {
 			return false
@@ -225,15 +225,15 @@ func isZero(b []byte) bool {
 	return true
 }
 
-// packRecords splits an encoded record stream into block payloads.
-func packRecords(stream []byte) [][]byte {
+// PackRecords splits an encoded record stream into block payloads.
+func PackRecords(stream []byte) [][]byte {
 	var out [][]byte
-	cur := make([]byte, 0, jPayload)
+	cur := make([]byte, 0, JPayload)
 	for len(stream) > 0 {
-		n := recHdrSize + int(le.Uint16(stream[1:]))
-		if len(cur)+n > jPayload {
+		n := RecHdrSize + int(le.Uint16(stream[1:]))
+		if len(cur)+n > JPayload {
 			out = append(out, cur)
-			cur = make([]byte, 0, jPayload)
+			cur = make([]byte, 0, JPayload)
 		}
 		cur = append(cur, stream[:n]...)
 		stream = stream[n:]
@@ -244,50 +244,50 @@ func packRecords(stream []byte) [][]byte {
 	return out
 }
 
-// journalPos is a position in the circular journal: block index within the
+// JournalPos is a position in the circular journal: block index within the
 // region and the sequence number of the block written there.
-type journalPos struct {
+type JournalPos struct {
 	Blk int64
 	Seq uint64
 }
 
-// maxBatchBlocks is the largest number of journal blocks written between two
+// MaxBatchBlocks is the largest number of journal blocks written between two
 // syncs. Replay looks this far past a bad block: a valid block of a later
 // batch there proves the bad block was once durable (corruption), otherwise
 // the bad block is the torn tail of the last, unacknowledged batch.
-func maxBatchBlocks(jblocks int64) int64 { return min(64, jblocks/4) }
+func MaxBatchBlocks(jblocks int64) int64 { return min(64, jblocks/4) }
 
-// replayJournal applies the records of generation gen from start until the
+// ReplayJournal applies the records of generation gen from start until the
 // end of the log. It returns the position after the last applied block.
 //
 // Reading and decoding (frame checksum, record validation) run in a
 // goroutine one step ahead of apply, through a small queue: on a 1M-extent
 // recovery they were a third of the replay's wall time. The reader reads
 // the same blocks in the same order as a sequential replay and stops after
-// the first block that is not blockOK (or a read error), so the device sees
+// the first block that is not BlockOK (or a read error), so the device sees
 // the same operations (crash-point tests count them); the look-ahead past
 // a bad block runs here, after the reader has stopped.
 //
 // block, if not nil, is called with the offset, sequence number and a copy
 // of the record payload of each valid block before its records are applied.
-func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalPos, block func(off int64, seq uint64, payload []byte), apply func(*rec) error) (journalPos, int, error) {
+func ReplayJournal(dev device.Device, sb *Superblock, gen uint64, start JournalPos, block func(off int64, seq uint64, payload []byte), apply func(*Rec) error) (JournalPos, int, error) {
 	nonce := sb.Nonce()
-	jblocks := sb.JournalLen / blockSize
+	jblocks := sb.JournalLen / BlockSize
 	pos := start
-	buf := make([]byte, blockSize)
+	buf := make([]byte, BlockSize)
 	applied := 0
 	readBlk := func(i int64) ([]byte, int64, error) {
-		off := sb.JournalOff + (i%jblocks)*blockSize
+		off := sb.JournalOff + (i%jblocks)*BlockSize
 		_, err := dev.ReadAt(buf, off)
 		return buf, off, err
 	}
 	type decoded struct {
 		off       int64
 		err       error // read error
-		h         jhdr
-		recs      []*rec
+		h         BlockHeader
+		recs      []*Rec
 		payload   []byte // a copy, if block wants it
-		st        blockStatus
+		st        BlockStatus
 		want, got uint32
 		derr      error
 	}
@@ -298,13 +298,13 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 	go func() {
 		defer reader.Done()
 		defer close(blocks)
-		rbuf := make([]byte, blockSize)
+		rbuf := make([]byte, BlockSize)
 		for n := int64(0); n < jblocks; n++ {
-			d := decoded{off: sb.JournalOff + ((start.Blk+n)%jblocks)*blockSize}
+			d := decoded{off: sb.JournalOff + ((start.Blk+n)%jblocks)*BlockSize}
 			if _, d.err = dev.ReadAt(rbuf, d.off); d.err == nil {
-				d.h, d.recs, d.st, d.want, d.got, d.derr = decodeJournalBlock(rbuf, nonce, gen)
-				if block != nil && d.st == blockOK {
-					d.payload = append([]byte(nil), rbuf[jHeaderSize:jHeaderSize+d.h.Used]...)
+				d.h, d.recs, d.st, d.want, d.got, d.derr = DecodeJournalBlock(rbuf, nonce, gen)
+				if block != nil && d.st == BlockOK {
+					d.payload = append([]byte(nil), rbuf[JHeaderSize:JHeaderSize+d.h.Used]...)
 				}
 			}
 			select {
@@ -312,7 +312,7 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 			case <-done:
 				return
 			}
-			if d.err != nil || d.st != blockOK {
+			if d.err != nil || d.st != BlockOK {
 				return
 			}
 		}
@@ -330,10 +330,10 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 		if err != nil {
 			return pos, applied, fmt.Errorf("reading journal block at %d: %w", off, err)
 		}
-		if st == blockOK && h.Seq != pos.Seq {
-			return pos, applied, corruptf("journal", off, blockSize, "block sequence %d, expected %d", h.Seq, pos.Seq)
+		if st == BlockOK && h.Seq != pos.Seq {
+			return pos, applied, Corruptf("journal", off, BlockSize, "block sequence %d, expected %d", h.Seq, pos.Seq)
 		}
-		if st == blockOK {
+		if st == BlockOK {
 			if block != nil {
 				block(off, h.Seq, d.payload)
 			}
@@ -343,21 +343,21 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 				}
 				applied++
 			}
-			pos = journalPos{Blk: (pos.Blk + 1) % jblocks, Seq: pos.Seq + 1}
+			pos = JournalPos{Blk: (pos.Blk + 1) % jblocks, Seq: pos.Seq + 1}
 			continue
 		}
 		// End of the log or damage. A later batch of this generation beyond
 		// this block means this block was durable once: corruption.
-		for j := int64(1); j <= maxBatchBlocks(jblocks) && n+j < jblocks; j++ {
+		for j := int64(1); j <= MaxBatchBlocks(jblocks) && n+j < jblocks; j++ {
 			b2, _, err := readBlk(pos.Blk + j)
 			if err != nil {
 				return pos, applied, fmt.Errorf("reading journal: %w", err)
 			}
-			h2, _, st2, _, _, _ := decodeJournalBlock(b2, nonce, gen)
-			if st2 == blockOK && h2.Seq > pos.Seq && h2.BatchStart > pos.Seq {
-				ce := &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "journal block", Offset: off, Length: blockSize,
+			h2, _, st2, _, _, _ := DecodeJournalBlock(b2, nonce, gen)
+			if st2 == BlockOK && h2.Seq > pos.Seq && h2.BatchStart > pos.Seq {
+				ce := &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "journal block", Offset: off, Length: BlockSize,
 					Detail: fmt.Sprintf("block seq %d unreadable but later batch (seq %d) is durable", pos.Seq, h2.Seq)}
-				if st == blockBad && derr == nil {
+				if st == BlockBad && derr == nil {
 					ce.Expected, ce.Actual, ce.HaveSums = want, got, true
 				}
 				return pos, applied, ce
@@ -365,7 +365,7 @@ func replayJournal(dev device.Device, sb *Superblock, gen uint64, start journalP
 		}
 		if derr != nil {
 			// Checksum fine but contents invalid: not a torn write.
-			return pos, applied, placed(derr, off, blockSize)
+			return pos, applied, Placed(derr, off, BlockSize)
 		}
 		return pos, applied, nil
 	}

@@ -1,4 +1,4 @@
-package cache
+package ondisk
 
 import (
 	"fmt"
@@ -52,7 +52,7 @@ func (s Settings) Validate() error {
 	if s.WritebackOrder != "epoch" && s.WritebackOrder != "lba" {
 		return fmt.Errorf("%w: writeback_order %q (want epoch or lba)", ErrInvalid, s.WritebackOrder)
 	}
-	if _, err := parsePromote(s.Promote); err != nil {
+	if _, err := ParsePromote(s.Promote); err != nil {
 		return err
 	}
 	if s.WritebackRateMax < 0 {
@@ -61,9 +61,9 @@ func (s Settings) Validate() error {
 	return nil
 }
 
-// parsePromote returns the hit count a block needs before it is promoted:
+// ParsePromote returns the hit count a block needs before it is promoted:
 // 1 for always, 0 for never.
-func parsePromote(p string) (int, error) {
+func ParsePromote(p string) (int, error) {
 	switch {
 	case p == "always":
 		return 1, nil
@@ -155,4 +155,13 @@ func parseBytes(v string) (int64, error) {
 		return 0, fmt.Errorf("bad size %q", v)
 	}
 	return n * mult, nil
+}
+
+// PromoteNeed is the miss count that promotes a block under the settings.
+func (st *Settings) PromoteNeed() int {
+	n, err := ParsePromote(st.Promote)
+	if err != nil {
+		return 1
+	}
+	return n
 }

@@ -1,4 +1,4 @@
-package cache
+package ondisk
 
 import (
 	"encoding/binary"
@@ -7,7 +7,7 @@ import (
 
 var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
-func crc32c(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
+func CRC32C(b []byte) uint32 { return crc32.Checksum(b, castagnoli) }
 
 var le = binary.LittleEndian
 

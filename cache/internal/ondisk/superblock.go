@@ -1,4 +1,11 @@
-package cache
+// Package ondisk holds the on-disk formats of a cache set and their codecs:
+// the superblock (two alternating copies), the journal (framed 4 KiB blocks
+// of records), the checkpoints (two alternating slots) and the volume
+// settings stored in the superblock. It knows the layout and the checksums
+// and returns typed corruption errors for anything it refuses; it knows
+// nothing of an open set. The byte layout is described in package cache's
+// doc.go.
+package ondisk
 
 import (
 	"errors"
@@ -67,22 +74,25 @@ func (sb *Superblock) LiveBackings() int {
 }
 
 const (
-	blockSize     = 4096
-	blockShift    = 12
-	sbCopySize    = 64 << 10
-	sbHeaderSize  = 24
-	sbMagic       = "TIERCSB\x01"
-	formatVersion = 1
-	maxBackings   = 64
+	BlockSize     = 4096
+	BlockShift    = 12
+	SBCopySize    = 64 << 10
+	SBHeaderSize  = 24
+	SBMagic       = "TIERCSB\x01"
+	FormatVersion = 1
+	MaxBackings   = 64
 	sbSettingsTag = 0x53455454 // "SETT": the per-backing settings trailer
-	maxNameLen    = 255
-	maxPathLen    = 4096
-	// maxLBABlocks bounds a backing device: the index packs LBAs into 40
+	MaxNameLen    = 255
+	MaxPathLen    = 4096
+	// MaxLBABlocks bounds a backing device: the index packs LBAs into 40
 	// bits (4 PiB of 4 KiB blocks; see ptree.go).
-	maxLBABlocks = index.MaxLBA
-	// maxCacheBlocks: the dirty flag lives in the top bit of a 32-bit cache
+	MaxLBABlocks = index.MaxLBA
+	// MaxCacheBlocks: the dirty flag lives in the top bit of a 32-bit cache
 	// block number.
-	maxCacheBlocks = 1 << 31
+	MaxCacheBlocks = 1 << 31
+	// MinBuckets and MinJournalLen bound the smallest layout.
+	MinBuckets    = 4
+	MinJournalLen = 64 << 10
 )
 
 // Nonce derives the 64-bit value that tags journal blocks and checkpoints
@@ -90,10 +100,10 @@ const (
 // device is never mistaken for ours.
 func (sb *Superblock) Nonce() uint64 { return le.Uint64(sb.SetUUID[:8]) ^ le.Uint64(sb.SetUUID[8:]) }
 
-func (sb *Superblock) BlocksPerBucket() int64 { return sb.BucketSize / blockSize }
+func (sb *Superblock) BlocksPerBucket() int64 { return sb.BucketSize / BlockSize }
 
 func (sb *Superblock) Encode() ([]byte, error) {
-	e := enc{b: make([]byte, sbHeaderSize, 1024)}
+	e := enc{b: make([]byte, SBHeaderSize, 1024)}
 	e.u64(sb.Seq)
 	e.b = append(e.b, sb.SetUUID[:]...)
 	e.u32(uint32(sb.BlockSize))
@@ -110,13 +120,13 @@ func (sb *Superblock) Encode() ([]byte, error) {
 	} else {
 		e.u8(0)
 	}
-	if len(sb.Backings) > maxBackings {
-		return nil, fmt.Errorf("%w: %d backing devices, at most %d", ErrInvalid, len(sb.Backings), maxBackings)
+	if len(sb.Backings) > MaxBackings {
+		return nil, fmt.Errorf("%w: %d backing devices, at most %d", ErrInvalid, len(sb.Backings), MaxBackings)
 	}
 	e.u16(uint16(len(sb.Backings)))
 	for _, b := range sb.Backings {
-		if len(b.Name) > maxNameLen || len(b.ID) > maxNameLen || len(b.Path) > maxPathLen {
-			return nil, fmt.Errorf("%w: backing name or id longer than %d bytes, or path longer than %d", ErrInvalid, maxNameLen, maxPathLen)
+		if len(b.Name) > MaxNameLen || len(b.ID) > MaxNameLen || len(b.Path) > MaxPathLen {
+			return nil, fmt.Errorf("%w: backing name or id longer than %d bytes, or path longer than %d", ErrInvalid, MaxNameLen, MaxPathLen)
 		}
 		e.str(b.Name)
 		e.str(b.ID)
@@ -138,40 +148,40 @@ func (sb *Superblock) Encode() ([]byte, error) {
 		e.u64(uint64(st.WritebackRateMax))
 	}
 	b := e.b
-	if len(b) > sbCopySize {
-		return nil, fmt.Errorf("%w: superblock of %d bytes exceeds its %d-byte slot (too many backings or long paths)", ErrInvalid, len(b), sbCopySize)
+	if len(b) > SBCopySize {
+		return nil, fmt.Errorf("%w: superblock of %d bytes exceeds its %d-byte slot (too many backings or long paths)", ErrInvalid, len(b), SBCopySize)
 	}
-	copy(b[0:8], sbMagic)
-	le.PutUint32(b[8:], formatVersion)
-	le.PutUint32(b[12:], uint32(len(b)-sbHeaderSize))
+	copy(b[0:8], SBMagic)
+	le.PutUint32(b[8:], FormatVersion)
+	le.PutUint32(b[12:], uint32(len(b)-SBHeaderSize))
 	le.PutUint32(b[16:], 0)
-	le.PutUint32(b[16:], crc32c(b))
+	le.PutUint32(b[16:], CRC32C(b))
 	return b, nil
 }
 
-// decodeSuperblock parses one superblock copy. Any failure wraps ErrCorrupt
+// DecodeSuperblock parses one superblock copy. Any failure wraps ErrCorrupt
 // (or ErrNotFormatted when the magic is absent). off is only for messages.
-func decodeSuperblock(b []byte, off int64) (*Superblock, error) {
-	if len(b) < sbHeaderSize || string(b[0:8]) != sbMagic {
+func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
+	if len(b) < SBHeaderSize || string(b[0:8]) != SBMagic {
 		return nil, ErrNotFormatted
 	}
 	version := le.Uint32(b[8:])
 	plen := int(le.Uint32(b[12:]))
-	if plen > len(b)-sbHeaderSize || plen > sbCopySize-sbHeaderSize {
-		return nil, corruptf("superblock", off, sbCopySize, "payload length %d too large", plen)
+	if plen > len(b)-SBHeaderSize || plen > SBCopySize-SBHeaderSize {
+		return nil, Corruptf("superblock", off, SBCopySize, "payload length %d too large", plen)
 	}
 	want := le.Uint32(b[16:])
-	tmp := make([]byte, sbHeaderSize+plen)
+	tmp := make([]byte, SBHeaderSize+plen)
 	copy(tmp, b)
 	le.PutUint32(tmp[16:], 0)
-	if got := crc32c(tmp); got != want {
+	if got := CRC32C(tmp); got != want {
 		return nil, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "superblock", Offset: off,
-			Length: int64(sbHeaderSize + plen), Expected: want, Actual: got, HaveSums: true}
+			Length: int64(SBHeaderSize + plen), Expected: want, Actual: got, HaveSums: true}
 	}
-	if version != formatVersion {
-		return nil, corruptf("superblock", off, sbCopySize, "unsupported format version %d", version)
+	if version != FormatVersion {
+		return nil, Corruptf("superblock", off, SBCopySize, "unsupported format version %d", version)
 	}
-	d := dec{b: b[sbHeaderSize : sbHeaderSize+plen]}
+	d := dec{b: b[SBHeaderSize : SBHeaderSize+plen]}
 	sb := &Superblock{Version: version}
 	sb.Seq = d.u64()
 	copy(sb.SetUUID[:], d.take(16))
@@ -186,8 +196,8 @@ func decodeSuperblock(b []byte, off int64) (*Superblock, error) {
 	sb.BucketsOff = int64(d.u64())
 	sb.Clean = d.u8() == 1
 	n := int(d.u16())
-	if n > maxBackings {
-		return nil, corruptf("superblock", off, sbCopySize, "%d backings", n)
+	if n > MaxBackings {
+		return nil, Corruptf("superblock", off, SBCopySize, "%d backings", n)
 	}
 	for i := 0; i < n && !d.bad; i++ {
 		var bi BackingInfo
@@ -201,7 +211,7 @@ func decodeSuperblock(b []byte, off int64) (*Superblock, error) {
 	}
 	if !d.bad && d.remaining() > 0 {
 		if d.u32() != sbSettingsTag {
-			return nil, corruptf("superblock", off, sbCopySize, "unknown trailer")
+			return nil, Corruptf("superblock", off, SBCopySize, "unknown trailer")
 		}
 		for i := range sb.Backings {
 			st := &sb.Backings[i].Settings
@@ -215,11 +225,11 @@ func decodeSuperblock(b []byte, off int64) (*Superblock, error) {
 	for i := range sb.Backings {
 		sb.Backings[i].Settings.Mode = sb.Backings[i].Mode
 		if err := sb.Backings[i].Settings.Validate(); err != nil && !d.bad {
-			return nil, corruptf("superblock", off, sbCopySize, "backing %d settings: %v", i, err)
+			return nil, Corruptf("superblock", off, SBCopySize, "backing %d settings: %v", i, err)
 		}
 	}
 	if d.bad || d.remaining() != 0 {
-		return nil, corruptf("superblock", off, sbCopySize, "malformed payload")
+		return nil, Corruptf("superblock", off, SBCopySize, "malformed payload")
 	}
 	if err := sb.Validate(-1); err != nil {
 		return nil, fmt.Errorf("superblock at offset %d: %w", off, err)
@@ -231,24 +241,24 @@ func decodeSuperblock(b []byte, off int64) (*Superblock, error) {
 // device size when devSize >= 0. Data from disk goes through here before any
 // of it is used as an offset.
 func (sb *Superblock) Validate(devSize int64) error {
-	bad := func(f string, a ...any) error { return corruptf("superblock", 0, sbCopySize, f, a...) }
-	if sb.BlockSize != blockSize {
+	bad := func(f string, a ...any) error { return Corruptf("superblock", 0, SBCopySize, f, a...) }
+	if sb.BlockSize != BlockSize {
 		return bad("block size %d", sb.BlockSize)
 	}
-	if sb.BucketSize < 2*blockSize || sb.BucketSize%blockSize != 0 || sb.BucketSize > 1<<30 {
+	if sb.BucketSize < 2*BlockSize || sb.BucketSize%BlockSize != 0 || sb.BucketSize > 1<<30 {
 		return bad("bucket size %d", sb.BucketSize)
 	}
-	if sb.NBuckets < minBuckets || sb.NBuckets*sb.BlocksPerBucket() > maxCacheBlocks {
+	if sb.NBuckets < MinBuckets || sb.NBuckets*sb.BlocksPerBucket() > MaxCacheBlocks {
 		return bad("%d buckets", sb.NBuckets)
 	}
-	if sb.JournalOff != 2*sbCopySize || sb.JournalLen < minJournalLen || sb.JournalLen%blockSize != 0 || sb.JournalLen > 1<<40 {
+	if sb.JournalOff != 2*SBCopySize || sb.JournalLen < MinJournalLen || sb.JournalLen%BlockSize != 0 || sb.JournalLen > 1<<40 {
 		return bad("journal region %d+%d", sb.JournalOff, sb.JournalLen)
 	}
-	if sb.CkptOff[0] != sb.JournalOff+sb.JournalLen || sb.CkptLen < ckptLenFor(sb.NBuckets, sb.BlocksPerBucket(), len(sb.Backings)) ||
-		sb.CkptLen%blockSize != 0 || sb.CkptOff[1] != sb.CkptOff[0]+sb.CkptLen || sb.CkptLen > 1<<40 {
+	if sb.CkptOff[0] != sb.JournalOff+sb.JournalLen || sb.CkptLen < CkptLenFor(sb.NBuckets, sb.BlocksPerBucket(), len(sb.Backings)) ||
+		sb.CkptLen%BlockSize != 0 || sb.CkptOff[1] != sb.CkptOff[0]+sb.CkptLen || sb.CkptLen > 1<<40 {
 		return bad("checkpoint slots %v+%d", sb.CkptOff, sb.CkptLen)
 	}
-	if sb.BucketsOff < sb.CkptOff[1]+sb.CkptLen || sb.BucketsOff%blockSize != 0 || sb.BucketsOff > 1<<50 {
+	if sb.BucketsOff < sb.CkptOff[1]+sb.CkptLen || sb.BucketsOff%BlockSize != 0 || sb.BucketsOff > 1<<50 {
 		return bad("bucket area at %d", sb.BucketsOff)
 	}
 	end := sb.BucketsOff + sb.NBuckets*sb.BucketSize
@@ -262,7 +272,7 @@ func (sb *Superblock) Validate(devSize int64) error {
 			}
 			continue
 		}
-		if b.Size <= 0 || (b.Size+blockSize-1)/blockSize >= maxLBABlocks || !b.Mode.Valid() || b.Name == "" {
+		if b.Size <= 0 || (b.Size+BlockSize-1)/BlockSize >= MaxLBABlocks || !b.Mode.Valid() || b.Name == "" {
 			return bad("backing %d (%q): size %d mode %d", i, b.Name, b.Size, b.Mode)
 		}
 		for _, o := range sb.Backings[:i] {
@@ -274,29 +284,24 @@ func (sb *Superblock) Validate(devSize int64) error {
 	return nil
 }
 
-// ReadSuperblock returns the newest valid superblock copy of cacheDev. It
-// returns ErrNotFormatted (wrapped) when neither copy has the magic, and a
-// corruption error when a copy has the magic but no copy is valid.
-func ReadSuperblock(cacheDev device.Device) (*Superblock, error) {
-	sb, _, err := readSuperblock(cacheDev)
-	return sb, err
-}
-
-// readSuperblock also returns which copy (0 or 1) was chosen.
-func readSuperblock(dev device.Device) (*Superblock, int, error) {
-	if dev.Size() < 2*sbCopySize {
+// ReadSuperblock returns the newest valid superblock copy of dev and which
+// copy (0 or 1) it is. It returns ErrNotFormatted (wrapped) when neither
+// copy has the magic, and a corruption error when a copy has the magic but
+// no copy is valid.
+func ReadSuperblock(dev device.Device) (*Superblock, int, error) {
+	if dev.Size() < 2*SBCopySize {
 		return nil, 0, fmt.Errorf("%w: cache device of %d bytes", ErrNotFormatted, dev.Size())
 	}
 	var best *Superblock
 	bestIdx := 0
 	var errs [2]error
 	for i := 0; i < 2; i++ {
-		off := int64(i) * sbCopySize
-		buf := make([]byte, blockSize)
+		off := int64(i) * SBCopySize
+		buf := make([]byte, BlockSize)
 		_, err := dev.ReadAt(buf, off)
-		if err == nil && string(buf[:8]) == sbMagic {
-			if n := sbHeaderSize + int(le.Uint32(buf[12:])); n > blockSize && n <= sbCopySize {
-				buf = make([]byte, (n+blockSize-1)/blockSize*blockSize)
+		if err == nil && string(buf[:8]) == SBMagic {
+			if n := SBHeaderSize + int(le.Uint32(buf[12:])); n > BlockSize && n <= SBCopySize {
+				buf = make([]byte, (n+BlockSize-1)/BlockSize*BlockSize)
 				_, err = dev.ReadAt(buf, off)
 			}
 		}
@@ -306,7 +311,7 @@ func readSuperblock(dev device.Device) (*Superblock, int, error) {
 			// the set to older settings. Refuse instead.
 			return nil, 0, fmt.Errorf("reading superblock copy %d at %d: %w", i, off, err)
 		}
-		sb, err := decodeSuperblock(buf, off)
+		sb, err := DecodeSuperblock(buf, off)
 		if err == nil {
 			err = sb.Validate(dev.Size())
 		}
@@ -327,17 +332,17 @@ func readSuperblock(dev device.Device) (*Superblock, int, error) {
 	return nil, 0, fmt.Errorf("no valid superblock: copy 0: %v; copy 1: %w", errs[0], errs[1])
 }
 
-// writeSuperblock writes sb (with sb.Seq already advanced) into copy
+// WriteSuperblock writes sb (with sb.Seq already advanced) into copy
 // sb.Seq%2, then syncs. The other copy still holds the previous version.
-func writeSuperblock(dev device.Device, sb *Superblock) error {
+func WriteSuperblock(dev device.Device, sb *Superblock) error {
 	b, err := sb.Encode()
 	if err != nil {
 		return err
 	}
 	// Only the blocks holding the encoding: decode ignores what follows.
-	buf := make([]byte, (len(b)+blockSize-1)/blockSize*blockSize)
+	buf := make([]byte, (len(b)+BlockSize-1)/BlockSize*BlockSize)
 	copy(buf, b)
-	off := int64(sb.Seq%2) * sbCopySize
+	off := int64(sb.Seq%2) * SBCopySize
 	if _, err := dev.WriteAt(buf, off); err != nil {
 		return fmt.Errorf("writing superblock copy at %d: %w", off, err)
 	}
