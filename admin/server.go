@@ -18,6 +18,7 @@ import (
 
 	"github.com/tiercache/tiercache/cache"
 	"github.com/tiercache/tiercache/internal/backingid"
+	"github.com/tiercache/tiercache/internal/names"
 	"github.com/tiercache/tiercache/nbd"
 )
 
@@ -243,6 +244,46 @@ func (s *Server) Handler() http.Handler {
 		writeError(w, http.StatusNotFound, "", fmt.Sprintf("no such API endpoint: %s %s", r.Method, r.URL.Path))
 	})
 	return s.track(mux)
+}
+
+// MaxBodyBytes is the largest request body the API reads.
+const MaxBodyBytes = 1 << 20
+
+// decodeBody decodes the request body, one JSON value, into v. It answers
+// 413 for a body over MaxBodyBytes and 400 for anything but exactly one
+// JSON value (want describes it), unknown fields too when strict, and
+// returns false after answering.
+func decodeBody(w http.ResponseWriter, r *http.Request, v any, want string, strict bool) bool {
+	dec := json.NewDecoder(http.MaxBytesReader(w, r.Body, MaxBodyBytes))
+	if strict {
+		dec.DisallowUnknownFields()
+	}
+	err := dec.Decode(v)
+	if err == nil {
+		// Anything after the value but white space is refused: a
+		// concatenated second object or junk means the client sent
+		// something else than it thinks.
+		if _, terr := dec.Token(); terr != io.EOF {
+			err = errors.New("trailing data after the JSON value")
+			if terr != nil && !isSyntax(terr) {
+				err = terr
+			}
+		}
+	}
+	if err == nil {
+		return true
+	}
+	if _, ok := errors.AsType[*http.MaxBytesError](err); ok {
+		writeError(w, http.StatusRequestEntityTooLarge, "", fmt.Sprintf("request body larger than %d bytes (1 MiB); want %s", MaxBodyBytes, want))
+		return false
+	}
+	writeError(w, http.StatusBadRequest, "", fmt.Sprintf("request body: want %s: %v", want, err))
+	return false
+}
+
+func isSyntax(err error) bool {
+	_, ok := errors.AsType[*json.SyntaxError](err)
+	return ok
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {
@@ -476,9 +517,7 @@ func (s *Server) handlePutSettings(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	var req map[string]string
-	dec := json.NewDecoder(io.LimitReader(r.Body, 1<<20))
-	if err := dec.Decode(&req); err != nil {
-		writeError(w, http.StatusBadRequest, "", fmt.Sprintf("request body: want a JSON object of \"key\": \"value\" strings: %v", err))
+	if !decodeBody(w, r, &req, `a JSON object of "key": "value" strings`, false) {
 		return
 	}
 	if len(req) == 0 {
@@ -722,10 +761,7 @@ func attachStatus(err error) int {
 
 func (s *Server) handleAttach(w http.ResponseWriter, r *http.Request) {
 	var req AttachRequest
-	dec := json.NewDecoder(io.LimitReader(r.Body, 1<<20))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&req); err != nil {
-		writeError(w, http.StatusBadRequest, "", fmt.Sprintf("request body: want {\"name\": ..., \"path\": ..., \"mode\": ..., \"force\": ...}: %v", err))
+	if !decodeBody(w, r, &req, `{"name": ..., "path": ..., "mode": ..., "force": ...}`, true) {
 		return
 	}
 	switch {
@@ -740,6 +776,10 @@ func (s *Server) handleAttach(w http.ResponseWriter, r *http.Request) {
 		return
 	case req.Name == "" || req.Path == "":
 		writeError(w, http.StatusBadRequest, "", "attach needs a name and a path (NAME=PATH)")
+		return
+	}
+	if err := names.Check(req.Name); err != nil {
+		writeError(w, http.StatusBadRequest, "name", fmt.Sprintf("attach: %v", err))
 		return
 	}
 	if req.Mode == "" {

@@ -14,6 +14,7 @@ import (
 	"github.com/tiercache/tiercache/cache"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/backingid"
+	"github.com/tiercache/tiercache/internal/names"
 )
 
 func newAttachCmd(g *globals) *cobra.Command {
@@ -45,6 +46,9 @@ only when that set is gone: it may hold newer, dirty data for the disk).`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, path, err := parseNamePath("attach", args[0])
+			if errors.Is(err, names.ErrInvalid) {
+				return fmt.Errorf("attach: %w", errors.Unwrap(err))
+			}
 			if err != nil {
 				return fmt.Errorf("attach: want NAME=PATH, got %q", args[0])
 			}

@@ -22,6 +22,7 @@ import (
 	"github.com/tiercache/tiercache/cache"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/backingid"
+	"github.com/tiercache/tiercache/internal/names"
 	"github.com/tiercache/tiercache/internal/plain"
 	"github.com/tiercache/tiercache/nbd"
 )
@@ -88,6 +89,15 @@ purpose (a repaired cache device replays its journal).`,
 					return err
 				}
 			}
+			if o.tls.clientCA != "" {
+				// Client certificates authenticate clients only if every
+				// client must start TLS: a plaintext client would bypass
+				// them (and list exports, read and write).
+				if cmd.Flags().Changed("tls-required") && !o.tls.required {
+					return errors.New("--tls-client-ca requires TLS of every client, so --tls-required=false contradicts it: drop --tls-required=false, or drop --tls-client-ca to let clients in without certificates")
+				}
+				o.tls.required = true
+			}
 			return serve(cmd.Context(), g, o)
 		},
 	}
@@ -102,7 +112,7 @@ purpose (a repaired cache device replays its journal).`,
 	f.StringVar(&o.socketMode, "socket-mode", "0600", "permissions of unix sockets")
 	f.StringVar(&o.tls.cert, "tls-cert", "", "PEM certificate `FILE` for NBD STARTTLS")
 	f.StringVar(&o.tls.key, "tls-key", "", "PEM private key `FILE` for --tls-cert")
-	f.StringVar(&o.tls.clientCA, "tls-client-ca", "", "require client certificates signed by the CAs in this PEM `FILE`")
+	f.StringVar(&o.tls.clientCA, "tls-client-ca", "", "require client certificates signed by the CAs in this PEM `FILE` (implies --tls-required)")
 	f.BoolVar(&o.tls.required, "tls-required", false, "refuse clients that do not start TLS")
 	f.DurationVar(&o.drainWait, "shutdown-timeout", 30*time.Second, "how long to wait for in-flight requests at shutdown")
 	f.StringVar(&o.adminTCP, "admin-tcp", "", "also serve the admin API and /metrics on TCP `HOST:PORT` (host defaults to 127.0.0.1)")
@@ -122,14 +132,16 @@ func parseDirect(s string) (device.DirectMode, error) {
 	return 0, fmt.Errorf("--direct %q: want auto, on or off", s)
 }
 
-// parseNamePath splits NAME=PATH.
+// parseNamePath splits NAME=PATH and checks NAME against the name rule
+// (internal/names): every name given on the command line, in the config
+// file or to attach passes through here.
 func parseNamePath(flag, s string) (name, path string, err error) {
 	name, path, ok := strings.Cut(s, "=")
 	if !ok || name == "" || path == "" {
 		return "", "", fmt.Errorf("--%s %q: want NAME=PATH", flag, s)
 	}
-	if len(name) > 4096 {
-		return "", "", fmt.Errorf("--%s: name longer than 4096 bytes", flag)
+	if err := names.Check(name); err != nil {
+		return "", "", fmt.Errorf("--%s: %w", flag, err)
 	}
 	return name, path, nil
 }
