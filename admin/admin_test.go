@@ -82,7 +82,7 @@ func serveHTTP(t *testing.T, srv *Server) (*Client, func()) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	hs := &http.Server{Handler: srv.Handler()}
+	hs := &http.Server{Handler: srv.Handler(), ConnContext: ConnContext}
 	go hs.Serve(l)
 	return NewClient(sock), func() { hs.Close() }
 }

@@ -21,9 +21,10 @@ var ErrNoServer = errors.New("no tiercache server is running there")
 
 // Client talks to a running server's admin API.
 type Client struct {
-	addr string // unix socket path, or tcp:HOST:PORT
-	hc   *http.Client
-	base string
+	addr  string // unix socket path, or tcp:HOST:PORT
+	hc    *http.Client
+	base  string
+	token string // bearer token sent with every request, if set
 }
 
 // NewClient returns a client for addr: a unix socket path, or
@@ -43,6 +44,10 @@ func NewClient(addr string) *Client {
 	c.hc = &http.Client{Transport: tr}
 	return c
 }
+
+// SetToken makes the client send "Authorization: Bearer token" (the
+// admin API over TCP requires it).
+func (c *Client) SetToken(token string) { c.token = token }
 
 // Addr is the address the client talks to.
 func (c *Client) Addr() string { return c.addr }
@@ -71,6 +76,9 @@ func (c *Client) do(ctx context.Context, method, path string, body any) (*http.R
 	}
 	if body != nil {
 		req.Header.Set("Content-Type", "application/json")
+	}
+	if c.token != "" {
+		req.Header.Set("Authorization", "Bearer "+c.token)
 	}
 	resp, err := c.hc.Do(req)
 	if err != nil {

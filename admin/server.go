@@ -61,6 +61,9 @@ type Config struct {
 	// Listeners are the NBD server's addresses and Admin this API's
 	// (unix:PATH, tcp:HOST:PORT), as /v1/status reports them.
 	Listeners, Admin []string
+	// Access decides who may use the API (access.go); the http.Server
+	// must set ConnContext.
+	Access Access
 }
 
 // Server implements the admin API. Create it with New, serve Handler, and
@@ -243,7 +246,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusNotFound, "", fmt.Sprintf("no such API endpoint: %s %s", r.Method, r.URL.Path))
 	})
-	return s.track(mux)
+	return s.track(s.authorize(mux))
 }
 
 // MaxBodyBytes is the largest request body the API reads.

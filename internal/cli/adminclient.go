@@ -31,10 +31,26 @@ func (g *globals) adminAddr() string {
 
 // client returns an admin API client for the server the commands talk to
 // (g.discover); errors it returns say how the address was chosen when no
-// server answers.
+// server answers. Over TCP it sends the bearer token from g.tokenPath()
+// (the server's 401 says where it is if it cannot be read).
 func (g *globals) client() *admin.Client {
 	addr, _ := g.discover()
-	return admin.NewClient(addr)
+	c := admin.NewClient(addr)
+	if strings.HasPrefix(addr, "tcp:") {
+		if tok, err := os.ReadFile(g.tokenPath()); err == nil {
+			c.SetToken(strings.TrimSpace(string(tok)))
+		}
+	}
+	return c
+}
+
+// tokenPath is the admin API's bearer token file: --admin-token-file, else
+// DATA_DIR/admin.token.
+func (g *globals) tokenPath() string {
+	if g.tokenFile != "" {
+		return g.tokenFile
+	}
+	return filepath.Join(g.dataDir, "admin.token")
 }
 
 // apiErr makes an admin API error readable on the command line.

@@ -23,7 +23,9 @@ import (
 //	cache = "/dev/disk/by-id/nvme-...-part1"
 //	listen = ["unix:/run/tiercache/nbd.sock"]
 //	admin = "/run/tiercache/admin.sock"
-//	admin_tcp = "127.0.0.1:9450"  # also /metrics
+//	admin_tcp = "127.0.0.1:9450"  # also /metrics; needs the bearer token
+//	admin_token_file = "/var/lib/tiercache/admin.token"
+//	metrics_no_auth = false       # GET /metrics over admin_tcp without the token
 //	read_only = false
 //	direct = "auto"
 //	socket_mode = "0600"
@@ -43,6 +45,8 @@ type serveConfig struct {
 	Listen          []string          `toml:"listen"`
 	Admin           *string           `toml:"admin"`
 	AdminTCP        *string           `toml:"admin_tcp"`
+	AdminTokenFile  *string           `toml:"admin_token_file"`
+	MetricsNoAuth   *bool             `toml:"metrics_no_auth"`
 	ReadOnly        *bool             `toml:"read_only"`
 	Direct          *string           `toml:"direct"`
 	SocketMode      *string           `toml:"socket_mode"`
@@ -79,7 +83,7 @@ func loadServeConfig(path string) (*serveConfig, error) {
 			msgs = append(msgs, fmt.Sprintf("%s:%d: unknown key %q", path, keyLine(path, k), k.String()))
 		}
 		sort.Strings(msgs)
-		return nil, fmt.Errorf("config: %s (known keys: data_dir, log_format, log_level, cache, listen, admin, admin_tcp, read_only, direct, socket_mode, shutdown_timeout, force, [backing], [export])",
+		return nil, fmt.Errorf("config: %s (known keys: data_dir, log_format, log_level, cache, listen, admin, admin_tcp, admin_token_file, metrics_no_auth, read_only, direct, socket_mode, shutdown_timeout, force, [backing], [export])",
 			strings.Join(msgs, "; "))
 	}
 	return &c, nil
@@ -132,6 +136,10 @@ func applyServeConfig(cmd *cobra.Command, g *globals, o *serveOptions, c *serveC
 	setS("cache", &o.cache, c.Cache)
 	setS("admin", &g.admin, c.Admin)
 	setS("admin-tcp", &o.adminTCP, c.AdminTCP)
+	setS("admin-token-file", &g.tokenFile, c.AdminTokenFile)
+	if c.MetricsNoAuth != nil && !fs.Changed("metrics-no-auth") {
+		o.metricsNoAuth = *c.MetricsNoAuth
+	}
 	setS("direct", &o.direct, c.Direct)
 	setS("socket-mode", &o.socketMode, c.SocketMode)
 	if c.ReadOnly != nil && !fs.Changed("read-only") {

@@ -372,16 +372,37 @@ shutdown_timeout = "5s"
 	if !strings.Contains(srv.log.String(), `"msg":"admin API listening"`) {
 		t.Errorf("log_format json not applied:\n%s", srv.log.String())
 	}
+	// Over TCP every request needs the bearer token that serve wrote into
+	// the data directory (0600); /metrics too without metrics_no_auth.
 	resp, err := http.Get("http://" + tcpAddr + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}
 	body, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
-	if !strings.Contains(string(body), `tiercache_export_info{export="default",mode="writeback"} 1`) {
-		t.Errorf("/metrics over --admin-tcp:\n%.2000s", body)
+	if resp.StatusCode != http.StatusUnauthorized || !strings.Contains(string(body), "needs its bearer token") {
+		t.Errorf("/metrics over --admin-tcp without the token: %s\n%.2000s", resp.Status, body)
 	}
-	mustTC(t, "default", "stats", "--admin", "tcp:"+tcpAddr)
+	tok, err := os.ReadFile(filepath.Join(dir, "admin.token"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := os.Stat(filepath.Join(dir, "admin.token")); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("admin.token: %v, mode %v; want 0600", err, fi.Mode())
+	}
+	req, _ := http.NewRequest("GET", "http://"+tcpAddr+"/metrics", nil)
+	req.Header.Set("Authorization", "Bearer "+strings.TrimSpace(string(tok)))
+	resp, err = http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ = io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if !strings.Contains(string(body), `tiercache_export_info{export="default",mode="writeback"} 1`) {
+		t.Errorf("/metrics over --admin-tcp with the token:\n%.2000s", body)
+	}
+	mustTC(t, "default", "stats", "--admin", "tcp:"+tcpAddr, "--data-dir", dir)
+	failTC(t, "needs its bearer token", "stats", "--admin", "tcp:"+tcpAddr, "--admin-token-file", filepath.Join(dir, "missing.token"))
 }
 
 // TestTwoServersShareDataDir: the default admin socket is best effort, so a

@@ -52,6 +52,7 @@ type globals struct {
 	logLevel  string
 	admin     string // admin API address (--admin)
 	config    string // --config FILE
+	tokenFile string // admin API bearer token for TCP (--admin-token-file)
 	// dataDirSet: --data-dir was given (the admin commands then look
 	// there before the packaged server's socket).
 	dataDirSet bool
@@ -86,6 +87,7 @@ directory and serves them, so you can try it at once:
 	pf.StringVar(&g.dataDir, "data-dir", defaultDataDir(), "directory for the embedded default's files, sockets and state ($TIERCACHE_DATA_DIR)")
 	pf.StringVar(&g.logFormat, "log-format", "text", "log format: text or json")
 	pf.StringVar(&g.logLevel, "log-level", "info", "log level: debug, info, warn or error")
+	pf.StringVar(&g.tokenFile, "admin-token-file", "", "bearer token `FILE` of the admin API over TCP (default DATA_DIR/admin.token); serve creates it, mode 0600, with --admin-tcp")
 	pf.StringVar(&g.admin, "admin", "", "admin API socket of the running server (default: $TIERCACHE_ADMIN, the config file's, the packaged server's, else DATA_DIR/admin.sock); serve: where to listen, \"none\" to disable")
 	pf.StringVar(&g.config, "config", "", "the server's TOML config `FILE` ($TIERCACHE_CONFIG; see docs/OPERATIONS.md): serve reads its settings (flags override them), the other commands its admin socket")
 

@@ -46,7 +46,9 @@ type serveOptions struct {
 	socketMode string
 	drainWait  time.Duration
 	adminTCP   string
-	tls        tlsOptions
+	// metricsNoAuth: GET /metrics over --admin-tcp needs no token.
+	metricsNoAuth bool
+	tls           tlsOptions
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -115,7 +117,8 @@ purpose (a repaired cache device replays its journal).`,
 	f.StringVar(&o.tls.clientCA, "tls-client-ca", "", "require client certificates signed by the CAs in this PEM `FILE` (implies --tls-required)")
 	f.BoolVar(&o.tls.required, "tls-required", false, "refuse clients that do not start TLS")
 	f.DurationVar(&o.drainWait, "shutdown-timeout", 30*time.Second, "how long to wait for in-flight requests at shutdown")
-	f.StringVar(&o.adminTCP, "admin-tcp", "", "also serve the admin API and /metrics on TCP `HOST:PORT` (host defaults to 127.0.0.1)")
+	f.StringVar(&o.adminTCP, "admin-tcp", "", "also serve the admin API and /metrics on TCP `HOST:PORT` (host defaults to 127.0.0.1); requests need the bearer token of --admin-token-file")
+	f.BoolVar(&o.metricsNoAuth, "metrics-no-auth", false, "let GET /metrics over --admin-tcp in without the bearer token (every other request still needs it)")
 	return cmd
 }
 

@@ -77,6 +77,7 @@ func TestExportNameRules(t *testing.T) {
 	sock := filepath.Join(dir, "nbd.sock")
 	adminSock := filepath.Join(dir, "admin.sock")
 	startServerRaw(t, sock, "serve", "--cache", cachePath, "--listen", "unix:"+sock, "--admin", adminSock)
+	waitDial(t, "unix", adminSock)
 	hc := unixHTTP(adminSock)
 	const want = "invalid export name"
 	for i, name := range badNames {
@@ -128,6 +129,7 @@ func TestAdminBodyLimits(t *testing.T) {
 	sock := filepath.Join(dir, "nbd.sock")
 	adminSock := filepath.Join(dir, "admin.sock")
 	startServerRaw(t, sock, "serve", "--cache", cachePath, "--listen", "unix:"+sock, "--admin", adminSock)
+	waitDial(t, "unix", adminSock)
 	hc := unixHTTP(adminSock)
 	other := sparseFile(t, dir, "other.img", 8*mib)
 	huge := `{"cache_mode": "writethrough", "pad": "` + strings.Repeat("x", 2<<20) + `"}`
@@ -157,6 +159,24 @@ func TestAdminBodyLimits(t *testing.T) {
 	// A body with trailing white space is fine.
 	if code, reply := do(t, hc, "PUT", "http://tiercache/v1/exports/disk/settings", "{\"cache_mode\": \"writethrough\"}\n\n"); code != http.StatusOK {
 		t.Errorf("PUT settings with a trailing newline: %d %s", code, reply)
+	}
+}
+
+// waitDial waits until addr accepts connections (the admin API starts
+// after the NBD listeners that startServerRaw waits for).
+func waitDial(t *testing.T, network, addr string) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		c, err := net.Dial(network, addr)
+		if err == nil {
+			c.Close()
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%s %s did not accept connections within 20s: %v", network, addr, err)
+		}
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 
@@ -204,4 +224,130 @@ func get(t *testing.T, hc *http.Client, url string) string {
 		t.Fatalf("GET %s: %d %s", url, code, b)
 	}
 	return b
+}
+
+// TestAdminTCPAuth: as user nobody, a POST /v1/attach of a root-only file
+// to serve --admin-tcp returned 200 and exported the file. Now every
+// request over TCP needs the bearer token serve wrote into a 0600 file in
+// the data directory (/metrics too, unless --metrics-no-auth), the unix
+// socket serves only its owner and root (SO_PEERCRED, even if its mode is
+// loosened), and a token file or socket directory others could use is
+// refused at start-up.
+func TestAdminTCPAuth(t *testing.T) {
+	need(t, "curl", "setpriv")
+	dir := t.TempDir()
+	disk := sparseFile(t, dir, "disk.img", 8*mib)
+	cachePath := sparseFile(t, dir, "cache.img", 16*mib)
+	run(t, time.Minute, bin, "format", "--cache", cachePath, "--backing", "disk="+disk, "--bucket-size", "256K")
+	private := filepath.Join(dir, "private")
+	os.Mkdir(private, 0o700)
+	secret := filepath.Join(private, "secret")
+	os.WriteFile(secret, []byte(strings.Repeat("root only\n", 1000)), 0o600)
+	sock := filepath.Join(dir, "nbd.sock")
+	adminSock := filepath.Join(dir, "admin.sock")
+	addr := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	startServerRaw(t, sock, "serve", "--cache", cachePath, "--listen", "unix:"+sock, "--data-dir", dir, "--admin", adminSock, "--admin-tcp", addr)
+	waitDial(t, "tcp", addr)
+
+	tokenFile := filepath.Join(dir, "admin.token")
+	hc := &http.Client{Timeout: time.Minute}
+	base := "http://" + addr
+	attach := fmt.Sprintf(`{"name": "leak", "path": %q}`, secret)
+	// The finding as it was reproduced: user nobody, curl, a root-only file.
+	if os.Geteuid() == 0 {
+		out, _ := runErr(30*time.Second, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
+			"curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST", "-d", attach, base+"/v1/attach")
+		if out != "401" {
+			t.Errorf("nobody: curl POST /v1/attach of a root-only file over TCP: %q; want 401", out)
+		}
+	}
+	for _, c := range []struct {
+		method, path, body string
+		auth               []string
+	}{
+		{"POST", "/v1/attach", attach, nil},
+		{"POST", "/v1/attach", attach, []string{"Bearer " + strings.Repeat("0", 64)}},
+		{"POST", "/v1/attach", attach, []string{"Basic " + strings.Repeat("0", 64)}},
+		{"GET", "/v1/status", "", nil},
+		{"GET", "/v1/usage", "", nil},
+		{"GET", "/v1/stats", "", nil},
+		{"PUT", "/v1/exports/disk/settings", `{"cache_mode": "none"}`, nil},
+		{"POST", "/v1/exports/disk/flush", "{}", nil},
+		{"POST", "/v1/check", "{}", nil},
+		{"POST", "/v1/exports/disk/detach", "{}", nil},
+		{"GET", "/metrics", "", nil},
+	} {
+		code, reply := do(t, hc, c.method, base+c.path, c.body, c.auth...)
+		if code != http.StatusUnauthorized || !strings.Contains(reply, "needs its bearer token") || !strings.Contains(reply, tokenFile) {
+			t.Errorf("%s %s over TCP (auth %q): %d %s; want 401 naming the token file", c.method, c.path, c.auth, code, reply)
+		}
+	}
+	st := get(t, unixHTTP(adminSock), "http://tiercache/v1/status")
+	if strings.Contains(st, "leak") {
+		t.Fatalf("a refused attach exported the file:\n%s", st)
+	}
+	fi, err := os.Stat(tokenFile)
+	if err != nil || fi.Mode().Perm() != 0o600 {
+		t.Fatalf("token file: %v (mode %v); want one of mode 0600", err, fi)
+	}
+	b, _ := os.ReadFile(tokenFile)
+	token := strings.TrimSpace(string(b))
+	// With the token: the API works, from the CLI too (it reads the token
+	// from the data directory).
+	if code, reply := do(t, hc, "GET", base+"/v1/status", "", "Bearer "+token); code != http.StatusOK || !strings.Contains(reply, `"disk"`) {
+		t.Errorf("GET /v1/status with the token: %d %s", code, reply)
+	}
+	if out := run(t, time.Minute, bin, "usage", "--admin", "tcp:"+addr, "--data-dir", dir); !strings.Contains(out, "export disk") {
+		t.Errorf("usage over TCP with the token:\n%s", out)
+	}
+
+	// The unix socket is 0600, and even loosened it serves only its owner
+	// and root.
+	if fi, err := os.Stat(adminSock); err != nil || fi.Mode().Perm() != 0o600 {
+		t.Errorf("admin socket: %v (mode %v); want 0600", err, fi)
+	}
+	if os.Geteuid() == 0 {
+		os.Chmod(filepath.Dir(dir), 0o755) // t.TempDir's parent
+		os.Chmod(dir, 0o755)
+		os.Chmod(adminSock, 0o666)
+		out, _ := runErr(30*time.Second, "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--",
+			"curl", "-s", "--unix-socket", adminSock, "-X", "POST", "-d", attach, "-w", "\n%{http_code}", "http://tiercache/v1/attach")
+		if !strings.HasSuffix(out, "\n403") || !strings.Contains(out, "serves its owner (uid 0) and root only; this peer is uid 65534") {
+			t.Errorf("nobody on a loosened admin socket: %q; want 403", out)
+		}
+		os.Chmod(adminSock, 0o600)
+		os.Chmod(dir, 0o700)
+		os.Chmod(filepath.Dir(dir), 0o700)
+	}
+
+	// --metrics-no-auth opens GET /metrics only.
+	img := sparseFile(t, dir, "p.img", mib)
+	addr2 := fmt.Sprintf("127.0.0.1:%d", freePort(t))
+	sock2 := filepath.Join(dir, "p.sock")
+	startServerRaw(t, sock2, "serve", "--export", "p="+img, "--listen", "unix:"+sock2, "--admin", "none", "--data-dir", dir,
+		"--admin-tcp", addr2, "--metrics-no-auth")
+	waitDial(t, "tcp", addr2)
+	if code, reply := do(t, hc, "GET", "http://"+addr2+"/metrics", ""); code != http.StatusOK || !strings.Contains(reply, `tiercache_export_info{export="p"`) {
+		t.Errorf("GET /metrics with --metrics-no-auth: %d %.500s", code, reply)
+	}
+	if code, reply := do(t, hc, "GET", "http://"+addr2+"/v1/status", ""); code != http.StatusUnauthorized {
+		t.Errorf("GET /v1/status with --metrics-no-auth, no token: %d %s; want 401", code, reply)
+	}
+
+	// Refused at start-up: a token file others may read, a socket
+	// directory others may write.
+	loose := filepath.Join(dir, "loose.token")
+	os.WriteFile(loose, []byte(token+"\n"), 0o644)
+	out, err := runErr(30*time.Second, bin, "serve", "--export", "p="+img, "--listen", "unix:"+filepath.Join(dir, "q.sock"), "--admin", "none",
+		"--admin-tcp", "127.0.0.1:0", "--admin-token-file", loose)
+	if err == nil || !strings.Contains(out, "has mode 0644: other users may read it; 'chmod 600") {
+		t.Errorf("serve with a token file of mode 0644: err %v\n%s", err, out)
+	}
+	open := filepath.Join(dir, "open")
+	os.Mkdir(open, 0o777)
+	os.Chmod(open, 0o777)
+	out, err = runErr(30*time.Second, bin, "serve", "--export", "p="+img, "--listen", "unix:"+filepath.Join(dir, "r.sock"), "--admin", filepath.Join(open, "admin.sock"))
+	if err == nil || !strings.Contains(out, "other users may replace the socket; 'chmod go-w") {
+		t.Errorf("serve with the admin socket in a 0777 directory: err %v\n%s", err, out)
+	}
 }
