@@ -35,6 +35,12 @@ func (g *globals) adminAddr() string {
 // (the server's 401 says where it is if it cannot be read).
 func (g *globals) client() *admin.Client {
 	addr, _ := g.discover()
+	return g.clientFor(addr)
+}
+
+// clientFor returns a client of the admin API at addr, with the bearer
+// token for a tcp: address.
+func (g *globals) clientFor(addr string) *admin.Client {
 	c := admin.NewClient(addr)
 	if strings.HasPrefix(addr, "tcp:") {
 		if tok, err := os.ReadFile(g.tokenPath()); err == nil {

@@ -116,7 +116,7 @@ type session struct {
 // connect finds the server (discover) and asks it who it is.
 func (g *globals) connect(ctx context.Context) (*session, error) {
 	addr, how := g.discover()
-	c := admin.NewClient(addr)
+	c := g.clientFor(addr)
 	st, err := c.Status(ctx)
 	if err != nil {
 		return nil, g.apiErr(err)
