@@ -683,8 +683,8 @@ func (c *cacheRunner) cliffReport(scen, title string, cases []cliffCase, notes [
 	for _, t := range cliffTargets[1:] {
 		series = append(series, t.name+" / HDD")
 	}
-	return chartGroups(filepath.Join(c.chartDir(), strings.ToLower(scen)+".png"), scen+": tiercache / the plain HDD model (≥ 1: never slower than no cache)", "x HDD model",
-		groups, series, ratios, []float64{1})
+	return chartGroupsLabelled(filepath.Join(c.chartDir(), strings.ToLower(scen)+".png"), scen+": tiercache / the plain HDD model (≥ 1: never slower than no cache)", "x HDD model",
+		groups, series, ratios, []float64{1}, true)
 }
 
 // ---------------------------------------------------------------- S9

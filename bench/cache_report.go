@@ -38,6 +38,12 @@ var palette = []color.Color{
 // bar per series; vals[series][group]. lines are horizontal reference lines
 // (the bars).
 func chartGroups(path, title, ylabel string, groups, series []string, vals [][]float64, lines []float64) error {
+	return chartGroupsLabelled(path, title, ylabel, groups, series, vals, lines, false)
+}
+
+// chartGroupsLabelled is chartGroups, with each bar's value written above
+// it when labelled (ratios near 0 beside ones of 20 stay readable).
+func chartGroupsLabelled(path, title, ylabel string, groups, series []string, vals [][]float64, lines []float64, labelled bool) error {
 	p := plot.New()
 	p.Title.Text = title
 	p.Y.Label.Text = ylabel
@@ -64,6 +70,21 @@ func chartGroups(path, title, ylabel string, groups, series []string, vals [][]f
 		bars.Offset = barWidth * vg.Length(float64(i)-float64(n-1)/2)
 		p.Add(bars)
 		p.Legend.Add(s, bars)
+		if labelled {
+			xy := plotter.XYLabels{XYs: make(plotter.XYs, len(v)), Labels: make([]string, len(v))}
+			for j := range v {
+				xy.XYs[j] = plotter.XY{X: float64(j), Y: v[j]}
+				if j < len(vals[i]) && !math.IsNaN(vals[i][j]) {
+					xy.Labels[j] = fmt.Sprintf("%.2g", vals[i][j])
+				}
+			}
+			lb, err := plotter.NewLabels(xy)
+			if err != nil {
+				return err
+			}
+			lb.Offset = vg.Point{X: bars.Offset - barWidth/3, Y: vg.Points(2)}
+			p.Add(lb)
+		}
 	}
 	for _, l := range lines {
 		ln, err := plotter.NewLine(plotter.XYs{{X: -0.5, Y: l}, {X: float64(len(groups)) - 0.5, Y: l}})
