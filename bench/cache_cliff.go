@@ -789,7 +789,7 @@ func chartLines(path, title, xlabel, ylabel string, ss []series) error {
 	p.X.Label.Text = xlabel
 	p.Y.Label.Text = ylabel
 	p.Y.Min, p.Y.Max = 0, 1.05
-	p.Legend.Top = true
+	p.Legend.Top = false // bottom right: the lines rise from the bottom left
 	p.Legend.Left = false
 	for i, s := range ss {
 		if len(s.pts) == 0 {
