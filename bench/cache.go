@@ -419,7 +419,9 @@ func (c *cacheRunner) plannedSteps(scen []string) int {
 			n += 1 + c.sz.S5Rounds*2*len(s5Jobs(c.sz))
 		case "S6":
 			n += c.s6Steps()
-		case "S7", "S8":
+		case "S7":
+			n += 4 * len(cliffTargets)
+		case "S8":
 			n += 3 * len(cliffTargets)
 		case "S9":
 			n += 2
