@@ -5,12 +5,38 @@ GO ?= go
 GOBIN := $(shell $(GO) env GOPATH)/bin
 PKGS := ./...
 
-.PHONY: all build test deps lint unit race interop bench bench-deps bench-quick bench-nbd fuzz stress clean
+.PHONY: all build install test deps lint unit race interop bench bench-deps bench-quick bench-nbd fuzz stress clean
 
 all: build
 
+# The version --version and the admin API report: git describe of the
+# tree (a tag, else the commit; -dirty with uncommitted changes).
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+LDFLAGS := -X github.com/tiercache/tiercache/internal/cli.Version=$(VERSION)
+
 build:
-	$(GO) build -o bin/tiercache ./cmd/tiercache
+	$(GO) build -ldflags "$(LDFLAGS)" -o bin/tiercache ./cmd/tiercache
+
+# Installs the binary, the systemd unit (its ExecStart pointing at the
+# installed binary), the config file (only when none is there: an edited
+# one is kept), bash/zsh/fish completion and a man page per command.
+# DESTDIR stages the tree for a package. Not part of make test.
+PREFIX ?= /usr/local
+SYSCONFDIR ?= /etc
+SYSTEMDDIR ?= $(SYSCONFDIR)/systemd/system
+install: build
+	install -D -m 0755 bin/tiercache $(DESTDIR)$(PREFIX)/bin/tiercache
+	sed 's|/usr/local/bin/tiercache|$(PREFIX)/bin/tiercache|g; s|/etc/tiercache/|$(SYSCONFDIR)/tiercache/|g; s|/usr/local/share/doc|$(PREFIX)/share/doc|g' dist/tiercache.service > bin/tiercache.service
+	install -D -m 0644 bin/tiercache.service $(DESTDIR)$(SYSTEMDDIR)/tiercache.service
+	test -e $(DESTDIR)$(SYSCONFDIR)/tiercache/tiercache.toml || install -D -m 0644 dist/tiercache.toml $(DESTDIR)$(SYSCONFDIR)/tiercache/tiercache.toml
+	install -d $(DESTDIR)$(PREFIX)/share/bash-completion/completions $(DESTDIR)$(PREFIX)/share/zsh/site-functions $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d
+	bin/tiercache completion bash > $(DESTDIR)$(PREFIX)/share/bash-completion/completions/tiercache
+	bin/tiercache completion zsh > $(DESTDIR)$(PREFIX)/share/zsh/site-functions/_tiercache
+	bin/tiercache completion fish > $(DESTDIR)$(PREFIX)/share/fish/vendor_completions.d/tiercache.fish
+	rm -rf bin/man && bin/tiercache man bin/man >/dev/null
+	install -d $(DESTDIR)$(PREFIX)/share/man/man1
+	install -m 0644 bin/man/*.1 $(DESTDIR)$(PREFIX)/share/man/man1/
+	install -D -m 0644 docs/OPERATIONS.md $(DESTDIR)$(PREFIX)/share/doc/tiercache/OPERATIONS.md
 
 deps:
 	./scripts/install-deps.sh

@@ -561,8 +561,17 @@ func (s *Server) handlePutSettings(w http.ResponseWriter, r *http.Request) {
 		writeError(w, status, "", fmt.Sprintf("export %s: the engine refused the settings: %v", name, err))
 		return
 	}
-	s.log.Info("settings changed", "export", name, "settings", req)
+	s.log.Info("settings changed", "export", name, "settings", keyValues(req, keys))
 	writeJSON(w, http.StatusOK, settingsMap(v.Settings()))
+}
+
+// keyValues prints m as "k1=v1 k2=v2" in the order of keys (for logs).
+func keyValues(m map[string]string, keys []string) string {
+	parts := make([]string, 0, len(keys))
+	for _, k := range keys {
+		parts = append(parts, k+"="+m[k])
+	}
+	return strings.Join(parts, " ")
 }
 
 func cmpString(a, b string) int {

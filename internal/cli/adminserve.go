@@ -25,7 +25,7 @@ import (
 // API can detach devices, so exposing it beyond the machine must be asked
 // for explicitly. It returns the function that stops it.
 func startAdmin(g *globals, o *serveOptions, log *slog.Logger, cfg admin.Config) (func() error, error) {
-	cfg.Version = Version
+	cfg.Version = versionString()
 	cfg.Logger = log
 	cfg.Release = func(path string) error { return backingid.Release(devicePath(path)) }
 	// The default socket (DATA_DIR/admin.sock) is best effort: when another

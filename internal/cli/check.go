@@ -41,6 +41,7 @@ Exit status: 0 when everything checks out, 1 on any problem or error.`,
 				return err
 			}
 			pl := newProgressLine(g.stderr, "check", func(n int64) string { return fmt.Sprintf("%d blocks", n) })
+			pl.quiet = asJSON
 			fin, err := s.c.Check(ctx, pl.update)
 			pl.done()
 			if err != nil {

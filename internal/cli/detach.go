@@ -60,6 +60,7 @@ or not listing it; the disk is complete in both cases.`,
 				s.header(g.stdout)
 			}
 			pl := newProgressLine(g.stderr, "detach "+name, human)
+			pl.quiet = asJSON
 			fin, err := s.c.Detach(ctx, name, pl.update)
 			pl.done()
 			if err != nil {

@@ -23,6 +23,7 @@ type progressLine struct {
 	last   int64
 	drawn  bool
 	starts time.Time
+	quiet  bool // --json: stdout is for the JSON, stderr stays empty
 }
 
 func newProgressLine(w io.Writer, what string, unit func(int64) string) *progressLine {
@@ -34,7 +35,7 @@ func newProgressLine(w io.Writer, what string, unit func(int64) string) *progres
 }
 
 func (p *progressLine) update(pr admin.Progress) {
-	if pr.Finished || pr.Total <= 0 {
+	if p.quiet || pr.Finished || pr.Total <= 0 {
 		return
 	}
 	frac := float64(pr.Done) / float64(pr.Total)
@@ -97,6 +98,7 @@ dirty data to the backing device, so the cache device holds none of it.`,
 			for _, name := range names {
 				start := time.Now()
 				pl := newProgressLine(g.stderr, "flush "+name, human)
+				pl.quiet = asJSON
 				fin, err := s.c.Flush(ctx, name, pl.update)
 				pl.done()
 				if err != nil {

@@ -138,7 +138,7 @@ func runFormat(g *globals, o *formatOptions) error {
 	}
 	defer cdev.Close()
 	if sb, err := cache.ReadSuperblock(cdev); err == nil && !o.force {
-		return fmt.Errorf("%s already holds cache set %x with %d backing device(s); use --force to overwrite it (its cached data, dirty data included, is lost)", o.cache, sb.SetUUID, sb.LiveBackings())
+		return fmt.Errorf("%s already holds cache set %s with %d backing device(s); use --force to overwrite it (its cached data, dirty data included, is lost)", o.cache, fmtUUID(sb.SetUUID), sb.LiveBackings())
 	}
 
 	specs := make([]cache.BackingSpec, len(bks))
@@ -151,7 +151,13 @@ func runFormat(g *globals, o *formatOptions) error {
 		specs[i] = cache.BackingSpec{Name: bks[i].name, Dev: bks[i].dev, ID: id.ID, Path: absSpec(bks[i].path)}
 	}
 	pr := newProgress(g.stderr, "format", 3)
-	sb, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: bs, Mode: mode, Force: o.force, Progress: pr.set})
+	// No line before the first step is done: a layout the device cannot
+	// hold fails first, without a progress line that suggests otherwise.
+	sb, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: bs, Mode: mode, Force: o.force, Progress: func(done, total int64) {
+		if done > 0 {
+			pr.set(done, total)
+		}
+	}})
 	pr.finish()
 	if err != nil {
 		return fmt.Errorf("format %s: %w", o.cache, err)

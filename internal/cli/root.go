@@ -14,9 +14,6 @@ import (
 	"github.com/spf13/cobra"
 )
 
-// Version is set at build time with -ldflags "-X .../cli.Version=...".
-var Version = "dev"
-
 // exitError carries a specific exit code out of a command.
 type exitError struct {
 	code int
@@ -73,10 +70,14 @@ With no arguments, 'tiercache serve' creates sparse files under the data
 directory and serves them, so you can try it at once:
 
     tiercache serve
-    nbdinfo 'nbd+unix:///default?socket=` + "$HOME" + `/.local/share/tiercache/tiercache.sock'`,
+    nbdinfo "nbd+unix:///default?socket=$HOME/.local/share/tiercache/tiercache.sock"
+
+See which server the other commands talk to, and what it serves:
+
+    tiercache status`,
 		SilenceUsage:  true,
 		SilenceErrors: true,
-		Version:       Version,
+		Version:       versionString(),
 	}
 	root.PersistentPreRun = func(cmd *cobra.Command, _ []string) {
 		g.dataDirSet = cmd.Flags().Changed("data-dir")
@@ -94,6 +95,7 @@ directory and serves them, so you can try it at once:
 	root.AddCommand(newServeCmd(g), newFormatCmd(g))
 	root.AddCommand(newStatusCmd(g), newListCmd(g), newUsageCmd(g), newStatsCmd(g), newSetCmd(g), newFlushCmd(g), newDetachCmd(g), newAttachCmd(g),
 		newCheckCmd(g), newInspectCmd(g), newShowCmd(g))
+	root.AddCommand(newManCmd(root))
 	return root
 }
 

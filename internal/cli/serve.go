@@ -177,6 +177,31 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 		specs = append(specs, listenSpec{"unix", filepath.Join(g.dataDir, "tiercache.sock")})
 	}
 
+	// The NBD listeners first: a socket another server holds is refused
+	// before the cache set is opened (recovery writes a checkpoint). They
+	// exist before the admin API answers too, so a script that waits for
+	// the admin socket can connect to the exports at once; connections
+	// wait in the backlog until the exports are added.
+	var listeners []net.Listener
+	var listenNames []string
+	handedOver := false
+	defer func() {
+		if !handedOver {
+			for _, l := range listeners {
+				l.Close()
+			}
+		}
+	}()
+	for _, spec := range specs {
+		l, err := listen(spec, os.FileMode(mode))
+		if err != nil {
+			return err
+		}
+		listeners = append(listeners, l)
+		listenNames = append(listenNames, spec.String())
+		log.Info("listening", "addr", spec.String())
+	}
+
 	cachePath := o.cache
 	if cachePath == "" && len(o.exports) == 0 {
 		if cachePath, err = prepareDefault(g.dataDir, log); err != nil {
@@ -197,6 +222,9 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 	// mean the set is marked clean (a failed-over set is not, on purpose).
 	var closers []func() error
 	served := false
+	// dirty is what the cache set still holds for the backing devices when
+	// it closes (a clean stop does not write it back).
+	var dirty int64
 	defer func() {
 		for i := len(closers) - 1; i >= 0; i-- {
 			if cerr := closers[i](); cerr != nil {
@@ -207,7 +235,12 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 			}
 		}
 		if served && err == nil {
-			log.Info("stopped cleanly")
+			if dirty > 0 {
+				log.Info("stopped cleanly; dirty data stays in the cache, written back after the next start (tiercache flush or detach before stopping writes it back now)",
+					"dirty", human(dirty), "dirty_bytes", dirty)
+			} else {
+				log.Info("stopped cleanly; no dirty data in the cache")
+			}
 		}
 	}()
 	metrics := admin.NewMetrics()
@@ -219,6 +252,12 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 		}
 		closers = append(closers, h.close)
 		set := h.set
+		// Runs after the admin API and the NBD server stopped, just before
+		// the set closes: nothing makes new dirty data any more.
+		closers = append(closers, func() error {
+			dirty = set.Stats().DirtyBlocks * 4096
+			return nil
+		})
 		adminCfg.Set = set
 		adminCfg.ReadOnly = o.readOnly
 		adminCfg.Attach = func(req admin.AttachRequest) (*cache.Volume, string, error) {
@@ -268,30 +307,14 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 		adminCfg.Exports = append(adminCfg.Exports, admin.Export{Export: x, Path: path})
 		log.Info("export", "name", name, "device", path, "size", dev.Size(), "read_only", o.readOnly)
 	}
-	// The NBD listeners exist before the admin API answers: a script that
-	// waits for the admin socket can connect to the exports at once.
-	var listeners []net.Listener
-	for _, spec := range specs {
-		l, err := listen(spec, os.FileMode(mode))
-		if err != nil {
-			for _, l := range listeners {
-				l.Close()
-			}
-			return err
-		}
-		listeners = append(listeners, l)
-		adminCfg.Listeners = append(adminCfg.Listeners, spec.String())
-		log.Info("listening", "addr", spec.String())
-	}
+	adminCfg.Listeners = listenNames
 	stopAdmin, err := startAdmin(g, o, log, adminCfg)
 	if err != nil {
-		for _, l := range listeners {
-			l.Close()
-		}
 		return err
 	}
 	closers = append(closers, stopAdmin)
 	served = true
+	handedOver = true
 	return run2(ctx, log, srv, specs, listeners, o.drainWait)
 }
 
@@ -316,7 +339,7 @@ func run2(ctx context.Context, log *slog.Logger, srv *nbd.Server, specs []listen
 	var err error
 	select {
 	case <-ctx.Done():
-		log.Info("shutting down: finishing in-flight requests and flushing")
+		log.Info("shutting down: finishing in-flight requests, then flushing them (durable in the cache; writeback of dirty data resumes after the next start)")
 	case err = <-serveErr:
 		log.Error("listener failed; shutting down", "err", err)
 	}

@@ -1,0 +1,74 @@
+package cli
+
+import (
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+// TestDiscoverOrder: the admin commands' server is --admin, then
+// $TIERCACHE_ADMIN, then the config file's (--config, $TIERCACHE_CONFIG:
+// its admin key, else its data_dir's admin.sock), then an explicit data
+// directory, and each answer says how it was found.
+func TestDiscoverOrder(t *testing.T) {
+	dir := t.TempDir()
+	withAdmin := filepath.Join(dir, "a.toml")
+	os.WriteFile(withAdmin, []byte("admin = \"/x/admin.sock\"\n"), 0o600)
+	withDataDir := filepath.Join(dir, "d.toml")
+	os.WriteFile(withDataDir, []byte("data_dir = \"/var/lib/tc\"\n"), 0o600)
+	bad := filepath.Join(dir, "bad.toml")
+	os.WriteFile(bad, []byte("admn = 1\n"), 0o600)
+	for _, tc := range []struct {
+		name     string
+		g        globals
+		env      map[string]string
+		addr     string
+		howParts []string
+	}{
+		{"flag", globals{admin: "/f.sock", config: withAdmin}, map[string]string{"TIERCACHE_ADMIN": "/e.sock"}, "/f.sock", []string{"--admin"}},
+		{"env", globals{config: withAdmin}, map[string]string{"TIERCACHE_ADMIN": "/e.sock"}, "/e.sock", []string{"$TIERCACHE_ADMIN"}},
+		{"config admin", globals{config: withAdmin, dataDir: dir}, nil, "/x/admin.sock", []string{"admin of --config " + withAdmin}},
+		{"config data_dir", globals{config: withDataDir, dataDir: dir}, nil, "/var/lib/tc/admin.sock", []string{"--config " + withDataDir}},
+		{"config env", globals{dataDir: dir}, map[string]string{"TIERCACHE_CONFIG": withAdmin}, "/x/admin.sock", []string{"$TIERCACHE_CONFIG " + withAdmin}},
+		{"bad config", globals{config: bad, dataDir: dir}, nil, filepath.Join(dir, "admin.sock"), []string{"--config " + bad, `unknown key "admn"`}},
+		{"data dir", globals{dataDir: dir, dataDirSet: true}, nil, filepath.Join(dir, "admin.sock"), []string{"the data directory"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, k := range []string{"TIERCACHE_ADMIN", "TIERCACHE_CONFIG", "TIERCACHE_DATA_DIR"} {
+				t.Setenv(k, tc.env[k])
+			}
+			addr, how := tc.g.discover()
+			if addr != tc.addr {
+				t.Errorf("address %q, want %q", addr, tc.addr)
+			}
+			for _, p := range tc.howParts {
+				if !strings.Contains(how, p) {
+					t.Errorf("how %q lacks %q", how, p)
+				}
+			}
+		})
+	}
+}
+
+func TestHumanUnits(t *testing.T) {
+	for in, want := range map[string]int64{"4096": 4096, "4K": 4096, "4KiB": 4096, "4 KiB": 4096, "1.5M": 3 << 19, "256K/s": 256 << 10, "1g": 1 << 30, "0": 0, "10MB": 10 << 20} {
+		if got, err := parseHumanBytes(in); err != nil || got != want {
+			t.Errorf("parseHumanBytes(%q) = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []string{"", "K", "-1", "1X", "lots"} {
+		if _, err := parseHumanBytes(in); err == nil {
+			t.Errorf("parseHumanBytes(%q) accepted", in)
+		}
+	}
+	for _, c := range [][3]string{
+		{"writeback_rate_max", "262144", "256 KiB/s"}, {"writeback_rate_max", "0", "0 (no limit)"},
+		{"sequential_cutoff", "4194304", "4 MiB"}, {"sequential_cutoff", "0", "0 (off)"},
+		{"writeback_percent", "10", "10%"}, {"cache_mode", "writeback", "writeback"},
+	} {
+		if got := settingOut(c[0], c[1]); got != c[2] {
+			t.Errorf("settingOut(%s, %s) = %q, want %q", c[0], c[1], got, c[2])
+		}
+	}
+}
