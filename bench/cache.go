@@ -143,7 +143,7 @@ func cacheMain(args []string) int {
 	fs.StringVar(&o.Workdir, "workdir", "", "directory for images, sockets, logs and fio JSON (default: a new directory under /dev/shm, removed at the end)")
 	fs.BoolVar(&o.Keep, "keep", false, "keep the temporary workdir")
 	fs.StringVar(&o.Out, "out", "", "report directory (default: bench/out/cache in the module)")
-	fs.BoolVar(&o.Publish, "publish", false, "copy CACHE_RESULTS.md, cache-results.json and the charts into docs/bench in the module")
+	fs.BoolVar(&o.Publish, "publish", false, "copy CACHE_RESULTS.md, cache-results.json and the charts into docs/bench in the module, replacing the published run (a run of S7-S9 alone: CLIFF_RESULTS.md, cliff-*, beside the whole suite's)")
 	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
 	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S9), in this order; default all")
@@ -214,6 +214,7 @@ type cacheRunner struct {
 	started     time.Time
 	out         io.Writer
 	outDir      string
+	names       reportSet // the report's file names
 }
 
 // Figure is one measured value.
@@ -316,6 +317,7 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	if len(scen) == 0 {
 		scen = scenarioNames
 	}
+	c.names = newReportSet(scen)
 	c.nrounds = max(o.Rounds, 1)
 	c.total = c.plannedSteps(scen) * c.nrounds
 	fmt.Fprintf(stdout, "tcbench cache: scenarios %s, %d round(s), %d steps, sizes %s\n", strings.Join(scen, " "), c.nrounds, c.total, c.sizesLine())
@@ -349,7 +351,7 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 			if _, err := c.report(ctx, o, root, loadStart, false); err != nil {
 				return err
 			}
-			fmt.Fprintf(stdout, "tcbench cache: report of rounds 1-%d in %s\n", c.round, filepath.Join(o.Out, "CACHE_RESULTS.md"))
+			fmt.Fprintf(stdout, "tcbench cache: report of rounds 1-%d in %s\n", c.round, filepath.Join(o.Out, c.names.md()))
 		}
 	}
 	c.loads = append(c.loads, fmt.Sprintf("end %s: load %s", time.Now().UTC().Format("15:04:05"), loadAvg()))
@@ -361,14 +363,21 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 		return err
 	}
 	elapsed := time.Since(c.started)
-	fmt.Fprintf(stdout, "\ntcbench cache: report in %s (took %v)\n", filepath.Join(o.Out, "CACHE_RESULTS.md"), elapsed.Round(time.Second))
+	fmt.Fprintf(stdout, "\ntcbench cache: report in %s (took %v)\n", filepath.Join(o.Out, c.names.md()), elapsed.Round(time.Second))
 	if o.Publish {
 		if rootErr != nil {
 			return fmt.Errorf("--publish: %w", rootErr)
 		}
 		dst := filepath.Join(root, "docs", "bench")
-		if err := publishFiles(o.Out, dst, append([]string{"CACHE_RESULTS.md", "cache-results.json"}, cacheCharts...)); err != nil {
+		if err := publishFiles(o.Out, dst, c.names.files()); err != nil {
 			return err
+		}
+		if !c.names.cliff {
+			// This run's report holds whatever it ran of S7-S9: a separate
+			// S7-S9 run published earlier is no longer the latest.
+			if err := removeFiles(dst, reportSet{cliff: true}.files()); err != nil {
+				return err
+			}
 		}
 		fmt.Fprintf(stdout, "tcbench cache: published to %s\n", dst)
 	}
@@ -382,7 +391,7 @@ func (c *cacheRunner) report(ctx context.Context, o CacheOptions, root, loadStar
 	if o.Rev != "" {
 		env.Tiercache = "commit " + o.Rev
 	}
-	rep := cacheReport{Env: env, Quick: o.Quick, Sizes: c.sz, ElapsedSec: time.Since(c.started).Seconds(), Loads: c.loads,
+	rep := cacheReport{set: c.names, Env: env, Quick: o.Quick, Sizes: c.sz, ElapsedSec: time.Since(c.started).Seconds(), Loads: c.loads,
 		Commands: c.r.commands, Retries: c.r.retries, Rounds: len(c.rounds), Checks: medianChecks(c.rounds), Details: c.details, Figures: c.figs}
 	if !final {
 		rep.Partial = fmt.Sprintf("rounds 1-%d of %d (the run was still going when this was written)", len(c.rounds), c.nrounds)
@@ -390,7 +399,7 @@ func (c *cacheRunner) report(ctx context.Context, o CacheOptions, root, loadStar
 	// The report lists scenarios in order whatever order --only ran them in.
 	slices.SortStableFunc(rep.Checks, func(a, b Check) int { return strings.Compare(a.Scenario, b.Scenario) })
 	slices.SortStableFunc(rep.Details, func(a, b detail) int { return strings.Compare(a.Scenario, b.Scenario) })
-	if err := chartBars(filepath.Join(o.Out, "bars.png"), rep.Checks); err != nil {
+	if err := chartBars(c.chartPath("bars.png"), rep.Checks); err != nil {
 		return rep, err
 	}
 	return rep, rep.write(o.Out)

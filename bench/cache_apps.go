@@ -606,6 +606,6 @@ func (c *cacheRunner) s6Report(res map[string]*s6Result) error {
 	}
 	groups = append(groups, rgroups...)
 	vals = append(vals, rratios...)
-	return chartGroups(filepath.Join(c.chartDir(), "s6.png"), "S6: applications on ext4, each mode relative to none (higher is better)", "x none",
+	return chartGroups(c.chartPath("s6.png"), "S6: applications on ext4, each mode relative to none (higher is better)", "x none",
 		groups, []string{"tiercache mode / none"}, [][]float64{vals}, []float64{1})
 }

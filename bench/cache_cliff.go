@@ -181,7 +181,7 @@ func (c *cacheRunner) cliffFio(ctx context.Context, srv *server, j job, tag stri
 }
 
 // tcCounters is what a cliff run reports of tiercache's counters: v0 and
-// v1 the volume's before and after, s1 the set's after. Degrades and
+// v1 the volume's before and after, s1 the set's after. WritebackDegrades and
 // BackingConsistent are reported by servers that degrade epoch order when
 // writeback falls behind.
 func tcCounters(v0, v1, s1 map[string]float64) string {
@@ -189,8 +189,8 @@ func tcCounters(v0, v1, s1 map[string]float64) string {
 		mib(delta(v0, v1, "WriteBytes")), mib(delta(v0, v1, "BypassSequentialBytes")), mib(delta(v0, v1, "BypassCacheFullBytes")),
 		delta(v0, v1, "SpaceWaitNanos")/1e9, mib(delta(v0, v1, "WritebackBytes")),
 		mib(4096*v1["DirtyBlocks"]), mib(4096*v1["SupersededBlocks"]), s1["FreeBuckets"], s1["Buckets"])
-	if _, ok := v1["Degrades"]; ok {
-		s += fmt.Sprintf("; degraded %.0f times", delta(v0, v1, "Degrades"))
+	if _, ok := v1["WritebackDegrades"]; ok {
+		s += fmt.Sprintf("; degraded %.0f times", delta(v0, v1, "WritebackDegrades"))
 	}
 	if c, ok := v1["BackingConsistent"]; ok && c == 0 {
 		s += "; backing device not consistent at the end"
@@ -753,7 +753,7 @@ func (c *cacheRunner) cliffReport(scen, title string, cases []cliffCase, notes [
 	for _, t := range cliffTargets[1:] {
 		series = append(series, t.name+" / HDD")
 	}
-	return chartGroupsLabelled(filepath.Join(c.chartDir(), strings.ToLower(scen)+".png"), scen+": tiercache / the plain HDD model (≥ 1: never slower than no cache)", "x HDD model",
+	return chartGroupsLabelled(c.chartPath(strings.ToLower(scen)+".png"), scen+": tiercache / the plain HDD model (≥ 1: never slower than no cache)", "x HDD model",
 		groups, series, ratios, []float64{1}, true)
 }
 
@@ -793,7 +793,7 @@ func (c *cacheRunner) s9(ctx context.Context) error {
 	}
 	c.details = append(c.details, detail{Scenario: "S9", Title: fmt.Sprintf("S9 warm-up: a fresh %d MiB SATA SSD model cache in front of the HDD model, %d MiB working set, %v per load", z.Cache>>20, z.WarmRegion>>20, z.WarmTime), Rows: rows,
 		Notes: []string{fmt.Sprintf("Hit ratio: ReadHitBytes / ReadBytes of `tiercache stats` per %v interval (the writes of the mix also put blocks in the cache, which later reads hit).", z.WarmSample)}})
-	return chartLines(filepath.Join(c.chartDir(), "s9.png"), "S9: read hit ratio over time while a fresh cache warms", "seconds", "hit ratio", lines)
+	return chartLines(c.chartPath("s9.png"), "S9: read hit ratio over time while a fresh cache warms", "seconds", "hit ratio", lines)
 }
 
 type series struct {

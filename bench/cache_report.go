@@ -25,7 +25,61 @@ import (
 // cacheCharts are the PNGs the scenarios write.
 var cacheCharts = []string{"bars.png", "s1.png", "s2.png", "s3.png", "s4.png", "s5.png", "s6.png", "s7.png", "s8.png", "s9.png"}
 
-func (c *cacheRunner) chartDir() string { return c.outDir }
+// cliffScenarios are the scenarios of the data outgrowing the cache.
+var cliffScenarios = []string{"S7", "S8", "S9"}
+
+// reportSet names a run's report files. A run of S7-S9 alone writes them
+// with a cliff prefix (CLIFF_RESULTS.md, cliff-results.json, cliff-bars.png,
+// cliff-s7.png, ...), so that publishing it never replaces the published
+// run of the whole suite; any other run writes CACHE_RESULTS.md,
+// cache-results.json, bars.png and sN.png.
+type reportSet struct{ cliff bool }
+
+func newReportSet(scen []string) reportSet {
+	for _, s := range scen {
+		if !slices.Contains(cliffScenarios, s) {
+			return reportSet{}
+		}
+	}
+	return reportSet{cliff: len(scen) > 0}
+}
+
+func (r reportSet) md() string {
+	if r.cliff {
+		return "CLIFF_RESULTS.md"
+	}
+	return "CACHE_RESULTS.md"
+}
+
+func (r reportSet) json() string {
+	if r.cliff {
+		return "cliff-results.json"
+	}
+	return "cache-results.json"
+}
+
+// chart is the file name of chart name (bars.png, s7.png) in this set.
+func (r reportSet) chart(name string) string {
+	if r.cliff {
+		return "cliff-" + name
+	}
+	return name
+}
+
+// files are every file of the set, for publishing.
+func (r reportSet) files() []string {
+	fs := []string{r.md(), r.json()}
+	for _, c := range cacheCharts {
+		if !r.cliff || c == "bars.png" || slices.Contains(cliffScenarios, strings.ToUpper(strings.TrimSuffix(c, ".png"))) {
+			fs = append(fs, r.chart(c))
+		}
+	}
+	return fs
+}
+
+func (c *cacheRunner) chartPath(name string) string {
+	return filepath.Join(c.outDir, c.names.chart(name))
+}
 
 var palette = []color.Color{
 	color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff},
@@ -161,6 +215,7 @@ func savePNG(p *plot.Plot, width vg.Length, path string) error {
 
 // cacheReport is cache-results.json and the source of CACHE_RESULTS.md.
 type cacheReport struct {
+	set        reportSet
 	Env        envInfo    `json:"env"`
 	Quick      bool       `json:"quick"`
 	Sizes      cacheSizes `json:"sizes"`
@@ -383,10 +438,10 @@ func (r cacheReport) write(dir string) error {
 	if err := writeMarkdown(&md, r.checkRows()); err != nil {
 		return err
 	}
-	p("\n![bars](bars.png)\n")
+	p("\n![bars](%s)\n", r.set.chart("bars.png"))
 	charts := map[string]string{}
 	for _, s := range scenarioNames {
-		charts[s] = strings.ToLower(s) + ".png"
+		charts[s] = r.set.chart(strings.ToLower(s) + ".png")
 	}
 	last := ""
 	for _, d := range r.Details {
@@ -418,7 +473,7 @@ func (r cacheReport) write(dir string) error {
 	if err := writeMarkdown(&md, rows); err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(dir, "CACHE_RESULTS.md"), md.Bytes(), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(dir, r.set.md()), md.Bytes(), 0o644); err != nil {
 		return err
 	}
 	// JSON has no NaN: a ratio that could not be computed is written as 0.
@@ -448,7 +503,7 @@ func (r cacheReport) write(dir string) error {
 	if err != nil {
 		return err
 	}
-	return os.WriteFile(filepath.Join(dir, "cache-results.json"), append(raw, '\n'), 0o644)
+	return os.WriteFile(filepath.Join(dir, r.set.json()), append(raw, '\n'), 0o644)
 }
 
 // nextScenario returns the scenario of the detail after d ("" at the end).
@@ -466,6 +521,16 @@ func formatOpt(v float64) string {
 		return ""
 	}
 	return formatValue(v)
+}
+
+// removeFiles removes names from dir; missing ones are fine.
+func removeFiles(dir string, names []string) error {
+	for _, n := range names {
+		if err := os.Remove(filepath.Join(dir, n)); err != nil && !os.IsNotExist(err) {
+			return fmt.Errorf("publish: %w", err)
+		}
+	}
+	return nil
 }
 
 // publishFiles copies names from src into dst, replacing the published

@@ -254,7 +254,7 @@ func (c *cacheRunner) s1(ctx context.Context) error {
 		Ratio: side, Bar: "≥ 0.95", Met: yesNo(side >= 0.95)})
 	c.checks = append(c.checks, Check{Scenario: "S1", What: "fsync'd 4K random writes, tiercache (writeback) / HDD model",
 		Seed: "– (not published)", Ours: fmt.Sprintf("%.0f vs %.0f IOPS", tc.iops, hdd.iops), Ratio: ratioOf(tc.iops, hdd.iops), Bar: "–", Met: "–"})
-	return chartGroups(filepath.Join(c.chartDir(), "s1.png"), "S1: sequential read (1 MiB QD1) before and after 4 KiB fsync'd random writes", "MB/s",
+	return chartGroups(c.chartPath("s1.png"), "S1: sequential read (1 MiB QD1) before and after 4 KiB fsync'd random writes", "MB/s",
 		targets, []string{"before", "after"}, [][]float64{{hdd.before, tc.before}, {hdd.after, tc.after}}, nil)
 }
 
@@ -362,7 +362,7 @@ func (c *cacheRunner) s2(ctx context.Context) error {
 				Ours: fmt.Sprintf("%s vs %s %s", formatValue(vals[m][j.Name]), formatValue(vals["none"][j.Name]), j.Metric), Ratio: ratioOf(vals[m][j.Name], vals["none"][j.Name]), Bar: "–", Met: "–"})
 		}
 	}
-	return chartGroups(filepath.Join(c.chartDir(), "s2.png"), "S2: each mode relative to none (cold cache, fio via NBD)", "x none",
+	return chartGroups(c.chartPath("s2.png"), "S2: each mode relative to none (cold cache, fio via NBD)", "x none",
 		groups, s2Modes[1:], ratios, nil)
 }
 
@@ -465,7 +465,7 @@ func (c *cacheRunner) s3(ctx context.Context) error {
 			Ours: fmt.Sprintf("%s vs %s %s", formatValue(a), formatValue(b), j.Metric), Ratio: r, Bar: s[1], Met: met})
 	}
 	c.details = append(c.details, detail{Scenario: "S3", Title: fmt.Sprintf("S3 warm cache: %d MiB working set, read once before the runs", c.sz.S3Region>>20), Rows: rows, Notes: []string{hitNote}})
-	return chartGroups(filepath.Join(c.chartDir(), "s3.png"), "S3: warm cache speed-up over the HDD model (higher is better)", "x no cache",
+	return chartGroups(c.chartPath("s3.png"), "S3: warm cache speed-up over the HDD model (higher is better)", "x no cache",
 		groups, []string{"tiercache / HDD"}, [][]float64{sp}, []float64{8, 10})
 }
 
@@ -574,7 +574,7 @@ func (c *cacheRunner) s4(ctx context.Context) error {
 		c.checks = append(c.checks, Check{Scenario: "S4", What: "time: same writes " + rp.name + " / lba drain", Seed: "–",
 			Ours: fmt.Sprintf("%.2f s vs %.2f s", rp.secs, lba.secs), Ratio: rp.secs / lba.secs, Bar: "–", Met: "–"})
 	}
-	return chartGroups(filepath.Join(c.chartDir(), "s4.png"), "S4: time to put the same fsync'd random writes on the HDD model (lower is better)", "seconds",
+	return chartGroups(c.chartPath("s4.png"), "S4: time to put the same fsync'd random writes on the HDD model (lower is better)", "seconds",
 		[]string{"flush lba", "flush epoch", "direct QD32", "direct QD1+fsync"}, []string{"time"}, [][]float64{{lba.secs, epoch.secs, replays[0].secs, replays[1].secs}}, nil)
 }
 
@@ -665,6 +665,6 @@ func (c *cacheRunner) s5(ctx context.Context) error {
 	}
 	c.details = append(c.details, detail{Scenario: "S5", Title: fmt.Sprintf("S5 overhead: both devices plain files in RAM (%d MiB working set), median of %d rounds, servers alternating", c.sz.S5Region>>20, c.sz.S5Rounds), Rows: rows,
 		Notes: []string{fmt.Sprintf("tiercache read %s during the measured runs, %s of it from the cache (hit ratio %s).", mib(rb), mib(delta(v0, v1, "ReadHitBytes")), pct(hit))}})
-	return chartGroups(filepath.Join(c.chartDir(), "s5.png"), "S5: tiercache cache hits relative to qemu-nbd, both in RAM (higher is better)", "x qemu-nbd",
+	return chartGroups(c.chartPath("s5.png"), "S5: tiercache cache hits relative to qemu-nbd, both in RAM (higher is better)", "x qemu-nbd",
 		groups, []string{"tiercache / qemu-nbd"}, [][]float64{rs}, []float64{0.9})
 }

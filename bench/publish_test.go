@@ -45,3 +45,18 @@ func TestPublishReplacesRun(t *testing.T) {
 		t.Errorf("published %v, want %v (s1.png of the previous run removed)", got, want)
 	}
 }
+
+// TestReportSet: a run of S7-S9 alone has its own file names, so that
+// publishing it leaves the whole suite's published run in place.
+func TestReportSet(t *testing.T) {
+	cl := newReportSet([]string{"S9", "S7"})
+	if want := []string{"CLIFF_RESULTS.md", "cliff-results.json", "cliff-bars.png", "cliff-s7.png", "cliff-s8.png", "cliff-s9.png"}; !cl.cliff || !slices.Equal(cl.files(), want) {
+		t.Errorf("S7-S9 run: files %v, want %v", cl.files(), want)
+	}
+	for _, scen := range [][]string{scenarioNames, {"S6", "S7"}, nil} {
+		rs := newReportSet(scen)
+		if f := rs.files(); rs.cliff || f[0] != "CACHE_RESULTS.md" || f[1] != "cache-results.json" || !slices.Contains(f, "s1.png") || !slices.Contains(f, "s9.png") || len(f) != 2+len(cacheCharts) {
+			t.Errorf("run of %v: files %v", scen, f)
+		}
+	}
+}
