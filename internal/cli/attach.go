@@ -84,6 +84,9 @@ only when that set is gone: it may hold newer, dirty data for the disk).`,
 			if err != nil {
 				return err
 			}
+			if asJSON {
+				return writeJSON(g.stdout, admin.ExportInfo{Name: name, Path: req.Path, Size: v.Size(), Cached: true, Mode: v.Mode().String()})
+			}
 			fmt.Fprintf(g.stdout, "attached %s (%s, %s) in mode %s to the cache set on %s; 'tiercache serve --cache %s' exports it\n",
 				req.Path, human(v.Size()), name, v.Mode(), cachePath, cachePath)
 			return nil
@@ -191,7 +194,7 @@ func openOffline(g *globals, cachePath, direct string) (*openedSet, device.Direc
 }
 
 // detachOffline detaches a volume of a cache set that is not being served.
-func detachOffline(g *globals, cachePath, name, direct string) error {
+func detachOffline(g *globals, cachePath, name, direct string, asJSON bool) error {
 	h, _, err := openOffline(g, cachePath, direct)
 	if err != nil {
 		return err
@@ -212,6 +215,7 @@ func detachOffline(g *globals, cachePath, name, direct string) error {
 		}
 	}
 	pl := newProgressLine(g.stderr, "detach "+name, human)
+	pl.quiet = asJSON
 	start := time.Now()
 	var first int64 = -1
 	err = v.Detach(context.Background(), cache.DetachOptions{
@@ -232,6 +236,10 @@ func detachOffline(g *globals, cachePath, name, direct string) error {
 	}
 	if err != nil {
 		return fmt.Errorf("detach %s: %w", name, err)
+	}
+	if asJSON {
+		return writeJSON(g.stdout, map[string]any{"cache_device": cachePath, "export": name, "path": path, "written_back_bytes": max(first, 0) * 4096,
+			"message": fmt.Sprintf("%s is detached: %s is complete and can be used alone", name, path)})
 	}
 	fmt.Fprintf(g.stdout, "wrote back %s in %s\n%s is detached: %s is complete and can be used alone\n",
 		human(max(first, 0)*4096), time.Since(start).Round(time.Millisecond), name, path)

@@ -33,7 +33,7 @@ Exit status: 0 when everything checks out, 1 on any problem or error.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			if cachePath != "" {
-				return checkOffline(cmd, g, cachePath)
+				return checkOffline(cmd, g, cachePath, asJSON)
 			}
 			ctx := cmdContext(cmd)
 			s, err := g.connect(ctx)
@@ -62,7 +62,7 @@ Exit status: 0 when everything checks out, 1 on any problem or error.`,
 		},
 	}
 	cmd.Flags().StringVar(&cachePath, "cache", "", "check this cache device offline (read-only) instead of asking the running server")
-	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON (online: the final progress with its problems)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON (online: the final progress with its problems; offline: what was read and verified)")
 	return cmd
 }
 
@@ -77,14 +77,18 @@ func reportProblems(g *globals, problems []string) error {
 	return nil
 }
 
-func checkOffline(cmd *cobra.Command, g *globals, path string) error {
+func checkOffline(cmd *cobra.Command, g *globals, path string, asJSON bool) error {
 	dev, err := device.OpenFile(devicePath(path), device.FileOptions{ReadOnly: true, Direct: device.DirectOff})
 	if err != nil {
 		return fmt.Errorf("check: %w", err)
 	}
 	defer dev.Close()
 	pr := newProgress(g.stderr, "verifying cached blocks", 1)
-	rep, err := cache.CheckOffline(cmdContext(cmd), dev, pr.set)
+	set := pr.set
+	if asJSON {
+		set = nil
+	}
+	rep, err := cache.CheckOffline(cmdContext(cmd), dev, set)
 	pr.finish()
 	if errors.Is(err, cache.ErrNotFormatted) {
 		return fmt.Errorf("check: %s is not a tiercache cache device (no superblock)", path)
@@ -93,6 +97,21 @@ func checkOffline(cmd *cobra.Command, g *globals, path string) error {
 		return fmt.Errorf("check: %w", err)
 	}
 	im := rep.Image
+	if asJSON {
+		problems := append(append([]string{}, rep.Problems...), rep.Scrub.Problems...)
+		out := map[string]any{"cache_device": path, "superblock_copies": plainJSON(im.Copies), "scrub": plainJSON(rep.Scrub), "problems": problems}
+		if im.SB != nil {
+			out["set_uuid"], out["backings"], out["clean_shutdown"] = fmtUUID(im.SB.SetUUID), im.SB.LiveBackings(), im.SB.Clean
+			out["checkpoint_generation"], out["journal_blocks"], out["records_replayed"] = im.Generation, im.JournalBlocks, im.Records
+		}
+		if err := writeJSON(g.stdout, out); err != nil {
+			return err
+		}
+		if len(problems) > 0 || rep.Scrub.ProblemsTotal > 0 {
+			return &exitError{code: 1, err: fmt.Errorf("check found %d problem(s)", len(problems))}
+		}
+		return nil
+	}
 	for _, c := range im.Copies {
 		state := "ok"
 		if c.Err != nil {

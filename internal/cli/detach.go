@@ -49,7 +49,7 @@ or not listing it; the disk is complete in both cases.`,
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name := args[0]
 			if cachePath != "" {
-				return detachOffline(g, cachePath, name, direct)
+				return detachOffline(g, cachePath, name, direct, asJSON)
 			}
 			ctx := cmdContext(cmd)
 			s, err := g.connect(ctx)

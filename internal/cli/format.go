@@ -3,6 +3,7 @@ package cli
 import (
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"text/tabwriter"
@@ -21,6 +22,7 @@ type formatOptions struct {
 	bucketSize string
 	force      bool
 	direct     string
+	asJSON     bool
 }
 
 func newFormatCmd(g *globals) *cobra.Command {
@@ -50,6 +52,7 @@ file that belongs to another cache set, unless --force.`,
 	f.StringArrayVar(&o.backings, "backing", nil, "backing device `NAME=PATH`, exported as NAME; repeatable (or none: attach them later)")
 	f.StringVar(&o.mode, "mode", "writeback", "cache mode: writeback, writethrough, writearound or none")
 	f.StringVar(&o.bucketSize, "bucket-size", "1M", "bucket size (a multiple of 4K, e.g. 512K, 1M, 4M)")
+	f.BoolVar(&o.asJSON, "json", false, "print JSON (what was formatted)")
 	f.BoolVar(&o.force, "force", false, "overwrite an existing cache set / take over backing devices of another set")
 	f.StringVar(&o.direct, "direct", "auto", "O_DIRECT for the cache device: auto, on, off")
 	return cmd
@@ -151,6 +154,9 @@ func runFormat(g *globals, o *formatOptions) error {
 		specs[i] = cache.BackingSpec{Name: bks[i].name, Dev: bks[i].dev, ID: id.ID, Path: absSpec(bks[i].path)}
 	}
 	pr := newProgress(g.stderr, "format", 3)
+	if o.asJSON {
+		pr = newProgress(io.Discard, "format", 3)
+	}
 	// No line before the first step is done: a layout the device cannot
 	// hold fails first, without a progress line that suggests otherwise.
 	sb, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: bs, Mode: mode, Force: o.force, Progress: func(done, total int64) {
@@ -172,6 +178,14 @@ func runFormat(g *globals, o *formatOptions) error {
 		}
 	}
 
+	if o.asJSON {
+		var backings []map[string]any
+		for _, b := range bks {
+			backings = append(backings, map[string]any{"name": b.name, "path": b.path, "size": b.dev.Size(), "id": b.id.ID})
+		}
+		return writeJSON(g.stdout, map[string]any{"set_uuid": setUUID, "cache_device": o.cache, "device_size": cdev.Size(),
+			"buckets": sb.NBuckets, "bucket_size": sb.BucketSize, "journal_size": sb.JournalLen, "mode": mode.String(), "backings": backings})
+	}
 	w := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(w, "cache set\t%s\n", setUUID)
 	fmt.Fprintf(w, "cache device\t%s (%s)\n", o.cache, human(cdev.Size()))

@@ -14,6 +14,7 @@ import (
 func newInspectCmd(g *globals) *cobra.Command {
 	var cachePath string
 	var limit int
+	var asJSON bool
 	cmd := &cobra.Command{
 		Use:   "inspect superblock|journal|index --cache PATH",
 		Short: "Print a cache device's superblock, journal or index (read-only, for debugging)",
@@ -43,13 +44,40 @@ the reader, and the result may look inconsistent.
 			defer dev.Close()
 			switch what {
 			case "superblock":
+				if asJSON {
+					copies := cache.ReadSuperblockCopies(dev)
+					out := map[string]any{"cache_device": cachePath, "copies": plainJSON(copies)}
+					var best *cache.Superblock
+					for _, c := range copies {
+						if c.Err == nil && (best == nil || c.SB.Seq > best.Seq) {
+							best = c.SB
+						}
+					}
+					if best == nil {
+						return inspectErr(cachePath, copies[0].Err)
+					}
+					out["checkpoint_slots"] = plainJSON(cache.ReadCheckpointSlots(dev, best))
+					return writeJSON(g.stdout, out)
+				}
 				return inspectSuperblock(g, dev, cachePath)
 			case "journal":
 				n := 0
+				records := []string{}
 				im, err := cache.OpenImage(dev, cache.ImageOptions{OnRecord: func(r string) {
+					if asJSON {
+						records = append(records, r)
+						return
+					}
 					fmt.Fprintf(g.stdout, "%6d  %s\n", n, r)
 					n++
 				}})
+				if asJSON {
+					if err != nil {
+						return inspectErr(cachePath, err)
+					}
+					return writeJSON(g.stdout, map[string]any{"cache_device": cachePath, "checkpoint_generation": im.Generation,
+						"journal_start": im.JournalStart, "journal_end": im.JournalEnd, "journal_blocks": im.JournalBlocks, "records": records})
+				}
 				if im.SB != nil {
 					fmt.Fprintf(g.stdout, "checkpoint generation %d; journal blocks %d..%d (%d blocks), %d records\n",
 						im.Generation, im.JournalStart, im.JournalEnd, im.JournalBlocks, im.Records)
@@ -59,6 +87,17 @@ the reader, and the result may look inconsistent.
 				im, err := cache.OpenImage(dev, cache.ImageOptions{})
 				if err != nil {
 					return inspectErr(cachePath, err)
+				}
+				if asJSON {
+					var entries []cache.IndexEntry
+					im.Index(func(e cache.IndexEntry) bool {
+						if limit > 0 && len(entries) >= limit {
+							return false
+						}
+						entries = append(entries, e)
+						return true
+					})
+					return writeJSON(g.stdout, map[string]any{"cache_device": cachePath, "volumes": plainJSON(im.Volumes()), "entries": plainJSON(entries)})
 				}
 				w := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
 				fmt.Fprintln(w, "export\tsize\tmode\tcached\tdirty\tflush epoch")
@@ -86,6 +125,7 @@ the reader, and the result may look inconsistent.
 	}
 	cmd.Flags().StringVar(&cachePath, "cache", "", "cache device to inspect (required)")
 	cmd.Flags().IntVar(&limit, "limit", 0, "index: print at most N entries (0: all)")
+	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
 }
 

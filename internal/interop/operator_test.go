@@ -181,6 +181,45 @@ func TestOperatorCommands(t *testing.T) {
 		t.Errorf("set --cache of a missing volume: %v\n%s", err, out)
 	}
 
+	// Every offline command's --json too.
+	jsonObject := func(args ...string) map[string]any {
+		t.Helper()
+		cmd := exec.Command(bin, append(args, "--json")...)
+		cmd.Env = append(os.Environ(), "GORACE=halt_on_error=1 atexit_sleep_ms=0")
+		var stderr strings.Builder
+		cmd.Stderr = &stderr
+		b, err := cmd.Output()
+		out := string(b)
+		if err != nil {
+			t.Errorf("%s --json: %v\n%s%s", args[0], err, out, stderr.String())
+		}
+		var m map[string]any
+		if err := json.Unmarshal([]byte(out), &m); err != nil {
+			t.Errorf("%s --json: %v\n%s", args[0], err, out)
+		}
+		if k := upper.FindString(out); k != "" {
+			t.Errorf("%s --json: key %s is not snake_case", args[0], k)
+		}
+		return m
+	}
+	if m := jsonObject("check", "--cache", cs.cache); fmt.Sprint(m["problems"]) != "[]" || m["set_uuid"] != uuid[1] {
+		t.Errorf("check --cache --json: %v", m)
+	}
+	jsonObject("inspect", "superblock", "--cache", cs.cache)
+	jsonObject("inspect", "journal", "--cache", cs.cache)
+	if m := jsonObject("inspect", "index", "--cache", cs.cache, "--limit", "2"); len(fmt.Sprint(m["entries"])) < 10 {
+		t.Errorf("inspect index --limit 2 --json: %v", m["entries"])
+	}
+	if m := jsonObject("detach", "--cache", cs.cache, "disk"); m["export"] != "disk" {
+		t.Errorf("detach --cache --json: %v", m)
+	}
+	if m := jsonObject("attach", "--cache", cs.cache, "disk="+cs.backings["disk"]); m["name"] != "disk" || m["mode"] != "writeback" {
+		t.Errorf("attach --cache --json: %v", m)
+	}
+	if m := jsonObject("format", "--cache", sparseFile(t, dir, "c2.img", 16*mib)); m["buckets"] == nil || m["set_uuid"] == "" {
+		t.Errorf("format --json: %v", m)
+	}
+
 	if out, _ := tcEnv(nil, "--version"); !regexp.MustCompile(`^tiercache version \S.*, go1\.\d+`).MatchString(out) {
 		t.Errorf("--version: %q", out)
 	}
