@@ -5,7 +5,7 @@ GO ?= go
 GOBIN := $(shell $(GO) env GOPATH)/bin
 PKGS := ./...
 
-.PHONY: all build install test deps lint unit race interop bench bench-deps bench-quick bench-nbd fuzz stress clean
+.PHONY: all build install test deps lint unit race interop kernel kernel-sweep bench bench-deps bench-quick bench-nbd fuzz stress clean
 
 all: build
 
@@ -44,7 +44,7 @@ deps:
 # Everything: lint, unit tests with the race detector and invariant checks,
 # every fuzz target for a minute, then the interop tests with real clients
 # against the built binary.
-test: deps lint race bench-quick fuzz interop
+test: deps lint race bench-quick fuzz interop kernel
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -52,18 +52,31 @@ lint:
 	$(GOBIN)/staticcheck $(PKGS)
 
 # Unit, model and crash tests, with the invariants build tag and the race
-# detector; the interop package runs separately below.
+# detector; the interop and kernel (VM) packages run separately below.
 race:
-	$(GO) test -race -tags invariants -timeout 15m $$($(GO) list $(PKGS) | grep -v /internal/interop)
+	$(GO) test -race -tags invariants -timeout 15m $$($(GO) list $(PKGS) | grep -v -e /internal/interop -e /internal/kvm)
 
 # A leg without the invariants tag, as production builds run.
 unit:
-	$(GO) test -timeout 15m $$($(GO) list $(PKGS) | grep -v /internal/interop)
+	$(GO) test -timeout 15m $$($(GO) list $(PKGS) | grep -v -e /internal/interop -e /internal/kvm)
 
 # Real clients (nbdinfo, qemu-io, qemu-img, nbdcopy, fio, nbdfuse + loop +
 # ext4) against a race-enabled tiercache binary. Needs root for the kernel path.
 interop:
 	$(GO) test -count=1 -timeout 20m ./internal/interop/
+
+# A real kernel (Debian's, under qemu TCG; internal/kvm, docs/TESTING.md):
+# the kernel NBD client against tiercache served inside the guest, and power
+# cuts of the whole guest replayed from a dm-log-writes log at a seeded
+# sample of points in the writeback modes. Two guest boots.
+kernel:
+	$(GO) test -count=1 -timeout 30m -v ./internal/kvm/
+
+# Every power-cut point of the log (every mark, FLUSH and FUA, and a torn
+# point per FLUSH interval) in every cache mode. TIERCACHE_KVM_SEED=N
+# replays a run.
+kernel-sweep:
+	TIERCACHE_KVM_FULL=1 $(GO) test -count=1 -timeout 3h -v -run 'TestPowerCut$$' ./internal/kvm/
 
 # Every fuzz target (NBD parsers, on-disk decoders, recovery of forged
 # metadata) for FUZZTIME each (60s), two at a time; a crasher fails and stays

@@ -2,7 +2,10 @@
 # Installs what `make test` needs on a fresh Debian machine: the real NBD
 # clients and peers the interop tests run (fio, qemu-utils, libnbd-bin,
 # nbdkit), the kernel-path tools (fuse3, e2fsprogs, util-linux for losetup)
-# and staticcheck. Idempotent: installs only what is missing.
+# and staticcheck; qemu-system-x86 and the test guest of internal/kvm (Debian
+# packages fetched with apt-get download into $TIERCACHE_KVM_CACHE, default
+# ~/.cache/tiercache/kvm, and packed into an initramfs once per package
+# versions). Idempotent: installs only what is missing.
 #
 # --bench also installs what `make bench` adds for its application scenario
 # (S6): PostgreSQL (server and pgbench) and rocksdb-tools (db_bench). They
@@ -24,6 +27,9 @@ have nbdkit   || need+=(nbdkit)
 have fusermount3 || need+=(fuse3)
 have mkfs.ext4 || need+=(e2fsprogs)
 have losetup  || need+=(mount)
+have debugfs  || need+=(e2fsprogs)
+have qemu-system-x86_64 || need+=(qemu-system-x86)
+have dpkg-deb || need+=(dpkg)
 if [ $bench = 1 ]; then
   havepg initdb  || need+=(postgresql)
   havepg pgbench || need+=(postgresql)
@@ -46,4 +52,8 @@ if [ ! -x "$GOBIN/staticcheck" ]; then
   echo "install-deps: installing staticcheck"
   GOFLAGS= go install honnef.co/go/tools/cmd/staticcheck@v0.8.2
 fi
+# The kernel tests' guest: downloads the packages once, rebuilds the image
+# only when a package version changes.
+img=$(cd "$(dirname "$0")/.." && go run ./internal/kvm/cmd/kvm-image) || { echo "install-deps: building the test guest image failed" >&2; exit 1; }
+echo "install-deps: test guest $img"
 echo "install-deps: ok"
