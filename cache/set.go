@@ -66,6 +66,27 @@ const (
 
 // Format writes a new, empty cache set onto cacheDev. It writes only the
 // cache device: backing devices keep their bytes (they are only measured).
+// minDeviceSize is the smallest cache device Format lays out minBuckets
+// buckets of bs on (journal length jl, 0 for the default): the bucket count
+// Format starts its search from, and the layout of that many, must both
+// fit.
+func minDeviceSize(bs, jl, bpb int64) int64 {
+	size := int64(0)
+	for range 3 { // the default journal grows with the device
+		j := jl
+		if j == 0 {
+			j = min(max(size/64, 256<<10), 64<<20)
+		}
+		head := 2*ondisk.SBCopySize + j
+		per := bs + 2*(4+bpb*(ondisk.CkptEntrySize+ondisk.CkptEpochExtra))
+		search := head + 2*ondisk.CkptLenEpoch(0, bpb, ondisk.MaxBackings) + bs + minBuckets*per
+		align := min(bs, 1<<20)
+		layout := (head+2*ondisk.CkptLenEpoch(minBuckets, bpb, ondisk.MaxBackings)+align-1)/align*align + minBuckets*bs
+		size = (max(search, layout) + 4095) / 4096 * 4096
+	}
+	return size
+}
+
 func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) (*Superblock, error) {
 	// No backing device is fine: they can be attached later (Set.Attach).
 	if len(backings) > ondisk.MaxBackings {
@@ -143,7 +164,8 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		sb.NBuckets = n
 	}
 	if n < minBuckets {
-		return nil, fmt.Errorf("%w: cache device of %d bytes holds fewer than %d buckets of %d bytes", ErrInvalid, devSize, minBuckets, bs)
+		return nil, fmt.Errorf("%w: cache device of %d bytes holds fewer than %d buckets of %d bytes: it needs at least %d bytes (%.1f MiB) with this bucket size; a smaller bucket size needs less",
+			ErrInvalid, devSize, minBuckets, bs, minDeviceSize(bs, opts.JournalSize, bpb), float64(minDeviceSize(bs, opts.JournalSize, bpb))/(1<<20))
 	}
 	if err := sb.Validate(devSize); err != nil {
 		return nil, fmt.Errorf("format: computed layout invalid: %w", err)
