@@ -51,10 +51,21 @@ func (g *globals) clientFor(addr string) *admin.Client {
 }
 
 // tokenPath is the admin API's bearer token file: --admin-token-file, else
-// DATA_DIR/admin.token.
+// the config file's (its admin_token_file, else its data_dir's
+// admin.token), else DATA_DIR/admin.token.
 func (g *globals) tokenPath() string {
 	if g.tokenFile != "" {
 		return g.tokenFile
+	}
+	if p, _ := g.configPath(); p != "" {
+		if c, err := loadServeConfig(p); err == nil {
+			switch {
+			case c.AdminTokenFile != nil:
+				return *c.AdminTokenFile
+			case c.DataDir != nil:
+				return filepath.Join(*c.DataDir, "admin.token")
+			}
+		}
 	}
 	return filepath.Join(g.dataDir, "admin.token")
 }

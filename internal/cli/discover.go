@@ -63,12 +63,15 @@ func (g *globals) configPath() (string, string) {
 }
 
 // configAdmin is the admin socket a server started with the config file at
-// path listens on: its admin key, else DATA_DIR/admin.sock of its data_dir
-// (dataDir when the file has none).
+// path listens on: its admin key (its admin_tcp when that is "none"), else
+// DATA_DIR/admin.sock of its data_dir (dataDir when the file has none).
 func configAdmin(path, dataDir string) (string, error) {
 	c, err := loadServeConfig(path)
 	if err != nil {
 		return "", err
+	}
+	if c.Admin != nil && *c.Admin == "none" && c.AdminTCP != nil {
+		return "tcp:" + *c.AdminTCP, nil
 	}
 	if c.Admin != nil {
 		return *c.Admin, nil

@@ -17,6 +17,8 @@ func TestDiscoverOrder(t *testing.T) {
 	os.WriteFile(withAdmin, []byte("admin = \"/x/admin.sock\"\n"), 0o600)
 	withDataDir := filepath.Join(dir, "d.toml")
 	os.WriteFile(withDataDir, []byte("data_dir = \"/var/lib/tc\"\n"), 0o600)
+	tcpOnly := filepath.Join(dir, "t.toml")
+	os.WriteFile(tcpOnly, []byte("admin = \"none\"\nadmin_tcp = \"127.0.0.1:9450\"\nadmin_token_file = \"/etc/tc.token\"\n"), 0o600)
 	bad := filepath.Join(dir, "bad.toml")
 	os.WriteFile(bad, []byte("admn = 1\n"), 0o600)
 	for _, tc := range []struct {
@@ -31,6 +33,7 @@ func TestDiscoverOrder(t *testing.T) {
 		{"config admin", globals{config: withAdmin, dataDir: dir}, nil, "/x/admin.sock", []string{"admin of --config " + withAdmin}},
 		{"config data_dir", globals{config: withDataDir, dataDir: dir}, nil, "/var/lib/tc/admin.sock", []string{"--config " + withDataDir}},
 		{"config env", globals{dataDir: dir}, map[string]string{"TIERCACHE_CONFIG": withAdmin}, "/x/admin.sock", []string{"$TIERCACHE_CONFIG " + withAdmin}},
+		{"config tcp only", globals{config: tcpOnly, dataDir: dir}, nil, "tcp:127.0.0.1:9450", []string{"admin of --config " + tcpOnly}},
 		{"bad config", globals{config: bad, dataDir: dir}, nil, filepath.Join(dir, "admin.sock"), []string{"--config " + bad, `unknown key "admn"`}},
 		{"data dir", globals{dataDir: dir, dataDirSet: true}, nil, filepath.Join(dir, "admin.sock"), []string{"the data directory"}},
 	} {
@@ -48,6 +51,27 @@ func TestDiscoverOrder(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestTokenFromConfig: over TCP the commands send the token of the
+// server's config file unless --admin-token-file names another.
+func TestTokenFromConfig(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "c.toml")
+	os.WriteFile(cfg, []byte("data_dir = \"/var/lib/tc\"\n"), 0o600)
+	t.Setenv("TIERCACHE_CONFIG", "")
+	for _, tc := range []struct {
+		g    globals
+		want string
+	}{
+		{globals{config: cfg, dataDir: dir}, "/var/lib/tc/admin.token"},
+		{globals{config: cfg, dataDir: dir, tokenFile: "/x.token"}, "/x.token"},
+		{globals{dataDir: dir}, filepath.Join(dir, "admin.token")},
+	} {
+		if got := tc.g.tokenPath(); got != tc.want {
+			t.Errorf("%+v: token %q, want %q", tc.g, got, tc.want)
+		}
 	}
 }
 
