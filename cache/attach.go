@@ -216,11 +216,6 @@ func (s *Set) removeVolume(v *Volume) error {
 	defer s.commitMu.Unlock()
 	s.sbMu.Lock() // held to the end: no other superblock update in between
 	defer s.sbMu.Unlock()
-	nsb := s.sb.Clone()
-	nsb.Backings[v.vi] = BackingInfo{}
-	for len(nsb.Backings) > 0 && nsb.Backings[len(nsb.Backings)-1].Free() {
-		nsb.Backings = nsb.Backings[:len(nsb.Backings)-1]
-	}
 	s.mu.Lock()
 	if v.idx.Cached != 0 || v.idx.Dirty != 0 || v.idx.NSup != 0 {
 		n := v.idx.Cached + v.idx.NSup
@@ -239,22 +234,27 @@ func (s *Set) removeVolume(v *Volume) error {
 	s.mu.Unlock()
 	// The checkpoint starts a journal generation with no record of the
 	// slot; the journal before it is never replayed again.
-	if err := s.checkpointLocked(); err != nil {
+	if err := s.checkpointLocked(0); err != nil {
 		// The set has failed (sticky); the superblock still lists v.
 		s.mu.Lock()
 		s.setVols(old)
 		s.mu.Unlock()
 		return err
 	}
-	nsb.Seq = s.sb.Seq + 1
-	if err := ondisk.WriteSuperblock(s.dev, nsb); err != nil {
+	err := s.updateSuperblockLocked(func(nsb *Superblock) error {
+		nsb.Backings[v.vi] = BackingInfo{}
+		for len(nsb.Backings) > 0 && nsb.Backings[len(nsb.Backings)-1].Free() {
+			nsb.Backings = nsb.Backings[:len(nsb.Backings)-1]
+		}
+		return nil
+	})
+	if err != nil {
 		s.mu.Lock()
 		s.setVols(old)
 		s.mu.Unlock()
 		restart()
 		return err
 	}
-	s.sb = nsb
 	s.log.Info("volume detached", "volume", v.name, "slot", v.vi)
 	return nil
 }
@@ -328,31 +328,24 @@ func (s *Set) Attach(spec BackingSpec, opts AttachOptions) (*Volume, error) {
 	s.mu.Lock()
 	nvols := max(len(s.vols), nslots) // the checkpoint writes every in-memory slot
 	s.mu.Unlock()
-	need := ondisk.CkptLenFor(s.lay.NBuckets, s.bpb, nvols)
-	if s.epochOK {
-		need = ondisk.CkptLenEpoch(s.lay.NBuckets, s.bpb, nvols)
-	}
-	if need > s.lay.CkptLen {
-		return nil, fmt.Errorf("attach %s: %w: the checkpoint slots of this set (formatted by an older tiercache for %d backing devices) cannot hold %d; format a new set",
-			spec.Name, ErrInvalid, len(s.sb.Backings), nslots)
+	if need := ondisk.CkptSlotLen(s.lay.NBuckets, s.bpb, nvols); need > s.lay.CkptLen {
+		return nil, fmt.Errorf("attach %s: %w: the checkpoint slots of this set (%d bytes) cannot hold %d backing devices (%d bytes); format a new set",
+			spec.Name, ErrInvalid, s.lay.CkptLen, nslots, need)
 	}
 	st := DefaultSettings()
 	st.Mode = opts.Mode
-	bi := BackingInfo{Name: spec.Name, ID: spec.ID, Path: spec.Path, Size: size, Mode: opts.Mode, Settings: st}
-	nsb := s.sb.Clone()
-	if slot < len(nsb.Backings) {
-		nsb.Backings[slot] = bi
-	} else {
-		nsb.Backings = append(nsb.Backings, bi)
-	}
-	nsb.Seq++
-	if err := nsb.Validate(-1); err != nil {
+	bi := BackingInfo{Name: spec.Name, ID: spec.ID, Path: spec.Path, Size: size, Settings: st}
+	err := s.updateSuperblockLocked(func(nsb *Superblock) error {
+		if slot < len(nsb.Backings) {
+			nsb.Backings[slot] = bi
+		} else {
+			nsb.Backings = append(nsb.Backings, bi)
+		}
+		return nil
+	})
+	if err != nil {
 		return nil, fmt.Errorf("attach %s: %w", spec.Name, err)
 	}
-	if err := ondisk.WriteSuperblock(s.dev, nsb); err != nil {
-		return nil, fmt.Errorf("attach %s: %w", spec.Name, err)
-	}
-	s.sb = nsb
 	v := s.newVolume(slot, bi, spec.Dev)
 	s.mu.Lock()
 	vols := make([]*Volume, max(len(s.vols), nslots))

@@ -56,7 +56,7 @@ func heapIndexOverwrites(t *testing.T, nblocks int, order string, flushEvery int
 	const bs = 1 << 20
 	bpb := int64(bs / blockSize)
 	nb := int64(nblocks) / bpb
-	s := &Set{bpb: bpb, epochOK: true}
+	s := &Set{bpb: bpb}
 	s.mu.BPB = s.bpb
 	var before, after runtime.MemStats
 	runtime.GC()
@@ -64,7 +64,7 @@ func heapIndexOverwrites(t *testing.T, nblocks int, order string, flushEvery int
 	s.mu.Buckets = make([]index.Bucket, nb)
 	v := &Volume{s: s, nblocks: 1 << 30}
 	st := DefaultSettings()
-	st.WritebackOrder = order
+	st.WritebackOrder = orderOf(order)
 	v.cfg.Store(&st)
 	v.idx.Tree = index.NewPtree()
 	s.setVols([]*Volume{v})
@@ -163,11 +163,11 @@ func TestMeasureRecovery(t *testing.T) {
 		s.mu.Lock()
 		s.mu.Insert(0, uint64(lbas[i]), uint32(i), uint32(i), true, s.vols[0].idx.epoch, s.keepSuperseded(0))
 		crcs[0] = uint32(i)
-		s.appendInsertLocked(0, uint64(lbas[i]), uint32(i), true, crcs)
+		s.appendInsertLocked(0, uint64(lbas[i]), uint32(i), true, crcs, s.vols[0].idx.epoch)
 		s.mu.Unlock()
 		if i == nblocks/2 {
 			s.commitMu.Lock()
-			if err := s.checkpointLocked(); err != nil {
+			if err := s.checkpointLocked(0); err != nil {
 				t.Fatal(err)
 			}
 			s.commitMu.Unlock()

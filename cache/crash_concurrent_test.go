@@ -248,7 +248,7 @@ func runCrashConcurrent(t *testing.T, seed uint64) {
 				st.SequentialCutoff = []int64{0, 16 << 10, 4 << 20}[r.IntN(3)]
 				st.WritebackPercent = []int{0, 10, 100}[r.IntN(3)]
 				st.Promote = []string{"always", "never", "after:2"}[r.IntN(3)]
-				st.WritebackOrder = []string{"epoch", "lba"}[r.IntN(2)]
+				st.WritebackOrder = []WritebackOrder{OrderEpoch, OrderLBA}[r.IntN(2)]
 				st.WritebackRateMax = []int64{0, 64 << 10}[r.IntN(2)]
 				if err := v.SetSettings(st); err != nil {
 					errc <- err

@@ -440,7 +440,7 @@ func (r *crashRun) randomSettings(vi int) {
 	st := r.sets[vi]
 	st.SequentialCutoff = []int64{0, 8 << 10, 16 << 10, 32 << 10, 4 << 20}[rng.IntN(5)]
 	st.WritebackPercent = []int{0, 10, 50, 100}[rng.IntN(4)]
-	st.WritebackOrder = []string{"epoch", "lba"}[rng.IntN(2)]
+	st.WritebackOrder = []WritebackOrder{OrderEpoch, OrderLBA}[rng.IntN(2)]
 	st.Promote = []string{"always", "never", "after:2", "after:3"}[rng.IntN(4)]
 	st.WritebackRateMax = []int64{0, 0, 64 << 10}[rng.IntN(3)]
 	r.logf("settings vol%d %+v", vi, st)

@@ -156,7 +156,7 @@ func runCPC(t *testing.T, seed uint64, at int) cpcResult {
 	}
 	v := s.vols[0]
 	cfg := v.Settings()
-	cfg.WritebackOrder = []string{"epoch", "lba"}[rng.IntN(2)]
+	cfg.WritebackOrder = []WritebackOrder{OrderEpoch, OrderLBA}[rng.IntN(2)]
 	cfg.WritebackPercent = []int{0, 10, 100}[rng.IntN(3)]
 	if err := v.SetSettings(cfg); err != nil {
 		t.Fatal(err)
@@ -212,7 +212,7 @@ func runCPC(t *testing.T, seed uint64, at int) cpcResult {
 				err = v.SetMode(Mode(r.IntN(4)))
 			} else {
 				c := v.Settings()
-				c.WritebackOrder = []string{"epoch", "lba"}[r.IntN(2)]
+				c.WritebackOrder = []WritebackOrder{OrderEpoch, OrderLBA}[r.IntN(2)]
 				c.WritebackPercent = []int{0, 10, 100}[r.IntN(3)]
 				err = v.SetSettings(c)
 			}

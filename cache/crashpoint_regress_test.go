@@ -43,7 +43,7 @@ func closedSetWithDirtyData(t *testing.T, slot uint64) (*device.Mem, *device.Mem
 	// Close writes one more checkpoint, of generation jr.gen+1.
 	if (s.jr.gen+1)%2 != slot {
 		s.commitMu.Lock()
-		err := s.checkpointLocked()
+		err := s.checkpointLocked(0)
 		s.commitMu.Unlock()
 		if err != nil {
 			t.Fatal(err)

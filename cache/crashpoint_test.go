@@ -326,7 +326,7 @@ type cpRun struct {
 	nvols     int
 	hide      bool
 	initMode  Mode
-	order     string
+	order     WritebackOrder
 	cache     *cpDev
 	backs     []*cpDev
 	extra     *cpDev // attach: the device attached by the operation
@@ -374,7 +374,7 @@ func (r *cpRun) geometry() {
 	// Both writeback orders in any two consecutive seeds; the initial mode
 	// cycles (the workload switches modes too).
 	r.initMode = []Mode{Writeback, Writeback, Writethrough, Writeback, Writearound, None}[r.seed%6]
-	r.order = []string{"epoch", "lba"}[r.seed%2]
+	r.order = []WritebackOrder{OrderEpoch, OrderLBA}[r.seed%2]
 	r.cache = r.w.add("cache", device.NewMem(cacheSizeFor(r.nb, r.bs, minJournalLen, r.nvols)))
 	for i := 0; i < r.nvols; i++ {
 		d, m := r.newBacking(i)

@@ -52,7 +52,7 @@ func runEpochSeed(t *testing.T, seed uint64) {
 	back := backs[0]
 	v := s.vols[0]
 	st := v.Settings()
-	st.WritebackOrder = "epoch"
+	st.WritebackOrder = OrderEpoch
 	st.WritebackPercent = []int{0, 10, 100}[rng.IntN(3)]
 	st.SequentialCutoff = []int64{0, 16 << 10}[rng.IntN(2)] // no write bypass in epoch order either way
 	if err := v.SetSettings(st); err != nil {
@@ -325,7 +325,7 @@ func newEpochSetNoBackground(t *testing.T, nBuckets, nblk int64) (*Set, *Volume)
 func setWritebackOrder(t *testing.T, v *Volume, order string) {
 	t.Helper()
 	st := v.Settings()
-	st.WritebackOrder = order
+	st.WritebackOrder = orderOf(order)
 	if err := v.SetSettings(st); err != nil {
 		t.Fatal(err)
 	}

@@ -253,7 +253,7 @@ func TestEpochWriteNotStuckOnOtherVolume(t *testing.T) {
 	v0, v1 := s.vols[0], s.vols[1]
 	for _, v := range s.vols {
 		st := v.Settings()
-		st.WritebackOrder = "epoch"
+		st.WritebackOrder = OrderEpoch
 		if err := v.SetSettings(st); err != nil {
 			t.Fatal(err)
 		}
@@ -377,7 +377,7 @@ func TestOlderEpochRetryFailuresLogged(t *testing.T) {
 	s, _ := newBackFaultSetLog(t, Writeback, inj, log)
 	v := s.vols[0]
 	st := v.Settings()
-	st.WritebackOrder = "epoch"
+	st.WritebackOrder = OrderEpoch
 	if err := v.SetSettings(st); err != nil {
 		t.Fatal(err)
 	}
@@ -461,7 +461,7 @@ func newLostCleanMarkSet(t *testing.T, inj faultdev.InjectorFunc, mode Mode) (s 
 	s, cacheMem, specs := newFaultSet(t, inj)
 	v = s.vols[0]
 	st := v.Settings()
-	st.WritebackOrder = "lba"
+	st.WritebackOrder = OrderLBA
 	if err := v.SetSettings(st); err != nil {
 		t.Fatal(err)
 	}

@@ -245,7 +245,7 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	defer func() { s.crashStop() }()
 	for vi, v := range s.vols {
 		st := v.Settings()
-		st.WritebackOrder = []string{"epoch", "lba"}[rng.IntN(2)]
+		st.WritebackOrder = []WritebackOrder{OrderEpoch, OrderLBA}[rng.IntN(2)]
 		st.WritebackPercent = []int{0, 10, 100}[rng.IntN(3)]
 		st.SequentialCutoff = []int64{0, 16 << 10}[rng.IntN(2)]
 		if err := v.SetSettings(st); err != nil {

@@ -418,7 +418,7 @@ func (s *Set) gcMove(bi int64, found []located) {
 			// Same epoch as the copied version: it replaces it (never
 			// superseding it), and keeps its place in epoch order.
 			s.mu.Insert(it.vi, it.lba, r.loc, it.e.CRC, true, it.epoch, s.keepSuperseded(it.vi))
-			s.appendInsertEpochLocked(it.vi, it.lba, r.loc, true, []uint32{it.e.CRC}, it.epoch)
+			s.appendInsertLocked(it.vi, it.lba, r.loc, true, []uint32{it.e.CRC}, it.epoch)
 			s.stats.gcMoves.Add(1)
 		}
 		s.unpinLocked(r.loc)

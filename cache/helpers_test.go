@@ -11,7 +11,7 @@ import (
 // cacheSizeFor returns a cache device size that formats to n buckets of bs.
 func cacheSizeFor(n, bs, journal int64, nvols int) int64 {
 	bpb := bs / blockSize
-	ckpt := ondisk.CkptLenEpoch(n, bpb, ondisk.MaxBackings) // Format sizes slots for every slot; nvols kept for callers
+	ckpt := ondisk.CkptSlotLen(n, bpb, ondisk.MaxBackings) // Format sizes slots for every slot; nvols kept for callers
 	off := 2*ondisk.SBCopySize + journal + 2*ckpt
 	align := min(bs, 1<<20)
 	off = (off + align - 1) / align * align
@@ -52,3 +52,12 @@ func newTestSet(t testing.TB, nBuckets, bucketSize int64, backSizes ...int64) (*
 }
 
 var le = binary.LittleEndian
+
+// orderOf parses a writeback order name of a test table.
+func orderOf(s string) WritebackOrder {
+	o, err := ondisk.ParseWritebackOrder(s)
+	if err != nil {
+		panic(err)
+	}
+	return o
+}

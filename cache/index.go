@@ -34,10 +34,10 @@ type blockRange struct{ lba, n uint64 }
 func (r blockRange) overlaps(lba, n uint64) bool { return r.lba < lba+n && lba < r.lba+r.n }
 
 // keepSuperseded reports whether volume vi keeps superseded dirty versions
-// (epoch order, on a set whose checkpoint slots can hold them).
+// (epoch order).
 func (s *Set) keepSuperseded(vi int) bool {
 	cfg := s.vol(vi).cfg.Load()
-	return s.epochOK && cfg != nil && cfg.WritebackOrder == "epoch"
+	return cfg != nil && cfg.WritebackOrder == OrderEpoch
 }
 
 // Check verifies the index invariants (10 to 15 in docs/DESIGN.md) and the

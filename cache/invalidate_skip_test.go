@@ -186,7 +186,7 @@ func TestPassthroughKeepsInvalidateWhenReplayable(t *testing.T) {
 	// A checkpoint of the now empty volume proves nothing can be
 	// replayed: later passthrough writes skip the record.
 	s.commitMu.Lock()
-	err := s.checkpointLocked()
+	err := s.checkpointLocked(0)
 	s.commitMu.Unlock()
 	if err != nil {
 		t.Fatal(err)
@@ -213,7 +213,7 @@ func TestCheckpointKeepsReplayableWithEntries(t *testing.T) {
 		t.Fatal(err)
 	}
 	s.commitMu.Lock()
-	err := s.checkpointLocked()
+	err := s.checkpointLocked(0)
 	s.commitMu.Unlock()
 	if err != nil {
 		t.Fatal(err)

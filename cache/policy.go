@@ -26,8 +26,6 @@ package cache
 import (
 	"fmt"
 	"sync"
-
-	"github.com/tiercache/tiercache/cache/internal/ondisk"
 )
 
 const (
@@ -129,17 +127,16 @@ func (v *Volume) SetSettings(st Settings) error {
 	s := v.s
 	s.sbMu.Lock()
 	defer s.sbMu.Unlock()
-	nsb := s.sb.Clone()
-	nsb.Backings[v.vi].Mode = st.Mode
-	nsb.Backings[v.vi].Settings = st
-	nsb.Seq++
-	if err := ondisk.WriteSuperblock(s.dev, nsb); err != nil {
+	err := s.updateSuperblockLocked(func(nsb *Superblock) error {
+		nsb.Backings[v.vi].Settings = st
+		return nil
+	})
+	if err != nil {
 		return fmt.Errorf("settings of %s: %w", v.name, err)
 	}
-	s.sb = nsb
 	v.mode.Store(int32(st.Mode))
 	v.cfg.Store(&st)
-	if st.WritebackOrder != "epoch" {
+	if st.WritebackOrder != OrderEpoch {
 		// Left epoch order: older versions are moot (the newest is what
 		// lba order writes back). The superblock already says lba, so
 		// replay will not keep them either.

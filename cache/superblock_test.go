@@ -12,10 +12,10 @@ func testSuperblock() *Superblock {
 	bs := int64(16 << 10)
 	sb := &Superblock{Version: ondisk.FormatVersion, Seq: 7, BlockSize: blockSize, BucketSize: bs, NBuckets: 8,
 		JournalOff: 2 * ondisk.SBCopySize, JournalLen: minJournalLen,
-		Backings: []BackingInfo{{Name: "a", ID: "uuid-a", Size: 1 << 20, Mode: Writeback, Path: "/dev/disk/by-id/a"}, {Name: "b", Size: 5<<20 + 512, Mode: None}}}
+		Backings: []BackingInfo{{Name: "a", ID: "uuid-a", Size: 1 << 20, Settings: Settings{Mode: Writeback}, Path: "/dev/disk/by-id/a"}, {Name: "b", Size: 5<<20 + 512, Settings: Settings{Mode: None}}}}
 	sb.SetUUID[3] = 9
 	sb.CkptOff[0] = sb.JournalOff + sb.JournalLen
-	sb.CkptLen = ondisk.CkptLenFor(8, bs/blockSize, 2)
+	sb.CkptLen = ondisk.CkptSlotLen(8, bs/blockSize, 2)
 	sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
 	sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + bs - 1) / bs * bs
 	return sb
@@ -31,7 +31,7 @@ func TestSuperblockTwoCopies(t *testing.T) {
 	}
 	s.crashStop()
 	sb, idx, err := ondisk.ReadSuperblock(cache)
-	if err != nil || sb.Backings[0].Mode != Writearound {
+	if err != nil || sb.Backings[0].Settings.Mode != Writearound {
 		t.Fatalf("newest copy: %+v %v", sb, err)
 	}
 	// Damage the newest copy: the previous one (mode writeback) is used.
@@ -39,7 +39,7 @@ func TestSuperblockTwoCopies(t *testing.T) {
 		t.Fatal(err)
 	}
 	sb2, idx2, err := ondisk.ReadSuperblock(cache)
-	if err != nil || idx2 == idx || sb2.Seq != sb.Seq-1 || sb2.Backings[0].Mode != Writeback {
+	if err != nil || idx2 == idx || sb2.Seq != sb.Seq-1 || sb2.Backings[0].Settings.Mode != Writeback {
 		t.Fatalf("fallback: copy %d seq %d (newest was %d), err %v", idx2, sb2.Seq, sb.Seq, err)
 	}
 	s2, err := Open(cache, []BackingSpec{{Name: "a", Dev: backs[0]}}, OpenOptions{})

@@ -176,14 +176,13 @@ func (v *Volume) SetMode(m Mode) error {
 	s := v.s
 	s.sbMu.Lock()
 	defer s.sbMu.Unlock()
-	nsb := s.sb.Clone()
-	nsb.Backings[v.vi].Mode = m
-	nsb.Backings[v.vi].Settings.Mode = m
-	nsb.Seq++
-	if err := ondisk.WriteSuperblock(s.dev, nsb); err != nil {
+	err := s.updateSuperblockLocked(func(nsb *Superblock) error {
+		nsb.Backings[v.vi].Settings.Mode = m
+		return nil
+	})
+	if err != nil {
 		return fmt.Errorf("set mode of %s: %w", v.name, err)
 	}
-	s.sb = nsb
 	v.mode.Store(int32(m))
 	return nil
 }
@@ -559,7 +558,7 @@ func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 			for i := 0; i < r.n; i++ {
 				s.mu.Insert(v.vi, lba+uint64(done+i), r.loc+uint32(i), crcs[i], false, v.idx.epoch, s.keepSuperseded(v.vi))
 			}
-			s.appendInsertLocked(v.vi, lba+uint64(done), r.loc, false, crcs)
+			s.appendInsertLocked(v.vi, lba+uint64(done), r.loc, false, crcs, v.idx.epoch)
 		}
 		s.unpinLocked(r.loc)
 		s.mu.Unlock()
@@ -786,7 +785,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 		for i := 0; i < r.n; i++ {
 			s.mu.Insert(v.vi, at+uint64(i), r.loc+uint32(i), crcs[i], dirty, v.idx.epoch, s.keepSuperseded(v.vi))
 		}
-		s.appendInsertLocked(v.vi, at, r.loc, dirty, crcs)
+		s.appendInsertLocked(v.vi, at, r.loc, dirty, crcs, v.idx.epoch)
 		s.noteInvalidateLocked(v, from, at, uint64(r.n), dropsDirty)
 		v.idx.mutations++
 		v.releaseLocked(claim)

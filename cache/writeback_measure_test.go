@@ -358,7 +358,7 @@ func measureLatency(t *testing.T, span, hot, hotBase int64, order string) {
 	}
 	hdd := measureHDD(t, 1<<30, 1)
 	cfg := DefaultSettings()
-	cfg.WritebackOrder = order
+	cfg.WritebackOrder = orderOf(order)
 	s := measureSet(t, 48, hdd, cfg)
 	v, _ := s.Volume("hdd")
 	const dur = 6 * time.Second
@@ -451,7 +451,7 @@ func TestMeasureEpochVsLBA(t *testing.T) {
 		t.Run(order, func(t *testing.T) {
 			hdd := measureHDD(t, 1<<30, measureScale)
 			st := DefaultSettings()
-			st.WritebackOrder = order
+			st.WritebackOrder = orderOf(order)
 			s := measureSet(t, 64, hdd, st)
 			v, _ := s.Volume("hdd")
 			const writers, perWriter = 4, 10000

@@ -21,7 +21,7 @@ func TestSettingsPersist(t *testing.T) {
 	if got := v.Settings(); got != DefaultSettings() {
 		t.Fatalf("fresh volume settings %+v, want defaults %+v", got, DefaultSettings())
 	}
-	want := Settings{Mode: Writethrough, SequentialCutoff: 1 << 20, WritebackPercent: 40, WritebackOrder: "lba", Promote: "after:3", WritebackRateMax: 8 << 20}
+	want := Settings{Mode: Writethrough, SequentialCutoff: 1 << 20, WritebackPercent: 40, WritebackOrder: OrderLBA, Promote: "after:3", WritebackRateMax: 8 << 20}
 	if err := v.SetSettings(want); err != nil {
 		t.Fatal(err)
 	}
@@ -57,8 +57,8 @@ func TestSettingsPersist(t *testing.T) {
 	}
 }
 
-// TestSuperblockWithoutSettings: a superblock written before the settings
-// trailer existed decodes with default settings.
+// TestSuperblockWithoutSettings: a superblock without its settings section
+// (as the format before version 2 allowed) is refused as corruption.
 func TestSuperblockWithoutSettings(t *testing.T) {
 	sb := testSuperblock()
 	b, err := sb.Encode()
@@ -68,22 +68,14 @@ func TestSuperblockWithoutSettings(t *testing.T) {
 	tl := 4
 	for range sb.Backings {
 		d := DefaultSettings()
-		tl += 8 + 1 + 2 + len(d.WritebackOrder) + 2 + len(d.Promote) + 8
+		tl += 8 + 1 + 2 + len(d.WritebackOrder.String()) + 2 + len(d.Promote) + 8 + 8
 	}
 	old := append([]byte(nil), b[:len(b)-tl]...)
 	le.PutUint32(old[12:], uint32(len(old)-ondisk.SBHeaderSize))
 	le.PutUint32(old[16:], 0)
 	le.PutUint32(old[16:], ondisk.CRC32C(old))
-	got, err := ondisk.DecodeSuperblock(old, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for i, bi := range got.Backings {
-		want := DefaultSettings()
-		want.Mode = bi.Mode
-		if bi.Settings != want {
-			t.Errorf("backing %d: settings %+v, want %+v", i, bi.Settings, want)
-		}
+	if _, err := ondisk.DecodeSuperblock(old, 0); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("superblock without settings: %v, want corruption", err)
 	}
 }
 

@@ -99,7 +99,7 @@ func TestMeasureEpochPassthroughWait(t *testing.T) {
 		hdd := measureHDD(t, span, measureScale)
 		st := DefaultSettings()
 		st.WritebackPercent = 100
-		st.WritebackOrder = "epoch"
+		st.WritebackOrder = OrderEpoch
 		s := measureSet(t, 160, hdd, st)
 		v, _ := s.Volume("hdd")
 		buf := make([]byte, blockSize)

@@ -189,7 +189,7 @@ func inspectSuperblock(g *globals, dev device.Device, path string) error {
 		if id == "" {
 			id = "none"
 		}
-		fmt.Fprintf(w, "backing %d\t%s: %s, %s, mode %s, id %s\n", i, b.Name, b.Path, human(b.Size), b.Mode, id)
+		fmt.Fprintf(w, "backing %d\t%s: %s, %s, mode %s, id %s\n", i, b.Name, b.Path, human(b.Size), b.Settings.Mode, id)
 	}
 	return w.Flush()
 }

@@ -39,7 +39,6 @@ func readSuperblock(path string) (*cache.Superblock, error) {
 func settingsOf(b cache.BackingInfo) map[string]string {
 	m := map[string]string{}
 	st := b.Settings
-	st.Mode = b.Mode
 	for _, k := range cache.SettingKeys {
 		if v, ok := st.Get(k); ok {
 			m[k] = v

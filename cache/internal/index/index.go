@@ -193,10 +193,9 @@ func (b Bitset) Clear(i int)    { b[i/64] &^= 1 << (i % 64) }
 // previous entry; a dirty block has the flush epoch epoch. With keepSup
 // (the volume writes back in epoch order), a dirty entry of an earlier
 // epoch that the new dirty entry replaces is kept as a superseded version
-// (invariant 13). A
-// clean insert means the backing device holds this data (writethrough,
-// promotion): every older dirty version of the block is dropped, as writing
-// one back later would put old data over it.
+// (invariant 13). A clean insert means the backing device holds this data
+// (writethrough, promotion): every older dirty version of the block is
+// dropped, as writing one back later would put old data over it.
 func (ix *Index) Insert(vi int, lba uint64, loc uint32, crc uint32, dirty bool, epoch uint64, keepSup bool) {
 	ix.initVersions()
 	v := ix.Vols[vi]

@@ -23,12 +23,14 @@ const (
 	ckptVolHdr    = 2 + 8 + 8
 )
 
-// CkptLenFor is the slot size needed for a full cache.
-// CkptLenEpoch is the slot size Format uses: CkptLenFor plus the epoch
-// section (a dirty live entry costs 12 more bytes, a superseded version 24
-// instead of an entry's 16, so at most 28 bytes per cache block).
-func CkptLenEpoch(nbuckets, bpb int64, nvols int) int64 {
-	n := CkptLenFor(nbuckets, bpb, nvols) + 4 + int64(nvols)*16 + nbuckets*bpb*CkptEpochExtra
+// CkptSlotLen is the size of a checkpoint slot that holds a full cache of
+// nbuckets buckets of bpb blocks with nvols volume slots: the header block,
+// the generations, the entries (16 bytes each) and the epoch section (a
+// dirty live entry costs 12 more bytes, a superseded version 24 instead of
+// an entry's 16, so at most 28 bytes per cache block).
+func CkptSlotLen(nbuckets, bpb int64, nvols int) int64 {
+	n := BlockSize + 4 + 4*nbuckets + 2 + int64(nvols)*ckptVolHdr + nbuckets*bpb*CkptEntrySize +
+		4 + int64(nvols)*16 + nbuckets*bpb*CkptEpochExtra
 	return (n + BlockSize - 1) / BlockSize * BlockSize
 }
 
@@ -36,11 +38,6 @@ const (
 	ckptEpochTag   = 0x48435045 // "EPCH": the epoch section follows the volumes
 	CkptEpochExtra = 12         // worst-case bytes per cache block for the epoch section
 )
-
-func CkptLenFor(nbuckets, bpb int64, nvols int) int64 {
-	n := BlockSize + 4 + 4*nbuckets + 2 + int64(nvols)*ckptVolHdr + nbuckets*bpb*CkptEntrySize
-	return (n + BlockSize - 1) / BlockSize * BlockSize
-}
 
 type CkptHeader struct {
 	Nonce   uint64
@@ -105,8 +102,8 @@ type VerSnap struct {
 type CkptVol struct {
 	Epoch uint64
 	Ents  []index.Ent
-	// epochOf[loc] is the flush epoch of the dirty entry at cache block loc
-	// (nil without an epoch section). One slice indexed by cache block,
+	// EpochOf[loc] is the flush epoch of the dirty entry at cache block loc.
+	// One slice indexed by cache block,
 	// shared by all volumes (no block is named twice), is much cheaper to
 	// build and read than a map for a million dirty blocks.
 	EpochOf []uint64
@@ -121,8 +118,10 @@ type CkptData struct {
 
 // EncodeCkptBody streams the body to w in chunks (the index of a large
 // cache is tens of MiB; it is never held twice in memory), with the epoch
-// section from vers (per volume, every dirty version; nil: no section): for each volume the epoch of each
-// live dirty entry's cache block, then the superseded versions.
+// section from vers (per volume, every dirty version; nil, or a VerSnap
+// without EpochOf: no epochs and no superseded versions): for each volume
+// the epoch of each live dirty entry's cache block, then the superseded
+// versions.
 //
 //	"EPCH" u32 | { n u64 | { loc u32 | epoch u64 } × n | m u64 | { lba u64 | loc u32 | crc u32 | epoch u64 } × m } per volume
 func EncodeCkptBody(gens []uint32, epochs []uint64, trees []*index.Ptree, vers []VerSnap, w func([]byte) error) error {
@@ -160,49 +159,51 @@ func EncodeCkptBody(gens []uint32, epochs []uint64, trees []*index.Ptree, vers [
 			return err
 		}
 	}
-	if vers != nil {
-		e.u32(ckptEpochTag)
-		for i, vs := range vers {
-			// The live dirty entries in LBA order (decoding does not
-			// depend on the order).
-			type locEpoch struct {
-				loc   uint32
-				epoch uint64
-			}
-			// Sized up front: growing it by doubling cost 0.16 s of a
-			// 1M-version checkpoint.
-			live := make([]locEpoch, 0, vs.Dirty)
+	e.u32(ckptEpochTag)
+	type locEpoch struct {
+		loc   uint32
+		epoch uint64
+	}
+	for i := range trees {
+		var vs VerSnap
+		if vers != nil {
+			vs = vers[i]
+		}
+		// The live dirty entries in LBA order (decoding does not depend on
+		// the order), sized up front (a large checkpoint has millions).
+		live := make([]locEpoch, 0, vs.Dirty)
+		var sup []index.Ver
+		if vs.EpochOf != nil {
 			trees[i].Ascend(func(x index.Ent) bool {
 				if x.Dirty() {
 					live = append(live, locEpoch{x.Block(), vs.EpochOf(x.Block())})
 				}
 				return true
 			})
-			var sup []index.Ver
 			if vs.Sup != nil {
 				vs.Sup.Ascend(func(x index.Ent) bool {
 					sup = append(sup, index.Ver{Epoch: vs.EpochOf(x.Loc), LBA: x.LBA, Loc: x.Loc, CRC: x.CRC})
 					return true
 				})
 			}
-			slices.SortFunc(sup, index.CmpVer) // decoding wants them by (epoch, lba)
-			e.u64(uint64(len(live)))
-			for _, x := range live {
-				e.u32(x.loc)
-				e.u64(x.epoch)
-				if err := flush(false); err != nil {
-					return err
-				}
+		}
+		slices.SortFunc(sup, index.CmpVer) // decoding wants them by (epoch, lba)
+		e.u64(uint64(len(live)))
+		for _, x := range live {
+			e.u32(x.loc)
+			e.u64(x.epoch)
+			if err := flush(false); err != nil {
+				return err
 			}
-			e.u64(uint64(len(sup)))
-			for _, x := range sup {
-				e.u64(x.LBA)
-				e.u32(x.Loc)
-				e.u32(x.CRC)
-				e.u64(x.Epoch)
-				if err := flush(false); err != nil {
-					return err
-				}
+		}
+		e.u64(uint64(len(sup)))
+		for _, x := range sup {
+			e.u64(x.LBA)
+			e.u32(x.Loc)
+			e.u32(x.CRC)
+			e.u64(x.Epoch)
+			if err := flush(false); err != nil {
+				return err
 			}
 		}
 	}
@@ -259,55 +260,53 @@ func DecodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*C
 		}
 		cd.Vols = append(cd.Vols, cv)
 	}
-	if !d.bad && d.remaining() > 0 {
-		if d.u32() != ckptEpochTag {
-			return nil, Badf("checkpoint body", "unknown section after the volumes")
+	if tag := d.u32(); d.bad || tag != ckptEpochTag {
+		return nil, Badf("checkpoint body", "epoch section tag %#x, expected %#x", tag, ckptEpochTag)
+	}
+	epochOf := make([]uint64, total)
+	dirtyAt := index.NewBitset(int(total)) // the dirty entries of the volume at hand
+	for vi := range cd.Vols {
+		cv := &cd.Vols[vi]
+		nd := 0
+		for _, x := range cv.Ents {
+			if x.Dirty() {
+				dirtyAt.Set(int(x.Block()))
+				nd++
+			}
 		}
-		epochOf := make([]uint64, total)
-		dirtyAt := index.NewBitset(int(total)) // the dirty entries of the volume at hand
-		for vi := range cd.Vols {
-			cv := &cd.Vols[vi]
-			nd := 0
-			for _, x := range cv.Ents {
-				if x.Dirty() {
-					dirtyAt.Set(int(x.Block()))
-					nd++
-				}
+		n := d.u64()
+		if d.bad || n > uint64(nd) || n*12 > uint64(d.remaining()) {
+			return nil, Badf("checkpoint body", "volume %d: %d dirty epochs", vi, n)
+		}
+		cv.EpochOf = epochOf
+		for range n {
+			loc, ep := d.u32(), d.u64()
+			if uint64(loc) >= total || !dirtyAt.Get(int(loc)) || ep > cv.Epoch {
+				return nil, Badf("checkpoint body", "volume %d: epoch %d for cache block %d (not a dirty entry, or beyond the volume's epoch %d)", vi, ep, loc, cv.Epoch)
 			}
-			n := d.u64()
-			if d.bad || n > uint64(nd) || n*12 > uint64(d.remaining()) {
-				return nil, Badf("checkpoint body", "volume %d: %d dirty epochs", vi, n)
+			epochOf[loc] = ep
+		}
+		for _, x := range cv.Ents {
+			dirtyAt.Clear(int(x.Block()))
+		}
+		m := d.u64()
+		if d.bad || m > total || m*24 > uint64(d.remaining()) {
+			return nil, Badf("checkpoint body", "volume %d: %d superseded versions", vi, m)
+		}
+		for range m {
+			x := index.Ver{LBA: d.u64(), Loc: d.u32(), CRC: d.u32(), Epoch: d.u64()}
+			if d.bad || x.LBA >= blocksOf(vi) || uint64(x.Loc) >= total || seen.Get(int(x.Loc)) || x.Epoch > cv.Epoch {
+				return nil, Badf("checkpoint body", "volume %d: superseded version %+v out of range or owned twice", vi, x)
 			}
-			cv.EpochOf = epochOf
-			for range n {
-				loc, ep := d.u32(), d.u64()
-				if uint64(loc) >= total || !dirtyAt.Get(int(loc)) || ep > cv.Epoch {
-					return nil, Badf("checkpoint body", "volume %d: epoch %d for cache block %d (not a dirty entry, or beyond the volume's epoch %d)", vi, ep, loc, cv.Epoch)
-				}
-				epochOf[loc] = ep
+			// In (epoch, lba) order, each older than the live dirty
+			// entry of its LBA (invariant 13): (epoch, lba) names
+			// one version.
+			i, found := slices.BinarySearchFunc(cv.Ents, x.LBA, func(e index.Ent, lba uint64) int { return cmp.Compare(e.LBA, lba) })
+			if (len(cv.Sup) > 0 && !index.VerLess(cv.Sup[len(cv.Sup)-1], x)) || !found || !cv.Ents[i].Dirty() || epochOf[cv.Ents[i].Block()] <= x.Epoch {
+				return nil, Badf("checkpoint body", "volume %d: superseded version %+v out of order or not older than a dirty entry", vi, x)
 			}
-			for _, x := range cv.Ents {
-				dirtyAt.Clear(int(x.Block()))
-			}
-			m := d.u64()
-			if d.bad || m > total || m*24 > uint64(d.remaining()) {
-				return nil, Badf("checkpoint body", "volume %d: %d superseded versions", vi, m)
-			}
-			for range m {
-				x := index.Ver{LBA: d.u64(), Loc: d.u32(), CRC: d.u32(), Epoch: d.u64()}
-				if d.bad || x.LBA >= blocksOf(vi) || uint64(x.Loc) >= total || seen.Get(int(x.Loc)) || x.Epoch > cv.Epoch {
-					return nil, Badf("checkpoint body", "volume %d: superseded version %+v out of range or owned twice", vi, x)
-				}
-				// In (epoch, lba) order, each older than the live dirty
-				// entry of its LBA (index invariant 4): (epoch, lba) names
-				// one version.
-				i, found := slices.BinarySearchFunc(cv.Ents, x.LBA, func(e index.Ent, lba uint64) int { return cmp.Compare(e.LBA, lba) })
-				if (len(cv.Sup) > 0 && !index.VerLess(cv.Sup[len(cv.Sup)-1], x)) || !found || !cv.Ents[i].Dirty() || epochOf[cv.Ents[i].Block()] <= x.Epoch {
-					return nil, Badf("checkpoint body", "volume %d: superseded version %+v out of order or not older than a dirty entry", vi, x)
-				}
-				seen.Set(int(x.Loc))
-				cv.Sup = append(cv.Sup, x)
-			}
+			seen.Set(int(x.Loc))
+			cv.Sup = append(cv.Sup, x)
 		}
 	}
 	if d.bad || d.remaining() != 0 {
@@ -316,8 +315,7 @@ func DecodeCkptBody(b []byte, nbuckets int64, bpb int64, volBlocks []uint64) (*C
 	return cd, nil
 }
 
-// WriteCheckpoint writes a checkpoint into slot h.Gen%2 and syncs; the
-// epoch section (vers non-nil) needs slots sized by CkptLenEpoch. The
+// WriteCheckpoint writes a checkpoint into slot h.Gen%2 and syncs. The
 // caller has already made everything the snapshot depends on durable.
 func WriteCheckpoint(dev device.Device, sb *Superblock, h CkptHeader, gens []uint32, epochs []uint64, trees []*index.Ptree, vers []VerSnap) error {
 	slot := sb.CkptOff[h.Gen%2]

@@ -22,7 +22,7 @@ type Settings struct {
 	Mode             Mode
 	SequentialCutoff int64
 	WritebackPercent int
-	WritebackOrder   string
+	WritebackOrder   WritebackOrder
 	Promote          string
 	WritebackRateMax int64
 }
@@ -33,7 +33,7 @@ func DefaultSettings() Settings {
 		Mode:             Writeback,
 		SequentialCutoff: 4 << 20,
 		WritebackPercent: 10,
-		WritebackOrder:   "epoch",
+		WritebackOrder:   OrderEpoch,
 		Promote:          "always",
 	}
 }
@@ -49,7 +49,7 @@ func (s Settings) Validate() error {
 	if s.WritebackPercent < 0 || s.WritebackPercent > 100 {
 		return fmt.Errorf("%w: writeback_percent %d (want 0..100)", ErrInvalid, s.WritebackPercent)
 	}
-	if s.WritebackOrder != "epoch" && s.WritebackOrder != "lba" {
+	if s.WritebackOrder != OrderEpoch && s.WritebackOrder != OrderLBA {
 		return fmt.Errorf("%w: writeback_order %q (want epoch or lba)", ErrInvalid, s.WritebackOrder)
 	}
 	if _, err := ParsePromote(s.Promote); err != nil {
@@ -59,6 +59,48 @@ func (s Settings) Validate() error {
 		return fmt.Errorf("%w: writeback_rate_max %d is negative", ErrInvalid, s.WritebackRateMax)
 	}
 	return nil
+}
+
+// WritebackOrder is the order in which a volume's dirty data is written
+// back: OrderEpoch (flush epoch by flush epoch, so that the backing device
+// always holds the image of some client flush) or OrderLBA.
+type WritebackOrder uint8
+
+// The writeback orders. The zero value is none of them (settings built
+// without an order).
+const (
+	OrderEpoch WritebackOrder = iota + 1
+	OrderLBA
+)
+
+func (o WritebackOrder) String() string {
+	switch o {
+	case OrderEpoch:
+		return "epoch"
+	case OrderLBA:
+		return "lba"
+	}
+	return fmt.Sprintf("WritebackOrder(%d)", uint8(o))
+}
+
+// ParseWritebackOrder parses "epoch" or "lba".
+func ParseWritebackOrder(s string) (WritebackOrder, error) {
+	switch s {
+	case "epoch":
+		return OrderEpoch, nil
+	case "lba":
+		return OrderLBA, nil
+	}
+	return 0, fmt.Errorf("%w: writeback_order %q (want epoch or lba)", ErrInvalid, s)
+}
+
+// MarshalText and UnmarshalText give the order its text form in JSON.
+func (o WritebackOrder) MarshalText() ([]byte, error) { return []byte(o.String()), nil }
+
+func (o *WritebackOrder) UnmarshalText(b []byte) error {
+	v, err := ParseWritebackOrder(string(b))
+	*o = v
+	return err
 }
 
 // ParsePromote returns the hit count a block needs before it is promoted:
@@ -103,7 +145,11 @@ func ParseSetting(s *Settings, key, value string) error {
 		}
 		s.WritebackPercent = n
 	case "writeback_order":
-		s.WritebackOrder = value
+		o, err := ParseWritebackOrder(value)
+		if err != nil {
+			return err
+		}
+		s.WritebackOrder = o
 	case "promote":
 		s.Promote = value
 	case "writeback_rate_max":
@@ -128,7 +174,7 @@ func (s Settings) Get(key string) (string, bool) {
 	case "writeback_percent":
 		return strconv.Itoa(s.WritebackPercent), true
 	case "writeback_order":
-		return s.WritebackOrder, true
+		return s.WritebackOrder.String(), true
 	case "promote":
 		return s.Promote, true
 	case "writeback_rate_max":

@@ -51,12 +51,14 @@ type BackingInfo struct {
 	// never by path.
 	Path string
 	Size int64
-	Mode Mode
-	// Settings are the volume's policy tunables (Settings.Mode mirrors
-	// Mode). They are stored in an optional trailer after the backing list,
-	// so a superblock written before settings existed decodes with
-	// DefaultSettings.
+	// Settings are the volume's mode and policy tunables (the mode is
+	// stored with the backing record, the rest in a section after the
+	// backing list).
 	Settings Settings
+	// InconsistentSince is when (Unix nanoseconds) the volume's backing
+	// device stopped holding the image of some client flush (writeback
+	// left epoch order); 0 while it holds one.
+	InconsistentSince int64
 }
 
 // Free reports whether the record is a free slot left by a detach.
@@ -79,9 +81,9 @@ const (
 	SBCopySize    = 64 << 10
 	SBHeaderSize  = 24
 	SBMagic       = "TIERCSB\x01"
-	FormatVersion = 1
+	FormatVersion = 2
 	MaxBackings   = 64
-	sbSettingsTag = 0x53455454 // "SETT": the per-backing settings trailer
+	sbSettingsTag = 0x53455454 // "SETT": the per-backing settings section
 	MaxNameLen    = 255
 	MaxPathLen    = 4096
 	// MaxLBABlocks bounds a backing device: the index packs LBAs into 40
@@ -131,21 +133,22 @@ func (sb *Superblock) Encode() ([]byte, error) {
 		e.str(b.Name)
 		e.str(b.ID)
 		e.u64(uint64(b.Size))
-		e.u8(uint8(b.Mode))
+		e.u8(uint8(b.Settings.Mode))
 		e.str(b.Path)
 	}
-	// Settings trailer: tag, then one record per backing in the same order.
+	// Settings section: tag, then one record per backing in the same order.
 	e.u32(sbSettingsTag)
 	for _, b := range sb.Backings {
 		st := b.Settings
-		if st.WritebackOrder == "" && st.Promote == "" {
+		if st.WritebackOrder == 0 && st.Promote == "" {
 			st = DefaultSettings() // a BackingInfo built without settings
 		}
 		e.u64(uint64(st.SequentialCutoff))
 		e.u8(uint8(st.WritebackPercent))
-		e.str(st.WritebackOrder)
+		e.str(st.WritebackOrder.String())
 		e.str(st.Promote)
 		e.u64(uint64(st.WritebackRateMax))
+		e.u64(uint64(b.InconsistentSince))
 	}
 	b := e.b
 	if len(b) > SBCopySize {
@@ -204,26 +207,28 @@ func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
 		bi.Name = d.str()
 		bi.ID = d.str()
 		bi.Size = int64(d.u64())
-		bi.Mode = Mode(d.u8())
+		bi.Settings.Mode = Mode(d.u8())
 		bi.Path = d.str()
-		bi.Settings = DefaultSettings()
 		sb.Backings = append(sb.Backings, bi)
 	}
-	if !d.bad && d.remaining() > 0 {
-		if d.u32() != sbSettingsTag {
-			return nil, Corruptf("superblock", off, SBCopySize, "unknown trailer")
-		}
-		for i := range sb.Backings {
-			st := &sb.Backings[i].Settings
-			st.SequentialCutoff = int64(d.u64() & (1<<62 - 1))
-			st.WritebackPercent = int(d.u8())
-			st.WritebackOrder = d.str()
-			st.Promote = d.str()
-			st.WritebackRateMax = int64(d.u64() & (1<<62 - 1))
+	if tag := d.u32(); !d.bad && tag != sbSettingsTag {
+		return nil, Corruptf("superblock", off, SBCopySize, "settings section tag %#x, expected %#x", tag, sbSettingsTag)
+	}
+	for i := range sb.Backings {
+		var err error
+		b := &sb.Backings[i]
+		st := &b.Settings
+		st.SequentialCutoff = int64(d.u64() & (1<<62 - 1))
+		st.WritebackPercent = int(d.u8())
+		order := d.str()
+		st.Promote = d.str()
+		st.WritebackRateMax = int64(d.u64() & (1<<62 - 1))
+		b.InconsistentSince = int64(d.u64() & (1<<63 - 1))
+		if st.WritebackOrder, err = ParseWritebackOrder(order); err != nil && !d.bad {
+			return nil, Corruptf("superblock", off, SBCopySize, "backing %d settings: %v", i, err)
 		}
 	}
 	for i := range sb.Backings {
-		sb.Backings[i].Settings.Mode = sb.Backings[i].Mode
 		if err := sb.Backings[i].Settings.Validate(); err != nil && !d.bad {
 			return nil, Corruptf("superblock", off, SBCopySize, "backing %d settings: %v", i, err)
 		}
@@ -254,7 +259,7 @@ func (sb *Superblock) Validate(devSize int64) error {
 	if sb.JournalOff != 2*SBCopySize || sb.JournalLen < MinJournalLen || sb.JournalLen%BlockSize != 0 || sb.JournalLen > 1<<40 {
 		return bad("journal region %d+%d", sb.JournalOff, sb.JournalLen)
 	}
-	if sb.CkptOff[0] != sb.JournalOff+sb.JournalLen || sb.CkptLen < CkptLenFor(sb.NBuckets, sb.BlocksPerBucket(), len(sb.Backings)) ||
+	if sb.CkptOff[0] != sb.JournalOff+sb.JournalLen || sb.CkptLen < CkptSlotLen(sb.NBuckets, sb.BlocksPerBucket(), len(sb.Backings)) ||
 		sb.CkptLen%BlockSize != 0 || sb.CkptOff[1] != sb.CkptOff[0]+sb.CkptLen || sb.CkptLen > 1<<40 {
 		return bad("checkpoint slots %v+%d", sb.CkptOff, sb.CkptLen)
 	}
@@ -272,8 +277,8 @@ func (sb *Superblock) Validate(devSize int64) error {
 			}
 			continue
 		}
-		if b.Size <= 0 || (b.Size+BlockSize-1)/BlockSize >= MaxLBABlocks || !b.Mode.Valid() || b.Name == "" {
-			return bad("backing %d (%q): size %d mode %d", i, b.Name, b.Size, b.Mode)
+		if b.Size <= 0 || (b.Size+BlockSize-1)/BlockSize >= MaxLBABlocks || !b.Settings.Mode.Valid() || b.Name == "" {
+			return bad("backing %d (%q): size %d mode %d", i, b.Name, b.Size, b.Settings.Mode)
 		}
 		for _, o := range sb.Backings[:i] {
 			if o.Name == b.Name {

@@ -1,21 +1,21 @@
 package cache
 
-// Recovery's journal replay without per-record index inserts.
+// Open and recovery: the newest valid checkpoint plus the journal after it
+// rebuild the index (docs/CACHE.md, "Recovery").
 //
-// The journal is read and decoded in full first (replayJournal's reader
-// goroutine), and every record is turned into per-block items keyed by
-// (volume, LBA) in journal order (collector). The items are sorted by that
-// key with a stable radix sort, so each LBA's records come together in
+// The journal is read and decoded in full first (ondisk.ReplayJournal's
+// reader goroutine), and every record is turned into per-block items keyed
+// by (volume, LBA) in journal order (collector). The items are sorted by
+// that key with a stable radix sort, so each LBA's records come together in
 // journal order; each LBA's final state is then resolved from its
 // checkpoint entry and superseded versions plus its records (resolver),
 // walking the checkpoint's sorted entries and the sorted items together,
 // and the trees are bulk-loaded once into nearly full leaves (install).
-// On 1M extents this replaced ~0.8 s of random B-tree inserts.
 //
 // The resolution follows exactly what applying the records one by one in
 // journal order does (applyLocked: index.Index.Insert, MarkClean,
-// Invalidate, DropBucket). Records of different LBAs interact
-// only through cache blocks and buckets:
+// Invalidate, DropBucket). Records of different LBAs interact only through
+// cache blocks and buckets:
 //
 //   - a reuse record drops every version in its bucket: per bucket, the
 //     reuse records' places in the journal are kept, and a version created
@@ -28,23 +28,25 @@ package cache
 //     collecting, a block inserted twice with no reuse of its bucket
 //     between is an anomaly, and so is (while resolving) an insert before
 //     any reuse of its bucket into a block a checkpoint version names,
-//     whether or not that version was dropped before the insert (the old
-//     path's sorted runs would reject some of those). A version alive at
-//     an insert into its block would be one of these two.
+//     whether or not that version was dropped before the insert (the
+//     record-by-record replay's sorted runs reject some of those). A
+//     version alive at an insert into its block would be one of these two.
 //
 // Anything that applyLocked would reject, and anything unusual that would
 // make the two orders differ (a reuse dropping dirty data, superseded
 // versions left without a newer dirty entry), is an anomaly: the index is
-// then rebuilt by the old path (loadCheckpointLocked plus sortedApplier's
-// sorted batches) over the same records, in memory, so the result and the
-// error are exactly today's. A journal that ends in a read error or
-// corruption also takes that path (an earlier record's apply error comes
-// first). TestReplayMatchesSequential compares the two paths over
-// randomized journals.
+// then rebuilt record by record (replayOld: loadCheckpointLocked plus
+// sortedApplier's sorted batches) over the same records, in memory, which
+// gives the same index, or the same error. A journal that ends in a read
+// error or corruption also takes that path (an earlier record's apply
+// error comes first).
 
 import (
 	"cmp"
 	"fmt"
+	"log/slog"
+	"sync"
+	"time"
 
 	"math"
 	"math/bits"
@@ -53,6 +55,7 @@ import (
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/internal/invariants"
 )
 
 // jrecs is the journal as read for recovery: the record payload of every
@@ -420,8 +423,9 @@ func (r *resolver) inval(t uint32) {
 func (r *resolver) finish(lba uint64, out *resolvedVol) {
 	r.kill(seqEnd)
 	if len(r.sups) > 0 {
-		// Index invariant 4, which replay keeps for a consistent journal;
-		// the old path decides (and Open's check reports) otherwise.
+		// Invariant 13, which replay keeps for a consistent journal; the
+		// record-by-record replay decides (and Open's check reports)
+		// otherwise.
 		prev := uint64(0)
 		for i, x := range r.sups {
 			if (i > 0 && x.epoch <= prev) || !r.hasLive || !r.live.dirty || x.epoch >= r.live.epoch {
@@ -504,7 +508,7 @@ func (r *resolver) volume(vi int, cv *ondisk.CkptVol, items []replayItem, big []
 			ci++
 			r.ckptVersion(e.Block())
 			r.live = rver{loc: e.Block(), crc: e.CRC, dirty: e.Dirty()}
-			if r.live.dirty && epochOf != nil {
+			if r.live.dirty {
 				r.live.epoch = epochOf[e.Block()]
 			}
 			r.hasLive = true
@@ -685,8 +689,9 @@ func (s *Set) recoverIndex(nbuckets int64, cd *ondisk.CkptData, c *collector, jr
 }
 
 // replayOld is the record-by-record recovery (loadCheckpointLocked, then
-// sortedApplier's batches) over records already read, with the errors
-// the old replay over replayJournal returned.
+// sortedApplier's batches) over records already read, returning the
+// first record's error as a replay applying each block as it is read
+// would.
 // REQUIRES: exclusive access (Open), after resetIndexLocked
 func (s *Set) replayOld(cd *ondisk.CkptData, jr *jrecs) error {
 	for vi := range cd.Vols {
@@ -713,4 +718,360 @@ func (s *Set) replayOld(cd *ondisk.CkptData, jr *jrecs) error {
 		return jr.err
 	}
 	return flush()
+}
+
+// OpenOptions configure Open.
+type OpenOptions struct {
+	// Force accepts a backing device whose ID differs from the one recorded
+	// at Format (e.g. after the ID was regenerated). A size mismatch is
+	// always refused: the index would address blocks beyond the device.
+	Force  bool
+	Logger *slog.Logger
+	// noBackground (tests only) starts no background goroutine: the
+	// crash-point tests drive commit, writeback and eviction themselves, so
+	// that the sequence of device operations, and so crash point N, replays.
+	noBackground bool
+}
+
+// Open recovers a cache set: newest valid checkpoint plus journal replay.
+// Then it writes a fresh checkpoint (so leftovers of a torn journal tail can
+// never be replayed later), clears the clean flag and starts the background
+// writeback/eviction and commit goroutines.
+func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Set, error) {
+	sb, _, err := ondisk.ReadSuperblock(cacheDev)
+	if err != nil {
+		return nil, err
+	}
+	log := opts.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	byName := map[string]BackingSpec{}
+	for _, b := range backings {
+		byName[b.Name] = b
+	}
+	s := &Set{dev: cacheDev, lay: sb.Clone(), sb: sb, nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(), log: log,
+		kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1), stop: make(chan struct{})}
+	s.mu.cond = sync.NewCond(&s.mu.Mutex)
+	s.mu.BPB = s.bpb
+	volBlocks := make([]uint64, len(sb.Backings))
+	var vols []*Volume
+	for i, bi := range sb.Backings {
+		if bi.Free() {
+			vols = append(vols, s.newVolume(i, bi, nil))
+			continue
+		}
+		spec, ok := byName[bi.Name]
+		if !ok || spec.Dev == nil {
+			return nil, &BackingMismatchError{Name: bi.Name, Field: "missing"}
+		}
+		delete(byName, bi.Name)
+		if got := spec.Dev.Size(); got != bi.Size {
+			return nil, &BackingMismatchError{Name: bi.Name, Field: "size", Expected: fmt.Sprint(bi.Size), Actual: fmt.Sprint(got)}
+		}
+		if bi.ID != "" && spec.ID != "" && bi.ID != spec.ID && !opts.Force {
+			return nil, &BackingMismatchError{Name: bi.Name, Field: "id", Expected: bi.ID, Actual: spec.ID}
+		}
+		v := s.newVolume(i, bi, spec.Dev)
+		volBlocks[i] = v.nblocks
+		vols = append(vols, v)
+	}
+	for name := range byName {
+		return nil, &BackingMismatchError{Name: name, Field: "unknown"}
+	}
+	s.setVols(vols)
+	start := time.Now()
+	hdr, body, err := ondisk.ReadCheckpointBody(cacheDev, sb)
+	if err != nil {
+		return nil, fmt.Errorf("open: %w", err)
+	}
+	// The checkpoint body is verified and decoded on another core while
+	// the journal is read, decoded and collected. The device sees the
+	// reads in the same order as a sequential recovery would do them.
+	type decoded struct {
+		cd  *ondisk.CkptData
+		err error
+	}
+	dch := make(chan decoded, 1)
+	go func() {
+		cd, err := ondisk.DecodeCheckpoint(sb, hdr, body, volBlocks)
+		dch <- decoded{cd, err}
+	}()
+	c := newCollector(s, sb.NBuckets)
+	jr := readJournal(cacheDev, sb, hdr, c)
+	d := <-dch
+	if d.err != nil {
+		return nil, fmt.Errorf("open: %w", d.err)
+	}
+	loaded := time.Now()
+	dropped, fast, err := s.recoverIndex(sb.NBuckets, d.cd, c, jr, sb.Clean)
+	if err != nil {
+		return nil, fmt.Errorf("open: replaying journal: %w", err)
+	}
+	end, nrec := jr.end, jr.n
+	s.listBucketsLocked()
+	if err := s.checkIndexLocked(invariants.Enabled); err != nil {
+		return nil, fmt.Errorf("open: recovered index inconsistent: %w", err)
+	}
+	// The reverse map served the replay; serving does without it.
+	s.mu.Owner = nil
+	// New generation: the next journal block follows the replayed end, so
+	// any torn leftovers of the old generation are foreign from now on.
+	s.jr.gen, s.jr.pos = hdr.Gen, ondisk.JournalPos{Blk: end.Blk}
+	replayed := time.Now()
+	s.commitMu.Lock()
+	err = s.checkpointLocked(0)
+	s.commitMu.Unlock()
+	if err != nil {
+		return nil, fmt.Errorf("open: %w", err)
+	}
+	log.Info("cache set recovered", "checkpoint_gen", hdr.Gen, "journal_records", nrec, "bulk_replay", fast,
+		"entries", s.entries(), "dropped_clean", dropped, "took", time.Since(start),
+		"read_checkpoint_and_journal", loaded.Sub(start), "replay_journal", replayed.Sub(loaded), "write_checkpoint", time.Since(replayed))
+	s.sbMu.Lock()
+	err = s.updateSuperblockLocked(func(nsb *Superblock) error { nsb.Clean = false; return nil })
+	s.sbMu.Unlock()
+	if err != nil {
+		return nil, fmt.Errorf("open: %w", err)
+	}
+	if opts.noBackground {
+		s.noBackground = true
+		for _, v := range s.vols {
+			close(v.wb.done) // no writeback goroutine to wait for (detach)
+		}
+		return s, nil
+	}
+	s.wg.Add(2)
+	go s.gcLoop()
+	go s.commitLoop()
+	for _, v := range s.vols {
+		if !v.free {
+			s.wg.Add(1)
+			go s.writebackLoop(v)
+		}
+	}
+	return s, nil
+}
+
+// listBucketsLocked puts the recovered buckets on the sealed FIFO (those
+// holding entries) or the free list.
+// REQUIRES: exclusive access (Open)
+func (s *Set) listBucketsLocked() {
+	for i := range s.mu.Buckets {
+		if s.mu.Buckets[i].Live > 0 {
+			s.mu.Buckets[i].State = index.BucketSealed
+			s.mu.sealed = append(s.mu.sealed, uint32(i))
+		} else {
+			s.mu.free = append(s.mu.free, uint32(i))
+		}
+	}
+}
+
+// loadCheckpointLocked builds volume vi's index from its checkpoint part:
+// the entries (in strictly increasing LBA order, as decodeCkptBody checked)
+// are bulk-loaded into nearly full leaves, each leaf's summary (its dirty
+// entries' oldest epoch) computed on the way; the bucket counts, epochs
+// and the recovery-time reverse map follow (no random B-tree inserts).
+// REQUIRES: s.mu (or exclusive access during Open)
+func (s *Set) loadCheckpointLocked(vi int, cv *ondisk.CkptVol) {
+	v := s.vols[vi]
+	v.idx.epoch = cv.Epoch
+	aggs := make([]uint64, (len(cv.Ents)+index.LeafBulkFill-1)/index.LeafBulkFill)
+	for i := range aggs {
+		aggs[i] = math.MaxUint64
+	}
+	for i, e := range cv.Ents {
+		loc := e.Block()
+		if s.mu.Owner != nil {
+			s.mu.Owner[loc] = index.OwnerKey(vi, e.LBA)
+		}
+		b := &s.mu.Buckets[int64(loc)/s.bpb]
+		b.Live++
+		v.idx.Cached++
+		if e.Dirty() {
+			ep := cv.EpochOf[loc]
+			b.Dirty++
+			v.idx.Dirty++
+			s.mu.SetBlockEpoch(loc, ep)
+			aggs[i/index.LeafBulkFill] = min(aggs[i/index.LeafBulkFill], ep)
+		}
+	}
+	v.idx.Tree = index.BuildPtree(cv.Ents, aggs)
+	v.idx.Sup = index.NewStree()
+	for _, x := range cv.Sup {
+		s.mu.InsertSup(vi, x)
+	}
+}
+
+// replayBatch bounds the insert records sortedApplier sorts at a time.
+const replayBatch = 1 << 16
+
+// sortedApplier returns apply, which applies journal records in order but
+// runs of insert records (up to replayBatch) sorted by (volume, LBA),
+// stably, and flush, which applies the last run. Within a run this order
+// is equivalent to the journal's: inserts of different blocks commute (no
+// record in the run changes a bucket generation or drops entries), and
+// inserts of one LBA keep their order (records are split per block, since
+// multi-block records may overlap); an insert into a block owned earlier
+// in the run is corruption in either order.
+func (s *Set) sortedApplier() (apply func(*ondisk.Rec) error, flush func() error) {
+	// One item per block: records of several blocks can overlap (a later
+	// write over part of an earlier one), and only per-block items sort
+	// into a per-LBA order. seq (the item's place in the journal) makes
+	// the sort stable.
+	type item struct {
+		// ownerKey(vol, lba): sorts by (volume, LBA) in one compare. It
+		// is exact for every record applyLocked accepts (LBA < 2^40,
+		// volume a slot); a record it rejects fails Open whatever order
+		// the batch was applied in.
+		key uint64
+		seq uint32
+		r   *ondisk.Rec
+		i   uint32 // block within r
+		all bool   // apply r whole
+	}
+	var batch []item
+	flush = func() error {
+		slices.SortFunc(batch, func(a, b item) int {
+			if c := cmp.Compare(a.key, b.key); c != 0 {
+				return c
+			}
+			return cmp.Compare(a.seq, b.seq)
+		})
+		// one is reused for the per-block records: a copy per item
+		// escaped to the heap (one allocation per replayed block).
+		var one ondisk.Rec
+		for _, it := range batch {
+			r := it.r
+			if !it.all && len(r.CRCs) > 1 {
+				one = *r
+				one.LBA, one.Loc, one.CRCs = r.LBA+uint64(it.i), r.Loc+it.i, r.CRCs[it.i:it.i+1]
+				r = &one
+			}
+			if err := s.applyLocked(r); err != nil {
+				return fmt.Errorf("%v (in a run of inserts sorted by LBA): %w", r, err)
+			}
+		}
+		batch = batch[:0]
+		return nil
+	}
+	apply = func(r *ondisk.Rec) error {
+		if r.Type == ondisk.RecInsert {
+			// A record that leaves its bucket is kept whole for applyLocked
+			// to reject.
+			n := uint32(len(r.CRCs))
+			if n == 0 || int64(r.Loc)/s.bpb != (int64(r.Loc)+int64(n)-1)/s.bpb {
+				batch = append(batch, item{key: index.OwnerKey(int(r.Vol), r.LBA), seq: uint32(len(batch)), r: r, all: true})
+				n = 0
+			}
+			for i := range n {
+				batch = append(batch, item{key: index.OwnerKey(int(r.Vol), r.LBA+uint64(i)), seq: uint32(len(batch)), r: r, i: i})
+			}
+			if len(batch) < replayBatch {
+				return nil
+			}
+			return flush()
+		}
+		if err := flush(); err != nil {
+			return err
+		}
+		return s.applyLocked(r)
+	}
+	return apply, flush
+}
+
+// dropCleanLocked drops every clean entry. Open does this after a crash: a
+// passthrough write (writearound, none, write-zeroes) may have reached the
+// backing device while the journal record invalidating the cached copy was
+// lost, and a clean entry would then serve stale data until evicted and flip
+// to the backing data afterwards. Dirty entries are kept: they are newer than
+// anything on the backing device. The cost is a cold clean cache after a
+// crash; an intent record before each passthrough write would keep it warm.
+// REQUIRES: s.mu (or exclusive access during Open)
+func (s *Set) dropCleanLocked() int {
+	n := 0
+	for vi, v := range s.vols {
+		var drop []index.Ent
+		v.idx.Tree.Ascend(func(e index.Ent) bool {
+			if !e.Dirty() {
+				drop = append(drop, e)
+			}
+			return true
+		})
+		for _, e := range drop {
+			v.idx.Tree.Delete(e)
+			s.mu.Unaccount(vi, e)
+		}
+		n += len(drop)
+	}
+	return n
+}
+
+func (s *Set) entries() (n int64) {
+	for _, v := range s.vols {
+		n += v.idx.Cached
+	}
+	return n
+}
+
+// applyLocked replays one journal record. Records come from a checksummed
+// block, but their contents are still validated before use.
+// REQUIRES: s.mu (or exclusive access during Open)
+func (s *Set) applyLocked(r *ondisk.Rec) error {
+	total := uint64(s.mu.CacheBlocks())
+	vol := func() (*Volume, error) {
+		if int(r.Vol) >= len(s.vols) {
+			return nil, ondisk.Corruptf("journal record", 0, 0, "volume %d of %d", r.Vol, len(s.vols))
+		}
+		return s.vols[r.Vol], nil
+	}
+	switch r.Type {
+	case ondisk.RecInsert:
+		v, err := vol()
+		if err != nil {
+			return err
+		}
+		n := uint64(len(r.CRCs))
+		loc := uint64(r.Loc)
+		if r.LBA+n > v.nblocks || r.LBA+n < r.LBA || loc+n > total || loc/uint64(s.bpb) != (loc+n-1)/uint64(s.bpb) {
+			return ondisk.Corruptf("journal record", 0, 0, "insert out of range: %v", r)
+		}
+		b := &s.mu.Buckets[loc/uint64(s.bpb)]
+		if b.Gen != r.Gen {
+			return ondisk.Corruptf("journal record", 0, 0, "insert into bucket %d generation %d, bucket is at %d", loc/uint64(s.bpb), r.Gen, b.Gen)
+		}
+		for i := uint64(0); i < n; i++ {
+			if k := s.mu.Owner[loc+i]; k != 0 {
+				// The block is being reused within its generation only if
+				// the journal is wrong.
+				return ondisk.Corruptf("journal record", 0, 0, "insert into owned cache block %d", loc+i)
+			}
+			s.mu.Insert(int(r.Vol), r.LBA+i, uint32(loc+i), r.CRCs[i], r.Dirty, r.Epoch, s.keepSuperseded(int(r.Vol)))
+		}
+		v.idx.epoch = max(v.idx.epoch, r.Epoch)
+	case ondisk.RecClean:
+		if _, err := vol(); err != nil {
+			return err
+		}
+		if uint64(r.Loc) >= total {
+			return ondisk.Corruptf("journal record", 0, 0, "clean out of range: %v", r)
+		}
+		s.mu.MarkClean(int(r.Vol), r.LBA, r.Loc)
+	case ondisk.RecInvalidate:
+		if _, err := vol(); err != nil {
+			return err
+		}
+		s.mu.Invalidate(int(r.Vol), r.LBA, min(r.N, 1<<48))
+	case ondisk.RecReuse:
+		if int64(r.Bucket) >= int64(len(s.mu.Buckets)) {
+			return ondisk.Corruptf("journal record", 0, 0, "reuse of bucket %d", r.Bucket)
+		}
+		if d := s.mu.DropBucket(int64(r.Bucket), false); d > 0 {
+			s.log.Error("journal reuses a bucket holding dirty data; dropped", "bucket", r.Bucket, "dirty_blocks", d)
+		}
+		s.mu.Buckets[r.Bucket].Gen = r.Gen
+	default:
+		return ondisk.Corruptf("journal record", 0, 0, "type %d", r.Type)
+	}
+	return nil
 }
