@@ -56,6 +56,7 @@ type conn struct {
 	size         uint64
 	flags        uint16
 	blockStatus  bool
+	slot         bool // holds a MaxConnections slot (Server.takeSlot)
 
 	// Transmission phase.
 	sem      *byteSem
@@ -98,7 +99,7 @@ func newConn(s *Server, nc net.Conn) *conn {
 		nc:   nc,
 		br:   bufio.NewReaderSize(nc, 64<<10),
 		log:  s.log.With("remote", nc.RemoteAddr().String()),
-		sem:  newByteSem(s.cfg.MaxInFlightBytes),
+		sem:  s.budget.newSem(s.cfg.MaxInFlightBytes, s.reserve),
 	}
 	return c
 }

@@ -110,6 +110,11 @@ func (c *conn) option(opt uint32, data []byte) (done bool, err error) {
 		if x == nil {
 			return false, fmt.Errorf("NBD_OPT_EXPORT_NAME: unknown export %q", data)
 		}
+		if !c.s.takeSlot() {
+			c.log.Warn("nbd: refused a client: "+c.s.refusalFull(), "max_connections", c.s.cfg.MaxConnections)
+			return false, errors.New("NBD_OPT_EXPORT_NAME: " + c.s.refusalFull())
+		}
+		c.slot = true
 		c.choose(x, string(data))
 		reply := make([]byte, 10, 10+124)
 		binary.BigEndian.PutUint64(reply[0:], c.size)
@@ -238,6 +243,11 @@ func (c *conn) optInfoGo(opt uint32, data []byte) (bool, error) {
 	if opt == optInfo {
 		return false, c.optReply(opt, repAck, nil)
 	}
+	if !c.s.takeSlot() {
+		c.log.Warn("nbd: refused a client: "+c.s.refusalFull(), "max_connections", c.s.cfg.MaxConnections)
+		return false, c.optReply(opt, repErrPolicy, []byte(c.s.refusalFull()))
+	}
+	c.slot = true
 	c.choose(x, name)
 	if err := c.enterTransmission(); err != nil {
 		return false, err

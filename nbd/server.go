@@ -41,9 +41,20 @@ type Config struct {
 	// MaxWorkers bounds concurrently executing requests per connection.
 	// Default 128.
 	MaxWorkers int
-	// MaxConnections bounds simultaneous connections (all listeners); new
-	// connections beyond it are closed at once. 0 means unlimited.
+	// MaxInFlightTotal bounds READ and WRITE payload bytes being processed
+	// on all connections together (see budget in sem.go): each connection
+	// has a reserve of MaxInFlightTotal / (2 x MaxConnections) that the
+	// others cannot take, the other half is shared. Default 256 MiB.
+	MaxInFlightTotal int64
+	// MaxConnections bounds connections serving an export (all
+	// listeners). A client over it is refused at NBD_OPT_GO with
+	// NBD_REP_ERR_POLICY and a message saying so (NBD_OPT_EXPORT_NAME:
+	// the connection is closed). 0 means unlimited (then there are no
+	// reserves: connections share MaxInFlightTotal).
 	MaxConnections int
+	// MaxHandshakes bounds connections still negotiating; new connections
+	// beyond it are closed at once. Default 256.
+	MaxHandshakes int
 	// MaxOptionLength bounds the data of one handshake option; longer
 	// options get NBD_REP_ERR_TOO_BIG (their data is discarded). Default
 	// 64 KiB.
@@ -75,8 +86,11 @@ type Server struct {
 		exports    map[string]*export
 		listeners  map[net.Listener]struct{}
 		conns      map[*conn]struct{}
+		serving    int // connections holding a MaxConnections slot
 		shutdown   bool
 	}
+	budget  *budget
+	reserve int64 // each connection's share of budget held back from the others
 	// connWG counts serveConn goroutines. Add is only called under mu
 	// while !mu.shutdown, so Shutdown's Wait never races an Add from zero.
 	connWG sync.WaitGroup
@@ -105,7 +119,22 @@ func NewServer(cfg Config) *Server {
 	if cfg.HandshakeTimeout == 0 {
 		cfg.HandshakeTimeout = 60 * time.Second
 	}
+	if cfg.MaxInFlightTotal <= 0 {
+		cfg.MaxInFlightTotal = 256 << 20
+	}
+	if cfg.MaxHandshakes <= 0 {
+		cfg.MaxHandshakes = 256
+	}
 	s := &Server{cfg: cfg, log: cfg.Logger}
+	if s.log == nil {
+		s.log = slog.New(slog.DiscardHandler)
+	}
+	pool := cfg.MaxInFlightTotal
+	if cfg.MaxConnections > 0 {
+		s.reserve = cfg.MaxInFlightTotal / (2 * int64(cfg.MaxConnections))
+		pool -= s.reserve * int64(cfg.MaxConnections)
+	}
+	s.budget = newBudget(pool, min(16<<20, cfg.MaxInFlightTotal/2), s.log)
 	if s.log == nil {
 		s.log = slog.New(slog.DiscardHandler)
 	}
@@ -293,11 +322,11 @@ func (s *Server) startConn(nc net.Conn) {
 	}
 	c := newConn(s, nc)
 	s.mu.Lock()
-	if s.mu.shutdown || (s.cfg.MaxConnections > 0 && len(s.mu.conns) >= s.cfg.MaxConnections) {
+	if s.mu.shutdown || len(s.mu.conns)-s.mu.serving >= s.cfg.MaxHandshakes {
 		full := !s.mu.shutdown
 		s.mu.Unlock()
 		if full {
-			s.log.Warn("nbd: too many connections, refusing", "remote", nc.RemoteAddr().String())
+			s.log.Warn("nbd: too many connections in the handshake, closing a new one", "remote", nc.RemoteAddr().String(), "max_handshakes", s.cfg.MaxHandshakes)
 		}
 		nc.Close()
 		return
@@ -310,11 +339,31 @@ func (s *Server) startConn(nc net.Conn) {
 		defer func() {
 			s.mu.Lock()
 			delete(s.mu.conns, c)
+			if c.slot {
+				s.mu.serving--
+			}
 			s.mu.Unlock()
 			close(c.done)
 		}()
 		c.serve()
 	}()
+}
+
+// takeSlot reserves one of MaxConnections for a connection about to serve
+// an export; false when all are taken.
+func (s *Server) takeSlot() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.cfg.MaxConnections > 0 && s.mu.serving >= s.cfg.MaxConnections {
+		return false
+	}
+	s.mu.serving++
+	return true
+}
+
+// refusalFull is the message of a client refused by MaxConnections.
+func (s *Server) refusalFull() string {
+	return fmt.Sprintf("too many connections: this server serves at most %d at once (--max-connections); try again later", s.cfg.MaxConnections)
 }
 
 // Shutdown stops accepting connections, closes connections still in the
@@ -324,6 +373,7 @@ func (s *Server) startConn(nc net.Conn) {
 // first, the connections are closed at once and ctx's error is returned
 // (without a flush, since requests may still be running).
 func (s *Server) Shutdown(ctx context.Context) error {
+	s.budget.stop()
 	s.mu.Lock()
 	s.mu.shutdown = true
 	for l := range s.mu.listeners {

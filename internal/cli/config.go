@@ -30,6 +30,8 @@ import (
 //	direct = "auto"
 //	socket_mode = "0600"
 //	shutdown_timeout = "30s"
+//	max_connections = 64          # NBD connections served at once
+//	max_inflight = "256M"         # payload bytes in flight, all connections
 //	force = false
 //
 //	[backing]                     # NAME = PATH, overriding the recorded paths
@@ -51,6 +53,8 @@ type serveConfig struct {
 	Direct          *string           `toml:"direct"`
 	SocketMode      *string           `toml:"socket_mode"`
 	ShutdownTimeout *string           `toml:"shutdown_timeout"`
+	MaxConnections  *int              `toml:"max_connections"`
+	MaxInFlight     *string           `toml:"max_inflight"`
 	Force           *bool             `toml:"force"`
 	Backing         map[string]string `toml:"backing"`
 	Export          map[string]string `toml:"export"`
@@ -83,7 +87,7 @@ func loadServeConfig(path string) (*serveConfig, error) {
 			msgs = append(msgs, fmt.Sprintf("%s:%d: unknown key %q", path, keyLine(path, k), k.String()))
 		}
 		sort.Strings(msgs)
-		return nil, fmt.Errorf("config: %s (known keys: data_dir, log_format, log_level, cache, listen, admin, admin_tcp, admin_token_file, metrics_no_auth, read_only, direct, socket_mode, shutdown_timeout, force, [backing], [export])",
+		return nil, fmt.Errorf("config: %s (known keys: data_dir, log_format, log_level, cache, listen, admin, admin_tcp, admin_token_file, metrics_no_auth, read_only, direct, socket_mode, shutdown_timeout, max_connections, max_inflight, force, [backing], [export])",
 			strings.Join(msgs, "; "))
 	}
 	return &c, nil
@@ -147,6 +151,10 @@ func applyServeConfig(cmd *cobra.Command, g *globals, o *serveOptions, c *serveC
 	}
 	if c.Force != nil && !fs.Changed("force") {
 		o.force = *c.Force
+	}
+	setS("max-inflight", &o.maxInFlight, c.MaxInFlight)
+	if c.MaxConnections != nil && !fs.Changed("max-connections") {
+		o.maxConns = *c.MaxConnections
 	}
 	if c.ShutdownTimeout != nil && !fs.Changed("shutdown-timeout") {
 		d, err := time.ParseDuration(*c.ShutdownTimeout)

@@ -48,6 +48,8 @@ type serveOptions struct {
 	adminTCP   string
 	// metricsNoAuth: GET /metrics over --admin-tcp needs no token.
 	metricsNoAuth bool
+	maxConns      int
+	maxInFlight   string // a size: payload bytes in flight on all connections
 	tls           tlsOptions
 }
 
@@ -118,6 +120,8 @@ purpose (a repaired cache device replays its journal).`,
 	f.BoolVar(&o.tls.required, "tls-required", false, "refuse clients that do not start TLS")
 	f.DurationVar(&o.drainWait, "shutdown-timeout", 30*time.Second, "how long to wait for in-flight requests at shutdown")
 	f.StringVar(&o.adminTCP, "admin-tcp", "", "also serve the admin API and /metrics on TCP `HOST:PORT` (host defaults to 127.0.0.1); requests need the bearer token of --admin-token-file")
+	f.IntVar(&o.maxConns, "max-connections", 64, "serve at most `N` NBD connections at once; more are refused at NBD_OPT_GO (0: unlimited)")
+	f.StringVar(&o.maxInFlight, "max-inflight", "256M", "bound on READ/WRITE payload `BYTES` in flight on all NBD connections together (each connection keeps max-inflight/(2 x max-connections) of it)")
 	f.BoolVar(&o.metricsNoAuth, "metrics-no-auth", false, "let GET /metrics over --admin-tcp in without the bearer token (every other request still needs it)")
 	return cmd
 }
@@ -215,7 +219,15 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 	if err != nil {
 		return err
 	}
-	srv := nbd.NewServer(nbd.Config{Logger: log, TLSConfig: tlsCfg, RequireTLS: o.tls.required})
+	maxInFlight, err := parseSize(o.maxInFlight)
+	if err != nil || maxInFlight < 1<<20 {
+		return fmt.Errorf("--max-inflight %q: want a size of at least 1M, such as 256M", o.maxInFlight)
+	}
+	if o.maxConns < 0 {
+		return fmt.Errorf("--max-connections %d: want 0 (unlimited) or more", o.maxConns)
+	}
+	srv := nbd.NewServer(nbd.Config{Logger: log, TLSConfig: tlsCfg, RequireTLS: o.tls.required,
+		MaxConnections: o.maxConns, MaxInFlightTotal: maxInFlight})
 	// Closed in reverse order: the admin API (waiting for its requests),
 	// then the cache set (final checkpoint, clean flag), then devices. A
 	// failure there is the exit status too: "stopped cleanly" and exit 0

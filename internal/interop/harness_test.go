@@ -114,6 +114,12 @@ func startServer(t *testing.T, args ...string) *server {
 
 func startServerRaw(t *testing.T, sock string, args ...string) *server {
 	t.Helper()
+	return startServerBin(t, bin, sock, args...)
+}
+
+// startServerBin is startServerRaw with another tiercache binary.
+func startServerBin(t *testing.T, bin, sock string, args ...string) *server {
+	t.Helper()
 	s := &server{t: t, sock: sock, log: &syncBuffer{}, done: make(chan struct{})}
 	s.cmd = exec.Command(bin, args...)
 	s.cmd.Stdout, s.cmd.Stderr = s.log, s.log
