@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -216,7 +217,7 @@ func TestOpsCommands(t *testing.T) {
 	// Other keys are validated here and applied when the engine accepts
 	// them; until then the engine's refusal is reported as it is.
 	if out, errs, code := tc(t, "set", "default", "sequential_cutoff=8M"); code == 0 {
-		if !strings.Contains(out, "8 MiB  (changed)") {
+		if !regexp.MustCompile(`sequential_cutoff +8 MiB +\(changed\)`).MatchString(out) {
 			t.Errorf("sequential_cutoff accepted but not shown: %s", out)
 		}
 	} else if !strings.Contains(errs, "refused") {

@@ -124,9 +124,9 @@ func printSettings(out io.Writer, cur, changed map[string]string) error {
 		}
 		mark := ""
 		if _, c := changed[k]; c {
-			mark = "\t(changed)"
+			mark = "(changed)"
 		}
-		fmt.Fprintf(w, "%s\t%s%s\n", k, settingOut(k, v), mark)
+		fmt.Fprintf(w, "%s\t%s\t%s\n", k, settingOut(k, v), mark)
 	}
 	return w.Flush()
 }
