@@ -110,7 +110,7 @@ func (c *conn) option(opt uint32, data []byte) (done bool, err error) {
 		if x == nil {
 			return false, fmt.Errorf("NBD_OPT_EXPORT_NAME: unknown export %q", data)
 		}
-		if !c.s.takeSlot() {
+		if !c.slot && !c.s.takeSlot() {
 			c.log.Warn("nbd: refused a client: "+c.s.refusalFull(), "max_connections", c.s.cfg.MaxConnections)
 			return false, errors.New("NBD_OPT_EXPORT_NAME: " + c.s.refusalFull())
 		}
@@ -209,6 +209,15 @@ func (c *conn) optInfoGo(opt uint32, data []byte) (bool, error) {
 	if x == nil {
 		return false, c.optReply(opt, repErrUnknown, []byte("unknown export"))
 	}
+	// Refused before any information is sent; a slot taken here is given
+	// back when the connection ends, whatever fails from now on.
+	if opt == optGo && !c.slot {
+		if !c.s.takeSlot() {
+			c.log.Warn("nbd: refused a client: "+c.s.refusalFull(), "max_connections", c.s.cfg.MaxConnections)
+			return false, c.optReply(opt, repErrPolicy, []byte(c.s.refusalFull()))
+		}
+		c.slot = true
+	}
 	flags := c.transmissionFlags(x)
 	var p [14]byte
 	binary.BigEndian.PutUint16(p[0:], infoExport)
@@ -243,11 +252,6 @@ func (c *conn) optInfoGo(opt uint32, data []byte) (bool, error) {
 	if opt == optInfo {
 		return false, c.optReply(opt, repAck, nil)
 	}
-	if !c.s.takeSlot() {
-		c.log.Warn("nbd: refused a client: "+c.s.refusalFull(), "max_connections", c.s.cfg.MaxConnections)
-		return false, c.optReply(opt, repErrPolicy, []byte(c.s.refusalFull()))
-	}
-	c.slot = true
 	c.choose(x, name)
 	if err := c.enterTransmission(); err != nil {
 		return false, err
