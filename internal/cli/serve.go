@@ -166,6 +166,17 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 	if err != nil || mode > 0o777 {
 		return fmt.Errorf("--socket-mode %q: want an octal mode such as 0600", o.socketMode)
 	}
+	// Names are checked before anything is opened or listened on.
+	for _, e := range o.exports {
+		if _, _, err := parseNamePath("export", e); err != nil {
+			return err
+		}
+	}
+	for _, b := range o.backings {
+		if _, _, err := parseNamePath("backing", b); err != nil {
+			return err
+		}
+	}
 	var specs []listenSpec
 	for _, s := range o.listens {
 		spec, err := parseListen(s)
