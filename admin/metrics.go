@@ -79,6 +79,7 @@ var setMetrics = map[string]metricDef{
 	"Buckets":                {name: "tiercache_set_buckets", help: "Buckets on the cache device.", kind: gauge},
 	"FreeBuckets":            {name: "tiercache_set_free_buckets", help: "Free buckets.", kind: gauge},
 	"SealedBuckets":          {name: "tiercache_set_sealed_buckets", help: "Full buckets waiting for GC.", kind: gauge},
+	"EmptyBuckets":           {name: "tiercache_set_empty_buckets", help: "Sealed buckets no live block points into (freed first by GC, with nothing to write back).", kind: gauge},
 	"CachedBlocks":           {name: "tiercache_set_cached_bytes", help: "Bytes cached, all exports.", kind: gauge, scale: blockBytes},
 	"DirtyBlocks":            {name: "tiercache_set_dirty_bytes", help: "Dirty bytes, all exports.", kind: gauge, scale: blockBytes},
 	"Commits":                {name: "tiercache_set_journal_commits_total", help: "Journal commits (group commits of flushes).", kind: counter},

@@ -425,7 +425,7 @@ func (s *Server) usage() Usage {
 	if s.cfg.Set != nil {
 		sb := s.cfg.Set.Superblock()
 		ss := s.cfg.Set.Stats()
-		u.Cache = &CacheUsage{Path: s.cfg.CachePath, Size: sb.NBuckets * sb.BucketSize, Buckets: ss.Buckets, FreeBuckets: ss.FreeBuckets,
+		u.Cache = &CacheUsage{Path: s.cfg.CachePath, Size: sb.NBuckets * sb.BucketSize, Buckets: ss.Buckets, FreeBuckets: ss.FreeBuckets, EmptyBuckets: ss.EmptyBuckets,
 			UsedBytes: (ss.Buckets - ss.FreeBuckets) * sb.BucketSize, CachedBytes: ss.CachedBlocks * blockBytes, DirtyBytes: ss.DirtyBlocks * blockBytes,
 			Failed: ss.Failed, FailCause: ss.Cause, UnreachableDirtyBytes: ss.UnreachableDirtyBlocks * blockBytes}
 	}

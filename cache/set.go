@@ -264,6 +264,10 @@ func (s *Set) crashStop() {
 // SetStats are whole-set counters.
 type SetStats struct {
 	Buckets, FreeBuckets, SealedBuckets int64
+	// EmptyBuckets are sealed buckets no live block points into (their
+	// data was overwritten, dropped or detached): GC frees them first,
+	// without writing anything back, when free buckets run short.
+	EmptyBuckets                        int64
 	CachedBlocks, DirtyBlocks           int64
 	Commits, JournalBlocks, Checkpoints uint64
 	Evictions, WritebackBlocks          uint64
@@ -285,6 +289,11 @@ type SetStats struct {
 func (s *Set) Stats() SetStats {
 	s.mu.Lock()
 	st := SetStats{Buckets: int64(len(s.mu.Buckets)), FreeBuckets: int64(len(s.mu.free)), SealedBuckets: int64(len(s.mu.sealed))}
+	for _, bi := range s.mu.sealed {
+		if s.mu.Buckets[bi].Live == 0 {
+			st.EmptyBuckets++
+		}
+	}
 	for _, v := range s.vols {
 		st.CachedBlocks += v.idx.Cached
 		st.DirtyBlocks += v.idx.Dirty

@@ -73,6 +73,10 @@ func printUsage(out io.Writer, u admin.Usage, devSize int64) error {
 			fmt.Fprintf(w, "  metadata\t%s\tjournal and checkpoints\t\n", human(devSize-c.Size))
 		}
 		usageLine(w, "used (buckets)", c.UsedBytes, c.Size)
+		if c.EmptyBuckets > 0 {
+			bs := c.Size / max(c.Buckets, 1)
+			usageLine(w, "  of which empty", c.EmptyBuckets*bs, c.Size)
+		}
 		usageLine(w, "cached", c.CachedBytes, c.Size)
 		usageLine(w, "dirty", c.DirtyBytes, c.Size)
 		if c.Failed {
