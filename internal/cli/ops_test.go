@@ -436,3 +436,34 @@ func TestTwoServersShareDataDir(t *testing.T) {
 	failTC(t, "another server is already listening", "serve", "--data-dir", dir, "--export", "p="+img,
 		"--listen", "unix:"+filepath.Join(dir, "p2.sock"), "--admin", sock)
 }
+
+// TestServeTakenSocketBeforeRecovery: a second server asked to listen on
+// a socket another server holds is refused before it opens its cache set:
+// recovery (which writes a checkpoint) does not run, the set's checkpoint
+// generation is unchanged.
+func TestServeTakenSocketBeforeRecovery(t *testing.T) {
+	dir := t.TempDir()
+	startServe(t, filepath.Join(dir, "admin.sock"), "--data-dir", dir)
+	cachePath, backing := filepath.Join(dir, "c2.img"), filepath.Join(dir, "b2.img")
+	for p, size := range map[string]int64{cachePath: 16 << 20, backing: 4 << 20} {
+		if err := os.WriteFile(p, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(p, size); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mustTC(t, "cache set", "format", "--cache", cachePath, "--backing", "b="+backing, "--bucket-size", "256K")
+	gen := func() string {
+		out := mustTC(t, "checkpoint generation", "inspect", "journal", "--cache", cachePath)
+		return regexp.MustCompile(`checkpoint generation \d+`).FindString(out)
+	}
+	before := gen()
+	out, errs, code := tc(t, "serve", "--cache", cachePath, "--listen", "unix:"+filepath.Join(dir, "tiercache.sock"), "--admin", "none")
+	if code == 0 || !strings.Contains(errs, "another server is already listening") || strings.Contains(out+errs, "cache set recovered") {
+		t.Errorf("serve on a taken socket: exit %d, want a refusal before recovery:\n%s%s", code, out, errs)
+	}
+	if after := gen(); after != before {
+		t.Errorf("the refused server wrote a checkpoint: %s, then %s", before, after)
+	}
+}

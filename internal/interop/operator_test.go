@@ -68,6 +68,11 @@ func TestOperatorCommands(t *testing.T) {
 			t.Errorf("%s: the first line does not name the server:\n%s", cmd[0], out)
 		}
 	}
+	for _, cmd := range []string{"status", "list", "usage", "stats"} {
+		if l := regexp.MustCompile(`(?m)^.* +$`).FindString(tc(cmd)); l != "" {
+			t.Errorf("%s prints a line with trailing spaces: %q", cmd, l)
+		}
+	}
 	if out, err := tcEnv([]string{"TIERCACHE_CONFIG=" + cfg}, "list"); err != nil || !strings.Contains(out, "(admin of $TIERCACHE_CONFIG "+cfg+")") || !strings.Contains(out, "disk") {
 		t.Errorf("list with $TIERCACHE_CONFIG: %v\n%s", err, out)
 	}
