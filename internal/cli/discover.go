@@ -12,11 +12,12 @@ import (
 	"github.com/tiercache/tiercache/admin"
 )
 
-// The packaged server's configuration and admin socket (dist/).
-const (
-	systemConfig = "/etc/tiercache/tiercache.toml"
-	systemAdmin  = "/run/tiercache/admin.sock"
-)
+// packagedPaths are where the packaged server (dist/) keeps its
+// configuration and admin socket; globals holds them so that tests give
+// their own.
+type packagedPaths struct{ config, admin string }
+
+var packaged = packagedPaths{config: "/etc/tiercache/tiercache.toml", admin: "/run/tiercache/admin.sock"}
 
 // discover returns the admin address the commands talk to, and how it was
 // chosen (for every output and error): --admin; $TIERCACHE_ADMIN; the
@@ -41,11 +42,11 @@ func (g *globals) discover() (addr, how string) {
 	if g.dataDirSet || os.Getenv("TIERCACHE_DATA_DIR") != "" {
 		return filepath.Join(g.dataDir, "admin.sock"), "the data directory"
 	}
-	if a, err := configAdmin(systemConfig, ""); err == nil && a != "" && exists(a) {
-		return a, "admin of " + systemConfig
+	if a, err := configAdmin(g.packaged.config, ""); err == nil && a != "" && exists(a) {
+		return a, "admin of " + g.packaged.config
 	}
-	if os.Geteuid() == 0 && exists(systemAdmin) {
-		return systemAdmin, "the packaged server's socket"
+	if os.Geteuid() == 0 && exists(g.packaged.admin) {
+		return g.packaged.admin, "the packaged server's socket"
 	}
 	return filepath.Join(g.dataDir, "admin.sock"), "the data directory"
 }

@@ -1,6 +1,7 @@
 package cli
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -20,6 +21,17 @@ func TestDiscoverOrder(t *testing.T) {
 	tcpOnly := filepath.Join(dir, "t.toml")
 	os.WriteFile(tcpOnly, []byte("admin = \"none\"\nadmin_tcp = \"127.0.0.1:9450\"\nadmin_token_file = \"/etc/tc.token\"\n"), 0o600)
 	bad := filepath.Join(dir, "bad.toml")
+	// The packaged server: its config names a socket that exists (up), or
+	// one that does not (down: the commands fall through).
+	sysSock := filepath.Join(dir, "run", "admin.sock")
+	os.MkdirAll(filepath.Dir(sysSock), 0o700)
+	os.WriteFile(sysSock, nil, 0o600)
+	sysCfg := filepath.Join(dir, "etc.toml")
+	os.WriteFile(sysCfg, []byte(fmt.Sprintf("admin = %q\n", sysSock)), 0o600)
+	downCfg := filepath.Join(dir, "etc-down.toml")
+	os.WriteFile(downCfg, []byte(fmt.Sprintf("admin = %q\n", filepath.Join(dir, "gone.sock"))), 0o600)
+	pkgUp := packagedPaths{config: sysCfg, admin: filepath.Join(dir, "nothing.sock")}
+	pkgDown := packagedPaths{config: downCfg, admin: filepath.Join(dir, "nothing.sock")}
 	os.WriteFile(bad, []byte("admn = 1\n"), 0o600)
 	for _, tc := range []struct {
 		name     string
@@ -35,7 +47,9 @@ func TestDiscoverOrder(t *testing.T) {
 		{"config env", globals{dataDir: dir}, map[string]string{"TIERCACHE_CONFIG": withAdmin}, "/x/admin.sock", []string{"$TIERCACHE_CONFIG " + withAdmin}},
 		{"config tcp only", globals{config: tcpOnly, dataDir: dir}, nil, "tcp:127.0.0.1:9450", []string{"admin of --config " + tcpOnly}},
 		{"bad config", globals{config: bad, dataDir: dir}, nil, filepath.Join(dir, "admin.sock"), []string{"--config " + bad, `unknown key "admn"`}},
-		{"data dir", globals{dataDir: dir, dataDirSet: true}, nil, filepath.Join(dir, "admin.sock"), []string{"the data directory"}},
+		{"data dir", globals{dataDir: dir, dataDirSet: true, packaged: pkgUp}, nil, filepath.Join(dir, "admin.sock"), []string{"the data directory"}},
+		{"packaged config", globals{dataDir: dir, packaged: pkgUp}, nil, sysSock, []string{"admin of " + sysCfg}},
+		{"packaged config, no socket", globals{dataDir: dir, packaged: pkgDown}, nil, filepath.Join(dir, "admin.sock"), []string{"the data directory"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			for _, k := range []string{"TIERCACHE_ADMIN", "TIERCACHE_CONFIG", "TIERCACHE_DATA_DIR"} {
@@ -51,6 +65,24 @@ func TestDiscoverOrder(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// TestDiscoverPackagedSocket: as root, with no config of the packaged
+// server to read, its /run socket is used when it exists.
+func TestDiscoverPackagedSocket(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("the packaged server's socket is looked for only as root")
+	}
+	dir := t.TempDir()
+	sock := filepath.Join(dir, "admin.sock")
+	os.WriteFile(sock, nil, 0o600)
+	for _, k := range []string{"TIERCACHE_ADMIN", "TIERCACHE_CONFIG", "TIERCACHE_DATA_DIR"} {
+		t.Setenv(k, "")
+	}
+	g := globals{dataDir: t.TempDir(), packaged: packagedPaths{config: filepath.Join(dir, "none.toml"), admin: sock}}
+	if addr, how := g.discover(); addr != sock || how != "the packaged server's socket" {
+		t.Errorf("discover = %q (%s), want %q (the packaged server's socket)", addr, how, sock)
 	}
 }
 

@@ -53,12 +53,13 @@ type globals struct {
 	// dataDirSet: --data-dir was given (the admin commands then look
 	// there before the packaged server's socket).
 	dataDirSet bool
+	packaged   packagedPaths // the packaged server's config and socket
 	stdout     io.Writer
 	stderr     io.Writer
 }
 
 func newRoot(stdout, stderr io.Writer) *cobra.Command {
-	g := &globals{stdout: stdout, stderr: stderr}
+	g := &globals{stdout: stdout, stderr: stderr, packaged: packaged}
 	root := &cobra.Command{
 		Use:   "tiercache",
 		Short: "A userspace tiered block device: an SSD cache in front of HDDs, served over NBD",
