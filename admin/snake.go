@@ -26,8 +26,6 @@ var renamed = map[string]string{
 	// The engine's target now, not a measurement (writeback_rate is the
 	// measured one, in ExportStats).
 	"WritebackRate": "writeback_target_rate",
-	// Times the volume left epoch order because writeback fell behind.
-	"Degrades": "writeback_degrades",
 }
 
 // SnakeName is the API's name of a counter field.
