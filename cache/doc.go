@@ -105,7 +105,8 @@
 //     syncs and FUA;
 //   - set.go: the Set (orchestration: locks, volumes, Close, stats);
 //   - volume.go, readpath.go, policy.go: the client I/O paths;
-//   - gc.go, writeback.go: allocation, eviction and writeback;
+//   - alloc.go: bucket allocation; evict.go: eviction and GC moves;
+//   - gc.go, writeback.go: the writeback mechanism and its loop;
 //   - failover.go: fencing and loss accounting after a cache failure;
 //   - attach.go, inspect.go, scrub.go: volume slots, read-only inspection,
 //     checksum scrubs.

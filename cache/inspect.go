@@ -18,7 +18,6 @@ import (
 	"encoding/binary"
 	"fmt"
 	"log/slog"
-	"sync"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
@@ -136,10 +135,7 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 	}
 	im.SB = sb
 	im.Slots = ReadCheckpointSlots(dev, sb)
-	s := &Set{dev: dev, lay: sb.Clone(), sb: sb.Clone(), nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(),
-		log: slog.New(slog.DiscardHandler), stop: make(chan struct{})}
-	s.mu.cond = sync.NewCond(&s.mu.Mutex)
-	s.mu.BPB = s.bpb
+	s := newSet(dev, sb.Clone(), slog.New(slog.DiscardHandler))
 	volBlocks := make([]uint64, len(sb.Backings))
 	var vols []*Volume
 	for i, bi := range sb.Backings {
@@ -154,13 +150,7 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 	}
 	im.Generation = hdr.Gen
 	im.JournalStart = hdr.JPos.Blk
-	total := sb.NBuckets * s.bpb
-	s.mu.Buckets = make([]index.Bucket, sb.NBuckets)
-	s.mu.Owner = make([]uint64, total)
-	s.mu.open = -1
-	for i, g := range cd.Gens {
-		s.mu.Buckets[i].Gen = g
-	}
+	s.resetIndexLocked(sb.NBuckets, cd.Gens)
 	for vi, cv := range cd.Vols {
 		if vi >= len(s.vols) {
 			break // slots detached after this checkpoint: empty

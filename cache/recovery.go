@@ -45,7 +45,6 @@ import (
 	"cmp"
 	"fmt"
 	"log/slog"
-	"sync"
 	"time"
 
 	"math"
@@ -750,10 +749,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	for _, b := range backings {
 		byName[b.Name] = b
 	}
-	s := &Set{dev: cacheDev, lay: sb.Clone(), sb: sb, nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(), log: log,
-		kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1), stop: make(chan struct{})}
-	s.mu.cond = sync.NewCond(&s.mu.Mutex)
-	s.mu.BPB = s.bpb
+	s := newSet(cacheDev, sb, log)
 	volBlocks := make([]uint64, len(sb.Backings))
 	var vols []*Volume
 	for i, bi := range sb.Backings {

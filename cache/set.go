@@ -99,6 +99,16 @@ type setStats struct {
 	cacheErrors                                                              atomic.Uint64
 }
 
+// newSet builds the Set of the superblock sb read from dev: no volume, an
+// empty index, nothing started.
+func newSet(dev device.Device, sb *Superblock, log *slog.Logger) *Set {
+	s := &Set{dev: dev, lay: sb.Clone(), sb: sb, nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(), log: log,
+		kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1), stop: make(chan struct{})}
+	s.mu.cond = sync.NewCond(&s.mu.Mutex)
+	s.mu.BPB = s.bpb
+	return s
+}
+
 // newVolume builds the in-memory volume of slot vi. For a free slot
 // (bi.Free()) it builds the empty placeholder that code indexing s.vols by
 // slot finds there: no device, no blocks (so no journal record or

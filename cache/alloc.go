@@ -1,0 +1,109 @@
+package cache
+
+import (
+	"errors"
+	"time"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
+)
+
+// Allocation: buckets are filled append-only, one open bucket at a time,
+// and sealed into the FIFO eviction takes victims from when full.
+
+// run is a contiguous piece of cache blocks inside one bucket.
+type run struct {
+	loc uint32
+	n   int
+}
+
+func (s *Set) lowWater() int { return max(2, len(s.mu.Buckets)/8) }
+
+func (s *Set) kick() {
+	select {
+	case s.kickGC <- struct{}{}:
+	default:
+	}
+}
+
+// allocHow says how alloc may take space.
+type allocHow int
+
+const (
+	allocWait    allocHow = iota // wait until a bucket is free (GC moves never use it)
+	allocNoWait                  // use the free reserve, but fail rather than wait
+	allocPromote                 // fail rather than use the free reserve
+)
+
+// allocFor is alloc for foreground writes: it may use the free reserve, and
+// when no bucket is free it waits at most writeWaitMax for GC before giving
+// up with errNoSpace (the caller then writes around the cache).
+func (s *Set) allocFor(n int) (run, error) {
+	deadline := time.Now().Add(writeWaitMax)
+	for {
+		r, err := s.alloc(n, allocNoWait)
+		if !errors.Is(err, errNoSpace) || time.Now().After(deadline) {
+			return r, err
+		}
+		s.kick()
+		time.Sleep(200 * time.Microsecond)
+	}
+}
+
+// writeWaitMax bounds how long a foreground write waits for a free bucket.
+const writeWaitMax = 5 * time.Millisecond
+
+// alloc hands out up to n blocks in the open bucket and pins the bucket until
+// the caller calls unpin. allocWait blocks until space is free; allocNoWait
+// fails when no bucket is free; allocPromote fails rather than use the free
+// reserve. It never holds a pin while waiting, so waiters cannot starve gc.
+func (s *Set) alloc(n int, how allocHow) (run, error) {
+	wait := how == allocWait
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for {
+		if s.mu.closed {
+			return run{}, ErrClosed
+		}
+		if err := s.err(); err != nil {
+			return run{}, err
+		}
+		if s.mu.open >= 0 {
+			b := &s.mu.Buckets[s.mu.open]
+			if int64(b.Fill) < s.bpb {
+				k := min(n, int(s.bpb)-int(b.Fill))
+				r := run{loc: uint32(s.mu.open*s.bpb) + b.Fill, n: k}
+				b.Fill += uint32(k)
+				b.Pins++
+				s.mu.tick++
+				b.Atime = s.mu.tick
+				return r, nil
+			}
+			b.State = index.BucketSealed
+			s.mu.sealed = append(s.mu.sealed, uint32(s.mu.open))
+			s.mu.open = -1
+		}
+		if len(s.mu.free) < s.lowWater() {
+			s.kick()
+		}
+		if len(s.mu.free) == 0 || (how == allocPromote && len(s.mu.free) < s.lowWater()) {
+			if !wait {
+				return run{}, errNoSpace
+			}
+			s.mu.cond.Wait()
+			continue
+		}
+		bi := s.mu.free[0]
+		s.mu.free = s.mu.free[1:]
+		b := &s.mu.Buckets[bi]
+		b.State, b.Fill = index.BucketOpen, 0
+		s.mu.open = int64(bi)
+	}
+}
+
+// REQUIRES: s.mu
+func (s *Set) unpinLocked(loc uint32) {
+	s.mu.Buckets[int64(loc)/s.bpb].Pins--
+	s.mu.cond.Broadcast()
+}
+
+func (s *Set) cacheOff(loc uint32) int64 { return s.lay.BucketsOff + int64(loc)*blockSize }
