@@ -69,6 +69,8 @@ var volumeMetrics = map[string]metricDef{
 	"UnreachableDirtyBlocks": {name: "tiercache_unreachable_dirty_bytes", help: "Dirty bytes left on a failed cache device: reads of them fail.", kind: gauge, scale: blockBytes},
 	"LostWriteBlocks":        {name: "tiercache_lost_write_bytes", help: "Bytes of writes acknowledged before the cache device failed and not durable on it: flushes fail.", kind: gauge, scale: blockBytes},
 	"UnreachableReadErrors":  {name: "tiercache_unreachable_read_errors_total", help: "Reads failed because their dirty data could not be read from the cache device.", kind: counter},
+	"BackingConsistent":      {name: "tiercache_backing_consistent", help: "1 when the export is in epoch order and its backing device alone holds a flushed image (0 in lba order, or degraded until the next full drain).", kind: gauge},
+	"WritebackDegrades":      {name: "tiercache_writeback_degrades_total", help: "Times epoch-order writeback fell behind and degraded to lba order.", kind: counter},
 	"EpochDeferBytes":        {name: "tiercache_epoch_defer_bytes_total", help: "Writethrough/writearound writes and small write-zeroes cached as dirty data because older flush epochs were still dirty (epoch order).", kind: counter},
 	"BackingSyncErrors":      {name: "tiercache_backing_sync_errors_total", help: "Failed syncs of the backing device; after the first, flushes of the export fail.", kind: counter},
 	"FencedWriteErrors":      {name: "tiercache_fenced_write_errors_total", help: "Writes refused after failover: the failed cache may hold newer durable data for their blocks.", kind: counter},

@@ -73,7 +73,15 @@ func runEpochSeed(t *testing.T, seed uint64) {
 	inEpoch = append(inEpoch, map[int]map[uint64]bool{})
 	wid := uint64(0)
 	maxSup := int64(0)
+	var degrades, returns, skipped int
 	check := func() {
+		if !v.Stats().BackingConsistent {
+			// Degraded to lba order (order.go): no promise until the
+			// next full drain.
+			skipped++
+			log = append(log, "check skipped: degraded")
+			return
+		}
 		keep := []float64{0, 0.5, 1}[rng.IntN(3)]
 		clone := back.CrashClone(device.CrashConfig{UnsyncedKeep: keep, Rand: rng})
 		got := make([]uint64, nblk)
@@ -173,6 +181,31 @@ func runEpochSeed(t *testing.T, seed uint64) {
 			if g := le.Uint64(p); (ondisk.IsZero(p) && cur[b] != 0) || (!ondisk.IsZero(p) && g != cur[b]) {
 				fail("read block %d: id %d, want %d", b, g, cur[b])
 			}
+		case k < 92:
+			// Writeback falls behind: the volume leaves epoch order.
+			log = append(log, "degrade")
+			before := v.Stats().WritebackDegrades
+			if err := v.degrade(degradeSpace); err != nil {
+				fail("degrade: %v", err)
+			}
+			if st := v.Stats(); st.BackingConsistent || st.SupersededBlocks != 0 {
+				fail("after degrade: consistent %v, %d superseded", st.BackingConsistent, st.SupersededBlocks)
+			}
+			degrades += int(v.Stats().WritebackDegrades - before)
+		case k < 94:
+			// A full drain returns a degraded volume to epoch order.
+			was := v.Stats().BackingConsistent
+			log = append(log, "drain")
+			if err := s.Drain(context.Background()); err != nil {
+				fail("drain: %v", err)
+			}
+			if !v.Stats().BackingConsistent {
+				fail("after a full drain the backing device is not consistent again")
+			}
+			if !was {
+				returns++
+			}
+			check()
 		default:
 			check()
 		}
@@ -182,12 +215,17 @@ func runEpochSeed(t *testing.T, seed uint64) {
 		}
 	}
 	check()
+	was := v.Stats().BackingConsistent
 	if err := s.Drain(context.Background()); err != nil {
 		fail("drain: %v", err)
 	}
-	if st := v.Stats(); st.DirtyBlocks != 0 || st.SupersededBlocks != 0 {
-		fail("after drain: %d dirty, %d superseded", st.DirtyBlocks, st.SupersededBlocks)
+	if !was {
+		returns++
 	}
+	if st := v.Stats(); st.DirtyBlocks != 0 || st.SupersededBlocks != 0 || !st.BackingConsistent {
+		fail("after drain: %d dirty, %d superseded, consistent %v", st.DirtyBlocks, st.SupersededBlocks, st.BackingConsistent)
+	}
+	check()
 	p := make([]byte, blockSize)
 	for b := range cur {
 		if _, err := back.ReadAt(p, int64(b)*blockSize); err != nil {
@@ -197,7 +235,8 @@ func runEpochSeed(t *testing.T, seed uint64) {
 			fail("after drain, backing block %d holds id %d, want %d", b, g, cur[b])
 		}
 	}
-	t.Logf("%d epochs, %d writes, up to %d superseded versions", len(states)-1, wid, maxSup)
+	t.Logf("%d epochs, %d writes, up to %d superseded versions; %d degrades (%d by the engine), %d returns by a drain, %d checks skipped while degraded",
+		len(states)-1, wid, maxSup, v.Stats().WritebackDegrades, int(v.Stats().WritebackDegrades)-degrades, returns, skipped)
 }
 
 // TestEpochBatchResumesAtCursor checks that epoch order's writeback sweeps

@@ -428,18 +428,22 @@ func (v *Volume) readAroundCache(dst []byte, hs []index.Ent) (fromBacking []uint
 	return fromBacking, nil
 }
 
-// allocWaitWriteback waits for space that only writeback can free (epoch
-// order: a write may not go around the cache while older epochs of its
-// volume are dirty in it). It fails, rather than wait forever, when
-// writeback to the backing device is failing: the client gets an I/O error
-// and the server keeps running. Once the volume has no dirty data left it
-// returns errNoSpace, and the write goes around the cache: the space may
-// never come, since other volumes' dirty data can fill the cache while
-// their backing device is dead (TestEpochWriteNotStuckOnOtherVolume; found
-// by TestDeviceFailureModel/backing seed 5287 hanging).
+// allocWaitWriteback finds space for a write in epoch order that found no
+// free bucket (a write may not go around the cache while older epochs of
+// its volume are dirty in it). The writer helps: it writes back a small
+// batch of its volume's oldest epoch itself, and kicks GC. If that frees
+// no bucket, writeback in epoch order is behind the workload: the volume
+// degrades to lba order (order.go), which drops its superseded versions,
+// and the write goes around the cache (errNoSpace) or finds the space
+// that frees. It fails, rather than wait, when writeback to the backing
+// device is failing: the client gets an I/O error and the server keeps
+// running. Once the volume has no dirty data left it returns errNoSpace,
+// and the write goes around the cache: other volumes' dirty data can fill
+// the cache while their backing device is dead
+// (TestEpochWriteNotStuckOnOtherVolume).
 func (v *Volume) allocWaitWriteback(n int) (run, error) {
 	s := v.s
-	for {
+	for helped := false; ; helped = true {
 		r, err := s.alloc(n, allocNoWait)
 		if !errors.Is(err, errNoSpace) {
 			return r, err
@@ -447,28 +451,30 @@ func (v *Volume) allocWaitWriteback(n int) (run, error) {
 		if p := v.wb.backingErr.Load(); p != nil {
 			return run{}, fmt.Errorf("no free cache bucket, and writeback to the backing device is failing: %w", *p)
 		}
-		if !v.hasDirty() {
+		if !v.hasDirty() || !s.keepSuperseded(v.vi) {
 			return run{}, err
 		}
-		if s.noBackground {
-			// No writeback goroutine runs (OpenOptions.noBackground, the
-			// crash-point sets): the waiter writes back itself, or it
-			// would wait for ever (TestCrashPoints/gc, 40 seeds, hung in
-			// a Trim's zero blocks).
-			wrote, werr := s.writebackEpoch(v.vi, wbBatchShort)
-			if werr != nil {
-				return run{}, fmt.Errorf("no free cache bucket, and writeback failed: %w", werr)
+		if helped {
+			if derr := v.degrade(degradeSpace); derr != nil {
+				return run{}, fmt.Errorf("no free cache bucket, and leaving epoch order failed: %w", derr)
 			}
-			if wrote > 0 {
-				continue
+			r, err := s.alloc(n, allocNoWait)
+			if errors.Is(err, errNoSpace) {
+				s.kick()
 			}
-		} else {
-			s.kick()
-			s.kickWB()
+			return r, err
 		}
-		time.Sleep(200 * time.Microsecond)
+		s.kick()
+		if _, werr := s.writebackEpoch(v.vi, wbHelpBatch); werr != nil {
+			return run{}, fmt.Errorf("no free cache bucket, and writeback failed: %w", werr)
+		}
 	}
 }
+
+// wbHelpBatch is how many blocks a write waiting for space writes back
+// itself before the volume degrades (a few hundred milliseconds of random
+// writes on a disk at most).
+const wbHelpBatch = 64
 
 // noteInvalidateLocked remembers, until they are durable, that the records
 // appended after sequence number from (an invalidation, or the clean

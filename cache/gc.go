@@ -500,6 +500,9 @@ func (s *Set) Drain(ctx context.Context) error {
 			return fmt.Errorf("drain: %w", err)
 		}
 		if left == 0 {
+			for _, v := range s.volList() {
+				v.restoreOrder()
+			}
 			return nil
 		}
 		if progress == 0 {

@@ -34,10 +34,9 @@ type blockRange struct{ lba, n uint64 }
 func (r blockRange) overlaps(lba, n uint64) bool { return r.lba < lba+n && lba < r.lba+r.n }
 
 // keepSuperseded reports whether volume vi keeps superseded dirty versions
-// (epoch order).
+// (epoch order, not degraded to lba order: order.go).
 func (s *Set) keepSuperseded(vi int) bool {
-	cfg := s.vol(vi).cfg.Load()
-	return cfg != nil && cfg.WritebackOrder == OrderEpoch
+	return s.epochSetting(vi) && !s.vol(vi).ord.degraded.Load()
 }
 
 // Check verifies the index invariants (10 to 15 in docs/DESIGN.md) and the

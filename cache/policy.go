@@ -26,6 +26,7 @@ package cache
 import (
 	"fmt"
 	"sync"
+	"time"
 )
 
 const (
@@ -125,16 +126,41 @@ func (v *Volume) SetSettings(st Settings) error {
 	v.rmw.Lock()
 	defer v.rmw.Unlock()
 	s := v.s
+	v.ord.mu.Lock()
+	defer v.ord.mu.Unlock()
 	s.sbMu.Lock()
 	defer s.sbMu.Unlock()
+	// Into epoch order with dirty data written back in lba order: the
+	// backing device is not a flushed image until the next full drain.
+	wasEpoch := v.cfg.Load().WritebackOrder == OrderEpoch
+	intoEpoch := st.WritebackOrder == OrderEpoch && !wasEpoch && v.hasDirty()
+	var since int64
 	err := s.updateSuperblockLocked(func(nsb *Superblock) error {
 		nsb.Backings[v.vi].Settings = st
+		switch {
+		case intoEpoch:
+			since = time.Now().UnixNano()
+			nsb.Backings[v.vi].InconsistentSince = since
+		case st.WritebackOrder != OrderEpoch:
+			nsb.Backings[v.vi].InconsistentSince = 0
+		}
 		return nil
 	})
 	if err != nil {
 		return fmt.Errorf("settings of %s: %w", v.name, err)
 	}
 	v.mode.Store(int32(st.Mode))
+	switch {
+	case intoEpoch:
+		why := degradeSettings
+		v.ord.degraded.Store(true)
+		v.ord.since.Store(since)
+		v.ord.reason.Store(&why)
+		v.ord.degrades.Add(1)
+	case st.WritebackOrder != OrderEpoch:
+		v.ord.degraded.Store(false)
+		v.ord.since.Store(0)
+	}
 	v.cfg.Store(&st)
 	if st.WritebackOrder != OrderEpoch {
 		// Left epoch order: older versions are moot (the newest is what

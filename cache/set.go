@@ -123,6 +123,10 @@ func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
 		cfg.Mode = bi.Settings.Mode
 	}
 	v.cfg.Store(&cfg)
+	if bi.InconsistentSince != 0 {
+		v.ord.degraded.Store(true)
+		v.ord.since.Store(bi.InconsistentSince)
+	}
 	v.wb.kick = make(chan struct{}, 1)
 	v.wb.stop = make(chan struct{})
 	v.wb.done = make(chan struct{})

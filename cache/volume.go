@@ -57,6 +57,7 @@ type Volume struct {
 	pol         policy
 	lastIO      atomic.Int64 // unix nanos of the last client request (idle detection)
 	wb          wbState      // background writeback state (writeback.go)
+	ord         orderState   // epoch order degraded or not (order.go)
 
 	idx volIndex // guarded by s.mu
 	fo  foState  // failover state (failover.go), guarded by s.mu
@@ -135,6 +136,17 @@ type VolumeStats struct {
 	// current epoch, because older epochs were still dirty (epoch order;
 	// see olderEpochsDirty).
 	EpochDeferBytes uint64
+	// BackingConsistent: the volume is in epoch order and the backing
+	// device alone holds the image after some flush plus part of the
+	// next epoch. False in lba order, and while the volume is degraded
+	// (order.go): from InconsistentSince until the first full drain.
+	BackingConsistent bool
+	InconsistentSince time.Time // zero while consistent
+	// WritebackDegrades counts the times epoch order degraded to lba
+	// order since the server started; DegradeReason is the last reason
+	// ("space-wait", "sequential-bypass", "superseded", "order-change").
+	WritebackDegrades uint64
+	DegradeReason     string
 }
 
 // enter admits a client call (I/O, flush, settings); exit must follow. It
@@ -204,6 +216,7 @@ func (v *Volume) Stats() VolumeStats {
 		WritebackRate:          v.wb.rate.Load(), ThrottleNanos: v.st.throttleNanos.Load(), SpaceWaitNanos: v.st.spaceWaitNanos.Load(),
 		UnreachableReadErrors: v.st.unreachableReads.Load(), FencedWriteErrors: v.st.fencedWrites.Load(),
 		BackingSyncErrors: v.st.backingSyncErrors.Load(), EpochDeferBytes: v.st.epochDeferBytes.Load()}
+	v.fillOrderStats(&st)
 	v.s.mu.Lock()
 	st.CachedBlocks, st.DirtyBlocks, st.SupersededBlocks = v.idx.Cached, v.idx.Dirty, v.idx.NSup
 	st.LostWriteBlocks = v.fo.lost
@@ -669,10 +682,13 @@ func (v *Volume) write(p []byte, off int64, seq bool) error {
 		}
 	}
 	copy(buf[off-int64(first)<<blockShift:], p)
-	if seq && v.s.keepSuperseded(v.vi) && v.hasDirty() {
+	if seq && v.Mode() != None && v.olderEpochsDirty() {
 		// Epoch order: a write straight to the backing device would land
-		// before older epochs still in the cache.
-		seq = false
+		// before older epochs still in the cache, and waiting for them
+		// would stall the stream: the volume degrades to lba order.
+		if err := v.degrade(degradeSequential); err != nil {
+			seq = false
+		}
 	}
 	switch m := v.Mode(); {
 	case v.s.isFailed():

@@ -199,6 +199,10 @@ func (s *Set) wbRate(v *Volume) int64 {
 		return -1
 	}
 	target := total * int64(cfg.WritebackPercent) / 100
+	if v.ord.degraded.Load() {
+		// Degraded from epoch order (order.go): drain to come back.
+		target = 0
+	}
 	if dirty <= target {
 		return 0
 	}
@@ -213,6 +217,7 @@ func (s *Set) writebackLoop(v *Volume) {
 	defer s.wg.Done()
 	defer close(v.wb.done)
 	for {
+		s.checkOrder(v)
 		rate := s.wbRate(v)
 		limit := int64(0) // blocks/s; 0 none
 		if m := v.cfg.Load().WritebackRateMax; m > 0 {
@@ -280,6 +285,21 @@ func (s *Set) writebackLoop(v *Volume) {
 			case <-time.After(10 * time.Millisecond):
 			}
 		}
+	}
+}
+
+// checkOrder degrades v when epoch-order writeback is behind, and returns
+// it to epoch order once it has no dirty data (order.go).
+func (s *Set) checkOrder(v *Volume) {
+	s.mu.Lock()
+	behind := s.keepSuperseded(v.vi) && s.behindLocked(v)
+	clean := v.idx.Dirty+v.idx.NSup == 0
+	s.mu.Unlock()
+	switch {
+	case behind:
+		_ = v.degrade(degradeSuperseded) // logged by degrade
+	case clean:
+		v.restoreOrder()
 	}
 }
 
