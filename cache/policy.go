@@ -8,12 +8,30 @@ package cache
 // writeback bookkeeping to make it.
 //
 // Sequential detection (bcache's sequential_cutoff): the last seqStreams
-// streams are remembered as (next expected byte offset, bytes so far, last
-// use). A request that starts where a stream ended extends it; any other
-// request replaces the least recently used stream. A request bypasses the
-// cache when its stream, including the request itself, has reached the
-// cutoff. Tracking several streams detects a sequential reader or writer
-// even when other streams (several files, several clients) interleave.
+// streams are remembered as (lowest and highest byte offset reached, bytes
+// so far, last use, and the holes a request arriving early left behind).
+// Streams reach the cache slightly reordered: the kernel's NBD client
+// spreads one stream over several connections, loop over nbdfuse and
+// multi-threaded writers complete requests out of order. So a request
+// extends a stream when it
+//
+//   - starts where the stream ends;
+//   - starts a little ahead of its end (at most seqWindow(n) bytes, and no
+//     more than the stream holds): the gap becomes a hole;
+//   - or fills (part of) a hole: a request that arrived late.
+//
+// A request a little behind the end that fills no hole rewrites what the
+// stream just wrote (a log's last block, a database page): it belongs to
+// the stream but adds nothing to it, and does not bypass the cache. A request that fits several streams
+// goes to the most recently used one; one that fits none replaces the
+// least recently used stream. A
+// request bypasses the cache when it is as large as the cutoff, or when
+// its stream, including the request itself, has reached the cutoff and is
+// dense (its bytes cover at least
+// half of its span, so a random writer that lands near a stream by chance
+// never builds one). Tracking several streams detects a sequential reader
+// or writer even when other streams (several files, several clients)
+// interleave.
 //
 // Promotion: "always" promotes every read miss; "never" promotes none
 // (NBD_CMD_CACHE still does: the client asked for it); "after:N" promotes a
@@ -46,10 +64,97 @@ const (
 	bypassFailed                  // write sent around: cache device error or failover
 )
 
+// seqHoles bounds the holes a stream remembers (the oldest is forgotten:
+// a request filling it late starts a stream of its own).
+const seqHoles = 32
+
 type stream struct {
-	next int64  // byte offset the next request of the stream starts at
-	seen int64  // bytes of the stream so far
-	used uint64 // policy clock at last use (LRU)
+	start int64  // lowest byte offset of the stream
+	next  int64  // end of its furthest request
+	seen  int64  // bytes of the stream so far
+	used  uint64 // policy clock at last use (LRU)
+	holes []span // gaps before next not yet written, oldest first
+}
+
+// span is the byte range [lo, hi).
+type span struct{ lo, hi int64 }
+
+// seqWindow is how far ahead of a stream's end a request of n bytes may
+// start, or how far behind it a rewrite may, and still belong to it: room
+// for a few requests in flight on other connections.
+func seqWindow(n int64) int64 { return min(max(64*n, 256<<10), 32<<20) }
+
+// How a request relates to a stream (stream.relate).
+const (
+	seqOther   = iota // not part of the stream
+	seqNext           // starts at the end, or a little ahead (leaving a hole)
+	seqFill           // fills (part of) a hole
+	seqRewrite        // rewrites what the stream wrote just before its end
+)
+
+// relate says how the request [off, off+n) relates to st.
+func (st *stream) relate(off, n int64) int {
+	switch {
+	case off >= st.next:
+		if gap := off - st.next; gap <= seqWindow(n) && gap <= st.seen {
+			return seqNext
+		}
+	case off >= st.start && st.next-off <= seqWindow(n):
+		for _, h := range st.holes {
+			if off < h.hi && h.lo < off+n {
+				return seqFill
+			}
+		}
+		return seqRewrite
+	}
+	return seqOther
+}
+
+// extend adds the request [off, off+n) to st, as relate classified it.
+func (st *stream) extend(off, n int64, how int) {
+	switch how {
+	case seqNext:
+		if off > st.next {
+			if len(st.holes) == seqHoles {
+				st.holes = st.holes[1:]
+			}
+			st.holes = append(st.holes, span{st.next, off})
+		}
+		st.next, st.seen = off+n, st.seen+n
+	case seqFill:
+		st.seen += st.fill(off, off+n)
+		st.next = max(st.next, off+n)
+	}
+}
+
+// fill removes [lo, hi) from the stream's holes and returns how many bytes
+// of holes it covered.
+func (st *stream) fill(lo, hi int64) int64 {
+	var got int64
+	var out []span
+	for _, h := range st.holes {
+		if hi <= h.lo || lo >= h.hi {
+			out = append(out, h)
+			continue
+		}
+		got += min(hi, h.hi) - max(lo, h.lo)
+		if h.lo < lo {
+			out = append(out, span{h.lo, lo})
+		}
+		if hi < h.hi {
+			out = append(out, span{hi, h.hi})
+		}
+	}
+	if len(out) > seqHoles {
+		out = out[len(out)-seqHoles:]
+	}
+	st.holes = out
+	return got
+}
+
+// long reports whether the stream has reached cutoff bytes densely.
+func (st *stream) long(cutoff int64) bool {
+	return cutoff > 0 && st.seen >= cutoff && st.next-st.start <= 2*st.seen
 }
 
 // policy is a volume's run-time policy state.
@@ -66,18 +171,27 @@ func (p *policy) sequential(off, n, cutoff int64) bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.clock++
-	lru := 0
+	// The most recently used stream the request belongs to; else the
+	// least recently used slot gets a new stream.
+	best, how, lru := -1, seqOther, 0
 	for i := range p.streams {
 		st := &p.streams[i]
-		if st.used != 0 && st.next == off {
-			st.next, st.seen, st.used = off+n, st.seen+n, p.clock
-			return cutoff > 0 && st.seen >= cutoff
+		if st.used != 0 {
+			if r := st.relate(off, n); r != seqOther && (best < 0 || st.used > p.streams[best].used) {
+				best, how = i, r
+			}
 		}
 		if st.used < p.streams[lru].used {
 			lru = i
 		}
 	}
-	p.streams[lru] = stream{next: off + n, seen: n, used: p.clock}
+	if best >= 0 {
+		st := &p.streams[best]
+		st.extend(off, n, how)
+		st.used = p.clock
+		return cutoff > 0 && n >= cutoff || how != seqRewrite && st.long(cutoff)
+	}
+	p.streams[lru] = stream{start: off, next: off + n, seen: n, used: p.clock}
 	return cutoff > 0 && n >= cutoff
 }
 
