@@ -58,6 +58,9 @@ type Volume struct {
 	lastIO      atomic.Int64 // unix nanos of the last client request (idle detection)
 	wb          wbState      // background writeback state (writeback.go)
 	ord         orderState   // epoch order degraded or not (order.go)
+	// wlog: the last wlogSize writes' blocks, for promotions
+	// (writtenSinceLocked); guarded by s.mu.
+	wlog [wlogSize]wlogEnt
 
 	idx volIndex // guarded by s.mu
 	fo  foState  // failover state (failover.go), guarded by s.mu
@@ -533,9 +536,9 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 }
 
 // promote copies blocks just read from the backing device into the cache as
-// clean entries, unless anything was written to the volume since the read
-// looked up the index (the copy could then be stale). Best effort: it never
-// waits for space.
+// clean entries, unless one of them was written since the read looked up
+// the index (muts: the copy could then be stale; writtenSinceLocked).
+// Best effort: it never waits for space.
 func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 	s := v.s
 	n := len(data) / blockSize
@@ -560,7 +563,7 @@ func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 			s.cacheIOOK()
 		}
 		s.mu.Lock()
-		ok := werr == nil && v.idx.mutations == muts
+		ok := werr == nil && !v.writtenSinceLocked(muts, lba+uint64(done), uint64(r.n))
 		if ok {
 			v.idx.Tree.AscendRange(index.Ent{LBA: lba + uint64(done)}, index.Ent{LBA: lba + uint64(done+r.n)}, func(index.Ent) bool {
 				ok = false
@@ -585,6 +588,44 @@ func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 	}
 }
 
+// wlogSize is how many recent writes a volume remembers for promotions
+// (writtenSinceLocked); a read that overlapped more writes than this
+// promotes nothing.
+const wlogSize = 256
+
+// wlogEnt is one remembered write: its number (idx.mutations after it) and
+// its blocks.
+type wlogEnt struct {
+	seq uint64
+	r   blockRange
+}
+
+// noteWriteLocked counts a write of [lba, lba+n) (a write into the cache,
+// or the claim of a write to the backing device) and remembers its blocks.
+// REQUIRES: s.mu
+func (v *Volume) noteWriteLocked(lba, n uint64) {
+	v.idx.mutations++
+	v.wlog[v.idx.mutations%wlogSize] = wlogEnt{v.idx.mutations, blockRange{lba, n}}
+}
+
+// writtenSinceLocked reports whether [lba, lba+n) may have been written
+// since idx.mutations was muts: a write counted since overlaps it, or more
+// writes came than the log remembers, or one was counted without its
+// blocks.
+// REQUIRES: s.mu
+func (v *Volume) writtenSinceLocked(muts, lba, n uint64) bool {
+	if v.idx.mutations-muts > wlogSize {
+		return true
+	}
+	for k := muts + 1; k <= v.idx.mutations; k++ {
+		e := v.wlog[k%wlogSize]
+		if e.seq != k || e.r.overlaps(lba, n) {
+			return true
+		}
+	}
+	return false
+}
+
 // REQUIRES: s.mu
 func (v *Volume) busyLocked(lba, n uint64) bool {
 	for _, r := range v.idx.busy {
@@ -604,7 +645,7 @@ func (v *Volume) claim(lba, n uint64) {
 		s.mu.cond.Wait()
 	}
 	v.idx.busy = append(v.idx.busy, blockRange{lba, n})
-	v.idx.mutations++
+	v.noteWriteLocked(lba, n)
 	s.mu.Unlock()
 }
 
@@ -803,7 +844,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 		}
 		s.appendInsertLocked(v.vi, at, r.loc, dirty, crcs, v.idx.epoch)
 		s.noteInvalidateLocked(v, from, at, uint64(r.n), dropsDirty)
-		v.idx.mutations++
+		v.noteWriteLocked(at, uint64(r.n))
 		v.releaseLocked(claim)
 		s.unpinLocked(r.loc)
 		s.mu.Unlock()
@@ -880,7 +921,7 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 					v.name, lba, n, had)
 			}
 		}
-		v.idx.mutations++
+		v.noteWriteLocked(lba, n)
 	}
 	v.releaseLocked(claim)
 	if err != nil {
