@@ -805,6 +805,14 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		return nil, fmt.Errorf("open: replaying journal: %w", err)
 	}
 	end, nrec := jr.end, jr.n
+	for vi := range s.vols {
+		if !s.keepSuperseded(vi) {
+			// A checkpoint written in epoch order still lists superseded
+			// versions the volume dropped when it left epoch order
+			// (degraded, or writeback_order changed to lba).
+			s.mu.DropAllSup(vi)
+		}
+	}
 	s.listBucketsLocked()
 	if err := s.checkIndexLocked(invariants.Enabled); err != nil {
 		return nil, fmt.Errorf("open: recovered index inconsistent: %w", err)
