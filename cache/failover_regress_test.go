@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"errors"
 	"log/slog"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -351,70 +350,6 @@ func TestWritebackBatchReportsEveryError(t *testing.T) {
 	_, err := s.writeback(0, []uint64{2, 9})
 	if got := seqFaultsIn(err); len(got) != 2 {
 		t.Fatalf("writeback of two runs, both failing: error %v carries %d of the 2 failures", err, len(got))
-	}
-}
-
-// TestOlderEpochRetryFailuresLogged: in epoch order a writethrough write
-// first writes back the older epochs, retrying every 1 ms while that fails.
-// Only the first failure of a run of retries was logged; the others
-// vanished (TestDeviceFailureModel/seq seed 4954). Every failure must be in
-// the log, without a line per retry.
-func TestOlderEpochRetryFailuresLogged(t *testing.T) {
-	var toFail atomic.Int32
-	var fired []string
-	var mu sync.Mutex
-	inj := faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
-		if op.Kind != faultdev.Write || toFail.Add(-1) < 0 {
-			return faultdev.Fault{}
-		}
-		f := &seqFault{dev: "back", op: op}
-		mu.Lock()
-		fired = append(fired, f.Error())
-		mu.Unlock()
-		return faultdev.Error(f)
-	})
-	log := &cpLog{}
-	s, _ := newBackFaultSetLog(t, Writeback, inj, log)
-	v := s.vols[0]
-	st := v.Settings()
-	st.WritebackOrder = OrderEpoch
-	if err := v.SetSettings(st); err != nil {
-		t.Fatal(err)
-	}
-	p := make([]byte, blockSize)
-	stamp(p, 1, 0, 0)
-	if err := v.WriteAt(p, 0, false); err != nil {
-		t.Fatal(err)
-	}
-	if err := v.Flush(); err != nil { // a new epoch: the write is older
-		t.Fatal(err)
-	}
-	if err := v.SetMode(Writethrough); err != nil {
-		t.Fatal(err)
-	}
-	// The path under test: without the deferral a writethrough write
-	// waits for the older epochs (drainOlderEpochs); with it the write
-	// would go into the cache as a dirty one.
-	epochDefer.Store(false)
-	t.Cleanup(func() { epochDefer.Store(true) })
-	toFail.Store(3)
-	stamp(p, 2, 0, 8*blockSize)
-	if err := v.WriteAt(p, 8*blockSize, false); err != nil {
-		t.Fatal(err)
-	}
-	mu.Lock()
-	defer mu.Unlock()
-	if len(fired) != 3 {
-		t.Fatalf("%d writeback attempts failed, want 3 (the test's set-up is off)", len(fired))
-	}
-	logs := log.all()
-	for _, f := range fired {
-		if !strings.Contains(logs, f[strings.Index(f, "<"):]) {
-			t.Errorf("failure %q is not in the log:\n%s", f, logs)
-		}
-	}
-	if n := strings.Count(logs, "\n"); n > 2 {
-		t.Errorf("%d log lines for one run of 3 failed attempts, want 2:\n%s", n, logs)
 	}
 }
 

@@ -51,6 +51,12 @@ const (
 	degradeSequential degradeReason = "sequential-bypass"
 	degradeSuperseded degradeReason = "superseded"
 	degradeSettings   degradeReason = "order-change" // switched to epoch order with dirty data of lba order
+	// A write-zeroes too large to write into the cache as zero blocks
+	// while older epochs are dirty.
+	degradeLargeZeroes degradeReason = "large-zeroes"
+	// A write to the backing device routed before a flush made older
+	// epochs of what was current (orderBeforeBacking).
+	degradePassthrough degradeReason = "passthrough"
 )
 
 // supShareDegrade: superseded versions at this share of the cache, with
@@ -120,7 +126,12 @@ func (v *Volume) restoreOrder() bool {
 	v.ord.mu.Lock()
 	defer v.ord.mu.Unlock()
 	s.mu.Lock()
-	if v.idx.Dirty+v.idx.NSup != 0 || len(v.idx.wbInflight) != 0 || len(v.idx.busy) != 0 {
+	// Backing writes in flight (writeback's or passthrough's claims) end
+	// first; a batch that took versions since cleaned writes nothing.
+	for len(v.idx.busy) != 0 && v.idx.Dirty+v.idx.NSup == 0 && !s.mu.closed {
+		s.mu.cond.Wait()
+	}
+	if v.idx.Dirty+v.idx.NSup != 0 || s.mu.closed {
 		s.mu.Unlock()
 		return false
 	}

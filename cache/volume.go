@@ -3,8 +3,6 @@ package cache
 import (
 	"errors"
 	"fmt"
-	"slices"
-	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -330,71 +328,12 @@ const (
 	promoteForce                        // NBD_CMD_CACHE: always promoted
 )
 
-// drainOlderEpochs, in epoch order, writes back every dirty version of
-// the epochs before the current one, so that a write about to go straight
-// to the backing device (passthrough, writethrough) lands after them, as
-// the order requires. Versions that cannot be written back (failing
-// checksums or device) would block it forever: after 100 rounds without
-// progress it gives up and logs, and the write goes ahead unordered.
-func (v *Volume) drainOlderEpochs() {
-	s := v.s
-	if !s.keepSuperseded(v.vi) {
-		return
-	}
-	// A run of failed attempts is logged twice: its first failure when it
-	// happens, and when it ends (progress, done, or giving up) how many
-	// attempts failed with which distinct errors, so that every failure
-	// is seen without a line per 1 ms retry (TestDeviceFailureModel/seq
-	// seed 4954: a retry's failure vanished).
-	stuck, nfail := 0, 0
-	var errs []string
-	endRun := func(outcome string) {
-		if nfail > 1 {
-			s.log.Warn("writing back older epochs before a passthrough write: a run of failed attempts ended", "volume", v.name,
-				"outcome", outcome, "failed_attempts", nfail, "errors", strings.Join(errs, "; "))
-		}
-		nfail, errs = 0, nil
-	}
-	for stuck < 100 {
-		s.mu.Lock()
-		oldest, ok := s.mu.OldestEpoch(v.vi)
-		cur := v.idx.epoch
-		s.mu.Unlock()
-		if !ok || oldest >= cur || s.err() != nil {
-			endRun("older epochs done")
-			return
-		}
-		n, err := s.writebackEpoch(v.vi, wbBatch)
-		if err != nil {
-			if nfail == 0 {
-				s.log.Warn("writing back older epochs before a passthrough write failed; retrying", "volume", v.name, "err", err)
-			}
-			nfail++
-			if e := err.Error(); len(errs) < 8 && !slices.Contains(errs, e) {
-				errs = append(errs, e)
-			}
-		}
-		if err != nil || n == 0 {
-			stuck++
-			time.Sleep(time.Millisecond)
-			continue
-		}
-		endRun("progress")
-		stuck = 0
-	}
-	endRun("giving up")
-	s.log.Warn("older epochs cannot be written back; a write goes to the backing device out of epoch order", "volume", v.name)
-}
-
-// olderEpochsDirty reports, in epoch order, whether dirty versions of an
-// epoch before the current one are in the cache: a write straight to the
-// backing device would have to wait for all of them (drainOlderEpochs).
-// Writes that can go into the cache instead do (write, WriteZeroes up to
-// epochZeroInCache, Trim does nothing), so only large write-zeroes still
-// wait.
+// olderEpochsDirty reports, in epoch order (not degraded), whether dirty
+// versions of an epoch before the current one are in the cache: nothing
+// may reach the backing device before them (route).
 func (v *Volume) olderEpochsDirty() bool {
 	s := v.s
-	if !s.keepSuperseded(v.vi) || s.isFailed() || !epochDefer.Load() {
+	if !s.keepSuperseded(v.vi) || s.isFailed() {
 		return false
 	}
 	s.mu.Lock()
@@ -403,15 +342,23 @@ func (v *Volume) olderEpochsDirty() bool {
 	return ok && oldest < v.idx.epoch
 }
 
-// epochZeroInCache is the largest write-zeroes written into the cache as
-// zero blocks while older epochs are dirty (larger ones wait for them).
+// epochZeroInCache is the largest write-zeroes or trim written into the
+// cache as zero blocks while older epochs are dirty (route).
 const epochZeroInCache = 1 << 20
 
-// epochDefer enables olderEpochsDirty; the measurement turns it off to show
-// the wait it removes.
-var epochDefer atomic.Bool
-
-func init() { epochDefer.Store(true) }
+// orderBeforeBacking is called before a write to the backing device that
+// route allowed: if a flush made older epochs of what was current since
+// (older epochs dirty now), the volume leaves epoch order rather than
+// wait for them.
+func (v *Volume) orderBeforeBacking() error {
+	if !v.olderEpochsDirty() {
+		return nil
+	}
+	if err := v.degrade(degradePassthrough); err != nil {
+		return fmt.Errorf("volume %s: %w", v.name, err)
+	}
+	return nil
+}
 
 // hasDirty reports whether the volume has dirty data in the cache.
 func (v *Volume) hasDirty() bool {
@@ -723,33 +670,40 @@ func (v *Volume) write(p []byte, off int64, seq bool) error {
 		}
 	}
 	copy(buf[off-int64(first)<<blockShift:], p)
-	if seq && v.Mode() != None && v.olderEpochsDirty() {
-		// Epoch order: a write straight to the backing device would land
-		// before older epochs still in the cache, and waiting for them
-		// would stall the stream: the volume degrades to lba order.
-		if err := v.degrade(degradeSequential); err != nil {
-			seq = false
+	return v.routeBlocks(opWrite, buf, first, uint64(n), seq)
+}
+
+// routeBlocks carries out route's decision for the whole blocks
+// [lba, lba+n): data (opWrite) in buf; zeroes and trims have none.
+// REQUIRES: v.rmw (shared or exclusive)
+func (v *Volume) routeBlocks(op routeOp, buf []byte, lba, n uint64, seq bool) error {
+	out := route(routeIn{mode: v.Mode(), op: op, seq: seq, failed: v.s.isFailed(),
+		olderDirty: v.olderEpochsDirty(), small: n*blockSize <= epochZeroInCache})
+	if out.degrade != "" {
+		if err := v.degrade(out.degrade); err != nil {
+			return fmt.Errorf("volume %s: %w", v.name, err)
 		}
 	}
-	switch m := v.Mode(); {
-	case v.s.isFailed():
-		return v.writeAround(buf, first, bypassFailed)
-	case m != Writeback && v.olderEpochsDirty():
-		// Epoch order, older epochs still dirty: going to the backing
-		// device would first wait for all of them (drainOlderEpochs,
-		// seconds); a dirty write of the current epoch is ordered by
-		// writeback instead, and costs what a writeback write costs.
-		v.st.epochDeferBytes.Add(uint64(len(buf)))
-		return v.writeCache(buf, first, true)
-	case (m == Writeback || m == Writethrough) && seq:
-		return v.writeAround(buf, first, bypassSequential)
-	case m == Writeback:
-		return v.writeCache(buf, first, true)
-	case m == Writethrough:
-		return v.writeCache(buf, first, false)
-	default:
-		return v.writeAround(buf, first, bypassMode)
+	switch out.dest {
+	case toCacheDirty, toCacheClean:
+		if buf == nil {
+			buf = make([]byte, n*blockSize)
+		}
+		if out.deferred {
+			v.st.epochDeferBytes.Add(uint64(len(buf)))
+		}
+		return v.writeCache(buf, lba, out.dest == toCacheDirty)
+	case toAround:
+		switch op {
+		case opWrite:
+			return v.writeAround(buf, lba, out.why)
+		case opZeroes:
+			return v.zeroAround(lba, n)
+		default:
+			return v.discardAround(lba, n)
+		}
 	}
+	return nil
 }
 
 // writeCache writes whole blocks into the cache, dirty (writeback) or, for
@@ -812,7 +766,9 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 		s.cacheIOOK()
 		var claim []blockRange
 		if !dirty {
-			v.drainOlderEpochs()
+			if err := v.orderBeforeBacking(); err != nil {
+				return fail(err)
+			}
 			// Writethrough: the backing write must not interleave with a
 			// writeback of an older version of these blocks.
 			v.claim(at, uint64(r.n))
@@ -866,6 +822,56 @@ func (v *Volume) writeAround(buf []byte, lba uint64, why bypassReason) error {
 	})
 }
 
+// zeroAround zeroes whole blocks on the backing device (its Zeroer, or
+// zero buffers) and drops them from the cache.
+func (v *Volume) zeroAround(lba, n uint64) error {
+	a, b := int64(lba)<<blockShift, min(int64(lba+n)<<blockShift, v.size)
+	z, isZeroer := v.back.(device.Zeroer)
+	return v.passthrough(lba, n, func() error {
+		v.st.bypassBytes.Add(uint64(b - a))
+		v.st.bypass[bypassMode].Add(uint64(b - a))
+		if isZeroer {
+			if err := z.WriteZeroes(a, b-a); err != nil {
+				return fmt.Errorf("zeroing %s at %d: %w", v.name, a, err)
+			}
+			v.backingUnsynced.Store(true)
+			return nil
+		}
+		zero := make([]byte, min(b-a, 1<<20))
+		for at := a; at < b; at += int64(len(zero)) {
+			k := min(int64(len(zero)), b-at)
+			if _, err := v.back.WriteAt(zero[:k], at); err != nil {
+				return fmt.Errorf("zeroing %s at %d: %w", v.name, at, err)
+			}
+			v.backingUnsynced.Store(true)
+		}
+		return nil
+	})
+}
+
+// discardAround discards whole blocks on the backing device and drops them
+// from the cache. After failover a range the failed cache may still hold
+// newer data for is skipped (a trim is advisory).
+func (v *Volume) discardAround(lba, n uint64) error {
+	d := v.back.(device.Discarder)
+	if v.s.isFailed() {
+		v.s.mu.Lock()
+		fenced := v.fencedLocked(lba, n)
+		v.s.mu.Unlock()
+		if fenced {
+			return nil
+		}
+	}
+	return v.passthrough(lba, n, func() error {
+		start, end := int64(lba)<<blockShift, min(int64(lba+n)<<blockShift, v.size)
+		if err := d.Discard(start, end-start); err != nil {
+			return fmt.Errorf("discarding %s at %d: %w", v.name, start, err)
+		}
+		v.backingUnsynced.Store(true)
+		return nil
+	})
+}
+
 // passthrough runs op (a backing write of [lba, lba+n)) under a claim, then
 // drops the cached blocks of the range and journals that.
 //
@@ -874,7 +880,9 @@ func (v *Volume) writeAround(buf []byte, lba uint64, why bypassReason) error {
 // an unclean close drops clean entries anyway).
 func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 	s := v.s
-	v.drainOlderEpochs()
+	if err := v.orderBeforeBacking(); err != nil {
+		return err
+	}
 	v.claim(lba, n)
 	claim := []blockRange{{lba, n}}
 	s.mu.Lock()
@@ -991,46 +999,15 @@ func (v *Volume) Trim(off, length int64, fua bool) error {
 		return err
 	}
 	v.st.trimOps.Add(1)
-	d, ok := v.back.(device.Discarder)
+	_, ok := v.back.(device.Discarder)
 	a := (off + blockSize - 1) / blockSize
 	b := (off + length) / blockSize
 	if (off+length) == v.size && v.size%blockSize != 0 {
 		b = int64(v.nblocks)
 	}
-	if ok && a < b && v.olderEpochsDirty() {
-		// Epoch order, older epochs still dirty: discarding now would
-		// first wait for all of them to be written back. A small trim
-		// writes zero blocks into the cache instead (as WriteZeroes); a
-		// larger one does nothing (a trim may leave the old data).
-		ok = false
-		if start, end := a*blockSize, min(b*blockSize, v.size); end-start <= epochZeroInCache {
-			v.st.epochDeferBytes.Add(uint64(end - start))
-			if err := v.write(make([]byte, end-start), start, false); err != nil {
-				return err
-			}
-		}
-	}
-	if ok && a < b && v.s.isFailed() {
-		v.s.mu.Lock()
-		fenced := v.fencedLocked(uint64(a), uint64(b-a))
-		v.s.mu.Unlock()
-		if fenced {
-			// Trim is advisory: skip a range the failed cache may
-			// still hold newer data for.
-			ok = false
-		}
-	}
 	if ok && a < b {
 		v.rmw.RLock()
-		err := v.passthrough(uint64(a), uint64(b-a), func() error {
-			start := a * blockSize
-			end := min(b*blockSize, v.size)
-			if err := d.Discard(start, end-start); err != nil {
-				return fmt.Errorf("discarding %s at %d: %w", v.name, start, err)
-			}
-			v.backingUnsynced.Store(true)
-			return nil
-		})
+		err := v.routeBlocks(opTrim, nil, uint64(a), uint64(b-a), false)
 		v.rmw.RUnlock()
 		if err != nil {
 			return err
@@ -1054,8 +1031,7 @@ func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) err
 	if err := v.checkIO(off, length); err != nil {
 		return err
 	}
-	z, isZeroer := v.back.(device.Zeroer)
-	if fastOnly && !isZeroer {
+	if _, isZeroer := v.back.(device.Zeroer); fastOnly && !isZeroer {
 		return fmt.Errorf("volume %s: fast zero: %w", v.name, errors.ErrUnsupported)
 	}
 	v.st.zeroOps.Add(1)
@@ -1078,39 +1054,9 @@ func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) err
 			return err
 		}
 	}
-	if a < b && b-a <= epochZeroInCache && v.olderEpochsDirty() {
-		// Epoch order, older epochs still dirty: zero blocks written into
-		// the cache (current epoch, ordered by writeback) instead of
-		// zeroing the backing device after waiting for all older epochs.
-		v.st.epochDeferBytes.Add(uint64(b - a))
-		if err := v.write(make([]byte, b-a), a, false); err != nil {
-			return err
-		}
-		a = b
-	}
 	if a < b {
-		lba, n := uint64(a/blockSize), uint64((b-a+blockSize-1)/blockSize)
 		v.rmw.RLock()
-		err := v.passthrough(lba, n, func() error {
-			v.st.bypassBytes.Add(uint64(b - a))
-			v.st.bypass[bypassMode].Add(uint64(b - a))
-			if isZeroer {
-				if err := z.WriteZeroes(a, b-a); err != nil {
-					return fmt.Errorf("zeroing %s at %d: %w", v.name, a, err)
-				}
-				v.backingUnsynced.Store(true)
-				return nil
-			}
-			zero := make([]byte, min(b-a, 1<<20))
-			for at := a; at < b; at += int64(len(zero)) {
-				k := min(int64(len(zero)), b-at)
-				if _, err := v.back.WriteAt(zero[:k], at); err != nil {
-					return fmt.Errorf("zeroing %s at %d: %w", v.name, at, err)
-				}
-				v.backingUnsynced.Store(true)
-			}
-			return nil
-		})
+		err := v.routeBlocks(opZeroes, nil, uint64(a/blockSize), uint64((b-a+blockSize-1)/blockSize), false)
 		v.rmw.RUnlock()
 		if err != nil {
 			return err

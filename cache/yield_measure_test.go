@@ -81,19 +81,16 @@ func readsDuringDrain(t *testing.T) (lat []time.Duration, drain time.Duration, y
 
 // TestMeasureEpochPassthroughWait measures how long a writethrough write
 // and a 64 KiB write-zeroes wait in epoch order when 16 MiB of random
-// dirty data in 64 flush epochs is in the cache, over the HDD model: with
-// olderEpochsDirty (the write goes into the cache as dirty data of the
-// current epoch) and without (it first waits for every older epoch to be
-// written back: drainOlderEpochs). Model time.
+// dirty data in 64 flush epochs is in the cache, over the HDD model (route
+// writes both into the cache as dirty data of the current epoch). Model
+// time.
 //
 //	go test ./cache -run TestMeasureEpochPassthroughWait -measure -v
 func TestMeasureEpochPassthroughWait(t *testing.T) {
 	if !*flagMeasure {
 		t.Skip("use -measure")
 	}
-	defer epochDefer.Store(true)
-	for _, deferOn := range []bool{false, true} {
-		epochDefer.Store(deferOn)
+	{
 		const span = 1 << 30
 		const nblk = 16 << 20 / blockSize
 		hdd := measureHDD(t, span, measureScale)
@@ -130,7 +127,7 @@ func TestMeasureEpochPassthroughWait(t *testing.T) {
 		}
 		wz := modelTime(time.Since(t0), measureScale)
 		vs := v.Stats()
-		t.Logf("defer=%t: writethrough 4 KiB write %v, write-zeroes 64 KiB %v (dirty left %d blocks, %d bytes deferred into the cache)",
-			deferOn, wt.Round(100*time.Microsecond), wz.Round(100*time.Microsecond), vs.DirtyBlocks, vs.EpochDeferBytes)
+		t.Logf("writethrough 4 KiB write %v, write-zeroes 64 KiB %v (dirty left %d blocks, %d bytes deferred into the cache)",
+			wt.Round(100*time.Microsecond), wz.Round(100*time.Microsecond), vs.DirtyBlocks, vs.EpochDeferBytes)
 	}
 }

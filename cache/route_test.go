@@ -1,0 +1,96 @@
+package cache
+
+import (
+	"fmt"
+	"testing"
+)
+
+// TestRoute is route's whole table: every combination of its inputs, with
+// the decision spelled out.
+func TestRoute(t *testing.T) {
+	type row struct {
+		in   routeIn
+		want routeOut
+	}
+	around := func(why bypassReason) routeOut { return routeOut{dest: toAround, why: why} }
+	dirty := routeOut{dest: toCacheDirty}
+	deferred := routeOut{dest: toCacheDirty, deferred: true}
+	var rows []row
+	for _, m := range []Mode{Writeback, Writethrough, Writearound, None} {
+		for _, op := range []routeOp{opWrite, opZeroes, opTrim} {
+			for _, seq := range []bool{false, true} {
+				for _, failed := range []bool{false, true} {
+					for _, older := range []bool{false, true} {
+						for _, small := range []bool{false, true} {
+							in := routeIn{mode: m, op: op, seq: seq, failed: failed, olderDirty: older, small: small}
+							var want routeOut
+							switch {
+							case failed && op == opWrite:
+								want = around(bypassFailed)
+							case failed:
+								want = around(bypassMode)
+							case older && op == opWrite && seq:
+								// Degrade, then as in lba order.
+								switch m {
+								case Writeback, Writethrough:
+									want = around(bypassSequential)
+								default:
+									want = around(bypassMode)
+								}
+								want.degrade = degradeSequential
+							case older && op == opWrite && m == Writeback:
+								want = dirty
+							case older && (op == opWrite || small):
+								want = deferred
+							case older && op == opZeroes:
+								want = around(bypassMode)
+								want.degrade = degradeLargeZeroes
+							case older:
+								want = routeOut{dest: toNothing}
+							case op != opWrite:
+								want = around(bypassMode)
+							case seq && (m == Writeback || m == Writethrough):
+								want = around(bypassSequential)
+							case m == Writeback:
+								want = dirty
+							case m == Writethrough:
+								want = routeOut{dest: toCacheClean}
+							default:
+								want = around(bypassMode)
+							}
+							rows = append(rows, row{in, want})
+						}
+					}
+				}
+			}
+		}
+	}
+	for _, r := range rows {
+		if got := route(r.in); got != r.want {
+			t.Errorf("route(%s): %s, want %s", fmtRouteIn(r.in), fmtRouteOut(got), fmtRouteOut(r.want))
+		}
+	}
+	// A few rows by hand, as an operator would read them.
+	for _, r := range []row{
+		{routeIn{mode: Writeback, op: opWrite}, dirty},
+		{routeIn{mode: Writeback, op: opWrite, seq: true}, around(bypassSequential)},
+		{routeIn{mode: Writeback, op: opWrite, seq: true, olderDirty: true},
+			routeOut{dest: toAround, why: bypassSequential, degrade: degradeSequential}},
+		{routeIn{mode: Writethrough, op: opWrite, olderDirty: true}, deferred},
+		{routeIn{mode: None, op: opZeroes, olderDirty: true, small: true}, deferred},
+		{routeIn{mode: Writeback, op: opTrim, olderDirty: true}, routeOut{dest: toNothing}},
+		{routeIn{mode: Writeback, op: opWrite, failed: true, olderDirty: true}, around(bypassFailed)},
+	} {
+		if got := route(r.in); got != r.want {
+			t.Errorf("route(%s): %s, want %s", fmtRouteIn(r.in), fmtRouteOut(got), fmtRouteOut(r.want))
+		}
+	}
+}
+
+func fmtRouteIn(in routeIn) string {
+	return fmt.Sprintf("%v %v seq=%v failed=%v older=%v small=%v", in.mode, in.op, in.seq, in.failed, in.olderDirty, in.small)
+}
+
+func fmtRouteOut(o routeOut) string {
+	return fmt.Sprintf("%v why=%d degrade=%q deferred=%v", o.dest, o.why, o.degrade, o.deferred)
+}
