@@ -86,19 +86,22 @@ func (s *Set) epochSetting(vi int) bool {
 }
 
 // degrade takes volume v out of epoch order (see the file comment). It
-// does nothing if v is not in epoch order or already degraded. An error
-// writing the superblock leaves the volume in epoch order.
-func (v *Volume) degrade(why degradeReason) error {
+// does nothing if v is not in epoch order or already degraded. If the
+// superblock cannot be written the set fails over instead.
+func (v *Volume) degrade(why degradeReason) {
 	s := v.s
 	v.ord.mu.Lock()
 	defer v.ord.mu.Unlock()
 	if !s.epochSetting(v.vi) || v.ord.degraded.Load() || s.isFailed() {
-		return nil
+		return
 	}
 	now := time.Now().UnixNano()
 	if err := s.setInconsistentSince(v.vi, now); err != nil {
-		s.log.Warn("cannot record leaving epoch order; staying in it", "volume", v.name, "reason", string(why), "err", err)
-		return err
+		// A metadata write the cache device failed: the set fails over
+		// (failover.go), and what was to leave epoch order goes around
+		// the cache from now on.
+		s.failover(fmt.Errorf("volume %s leaving epoch order: %w", v.name, err))
+		return
 	}
 	s.mu.Lock()
 	v.ord.degraded.Store(true)
@@ -113,7 +116,6 @@ func (v *Volume) degrade(why degradeReason) error {
 		"volume", v.name, "reason", string(why), "superseded_dropped_bytes", nsup*blockSize)
 	s.kickWB()
 	s.kick()
-	return nil
 }
 
 // restoreOrder returns a degraded volume with no dirty data to epoch order

@@ -350,14 +350,10 @@ const epochZeroInCache = 1 << 20
 // route allowed: if a flush made older epochs of what was current since
 // (older epochs dirty now), the volume leaves epoch order rather than
 // wait for them.
-func (v *Volume) orderBeforeBacking() error {
-	if !v.olderEpochsDirty() {
-		return nil
+func (v *Volume) orderBeforeBacking() {
+	if v.olderEpochsDirty() {
+		v.degrade(degradePassthrough)
 	}
-	if err := v.degrade(degradePassthrough); err != nil {
-		return fmt.Errorf("volume %s: %w", v.name, err)
-	}
-	return nil
 }
 
 // hasDirty reports whether the volume has dirty data in the cache.
@@ -680,9 +676,7 @@ func (v *Volume) routeBlocks(op routeOp, buf []byte, lba, n uint64, seq bool) er
 	out := route(routeIn{mode: v.Mode(), op: op, seq: seq, failed: v.s.isFailed(),
 		olderDirty: v.olderEpochsDirty(), small: n*blockSize <= epochZeroInCache})
 	if out.degrade != "" {
-		if err := v.degrade(out.degrade); err != nil {
-			return fmt.Errorf("volume %s: %w", v.name, err)
-		}
+		v.degrade(out.degrade)
 	}
 	switch out.dest {
 	case toCacheDirty, toCacheClean:
@@ -766,9 +760,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 		s.cacheIOOK()
 		var claim []blockRange
 		if !dirty {
-			if err := v.orderBeforeBacking(); err != nil {
-				return fail(err)
-			}
+			v.orderBeforeBacking()
 			// Writethrough: the backing write must not interleave with a
 			// writeback of an older version of these blocks.
 			v.claim(at, uint64(r.n))
@@ -880,9 +872,7 @@ func (v *Volume) discardAround(lba, n uint64) error {
 // an unclean close drops clean entries anyway).
 func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 	s := v.s
-	if err := v.orderBeforeBacking(); err != nil {
-		return err
-	}
+	v.orderBeforeBacking()
 	v.claim(lba, n)
 	claim := []blockRange{{lba, n}}
 	s.mu.Lock()

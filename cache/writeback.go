@@ -297,7 +297,7 @@ func (s *Set) checkOrder(v *Volume) {
 	s.mu.Unlock()
 	switch {
 	case behind:
-		_ = v.degrade(degradeSuperseded) // logged by degrade
+		v.degrade(degradeSuperseded)
 	case clean:
 		v.restoreOrder()
 	}
