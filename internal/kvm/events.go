@@ -1,0 +1,115 @@
+package kvm
+
+import (
+	"bufio"
+	"fmt"
+	"io"
+	"strings"
+
+	"github.com/tiercache/tiercache/internal/crashtest"
+)
+
+// Events is the oracle event log kvmload writes in the guest: every
+// crashtest.Oracle call of the workload, in the order the oracle saw them,
+// and the marks it put into the dm-log-writes log.
+type Events struct {
+	Seed   uint64
+	Blocks int64
+	Marks  int // marks issued: f0 .. f(Marks-1)
+	lines  []event
+}
+
+type event struct {
+	kind string // B, A, FS, FA, M
+	id   uint64
+	lba  int64
+	fua  bool
+}
+
+// ReadEvents parses an events file.
+func ReadEvents(r io.Reader) (*Events, error) {
+	ev := &Events{}
+	sc := bufio.NewScanner(r)
+	first, end := true, false
+	for sc.Scan() {
+		line := sc.Text()
+		if first {
+			if _, err := fmt.Sscanf(line, "seed %d blocks %d", &ev.Seed, &ev.Blocks); err != nil {
+				return nil, fmt.Errorf("events: header %q: %v", line, err)
+			}
+			first = false
+			continue
+		}
+		f := strings.Fields(line)
+		if len(f) == 0 {
+			continue
+		}
+		var e event
+		var err error
+		switch e.kind = f[0]; e.kind {
+		case "B":
+			_, err = fmt.Sscanf(line, "B %d %d %t", &e.id, &e.lba, &e.fua)
+		case "A", "FS", "FA", "M":
+			_, err = fmt.Sscanf(line, e.kind+" %d", &e.id)
+			if e.kind == "M" {
+				ev.Marks = int(e.id) + 1
+			}
+		case "END":
+			end = true
+			continue
+		default:
+			err = fmt.Errorf("unknown event")
+		}
+		if err != nil {
+			return nil, fmt.Errorf("events: %q: %v", line, err)
+		}
+		ev.lines = append(ev.lines, e)
+	}
+	if err := sc.Err(); err != nil {
+		return nil, err
+	}
+	if !end {
+		return nil, fmt.Errorf("events: no END line (the workload did not finish)")
+	}
+	return ev, nil
+}
+
+// OracleAt rebuilds the oracle for a point of the log after mark fK (K = -1:
+// before the first mark). Events up to the mark's are applied as they
+// happened: what was acknowledged durable by then must be on the replayed
+// devices. Later writes are only maybe-new (begun and acknowledged, never
+// promoted: a point before their FLUSH or FUA reply reached the log).
+func (ev *Events) OracleAt(k int) (*crashtest.Oracle, error) {
+	o := crashtest.NewOracle(ev.Blocks, true)
+	ops := map[uint64]*crashtest.Op{}
+	toks := map[uint64]crashtest.FlushToken{}
+	after := k < 0
+	for _, e := range ev.lines {
+		switch e.kind {
+		case "B":
+			op, err := o.Begin(crashtest.OpWrite, e.lba, 1, 0, e.fua && !after, 0)
+			if err != nil {
+				return nil, err
+			}
+			if op.ID != e.id {
+				return nil, fmt.Errorf("events: write id %d replayed as %d", e.id, op.ID)
+			}
+			ops[e.id] = op
+		case "A":
+			o.Ack(ops[e.id])
+		case "FS":
+			if !after {
+				toks[e.id] = o.FlushStart(0)
+			}
+		case "FA":
+			if !after {
+				o.FlushAck(toks[e.id])
+			}
+		case "M":
+			if int(e.id) == k {
+				after = true
+			}
+		}
+	}
+	return o, nil
+}
