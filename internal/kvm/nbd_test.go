@@ -64,8 +64,9 @@ func TestKernelNBD(t *testing.T) {
 	}
 	t.Logf("guest boot and matrix: %v", res.Elapsed.Round(time.Second))
 	got := map[string]string{}
-	for _, m := range regexp.MustCompile(`(?m)^CHECK (\S+) (ok|FAIL)\r?$`).FindAllStringSubmatch(res.Log, -1) {
-		got[m[1]] = m[2]
+	took := map[string]string{}
+	for _, m := range regexp.MustCompile(`(?m)^CHECK (\S+) (ok|FAIL) ?(\S*)\r?$`).FindAllStringSubmatch(res.Log, -1) {
+		got[m[1]], took[m[1]] = m[2], m[3]
 	}
 	var table strings.Builder
 	failed := false
@@ -77,7 +78,7 @@ func TestKernelNBD(t *testing.T) {
 		if st != "ok" {
 			failed = true
 		}
-		table.WriteString("| " + name + " | " + st + " |\n")
+		table.WriteString("| " + name + " | " + st + " | " + took[name] + " |\n")
 	}
 	t.Logf("kernel NBD client matrix:\n%s", table.String())
 	if failed || res.Status != 0 {

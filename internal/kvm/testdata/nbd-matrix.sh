@@ -1,7 +1,7 @@
 # The kernel NBD client against tiercache, in the guest (TestKernelNBD).
 # /dev/vda is the cache device, /dev/vdb the backing device; tiercache
 # serves on a unix socket and nbd-client connects over it. Every check
-# prints one line "CHECK <name> ok" or "CHECK <name> FAIL" (then the tail of
+# prints one line "CHECK <name> ok <seconds>" or "CHECK <name> FAIL" (then the tail of
 # its output); the Go test requires every expected name, ok.
 set -u
 export TIERCACHE_ADMIN=/run/admin.sock
@@ -13,8 +13,9 @@ say() { echo "+ $*"; }
 # undoes what a failed CMD may have left (a mount, connections).
 check() {
 	name=$1; shift
+	t0=$(cut -d' ' -f1 /proc/uptime)
 	if "$@" >/tmp/check.out 2>&1; then
-		echo "CHECK $name ok"
+		echo "CHECK $name ok $(echo "$(cut -d' ' -f1 /proc/uptime) $t0" | awk '{printf "%.1fs", $1 - $2}')"
 		grep -v '^ *$' /tmp/check.out | tail -6 | sed 's/^/  /'
 	else
 		echo "CHECK $name FAIL"
