@@ -75,6 +75,10 @@ type AttachRequest struct {
 	Path  string `json:"path"`           // device spec: a path, or hdd:PATH, ssd:PATH, nvme:PATH
 	Mode  string `json:"mode,omitempty"` // cache mode; default writeback
 	Force bool   `json:"force,omitempty"`
+	// TrustPath identifies a device that nothing else identifies (no
+	// serial, WWN, partition UUID, loop backing file or file attribute) by
+	// its path: a different disk appearing at that path is not caught.
+	TrustPath bool `json:"trust_path,omitempty"`
 }
 
 // Usage is the reply of GET /v1/usage.

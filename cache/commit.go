@@ -180,6 +180,9 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 		s.jr.used += int64(k)
 		s.stats.journalBlocks.Add(uint64(k))
 	}
+	if err := s.writeJournalHeadLocked(s.jr.gen, s.jr.pos); err != nil {
+		return s.failLocked(err)
+	}
 	s.stats.commits.Add(1)
 	s.setDurable(upto)
 	return nil
@@ -245,6 +248,9 @@ func (s *Set) checkpointLocked(taken uint64) error {
 		return s.failLocked(err)
 	}
 	s.jr.gen, s.jr.pos, s.jr.used = h.Gen, h.JPos, 0
+	if err := s.writeJournalHeadLocked(s.jr.gen, s.jr.pos); err != nil {
+		return s.failLocked(err)
+	}
 	s.stats.checkpoints.Add(1)
 	s.setDurable(upto)
 	s.mu.Lock()

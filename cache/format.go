@@ -82,6 +82,9 @@ type FormatOptions struct {
 	Mode       Mode  // initial mode of every volume (zero value: Writeback)
 	Force      bool  // overwrite an existing cache set
 	Progress   func(done, total int64)
+	// CacheID is recorded as Superblock.CacheID: the cache device's own
+	// identity (see there); may be empty.
+	CacheID string
 	// JournalSize is the journal region size; 0 picks cache size/64
 	// clamped to [256 KiB, 64 MiB].
 	JournalSize int64
@@ -151,7 +154,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		return nil, fmt.Errorf("%w: journal size %d (at least %d)", ErrInvalid, jl, minJournalLen)
 	}
 	sb := &Superblock{Version: ondisk.FormatVersion, Seq: 1, BlockSize: blockSize, BucketSize: bs,
-		JournalOff: 2 * ondisk.SBCopySize, JournalLen: jl}
+		JournalOff: 2 * ondisk.SBCopySize, JournalLen: jl, CacheID: opts.CacheID}
 	if _, err := rand.Read(sb.SetUUID[:]); err != nil {
 		return nil, err
 	}
@@ -204,7 +207,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	// from an older checkpoint, or none, and serve stale data). A crash from
 	// here on leaves a device with no set, which Format accepts again.
 	zero := make([]byte, blockSize)
-	for _, off := range []int64{0, ondisk.SBCopySize} {
+	for _, off := range []int64{0, ondisk.SBCopySize, ondisk.JournalHeadOff(0), ondisk.JournalHeadOff(1)} {
 		if _, err := cacheDev.WriteAt(zero, off); err != nil {
 			return nil, fmt.Errorf("format: erasing superblock copy at %d: %w", off, err)
 		}

@@ -87,7 +87,7 @@ func newFuzzImage(f testing.TB) *fuzzImage {
 	// The newest checkpoint's body, and the records of the last journal
 	// block (if the last commit wrote one): seeds in the engine's own
 	// encoding.
-	hdr, _, err := ondisk.ReadCheckpoint(im.cache, im.sb, []uint64{32, 32})
+	hdr, _, _, err := ondisk.ReadCheckpoint(im.cache, im.sb, []uint64{32, 32})
 	if err != nil {
 		f.Fatal(err)
 	}

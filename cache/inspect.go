@@ -58,7 +58,7 @@ func ReadSuperblockCopies(dev device.Device) [2]SuperblockCopy {
 		}
 		sb, err := ondisk.DecodeSuperblock(buf, off)
 		if err == nil {
-			err = sb.Validate(dev.Size())
+			err = sb.ValidateAt(dev.Size(), off)
 		}
 		if err != nil {
 			out[i].Err = err
@@ -115,7 +115,10 @@ type Image struct {
 	JournalEnd    int64  // block after the last replayed one
 	JournalBlocks int64  // blocks replayed
 	Records       int    // journal records replayed
-	s             *Set
+	// Warnings: what recovery would pass over without failing (a
+	// checkpoint slot skipped for an invalid header).
+	Warnings []string
+	s        *Set
 }
 
 // ImageOptions configure OpenImage.
@@ -144,11 +147,14 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 		vols = append(vols, v)
 	}
 	s.setVols(vols)
-	hdr, cd, err := ondisk.ReadCheckpoint(dev, sb, volBlocks)
+	hdr, cd, warn, err := ondisk.ReadCheckpoint(dev, sb, volBlocks)
 	if err != nil {
 		return im, err
 	}
 	im.Generation = hdr.Gen
+	if warn != "" {
+		im.Warnings = append(im.Warnings, warn)
+	}
 	im.JournalStart = hdr.JPos.Blk
 	s.resetIndexLocked(sb.NBuckets, cd.Gens)
 	for vi, cv := range cd.Vols {

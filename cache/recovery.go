@@ -65,7 +65,8 @@ type jrecs struct {
 	blocks []jblockRef
 	n      int // records
 	end    ondisk.JournalPos
-	err    error // read error or corruption that ended the log, after blocks
+	head   ondisk.JournalHead // the journal head record
+	err    error              // read error or corruption that ended the log, after blocks
 }
 
 // jblockRef is one valid journal block: its offset and sequence number
@@ -653,7 +654,7 @@ func (s *Set) install(c *collector, out []resolvedVol) {
 // c in journal order.
 func readJournal(dev device.Device, sb *Superblock, h ondisk.CkptHeader, c *collector) *jrecs {
 	jr := &jrecs{}
-	jr.end, jr.n, jr.err = ondisk.ReplayJournal(dev, sb, h.Gen, h.JPos, func(off int64, seq uint64, payload []byte) {
+	jr.end, jr.n, jr.head, jr.err = ondisk.ReplayJournalHead(dev, sb, h.Gen, h.JPos, func(off int64, seq uint64, payload []byte) {
 		jr.blocks = append(jr.blocks, jblockRef{off: off, seq: seq, payload: payload})
 	}, func(r *ondisk.Rec) error {
 		c.add(r)
@@ -722,10 +723,16 @@ func (s *Set) replayOld(cd *ondisk.CkptData, jr *jrecs) error {
 // OpenOptions configure Open.
 type OpenOptions struct {
 	// Force accepts a backing device whose ID differs from the one recorded
-	// at Format (e.g. after the ID was regenerated). A size mismatch is
-	// always refused: the index would address blocks beyond the device.
-	Force  bool
-	Logger *slog.Logger
+	// at Format (e.g. after the ID was regenerated), or has none. A size
+	// mismatch is always refused: the index would address blocks beyond
+	// the device.
+	Force bool
+	// AcceptJournalLoss recovers from what is left when acknowledged
+	// metadata is damaged (a *JournalLossError): the writes the damaged
+	// journal blocks or checkpoint recorded are undone, and logged as such.
+	// Without it Open refuses.
+	AcceptJournalLoss bool
+	Logger            *slog.Logger
 	// noBackground (tests only) starts no background goroutine: the
 	// crash-point tests drive commit, writeback and eviction themselves, so
 	// that the sequence of device operations, and so crash point N, replays.
@@ -765,7 +772,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		if got := spec.Dev.Size(); got != bi.Size {
 			return nil, &BackingMismatchError{Name: bi.Name, Field: "size", Expected: fmt.Sprint(bi.Size), Actual: fmt.Sprint(got)}
 		}
-		if bi.ID != "" && spec.ID != "" && bi.ID != spec.ID && !opts.Force {
+		if bi.ID != "" && bi.ID != spec.ID && !opts.Force {
 			return nil, &BackingMismatchError{Name: bi.Name, Field: "id", Expected: bi.ID, Actual: spec.ID}
 		}
 		v := s.newVolume(i, bi, spec.Dev)
@@ -777,9 +784,12 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	s.setVols(vols)
 	start := time.Now()
-	hdr, body, err := ondisk.ReadCheckpointBody(cacheDev, sb)
+	hdr, body, warn, err := ondisk.ReadCheckpointBody(cacheDev, sb)
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
+	}
+	if warn != "" {
+		log.Warn("recovering from an older checkpoint", "why", warn)
 	}
 	// The checkpoint body is verified and decoded on another core while
 	// the journal is read, decoded and collected. The device sees the
@@ -799,6 +809,11 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if d.err != nil {
 		return nil, fmt.Errorf("open: %w", d.err)
 	}
+	if IsJournalLoss(jr.err) && opts.AcceptJournalLoss {
+		log.Error("recovering without acknowledged metadata (accepted by the operator): the writes it recorded are undone", "err", jr.err)
+		jr.err = nil
+	}
+	s.jr.headN = jr.head.N
 	loaded := time.Now()
 	dropped, fast, err := s.recoverIndex(sb.NBuckets, d.cd, c, jr, sb.Clean)
 	if err != nil {

@@ -55,6 +55,7 @@ type Set struct {
 		// taken: records taken by the commit in progress (or the last
 		// one, if it failed), not yet durable; failover fences them.
 		taken []byte
+		headN uint64 // journal head records written (journalhead.go)
 	}
 	// fixedJournal turns off the checkpoints invariants builds take at
 	// random in commits (tests that look at the journal's records need

@@ -1,17 +1,32 @@
-// Package backingid gives a backing device a stable identity without writing
-// a byte of it, so that a cache set can refuse the wrong disk (design
+// Package backingid gives a device a stable identity without writing a
+// byte of its data, so that a cache set can refuse the wrong disk (design
 // invariant 6) while the disk itself stays a plain image that can be used
 // alone after a clean detach.
 //
-// For a regular file the identity is a random UUID kept in the extended
-// attribute user.tiercache.id, and the cache set that owns the file is
-// recorded in user.tiercache.set. Extended attributes travel with the inode
-// (not the path), survive renames, and are not part of the file's data.
+// An identity is a string "SCHEME:VALUE"; the scheme says what it was
+// derived from, and two identities match only when equal:
 //
-// For a block device the identity is what the kernel reports for the
-// hardware (WWID or serial under /sys/dev/block); "attached elsewhere"
-// cannot be recorded on a block device without writing to it, so only the
-// size and that hardware identity are checked.
+//   - a regular file: a random UUID kept in the extended attribute
+//     user.tiercache.id (no scheme prefix, as sets have always recorded
+//     it). Extended attributes travel with the inode (not the path),
+//     survive renames, and are not part of the file's data; a copy made
+//     without them (cp, rsync without -X, most restores) has none.
+//   - a block device, by what survives reboots and re-plugging, in this
+//     order: the hardware WWID or serial under /sys/dev/block ("hw:"), a
+//     device-mapper or md UUID ("dm:", "md:"), a partition's UUID or its
+//     disk's hardware identity plus the partition number ("partuuid:",
+//     "hw:...-partN"), a loop device's backing file ("loop:" plus that
+//     file's identity), a /dev/disk/by-id link ("by-id:").
+//   - "path:ABSPATH": nothing identifies the device and the operator said
+//     its path does (--trust-path). A different disk appearing at that
+//     path is not caught.
+//   - reserved for a remote backing: "nbd:URI#MARKER", the export's URI
+//     and a marker kept by the server; the size is checked beside it as
+//     for every backing device.
+//
+// The cache set that owns a file is recorded in user.tiercache.set;
+// "attached elsewhere" cannot be recorded on a block device without
+// writing to it, so there only the identity and the size are checked.
 package backingid
 
 import (
@@ -19,6 +34,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 	"strings"
 	"syscall"
 
@@ -161,7 +177,9 @@ func setxattr(path, name, value string) error {
 	return nil
 }
 
-// blockID reads a hardware identity for a block device from sysfs.
+// blockID derives a block device's identity from what the kernel and udev
+// report (see the package comment for the order). It is "" when nothing
+// identifies the device.
 func blockID(fi os.FileInfo) string {
 	st, ok := fi.Sys().(*syscall.Stat_t)
 	if !ok {
@@ -169,14 +187,133 @@ func blockID(fi os.FileInfo) string {
 	}
 	maj, mnr := unix.Major(uint64(st.Rdev)), unix.Minor(uint64(st.Rdev))
 	base := fmt.Sprintf("/sys/dev/block/%d:%d/", maj, mnr)
+	if id := hwID(base); id != "" {
+		return id
+	}
+	for _, f := range []struct{ file, scheme string }{{"dm/uuid", "dm:"}, {"md/uuid", "md:"}} {
+		if s := readTrim(base + f.file); s != "" {
+			return f.scheme + s
+		}
+	}
+	if part := readTrim(base + "partition"); part != "" {
+		if u := udevProp(maj, mnr, "ID_PART_ENTRY_UUID"); u != "" {
+			return "partuuid:" + u
+		}
+		if id := hwID(base + "../"); id != "" {
+			return id + "-part" + part
+		}
+	}
+	if bf := readTrim(base + "loop/backing_file"); bf != "" {
+		if id, _ := getxattr(bf, xattrID); id != "" {
+			return "loop:" + id
+		}
+		return ""
+	}
+	return byIDLink(maj, mnr)
+}
+
+func hwID(base string) string {
 	for _, f := range []string{"wwid", "device/wwid", "serial", "device/serial"} {
-		if b, err := os.ReadFile(base + f); err == nil {
-			if s := strings.TrimSpace(string(b)); s != "" {
-				return "hw:" + s
-			}
+		if s := readTrim(base + f); s != "" {
+			return "hw:" + s
 		}
 	}
 	return ""
+}
+
+func readTrim(path string) string {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
+}
+
+// udevProp reads a property udev recorded for the block device.
+func udevProp(maj, mnr uint32, key string) string {
+	b, err := os.ReadFile(fmt.Sprintf("/run/udev/data/b%d:%d", maj, mnr))
+	if err != nil {
+		return ""
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "E:"+key+"="); ok {
+			return v
+		}
+	}
+	return ""
+}
+
+// byIDLink returns the first /dev/disk/by-id link to the device, in name
+// order (udev's names are derived from the device's model and serial).
+func byIDLink(maj, mnr uint32) string {
+	ents, err := os.ReadDir("/dev/disk/by-id")
+	if err != nil {
+		return ""
+	}
+	for _, e := range ents {
+		var st unix.Stat_t
+		if unix.Stat("/dev/disk/by-id/"+e.Name(), &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
+			continue
+		}
+		if unix.Major(uint64(st.Rdev)) == maj && unix.Minor(uint64(st.Rdev)) == mnr {
+			return "by-id:" + e.Name()
+		}
+	}
+	return ""
+}
+
+// loopBackingFile returns the backing file of a loop device, or "".
+func loopBackingFile(fi os.FileInfo) string {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return ""
+	}
+	return readTrim(fmt.Sprintf("/sys/dev/block/%d:%d/loop/backing_file", unix.Major(uint64(st.Rdev)), unix.Minor(uint64(st.Rdev))))
+}
+
+// PathID is the identity of a device known only by its path (--trust-path).
+func PathID(path string) string {
+	if a, err := filepath.Abs(path); err == nil {
+		path = a
+	}
+	return "path:" + path
+}
+
+// MismatchError says that the device at a path is not the one recorded.
+type MismatchError struct {
+	Path     string
+	Expected string // the recorded identity; "" if none was recorded
+	Found    string // the device's identity now; "" if it has none
+}
+
+func (e *MismatchError) Error() string {
+	found := e.Found
+	if found == "" {
+		found = "none (a copy made without its extended attributes, a different file, or a device nothing identifies)"
+	}
+	if e.Expected == "" {
+		return fmt.Sprintf("%s: no identity was recorded for this device, so it cannot be told from another one (found %s)", e.Path, found)
+	}
+	return fmt.Sprintf("%s: identity mismatch: expected %s (recorded when it joined the set), found %s", e.Path, e.Expected, found)
+}
+
+// Check reports whether the device at path is the one whose identity was
+// recorded: nil if it is, a *MismatchError if it is not or cannot be told.
+func Check(recorded, path string) error {
+	if strings.HasPrefix(recorded, "path:") {
+		if got := PathID(path); got != recorded {
+			return &MismatchError{Path: path, Expected: recorded, Found: got}
+		}
+		return nil
+	}
+	cur, err := Read(path)
+	if err != nil {
+		return err
+	}
+	if recorded == "" || cur.ID != recorded {
+		return &MismatchError{Path: path, Expected: recorded, Found: cur.ID}
+	}
+	return nil
 }
 
 // EnsureID returns the device's identity, giving a file a new ID if it had
@@ -191,6 +328,14 @@ func EnsureID(path string) (Identity, error) {
 		return cur, err
 	}
 	if fi.Mode()&os.ModeDevice != 0 {
+		// A loop device is identified by its backing file: give the file
+		// an ID (an attribute of the file, not a byte of its data).
+		if bf := loopBackingFile(fi); bf != "" {
+			if _, err := EnsureID(bf); err != nil {
+				return cur, err
+			}
+			return Read(path)
+		}
 		return cur, nil
 	}
 	id := NewUUID()

@@ -19,8 +19,8 @@ import (
 
 func newAttachCmd(g *globals) *cobra.Command {
 	var (
-		cachePath, mode, direct string
-		force, asJSON           bool
+		cachePath, mode, direct  string
+		force, asJSON, trustPath bool
 	)
 	cmd := &cobra.Command{
 		Use:   "attach [--cache PATH] NAME=PATH [--mode MODE] [--force]",
@@ -42,7 +42,14 @@ cached from then on in MODE (default writeback).
 Refused: a NAME that is already an export, a PATH that is already in the
 set or is the cache device, and a disk that belongs to another cache set
 (its user.tiercache.set attribute names it) unless --force (use --force
-only when that set is gone: it may hold newer, dirty data for the disk).`,
+only when that set is gone: it may hold newer, dirty data for the disk).
+
+The disk's identity is recorded and checked at every later serve: a file's
+user.tiercache.id attribute (a copy made without attributes is refused), a
+block device's WWN or serial, partition UUID, device-mapper/md UUID, a loop
+device's backing file, or its /dev/disk/by-id link. A device with none of
+these is refused unless --trust-path (identified by its path then). A disk
+that a running tiercache process has open is refused, even with --force.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			name, path, err := parseNamePath("attach", args[0])
@@ -55,7 +62,7 @@ only when that set is gone: it may hold newer, dirty data for the disk).`,
 			if _, err := cache.ParseMode(mode); err != nil {
 				return fmt.Errorf("--mode: %w", err)
 			}
-			req := admin.AttachRequest{Name: name, Path: absSpec(path), Mode: mode, Force: force}
+			req := admin.AttachRequest{Name: name, Path: absSpec(path), Mode: mode, Force: force, TrustPath: trustPath}
 			if cachePath == "" {
 				ctx := cmdContext(cmd)
 				s, err := g.connect(ctx)
@@ -97,6 +104,7 @@ only when that set is gone: it may hold newer, dirty data for the disk).`,
 	f.BoolVar(&asJSON, "json", false, "print JSON (the new export)")
 	f.StringVar(&mode, "mode", "writeback", "cache mode of the new volume: writeback, writethrough, writearound or none")
 	f.BoolVar(&force, "force", false, "take over a disk that belongs to another cache set")
+	f.BoolVar(&trustPath, "trust-path", false, "identify a device that nothing else identifies by its path (a different disk at that path is not caught)")
 	f.StringVar(&direct, "direct", "auto", "offline: O_DIRECT for the devices: auto, on, off")
 	return cmd
 }
@@ -149,18 +157,30 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 		return nil, "", fmt.Errorf("%s: %w %s, which may hold newer (dirty) data for it; detach it there first, or use --force if that set is gone",
 			path, backingid.ErrAttachedElsewhere, id.Set)
 	}
-	dev, err := openDevice(path, device.FileOptions{Direct: direct})
+	release, err := lockDevice(dp, "device", lockServe)
 	if err != nil {
 		return nil, "", err
 	}
+	dev, err := openDevice(path, device.FileOptions{Direct: direct})
+	if err != nil {
+		release()
+		return nil, "", err
+	}
 	claimed, err := backingid.Claim(dp, setUUID, true)
+	if err == nil && claimed.ID == "" {
+		// A block device (Claim records nothing on it), or a file system
+		// without user xattrs.
+		claimed, err = identifyAttach(dp, req.TrustPath)
+	}
 	if err != nil {
 		dev.Close()
+		release()
 		return nil, "", err
 	}
 	v, err := h.set.Attach(cache.BackingSpec{Name: req.Name, Dev: dev, ID: claimed.ID, Path: path}, cache.AttachOptions{Mode: mode})
 	if err != nil {
 		dev.Close()
+		release()
 		var rerr error
 		if id.Set == "" {
 			rerr = backingid.Release(dp)
@@ -174,8 +194,24 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 	}
 	h.mu.Lock()
 	h.devs[req.Name] = dev
+	h.locks[req.Name] = release
 	h.mu.Unlock()
 	return v, path, nil
+}
+
+// identifyAttach is format's identify for attach: a device with no identity
+// of its own (EnsureID gives a loop device's backing file one) is refused
+// unless trustPath.
+func identifyAttach(path string, trustPath bool) (backingid.Identity, error) {
+	id, err := backingid.EnsureID(path)
+	if err != nil || id.ID != "" {
+		return id, err
+	}
+	if !trustPath {
+		return id, fmt.Errorf("%w: %s: nothing identifies this device (no serial or WWN, partition UUID, device-mapper/md UUID, loop backing file, /dev/disk/by-id link, or file attribute), so a different disk in its place would not be caught; attach it with --trust-path to identify it by its path", cache.ErrInvalid, path)
+	}
+	id.ID = backingid.PathID(path)
+	return id, nil
 }
 
 // openOffline opens the cache set on cachePath for an offline change (the

@@ -3,11 +3,14 @@ package cli
 import (
 	"errors"
 	"fmt"
+	"io"
+	"os"
 
 	"github.com/spf13/cobra"
 
 	"github.com/tiercache/tiercache/cache"
 	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/internal/backingid"
 )
 
 func newCheckCmd(g *globals) *cobra.Command {
@@ -77,7 +80,50 @@ func reportProblems(g *globals, problems []string) error {
 	return nil
 }
 
+// checkBackings compares each backing device found at its recorded path
+// with what the set recorded: size and identity (serve refuses either
+// mismatch). A device not found there is no problem of the cache device
+// (it may be checked elsewhere, or the disk is given to serve with
+// --backing); it is said.
+func checkBackings(sb *cache.Superblock) []string {
+	var problems []string
+	for _, bi := range sb.Backings {
+		if bi.Free() {
+			continue
+		}
+		p := devicePath(bi.Path)
+		size, err := deviceSize(p)
+		if err != nil {
+			problems = append(problems, fmt.Sprintf("backing device %q: not checked: %v (serve needs --backing %s=PATH)", bi.Name, err, bi.Name))
+			continue
+		}
+		if size != bi.Size {
+			problems = append(problems, fmt.Sprintf("backing device %q (%s) is %d bytes, the set recorded %d (truncated or grown): serve refuses it; restore it to %d bytes (truncate -s %d, or resize the volume), serve, and detach %s to write its dirty data back, then resize it and attach it again",
+				bi.Name, bi.Path, size, bi.Size, bi.Size, bi.Size, bi.Name))
+		}
+		if err := backingid.Check(bi.ID, p); err != nil {
+			problems = append(problems, fmt.Sprintf("backing device %q: %v: serve refuses it without --force", bi.Name, err))
+		}
+	}
+	return problems
+}
+
+// deviceSize is the size of a file or block device.
+func deviceSize(path string) (int64, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return 0, err
+	}
+	defer f.Close()
+	return f.Seek(0, io.SeekEnd)
+}
+
 func checkOffline(cmd *cobra.Command, g *globals, path string, asJSON bool) error {
+	unlock, err := lockDevice(devicePath(path), "cache device", lockCheck)
+	if err != nil {
+		return fmt.Errorf("check: %w", err)
+	}
+	defer unlock()
 	dev, err := device.OpenFile(devicePath(path), device.FileOptions{ReadOnly: true, Direct: device.DirectOff})
 	if err != nil {
 		return fmt.Errorf("check: %w", err)
@@ -94,6 +140,9 @@ func checkOffline(cmd *cobra.Command, g *globals, path string, asJSON bool) erro
 		return fmt.Errorf("check: %s is not a tiercache cache device (no superblock)", path)
 	}
 	if err != nil {
+		if cache.IsJournalLoss(err) {
+			return fmt.Errorf("check: %w; 'tiercache serve --cache %s' refuses the set until --force, which serves what is left (the lost writes stay undone)", err, path)
+		}
 		return fmt.Errorf("check: %w", err)
 	}
 	im := rep.Image
@@ -130,7 +179,13 @@ func checkOffline(cmd *cobra.Command, g *globals, path string, asJSON bool) erro
 	s := rep.Scrub
 	fmt.Fprintf(g.stdout, "cached blocks verified: %d (%d dirty), checksum mismatches: %d (%d dirty), read errors: %d\n",
 		s.Blocks, s.DirtyBlocks, s.Bad, s.BadDirty, s.ReadErrors)
+	for _, w := range im.Warnings {
+		fmt.Fprintln(g.stdout, "WARNING:", w)
+	}
 	problems := append([]string(nil), rep.Problems...)
+	if im.SB != nil {
+		problems = append(problems, checkBackings(im.SB)...)
+	}
 	problems = append(problems, s.Problems...)
 	if n := s.ProblemsTotal - int64(len(s.Problems)); n > 0 {
 		problems = append(problems, fmt.Sprintf("... and %d more checksum problems", n))

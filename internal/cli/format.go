@@ -21,6 +21,7 @@ type formatOptions struct {
 	mode       string
 	bucketSize string
 	force      bool
+	trustPath  bool
 	direct     string
 	asJSON     bool
 }
@@ -43,7 +44,13 @@ Backing devices may also be added later, to a running server or offline,
 with 'tiercache attach' (a set may start with none).
 
 format refuses a cache device that already holds a cache set, or a backing
-file that belongs to another cache set, unless --force.`,
+file that belongs to another cache set, unless --force. It refuses a device
+that a running tiercache process has open, even with --force.
+
+Every device is identified by what survives reboots (see 'tiercache
+attach --help'); a backing device nothing identifies is refused unless
+--trust-path, which identifies it by its path. A cache file is allocated
+in full (fallocate): a sparse one the file system cannot hold is refused.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error { return runFormat(g, o) },
 	}
@@ -54,6 +61,7 @@ file that belongs to another cache set, unless --force.`,
 	f.StringVar(&o.bucketSize, "bucket-size", "1M", "bucket size (a multiple of 4K, e.g. 512K, 1M, 4M)")
 	f.BoolVar(&o.asJSON, "json", false, "print JSON (what was formatted)")
 	f.BoolVar(&o.force, "force", false, "overwrite an existing cache set / take over backing devices of another set")
+	f.BoolVar(&o.trustPath, "trust-path", false, "identify backing devices that nothing else identifies by their path (a different disk at that path is not caught)")
 	f.StringVar(&o.direct, "direct", "auto", "O_DIRECT for the cache device: auto, on, off")
 	return cmd
 }
@@ -85,6 +93,11 @@ func runFormat(g *globals, o *formatOptions) error {
 	if o.cache == "" {
 		return errors.New("format: --cache is required")
 	}
+	unlock, err := lockDevice(devicePath(o.cache), "cache device", lockServe)
+	if err != nil {
+		return fmt.Errorf("format: %w", err)
+	}
+	defer unlock()
 	mode, err := cache.ParseMode(o.mode)
 	if err != nil {
 		return fmt.Errorf("--mode: %w", err)
@@ -121,6 +134,11 @@ func runFormat(g *globals, o *formatOptions) error {
 		if same, _ := sameFile(devicePath(path), devicePath(o.cache)); same {
 			return fmt.Errorf("--backing %s: %s is the cache device", name, path)
 		}
+		release, err := lockDevice(devicePath(path), fmt.Sprintf("backing device %q", name), lockServe)
+		if err != nil {
+			return fmt.Errorf("format: %w", err)
+		}
+		defer release()
 		id, err := backingid.Read(devicePath(path))
 		if err != nil {
 			return fmt.Errorf("backing %q: %w", name, err)
@@ -146,12 +164,22 @@ func runFormat(g *globals, o *formatOptions) error {
 
 	specs := make([]cache.BackingSpec, len(bks))
 	for i := range bks {
-		id, err := backingid.EnsureID(devicePath(bks[i].path))
+		id, err := identify(g, fmt.Sprintf("backing %q", bks[i].name), bks[i].path, o.trustPath)
 		if err != nil {
-			return fmt.Errorf("backing %q: %w", bks[i].name, err)
+			return err
 		}
 		bks[i].id = id
 		specs[i] = cache.BackingSpec{Name: bks[i].name, Dev: bks[i].dev, ID: id.ID, Path: absSpec(bks[i].path)}
+	}
+	cacheID, err := backingid.EnsureID(devicePath(o.cache))
+	if err != nil {
+		return fmt.Errorf("cache device: %w", err)
+	}
+	if cacheID.ID == "" {
+		fmt.Fprintf(g.stderr, "WARNING: nothing identifies the cache device %s (no serial, WWN, partition UUID, loop backing file or file attribute): a copy of it, served later, is not told from it\n", o.cache)
+	}
+	if err := allocateCache(devicePath(o.cache), cdev.Size()); err != nil {
+		return fmt.Errorf("format: %w", err)
 	}
 	pr := newProgress(g.stderr, "format", 3)
 	if o.asJSON {
@@ -163,7 +191,7 @@ func runFormat(g *globals, o *formatOptions) error {
 		if done > 0 {
 			pr.set(done, total)
 		}
-	}})
+	}, CacheID: cacheID.ID})
 	pr.finish()
 	if err != nil {
 		return fmt.Errorf("format %s: %w", o.cache, err)
@@ -199,6 +227,25 @@ func runFormat(g *globals, o *formatOptions) error {
 		fmt.Fprintf(w, "backing %s\t%s (%s, id %s)\n", b.name, b.path, human(b.dev.Size()), orNone(b.id.ID))
 	}
 	return w.Flush()
+}
+
+// identify gives the device at spec an identity to record (a new file
+// attribute if it had none). A device that nothing identifies is refused,
+// unless trustPath: then its path is its identity, said loudly.
+func identify(g *globals, what, spec string, trustPath bool) (backingid.Identity, error) {
+	id, err := backingid.EnsureID(devicePath(spec))
+	if err != nil {
+		return id, fmt.Errorf("%s: %w", what, err)
+	}
+	if id.ID != "" {
+		return id, nil
+	}
+	if !trustPath {
+		return id, fmt.Errorf("%s (%s): nothing identifies this device (no serial or WWN, partition UUID, device-mapper/md UUID, loop backing file, /dev/disk/by-id link, or file attribute: the file system keeps no user xattrs), so a different disk in its place would not be caught; give --trust-path to identify it by its path, or use a device that has an identity", what, spec)
+	}
+	id.ID = backingid.PathID(devicePath(spec))
+	fmt.Fprintf(g.stderr, "WARNING: %s (%s): nothing identifies this device; identified by its path (--trust-path): a different disk appearing at %s will NOT be caught\n", what, spec, devicePath(spec))
+	return id, nil
 }
 
 func orNone(s string) string {

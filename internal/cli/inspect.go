@@ -37,6 +37,16 @@ the reader, and the result may look inconsistent.
 			if cachePath == "" {
 				return errors.New("inspect: --cache PATH is required")
 			}
+			unlock, err := lockDevice(devicePath(cachePath), "cache device", lockCheck)
+			if err != nil {
+				var busy *deviceBusyError
+				if !errors.As(err, &busy) {
+					return fmt.Errorf("inspect: %w", err)
+				}
+				fmt.Fprintf(g.stderr, "WARNING: %s is in use by %s: inspect reads a MOVING TARGET, and what it prints may be inconsistent (stop the server, or inspect a copy)\n", cachePath, busy.holderName())
+			} else {
+				defer unlock()
+			}
 			dev, err := device.OpenFile(devicePath(cachePath), device.FileOptions{ReadOnly: true, Direct: device.DirectOff})
 			if err != nil {
 				return fmt.Errorf("inspect: %w", err)

@@ -310,6 +310,11 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 		if err != nil {
 			return err
 		}
+		release, err := lockDevice(devicePath(path), fmt.Sprintf("export %q: device", name), lockServe)
+		if err != nil {
+			return err
+		}
+		closers = append(closers, func() error { release(); return nil })
 		if err := refuseClaimed(log, name, path, o.force); err != nil {
 			return err
 		}
@@ -318,6 +323,13 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 			return fmt.Errorf("export %q: %w", name, err)
 		}
 		closers = append(closers, dev.Close)
+		if sb, err := cache.ReadSuperblock(dev); err == nil {
+			if !o.force {
+				return fmt.Errorf("export %q: %s is the cache device of cache set %s; serving it as a plain disk exposes (and lets clients overwrite) the set's metadata and cached data: serve the set with --cache %s, or --force to export the raw device anyway",
+					name, path, fmtUUID(sb.SetUUID), path)
+			}
+			log.Warn("exporting a cache device as a plain disk (--force)", "export", name, "path", path, "set", fmtUUID(sb.SetUUID))
+		}
 		x := nbd.Export{
 			Name:        name,
 			Description: "tiercache plain export of " + path,
@@ -403,6 +415,11 @@ func prepareDefault(dir string, log *slog.Logger) (string, error) {
 			log.Info("created sparse file", "path", f.path, "size", f.size)
 		}
 	}
+	unlock, err := lockDevice(cachePath, "cache device", lockServe)
+	if err != nil {
+		return "", err
+	}
+	defer unlock()
 	cdev, err := device.OpenFile(cachePath, device.FileOptions{Direct: device.DirectOff})
 	if err != nil {
 		return "", err
@@ -420,7 +437,17 @@ func prepareDefault(dir string, log *slog.Logger) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	sb, err := cache.Format(cdev, []cache.BackingSpec{{Name: defaultExportName, Dev: bdev, ID: id.ID, Path: backing}}, cache.FormatOptions{Mode: cache.Writeback})
+	if id.ID == "" {
+		id.ID = backingid.PathID(backing) // a file system without user xattrs
+	}
+	cacheID, err := backingid.EnsureID(cachePath)
+	if err != nil {
+		return "", err
+	}
+	if err := allocateCache(cachePath, cdev.Size()); err != nil {
+		return "", err
+	}
+	sb, err := cache.Format(cdev, []cache.BackingSpec{{Name: defaultExportName, Dev: bdev, ID: id.ID, Path: backing}}, cache.FormatOptions{Mode: cache.Writeback, CacheID: cacheID.ID})
 	if err != nil {
 		return "", fmt.Errorf("formatting the default cache set: %w", err)
 	}
@@ -443,16 +470,21 @@ type openedSet struct {
 	unlock    func()
 	mu        sync.Mutex
 	devs      map[string]device.Device // backing devices by volume name
+	locks     map[string]func()        // their locks' releases (lock.go)
 }
 
 // closeBacking closes the backing device of a volume that left the set.
 func (h *openedSet) closeBacking(name string) {
 	h.mu.Lock()
-	d := h.devs[name]
+	d, release := h.devs[name], h.locks[name]
 	delete(h.devs, name)
+	delete(h.locks, name)
 	h.mu.Unlock()
 	if d != nil {
 		d.Close()
+	}
+	if release != nil {
+		release()
 	}
 }
 
@@ -462,6 +494,10 @@ func (h *openedSet) closeDevices() {
 	for n, d := range h.devs {
 		d.Close()
 		delete(h.devs, n)
+	}
+	for n, release := range h.locks {
+		release()
+		delete(h.locks, n)
 	}
 	h.mu.Unlock()
 	h.cdev.Close()
@@ -475,24 +511,6 @@ func (h *openedSet) close() error {
 	return err
 }
 
-// lockCache takes an exclusive advisory lock (flock) on the cache device
-// for as long as a process has the set open: serve, offline attach and
-// offline detach, so that an offline change never races a server.
-func lockCache(path string) (func(), error) {
-	f, err := os.Open(path)
-	if err != nil {
-		return nil, fmt.Errorf("cache device: %w", err)
-	}
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
-		f.Close()
-		if errors.Is(err, unix.EWOULDBLOCK) {
-			return nil, fmt.Errorf("cache device %s is in use by another tiercache process (a running server: change it through its admin API, without --cache)", path)
-		}
-		return nil, fmt.Errorf("locking cache device %s: %w", path, err)
-	}
-	return func() { f.Close() }, nil
-}
-
 // openSet opens and recovers the cache set on cachePath with its backing
 // devices.
 func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.DirectMode) (*openedSet, error) {
@@ -504,7 +522,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		}
 		overrides[name] = path
 	}
-	unlock, err := lockCache(devicePath(cachePath))
+	unlock, err := lockDevice(devicePath(cachePath), "cache device", lockServe)
 	if err != nil {
 		return nil, err
 	}
@@ -513,7 +531,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		unlock()
 		return nil, fmt.Errorf("cache device: %w", err)
 	}
-	h := &openedSet{cachePath: cachePath, cdev: cdev, unlock: unlock, devs: map[string]device.Device{}}
+	h := &openedSet{cachePath: cachePath, cdev: cdev, unlock: unlock, devs: map[string]device.Device{}, locks: map[string]func(){}}
 	sb, err := cache.ReadSuperblock(cdev)
 	if errors.Is(err, cache.ErrNotFormatted) {
 		h.closeDevices()
@@ -525,6 +543,15 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 	}
 	setUUID := fmtUUID(sb.SetUUID)
 	closeDevs := h.closeDevices
+	if sb.CacheID != "" {
+		if err := backingid.Check(sb.CacheID, devicePath(cachePath)); err != nil {
+			if !o.force {
+				closeDevs()
+				return nil, fmt.Errorf("cache device %w: this is not the device cache set %s was formatted on (a copy of it?); its dirty data would be written back into the set's disks, over newer data: serve the original device, or --force if this is the set's device and only its identity changed", err, setUUID)
+			}
+			log.Warn("serving a cache device whose identity does not match the one recorded (--force)", "cache", cachePath, "err", err)
+		}
+	}
 	var specs []cache.BackingSpec
 	for _, bi := range sb.Backings {
 		if bi.Free() {
@@ -539,6 +566,12 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 			closeDevs()
 			return nil, fmt.Errorf("cache set %s: no path for backing device %q; give --backing %s=PATH", setUUID, bi.Name, bi.Name)
 		}
+		release, err := lockDevice(devicePath(path), fmt.Sprintf("backing device %q", bi.Name), lockServe)
+		if err != nil {
+			closeDevs()
+			return nil, err
+		}
+		h.locks[bi.Name] = release
 		id, err := backingid.Read(devicePath(path))
 		if err != nil {
 			closeDevs()
@@ -548,29 +581,51 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 			closeDevs()
 			return nil, fmt.Errorf("backing %q (%s) belongs to cache set %s, not %s; use --force to serve it anyway", bi.Name, path, id.Set, setUUID)
 		}
+		if err := backingid.Check(bi.ID, devicePath(path)); err != nil {
+			if !o.force {
+				closeDevs()
+				return nil, fmt.Errorf("backing %q: %w; a wrong disk would be served the set's cached data for %q and written its dirty data: give the right device with --backing %s=PATH, or --force if this is the disk and only its identity changed",
+					bi.Name, err, bi.Name, bi.Name)
+			}
+			log.Warn("serving a backing device whose identity does not match the one recorded (--force)", "volume", bi.Name, "path", path, "err", err)
+		}
 		bdev, err := openDevice(path, device.FileOptions{ReadOnly: o.readOnly, Direct: direct})
 		if err != nil {
 			closeDevs()
 			return nil, fmt.Errorf("backing %q: %w", bi.Name, err)
 		}
 		h.devs[bi.Name] = bdev
-		specs = append(specs, cache.BackingSpec{Name: bi.Name, Dev: bdev, ID: id.ID, Path: path})
+		specs = append(specs, cache.BackingSpec{Name: bi.Name, Dev: bdev, ID: bi.ID, Path: path})
 	}
 	for name := range overrides {
 		closeDevs()
 		return nil, fmt.Errorf("--backing %s: cache set %s has no backing device of that name", name, setUUID)
 	}
 	start := time.Now()
-	set, err := cache.Open(cdev, specs, cache.OpenOptions{Force: o.force, Logger: log})
+	set, err := cache.Open(cdev, specs, cache.OpenOptions{Force: o.force, AcceptJournalLoss: o.force, Logger: log})
 	if err != nil {
 		closeDevs()
-		return nil, fmt.Errorf("opening cache set %s on %s: %w", setUUID, cachePath, err)
+		return nil, fmt.Errorf("opening cache set %s on %s: %w%s", setUUID, cachePath, err, openHint(err))
 	}
 	st := set.Stats()
 	log.Info("cache set open", "set", setUUID, "cache", cachePath, "recovery", time.Since(start).Round(time.Millisecond),
 		"cached_blocks", st.CachedBlocks, "dirty_blocks", st.DirtyBlocks)
 	h.set = set
 	return h, nil
+}
+
+// openHint says how to proceed past an Open refusal on purpose.
+func openHint(err error) string {
+	var bm *cache.BackingMismatchError
+	switch {
+	case cache.IsJournalLoss(err):
+		return "; 'tiercache check --cache' reports the same; to serve what is left (the lost writes stay undone), serve with --force"
+	case errors.As(err, &bm) && bm.Field == "size":
+		return fmt.Sprintf("; the set's index addresses a device of %s bytes, and no flag serves a different size: restore the device to that size "+
+			"(truncate -s %s, or resize the volume), serve, and detach %s to write its dirty data back; then resize it and attach it again",
+			bm.Expected, bm.Expected, bm.Name)
+	}
+	return ""
 }
 
 // refuseClaimed refuses to serve a cache set's backing device alone: the set

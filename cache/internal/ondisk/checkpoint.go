@@ -354,30 +354,36 @@ func WriteCheckpoint(dev device.Device, sb *Superblock, h CkptHeader, gens []uin
 // ReadCheckpoint loads the newest valid checkpoint. A slot that fails its
 // checksums is skipped (a crash while writing it is expected); it is
 // corruption only if neither slot is valid.
-func ReadCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (CkptHeader, *CkptData, error) {
-	h, body, err := ReadCheckpointBody(dev, sb)
+//
+// warn is checkpointFallback's warning: "" unless the other slot's header
+// is invalid although it held a checkpoint once.
+func ReadCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (h CkptHeader, cd *CkptData, warn string, err error) {
+	h, body, warn, err := ReadCheckpointBody(dev, sb)
 	if err != nil {
-		return CkptHeader{}, nil, err
+		return CkptHeader{}, nil, "", err
 	}
-	cd, err := DecodeCheckpoint(sb, h, body, volBlocks)
+	cd, err = DecodeCheckpoint(sb, h, body, volBlocks)
 	if err != nil {
-		return CkptHeader{}, nil, err
+		return CkptHeader{}, nil, "", err
 	}
-	return h, cd, nil
+	return h, cd, warn, nil
 }
 
 // ReadCheckpointBody reads the newest valid checkpoint header and its body
-// (ReadCheckpoint's device reads; DecodeCheckpoint does the rest).
-func ReadCheckpointBody(dev device.Device, sb *Superblock) (CkptHeader, []byte, error) {
+// (ReadCheckpoint's device reads; DecodeCheckpoint does the rest), and
+// checkpointFallback's warning about the other slot.
+func ReadCheckpointBody(dev device.Device, sb *Superblock) (CkptHeader, []byte, string, error) {
 	var best *CkptHeader
 	var errs [2]error
+	var raw [2][]byte
 	for i := 0; i < 2; i++ {
 		buf := make([]byte, BlockSize)
+		raw[i] = buf
 		if _, err := dev.ReadAt(buf, sb.CkptOff[i]); err != nil {
 			// An unreadable slot may hold the newest checkpoint: falling
 			// back to the other would recover an older index and serve
 			// stale data. Only a damaged (torn) header is skipped.
-			return CkptHeader{}, nil, fmt.Errorf("reading checkpoint slot %d at %d: %w", i, sb.CkptOff[i], err)
+			return CkptHeader{}, nil, "", fmt.Errorf("reading checkpoint slot %d at %d: %w", i, sb.CkptOff[i], err)
 		}
 		h, err := DecodeCkptHeader(buf, sb.CkptOff[i])
 		if err == nil && (h.Nonce != sb.Nonce() || h.Gen%2 != uint64(i)) {
@@ -396,7 +402,7 @@ func ReadCheckpointBody(dev device.Device, sb *Superblock) (CkptHeader, []byte, 
 		}
 	}
 	if best == nil {
-		return CkptHeader{}, nil, fmt.Errorf("no valid checkpoint: slot 0: %v; slot 1: %w", errs[0], errs[1])
+		return CkptHeader{}, nil, "", fmt.Errorf("no valid checkpoint: slot 0: %v; slot 1: %w", errs[0], errs[1])
 	}
 	// Only the newest is read. If its body is bad, that is reported rather
 	// than silently falling back to an older generation whose journal may
@@ -405,9 +411,10 @@ func ReadCheckpointBody(dev device.Device, sb *Superblock) (CkptHeader, []byte, 
 	slot := sb.CkptOff[best.Gen%2]
 	body := make([]byte, best.BodyLen)
 	if _, err := dev.ReadAt(body, slot+BlockSize); err != nil {
-		return CkptHeader{}, nil, fmt.Errorf("reading checkpoint body: %w", err)
+		return CkptHeader{}, nil, "", fmt.Errorf("reading checkpoint body: %w", err)
 	}
-	return *best, body, nil
+	other := int((best.Gen + 1) % 2)
+	return *best, body, checkpointFallback(raw[other], sb.CkptOff[other], other, errs[other], best.Gen), nil
 }
 
 // DecodeCheckpoint verifies the checksum of the body of checkpoint h and
@@ -423,4 +430,26 @@ func DecodeCheckpoint(sb *Superblock, h CkptHeader, body []byte, volBlocks []uin
 		return nil, Placed(err, slot+BlockSize, int64(h.BodyLen))
 	}
 	return cd, nil
+}
+
+// checkpointFallback describes why recovery from checkpoint generation gen
+// may have passed over a newer one: the other slot's header (b, at off) is
+// invalid although it held a checkpoint once (it is not the never-written
+// slot of a freshly formatted set). It returns "" when there is nothing to
+// say. A torn header write at a crash explains an invalid header; so does
+// damage, which the journal head record then reports (JournalLossError).
+func checkpointFallback(b []byte, off int64, other int, hdrErr error, gen uint64) string {
+	if hdrErr == nil {
+		return "" // valid and older
+	}
+	zero := IsZero(b)
+	if zero && gen <= 1 {
+		return "" // Format leaves the slot of generation 0 empty
+	}
+	what := fmt.Sprintf("invalid (%v)", hdrErr)
+	if zero {
+		what = "zeroed"
+	}
+	return fmt.Sprintf("the header of checkpoint slot %d at offset %d is %s (a checkpoint write torn by a crash, or damage): recovered from the older generation %d in slot %d",
+		other, off, what, gen, gen%2)
 }

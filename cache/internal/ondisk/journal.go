@@ -270,7 +270,18 @@ func MaxBatchBlocks(jblocks int64) int64 { return min(64, jblocks/4) }
 //
 // block, if not nil, is called with the offset, sequence number and a copy
 // of the record payload of each valid block before its records are applied.
+//
+// The replay must reach the journal head record (journalhead.go): ending
+// before it is a *JournalLossError (acknowledged blocks damaged), as is a
+// head record of a generation newer than gen (a newer checkpoint lost). The
+// returned position and count are those of the replayed prefix then.
 func ReplayJournal(dev device.Device, sb *Superblock, gen uint64, start JournalPos, block func(off int64, seq uint64, payload []byte), apply func(*Rec) error) (JournalPos, int, error) {
+	end, n, _, err := ReplayJournalHead(dev, sb, gen, start, block, apply)
+	return end, n, err
+}
+
+// replayJournalBlocks is ReplayJournal without the head record check.
+func replayJournalBlocks(dev device.Device, sb *Superblock, gen uint64, start JournalPos, block func(off int64, seq uint64, payload []byte), apply func(*Rec) error) (JournalPos, int, error) {
 	nonce := sb.Nonce()
 	jblocks := sb.JournalLen / BlockSize
 	pos := start

@@ -34,6 +34,13 @@ type Superblock struct {
 	BucketsOff int64 // first bucket
 	Clean      bool  // set by Close after a final checkpoint; cleared by Open
 	Backings   []BackingInfo
+	// CacheID is the identity of the cache device itself (the caller's, as
+	// for BackingInfo.ID): a copy of the cache device holds the same set,
+	// and opening the copy must not write its stale dirty data into the
+	// original's backing devices. Empty: none recorded (the device had no
+	// identity, or the set predates the field). Kept in an optional
+	// trailer after the settings trailer.
+	CacheID string
 }
 
 // BackingInfo identifies one backing device of the set (invariant 6).
@@ -76,14 +83,18 @@ func (sb *Superblock) LiveBackings() int {
 }
 
 const (
-	BlockSize     = 4096
-	BlockShift    = 12
-	SBCopySize    = 64 << 10
+	BlockSize  = 4096
+	BlockShift = 12
+	SBCopySize = 64 << 10
+	// SBMaxEncoded: the last block of each copy holds a journal head
+	// record slot (journalhead.go).
+	SBMaxEncoded  = SBCopySize - BlockSize
 	SBHeaderSize  = 24
 	SBMagic       = "TIERCSB\x01"
 	FormatVersion = 2
 	MaxBackings   = 64
 	sbSettingsTag = 0x53455454 // "SETT": the per-backing settings section
+	sbCacheIDTag  = 0x44494143 // "CAID": the cache device identity section
 	MaxNameLen    = 255
 	MaxPathLen    = 4096
 	// MaxLBABlocks bounds a backing device: the index packs LBAs into 40
@@ -150,9 +161,16 @@ func (sb *Superblock) Encode() ([]byte, error) {
 		e.u64(uint64(st.WritebackRateMax))
 		e.u64(uint64(b.InconsistentSince))
 	}
+	if sb.CacheID != "" {
+		if len(sb.CacheID) > MaxPathLen {
+			return nil, fmt.Errorf("%w: cache device id longer than %d bytes", ErrInvalid, MaxPathLen)
+		}
+		e.u32(sbCacheIDTag)
+		e.str(sb.CacheID)
+	}
 	b := e.b
-	if len(b) > SBCopySize {
-		return nil, fmt.Errorf("%w: superblock of %d bytes exceeds its %d-byte slot (too many backings or long paths)", ErrInvalid, len(b), SBCopySize)
+	if len(b) > SBMaxEncoded {
+		return nil, fmt.Errorf("%w: superblock of %d bytes exceeds its %d-byte slot (too many backings or long paths)", ErrInvalid, len(b), SBMaxEncoded)
 	}
 	copy(b[0:8], SBMagic)
 	le.PutUint32(b[8:], FormatVersion)
@@ -170,7 +188,7 @@ func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
 	}
 	version := le.Uint32(b[8:])
 	plen := int(le.Uint32(b[12:]))
-	if plen > len(b)-SBHeaderSize || plen > SBCopySize-SBHeaderSize {
+	if plen > len(b)-SBHeaderSize || plen > SBMaxEncoded-SBHeaderSize {
 		return nil, Corruptf("superblock", off, SBCopySize, "payload length %d too large", plen)
 	}
 	want := le.Uint32(b[16:])
@@ -228,6 +246,12 @@ func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
 			return nil, Corruptf("superblock", off, SBCopySize, "backing %d settings: %v", i, err)
 		}
 	}
+	if !d.bad && d.remaining() > 0 {
+		if d.u32() != sbCacheIDTag {
+			return nil, Corruptf("superblock", off, SBCopySize, "unknown trailer")
+		}
+		sb.CacheID = d.str()
+	}
 	for i := range sb.Backings {
 		if err := sb.Backings[i].Settings.Validate(); err != nil && !d.bad {
 			return nil, Corruptf("superblock", off, SBCopySize, "backing %d settings: %v", i, err)
@@ -236,8 +260,8 @@ func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
 	if d.bad || d.remaining() != 0 {
 		return nil, Corruptf("superblock", off, SBCopySize, "malformed payload")
 	}
-	if err := sb.Validate(-1); err != nil {
-		return nil, fmt.Errorf("superblock at offset %d: %w", off, err)
+	if err := sb.ValidateAt(-1, off); err != nil {
+		return nil, err
 	}
 	return sb, nil
 }
@@ -245,8 +269,12 @@ func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
 // validate checks the layout for internal consistency, and against the
 // device size when devSize >= 0. Data from disk goes through here before any
 // of it is used as an offset.
-func (sb *Superblock) Validate(devSize int64) error {
-	bad := func(f string, a ...any) error { return Corruptf("superblock", 0, SBCopySize, f, a...) }
+func (sb *Superblock) Validate(devSize int64) error { return sb.ValidateAt(devSize, -1) }
+
+// ValidateAt is Validate for the copy at offset off (named in errors; -1:
+// not on a device).
+func (sb *Superblock) ValidateAt(devSize, off int64) error {
+	bad := func(f string, a ...any) error { return Corruptf("superblock", off, SBCopySize, f, a...) }
 	if sb.BlockSize != BlockSize {
 		return bad("block size %d", sb.BlockSize)
 	}
@@ -305,7 +333,7 @@ func ReadSuperblock(dev device.Device) (*Superblock, int, error) {
 		buf := make([]byte, BlockSize)
 		_, err := dev.ReadAt(buf, off)
 		if err == nil && string(buf[:8]) == SBMagic {
-			if n := SBHeaderSize + int(le.Uint32(buf[12:])); n > BlockSize && n <= SBCopySize {
+			if n := SBHeaderSize + int(le.Uint32(buf[12:])); n > BlockSize && n <= SBMaxEncoded {
 				buf = make([]byte, (n+BlockSize-1)/BlockSize*BlockSize)
 				_, err = dev.ReadAt(buf, off)
 			}
@@ -318,7 +346,7 @@ func ReadSuperblock(dev device.Device) (*Superblock, int, error) {
 		}
 		sb, err := DecodeSuperblock(buf, off)
 		if err == nil {
-			err = sb.Validate(dev.Size())
+			err = sb.ValidateAt(dev.Size(), off)
 		}
 		if err != nil {
 			errs[i] = err
