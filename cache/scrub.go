@@ -183,6 +183,9 @@ type CheckReport struct {
 	Image    *Image
 	Scrub    ScrubReport
 	Problems []string // metadata problems (superblock, checkpoint, journal, index)
+	// OpenErr is why the set could not be rebuilt (also in Problems), e.g.
+	// a *JournalLossError; nil if it was.
+	OpenErr error
 }
 
 // OK reports whether the check found nothing wrong.
@@ -210,6 +213,7 @@ func CheckOffline(ctx context.Context, dev device.Device, progress func(done, to
 	// crash while writing it), so only OpenImage's verdict on the current
 	// one counts.
 	if err != nil {
+		rep.OpenErr = err
 		rep.Problems = append(rep.Problems, err.Error())
 		return rep, nil
 	}

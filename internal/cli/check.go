@@ -140,9 +140,6 @@ func checkOffline(cmd *cobra.Command, g *globals, path string, asJSON bool) erro
 		return fmt.Errorf("check: %s is not a tiercache cache device (no superblock)", path)
 	}
 	if err != nil {
-		if cache.IsJournalLoss(err) {
-			return fmt.Errorf("check: %w; 'tiercache serve --cache %s' refuses the set until --force, which serves what is left (the lost writes stay undone)", err, path)
-		}
 		return fmt.Errorf("check: %w", err)
 	}
 	im := rep.Image
@@ -183,6 +180,9 @@ func checkOffline(cmd *cobra.Command, g *globals, path string, asJSON bool) erro
 		fmt.Fprintln(g.stdout, "WARNING:", w)
 	}
 	problems := append([]string(nil), rep.Problems...)
+	if cache.IsJournalLoss(rep.OpenErr) {
+		problems = append(problems, fmt.Sprintf("'tiercache serve --cache %s' refuses this set; with --force it serves what is left (the lost writes stay undone)", path))
+	}
 	if im.SB != nil {
 		problems = append(problems, checkBackings(im.SB)...)
 	}
