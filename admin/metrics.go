@@ -73,6 +73,8 @@ var volumeMetrics = map[string]metricDef{
 	"WritebackDegrades":      {name: "tiercache_writeback_degrades_total", help: "Times epoch-order writeback fell behind and degraded to lba order.", kind: counter},
 	"EpochDeferBytes":        {name: "tiercache_epoch_defer_bytes_total", help: "Writethrough/writearound writes and small write-zeroes cached as dirty data because older flush epochs were still dirty (epoch order).", kind: counter},
 	"BackingSyncErrors":      {name: "tiercache_backing_sync_errors_total", help: "Failed syncs of the backing device; after the first, flushes of the export fail.", kind: counter},
+	"WritebackFailures":      {name: "tiercache_writeback_failures_total", help: "Background writeback batches that failed (failing or full backing device); retried with backoff.", kind: counter},
+	"WritebackFailing":       {name: "tiercache_writeback_failing", help: "1 while background writeback keeps failing and retries with backoff.", kind: gauge},
 	"FencedWriteErrors":      {name: "tiercache_fenced_write_errors_total", help: "Writes refused after failover: the failed cache may hold newer durable data for their blocks.", kind: counter},
 }
 
@@ -91,6 +93,7 @@ var setMetrics = map[string]metricDef{
 	"WritebackBlocks":        {name: "tiercache_set_writeback_bytes_total", help: "Bytes written back, all exports.", kind: counter, scale: blockBytes},
 	"GCMoves":                {name: "tiercache_set_gc_moved_bytes_total", help: "Live dirty bytes copied out of mostly-empty buckets by GC.", kind: counter, scale: blockBytes},
 	"CacheErrors":            {name: "tiercache_set_cache_device_errors_total", help: "Failed cache device I/Os.", kind: counter},
+	"CacheNoSpaceErrors":     {name: "tiercache_set_cache_device_nospace_total", help: "Cache writes that failed with ENOSPC (the cache file's file system is full) and went around the cache.", kind: counter},
 	"Failed":                 {name: "tiercache_set_failed", help: "1 when the cache device failed and every export is served from its backing device.", kind: gauge},
 	"Cause":                  {skip: "text; in /v1/stats and the log"},
 	"UnreachableDirtyBlocks": {name: "tiercache_set_unreachable_dirty_bytes", help: "Dirty bytes left on a failed cache device, all exports.", kind: gauge, scale: blockBytes},

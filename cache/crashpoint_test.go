@@ -522,7 +522,7 @@ func (r *cpRun) pump() error {
 			break
 		}
 		for _, v := range s.vols {
-			s.writebackSweep(v, 8)
+			sweepLogged(s, v, 8)
 		}
 	}
 	evict()
@@ -645,7 +645,7 @@ func (r *cpRun) step() error {
 		r.set.evictOne()
 	case k < 80:
 		r.logf("writeback sweep vol%d", vi)
-		r.set.writebackSweep(v, 1+rng.IntN(16))
+		sweepLogged(r.set, v, 1+rng.IntN(16))
 	default:
 		off, n := r.randRange(vi)
 		r.logf("read vol%d off=%d len=%d", vi, off, n)
@@ -1001,7 +1001,7 @@ var cpScenarios = []*cpScenario{
 		prepare: prepareSet(30),
 		op: func(r *cpRun) error {
 			for _, v := range r.set.vols {
-				r.set.writebackSweep(v, wbBatch)
+				sweepLogged(r.set, v, wbBatch)
 			}
 			return r.set.commit(r.set.appended())
 		},

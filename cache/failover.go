@@ -54,6 +54,7 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
@@ -83,8 +84,30 @@ type FailedError struct{ Cause error }
 
 func (e *FailedError) Error() string { return fmt.Sprintf("%v: %v", ErrCacheFailed, e.Cause) }
 
-// Unwrap returns ErrCacheFailed and the cause.
-func (e *FailedError) Unwrap() []error { return []error{ErrCacheFailed, e.Cause} }
+// Unwrap returns ErrCacheFailed and the cause, whose errno is hidden: the
+// errors a failed set returns are EIO to clients (an ENOSPC of the cache
+// device's file system is not the client's device being full).
+func (e *FailedError) Unwrap() []error { return []error{ErrCacheFailed, errnoHidden{e.Cause}} }
+
+// errnoHidden is an error whose chain matches every target errors.Is and
+// errors.As match in err, except errnos: as one, it is EIO.
+type errnoHidden struct{ err error }
+
+func (h errnoHidden) Error() string { return h.err.Error() }
+
+func (h errnoHidden) Is(target error) bool {
+	if en, ok := target.(syscall.Errno); ok {
+		return en == syscall.EIO
+	}
+	return errors.Is(h.err, target)
+}
+
+func (h errnoHidden) As(target any) bool {
+	if _, ok := target.(*syscall.Errno); ok {
+		return false
+	}
+	return errors.As(h.err, target)
+}
 
 // foState is a volume's failover state, guarded by Set.mu.
 type foState struct {
@@ -110,9 +133,26 @@ func (s *Set) cacheIOOK() {
 	}
 }
 
+// cacheWriteOK is cacheIOOK for a write of client data: it also ends an
+// ENOSPC state (reads succeed while writes fail for want of space).
+func (s *Set) cacheWriteOK() {
+	s.cacheIOOK()
+	if s.noSpace != nil {
+		s.noSpace.OK()
+	}
+}
+
 // cacheIOError records a failed cache data I/O; cacheErrLimit in a row fail
-// the set over. REQUIRES: not commitMu, not s.mu.
+// the set over. ENOSPC is not a device failure: the file system under a
+// cache file is full (a file left sparse, a copy-on-write file system), the
+// caller sends the data around the cache as it does when the cache is full,
+// and the set goes on. REQUIRES: not commitMu, not s.mu.
 func (s *Set) cacheIOError(what string, err error) {
+	if errors.Is(err, syscall.ENOSPC) && s.noSpace != nil {
+		s.stats.cacheNoSpace.Add(1)
+		s.noSpace.Failed(err) // logs the first one and a summary a minute
+		return
+	}
 	s.stats.cacheErrors.Add(1)
 	n := s.errRun.Add(1)
 	s.log.Warn("cache device I/O error", "op", what, "err", err, "in_a_row", n, "limit", cacheErrLimit)

@@ -268,7 +268,7 @@ func TestEpochWriteNotStuckOnOtherVolume(t *testing.T) {
 	for i := int64(0); i < back0.Size()/blockSize && !full; i++ {
 		stamp(p, uint64(2+i), 0, i*blockSize)
 		err := v0.WriteAt(p, i*blockSize, false)
-		s.writebackSweep(v0, 1)
+		sweepLogged(s, v0, 1)
 		full = err != nil
 	}
 	if !full {
@@ -283,7 +283,7 @@ func TestEpochWriteNotStuckOnOtherVolume(t *testing.T) {
 	// vol1's only dirty block is written back by this sweep or by the
 	// waiting write itself (with no writeback goroutine, a waiter writes
 	// back its own volume), whichever comes first.
-	s.writebackSweep(v1, 8)
+	sweepLogged(s, v1, 8)
 	select {
 	case err := <-done:
 		if err != nil {
@@ -412,7 +412,7 @@ func newLostCleanMarkSet(t *testing.T, inj faultdev.InjectorFunc, mode Mode) (s 
 	if err := v.SetMode(mode); err != nil {
 		t.Fatal(err)
 	}
-	if n := s.writebackSweep(v, 8); n != 1 {
+	if n := sweepLogged(s, v, 8); n != 1 {
 		t.Fatalf("writeback wrote %d blocks, want 1", n)
 	}
 	var once sync.Once

@@ -537,7 +537,7 @@ func (r *failRun) step() {
 		r.logf("gc")
 		s.evictOne()
 	case k < 95:
-		n := s.writebackSweep(v, 1+rng.IntN(8))
+		n := sweepLogged(s, v, 1+rng.IntN(8))
 		r.logf("writeback vol%d: %d blocks", vi, n)
 	default:
 		err := s.Drain(context.Background())

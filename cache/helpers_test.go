@@ -61,3 +61,14 @@ func orderOf(s string) WritebackOrder {
 	}
 	return o
 }
+
+// sweepLogged is one background writeback sweep as the writeback goroutine
+// runs it, with a failure logged (the goroutine's backoff logs the first
+// failure of a run): tests drive the sweeps themselves.
+func sweepLogged(s *Set, v *Volume, n int) int {
+	done, err := s.writebackSweep(v, n)
+	if err != nil {
+		s.log.Warn("background writeback failed", "volume", v.name, "err", err)
+	}
+	return done
+}

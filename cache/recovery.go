@@ -757,6 +757,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		byName[b.Name] = b
 	}
 	s := newSet(cacheDev, sb, log)
+	s.noSpace = newRetryBackoff(log, "cache device writes (ENOSPC: the file system under the cache is full; writing around the cache)")
 	volBlocks := make([]uint64, len(sb.Backings))
 	var vols []*Volume
 	for i, bi := range sb.Backings {

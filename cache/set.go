@@ -61,9 +61,12 @@ type Set struct {
 	// random in commits (tests that look at the journal's records need
 	// them to stay in the journal).
 	fixedJournal atomic.Bool
-	durable      atomic.Uint64         // records durable on the cache device
-	failed       atomic.Pointer[error] // set by failover: passthrough mode (failover.go)
-	errRun       atomic.Int32          // cache data I/O errors in a row
+	// noSpace: cache data writes failing with ENOSPC, written around the
+	// cache (cacheIOError); its log lines are one per state change.
+	noSpace *retryBackoff
+	durable atomic.Uint64         // records durable on the cache device
+	failed  atomic.Pointer[error] // set by failover: passthrough mode (failover.go)
+	errRun  atomic.Int32          // cache data I/O errors in a row
 
 	// sbMu serializes superblock updates.
 	sbMu sync.Mutex
@@ -98,6 +101,7 @@ type Set struct {
 type setStats struct {
 	commits, journalBlocks, checkpoints, evictions, writebackBlocks, gcMoves atomic.Uint64
 	cacheErrors                                                              atomic.Uint64
+	cacheNoSpace                                                             atomic.Uint64
 }
 
 // newSet builds the Set of the superblock sb read from dev: no volume, an
@@ -131,6 +135,7 @@ func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
 	v.wb.kick = make(chan struct{}, 1)
 	v.wb.stop = make(chan struct{})
 	v.wb.done = make(chan struct{})
+	v.wb.retry = newRetryBackoff(s.log, "writeback to the backing device", "volume", bi.Name)
 	// Replayable: until a checkpoint shows otherwise, a recovery may find
 	// entries of the slot (Open replays them; a checkpoint clears it if
 	// empty).
@@ -291,6 +296,9 @@ type SetStats struct {
 	GCMoves uint64
 	// CacheErrors counts failed cache device I/Os (data and metadata).
 	CacheErrors uint64
+	// CacheNoSpaceErrors counts cache data writes that failed with ENOSPC
+	// (the cache file's file system is full) and went around the cache.
+	CacheNoSpaceErrors uint64
 	// Failed is set when the cache device failed and every volume is
 	// served from its backing device (passthrough; failover.go); Cause
 	// says why. UnreachableDirtyBlocks is then the dirty data (all
@@ -321,6 +329,7 @@ func (s *Set) Stats() SetStats {
 	st.WritebackBlocks = s.stats.writebackBlocks.Load()
 	st.GCMoves = s.stats.gcMoves.Load()
 	st.CacheErrors = s.stats.cacheErrors.Load()
+	st.CacheNoSpaceErrors = s.stats.cacheNoSpace.Load()
 	if err := s.err(); err != nil {
 		st.Failed, st.Cause, st.UnreachableDirtyBlocks = true, err.Error(), st.DirtyBlocks
 	}

@@ -148,6 +148,11 @@ type VolumeStats struct {
 	// ("space-wait", "sequential-bypass", "superseded", "order-change").
 	WritebackDegrades uint64
 	DegradeReason     string
+	// WritebackFailures counts background writeback batches that failed
+	// (a failing or full backing device); WritebackFailing is set while
+	// they keep failing and writeback retries with backoff (backoff.go).
+	WritebackFailures uint64
+	WritebackFailing  bool
 }
 
 // enter admits a client call (I/O, flush, settings); exit must follow. It
@@ -218,6 +223,9 @@ func (v *Volume) Stats() VolumeStats {
 		UnreachableReadErrors: v.st.unreachableReads.Load(), FencedWriteErrors: v.st.fencedWrites.Load(),
 		BackingSyncErrors: v.st.backingSyncErrors.Load(), EpochDeferBytes: v.st.epochDeferBytes.Load()}
 	v.fillOrderStats(&st)
+	if r := v.wb.retry; r != nil {
+		st.WritebackFailures, st.WritebackFailing = r.failures.Load(), r.failing.Load()
+	}
 	v.s.mu.Lock()
 	st.CachedBlocks, st.DirtyBlocks, st.SupersededBlocks = v.idx.Cached, v.idx.Dirty, v.idx.NSup
 	st.LostWriteBlocks = v.fo.lost
@@ -757,7 +765,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 			s.cacheIOError("write", err)
 			return v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFailed)
 		}
-		s.cacheIOOK()
+		s.cacheWriteOK()
 		var claim []blockRange
 		if !dirty {
 			v.orderBeforeBacking()

@@ -84,6 +84,8 @@ type wbState struct {
 	// throttleDebt is foreground throttle delay (ns) accrued and not yet
 	// slept (throttle).
 	throttleDebt atomic.Int64
+	// retry paces background writeback while it fails (backoff.go).
+	retry *retryBackoff
 }
 
 // wbYield is whether writeback yields to foreground read misses; the
@@ -253,7 +255,19 @@ func (s *Set) writebackLoop(v *Volume) {
 			n = int(min(max(rate*int64(wbTick)/int64(time.Second), 1), wbBatch))
 		}
 		start := time.Now()
-		done := s.writebackSweep(v, n)
+		done, err := s.writebackSweep(v, n)
+		if err != nil {
+			// A failing or full backing device: retry with backoff.
+			select {
+			case <-s.stop:
+				return
+			case <-v.wb.stop:
+				return
+			case <-time.After(v.wb.retry.Failed(err)):
+			}
+			continue
+		}
+		v.wb.retry.OK()
 		if rate > 0 {
 			// Pace: n blocks at rate blocks/s.
 			d := time.Duration(int64(max(done, 1)) * int64(time.Second) / rate)
@@ -304,14 +318,11 @@ func (s *Set) checkOrder(v *Volume) {
 }
 
 // writebackSweep writes back up to n dirty blocks of v from its cursor,
-// wrapping at the end of the volume, and returns how many were written.
-func (s *Set) writebackSweep(v *Volume, n int) int {
+// wrapping at the end of the volume, and returns how many were written and
+// the error of a batch that failed.
+func (s *Set) writebackSweep(v *Volume, n int) (int, error) {
 	if s.keepSuperseded(v.vi) {
-		written, err := s.writebackEpoch(v.vi, n)
-		if err != nil {
-			s.log.Warn("background writeback failed", "volume", v.name, "err", err)
-		}
-		return written
+		return s.writebackEpoch(v.vi, n)
 	}
 	for range 2 {
 		start := v.wb.cursor.Load()
@@ -333,17 +344,13 @@ func (s *Set) writebackSweep(v *Volume, n int) int {
 			}
 		}
 		if len(lbas) > 0 {
-			written, err := s.writeback(v.vi, lbas)
-			if err != nil {
-				s.log.Warn("background writeback failed", "volume", v.name, "err", err)
-			}
-			return written
+			return s.writeback(v.vi, lbas)
 		}
 		if start == 0 {
 			break
 		}
 	}
-	return 0
+	return 0, nil
 }
 
 // throttle delays a foreground write in writeback mode when dirty data

@@ -35,8 +35,10 @@ func allocateCache(path string, size int64) error {
 	free := int64(fs.Bavail) * fs.Bsize
 	switch {
 	case errors.Is(err, unix.ENOSPC):
-	case errors.Is(err, unix.EOPNOTSUPP) && free >= holes:
-		return nil // cannot allocate here, but it fits
+	case errors.Is(err, unix.EOPNOTSUPP) && (free >= holes || fs.Blocks == 0):
+		// Cannot allocate here, but it fits, or the file system does not
+		// say (a FUSE file system reporting no blocks).
+		return nil
 	case errors.Is(err, unix.EOPNOTSUPP):
 	default:
 		return fmt.Errorf("allocating the cache file %s: %w", path, err)
