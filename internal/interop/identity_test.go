@@ -105,7 +105,7 @@ func TestTrustBackingIdentity(t *testing.T) {
 	}
 
 	// The original set still opens, with its dirty data.
-	s := cs.serve(t)
+	s := cs.serve(t, "--data-dir", cs.dir)
 	out := run(t, time.Minute, "qemu-io", "-f", "raw", s.uri("vol"), "-c", "read -P 0x5a 0 1m")
 	if strings.Contains(out, "failed") {
 		t.Fatalf("the set lost its dirty data:\n%s", out)
@@ -150,7 +150,7 @@ func TestTrustLoopSwap(t *testing.T) {
 func TestTrustLocks(t *testing.T) {
 	need(t, "qemu-io")
 	cs := formatSet(t, 16*mib, 32*mib, []string{"vol"}, "--bucket-size", "256K")
-	s := cs.serve(t)
+	s := cs.serve(t, "--data-dir", cs.dir)
 	run(t, time.Minute, "qemu-io", "-f", "raw", s.uri("vol"), "-c", "write -P 0x3c 0 256k", "-c", "flush")
 	head := func() []byte {
 		f, err := os.Open(cs.cache)
@@ -181,7 +181,7 @@ func TestTrustLocks(t *testing.T) {
 	s.cmd.Process.Signal(syscall.SIGKILL)
 	<-s.done
 	s.waited = nil
-	s2 := cs.serve(t)
+	s2 := cs.serve(t, "--data-dir", cs.dir)
 	if out := run(t, time.Minute, "qemu-io", "-f", "raw", s2.uri("vol"), "-c", "read -P 0x3c 0 256k"); strings.Contains(out, "failed") {
 		t.Fatalf("flushed write lost:\n%s", out)
 	}
@@ -234,7 +234,7 @@ func TestTrustJournalTailDamage(t *testing.T) {
 	for _, kind := range []string{"random-last", "zeros-last", "random-all"} {
 		t.Run(kind, func(t *testing.T) {
 			cs := formatSet(t, 16*mib, 32*mib, []string{"vol"}, "--bucket-size", "256K")
-			s := cs.serve(t)
+			s := cs.serve(t, "--data-dir", cs.dir)
 			run(t, time.Minute, "qemu-io", "-f", "raw", s.uri("vol"), "-c", "write -P 0x77 8k 4k", "-c", "flush")
 			s.cmd.Process.Signal(syscall.SIGKILL)
 			<-s.done
@@ -256,9 +256,13 @@ func TestTrustJournalTailDamage(t *testing.T) {
 			t.Logf("check --cache:\n%s", out)
 			refused(t, []string{"acknowledged journal blocks lost", "serve with --force"},
 				"serve", "--cache", cs.cache, "--listen", "unix:"+filepath.Join(cs.dir, "x.sock"))
-			s2 := cs.serve(t, "--force")
+			s2 := cs.serve(t, "--force", "--data-dir", cs.dir)
 			if !strings.Contains(s2.log.String(), "recovering without acknowledged metadata") {
 				t.Errorf("serve --force did not log the loss:\n%s", s2.log)
+			}
+			// What is left is served: the lost write reads as before it.
+			if out := run(t, time.Minute, "qemu-io", "-f", "raw", s2.uri("vol"), "-c", "read -P 0 8k 4k"); strings.Contains(out, "failed") {
+				t.Errorf("after serve --force the lost block does not read as before the write:\n%s", out)
 			}
 		})
 	}
@@ -317,7 +321,7 @@ func TestTrustSuperblockCopyOffset(t *testing.T) {
 func TestTrustCheckpointFallbackWarns(t *testing.T) {
 	need(t, "qemu-io")
 	cs := formatSet(t, 16*mib, 32*mib, []string{"vol"}, "--bucket-size", "256K")
-	s := cs.serve(t)
+	s := cs.serve(t, "--data-dir", cs.dir)
 	run(t, time.Minute, "qemu-io", "-f", "raw", s.uri("vol"), "-c", "write -P 0x21 0 64k", "-c", "flush")
 	s.stop()
 	out := run(t, time.Minute, bin, "inspect", "superblock", "--cache", cs.cache)
@@ -337,7 +341,7 @@ func TestTrustCheckpointFallbackWarns(t *testing.T) {
 	if !strings.Contains(out, "WARNING:") || !strings.Contains(out, "is zeroed") {
 		t.Fatalf("check --cache did not warn of the checkpoint fallback:\n%s", out)
 	}
-	s2 := cs.serve(t)
+	s2 := cs.serve(t, "--data-dir", cs.dir)
 	if out := run(t, time.Minute, "qemu-io", "-f", "raw", s2.uri("vol"), "-c", "read -P 0x21 0 64k"); strings.Contains(out, "failed") {
 		t.Fatalf("data lost after the fallback:\n%s", out)
 	}
