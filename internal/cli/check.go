@@ -143,9 +143,16 @@ func checkOffline(cmd *cobra.Command, g *globals, path string, asJSON bool) erro
 		return fmt.Errorf("check: %w", err)
 	}
 	im := rep.Image
+	var extra []string // the backing devices, and how to get past a journal loss
+	if im.SB != nil {
+		extra = append(extra, checkBackings(im.SB)...)
+	}
+	if cache.IsJournalLoss(rep.OpenErr) {
+		extra = append(extra, fmt.Sprintf("'tiercache serve --cache %s' refuses this set; with --force it serves what is left (the lost writes stay undone)", path))
+	}
 	if asJSON {
-		problems := append(append([]string{}, rep.Problems...), rep.Scrub.Problems...)
-		out := map[string]any{"cache_device": path, "superblock_copies": plainJSON(im.Copies), "scrub": plainJSON(rep.Scrub), "problems": problems}
+		problems := append(append(append([]string{}, rep.Problems...), extra...), rep.Scrub.Problems...)
+		out := map[string]any{"cache_device": path, "superblock_copies": plainJSON(im.Copies), "scrub": plainJSON(rep.Scrub), "problems": problems, "warnings": im.Warnings}
 		if im.SB != nil {
 			out["set_uuid"], out["backings"], out["clean_shutdown"] = fmtUUID(im.SB.SetUUID), im.SB.LiveBackings(), im.SB.Clean
 			out["checkpoint_generation"], out["journal_blocks"], out["records_replayed"] = im.Generation, im.JournalBlocks, im.Records
@@ -179,13 +186,7 @@ func checkOffline(cmd *cobra.Command, g *globals, path string, asJSON bool) erro
 	for _, w := range im.Warnings {
 		fmt.Fprintln(g.stdout, "WARNING:", w)
 	}
-	problems := append([]string(nil), rep.Problems...)
-	if cache.IsJournalLoss(rep.OpenErr) {
-		problems = append(problems, fmt.Sprintf("'tiercache serve --cache %s' refuses this set; with --force it serves what is left (the lost writes stay undone)", path))
-	}
-	if im.SB != nil {
-		problems = append(problems, checkBackings(im.SB)...)
-	}
+	problems := append(append([]string(nil), rep.Problems...), extra...)
 	problems = append(problems, s.Problems...)
 	if n := s.ProblemsTotal - int64(len(s.Problems)); n > 0 {
 		problems = append(problems, fmt.Sprintf("... and %d more checksum problems", n))
