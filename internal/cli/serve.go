@@ -371,6 +371,10 @@ func run2(ctx context.Context, log *slog.Logger, srv *nbd.Server, specs []listen
 			}
 		}()
 	}
+	// From here on SIGTERM is a clean stop and every export is served:
+	// scripts and tests wait for this line, not for the sockets, which
+	// exist (and queue connections) before the cache set is open.
+	log.Info("serving", "listeners", len(listeners))
 	var err error
 	select {
 	case <-ctx.Done():

@@ -131,10 +131,14 @@ func startServerBin(t *testing.T, bin, sock string, args ...string) *server {
 	t.Cleanup(func() { s.stop() })
 	deadline := time.Now().Add(20 * time.Second)
 	for {
-		c, err := net.Dial("unix", sock)
-		if err == nil {
-			c.Close()
-			return s
+		// Ready once its log says "serving": the socket accepts (into its
+		// backlog) before the cache set is open and SIGTERM is handled.
+		if strings.Contains(s.log.String(), "msg=serving") {
+			c, err := net.Dial("unix", sock)
+			if err == nil {
+				c.Close()
+				return s
+			}
 		}
 		select {
 		case <-s.done:

@@ -638,9 +638,12 @@ func TestStopDuringAdminFlush(t *testing.T) {
 	}
 
 	s2 := startServer(t, "--cache", cachePath, "--data-dir", dd)
+	// serve binds its listeners before it opens the cache set: the
+	// recovery's log line may come after the socket answers.
+	waitFor(t, time.Minute, func() bool { return dirtyRE.MatchString(s2.log.String()) }, "the restart's cache set open line")
 	m := dirtyRE.FindStringSubmatch(s2.log.String())
-	if m == nil || m[1] == "0" {
-		t.Errorf("restart found no dirty data: the stop wrote everything back or lost it\n%s", s2.log)
+	if m[1] == "0" {
+		t.Fatalf("restart found no dirty data: the stop wrote everything back or lost it\n%s", s2.log)
 	}
 	job[2] = "--uri=" + s2.uri("vol")
 	checkFio(t, run(t, 5*time.Minute, "fio", append(job, "--verify_only=1")...))
