@@ -336,6 +336,9 @@ func TestAdminTCPAuth(t *testing.T) {
 
 	// Refused at start-up: a token file others may read, a socket
 	// directory others may write.
+	// Their own disk: p.img is locked by the server above, and that
+	// refusal would come first.
+	img = sparseFile(t, dir, "q.img", mib)
 	loose := filepath.Join(dir, "loose.token")
 	os.WriteFile(loose, []byte(token+"\n"), 0o644)
 	out, err := runErr(30*time.Second, bin, "serve", "--export", "p="+img, "--listen", "unix:"+filepath.Join(dir, "q.sock"), "--admin", "none",
