@@ -71,14 +71,7 @@ var badNames = []string{"../x", "a\nb", "a\x1b[31mred", "a/b", "-x", strings.Rep
 func TestExportNameRules(t *testing.T) {
 	dir := t.TempDir()
 	img := sparseFile(t, dir, "d.img", 8*mib)
-	disk := sparseFile(t, dir, "disk.img", 8*mib)
-	cachePath := sparseFile(t, dir, "cache.img", 16*mib)
-	run(t, time.Minute, bin, "format", "--cache", cachePath, "--backing", "disk="+disk, "--bucket-size", "256K")
-	sock := filepath.Join(dir, "nbd.sock")
-	adminSock := filepath.Join(dir, "admin.sock")
-	startServerRaw(t, sock, "serve", "--cache", cachePath, "--listen", "unix:"+sock, "--admin", adminSock)
-	waitDial(t, "unix", adminSock)
-	hc := unixHTTP(adminSock)
+	hc, adminSock := serveDiskSet(t, dir)
 	const want = "invalid export name"
 	for i, name := range badNames {
 		other := filepath.Join(dir, fmt.Sprintf("o%d.img", i))
@@ -123,14 +116,7 @@ func TestExportNameRules(t *testing.T) {
 // ignored. Now the first gets 413 saying so and the second 400.
 func TestAdminBodyLimits(t *testing.T) {
 	dir := t.TempDir()
-	disk := sparseFile(t, dir, "disk.img", 8*mib)
-	cachePath := sparseFile(t, dir, "cache.img", 16*mib)
-	run(t, time.Minute, bin, "format", "--cache", cachePath, "--backing", "disk="+disk, "--bucket-size", "256K")
-	sock := filepath.Join(dir, "nbd.sock")
-	adminSock := filepath.Join(dir, "admin.sock")
-	startServerRaw(t, sock, "serve", "--cache", cachePath, "--listen", "unix:"+sock, "--admin", adminSock)
-	waitDial(t, "unix", adminSock)
-	hc := unixHTTP(adminSock)
+	hc, _ := serveDiskSet(t, dir)
 	other := sparseFile(t, dir, "other.img", 8*mib)
 	huge := `{"cache_mode": "writethrough", "pad": "` + strings.Repeat("x", 2<<20) + `"}`
 	for _, c := range []struct {
@@ -353,4 +339,20 @@ func TestAdminTCPAuth(t *testing.T) {
 	if err == nil || !strings.Contains(out, "other users may replace the socket; 'chmod go-w") {
 		t.Errorf("serve with the admin socket in a 0777 directory: err %v\n%s", err, out)
 	}
+}
+
+// serveDiskSet formats a cache set in dir with one 8 MiB backing "disk",
+// serves it with its admin API on a unix socket, and returns an HTTP
+// client of that socket and its path.
+func serveDiskSet(t *testing.T, dir string) (*http.Client, string) {
+	t.Helper()
+	disk := sparseFile(t, dir, "disk.img", 8*mib)
+	cachePath := sparseFile(t, dir, "cache.img", 16*mib)
+	run(t, time.Minute, bin, "format", "--cache", cachePath, "--backing", "disk="+disk, "--bucket-size", "256K")
+	sock := filepath.Join(dir, "nbd.sock")
+	adminSock := filepath.Join(dir, "admin.sock")
+	startServerRaw(t, sock, "serve", "--cache", cachePath, "--listen", "unix:"+sock, "--admin", adminSock)
+	waitDial(t, "unix", adminSock)
+	hc := unixHTTP(adminSock)
+	return hc, adminSock
 }
