@@ -1,0 +1,716 @@
+// Package nbddev is a device.Device on an NBD export: any qemu-nbd, nbdkit,
+// nbd-server, rbd-nbd or tiercache export can be a backing device.
+//
+// Mapping. ReadAt and WriteAt are NBD READ and WRITE, split to the
+// server's maximum block size by the client, and widened to its minimum
+// block size by read-modify-write when a request is not aligned to it. Sync
+// is FLUSH (nothing when the server does not advertise SEND_FLUSH: it then
+// has no write cache to flush). Discard is TRIM when the server advertises
+// SEND_TRIM and nothing otherwise (the contract leaves a discarded range
+// unspecified). WriteZeroes is WRITE_ZEROES when advertised, else zero
+// buffers. Structured replies are used when the server offers them. When
+// the server advertises CAN_MULTI_CONN, Target.Conns connections (default
+// DefaultConns) share the requests; a FLUSH on any of them then covers the
+// writes completed on all of them, as the protocol promises.
+//
+// Outages. A connection that fails is not an error of the device: the
+// requests on it are re-sent once the device has reconnected, which it
+// does in the background with backoff (100 ms doubling to 5 s). A request
+// waits for the link while it has been down for less than
+// Options.OutageTimeout; once the outage is older, requests fail at once
+// with an *device.IOError wrapping syscall.EIO and ErrLinkDown, until the
+// link is back. An error reply from the server (EIO, ENOSPC, ...) is the
+// server's answer and is returned, not retried.
+//
+// Durability across reconnects. The server may have lost writes it
+// acknowledged but no FLUSH covered when its connection ended (it may have
+// restarted). Each connection set is a generation; a write completed on a
+// generation that ended before a FLUSH covered it makes the next Sync fail
+// with ErrNotDurable (wrapping syscall.EIO), once: the caller must write
+// the data again (writeback keeps such blocks dirty and retries), and the
+// Sync after that covers only what was written since.
+//
+// Identity. Every reconnection must find the same export: the same size
+// and the same description (the marker an identity records, see
+// internal/backingid). An export that comes back different is refused
+// loudly (logged at error level, requests fail with ErrRefused) and the
+// device keeps trying, in case the right one comes back.
+package nbddev
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/nbd"
+	"golang.org/x/sys/unix"
+)
+
+const (
+	// DefaultConns is the number of connections opened to a server that
+	// advertises CAN_MULTI_CONN, unless the URI says otherwise.
+	DefaultConns = 4
+	// MaxConns bounds x-multi-conn.
+	MaxConns = 64
+	// DefaultOutageTimeout is how long requests wait for a lost link to
+	// come back before failing with EIO.
+	DefaultOutageTimeout = 30 * time.Second
+	// DefaultDialTimeout bounds one connection attempt and its handshake.
+	DefaultDialTimeout = 10 * time.Second
+
+	reconnectMin = 100 * time.Millisecond
+	reconnectMax = 5 * time.Second
+	// tcpUserTimeout makes the kernel fail a TCP connection whose sent
+	// data stays unacknowledged this long (a host that vanished without a
+	// reset), so that the outage is noticed instead of waited out.
+	tcpUserTimeout = 15 * time.Second
+	// maxMinBlock is the largest minimum block size accepted.
+	maxMinBlock = 64 << 10
+)
+
+var (
+	// ErrLinkDown is wrapped by the errors of requests that failed because
+	// the server has been unreachable for longer than the outage timeout.
+	ErrLinkDown = errors.New("nbddev: remote unreachable")
+	// ErrNotDurable is wrapped by a Sync error when writes completed on a
+	// connection that ended before a FLUSH covered them: the server may
+	// have lost them, and they must be written again.
+	ErrNotDurable = errors.New("nbddev: the connection ended before a flush covered earlier writes; they may be lost and must be written again")
+	// ErrRefused is wrapped by request errors while the server that
+	// answers is not the export the device was opened on.
+	ErrRefused = errors.New("nbddev: remote export changed")
+)
+
+// Options configures Open.
+type Options struct {
+	// ReadOnly refuses writes, discards and write-zeroes (ErrReadOnly).
+	ReadOnly bool
+	// OutageTimeout is how long a request waits for a lost link; 0 means
+	// DefaultOutageTimeout.
+	OutageTimeout time.Duration
+	// DialTimeout bounds each connection attempt; 0 means
+	// DefaultDialTimeout.
+	DialTimeout time.Duration
+	// Log receives link state changes; nil discards them.
+	Log *slog.Logger
+}
+
+// Device is a device.Device on an NBD export. Safe for concurrent use.
+type Device struct {
+	t    Target
+	name string // t.String(), for errors and logs
+	opts Options
+	log  *slog.Logger
+	co   nbd.ClientOptions
+
+	// Fixed by the first connection; every reconnection must match.
+	size     int64
+	flags    uint16
+	desc     string
+	minBlock int64
+
+	rr  atomic.Uint64 // round-robin over connections
+	rmw sync.RWMutex  // held for writing by unaligned read-modify-writes
+
+	done chan struct{} // closed by Close: stops the reconnect loop
+
+	mu struct {
+		sync.Mutex               // guards the fields below
+		gen        uint64        // current connection generation
+		conns      []*nbd.Client // of gen; nil while the link is down
+		up         chan struct{} // closed when the link comes back
+		downSince  time.Time
+		downErr    error // why the link went down, or why reconnecting fails
+		refused    bool  // downErr is a refusal (a different export)
+		dirty      bool  // a write completed on gen since the last flush began
+		lost       bool  // a write completed on an ended generation, unflushed
+		closed     bool
+		stats      Stats
+	}
+}
+
+// Stats describes the link, for status and metrics.
+type Stats struct {
+	Up             bool          // connected
+	Conns          int           // connections in the current generation
+	Reconnects     uint64        // successful reconnections
+	Outages        uint64        // times the link went down
+	DownFor        time.Duration // length of the current outage (0 when up)
+	DownTotal      time.Duration // time spent disconnected, current outage included
+	NotDurable     uint64        // Syncs failed with ErrNotDurable
+	LastError      string        // why the link last went down or failed to come back
+	Refused        bool          // the server now answering is not this export
+	MultiConn      bool          // the server advertises CAN_MULTI_CONN
+	FlushAdvised   bool          // the server advertises SEND_FLUSH
+	Description    string        // the export's description (the identity marker)
+	MinBlockSize   int64
+	ReadOnlyByPeer bool // the server exports it read-only
+}
+
+var (
+	_ device.Device    = (*Device)(nil)
+	_ device.Discarder = (*Device)(nil)
+	_ device.Zeroer    = (*Device)(nil)
+)
+
+// Open connects to the export named by uri (see ParseURI). The first
+// connection must succeed: a remote that cannot be reached when the
+// device is opened is an error, not an outage.
+func Open(ctx context.Context, uri string, opts Options) (*Device, error) {
+	t, err := ParseURI(uri)
+	if err != nil {
+		return nil, err
+	}
+	return OpenTarget(ctx, t, opts)
+}
+
+// OpenTarget is Open with a parsed URI.
+func OpenTarget(ctx context.Context, t Target, opts Options) (*Device, error) {
+	if opts.OutageTimeout <= 0 {
+		opts.OutageTimeout = DefaultOutageTimeout
+	}
+	if opts.DialTimeout <= 0 {
+		opts.DialTimeout = DefaultDialTimeout
+	}
+	log := opts.Log
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	tc, err := t.tlsConfig()
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", t, err)
+	}
+	d := &Device{t: t, name: t.String(), opts: opts, log: log.With("remote", t.String()), done: make(chan struct{})}
+	d.co = nbd.ClientOptions{StructuredReplies: true, TLSConfig: tc}
+	conns, err := d.dial(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", t, err)
+	}
+	c := conns[0]
+	d.size, d.flags, d.desc = c.Size(), c.Flags(), c.Description()
+	minB, _, _ := c.BlockSizes()
+	d.minBlock = max(int64(minB), 1)
+	if d.minBlock > maxMinBlock || d.minBlock&(d.minBlock-1) != 0 {
+		closeAll(conns)
+		return nil, fmt.Errorf("%s: minimum block size %d is not a power of two up to %d", t, d.minBlock, maxMinBlock)
+	}
+	if opts.ReadOnly {
+		d.flags |= nbd.FlagReadOnly
+	}
+	d.mu.gen = 1
+	d.mu.conns = conns
+	d.mu.up = make(chan struct{})
+	close(d.mu.up)
+	return d, nil
+}
+
+// dial opens the connections of one generation: one, and more when the
+// server advertises CAN_MULTI_CONN.
+func (d *Device) dial(ctx context.Context) ([]*nbd.Client, error) {
+	one := func() (*nbd.Client, error) {
+		ctx, cancel := context.WithTimeout(ctx, d.opts.DialTimeout)
+		defer cancel()
+		nd := net.Dialer{KeepAliveConfig: net.KeepAliveConfig{Enable: true, Idle: 5 * time.Second, Interval: 5 * time.Second, Count: 3}}
+		nc, err := nd.DialContext(ctx, d.t.Network, d.t.Addr)
+		if err != nil {
+			return nil, err
+		}
+		if tc, ok := nc.(*net.TCPConn); ok {
+			if rc, err := tc.SyscallConn(); err == nil {
+				rc.Control(func(fd uintptr) {
+					unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_USER_TIMEOUT, int(tcpUserTimeout/time.Millisecond))
+				})
+			}
+		}
+		c, err := nbd.NewClient(ctx, nc, d.t.Export, d.co)
+		if err != nil {
+			nc.Close()
+			return nil, err
+		}
+		return c, nil
+	}
+	first, err := one()
+	if err != nil {
+		return nil, err
+	}
+	conns := []*nbd.Client{first}
+	if first.Flags()&nbd.FlagCanMultiConn != 0 {
+		n := d.t.Conns
+		if n == 0 {
+			n = DefaultConns
+		}
+		for len(conns) < n {
+			c, err := one()
+			if err != nil {
+				closeAll(conns)
+				return nil, err
+			}
+			conns = append(conns, c)
+		}
+	}
+	return conns, nil
+}
+
+func closeAll(conns []*nbd.Client) {
+	for _, c := range conns {
+		c.Close()
+	}
+}
+
+// Target returns the parsed URI the device was opened with.
+func (d *Device) Target() Target { return d.t }
+
+// Description returns the export's description as the server sent it when
+// the device was opened ("" if none): the marker its identity records.
+func (d *Device) Description() string { return d.desc }
+
+// Size returns the export size.
+func (d *Device) Size() int64 { return d.size }
+
+// Stats returns the link's state and counters.
+func (d *Device) Stats() Stats {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	s := d.mu.stats
+	s.Up = d.mu.conns != nil
+	s.Conns = len(d.mu.conns)
+	if !s.Up && !d.mu.closed {
+		s.DownFor = time.Since(d.mu.downSince)
+		s.DownTotal += s.DownFor
+	}
+	if d.mu.downErr != nil {
+		s.LastError = d.mu.downErr.Error()
+	}
+	s.Refused = d.mu.refused
+	s.MultiConn = d.flags&nbd.FlagCanMultiConn != 0
+	s.FlushAdvised = d.flags&nbd.FlagSendFlush != 0
+	s.Description = d.desc
+	s.MinBlockSize = d.minBlock
+	s.ReadOnlyByPeer = d.flags&nbd.FlagReadOnly != 0 && !d.opts.ReadOnly
+	return s
+}
+
+// conn returns a connection of the current generation, waiting for the
+// link while its outage is younger than the outage timeout.
+func (d *Device) conn() (*nbd.Client, uint64, error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.connLocked()
+}
+
+// REQUIRES: d.mu (released while waiting)
+func (d *Device) connLocked() (*nbd.Client, uint64, error) {
+	for {
+		if d.mu.closed {
+			return nil, 0, device.ErrClosed
+		}
+		if cs := d.mu.conns; cs != nil {
+			return cs[d.rr.Add(1)%uint64(len(cs))], d.mu.gen, nil
+		}
+		if d.mu.refused {
+			return nil, 0, fmt.Errorf("%w: %w: %w", syscall.EIO, ErrRefused, d.mu.downErr)
+		}
+		wait := d.opts.OutageTimeout - time.Since(d.mu.downSince)
+		if wait <= 0 {
+			return nil, 0, fmt.Errorf("%w: %w for %s: %w", syscall.EIO, ErrLinkDown,
+				time.Since(d.mu.downSince).Round(time.Millisecond), d.mu.downErr)
+		}
+		up := d.mu.up
+		d.mu.Unlock()
+		t := time.NewTimer(wait)
+		select {
+		case <-up:
+		case <-t.C:
+		case <-d.done:
+		}
+		t.Stop()
+		d.mu.Lock()
+	}
+}
+
+// linkFailed ends generation gen after err on one of its connections, and
+// starts reconnecting. Calls for a generation already ended do nothing.
+func (d *Device) linkFailed(gen uint64, err error) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if gen != d.mu.gen || d.mu.conns == nil || d.mu.closed {
+		return
+	}
+	old := d.mu.conns
+	d.mu.conns = nil
+	d.mu.gen++
+	if d.mu.dirty {
+		d.mu.lost = true
+		d.mu.dirty = false
+	}
+	d.mu.downSince = time.Now()
+	d.mu.downErr = err
+	d.mu.up = make(chan struct{})
+	d.mu.stats.Outages++
+	d.log.Warn("nbd backing: link down; requests wait for it to come back, then fail with EIO",
+		"err", err, "outage_timeout", d.opts.OutageTimeout)
+	go closeAll(old)
+	go d.reconnect(d.mu.gen)
+}
+
+// reconnect dials until it has a new generation of connections to the
+// same export, or the device is closed.
+func (d *Device) reconnect(gen uint64) {
+	wait := reconnectMin
+	failing := ""
+	for attempt := 1; ; attempt++ {
+		t := time.NewTimer(wait)
+		select {
+		case <-d.done:
+			t.Stop()
+			return
+		case <-t.C:
+		}
+		wait = min(2*wait, reconnectMax)
+		ctx, cancel := context.WithCancel(context.Background())
+		go func() {
+			select {
+			case <-d.done:
+				cancel()
+			case <-ctx.Done():
+			}
+		}()
+		conns, err := d.dial(ctx)
+		cancel()
+		refused := false
+		if err == nil {
+			if err = d.same(conns[0]); err != nil {
+				refused = true
+				closeAll(conns)
+			}
+		}
+		d.mu.Lock()
+		if d.mu.closed || d.mu.gen != gen {
+			d.mu.Unlock()
+			if err == nil {
+				closeAll(conns)
+			}
+			return
+		}
+		if err != nil {
+			d.mu.downErr = err
+			d.mu.refused = refused
+			d.mu.Unlock()
+			if msg := err.Error(); msg != failing {
+				failing = msg
+				if refused {
+					d.log.Error("nbd backing: REFUSED the export now served at this address: it is not the one this cache set was attached to; requests fail with EIO until the right export is back",
+						"err", err, "attempt", attempt)
+				} else {
+					d.log.Warn("nbd backing: reconnect failing; retrying with backoff", "err", err, "attempt", attempt, "retry_in", wait)
+				}
+			}
+			continue
+		}
+		down := time.Since(d.mu.downSince)
+		d.mu.conns = conns
+		d.mu.refused = false
+		d.mu.stats.Reconnects++
+		d.mu.stats.DownTotal += down
+		close(d.mu.up)
+		d.mu.Unlock()
+		d.log.Info("nbd backing: link up again", "down_for", down.Round(time.Millisecond), "attempts", attempt, "conns", len(conns))
+		return
+	}
+}
+
+// same checks that a new connection reaches the export the device was
+// opened on.
+func (d *Device) same(c *nbd.Client) error {
+	if c.Size() != d.size {
+		return fmt.Errorf("%w: export size is now %d bytes, was %d", ErrRefused, c.Size(), d.size)
+	}
+	if c.Description() != d.desc {
+		return fmt.Errorf("%w: export description is now %q, was %q", ErrRefused, c.Description(), d.desc)
+	}
+	if c.Flags()&nbd.FlagReadOnly != 0 && d.flags&nbd.FlagReadOnly == 0 {
+		return fmt.Errorf("%w: export is now read-only", ErrRefused)
+	}
+	return nil
+}
+
+// isReply reports whether err is the server's answer to a request (as
+// opposed to a connection that failed). ESHUTDOWN is the server going away
+// and counts as a connection failure.
+func isReply(err error) bool {
+	var ne *nbd.Error
+	return errors.As(err, &ne) && ne.Errno != nbd.ESHUTDOWN
+}
+
+// do runs f on a connection, re-running it on the next generation when the
+// connection fails, and returns the generation it succeeded on.
+func (d *Device) do(f func(c *nbd.Client) error) (uint64, error) {
+	for {
+		c, gen, err := d.conn()
+		if err != nil {
+			return 0, err
+		}
+		err = f(c)
+		if err == nil || isReply(err) {
+			return gen, err
+		}
+		d.linkFailed(gen, err)
+	}
+}
+
+func (d *Device) ioErr(op string, off, n int64, err error) error {
+	if errors.Is(err, device.ErrClosed) || errors.Is(err, device.ErrReadOnly) || errors.Is(err, device.ErrOutOfRange) {
+		return err
+	}
+	return &device.IOError{Op: op, Path: d.name, Off: off, Len: n, Err: err}
+}
+
+func (d *Device) closed() bool {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.mu.closed
+}
+
+// ReadAt reads len(p) bytes at off.
+func (d *Device) ReadAt(p []byte, off int64) (int, error) {
+	if d.closed() {
+		return 0, device.ErrClosed
+	}
+	if err := device.CheckRange(off, int64(len(p)), d.size); err != nil {
+		return 0, device.RangeError("read", off, int64(len(p)), d.size)
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	var err error
+	if lo, hi := d.widen(off, int64(len(p))); lo != off || hi != off+int64(len(p)) {
+		b := make([]byte, hi-lo)
+		_, err = d.do(func(c *nbd.Client) error { return c.ReadAt(b, lo) })
+		copy(p, b[off-lo:])
+	} else {
+		_, err = d.do(func(c *nbd.Client) error { return c.ReadAt(p, off) })
+	}
+	if err != nil {
+		return 0, d.ioErr("read", off, int64(len(p)), err)
+	}
+	return len(p), nil
+}
+
+// widen returns [off, off+n) widened to the minimum block size.
+func (d *Device) widen(off, n int64) (lo, hi int64) {
+	m := d.minBlock
+	return off &^ (m - 1), (off + n + m - 1) &^ (m - 1)
+}
+
+// WriteAt writes p at off.
+func (d *Device) WriteAt(p []byte, off int64) (int, error) {
+	if err := d.writable(); err != nil {
+		return 0, err
+	}
+	if err := device.CheckRange(off, int64(len(p)), d.size); err != nil {
+		return 0, device.RangeError("write", off, int64(len(p)), d.size)
+	}
+	if len(p) == 0 {
+		return 0, nil
+	}
+	var gen uint64
+	var err error
+	if lo, hi := d.widen(off, int64(len(p))); lo != off || hi != off+int64(len(p)) {
+		// Read-modify-write of the blocks the request touches. No other
+		// write may run meanwhile: it could land in the same blocks and be
+		// overwritten with the old bytes read here.
+		d.rmw.Lock()
+		b := make([]byte, hi-lo)
+		gen, err = d.do(func(c *nbd.Client) error {
+			if err := c.ReadAt(b, lo); err != nil {
+				return err
+			}
+			copy(b[off-lo:], p)
+			return c.WriteAt(b, lo, false)
+		})
+		d.rmw.Unlock()
+	} else {
+		d.rmw.RLock()
+		gen, err = d.do(func(c *nbd.Client) error { return c.WriteAt(p, off, false) })
+		d.rmw.RUnlock()
+	}
+	if err != nil {
+		return 0, d.ioErr("write", off, int64(len(p)), err)
+	}
+	d.wrote(gen)
+	return len(p), nil
+}
+
+// wrote records a write completed on generation gen.
+func (d *Device) wrote(gen uint64) {
+	d.mu.Lock()
+	if gen == d.mu.gen && d.mu.conns != nil {
+		d.mu.dirty = true
+	} else {
+		d.mu.lost = true
+	}
+	d.mu.Unlock()
+}
+
+func (d *Device) writable() error {
+	if d.closed() {
+		return device.ErrClosed
+	}
+	if d.flags&nbd.FlagReadOnly != 0 {
+		return device.ErrReadOnly
+	}
+	return nil
+}
+
+// Sync sends FLUSH. It fails with ErrNotDurable when an earlier write
+// completed on a connection that ended before a flush covered it.
+func (d *Device) Sync() error {
+	if d.closed() {
+		return device.ErrClosed
+	}
+	if d.flags&nbd.FlagSendFlush == 0 {
+		return nil
+	}
+	for {
+		d.mu.Lock()
+		c, gen, err := d.connLocked()
+		if err != nil {
+			d.mu.Unlock()
+			return d.ioErr("sync", 0, 0, err)
+		}
+		lost, dirty := d.mu.lost, d.mu.dirty
+		d.mu.lost, d.mu.dirty = false, false
+		if lost {
+			d.mu.stats.NotDurable++
+			d.mu.Unlock()
+			d.log.Warn("nbd backing: flush refused: writes completed on a connection that ended before a flush covered them; the server may have lost them")
+			return d.ioErr("sync", 0, 0, fmt.Errorf("%w: %w", syscall.EIO, ErrNotDurable))
+		}
+		d.mu.Unlock()
+		err = c.Flush()
+		if err == nil {
+			return nil
+		}
+		if isReply(err) {
+			d.mu.Lock()
+			if dirty {
+				if gen == d.mu.gen {
+					d.mu.dirty = true
+				} else {
+					d.mu.lost = true
+				}
+			}
+			d.mu.Unlock()
+			return d.ioErr("sync", 0, 0, err)
+		}
+		d.linkFailed(gen, err)
+		if dirty {
+			d.mu.Lock()
+			d.mu.lost = true
+			d.mu.Unlock()
+		}
+		// Without unflushed writes of the ended generation, a flush on
+		// the next one is all that is asked: loop. With them, the next
+		// round fails with ErrNotDurable.
+	}
+}
+
+// Discard sends TRIM for the whole minimum-size blocks of the range when
+// the server supports it; otherwise it does nothing, which the Discarder
+// contract allows.
+func (d *Device) Discard(off, length int64) error {
+	if err := d.writable(); err != nil {
+		return err
+	}
+	if err := device.CheckRange(off, length, d.size); err != nil {
+		return device.RangeError("discard", off, length, d.size)
+	}
+	if d.flags&nbd.FlagSendTrim == 0 || length == 0 {
+		return nil
+	}
+	// Only the whole minimum-size blocks inside the range are trimmed:
+	// the contract allows the edges to keep their data.
+	m := d.minBlock
+	lo, hi := (off+m-1)&^(m-1), (off+length)&^(m-1)
+	if hi <= lo {
+		return nil
+	}
+	d.rmw.RLock()
+	gen, err := d.do(func(c *nbd.Client) error { return c.Trim(lo, hi-lo, false) })
+	d.rmw.RUnlock()
+	if err != nil {
+		return d.ioErr("discard", lo, hi-lo, err)
+	}
+	d.wrote(gen)
+	return nil
+}
+
+// WriteZeroes sends WRITE_ZEROES when the server supports it (unaligned
+// edges as zero writes), else writes zero buffers.
+func (d *Device) WriteZeroes(off, length int64) error {
+	if err := d.writable(); err != nil {
+		return err
+	}
+	if err := device.CheckRange(off, length, d.size); err != nil {
+		return device.RangeError("write-zeroes", off, length, d.size)
+	}
+	if length == 0 {
+		return nil
+	}
+	m := d.minBlock
+	lo, hi := (off+m-1)&^(m-1), (off+length)&^(m-1)
+	if d.flags&nbd.FlagSendWriteZeroes == 0 || hi <= lo {
+		return d.zeroBuffers(off, length)
+	}
+	if lo > off {
+		if err := d.zeroBuffers(off, lo-off); err != nil {
+			return err
+		}
+	}
+	d.rmw.RLock()
+	gen, err := d.do(func(c *nbd.Client) error { return c.WriteZeroes(lo, hi-lo, false, true, false) })
+	d.rmw.RUnlock()
+	if err != nil {
+		return d.ioErr("write-zeroes", lo, hi-lo, err)
+	}
+	d.wrote(gen)
+	if hi < off+length {
+		return d.zeroBuffers(hi, off+length-hi)
+	}
+	return nil
+}
+
+func (d *Device) zeroBuffers(off, length int64) error {
+	z := make([]byte, min(length, 1<<20))
+	for length > 0 {
+		n := min(length, int64(len(z)))
+		if _, err := d.WriteAt(z[:n], off); err != nil {
+			return err
+		}
+		off, length = off+n, length-n
+	}
+	return nil
+}
+
+// Close closes the connections and stops reconnecting. It does not flush.
+func (d *Device) Close() error {
+	d.mu.Lock()
+	if d.mu.closed {
+		d.mu.Unlock()
+		return nil
+	}
+	d.mu.closed = true
+	conns := d.mu.conns
+	d.mu.conns = nil
+	close(d.done)
+	d.mu.Unlock()
+	closeAll(conns)
+	return nil
+}
