@@ -6,17 +6,21 @@
 // An identity is a string "SCHEME:VALUE"; the scheme says what it was
 // derived from, and two identities match only when equal:
 //
-//   - a regular file: a random UUID kept in the extended attribute
-//     user.tiercache.id (no scheme prefix, as sets have always recorded
-//     it). Extended attributes travel with the inode (not the path),
-//     survive renames, and are not part of the file's data; a copy made
-//     without them (cp, rsync without -X, most restores) has none.
+//   - a regular file: "UUID/ino:N/born:SECONDS.NANOS", a random UUID kept
+//     in the extended attribute user.tiercache.id, then the file's inode
+//     number and birth time (statx; "/born:" is left out where the file
+//     system keeps none). Both survive renames and reboots and are not
+//     part of the file's data. A copy made without the attribute (cp,
+//     rsync without -X, most restores) has no UUID; a copy made with it
+//     (cp -a, rsync -X, a restore that keeps xattrs) carries the UUID but
+//     is another inode, born later: no copy carries all three.
 //   - a block device, by what survives reboots and re-plugging, in this
 //     order: the hardware WWID or serial under /sys/dev/block ("hw:"), a
 //     device-mapper or md UUID ("dm:", "md:"), a partition's UUID or its
 //     disk's hardware identity plus the partition number ("partuuid:",
 //     "hw:...-partN"), a loop device's backing file ("loop:" plus that
-//     file's identity), a /dev/disk/by-id link ("by-id:").
+//     file's identity, so a loop device over a copy is not the disk
+//     either), a /dev/disk/by-id link ("by-id:").
 //   - "path:ABSPATH": nothing identifies the device and the operator said
 //     its path does (--trust-path). A different disk appearing at that
 //     path is not caught.
@@ -77,7 +81,7 @@ func Read(path string) (Identity, error) {
 	if fi.Mode()&os.ModeDevice != 0 {
 		return Identity{ID: blockID(fi)}, nil
 	}
-	id, err := getxattr(path, xattrID)
+	id, err := fileID(path)
 	if err != nil {
 		return Identity{}, err
 	}
@@ -86,6 +90,43 @@ func Read(path string) (Identity, error) {
 		return Identity{}, err
 	}
 	return Identity{ID: id, Set: set}, nil
+}
+
+// fileID is the identity of the regular file at path: its UUID attribute
+// and its inode's fingerprint, or "" if it has no UUID attribute.
+func fileID(path string) (string, error) {
+	u, err := getxattr(path, xattrID)
+	if err != nil || u == "" {
+		return "", err
+	}
+	fp, err := fingerprint(path)
+	if err != nil {
+		return "", err
+	}
+	return u + fp, nil
+}
+
+// fingerprint is "/ino:N/born:SECONDS.NANOS" for the file at path: what a
+// copy of the file, attributes and all, cannot carry.
+func fingerprint(path string) (string, error) {
+	var st unix.Statx_t
+	if err := unix.Statx(unix.AT_FDCWD, path, 0, unix.STATX_INO|unix.STATX_BTIME, &st); err != nil {
+		return "", fmt.Errorf("%s: statx: %w", path, err)
+	}
+	fp := fmt.Sprintf("/ino:%d", st.Ino)
+	if st.Mask&unix.STATX_BTIME != 0 {
+		fp += fmt.Sprintf("/born:%d.%09d", st.Btime.Sec, st.Btime.Nsec)
+	}
+	return fp, nil
+}
+
+// uuidOf is the UUID part of a file identity ("" for other schemes).
+func uuidOf(id string) string {
+	u, _, ok := strings.Cut(id, "/ino:")
+	if !ok {
+		return ""
+	}
+	return u
 }
 
 // Claim marks the device at path as belonging to cache set setUUID and
@@ -104,16 +145,18 @@ func Claim(path, setUUID string, force bool) (Identity, error) {
 		return cur, fmt.Errorf("%s: %w %s (use --force to take it over)", path, ErrAttachedElsewhere, cur.Set)
 	}
 	if cur.ID == "" {
-		cur.ID = NewUUID()
-		if err := setxattr(path, xattrID, cur.ID); err != nil {
+		if err := setxattr(path, xattrID, NewUUID()); err != nil {
 			return cur, err
 		}
 	}
 	if err := setxattr(path, xattrSet, setUUID); err != nil {
 		return cur, err
 	}
-	cur.Set = setUUID
-	return cur, syncInode(path)
+	if err := syncInode(path); err != nil {
+		return cur, err
+	}
+	// Read back: on a file system without xattrs the ID stays empty.
+	return Read(path)
 }
 
 // syncInode makes the file's attributes durable (fsync of the inode), so
@@ -204,7 +247,7 @@ func blockID(fi os.FileInfo) string {
 		}
 	}
 	if bf := readTrim(base + "loop/backing_file"); bf != "" {
-		if id, _ := getxattr(bf, xattrID); id != "" {
+		if id, _ := fileID(bf); id != "" {
 			return "loop:" + id
 		}
 		return ""
@@ -294,7 +337,11 @@ func (e *MismatchError) Error() string {
 	if e.Expected == "" {
 		return fmt.Sprintf("%s: no identity was recorded for this device, so it cannot be told from another one (found %s)", e.Path, found)
 	}
-	return fmt.Sprintf("%s: identity mismatch: expected %s (recorded when it joined the set), found %s", e.Path, e.Expected, found)
+	copied := ""
+	if u := uuidOf(strings.TrimPrefix(e.Expected, "loop:")); u != "" && u == uuidOf(strings.TrimPrefix(e.Found, "loop:")) {
+		copied = " (the same identity attribute on another inode, or one born later: a copy made with its extended attributes, cp -a, rsync -X, or a restored backup)"
+	}
+	return fmt.Sprintf("%s: identity mismatch: expected %s (recorded when it joined the set), found %s%s", e.Path, e.Expected, found, copied)
 }
 
 // Check reports whether the device at path is the one whose identity was
@@ -338,8 +385,7 @@ func EnsureID(path string) (Identity, error) {
 		}
 		return cur, nil
 	}
-	id := NewUUID()
-	if err := setxattr(path, xattrID, id); err != nil {
+	if err := setxattr(path, xattrID, NewUUID()); err != nil {
 		return cur, err
 	}
 	// Read back: on a file system without xattrs the ID stays empty.

@@ -112,6 +112,70 @@ func TestTrustBackingIdentity(t *testing.T) {
 	}
 }
 
+// TestTrustCopiesWithAttributes: copies that carry the disk's identity
+// attribute are not the disk. On main a backing file's identity was its
+// user.tiercache.id attribute alone, which cp -a and a tar --xattrs
+// restore copy: a copy of the backing file made with cp -a, and a backup
+// restored in the original's place, were served as the set's disk, and an
+// offline detach through a cp -a copy of the cache file wrote the copy's
+// dirty data into the original set's disk. A file is identified by the
+// attribute, its inode number and its birth time now.
+func TestTrustCopiesWithAttributes(t *testing.T) {
+	need(t, "tar")
+	cs, _ := dirtySet(t)
+	vol := cs.backings["vol"]
+	before, err := os.ReadFile(vol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copied := "a copy made with its extended attributes"
+	x := "unix:" + filepath.Join(cs.dir, "x.sock")
+
+	cpa := filepath.Join(cs.dir, "copy-a.img")
+	run(t, time.Minute, "cp", "-a", vol, cpa)
+	refused(t, []string{`backing "vol"`, "identity mismatch", "expected ", copied, "--backing vol=PATH", "--force"},
+		"serve", "--cache", cs.cache, "--backing", "vol="+cpa, "--listen", x)
+
+	// A backup restored in the disk's place: same path, same attributes,
+	// another inode born later.
+	run(t, time.Minute, "tar", "--xattrs", "--xattrs-include=user.*", "-C", cs.dir, "-cf", filepath.Join(cs.dir, "backup.tar"), filepath.Base(vol))
+	orig := vol + ".orig"
+	if err := os.Rename(vol, orig); err != nil {
+		t.Fatal(err)
+	}
+	run(t, time.Minute, "tar", "--xattrs", "--xattrs-include=user.*", "-C", cs.dir, "-xf", filepath.Join(cs.dir, "backup.tar"))
+	refused(t, []string{`backing "vol"`, "identity mismatch", copied, "--force"},
+		"serve", "--cache", cs.cache, "--listen", x)
+	refused(t, []string{`backing device "vol"`, "identity mismatch", copied},
+		"check", "--cache", cs.cache)
+	if err := os.Rename(orig, vol); err != nil {
+		t.Fatal(err)
+	}
+
+	// A cp -a copy of the cache file: detaching through it would write its
+	// dirty data into vol.img, which the original set caches.
+	cacheCopy := filepath.Join(cs.dir, "cache-copy.img")
+	run(t, time.Minute, "cp", "-a", cs.cache, cacheCopy)
+	refused(t, []string{"cache device", "identity mismatch", copied, "not the device cache set", "--force"},
+		"detach", "--cache", cacheCopy, "vol")
+	refused(t, []string{"cache device", "identity mismatch", copied},
+		"serve", "--cache", cacheCopy, "--listen", x)
+	after, err := os.ReadFile(vol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(before, after) {
+		t.Fatal("an offline detach through a cp -a copy of the cache device wrote into the original set's disk")
+	}
+
+	// The original set still opens, with its dirty data.
+	s := cs.serve(t, "--data-dir", cs.dir)
+	out := run(t, time.Minute, "qemu-io", "-f", "raw", s.uri("vol"), "-c", "read -P 0x5a 0 1m")
+	if strings.Contains(out, "failed") {
+		t.Fatalf("the set lost its dirty data:\n%s", out)
+	}
+}
+
 // TestTrustLoopSwap: two loop devices attached in swapped order after a
 // format. Loop devices have no serial: on main format printed "id none"
 // and serve gave each disk the other's cached data. They are identified by
@@ -138,6 +202,17 @@ func TestTrustLoopSwap(t *testing.T) {
 	run(t, time.Minute, "losetup", la, fb)
 	run(t, time.Minute, "losetup", lb, fa)
 	refused(t, []string{`backing "a"`, "identity mismatch", "expected loop:", "found loop:", "--force"},
+		"serve", "--cache", cache, "--listen", "unix:"+filepath.Join(dir, "x.sock"))
+
+	// A loop device over a cp -a copy of a's file (which carries its
+	// identity attribute) is not a either.
+	run(t, time.Minute, "losetup", "-d", la)
+	run(t, time.Minute, "losetup", "-d", lb)
+	ca := filepath.Join(dir, "a-copy.img")
+	run(t, time.Minute, "cp", "-a", fa, ca)
+	run(t, time.Minute, "losetup", la, ca)
+	run(t, time.Minute, "losetup", lb, fb)
+	refused(t, []string{`backing "a"`, "identity mismatch", "a copy made with its extended attributes", "--force"},
 		"serve", "--cache", cache, "--listen", "unix:"+filepath.Join(dir, "x.sock"))
 }
 
