@@ -75,19 +75,37 @@ func ReadEvents(r io.Reader) (*Events, error) {
 }
 
 // OracleAt rebuilds the oracle for a point of the log after mark fK (K = -1:
-// before the first mark). Events up to the mark's are applied as they
-// happened: what was acknowledged durable by then must be on the replayed
-// devices. Later writes are only maybe-new (begun and acknowledged, never
-// promoted: a point before their FLUSH or FUA reply reached the log).
+// before the first mark). Events up to the mark's M event are applied as
+// they happened: what was acknowledged durable by then must be on the
+// replayed devices. Every later event only adds maybe-new contents: a write
+// begun later, and a FUA write begun before the M event but acknowledged
+// after it, whose FUA may have reached the log only after the mark (the
+// mark command runs after the M event, while the other writers go on).
 func (ev *Events) OracleAt(k int) (*crashtest.Oracle, error) {
+	// The position of the M event of mark k (len: none), and of each
+	// write's acknowledgement.
+	mark := len(ev.lines)
+	acked := map[uint64]int{}
+	for i, e := range ev.lines {
+		switch {
+		case e.kind == "M" && int(e.id) == k && k >= 0:
+			mark = min(mark, i)
+		case e.kind == "A":
+			acked[e.id] = i
+		}
+	}
+	if k < 0 {
+		mark = -1
+	}
 	o := crashtest.NewOracle(ev.Blocks, true)
 	ops := map[uint64]*crashtest.Op{}
 	toks := map[uint64]crashtest.FlushToken{}
-	after := k < 0
-	for _, e := range ev.lines {
+	for i, e := range ev.lines {
+		before := i < mark
 		switch e.kind {
 		case "B":
-			op, err := o.Begin(crashtest.OpWrite, e.lba, 1, 0, e.fua && !after, 0)
+			a, ok := acked[e.id]
+			op, err := o.Begin(crashtest.OpWrite, e.lba, 1, 0, e.fua && ok && a < mark, 0)
 			if err != nil {
 				return nil, err
 			}
@@ -96,18 +114,18 @@ func (ev *Events) OracleAt(k int) (*crashtest.Oracle, error) {
 			}
 			ops[e.id] = op
 		case "A":
-			o.Ack(ops[e.id])
+			op, ok := ops[e.id]
+			if !ok {
+				return nil, fmt.Errorf("events: write id %d acknowledged before it began", e.id)
+			}
+			o.Ack(op)
 		case "FS":
-			if !after {
+			if before {
 				toks[e.id] = o.FlushStart(0)
 			}
 		case "FA":
-			if !after {
+			if before {
 				o.FlushAck(toks[e.id])
-			}
-		case "M":
-			if int(e.id) == k {
-				after = true
 			}
 		}
 	}
