@@ -174,7 +174,9 @@ func (t Target) Name() string {
 }
 
 func (t Target) url(q url.Values) string {
-	u := url.URL{Scheme: t.Scheme, Path: "/" + t.Export, RawQuery: q.Encode()}
+	// "/" needs no escaping in a query (RFC 3986 3.4); kept as is, a
+	// socket path reads as the path it is.
+	u := url.URL{Scheme: t.Scheme, Path: "/" + t.Export, RawQuery: strings.ReplaceAll(q.Encode(), "%2F", "/")}
 	if t.Network == "tcp" {
 		u.Host = t.Addr
 	}

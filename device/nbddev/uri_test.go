@@ -21,7 +21,7 @@ func TestParseURI(t *testing.T) {
 		{"nbd://example.com/hello%20world", "tcp", "example.com:10809", "hello world", false, "nbd://example.com:10809/hello%20world"},
 		{"nbd://[::1]:1234/x", "tcp", "[::1]:1234", "x", false, "nbd://[::1]:1234/x"},
 		{"nbds://h:99/e?tls-certificates=/etc/pki&x-multi-conn=2", "tcp", "h:99", "e", true, "nbds://h:99/e"},
-		{"nbd+unix:///disk?socket=/run/x.sock", "unix", "/run/x.sock", "disk", false, "nbd+unix:///disk?socket=%2Frun%2Fx.sock"},
+		{"nbd+unix:///disk?socket=/run/x.sock", "unix", "/run/x.sock", "disk", false, "nbd+unix:///disk?socket=/run/x.sock"},
 		{"nbds+unix:///?socket=sock&tls-hostname=srv", "unix", "sock", "", true, "nbds+unix:///?socket=sock"},
 	} {
 		tg, err := ParseURI(c.uri)

@@ -24,9 +24,9 @@
 //   - "path:ABSPATH": nothing identifies the device and the operator said
 //     its path does (--trust-path). A different disk appearing at that
 //     path is not caught.
-//   - reserved for a remote backing: "nbd:URI#MARKER", the export's URI
-//     and a marker kept by the server; the size is checked beside it as
-//     for every backing device.
+//   - a remote export (an NBD URI): "nbd:URI#MARKER", the export's URI
+//     and the description the server gives it (NBDID); the size is checked
+//     beside it as for every backing device.
 //
 // The cache set that owns a file is recorded in user.tiercache.set;
 // "attached elsewhere" cannot be recorded on a block device without

@@ -15,7 +15,6 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/admin"
-	"github.com/tiercache/tiercache/internal/backingid"
 )
 
 // startAdmin serves the admin API on the unix socket g.adminAddr() (mode
@@ -27,7 +26,7 @@ import (
 func startAdmin(g *globals, o *serveOptions, log *slog.Logger, cfg admin.Config) (func() error, error) {
 	cfg.Version = versionString()
 	cfg.Logger = log
-	cfg.Release = func(path string) error { return backingid.Release(devicePath(path)) }
+	cfg.Release = releaseBacking
 	// The default socket (DATA_DIR/admin.sock) is best effort: when another
 	// server already answers there (several servers sharing a data
 	// directory), this one runs without it and says so. An explicit

@@ -132,6 +132,9 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 		return nil, "", fmt.Errorf("%w: %v", cache.ErrInvalid, err)
 	}
 	path := req.Path
+	if isRemote(path) {
+		return h.attachRemote(req, mode)
+	}
 	dp := devicePath(path)
 	if _, err := os.Stat(dp); err != nil {
 		return nil, "", err
@@ -199,6 +202,37 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 	return v, path, nil
 }
 
+// attachRemote is attachDevice for an NBD URI: nothing is claimed on the
+// export, and the set refuses an export it already has (by identity).
+func (h *openedSet) attachRemote(req admin.AttachRequest, mode cache.Mode) (*cache.Volume, string, error) {
+	path := remoteSpec(req.Path)
+	dev, err := openRemote(path, false, h.log.With("volume", req.Name))
+	if err != nil {
+		return nil, "", err
+	}
+	id, err := identifyRemote(nil, "remote export", dev, req.TrustPath)
+	if err != nil {
+		dev.Close()
+		return nil, "", fmt.Errorf("%w: %v", cache.ErrInvalid, err)
+	}
+	for _, bi := range h.set.Superblock().Backings {
+		if !bi.Free() && bi.ID == id {
+			dev.Close()
+			return nil, "", fmt.Errorf("%w: %s is the backing device of volume %q", cache.ErrExists, path, bi.Name)
+		}
+	}
+	v, err := h.set.Attach(cache.BackingSpec{Name: req.Name, Dev: dev, ID: id, Path: path}, cache.AttachOptions{Mode: mode})
+	if err != nil {
+		dev.Close()
+		return nil, "", err
+	}
+	h.mu.Lock()
+	h.devs[req.Name] = dev
+	h.locks[req.Name] = func() {}
+	h.mu.Unlock()
+	return v, path, nil
+}
+
 // identifyAttach is format's identify for attach: a device with no identity
 // of its own (EnsureID gives a loop device's backing file one) is refused
 // unless trustPath.
@@ -261,7 +295,7 @@ func detachOffline(g *globals, cachePath, name, direct string, asJSON bool) erro
 			}
 			pl.update(admin.Progress{Op: "detach", Export: name, Done: (first - dirty) * 4096, Total: first * 4096, DirtyBytes: dirty * 4096})
 		},
-		BeforeRemove: func() error { return backingid.Release(devicePath(path)) },
+		BeforeRemove: func() error { return releaseBacking(path) },
 	})
 	pl.done()
 	if err == nil {

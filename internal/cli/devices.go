@@ -26,8 +26,12 @@ func devicePath(spec string) string {
 	return spec
 }
 
-// absSpec makes the path of a device spec absolute, keeping a model prefix.
+// absSpec makes the path of a device spec absolute, keeping a model prefix;
+// an NBD URI is put in its canonical form.
 func absSpec(spec string) string {
+	if isRemote(spec) {
+		return remoteSpec(spec)
+	}
 	kind, path, ok := model.Parse(spec)
 	if !ok {
 		path = spec

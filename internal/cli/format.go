@@ -12,6 +12,7 @@ import (
 
 	"github.com/tiercache/tiercache/cache"
 	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/device/nbddev"
 	"github.com/tiercache/tiercache/internal/backingid"
 )
 
@@ -114,6 +115,7 @@ func runFormat(g *globals, o *formatOptions) error {
 		name, path string
 		dev        device.Device
 		id         backingid.Identity
+		remote     *nbddev.Device // dev, when path is an NBD URI
 	}
 	var bks []backing
 	defer func() {
@@ -131,6 +133,16 @@ func runFormat(g *globals, o *formatOptions) error {
 			return fmt.Errorf("--backing: name %q given twice", name)
 		}
 		seen[name] = true
+		if isRemote(path) {
+			// Opened read-only: format only measures it and reads its
+			// identity.
+			rd, err := openRemote(path, true, nil)
+			if err != nil {
+				return fmt.Errorf("backing %q: %w", name, err)
+			}
+			bks = append(bks, backing{name: name, path: path, dev: rd, remote: rd})
+			continue
+		}
 		if same, _ := sameFile(devicePath(path), devicePath(o.cache)); same {
 			return fmt.Errorf("--backing %s: %s is the cache device", name, path)
 		}
@@ -164,7 +176,14 @@ func runFormat(g *globals, o *formatOptions) error {
 
 	specs := make([]cache.BackingSpec, len(bks))
 	for i := range bks {
-		id, err := identify(g, fmt.Sprintf("backing %q", bks[i].name), bks[i].path, o.trustPath)
+		what := fmt.Sprintf("backing %q", bks[i].name)
+		var id backingid.Identity
+		var err error
+		if bks[i].remote != nil {
+			id.ID, err = identifyRemote(g.stderr, what, bks[i].remote, o.trustPath)
+		} else {
+			id, err = identify(g, what, bks[i].path, o.trustPath)
+		}
 		if err != nil {
 			return err
 		}
@@ -201,6 +220,9 @@ func runFormat(g *globals, o *formatOptions) error {
 	}
 	setUUID := fmtUUID(sb.SetUUID)
 	for _, b := range bks {
+		if b.remote != nil {
+			continue // nothing is recorded on a remote export
+		}
 		if _, err := backingid.Claim(devicePath(b.path), setUUID, true); err != nil {
 			return fmt.Errorf("backing %q: %w", b.name, err)
 		}

@@ -475,6 +475,7 @@ type openedSet struct {
 	mu        sync.Mutex
 	devs      map[string]device.Device // backing devices by volume name
 	locks     map[string]func()        // their locks' releases (lock.go)
+	log       *slog.Logger             // for remote backings attached later
 }
 
 // closeBacking closes the backing device of a volume that left the set.
@@ -535,7 +536,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		unlock()
 		return nil, fmt.Errorf("cache device: %w", err)
 	}
-	h := &openedSet{cachePath: cachePath, cdev: cdev, unlock: unlock, devs: map[string]device.Device{}, locks: map[string]func(){}}
+	h := &openedSet{cachePath: cachePath, cdev: cdev, unlock: unlock, devs: map[string]device.Device{}, locks: map[string]func(){}, log: log}
 	sb, err := cache.ReadSuperblock(cdev)
 	if errors.Is(err, cache.ErrNotFormatted) {
 		h.closeDevices()
@@ -569,6 +570,25 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		if path == "" {
 			closeDevs()
 			return nil, fmt.Errorf("cache set %s: no path for backing device %q; give --backing %s=PATH", setUUID, bi.Name, bi.Name)
+		}
+		if isRemote(path) {
+			rd, err := openRemote(path, o.readOnly, log.With("volume", bi.Name))
+			if err != nil {
+				closeDevs()
+				return nil, fmt.Errorf("backing %q: %w", bi.Name, err)
+			}
+			if err := checkRemote(bi.ID, rd); err != nil {
+				if !o.force {
+					rd.Close()
+					closeDevs()
+					return nil, fmt.Errorf("backing %q: %w; a different export would be served the set's cached data for %q and written its dirty data: give the right export with --backing %s=URI, or --force if this is the export and only its URI or description changed",
+						bi.Name, err, bi.Name, bi.Name)
+				}
+				log.Warn("serving a remote backing whose identity does not match the one recorded (--force)", "volume", bi.Name, "uri", rd.Target().String(), "err", err)
+			}
+			h.devs[bi.Name] = rd
+			specs = append(specs, cache.BackingSpec{Name: bi.Name, Dev: rd, ID: bi.ID, Path: path})
+			continue
 		}
 		release, err := lockDevice(devicePath(path), fmt.Sprintf("backing device %q", bi.Name), lockServe)
 		if err != nil {

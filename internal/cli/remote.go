@@ -1,0 +1,94 @@
+package cli
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+
+	"github.com/tiercache/tiercache/device/nbddev"
+	"github.com/tiercache/tiercache/internal/backingid"
+)
+
+// Remote backing devices: an NBD URI (nbd://, nbds://, nbd+unix://,
+// nbds+unix://) wherever a backing device path is taken. A remote export
+// has no extended attributes and no local lock: its identity is
+// nbd:URI#MARKER (backingid.NBDID), its description as the server gives
+// it, and "attached to another set" cannot be recorded on it, as on a
+// block device.
+
+// isRemote reports whether a backing spec is an NBD URI.
+func isRemote(spec string) bool { return nbddev.IsURI(spec) }
+
+// remoteSpec is the canonical form of an NBD URI, recorded as the
+// backing's path; a spec that does not parse is returned as given (opening
+// it reports why).
+func remoteSpec(spec string) string {
+	t, err := nbddev.ParseURI(spec)
+	if err != nil {
+		return spec
+	}
+	return t.String()
+}
+
+// openRemote connects to the export a URI names. log receives the link's
+// state changes (outages, reconnects, refusals); nil discards them.
+func openRemote(spec string, readOnly bool, log *slog.Logger) (*nbddev.Device, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 2*nbddev.DefaultDialTimeout)
+	defer cancel()
+	return nbddev.Open(ctx, spec, nbddev.Options{ReadOnly: readOnly, Log: log})
+}
+
+// remoteID is the identity of the export d is connected to.
+func remoteID(d *nbddev.Device) string {
+	return backingid.NBDID(d.Target().Name(), d.Description())
+}
+
+// identifyRemote is identify for a remote export: one without a
+// description is refused unless trustPath, and then identified by its URI
+// alone, said loudly on warn.
+func identifyRemote(warn io.Writer, what string, d *nbddev.Device, trustPath bool) (string, error) {
+	if d.Description() != "" {
+		return remoteID(d), nil
+	}
+	name := d.Target().Name()
+	if !trustPath {
+		return "", fmt.Errorf("%s (%s): the export has no description, so a different export served at this URI would not be caught; give it one the set records as its marker (qemu-nbd --description=MARKER, nbdkit --filter=exportname ... exportdesc=fixed:MARKER), or --trust-path to identify it by its URI alone", what, name)
+	}
+	if warn != nil {
+		fmt.Fprintf(warn, "WARNING: %s (%s): the export has no description; identified by its URI (--trust-path): a different export served at that URI will NOT be caught\n", what, name)
+	}
+	return remoteID(d), nil
+}
+
+// checkRemote reports whether d is the export whose identity was recorded.
+func checkRemote(recorded string, d *nbddev.Device) error {
+	return backingid.CheckNBD(recorded, d.Target().Name(), remoteID(d))
+}
+
+// releaseBacking forgets the set's claim on a backing device (detach):
+// nothing is recorded on a remote export.
+func releaseBacking(spec string) error {
+	if isRemote(spec) {
+		return nil
+	}
+	return backingid.Release(devicePath(spec))
+}
+
+// checkRemoteBacking is checkBackings for a remote export: it connects
+// read-only and compares the size and identity with those recorded.
+func checkRemoteBacking(name, uri, id string, size int64) []string {
+	d, err := openRemote(uri, true, nil)
+	if err != nil {
+		return []string{fmt.Sprintf("backing device %q: not checked: %v (serve needs the export reachable, or --backing %s=URI)", name, err, name)}
+	}
+	defer d.Close()
+	var problems []string
+	if d.Size() != size {
+		problems = append(problems, fmt.Sprintf("backing device %q (%s) is %d bytes, the set recorded %d: serve refuses it; serve the export at its recorded size", name, uri, d.Size(), size))
+	}
+	if err := checkRemote(id, d); err != nil {
+		problems = append(problems, fmt.Sprintf("backing device %q: %v: serve refuses it without --force", name, err))
+	}
+	return problems
+}
