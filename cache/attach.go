@@ -130,10 +130,11 @@ type DetachOptions struct {
 // complete: mode none (persisted), dirty data written back and synced, the
 // volume closed to I/O (calls in flight finish first; later ones fail with
 // ErrDetached), every cached block dropped and committed, its writeback
-// goroutine stopped, and finally its slot freed in the superblock. Callers
-// stop sending I/O first (remove the NBD export and end its connections).
-// On an error before the last step the volume stays in the set, in mode
-// none, and serves I/O again.
+// goroutine stopped, its slot freed in the superblock, and then the buckets
+// left empty freed (freeEmptyBuckets). Callers stop sending I/O first
+// (remove the NBD export and end its connections). On an error before the
+// slot is freed the volume stays in the set, in mode none, and serves I/O
+// again.
 func (v *Volume) Detach(ctx context.Context, opts DetachOptions) error {
 	if v.free {
 		return fmt.Errorf("detach: %w", ErrDetached)
@@ -195,6 +196,11 @@ func (v *Volume) Detach(ctx context.Context, opts DetachOptions) error {
 	if err := s.removeVolume(v); err != nil {
 		reopen()
 		return fmt.Errorf("detach %s: %w", v.name, err)
+	}
+	// The buckets only v filled are empty now: free them at once rather
+	// than when GC runs short, so that the cache reports them free.
+	if _, err := s.freeEmptyBuckets(); err != nil {
+		s.log.Warn("freeing the buckets of a detached volume", "volume", v.name, "err", err)
 	}
 	return nil
 }

@@ -314,3 +314,58 @@ func (s *Set) gcMove(bi int64, found []located) {
 		s.mu.Unlock()
 	}
 }
+
+// freeEmptyBuckets frees every bucket no live block points into (sealed,
+// or the open one once nothing in it is live) and that no request pins:
+// what a detach leaves behind. It is eviction's last step for many buckets
+// at once: each generation is bumped and journaled (a reuse record), one
+// commit makes the records durable, and only then do the buckets go on the
+// free list. A crash before the commit leaves the buckets out of
+// circulation and recovery frees them (no entry points into them); after
+// it, replay bumps their generations as eviction's records do. It returns
+// the number of buckets freed.
+func (s *Set) freeEmptyBuckets() (int, error) {
+	if s.isFailed() {
+		return 0, nil // nothing is written to a failed cache device
+	}
+	s.mu.Lock()
+	if o := s.mu.open; o >= 0 {
+		if b := &s.mu.Buckets[o]; b.Live == 0 && b.Pins == 0 && b.Fill > 0 {
+			b.State = index.BucketSealed
+			s.mu.sealed = append(s.mu.sealed, uint32(o))
+			s.mu.open = -1
+		}
+	}
+	var freed []uint32
+	s.mu.sealed = slices.DeleteFunc(s.mu.sealed, func(bi uint32) bool {
+		b := &s.mu.Buckets[bi]
+		if b.Live > 0 || b.Pins > 0 || b.State != index.BucketSealed {
+			return false
+		}
+		b.Gen++
+		b.State = index.BucketFreeing
+		s.appendLocked(&ondisk.Rec{Type: ondisk.RecReuse, Bucket: bi, Gen: b.Gen})
+		freed = append(freed, bi)
+		return true
+	})
+	target := s.mu.seq
+	s.mu.Unlock()
+	if len(freed) == 0 {
+		return 0, nil
+	}
+	err := s.commit(target)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err != nil {
+		// The set has failed; keep the buckets out of circulation.
+		return 0, err
+	}
+	for _, bi := range freed {
+		b := &s.mu.Buckets[bi]
+		b.State, b.Fill = index.BucketFree, 0
+	}
+	s.mu.free = append(s.mu.free, freed...)
+	s.mu.cond.Broadcast()
+	s.stats.evictions.Add(uint64(len(freed)))
+	return len(freed), nil
+}
