@@ -616,26 +616,46 @@ func (v *Volume) releaseLocked(rs []blockRange) {
 // WriteAt writes p at off. With fua the write is durable when WriteAt
 // returns; otherwise at the next Flush (invariant 2).
 func (v *Volume) WriteAt(p []byte, off int64, fua bool) error {
+	_, err := v.WriteAtTier(p, off, fua)
+	return err
+}
+
+// Tier is the device a write was acknowledged from.
+type Tier uint8
+
+const (
+	TierCache   Tier = iota // the cache device alone (writeback)
+	TierBacking             // the backing device, alone or with the cache (writethrough, around the cache)
+)
+
+func (t Tier) String() string { return [...]string{"cache", "backing"}[t] }
+
+// WriteAtTier is WriteAt, and says which device the write went to (the
+// latency histograms split writes by it, as reads by hit and miss).
+func (v *Volume) WriteAtTier(p []byte, off int64, fua bool) (Tier, error) {
 	if err := v.enter(); err != nil {
-		return err
+		return TierCache, err
 	}
 	defer v.exit()
 	lost0 := v.lostCount()
 	if err := v.checkIO(off, int64(len(p))); err != nil {
-		return err
+		return TierCache, err
 	}
+	tier := TierCache
 	if len(p) > 0 {
 		v.st.writeOps.Add(1)
 		v.st.writeBytes.Add(uint64(len(p)))
 		v.touch()
-		if err := v.write(p, off, v.pol.sequential(off, int64(len(p)), v.cfg.Load().SequentialCutoff)); err != nil {
-			return err
+		t, err := v.write(p, off, v.pol.sequential(off, int64(len(p)), v.cfg.Load().SequentialCutoff))
+		if err != nil {
+			return t, err
 		}
+		tier = t
 	}
 	if fua {
-		return v.commitFUA(lost0)
+		return tier, v.commitFUA(lost0)
 	}
-	return nil
+	return tier, nil
 }
 
 func (s *Set) appended() uint64 {
@@ -646,8 +666,8 @@ func (s *Set) appended() uint64 {
 
 // write writes p at off; seq says the write belongs to a sequential stream
 // longer than the cutoff, which bypasses the cache (invalidating what it
-// covers, as in writearound).
-func (v *Volume) write(p []byte, off int64, seq bool) error {
+// covers, as in writearound). It returns the tier the write went to.
+func (v *Volume) write(p []byte, off int64, seq bool) (Tier, error) {
 	first, n := blockSpan(off, int64(len(p)))
 	aligned := off%blockSize == 0 && len(p)%blockSize == 0
 	if aligned {
@@ -663,13 +683,13 @@ func (v *Volume) write(p []byte, off int64, seq bool) error {
 	if !aligned {
 		if off%blockSize != 0 {
 			if err := v.readBlocks(buf[:blockSize], first, 1, promoteNo); err != nil {
-				return err
+				return TierCache, err
 			}
 		}
 		if end := off + int64(len(p)); end%blockSize != 0 && (n > 1 || off%blockSize == 0) {
 			last := first + uint64(n-1)
 			if err := v.readBlocks(buf[(n-1)*blockSize:], last, 1, promoteNo); err != nil {
-				return err
+				return TierCache, err
 			}
 		}
 	}
@@ -679,8 +699,9 @@ func (v *Volume) write(p []byte, off int64, seq bool) error {
 
 // routeBlocks carries out route's decision for the whole blocks
 // [lba, lba+n): data (opWrite) in buf; zeroes and trims have none.
+// It returns the tier the blocks went to (TierBacking when any did).
 // REQUIRES: v.rmw (shared or exclusive)
-func (v *Volume) routeBlocks(op routeOp, buf []byte, lba, n uint64, seq bool) error {
+func (v *Volume) routeBlocks(op routeOp, buf []byte, lba, n uint64, seq bool) (Tier, error) {
 	out := route(routeIn{mode: v.Mode(), op: op, seq: seq, failed: v.s.isFailed(),
 		olderDirty: v.olderEpochsDirty(), small: n*blockSize <= epochZeroInCache})
 	if out.degrade != "" {
@@ -698,20 +719,21 @@ func (v *Volume) routeBlocks(op routeOp, buf []byte, lba, n uint64, seq bool) er
 	case toAround:
 		switch op {
 		case opWrite:
-			return v.writeAround(buf, lba, out.why)
+			return TierBacking, v.writeAround(buf, lba, out.why)
 		case opZeroes:
-			return v.zeroAround(lba, n)
+			return TierBacking, v.zeroAround(lba, n)
 		default:
-			return v.discardAround(lba, n)
+			return TierBacking, v.discardAround(lba, n)
 		}
 	}
-	return nil
+	return TierCache, nil
 }
 
 // writeCache writes whole blocks into the cache, dirty (writeback) or, for
 // writethrough, to the backing device too and clean. A write larger than the
-// open bucket goes in pieces; NBD does not promise atomic writes.
-func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
+// open bucket goes in pieces; NBD does not promise atomic writes. It
+// returns TierBacking when any of it went to the backing device.
+func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) (Tier, error) {
 	s := v.s
 	n := len(buf) / blockSize
 	if dirty {
@@ -720,7 +742,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 	for done := 0; done < n; {
 		t0 := time.Now()
 		if s.isFailed() {
-			return v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFailed)
+			return TierBacking, v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFailed)
 		}
 		r, err := s.allocFor(n - done)
 		if errors.Is(err, errNoSpace) && s.keepSuperseded(v.vi) && v.hasDirty() {
@@ -733,16 +755,16 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 		}
 		if errors.Is(err, ErrCacheFailed) {
 			// Failed over while waiting for space.
-			return v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFailed)
+			return TierBacking, v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFailed)
 		}
 		if errors.Is(err, errNoSpace) {
 			// No bucket came free in time: send the rest around the
 			// cache rather than stall the client (invalidating any older
 			// cached copy, as writearound does).
-			return v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFull)
+			return TierBacking, v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFull)
 		}
 		if err != nil {
-			return fmt.Errorf("volume %s: %w", v.name, err)
+			return TierCache, fmt.Errorf("volume %s: %w", v.name, err)
 		}
 		p := buf[done*blockSize : (done+r.n)*blockSize]
 		at := lba + uint64(done)
@@ -763,7 +785,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 			s.unpinLocked(r.loc)
 			s.mu.Unlock()
 			s.cacheIOError("write", err)
-			return v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFailed)
+			return TierBacking, v.writeAround(buf[done*blockSize:], lba+uint64(done), bypassFailed)
 		}
 		s.cacheWriteOK()
 		var claim []blockRange
@@ -777,7 +799,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 				s.mu.Lock()
 				v.releaseLocked(claim)
 				s.mu.Unlock()
-				return fail(err)
+				return TierBacking, fail(err)
 			}
 		}
 		s.mu.Lock()
@@ -806,7 +828,10 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) error {
 		s.mu.Unlock()
 		done += r.n
 	}
-	return nil
+	if !dirty {
+		return TierBacking, nil
+	}
+	return TierCache, nil
 }
 
 // writeAround writes whole blocks to the backing device and invalidates
@@ -1005,7 +1030,7 @@ func (v *Volume) Trim(off, length int64, fua bool) error {
 	}
 	if ok && a < b {
 		v.rmw.RLock()
-		err := v.routeBlocks(opTrim, nil, uint64(a), uint64(b-a), false)
+		_, err := v.routeBlocks(opTrim, nil, uint64(a), uint64(b-a), false)
 		v.rmw.RUnlock()
 		if err != nil {
 			return err
@@ -1043,18 +1068,18 @@ func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) err
 		a, b = end, end // no whole block: all of it is edge
 	}
 	if a > off {
-		if err := v.write(make([]byte, min(a, end)-off), off, false); err != nil {
+		if _, err := v.write(make([]byte, min(a, end)-off), off, false); err != nil {
 			return err
 		}
 	}
 	if b < end && b >= a {
-		if err := v.write(make([]byte, end-b), b, false); err != nil {
+		if _, err := v.write(make([]byte, end-b), b, false); err != nil {
 			return err
 		}
 	}
 	if a < b {
 		v.rmw.RLock()
-		err := v.routeBlocks(opZeroes, nil, uint64(a/blockSize), uint64((b-a+blockSize-1)/blockSize), false)
+		_, err := v.routeBlocks(opZeroes, nil, uint64(a/blockSize), uint64((b-a+blockSize-1)/blockSize), false)
 		v.rmw.RUnlock()
 		if err != nil {
 			return err
