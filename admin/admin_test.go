@@ -140,7 +140,31 @@ func newTestServer(t *testing.T) (*Client, *cache.Set, *fakeNBD, *[]string) {
 		t.Fatal(err)
 	}
 	registries.Store(c, m.reg)
+	backends.Store(c, exports)
 	return c, set, fn, &released
+}
+
+// latencyCount is the count of the summary of op and tier in ls.
+func latencyCount(ls []LatencySummary, op, tier string) uint64 {
+	for _, l := range ls {
+		if l.Op == op && l.Tier == tier {
+			return l.Count
+		}
+	}
+	return 0
+}
+
+// backends maps a test client to its server's exports.
+var backends sync.Map
+
+func srvExport(c *Client, name string) nbd.Backend {
+	es, _ := backends.Load(c)
+	for _, e := range es.([]Export) {
+		if e.Name == name {
+			return e.Backend
+		}
+	}
+	return nil
 }
 
 func TestAPI(t *testing.T) {
@@ -158,6 +182,27 @@ func TestAPI(t *testing.T) {
 	if err != nil || s.Exports[0].Volume == nil || s.Exports[0].Volume.WriteOps != 8 || s.Exports[0].HitRatio != 1 ||
 		s.Exports[1].HitRatio != 0 || s.Exports[2].Volume != nil || len(s.Exports[0].Latency) == 0 {
 		t.Fatalf("stats %+v err %v", s, err)
+	}
+	// Writes split by tier, as reads are: the 8 writeback writes went to
+	// the cache alone.
+	if n := latencyCount(s.Exports[0].Latency, "write", "cache"); n != 8 {
+		t.Errorf("write latency, tier cache: %d writes, want 8 (%+v)", n, s.Exports[0].Latency)
+	}
+	if n := latencyCount(s.Exports[0].Latency, "write", "backing"); n != 0 {
+		t.Errorf("write latency, tier backing: %d writes, want 0", n)
+	}
+	// Epoch order (the default): the backing device alone is consistent.
+	if e := st.Exports[0]; e.WritebackOrder != "epoch" || !e.BackingConsistent || e.InconsistentSince != nil {
+		t.Errorf("status of a: %+v, want epoch order, backing consistent", e.Consistency)
+	}
+	if e := u.Exports[0]; e.WritebackOrder != "epoch" || !e.BackingConsistent {
+		t.Errorf("usage of a: %+v, want epoch order, backing consistent", e.Consistency)
+	}
+	if _, err := c.SetSettings(ctx, "b", map[string]string{"writeback_order": "lba"}); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := c.Status(ctx); err != nil || st.Exports[1].WritebackOrder != "lba" || st.Exports[1].BackingConsistent || st.Exports[2].WritebackOrder != "" {
+		t.Errorf("status after b's switch to lba order: %+v err %v; want b lba, not consistent, p without an order", st.Exports, err)
 	}
 	// The API is snake_case throughout: engine counters under derived
 	// names, the mode by name.
@@ -197,6 +242,13 @@ func TestAPI(t *testing.T) {
 	if m, err = c.SetSettings(ctx, "a", map[string]string{"cache_mode": "writethrough"}); err != nil || m["cache_mode"] != "writethrough" {
 		t.Fatalf("set cache_mode: %v %v", m, err)
 	}
+	// A writethrough write waits for the backing device: tier backing.
+	if err := srvExport(c, "a").WriteAt(make([]byte, 4096), 0, false); err != nil {
+		t.Fatal(err)
+	}
+	if s, _, err := c.Stats(ctx); err != nil || latencyCount(s.Exports[0].Latency, "write", "backing") != 1 || latencyCount(s.Exports[0].Latency, "write", "cache") != 8 {
+		t.Errorf("after a writethrough write: latency %+v err %v; want 8 cache and 1 backing write", s.Exports[0].Latency, err)
+	}
 	for _, tc := range []struct {
 		export string
 		kv     map[string]string
@@ -228,16 +280,21 @@ func TestAPI(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, want := range []string{
-		`tiercache_write_requests_total{export="a"} 8`,
+		`tiercache_write_requests_total{export="a"} 9`,
 		`tiercache_writeback_bytes_total{export="a"} 65536`,
 		`tiercache_dirty_bytes{export="a"} 0`,
-		`tiercache_request_duration_seconds_count{export="a",op="write"} 8`,
+		`tiercache_request_duration_seconds_count{export="a",op="write"} 9`,
 		`tiercache_request_duration_seconds_bucket{export="p",op="read",le="+Inf"} 1`,
 		`tiercache_read_hit_ratio{export="a"} 1`,
 		`tiercache_export_info{export="a",mode="writethrough"} 1`,
 		`tiercache_set_buckets `,
 		`tiercache_read_duration_seconds_count{export="a",tier="cache"} 1`,
 		`tiercache_read_duration_seconds_count{export="b",tier="backing"} 0`,
+		`tiercache_write_duration_seconds_count{export="a",tier="cache"} 8`,
+		`tiercache_write_duration_seconds_count{export="a",tier="backing"} 1`,
+		`tiercache_backing_consistent{export="a"} 1`,
+		`tiercache_backing_consistent{export="b"} 0`,
+		`tiercache_backing_inconsistent_since_seconds{export="a"} 0`,
 	} {
 		if !strings.Contains(text, want) {
 			t.Errorf("metrics lack %q", want)

@@ -67,6 +67,21 @@ type ExportInfo struct {
 	// HitRatio is the share of bytes read that came from the cache, since
 	// the server started; 0 before the first read.
 	HitRatio float64 `json:"hit_ratio"`
+	Consistency
+}
+
+// Consistency says what the backing device of a volume holds alone (what
+// is left if the cache device is lost). Volumes only.
+type Consistency struct {
+	// WritebackOrder is the volume's writeback_order setting ("epoch" or
+	// "lba").
+	WritebackOrder string `json:"writeback_order,omitempty"`
+	// BackingConsistent: in epoch order, the backing device alone holds
+	// the image after some flush plus part of the next epoch. False in
+	// lba order, and from InconsistentSince (when epoch order degraded)
+	// until the next full drain of the volume's dirty data.
+	BackingConsistent bool       `json:"backing_consistent"`
+	InconsistentSince *time.Time `json:"inconsistent_since,omitempty"`
 }
 
 // AttachRequest is the body of POST /v1/attach.
@@ -126,6 +141,7 @@ type ExportUsage struct {
 	// are not durable (flushes fail).
 	UnreachableDirty int64 `json:"unreachable_dirty_bytes,omitempty"`
 	LostWrites       int64 `json:"lost_write_bytes,omitempty"`
+	Consistency
 }
 
 // Stats is the reply of GET /v1/stats.
@@ -140,11 +156,14 @@ type Stats struct {
 // VolumeStats with snake_case names (see SnakeName), so fields added to
 // the engine appear here without a change.
 type ExportStats struct {
-	Name    string           `json:"name"`
-	Mode    string           `json:"mode"`
-	Cached  bool             `json:"cached"`
-	Volume  *VolumeStats     `json:"volume,omitempty"`
-	Latency []LatencySummary `json:"latency,omitempty"`
+	Name   string       `json:"name"`
+	Mode   string       `json:"mode"`
+	Cached bool         `json:"cached"`
+	Volume *VolumeStats `json:"volume,omitempty"`
+	// WritebackOrder is the volume's writeback_order setting; Volume has
+	// backing_consistent and inconsistent_since.
+	WritebackOrder string           `json:"writeback_order,omitempty"`
+	Latency        []LatencySummary `json:"latency,omitempty"`
 	// HitRatio is ReadHitBytes / (ReadHitBytes + ReadMissBytes) since the
 	// start, 0 before the first read.
 	HitRatio float64 `json:"hit_ratio"`
@@ -158,8 +177,11 @@ type ExportStats struct {
 
 // LatencySummary summarizes one request type's latency since the server
 // started, as the backend served it (the NBD server's queueing aside).
-// Reads appear three times: all of them (Tier ""), and split by the tier
-// that served them: "cache" (every block was cached) and "backing".
+// Reads and writes appear three times: all of them (Tier ""), and split by
+// the tier that served them: for reads "cache" (every block was cached)
+// and "backing"; for writes "cache" (the cache device alone: writeback)
+// and "backing" (the backing device was written: writethrough,
+// writearound, none, and writes bypassed around the cache).
 // Percentiles are the upper bounds of the histogram's buckets (8 per power
 // of two: within 12.5%). Buckets lists the non-empty ones as [upper bound
 // in ns, count], so that the percentiles of an interval can be taken from

@@ -16,6 +16,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/tiercache/tiercache/cache"
 	"github.com/tiercache/tiercache/nbd"
 )
 
@@ -108,7 +109,7 @@ var latencyBuckets = prometheus.ExponentialBuckets(10e-6, 4, 11)
 func (m *Metrics) Forget(export string) {
 	for _, v := range []interface {
 		DeletePartialMatch(prometheus.Labels) int
-	}{m.latency, m.errs, m.reads} {
+	}{m.latency, m.errs, m.reads, m.writes} {
 		v.DeletePartialMatch(prometheus.Labels{"export": export})
 	}
 }
@@ -120,6 +121,7 @@ type Metrics struct {
 	latency *prometheus.HistogramVec
 	errs    *prometheus.CounterVec
 	reads   *prometheus.HistogramVec // by tier: cache (hit) or backing (miss)
+	writes  *prometheus.HistogramVec // by tier: cache (alone) or backing
 
 	mu   sync.Mutex               // guards inst
 	inst map[string]*instrumented // per export, for /v1/stats
@@ -143,7 +145,12 @@ func NewMetrics() *Metrics {
 		Help:    "Latency of reads by the tier that served them: cache (every block was cached when the read started) or backing.",
 		Buckets: latencyBuckets,
 	}, []string{"export", "tier"})
-	m.reg.MustRegister(m.latency, m.errs, m.reads, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.writes = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Name:    "tiercache_write_duration_seconds",
+		Help:    "Latency of writes by the tier they went to: cache (the cache device alone: writeback) or backing (writethrough, writearound, none, and writes bypassed around the cache).",
+		Buckets: latencyBuckets,
+	}, []string{"export", "tier"})
+	m.reg.MustRegister(m.latency, m.errs, m.reads, m.writes, collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
 
@@ -161,6 +168,7 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 	infoDesc := prometheus.NewDesc("tiercache_export_info", "One per export; labels give the cache mode (plain: no cache).", []string{"export", "mode"}, nil)
 	ratioDesc := prometheus.NewDesc("tiercache_read_hit_ratio", "Read hit bytes / read bytes since start.", []string{"export"}, nil)
 	rateDesc := prometheus.NewDesc("tiercache_writeback_rate_bytes_per_second", "Writeback rate over the last seconds.", []string{"export"}, nil)
+	sinceDesc := prometheus.NewDesc("tiercache_backing_inconsistent_since_seconds", "Unix time epoch order degraded, from when the backing device alone is not consistent until the next full drain (0 while consistent or in lba order).", []string{"export"}, nil)
 	upDesc := prometheus.NewDesc("tiercache_uptime_seconds", "Seconds since the server started.", nil, nil)
 	ch <- prometheus.MustNewConstMetric(upDesc, gauge, time.Since(c.s.started).Seconds())
 	st := c.s.stats()
@@ -172,6 +180,11 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 		emitStruct(ch, volumeMetrics, e.Volume.VolumeStats, e.Name)
 		ch <- prometheus.MustNewConstMetric(ratioDesc, gauge, e.HitRatio, e.Name)
 		ch <- prometheus.MustNewConstMetric(rateDesc, gauge, e.WritebackRate, e.Name)
+		since := 0.0
+		if t := e.Volume.InconsistentSince; !t.IsZero() {
+			since = float64(t.UnixNano()) / 1e9
+		}
+		ch <- prometheus.MustNewConstMetric(sinceDesc, gauge, since, e.Name)
 	}
 	if st.Set != nil {
 		emitStruct(ch, setMetrics, st.Set.SetStats, "")
@@ -238,17 +251,26 @@ const (
 // in the cache (cache.Volume).
 type cachedHinter interface{ Cached(off, n int64) bool }
 
+// tierWriter is implemented by backends that say which tier a write went
+// to (cache.Volume).
+type tierWriter interface {
+	WriteAtTier(p []byte, off int64, fua bool) (cache.Tier, error)
+}
+
 // instrumented wraps an nbd.Backend and records each request's latency.
 type instrumented struct {
-	b     nbd.Backend
-	tiers cachedHinter           // nil: reads are not split by tier
-	tier  [2]prometheus.Observer // read latency: backing, cache
-	hist  [len(ops)]prometheus.Observer
-	errs  [len(ops)]prometheus.Counter
+	b      nbd.Backend
+	tiers  cachedHinter           // nil: reads are not split by tier
+	tier   [2]prometheus.Observer // read latency: backing, cache
+	wtiers tierWriter             // nil: writes are not split by tier
+	wtier  [2]prometheus.Observer // write latency: cache.TierCache, cache.TierBacking
+	hist   [len(ops)]prometheus.Observer
+	errs   [len(ops)]prometheus.Counter
 	// For /v1/stats: finer than the Prometheus buckets, so that p99.9
 	// means something.
-	lat     [len(ops)]histogram
-	tierLat [2]histogram // reads: backing, cache
+	lat      [len(ops)]histogram
+	tierLat  [2]histogram // reads: backing, cache
+	wtierLat [2]histogram // writes: cache, backing
 }
 
 func (w *instrumented) observe(op int, start time.Time, err error) error {
@@ -281,7 +303,17 @@ func (w *instrumented) ReadAt(p []byte, off int64) error {
 
 func (w *instrumented) WriteAt(p []byte, off int64, fua bool) error {
 	t := time.Now()
-	return w.observe(opWrite, t, w.b.WriteAt(p, off, fua))
+	if w.wtiers == nil {
+		return w.observe(opWrite, t, w.b.WriteAt(p, off, fua))
+	}
+	tier, err := w.wtiers.WriteAtTier(p, off, fua)
+	err = w.observe(opWrite, t, err)
+	if err == nil {
+		d := time.Since(t)
+		w.wtier[tier].Observe(d.Seconds())
+		w.wtierLat[tier].observe(d)
+	}
+	return err
 }
 
 func (w *instrumented) Flush() error {
@@ -300,6 +332,13 @@ func (w *instrumented) latency() []LatencySummary {
 			for t, tier := range []string{"backing", "cache"} {
 				if w.tierLat[t].n.Load() > 0 {
 					out = append(out, w.tierLat[t].summary(name, tier))
+				}
+			}
+		}
+		if i == opWrite && w.wtiers != nil {
+			for _, t := range []cache.Tier{cache.TierCache, cache.TierBacking} {
+				if w.wtierLat[t].n.Load() > 0 {
+					out = append(out, w.wtierLat[t].summary(name, t.String()))
 				}
 			}
 		}
@@ -371,6 +410,12 @@ func (m *Metrics) Wrap(export string, b nbd.Backend) nbd.Backend {
 		w.tiers = h
 		w.tier[0] = m.reads.WithLabelValues(export, "backing")
 		w.tier[1] = m.reads.WithLabelValues(export, "cache")
+	}
+	if tw, ok := b.(tierWriter); ok {
+		w.wtiers = tw
+		for _, t := range []cache.Tier{cache.TierCache, cache.TierBacking} {
+			w.wtier[t] = m.writes.WithLabelValues(export, t.String())
+		}
 	}
 	for i, op := range ops {
 		w.hist[i] = m.latency.WithLabelValues(export, op)

@@ -374,8 +374,18 @@ func (s *Server) exportInfo(e Export) ExportInfo {
 		vs := v.Stats()
 		ei.Cached, ei.Mode = true, v.Mode().String()
 		ei.CachedBytes, ei.DirtyBytes, ei.HitRatio = vs.CachedBlocks*blockBytes, vs.DirtyBlocks*blockBytes, hitRatio(vs)
+		ei.Consistency = consistency(v, vs)
 	}
 	return ei
+}
+
+func consistency(v *cache.Volume, vs cache.VolumeStats) Consistency {
+	c := Consistency{WritebackOrder: v.Settings().WritebackOrder.String(), BackingConsistent: vs.BackingConsistent}
+	if !vs.InconsistentSince.IsZero() {
+		t := vs.InconsistentSince
+		c.InconsistentSince = &t
+	}
+	return c
 }
 
 func hitRatio(vs cache.VolumeStats) float64 {
@@ -435,6 +445,7 @@ func (s *Server) usage() Usage {
 			vs := v.Stats()
 			eu.Cached, eu.Dirty = vs.CachedBlocks*blockBytes, vs.DirtyBlocks*blockBytes
 			eu.PendingWriteback = eu.Dirty
+			eu.Consistency = consistency(v, vs)
 			eu.UnreachableDirty, eu.LostWrites = vs.UnreachableDirtyBlocks*blockBytes, vs.LostWriteBlocks*blockBytes
 			if eu.UnreachableDirty > 0 {
 				eu.PendingWriteback = 0 // nothing can write it back
@@ -462,6 +473,7 @@ func (s *Server) stats() Stats {
 		if v := s.volume(ei.Name); v != nil {
 			vs := v.Stats()
 			es.Volume = &VolumeStats{vs}
+			es.WritebackOrder = v.Settings().WritebackOrder.String()
 			es.HitRatio = hitRatio(vs)
 			s.mu.Lock()
 			if r := s.mu.rate[ei.Name]; r != nil {

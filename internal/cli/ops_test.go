@@ -240,6 +240,11 @@ func TestOpsCommands(t *testing.T) {
 	if strings.Contains(out, "export default") {
 		t.Errorf("usage still lists the detached export:\n%s", out)
 	}
+	// The detach of the only export freed every bucket (they stayed used
+	// until a restart).
+	if !regexp.MustCompile(`used \(buckets\) +0 B `).MatchString(out) || strings.Contains(out, "of which empty") {
+		t.Errorf("usage after detaching the only export shows buckets used:\n%s", out)
+	}
 	srv.stop(t)
 	backing := filepath.Join(dir, "backing.img")
 	f, err := os.Open(backing)

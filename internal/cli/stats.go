@@ -25,7 +25,8 @@ export, then the cache set's. Every counter of the engine is shown (bytes
 in binary units, block counts also as bytes, times as durations), followed
 by the derived values (hit ratio, measured writeback rate and the time the
 dirty data needs at that rate) and each request type's latency in µs:
-mean, p50, p99 and p99.9, for reads also per tier (cache, backing).
+mean, p50, p99 and p99.9, for reads and writes also per tier (cache,
+backing).
 
 With INTERVAL (2, 5s, 500ms; a plain number is seconds), like iostat: one
 line per export every INTERVAL, COUNT times (default: until interrupted),
@@ -218,7 +219,7 @@ func structRows(w io.Writer, vals []reflect.Value) {
 	}
 	for i := 0; i < t.NumField(); i++ {
 		name := t.Field(i).Name
-		if t.Field(i).Type == reflect.TypeFor[cache.Mode]() || hideWhenZero[name] && allZero(vals, i) {
+		if t.Field(i).Type == reflect.TypeFor[cache.Mode]() || shownDerived[name] || hideWhenZero[name] && allZero(vals, i) {
 			continue // the mode is in the header
 		}
 		row := "  " + statName(name)
@@ -248,6 +249,12 @@ var hideWhenZero = map[string]bool{
 	"UnreachableReadErrors": true, "FencedWriteErrors": true, "CacheErrors": true, "BackingSyncErrors": true, "EpochDeferBytes": true,
 	"Failed": true, "Cause": true,
 }
+
+// latencyRows are the latency summaries stats prints, op/tier.
+var latencyRows = []string{"read", "read/cache", "read/backing", "write", "write/cache", "write/backing", "flush", "trim", "write_zeroes", "prefetch"}
+
+// shownDerived: fields printed as one derived row instead of their own.
+var shownDerived = map[string]bool{"BackingConsistent": true, "InconsistentSince": true}
 
 func allZero(vals []reflect.Value, field int) bool {
 	for _, v := range vals {
@@ -290,6 +297,13 @@ func printStats(out io.Writer, st admin.Stats) error {
 			name string
 			f    func(admin.ExportStats) string
 		}{
+			{"backing_consistent", func(e admin.ExportStats) string {
+				c := admin.Consistency{WritebackOrder: e.WritebackOrder, BackingConsistent: e.Volume.BackingConsistent}
+				if t := e.Volume.InconsistentSince; !t.IsZero() {
+					c.InconsistentSince = &t
+				}
+				return consistencyText(c)
+			}},
 			{"hit_ratio", func(e admin.ExportStats) string { return fmt.Sprintf("%.1f%%", 100*e.HitRatio) }},
 			{"writeback_rate", func(e admin.ExportStats) string { return humanRate(e.WritebackRate) }},
 			{"writeback_eta", func(e admin.ExportStats) string {
@@ -314,7 +328,7 @@ func printStats(out io.Writer, st admin.Stats) error {
 			fmt.Fprintln(w, row)
 		}
 	}
-	for _, op := range []string{"read", "read/cache", "read/backing", "write", "flush", "trim", "write_zeroes", "prefetch"} {
+	for _, op := range latencyRows {
 		name, tier, _ := strings.Cut(op, "/")
 		row := "  latency_" + strings.ReplaceAll(op, "/", "_")
 		seen := false

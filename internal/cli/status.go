@@ -19,7 +19,8 @@ func newStatusCmd(g *globals) *cobra.Command {
 		Long: `Show the running server on one screen, like 'casadm -L': its version,
 pid and uptime, the NBD listeners and admin API, the cache set (UUID,
 device, size, ok or failed) and each export with its mode, size, cached
-and dirty data, hit ratio and device.`,
+and dirty data, hit ratio, whether its backing device alone is consistent
+(epoch order: what is left if the cache device is lost) and device.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
 			s, err := g.connect(cmdContext(cmd))
@@ -90,13 +91,55 @@ func printExports(out io.Writer, exports []admin.ExportInfo) error {
 		return nil
 	}
 	w := newTable(out, 0)
-	fmt.Fprintln(w, "EXPORT\tMODE\tSIZE\tCACHED\tDIRTY\tHIT\tDEVICE")
+	fmt.Fprintln(w, "EXPORT\tMODE\tSIZE\tCACHED\tDIRTY\tHIT\tCONSISTENT\tDEVICE")
+	var notes []string
 	for _, e := range exports {
-		cached, dirty, hit := "-", "-", "-"
+		cached, dirty, hit, cons := "-", "-", "-", "-"
 		if e.Cached {
 			cached, dirty, hit = human(e.CachedBytes), human(e.DirtyBytes), fmt.Sprintf("%.1f%%", 100*e.HitRatio)
+			cons = consistencyShort(e.Consistency)
+			if !e.BackingConsistent && e.WritebackOrder != "lba" {
+				notes = append(notes, fmt.Sprintf("%s: backing device consistent: %s", e.Name, consistencyText(e.Consistency)))
+			}
 		}
-		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\n", e.Name, e.Mode, human(e.Size), cached, dirty, hit, e.Path)
+		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", e.Name, e.Mode, human(e.Size), cached, dirty, hit, cons, e.Path)
 	}
-	return w.Flush()
+	if err := w.Flush(); err != nil {
+		return err
+	}
+	if len(notes) > 0 {
+		fmt.Fprintln(out)
+		for _, n := range notes {
+			fmt.Fprintln(out, n)
+		}
+	}
+	return nil
+}
+
+// consistencyShort is the CONSISTENT column: whether the volume's backing
+// device alone holds a consistent image (epoch order, not degraded).
+func consistencyShort(c admin.Consistency) string {
+	switch {
+	case c.BackingConsistent:
+		return "yes"
+	case c.InconsistentSince != nil:
+		return "no, since " + c.InconsistentSince.Local().Format(time.TimeOnly)
+	case c.WritebackOrder == "lba":
+		return "no (lba order)"
+	}
+	return "no"
+}
+
+// consistencyText says whether the volume's backing device alone holds a
+// consistent image, since when not, and when it will again.
+func consistencyText(c admin.Consistency) string {
+	switch {
+	case c.BackingConsistent:
+		return "yes"
+	case c.InconsistentSince != nil:
+		return "no, since " + c.InconsistentSince.Local().Format(time.DateTime) + "; consistent again after the next full drain"
+	case c.WritebackOrder == "lba":
+		return "no (writeback_order lba: only after a full drain)"
+	}
+	return "no; consistent again after the next full drain"
 }

@@ -96,6 +96,7 @@ func printUsage(out io.Writer, u admin.Usage, devSize int64) error {
 			usageLine(w, "cached", e.Cached, e.Size)
 			usageLine(w, "dirty", e.Dirty, e.Size)
 			usageLine(w, "pending writeback", e.PendingWriteback, e.Size)
+			fmt.Fprintf(w, "  backing device consistent: %s\n", consistencyText(e.Consistency))
 			if e.UnreachableDirty > 0 || e.LostWrites > 0 {
 				usageLine(w, "UNREACHABLE dirty", e.UnreachableDirty, e.Size)
 				usageLine(w, "LOST unflushed", e.LostWrites, e.Size)

@@ -1,0 +1,79 @@
+package cli
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/tiercache/tiercache/admin"
+)
+
+// TestStatusConsistency: status says per export whether the backing device
+// alone is consistent (the CONSISTENT column), and for a volume whose
+// epoch order degraded, since when and when it is consistent again; usage
+// says the same per export. Exact output (nothing here is volatile): the
+// walk-through shows only the consistent case, since a degrade depends on
+// timing.
+func TestStatusConsistency(t *testing.T) {
+	since := time.Date(2026, 12, 2, 10, 2, 3, 0, time.Local)
+	started := time.Date(2026, 12, 2, 9, 0, 0, 0, time.Local)
+	vol := func(name, order string, ok bool, at *time.Time) admin.ExportInfo {
+		return admin.ExportInfo{Name: name, Path: "/srv/" + name + ".img", Size: 1 << 30, Cached: true, Mode: "writeback",
+			CachedBytes: 64 << 20, DirtyBytes: 8 << 20, HitRatio: 0.5,
+			Consistency: admin.Consistency{WritebackOrder: order, BackingConsistent: ok, InconsistentSince: at}}
+	}
+	s := &session{id: serverID{Found: "$TIERCACHE_ADMIN"}, st: admin.Status{
+		Version: "v1", PID: 42, Started: started, UptimeSeconds: 60,
+		Listeners: []string{"unix:/srv/nbd.sock"}, Admin: []string{"unix:/srv/admin.sock"},
+		Set: &admin.SetInfo{UUID: "u", CachePath: "/srv/ssd.img", CacheSize: 240 << 20, DeviceSize: 256 << 20, BucketSize: 1 << 20, Buckets: 240,
+			State: "ok", CachedBytes: 192 << 20, DirtyBytes: 24 << 20},
+		Exports: []admin.ExportInfo{
+			vol("db", "epoch", true, nil),
+			vol("logs", "epoch", false, &since),
+			vol("scratch", "lba", false, nil),
+			{Name: "iso", Path: "/srv/iso.img", Size: 1 << 20, Mode: "plain"},
+		},
+	}}
+	var out bytes.Buffer
+	if err := printStatus(&out, s); err != nil {
+		t.Fatal(err)
+	}
+	want := `server        v1, pid 42, up 1m0s (since 2026-12-02 09:00:00)
+admin API     unix:/srv/admin.sock (found by $TIERCACHE_ADMIN)
+NBD           unix:/srv/nbd.sock
+cache set     u
+cache device  /srv/ssd.img (256 MiB: 240 buckets of 1 MiB, the rest metadata)
+state         ok; 192 MiB cached, 24 MiB dirty
+
+EXPORT   MODE       SIZE   CACHED  DIRTY  HIT    CONSISTENT          DEVICE
+db       writeback  1 GiB  64 MiB  8 MiB  50.0%  yes                 /srv/db.img
+logs     writeback  1 GiB  64 MiB  8 MiB  50.0%  no, since 10:02:03  /srv/logs.img
+scratch  writeback  1 GiB  64 MiB  8 MiB  50.0%  no (lba order)      /srv/scratch.img
+iso      plain      1 MiB  -       -      -      -                   /srv/iso.img
+
+logs: backing device consistent: no, since 2026-12-02 10:02:03; consistent again after the next full drain
+`
+	if got := out.String(); got != want {
+		t.Errorf("status printed:\n%s\nwant:\n%s", got, want)
+	}
+
+	var u admin.Usage
+	for _, e := range s.st.Exports[:3] {
+		u.Exports = append(u.Exports, admin.ExportUsage{Name: e.Name, Path: e.Path, Mode: e.Mode, Size: e.Size, Used: e.Size,
+			Cached: e.CachedBytes, Dirty: e.DirtyBytes, PendingWriteback: e.DirtyBytes, Consistency: e.Consistency})
+	}
+	out.Reset()
+	if err := printUsage(&out, u, 0); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{
+		"  backing device consistent: yes\n",
+		"  backing device consistent: no, since 2026-12-02 10:02:03; consistent again after the next full drain\n",
+		"  backing device consistent: no (writeback_order lba: only after a full drain)\n",
+	} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("usage lacks %q:\n%s", want, out.String())
+		}
+	}
+}
