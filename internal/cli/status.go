@@ -139,7 +139,7 @@ func consistencyText(c admin.Consistency) string {
 	case c.InconsistentSince != nil:
 		return "no, since " + c.InconsistentSince.Local().Format(time.DateTime) + "; consistent again after the next full drain"
 	case c.WritebackOrder == "lba":
-		return "no (writeback_order lba: only after a full drain)"
+		return "no (writeback_order lba: writeback does not keep the order of flushes)"
 	}
 	return "no; consistent again after the next full drain"
 }

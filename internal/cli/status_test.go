@@ -70,7 +70,7 @@ logs: backing device consistent: no, since 2026-12-02 10:02:03; consistent again
 	for _, want := range []string{
 		"  backing device consistent: yes\n",
 		"  backing device consistent: no, since 2026-12-02 10:02:03; consistent again after the next full drain\n",
-		"  backing device consistent: no (writeback_order lba: only after a full drain)\n",
+		"  backing device consistent: no (writeback_order lba: writeback does not keep the order of flushes)\n",
 	} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("usage lacks %q:\n%s", want, out.String())
