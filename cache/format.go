@@ -124,7 +124,8 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	if !opts.Force {
 		sb, err := ReadSuperblock(cacheDev)
 		if err == nil {
-			return nil, fmt.Errorf("%w (set %x, %d backing devices); use force to overwrite", ErrAlreadyFormatted, sb.SetUUID, sb.LiveBackings())
+			u := sb.SetUUID
+			return nil, fmt.Errorf("%w (set %x-%x-%x-%x-%x, %d backing devices); use force to overwrite", ErrAlreadyFormatted, u[0:4], u[4:6], u[6:8], u[8:10], u[10:16], sb.LiveBackings())
 		}
 		if !errors.Is(err, ErrNotFormatted) && !IsCorruption(err) {
 			// The device could not be read: it may hold a set.

@@ -2,6 +2,8 @@ package cache
 
 import (
 	"errors"
+	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
@@ -74,10 +76,15 @@ func TestFormatRefusesFormatted(t *testing.T) {
 	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 << 10, JournalSize: minJournalLen}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 << 10, JournalSize: minJournalLen}); !errors.Is(err, ErrAlreadyFormatted) {
+	_, err := Format(cache, specs, FormatOptions{BucketSize: 16 << 10, JournalSize: minJournalLen})
+	if !errors.Is(err, ErrAlreadyFormatted) {
 		t.Fatalf("second format: %v, want ErrAlreadyFormatted", err)
 	}
 	old, _ := ReadSuperblock(cache)
+	// The refusal names the set by its UUID in the canonical form.
+	if u := old.SetUUID; !strings.Contains(err.Error(), fmt.Sprintf("%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])) {
+		t.Errorf("second format: %v, want the set's UUID with dashes", err)
+	}
 	sb, err := Format(cache, specs, FormatOptions{BucketSize: 16 << 10, JournalSize: minJournalLen, Force: true})
 	if err != nil || sb.SetUUID == old.SetUUID {
 		t.Fatalf("forced format: %v", err)

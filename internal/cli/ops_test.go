@@ -472,3 +472,42 @@ func TestServeTakenSocketBeforeRecovery(t *testing.T) {
 		t.Errorf("the refused server wrote a checkpoint: %s, then %s", before, after)
 	}
 }
+
+// TestFormatChecksSizeFirst: a cache device too small for the bucket size
+// is refused with the minimum it needs, before any progress line (format
+// printed "format: 0%" and then failed its size check).
+func TestFormatChecksSizeFirst(t *testing.T) {
+	dir := t.TempDir()
+	small, back := filepath.Join(dir, "small.img"), filepath.Join(dir, "b.img")
+	for path, size := range map[string]int64{small: 4 << 20, back: 64 << 20} {
+		if err := os.WriteFile(path, nil, 0o600); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Truncate(path, size); err != nil {
+			t.Fatal(err)
+		}
+	}
+	out, errs, code := tc(t, "format", "--cache", small, "--backing", "d="+back)
+	if code == 0 || !regexp.MustCompile(`holds fewer than 4 buckets of 1048576 bytes: it needs at least \d+ bytes \(\d+(\.\d)? MiB\)`).MatchString(errs) {
+		t.Errorf("format of a 4 MiB cache: exit %d, stderr %q; want a refusal naming the minimum size", code, errs)
+	}
+	if strings.Contains(out+errs, "format: ") {
+		t.Errorf("format printed progress before refusing:\n%s%s", out, errs)
+	}
+}
+
+// TestHelpExamplesExpand: the help's shell examples put variables in
+// double quotes, so that pasted into a shell they expand (the nbdinfo
+// example quoted $HOME in single quotes).
+func TestHelpExamplesExpand(t *testing.T) {
+	single := regexp.MustCompile(`'[^'\n]*\$[A-Za-z_][^'\n]*'`)
+	for _, args := range [][]string{{"--help"}, {"serve", "--help"}, {"attach", "--help"}, {"detach", "--help"}, {"stats", "--help"}, {"format", "--help"}} {
+		out, _, code := tc(t, args...)
+		if code != 0 {
+			t.Fatalf("tiercache %s: exit %d", strings.Join(args, " "), code)
+		}
+		if m := single.FindString(out); m != "" {
+			t.Errorf("tiercache %s: %s does not expand in a shell", strings.Join(args, " "), m)
+		}
+	}
+}

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/admin"
+	"github.com/tiercache/tiercache/cache"
 )
 
 // TestStatusConsistency: status says per export whether the backing device
@@ -75,5 +76,30 @@ logs: backing device consistent: no, since 2026-12-02 10:02:03; consistent again
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("usage lacks %q:\n%s", want, out.String())
 		}
+	}
+}
+
+// TestIntervalLine: 'stats INTERVAL' prints the rates and the hit ratio of
+// the interval, not since the start: the first line covers the time since
+// the start, the next one only what happened between the two replies.
+func TestIntervalLine(t *testing.T) {
+	started := time.Date(2026, 12, 2, 9, 0, 0, 0, time.Local)
+	at := func(sec int, reads, hit, miss, writes uint64, dirty int64) admin.Stats {
+		vs := cache.VolumeStats{ReadOps: reads, ReadBytes: (hit + miss) * 4096, ReadHitBytes: hit * 4096, ReadMissBytes: miss * 4096,
+			WriteOps: writes, WriteBytes: writes * 4096, DirtyBlocks: dirty}
+		return admin.Stats{Time: started.Add(time.Duration(sec) * time.Second), Started: started,
+			Exports: []admin.ExportStats{{Name: "home", Mode: "writeback", Cached: true, Volume: &admin.VolumeStats{VolumeStats: vs}}}}
+	}
+	// 10 s with 100 reads (10% hits), then 2 s with 400 more, all hits.
+	first, second := at(10, 100, 10, 90, 50, 256), at(12, 500, 410, 90, 50, 512)
+	var out bytes.Buffer
+	printInterval(&out, first, nil, true)
+	printInterval(&out, second, &first, false)
+	want := `time      export           r/s     w/s  rMiB/s  wMiB/s   hit%      dirty  wbMiB/s  r_p99_us  w_p99_us
+09:00:10  home              10       5     0.0     0.0   10.0      1 MiB      0.0         -         -
+09:00:12  home             200       0     0.8     0.0  100.0      2 MiB      0.0         -         -
+`
+	if got := out.String(); got != want {
+		t.Errorf("interval lines:\n%s\nwant:\n%s", got, want)
 	}
 }
