@@ -111,9 +111,9 @@ type CacheUsage struct {
 	DirtyBytes  int64  `json:"dirty_bytes"`  // of those, not yet written back
 	Buckets     int64  `json:"buckets"`
 	FreeBuckets int64  `json:"free_buckets"`
-	// EmptyBuckets are used buckets that hold no live block (overwritten,
-	// dropped or detached data): GC frees them first, without writeback,
-	// when space is needed.
+	// EmptyBuckets are used buckets that hold no live block (overwritten
+	// or dropped data): GC frees them first, without writeback, when space
+	// is needed. A detach frees those its disk left at once.
 	EmptyBuckets int64 `json:"empty_buckets"`
 	// Failed: the cache device failed; every export is served from its
 	// backing device and UnreachableDirtyBytes of dirty data is left on

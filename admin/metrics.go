@@ -90,7 +90,7 @@ var setMetrics = map[string]metricDef{
 	"Commits":                {name: "tiercache_set_journal_commits_total", help: "Journal commits (group commits of flushes).", kind: counter},
 	"JournalBlocks":          {name: "tiercache_set_journal_blocks_total", help: "Journal blocks written.", kind: counter},
 	"Checkpoints":            {name: "tiercache_set_checkpoints_total", help: "Index checkpoints written.", kind: counter},
-	"Evictions":              {name: "tiercache_set_gc_evictions_total", help: "Buckets freed by GC.", kind: counter},
+	"Evictions":              {name: "tiercache_set_gc_evictions_total", help: "Buckets freed by GC (and the empty buckets a detach frees).", kind: counter},
 	"WritebackBlocks":        {name: "tiercache_set_writeback_bytes_total", help: "Bytes written back, all exports.", kind: counter, scale: blockBytes},
 	"GCMoves":                {name: "tiercache_set_gc_moved_bytes_total", help: "Live dirty bytes copied out of mostly-empty buckets by GC.", kind: counter, scale: blockBytes},
 	"CacheErrors":            {name: "tiercache_set_cache_device_errors_total", help: "Failed cache device I/Os.", kind: counter},

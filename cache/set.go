@@ -285,12 +285,15 @@ func (s *Set) crashStop() {
 type SetStats struct {
 	Buckets, FreeBuckets, SealedBuckets int64
 	// EmptyBuckets are sealed buckets no live block points into (their
-	// data was overwritten, dropped or detached): GC frees them first,
-	// without writing anything back, when free buckets run short.
+	// data was overwritten or dropped): GC frees them first, without
+	// writing anything back, when free buckets run short. A detach frees
+	// those its volume left at once.
 	EmptyBuckets                        int64
 	CachedBlocks, DirtyBlocks           int64
 	Commits, JournalBlocks, Checkpoints uint64
-	Evictions, WritebackBlocks          uint64
+	// Evictions counts buckets freed: by GC, and the empty ones a detach
+	// frees.
+	Evictions, WritebackBlocks uint64
 	// GCMoves counts live dirty blocks copied out of mostly-empty buckets
 	// (instead of being written back) so the buckets could be reused.
 	GCMoves uint64

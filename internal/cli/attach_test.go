@@ -3,6 +3,7 @@ package cli
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"math/rand/v2"
 	"os"
@@ -146,9 +147,27 @@ func TestAttachDetachCommands(t *testing.T) {
 	failTC(t, "detach needs the EXPORT to detach (exports: a, data)", "detach")
 	failTC(t, `unknown setting "cache_mod"`, "set", "data", "cache_mod=none")
 
-	// --force takes over a disk of another set.
-	mustTC(t, `export "x" is served now`, "attach", "x="+p("claimed.img"), "--force", "--mode", "writearound")
-	mustTC(t, "x is detached", "detach", "x")
+	// --force takes over a disk of another set; --json: one object each,
+	// the server first.
+	var att struct {
+		Server serverID `json:"server"`
+		Name   string   `json:"name"`
+		Mode   string   `json:"mode"`
+	}
+	out := mustTC(t, `"name": "x"`, "attach", "x="+p("claimed.img"), "--force", "--mode", "writearound", "--json")
+	if err := json.Unmarshal([]byte(out), &att); err != nil || att.Server.Admin != adm || att.Mode != "writearound" {
+		t.Errorf("attach --json: %v %+v", err, att)
+	}
+	var det struct {
+		Server   serverID `json:"server"`
+		Export   string   `json:"export"`
+		Finished bool     `json:"finished"`
+		Message  string   `json:"message"`
+	}
+	out = mustTC(t, `"export": "x"`, "detach", "x", "--json")
+	if err := json.Unmarshal([]byte(out), &det); err != nil || det.Server.Admin != adm || !det.Finished || !strings.Contains(det.Message, "x is detached") {
+		t.Errorf("detach --json: %v %+v", err, det)
+	}
 
 	mustTC(t, "data is detached: "+p("disk.img")+" is complete and can be used alone", "detach", "data")
 	fileEquals(t, p("disk.img"), disk)
