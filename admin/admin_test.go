@@ -191,6 +191,23 @@ func TestAPI(t *testing.T) {
 	if n := latencyCount(s.Exports[0].Latency, "write", "backing"); n != 0 {
 		t.Errorf("write latency, tier backing: %d writes, want 0", n)
 	}
+	// One duration per request, in the total and in its tier.
+	for _, op := range []string{"read", "write"} {
+		var total, tiers uint64
+		for _, l := range s.Exports[0].Latency {
+			if l.Op != op {
+				continue
+			}
+			if l.Tier == "" {
+				total = l.SumNanos
+			} else {
+				tiers += l.SumNanos
+			}
+		}
+		if total == 0 || tiers != total {
+			t.Errorf("%s latency: %d ns in all, %d ns in the tiers; want the same", op, total, tiers)
+		}
+	}
 	// Epoch order (the default): the backing device alone is consistent.
 	if e := st.Exports[0]; e.WritebackOrder != "epoch" || !e.BackingConsistent || e.InconsistentSince != nil {
 		t.Errorf("status of a: %+v, want epoch order, backing consistent", e.Consistency)

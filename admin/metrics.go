@@ -274,7 +274,11 @@ type instrumented struct {
 }
 
 func (w *instrumented) observe(op int, start time.Time, err error) error {
-	d := time.Since(start)
+	return w.observeDur(op, time.Since(start), err)
+}
+
+// observeDur records a request of op that took d.
+func (w *instrumented) observeDur(op int, d time.Duration, err error) error {
 	w.hist[op].Observe(d.Seconds())
 	w.lat[op].observe(d)
 	if err != nil {
@@ -288,13 +292,14 @@ func (w *instrumented) Size() int64 { return w.b.Size() }
 func (w *instrumented) ReadAt(p []byte, off int64) error {
 	hit := w.tiers != nil && w.tiers.Cached(off, int64(len(p)))
 	t := time.Now()
-	err := w.observe(opRead, t, w.b.ReadAt(p, off))
+	err := w.b.ReadAt(p, off)
+	d := time.Since(t)
+	err = w.observeDur(opRead, d, err)
 	if w.tiers != nil && err == nil {
 		i := 0
 		if hit {
 			i = 1
 		}
-		d := time.Since(t)
 		w.tier[i].Observe(d.Seconds())
 		w.tierLat[i].observe(d)
 	}
@@ -307,9 +312,9 @@ func (w *instrumented) WriteAt(p []byte, off int64, fua bool) error {
 		return w.observe(opWrite, t, w.b.WriteAt(p, off, fua))
 	}
 	tier, err := w.wtiers.WriteAtTier(p, off, fua)
-	err = w.observe(opWrite, t, err)
+	d := time.Since(t)
+	err = w.observeDur(opWrite, d, err)
 	if err == nil {
-		d := time.Since(t)
 		w.wtier[tier].Observe(d.Seconds())
 		w.wtierLat[tier].observe(d)
 	}
