@@ -425,3 +425,41 @@ func TestTrustCheckpointFallbackWarns(t *testing.T) {
 		t.Fatalf("serve did not warn of the checkpoint fallback:\n%s", s2.log)
 	}
 }
+
+// TestTrustUnidentifiedDevice: a device that nothing identifies (here a
+// file on ramfs, which keeps no user xattrs, and a loop device over it) is
+// refused by format unless --trust-path, which identifies it by its path
+// and says loudly that a different disk at that path is not caught. On
+// main format printed "id none" and went on, and serve then took any disk
+// at any path for it; now serve refuses another path.
+func TestTrustUnidentifiedDevice(t *testing.T) {
+	needRoot(t)
+	need(t, "losetup")
+	dir := t.TempDir()
+	rf := filepath.Join(dir, "ramfs")
+	if err := os.Mkdir(rf, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	run(t, time.Minute, "mount", "-t", "ramfs", "ramfs", rf)
+	t.Cleanup(func() { exec.Command("umount", "-l", rf).Run() })
+	file := randomFile(t, rf, "vol.img", 8*mib, 3)
+	other := randomFile(t, rf, "other.img", 8*mib, 4)
+	loop := strings.TrimSpace(run(t, time.Minute, "losetup", "-f", "--show", randomFile(t, rf, "loop.img", 8*mib, 5)))
+	t.Cleanup(func() { exec.Command("losetup", "-d", loop).Run() })
+	for _, dev := range []string{file, loop} {
+		cache := sparseFile(t, dir, "cache.img", 16*mib)
+		refused(t, []string{`backing "vol"`, "nothing identifies this device", "--trust-path"},
+			"format", "--cache", cache, "--backing", "vol="+dev, "--bucket-size", "256K")
+		out := run(t, time.Minute, bin, "format", "--cache", cache, "--backing", "vol="+dev, "--bucket-size", "256K", "--trust-path")
+		if !strings.Contains(out, "WARNING") || !strings.Contains(out, "will NOT be caught") || !strings.Contains(out, "id path:"+dev) {
+			t.Errorf("format --trust-path of %s did not say loudly that it identifies the device by its path:\n%s", dev, out)
+		}
+		if dev == file {
+			refused(t, []string{`backing "vol"`, "identity mismatch", "expected path:" + dev, "found path:" + other},
+				"serve", "--cache", cache, "--backing", "vol="+other, "--listen", "unix:"+filepath.Join(dir, "x.sock"))
+		}
+		if err := os.Remove(cache); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
