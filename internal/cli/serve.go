@@ -442,7 +442,10 @@ func prepareDefault(dir string, log *slog.Logger) (string, error) {
 		return "", err
 	}
 	if id.ID == "" {
-		id.ID = backingid.PathID(backing) // a file system without user xattrs
+		// A file system without user xattrs: the default set's own file,
+		// in its own directory, is identified by its path.
+		id.ID = backingid.PathID(backing)
+		log.Warn("nothing identifies the default backing file (its file system keeps no user xattrs); identified by its path: a different file put at that path will NOT be caught", "path", backing)
 	}
 	cacheID, err := backingid.EnsureID(cachePath)
 	if err != nil {
