@@ -67,15 +67,16 @@ interop:
 
 # A real kernel (Debian's, under qemu TCG; internal/kvm, docs/TESTING.md):
 # the kernel NBD client against tiercache served inside the guest, and power
-# cuts (TestPowerCut) run in kernel-sweep only while its open finding (a
-# FUA write acknowledged before the mark, missing at it, ~1 run in 6)
-# stands. Two guest boots.
+# cuts of the whole guest (TestPowerCut: a short workload in every cache mode
+# and both writeback orders, a seeded sample of 4 points of each kind per
+# mode replayed from the dm-log-writes log). Three guest boots.
 kernel:
-	$(GO) test -count=1 -timeout 30m -v -run 'TestBoot$$|TestKernelNBD$$' ./internal/kvm/
+	$(GO) test -count=1 -timeout 30m -v -run 'TestBoot$$|TestKernelNBD$$|TestPowerCut$$' ./internal/kvm/
 
 # Every power-cut point of the log (every mark, FLUSH and FUA, and a torn
-# point per FLUSH interval) in every cache mode. TIERCACHE_KVM_SEED=N
-# replays a run.
+# point per FLUSH interval) in every cache mode, with a longer workload.
+# TIERCACHE_KVM_SEED=N repeats a run's workload and points;
+# TIERCACHE_KVM_KEEP=DIR keeps (and replays) its logs.
 kernel-sweep:
 	TIERCACHE_KVM_FULL=1 $(GO) test -count=1 -timeout 3h -v -run 'TestPowerCut$$' ./internal/kvm/
 

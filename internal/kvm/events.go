@@ -131,3 +131,14 @@ func (ev *Events) OracleAt(k int) (*crashtest.Oracle, error) {
 	}
 	return o, nil
 }
+
+// WritesTo returns the ids of every write to block lba, in order.
+func (ev *Events) WritesTo(lba int64) []uint64 {
+	var ids []uint64
+	for _, e := range ev.lines {
+		if e.kind == "B" && e.lba == lba {
+			ids = append(ids, e.id)
+		}
+	}
+	return ids
+}
