@@ -12,10 +12,11 @@ package cache
 // walking the checkpoint's sorted entries and the sorted items together,
 // and the trees are bulk-loaded once into nearly full leaves (install).
 //
-// The resolution follows exactly what applying the records one by one in
-// journal order does (applyLocked: index.Index.Insert, MarkClean,
-// Invalidate, DropBucket). Records of different LBAs interact only through
-// cache blocks and buckets:
+// The resolution gives the index that applying the records one by one in
+// journal order gives (applyLocked: index.Index.Insert, MarkClean,
+// Invalidate, DropBucket); the record-by-record replay is kept as the
+// resolver's test oracle (replay_test.go). Records of different LBAs
+// interact only through cache blocks and buckets:
 //
 //   - a reuse record drops every version in its bucket: per bucket, the
 //     reuse records' places in the journal are kept, and a version created
@@ -28,18 +29,15 @@ package cache
 //     collecting, a block inserted twice with no reuse of its bucket
 //     between is an anomaly, and so is (while resolving) an insert before
 //     any reuse of its bucket into a block a checkpoint version names,
-//     whether or not that version was dropped before the insert (the
-//     record-by-record replay's sorted runs reject some of those). A
-//     version alive at an insert into its block would be one of these two.
+//     whether or not that version was dropped before the insert. A version
+//     alive at an insert into its block would be one of these two.
 //
-// Anything that applyLocked would reject, and anything unusual that would
-// make the two orders differ (a reuse dropping dirty data, superseded
-// versions left without a newer dirty entry), is an anomaly: the index is
-// then rebuilt record by record (replayOld: loadCheckpointLocked plus
-// sortedApplier's sorted batches) over the same records, in memory, which
-// gives the same index, or the same error. A journal that ends in a read
-// error or corruption also takes that path (an earlier record's apply
-// error comes first).
+// Anything that applyLocked would reject, and anything a serving set never
+// journals (a reuse of a bucket holding dirty data, superseded versions
+// left without a newer dirty entry), is an anomaly:
+// recovery then fails with a corruption error. Journal blocks pass their
+// checksums before their records are collected, so an anomaly is metadata
+// written wrong, not a torn write.
 
 import (
 	"cmp"
@@ -57,24 +55,13 @@ import (
 	"github.com/tiercache/tiercache/internal/invariants"
 )
 
-// jrecs is the journal as read for recovery: the record payload of every
-// valid block up to the end of the log (for the record-by-record fallback:
-// at most the journal's size, where the decoded records took about three
-// times that), and the journal's own error.
+// jrecs is the journal as read for recovery: its end, record count and
+// head record, and the journal's own error.
 type jrecs struct {
-	blocks []jblockRef
-	n      int // records
-	end    ondisk.JournalPos
-	head   ondisk.JournalHead // the journal head record
-	err    error              // read error or corruption that ended the log, after blocks
-}
-
-// jblockRef is one valid journal block: its offset and sequence number
-// (for the fallback's error messages) and its records, encoded.
-type jblockRef struct {
-	off     int64
-	seq     uint64
-	payload []byte
+	n    int // records
+	end  ondisk.JournalPos
+	head ondisk.JournalHead // the journal head record
+	err  error              // read error or corruption that ended the log
 }
 
 // Item kinds.
@@ -129,6 +116,7 @@ type collector struct {
 	volEpoch []uint64 // per volume: highest insert epoch
 	seq      uint32
 	anomaly  string
+	tooLong  bool // more block records than seq counts: not corruption
 }
 
 func newCollector(s *Set, nbuckets int64) *collector {
@@ -154,7 +142,8 @@ func (c *collector) fail(format string, args ...any) {
 
 func (c *collector) next() uint32 {
 	if c.seq == math.MaxUint32-1 {
-		c.fail("journal too long for the fast replay")
+		c.tooLong = true
+		c.fail("journal too long")
 		return c.seq
 	}
 	c.seq++
@@ -371,11 +360,10 @@ func (r *resolver) kill(t uint32) {
 			r.hasLive = false
 		}
 	}
-	for i := range r.sups {
-		if r.firstReuse(r.sups[i].loc, r.sups[i].c, t) != 0 {
-			r.fail("reuse drops superseded version at cache block %d", r.sups[i].loc)
-		}
-	}
+	// A superseded version the serving set dropped without a record (it
+	// left epoch order after the checkpoint) is dropped here by its
+	// bucket's reuse.
+	r.sups = slices.DeleteFunc(r.sups, func(x rver) bool { return r.firstReuse(x.loc, x.c, t) != 0 })
 }
 
 func (r *resolver) dropSups() { r.sups = r.sups[:0] }
@@ -651,12 +639,13 @@ func (s *Set) install(c *collector, out []resolvedVol) {
 }
 
 // readJournal reads the journal after checkpoint h, handing each record to
-// c in journal order.
-func readJournal(dev device.Device, sb *Superblock, h ondisk.CkptHeader, c *collector) *jrecs {
+// c in journal order (and to onRec first, if not nil).
+func readJournal(dev device.Device, sb *Superblock, h ondisk.CkptHeader, c *collector, onRec func(*ondisk.Rec)) *jrecs {
 	jr := &jrecs{}
-	jr.end, jr.n, jr.head, jr.err = ondisk.ReplayJournalHead(dev, sb, h.Gen, h.JPos, func(off int64, seq uint64, payload []byte) {
-		jr.blocks = append(jr.blocks, jblockRef{off: off, seq: seq, payload: payload})
-	}, func(r *ondisk.Rec) error {
+	jr.end, jr.n, jr.head, jr.err = ondisk.ReplayJournalHead(dev, sb, h.Gen, h.JPos, nil, func(r *ondisk.Rec) error {
+		if onRec != nil {
+			onRec(r)
+		}
 		c.add(r)
 		return nil
 	})
@@ -664,60 +653,20 @@ func readJournal(dev device.Device, sb *Superblock, h ondisk.CkptHeader, c *coll
 }
 
 // recoverIndex rebuilds the index from the checkpoint cd and the journal
-// jr (see the top of the file) and drops clean entries after an unclean
-// shutdown. It returns how many it dropped, and whether the fast path
-// was taken.
+// records c collected (see the top of the file), dropping clean entries
+// after an unclean shutdown. It returns how many it dropped.
 // REQUIRES: exclusive access (Open)
-func (s *Set) recoverIndex(nbuckets int64, cd *ondisk.CkptData, c *collector, jr *jrecs, clean bool) (dropped int, fast bool, err error) {
+func (s *Set) recoverIndex(nbuckets int64, cd *ondisk.CkptData, c *collector, clean bool) (dropped int, err error) {
 	s.resetIndexLocked(nbuckets, cd.Gens)
-	if jr.err == nil {
-		r, out := s.resolve(c, cd, clean)
-		if r.anomaly == "" {
-			s.install(c, out)
-			return r.dropped, true, nil
-		}
-		s.log.Debug("recovery: replaying the journal record by record", "reason", r.anomaly)
-		s.resetIndexLocked(nbuckets, cd.Gens)
+	r, out := s.resolve(c, cd, clean)
+	switch {
+	case c.tooLong:
+		return 0, fmt.Errorf("journal too long to recover: more than %d block records", uint32(math.MaxUint32-1))
+	case r.anomaly != "":
+		return 0, ondisk.Badf("journal records", "%s", r.anomaly)
 	}
-	if err := s.replayOld(cd, jr); err != nil {
-		return 0, false, err
-	}
-	if !clean {
-		dropped = s.dropCleanLocked()
-	}
-	return dropped, false, nil
-}
-
-// replayOld is the record-by-record recovery (loadCheckpointLocked, then
-// sortedApplier's batches) over records already read, returning the
-// first record's error as a replay applying each block as it is read
-// would.
-// REQUIRES: exclusive access (Open), after resetIndexLocked
-func (s *Set) replayOld(cd *ondisk.CkptData, jr *jrecs) error {
-	for vi := range cd.Vols {
-		if vi >= len(s.vols) {
-			break // slots detached after this checkpoint: empty (decodeCkptBody)
-		}
-		s.loadCheckpointLocked(vi, &cd.Vols[vi])
-	}
-	apply, flush := s.sortedApplier()
-	for _, b := range jr.blocks {
-		for p := b.payload; len(p) > 0; {
-			var r *ondisk.Rec
-			var err error
-			if r, p, err = ondisk.DecodeRec(p); err != nil {
-				// Unreachable: the block's records decoded once already.
-				return ondisk.Placed(err, b.off, blockSize)
-			}
-			if err := apply(r); err != nil {
-				return fmt.Errorf("journal block at offset %d (seq %d), %v: %w", b.off, b.seq, r, err)
-			}
-		}
-	}
-	if jr.err != nil {
-		return jr.err
-	}
-	return flush()
+	s.install(c, out)
+	return r.dropped, nil
 }
 
 // OpenOptions configure Open.
@@ -805,7 +754,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		dch <- decoded{cd, err}
 	}()
 	c := newCollector(s, sb.NBuckets)
-	jr := readJournal(cacheDev, sb, hdr, c)
+	jr := readJournal(cacheDev, sb, hdr, c, nil)
 	d := <-dch
 	if d.err != nil {
 		return nil, fmt.Errorf("open: %w", d.err)
@@ -816,7 +765,10 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	s.jr.headN = jr.head.N
 	loaded := time.Now()
-	dropped, fast, err := s.recoverIndex(sb.NBuckets, d.cd, c, jr, sb.Clean)
+	if jr.err != nil {
+		return nil, fmt.Errorf("open: replaying journal: %w", jr.err)
+	}
+	dropped, err := s.recoverIndex(sb.NBuckets, d.cd, c, sb.Clean)
 	if err != nil {
 		return nil, fmt.Errorf("open: replaying journal: %w", err)
 	}
@@ -845,7 +797,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}
-	log.Info("cache set recovered", "checkpoint_gen", hdr.Gen, "journal_records", nrec, "bulk_replay", fast,
+	log.Info("cache set recovered", "checkpoint_gen", hdr.Gen, "journal_records", nrec,
 		"entries", s.entries(), "dropped_clean", dropped, "took", time.Since(start),
 		"read_checkpoint_and_journal", loaded.Sub(start), "replay_journal", replayed.Sub(loaded), "write_checkpoint", time.Since(replayed))
 	s.sbMu.Lock()
@@ -885,146 +837,6 @@ func (s *Set) listBucketsLocked() {
 			s.mu.free = append(s.mu.free, uint32(i))
 		}
 	}
-}
-
-// loadCheckpointLocked builds volume vi's index from its checkpoint part:
-// the entries (in strictly increasing LBA order, as decodeCkptBody checked)
-// are bulk-loaded into nearly full leaves, each leaf's summary (its dirty
-// entries' oldest epoch) computed on the way; the bucket counts, epochs
-// and the recovery-time reverse map follow (no random B-tree inserts).
-// REQUIRES: s.mu (or exclusive access during Open)
-func (s *Set) loadCheckpointLocked(vi int, cv *ondisk.CkptVol) {
-	v := s.vols[vi]
-	v.idx.epoch = cv.Epoch
-	aggs := make([]uint64, (len(cv.Ents)+index.LeafBulkFill-1)/index.LeafBulkFill)
-	for i := range aggs {
-		aggs[i] = math.MaxUint64
-	}
-	for i, e := range cv.Ents {
-		loc := e.Block()
-		if s.mu.Owner != nil {
-			s.mu.Owner[loc] = index.OwnerKey(vi, e.LBA)
-		}
-		b := &s.mu.Buckets[int64(loc)/s.bpb]
-		b.Live++
-		v.idx.Cached++
-		if e.Dirty() {
-			ep := cv.EpochOf[loc]
-			b.Dirty++
-			v.idx.Dirty++
-			s.mu.SetBlockEpoch(loc, ep)
-			aggs[i/index.LeafBulkFill] = min(aggs[i/index.LeafBulkFill], ep)
-		}
-	}
-	v.idx.Tree = index.BuildPtree(cv.Ents, aggs)
-	v.idx.Sup = index.NewStree()
-	for _, x := range cv.Sup {
-		s.mu.InsertSup(vi, x)
-	}
-}
-
-// replayBatch bounds the insert records sortedApplier sorts at a time.
-const replayBatch = 1 << 16
-
-// sortedApplier returns apply, which applies journal records in order but
-// runs of insert records (up to replayBatch) sorted by (volume, LBA),
-// stably, and flush, which applies the last run. Within a run this order
-// is equivalent to the journal's: inserts of different blocks commute (no
-// record in the run changes a bucket generation or drops entries), and
-// inserts of one LBA keep their order (records are split per block, since
-// multi-block records may overlap); an insert into a block owned earlier
-// in the run is corruption in either order.
-func (s *Set) sortedApplier() (apply func(*ondisk.Rec) error, flush func() error) {
-	// One item per block: records of several blocks can overlap (a later
-	// write over part of an earlier one), and only per-block items sort
-	// into a per-LBA order. seq (the item's place in the journal) makes
-	// the sort stable.
-	type item struct {
-		// ownerKey(vol, lba): sorts by (volume, LBA) in one compare. It
-		// is exact for every record applyLocked accepts (LBA < 2^40,
-		// volume a slot); a record it rejects fails Open whatever order
-		// the batch was applied in.
-		key uint64
-		seq uint32
-		r   *ondisk.Rec
-		i   uint32 // block within r
-		all bool   // apply r whole
-	}
-	var batch []item
-	flush = func() error {
-		slices.SortFunc(batch, func(a, b item) int {
-			if c := cmp.Compare(a.key, b.key); c != 0 {
-				return c
-			}
-			return cmp.Compare(a.seq, b.seq)
-		})
-		// one is reused for the per-block records: a copy per item
-		// escaped to the heap (one allocation per replayed block).
-		var one ondisk.Rec
-		for _, it := range batch {
-			r := it.r
-			if !it.all && len(r.CRCs) > 1 {
-				one = *r
-				one.LBA, one.Loc, one.CRCs = r.LBA+uint64(it.i), r.Loc+it.i, r.CRCs[it.i:it.i+1]
-				r = &one
-			}
-			if err := s.applyLocked(r); err != nil {
-				return fmt.Errorf("%v (in a run of inserts sorted by LBA): %w", r, err)
-			}
-		}
-		batch = batch[:0]
-		return nil
-	}
-	apply = func(r *ondisk.Rec) error {
-		if r.Type == ondisk.RecInsert {
-			// A record that leaves its bucket is kept whole for applyLocked
-			// to reject.
-			n := uint32(len(r.CRCs))
-			if n == 0 || int64(r.Loc)/s.bpb != (int64(r.Loc)+int64(n)-1)/s.bpb {
-				batch = append(batch, item{key: index.OwnerKey(int(r.Vol), r.LBA), seq: uint32(len(batch)), r: r, all: true})
-				n = 0
-			}
-			for i := range n {
-				batch = append(batch, item{key: index.OwnerKey(int(r.Vol), r.LBA+uint64(i)), seq: uint32(len(batch)), r: r, i: i})
-			}
-			if len(batch) < replayBatch {
-				return nil
-			}
-			return flush()
-		}
-		if err := flush(); err != nil {
-			return err
-		}
-		return s.applyLocked(r)
-	}
-	return apply, flush
-}
-
-// dropCleanLocked drops every clean entry. Open does this after a crash: a
-// passthrough write (writearound, none, write-zeroes) may have reached the
-// backing device while the journal record invalidating the cached copy was
-// lost, and a clean entry would then serve stale data until evicted and flip
-// to the backing data afterwards. Dirty entries are kept: they are newer than
-// anything on the backing device. The cost is a cold clean cache after a
-// crash; an intent record before each passthrough write would keep it warm.
-// REQUIRES: s.mu (or exclusive access during Open)
-func (s *Set) dropCleanLocked() int {
-	n := 0
-	for vi, v := range s.vols {
-		var drop []index.Ent
-		v.idx.Tree.Ascend(func(e index.Ent) bool {
-			if !e.Dirty() {
-				drop = append(drop, e)
-			}
-			return true
-		})
-		for _, e := range drop {
-			v.idx.Tree.Delete(e)
-			s.mu.Unaccount(vi, e)
-		}
-		n += len(drop)
-	}
-	return n
 }
 
 func (s *Set) entries() (n int64) {
