@@ -221,9 +221,7 @@ func (p *policy) promoteMiss(lba uint64, need int) bool {
 
 // Settings returns the volume's current settings.
 func (v *Volume) Settings() Settings {
-	st := *v.cfg.Load()
-	st.Mode = v.Mode()
-	return st
+	return *v.cfg.Load()
 }
 
 // SetSettings validates s, persists it in the superblock and applies it.
@@ -263,7 +261,6 @@ func (v *Volume) SetSettings(st Settings) error {
 	if err != nil {
 		return fmt.Errorf("settings of %s: %w", v.name, err)
 	}
-	v.mode.Store(int32(st.Mode))
 	switch {
 	case intoEpoch:
 		why := degradeSettings

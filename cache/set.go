@@ -121,7 +121,6 @@ func newSet(dev device.Device, sb *Superblock, log *slog.Logger) *Set {
 func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
 	v := &Volume{s: s, vi: vi, name: bi.Name, size: bi.Size, nblocks: uint64((bi.Size + blockSize - 1) / blockSize),
 		back: dev, free: bi.Free(), gone: bi.Free()}
-	v.mode.Store(int32(bi.Settings.Mode))
 	cfg := bi.Settings
 	if cfg.WritebackOrder == 0 {
 		cfg = DefaultSettings()

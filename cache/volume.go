@@ -28,7 +28,6 @@ type Volume struct {
 	size    int64
 	nblocks uint64
 	back    device.Device
-	mode    atomic.Int32
 	// free marks the placeholder of a free slot (see Set.vols).
 	free bool
 
@@ -51,11 +50,13 @@ type Volume struct {
 	// see syncBackings).
 	backSyncErr atomic.Pointer[error]
 	st          volStats
-	cfg         atomic.Pointer[Settings] // current settings; Mode field unused (see mode)
-	pol         policy
-	lastIO      atomic.Int64 // unix nanos of the last client request (idle detection)
-	wb          wbState      // background writeback state (writeback.go)
-	ord         orderState   // epoch order degraded or not (order.go)
+	// cfg: the settings the superblock holds (the mode included), replaced
+	// whole after each superblock update that changes them, under rmw.
+	cfg    atomic.Pointer[Settings]
+	pol    policy
+	lastIO atomic.Int64 // unix nanos of the last client request (idle detection)
+	wb     wbState      // background writeback state (writeback.go)
+	ord    orderState   // epoch order degraded or not (order.go)
 	// wlog: the last wlogSize writes' blocks, for promotions
 	// (writtenSinceLocked); guarded by s.mu.
 	wlog [wlogSize]wlogEnt
@@ -175,7 +176,7 @@ func (v *Volume) Name() string { return v.name }
 func (v *Volume) Size() int64 { return v.size }
 
 // Mode returns the current cache mode.
-func (v *Volume) Mode() Mode { return Mode(v.mode.Load()) }
+func (v *Volume) Mode() Mode { return v.cfg.Load().Mode }
 
 // SetMode switches the cache mode at run time and records it in the
 // superblock. Leaving writeback keeps dirty data readable (reads consult the
@@ -201,7 +202,9 @@ func (v *Volume) SetMode(m Mode) error {
 	if err != nil {
 		return fmt.Errorf("set mode of %s: %w", v.name, err)
 	}
-	v.mode.Store(int32(m))
+	st := *v.cfg.Load()
+	st.Mode = m
+	v.cfg.Store(&st)
 	return nil
 }
 
