@@ -13,28 +13,17 @@ import (
 //
 // A read that is partly cached needs pieces from two devices: runs of
 // cached blocks from the cache device and the gaps between them from the
-// backing device. Issued one after another, each piece waits for the one
-// before it, so a 1 MiB sequential read with 16 scattered cached blocks
-// (S1 in docs/BENCHMARKS.md: a file rewritten 4 KiB at a time, then read
-// through) waited for 16 cache reads and 17 backing reads in turn and ran
-// at 95 % of the plain disk.
-//
-// So readPieces issues every piece at once, and it coalesces backing gaps
-// separated by at most coalesceGap cached bytes into one backing read of
-// the whole span, overlaying the dirty cached blocks when both are done.
-// Clean cached blocks inside such a span are not read from the cache at
-// all: clean means the backing device holds the same bytes (written
-// through, written back and synced, or promoted from it), which is also
-// why a clean block failing its checksum is re-read from there. On an
-// HDD a short skip costs as much rotation as reading through it, and one
-// command instead of several keeps the drive streaming; on an SSD the
-// extra bytes are cheap. Measured on the HDD model behind the SATA SSD
-// model (TestMeasurePartlyCachedRead: 1/16 of 256 MiB cached, 1 MiB QD1
-// reads), against the plain HDD model: serial 0.86x, concurrent pieces
-// 0.96x (4,052 backing reads, the drive's read-ahead buffer missed), and
-// concurrent and coalesced 1.00x (256 backing reads, one per client read),
-// at load average 2 on 2 cores; at load 12 the order held (0.59x, 0.85x,
-// 0.95x).
+// backing device. readPieces issues every piece at once, and it coalesces
+// backing gaps separated by at most coalesceGap cached bytes into one
+// backing read of the whole span, overlaying the dirty cached blocks when
+// both are done. Clean cached blocks inside such a span are not read from
+// the cache at all: clean means the backing device holds the same bytes
+// (written through, written back and synced, or promoted from it), which
+// is also why a clean block failing its checksum is re-read from there.
+// On an HDD a short skip costs as much rotation as reading through it, and
+// one command instead of several keeps the drive streaming; on an SSD the
+// extra bytes are cheap (TestMeasurePartlyCachedRead measures it against
+// the plain disk).
 
 // coalesceGap is the largest run of cached bytes a backing read reads
 // through (and discards) to join the gaps on either side of it. 128 KiB is
@@ -46,18 +35,6 @@ const coalesceGap = 128 << 10
 // to keep an SSD's channels busy, few enough that a fragmented read does not
 // spawn one goroutine per block.
 const maxReadFanout = 8
-
-// readStrategy selects how readPieces issues pieces; tests set it to
-// measure the alternatives against each other.
-type readStrategy int
-
-const (
-	readCoalesced  readStrategy = iota // concurrent, backing gaps coalesced (the default)
-	readConcurrent                     // concurrent, one backing read per gap
-	readSerial                         // one piece after another (before)
-)
-
-var readStrategyUsed atomic.Int32 // a readStrategy; tests only
 
 // piece is one device read of a client read.
 type piece struct {
@@ -90,11 +67,9 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []index.Ent) (mi
 			next = hits[k].LBA + 1
 		}
 	}
-	strat := readStrategy(readStrategyUsed.Load())
-	// Backing reads: the gaps, joined across short cached runs unless
-	// measuring the alternatives.
+	// Backing reads: the gaps, joined across short cached runs.
 	runs := misses
-	if strat == readCoalesced && len(misses) > 1 {
+	if len(misses) > 1 {
 		runs = nil
 		cur := misses[0]
 		for _, m := range misses[1:] {
@@ -127,7 +102,7 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []index.Ent) (mi
 		return false
 	}
 	for i := 0; i < len(hits); {
-		if strat == readCoalesced && !hits[i].Dirty() && covered(hits[i].LBA) {
+		if !hits[i].Dirty() && covered(hits[i].LBA) {
 			if fromBacking == nil {
 				fromBacking = map[uint64]bool{}
 			}
@@ -137,7 +112,7 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []index.Ent) (mi
 		}
 		j := i + 1
 		for j < len(hits) && hits[j].LBA == hits[j-1].LBA+1 && hits[j].Block() == hits[j-1].Block()+1 &&
-			covered(hits[j].LBA) == covered(hits[i].LBA) && (strat != readCoalesced || hits[j].Dirty() || !covered(hits[j].LBA)) {
+			covered(hits[j].LBA) == covered(hits[i].LBA) && (hits[j].Dirty() || !covered(hits[j].LBA)) {
 			j++
 		}
 		at := int(hits[i].LBA-lba) * blockSize
@@ -184,16 +159,7 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []index.Ent) (mi
 		s.cacheIOOK()
 		return nil
 	}
-	if strat == readSerial {
-		for _, p := range ps {
-			if err = do(p); err != nil {
-				break
-			}
-		}
-	} else {
-		err = runPieces(ps, do)
-	}
-	if err != nil {
+	if err = runPieces(ps, do); err != nil {
 		return nil, nil, err
 	}
 	for _, o := range overlays {

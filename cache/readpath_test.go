@@ -8,21 +8,10 @@ import (
 	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
-// withReadStrategy runs f with readPieces using strategy st.
-func withReadStrategy(t *testing.T, st readStrategy, f func()) {
-	t.Helper()
-	old := readStrategyUsed.Swap(int32(st))
-	defer readStrategyUsed.Store(old)
-	f()
-}
-
-var readStrategyNames = map[readStrategy]string{readCoalesced: "coalesced", readConcurrent: "concurrent", readSerial: "serial"}
-
 // TestReadPiecesMixed reads random ranges of a volume whose blocks are a mix
 // of dirty cached blocks (the backing device holds older data under them),
-// clean cached blocks and uncached blocks, with every read strategy, and
-// checks each byte against the latest write (invariant 1). Promotion is off
-// so the mix stays fixed.
+// clean cached blocks and uncached blocks, and checks each byte against the
+// latest write (invariant 1). Promotion is off so the mix stays fixed.
 func TestReadPiecesMixed(t *testing.T) {
 	const nblk = 1024
 	s, _, backs := newTestSet(t, 64, 64<<10, nblk*blockSize)
@@ -57,20 +46,16 @@ func TestReadPiecesMixed(t *testing.T) {
 	if st := v.Stats(); st.CachedBlocks == 0 || st.DirtyBlocks == 0 || st.CachedBlocks == nblk {
 		t.Fatalf("want a mix of cached, dirty and uncached blocks: %+v", st)
 	}
-	for _, strat := range []readStrategy{readCoalesced, readConcurrent, readSerial} {
-		withReadStrategy(t, strat, func() {
-			for range 300 {
-				off := rng.Int64N(nblk*blockSize - 1)
-				n := 1 + rng.Int64N(min(300*blockSize, nblk*blockSize-off))
-				got := make([]byte, n)
-				if err := v.ReadAt(got, off); err != nil {
-					t.Fatalf("%s: read %d at %d: %v", readStrategyNames[strat], n, off, err)
-				}
-				if string(got) != string(want[off:off+n]) {
-					t.Fatalf("%s: read %d at %d: wrong data", readStrategyNames[strat], n, off)
-				}
-			}
-		})
+	for range 900 {
+		off := rng.Int64N(nblk*blockSize - 1)
+		n := 1 + rng.Int64N(min(300*blockSize, nblk*blockSize-off))
+		got := make([]byte, n)
+		if err := v.ReadAt(got, off); err != nil {
+			t.Fatalf("read %d at %d: %v", n, off, err)
+		}
+		if string(got) != string(want[off:off+n]) {
+			t.Fatalf("read %d at %d: wrong data", n, off)
+		}
 	}
 }
 
