@@ -266,13 +266,13 @@ func (s *Set) removeVolume(v *Volume) error {
 }
 
 // startWritebackLocked starts v's writeback goroutine, unless the set is
-// closed or runs without background goroutines (OpenOptions.noBackground,
-// tests), where nothing waits for one.
+// closed or runs without background goroutines (testingKnobs.noBackground),
+// where nothing waits for one.
 // REQUIRES: s.mu
 func (s *Set) startWritebackLocked(v *Volume) {
 	switch {
 	case s.mu.closed:
-	case s.noBackground:
+	case s.knobs.noBackground:
 		close(v.wb.done)
 	default:
 		s.wg.Add(1)

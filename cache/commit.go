@@ -135,7 +135,7 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 	jblocks := s.lay.JournalLen / blockSize
 	// In invariants builds, checkpoint at random to exercise generation
 	// switches and slot alternation far more often than a full journal does.
-	if forceCkpt || int64(len(blocks)) > jblocks-s.jr.used || (invariants.Sometimes(3) && !s.fixedJournal.Load()) {
+	if forceCkpt || int64(len(blocks)) > jblocks-s.jr.used || (invariants.Sometimes(3) && !s.knobs.fixedJournal) {
 		s.mu.Unlock()
 		// A checkpoint covers the taken records (it snapshots the index,
 		// which already reflects them).

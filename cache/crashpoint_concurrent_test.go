@@ -277,7 +277,7 @@ func runCPC(t *testing.T, seed uint64, at int) cpcResult {
 		images, names = [][]*device.Mem{cut}, []string{"power cut after the workload"}
 	}
 	for k, img := range images {
-		s2, err := Open(img[0], []BackingSpec{{Name: "vol0", Dev: img[1]}}, OpenOptions{Logger: slog.New(&cpLog{}), noBackground: true})
+		s2, err := Open(img[0], []BackingSpec{{Name: "vol0", Dev: img[1]}}, OpenOptions{Logger: slog.New(&cpLog{}), testing: testingKnobs{noBackground: true}})
 		if err != nil {
 			fail("%s: reopen: %v", names[k], err)
 		}

@@ -26,7 +26,7 @@ func closedSetWithDirtyData(t *testing.T, slot uint64) (*device.Mem, *device.Mem
 	if _, err := Format(cache, specs, FormatOptions{BucketSize: 4 * blockSize, JournalSize: minJournalLen}); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(cache, specs, OpenOptions{noBackground: true})
+	s, err := Open(cache, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -90,7 +90,7 @@ func formatForceInterrupted(t *testing.T, slot uint64) {
 			t.Logf("format finished after %d write attempts", k)
 			return
 		}
-		s, err := Open(cache, specs, OpenOptions{noBackground: true})
+		s, err := Open(cache, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
 		if err != nil {
 			if !errors.Is(err, ErrNotFormatted) && !IsCorruption(err) {
 				t.Fatalf("write %d: open after an interrupted format: %v", k, err)
@@ -143,7 +143,7 @@ func TestOpenRefusesUnreadableMetadata(t *testing.T) {
 			}
 			return faultdev.Fault{}
 		})))
-		s, err := Open(fd, []BackingSpec{{Name: "a", Dev: back}}, OpenOptions{noBackground: true})
+		s, err := Open(fd, []BackingSpec{{Name: "a", Dev: back}}, OpenOptions{testing: testingKnobs{noBackground: true}})
 		if err == nil {
 			s.crashStop()
 			t.Fatalf("read error at %d: open succeeded", off)

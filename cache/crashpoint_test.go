@@ -25,7 +25,7 @@ package cache
 // injected and surfaced errors. Then the devices are reopened as they are
 // and after a power cut, and checked in the same way.
 //
-// The set runs without background goroutines (OpenOptions.noBackground):
+// The set runs without background goroutines (testingKnobs.noBackground):
 // the scenarios call what they would do (commit, writeback sweeps,
 // eviction), so the operation sequence replays for a seed. Two sources of
 // variation remain: writeback issues the backing writes of one batch from
@@ -437,7 +437,7 @@ func (r *cpRun) format(force bool) error {
 }
 
 func (r *cpRun) open() error {
-	s, err := Open(r.cache, r.liveSpecs(), OpenOptions{Logger: slog.New(r.log), noBackground: true})
+	s, err := Open(r.cache, r.liveSpecs(), OpenOptions{Logger: slog.New(r.log), testing: testingKnobs{noBackground: true}})
 	if err != nil {
 		return err
 	}
@@ -760,7 +760,7 @@ func (r *cpRun) checkImage(mems []*device.Mem, what string, finished bool) {
 	for i, m := range mems[1:] {
 		devs[i] = m
 	}
-	s, err := Open(mems[0], r.specs(devs), OpenOptions{Logger: slog.New(&cpLog{}), noBackground: true})
+	s, err := Open(mems[0], r.specs(devs), OpenOptions{Logger: slog.New(&cpLog{}), testing: testingKnobs{noBackground: true}})
 	var bm *BackingMismatchError
 	absent := false
 	if r.optional != "" && errors.As(err, &bm) && bm.Field == "unknown" && bm.Name == r.optional {
@@ -768,7 +768,7 @@ func (r *cpRun) checkImage(mems []*device.Mem, what string, finished bool) {
 		// the set does not list that volume.
 		absent = true
 		specs := slices.DeleteFunc(r.specs(devs), func(b BackingSpec) bool { return b.Name == r.optional })
-		s, err = Open(mems[0], specs, OpenOptions{Logger: slog.New(&cpLog{}), noBackground: true})
+		s, err = Open(mems[0], specs, OpenOptions{Logger: slog.New(&cpLog{}), testing: testingKnobs{noBackground: true}})
 	}
 	if r.sc.fresh {
 		r.checkFormatImage(mems, devs, s, err, what)
@@ -823,7 +823,7 @@ func (r *cpRun) checkFormatImage(mems []*device.Mem, devs []device.Device, s *Se
 		if _, ferr := Format(mems[0], r.specs(devs), FormatOptions{BucketSize: r.bs, JournalSize: minJournalLen, Force: force}); ferr != nil {
 			r.fatalf("%s: format after a crash in format (force %t): %v (open said %v)", what, force, ferr, err)
 		}
-		if s, err = Open(mems[0], r.specs(devs), OpenOptions{noBackground: true}); err != nil {
+		if s, err = Open(mems[0], r.specs(devs), OpenOptions{testing: testingKnobs{noBackground: true}}); err != nil {
 			r.fatalf("%s: open after reformat: %v", what, err)
 		}
 	}
@@ -878,7 +878,7 @@ func (r *cpRun) recoveredRef() {
 	for i, b := range r.backs {
 		devs[i] = b.mem.CrashClone(device.CrashConfig{UnsyncedKeep: 1})
 	}
-	s, err := Open(mems[0], r.specs(devs), OpenOptions{noBackground: true})
+	s, err := Open(mems[0], r.specs(devs), OpenOptions{testing: testingKnobs{noBackground: true}})
 	if err != nil {
 		r.fatalf("reference recovery: %v", err)
 	}

@@ -300,7 +300,7 @@ func TestEpochBatchResumesAtCursor(t *testing.T) {
 
 // TestEpochSpaceWaitWithoutWritebackGoroutine checks that an epoch-order
 // write waiting for space on a set with no writeback goroutine
-// (OpenOptions.noBackground, as the crash-point tests run) writes back
+// (testingKnobs.noBackground, as the crash-point tests run) writes back
 // itself instead of waiting for ever: TestCrashPoints/gc hung at 40 seeds
 // in a Trim's zero blocks.
 func TestEpochSpaceWaitWithoutWritebackGoroutine(t *testing.T) {
@@ -350,7 +350,7 @@ func newEpochSetNoBackground(t *testing.T, nBuckets, nblk int64) (*Set, *Volume)
 	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 * blockSize, JournalSize: minJournalLen}); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(cache, specs, OpenOptions{noBackground: true})
+	s, err := Open(cache, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -74,7 +74,7 @@ func TestFailoverFencesLostCleanInsert(t *testing.T) {
 	}
 	s.crashStop()
 	// Heal: the repaired cache device replays the durable dirty w1.
-	s2, err := Open(cacheMem, specs, OpenOptions{noBackground: true})
+	s2, err := Open(cacheMem, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -216,7 +216,7 @@ func newFaultSet(t *testing.T, inj faultdev.InjectorFunc) (*Set, *device.Mem, []
 	if _, err := Format(cacheMem, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Writeback}); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(faultdev.Wrap(cacheMem, inj), specs, OpenOptions{noBackground: true})
+	s, err := Open(faultdev.Wrap(cacheMem, inj), specs, OpenOptions{testing: testingKnobs{noBackground: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -244,7 +244,7 @@ func TestEpochWriteNotStuckOnOtherVolume(t *testing.T) {
 		}
 		return faultdev.Fault{}
 	}))
-	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: dead}, {Name: "vol1", Dev: back1}}, OpenOptions{noBackground: true})
+	s, err := Open(cache, []BackingSpec{{Name: "vol0", Dev: dead}, {Name: "vol1", Dev: back1}}, OpenOptions{testing: testingKnobs{noBackground: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -425,7 +425,7 @@ func newLostCleanMarkSet(t *testing.T, inj faultdev.InjectorFunc, mode Mode) (s 
 	reopenRead = func() []byte {
 		t.Helper()
 		s.crashStop()
-		s2, err := Open(cacheMem, specs, OpenOptions{noBackground: true})
+		s2, err := Open(cacheMem, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -511,7 +511,7 @@ func newBackFaultSetLog(t *testing.T, mode Mode, inj faultdev.Injector, log *cpL
 	if _, err := Format(cache, []BackingSpec{{Name: "vol0", Dev: back}}, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode}); err != nil {
 		t.Fatal(err)
 	}
-	opts := OpenOptions{noBackground: true}
+	opts := OpenOptions{testing: testingKnobs{noBackground: true}}
 	if log != nil {
 		opts.Logger = slog.New(log)
 	}

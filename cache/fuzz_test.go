@@ -55,7 +55,7 @@ func newFuzzImage(f testing.TB) *fuzzImage {
 	if _, err := Format(im.cache, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen}); err != nil {
 		f.Fatal(err)
 	}
-	s, err := Open(im.cache, specs, OpenOptions{noBackground: true})
+	s, err := Open(im.cache, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -122,7 +122,7 @@ func (im *fuzzImage) open(t *testing.T, write func(c *device.Mem)) {
 	for i, b := range im.backs {
 		specs = append(specs, BackingSpec{Name: string(rune('a' + i)), Dev: b.CrashClone(device.CrashConfig{UnsyncedKeep: 1})})
 	}
-	s, err := Open(c, specs, OpenOptions{noBackground: true})
+	s, err := Open(c, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
 	requireTyped(t, err)
 	if err != nil {
 		return
@@ -224,7 +224,7 @@ func TestForgedMetadataNamesThePlace(t *testing.T) {
 			for i, b := range im.backs {
 				specs = append(specs, BackingSpec{Name: string(rune('a' + i)), Dev: b})
 			}
-			s, err := Open(c, specs, OpenOptions{noBackground: true})
+			s, err := Open(c, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
 			if err == nil {
 				s.crashStop()
 				t.Fatal("forged metadata accepted")

@@ -30,6 +30,12 @@ func checkAfter(t testing.TB, s *Set) {
 // newTestSet formats and opens a set over fresh memory devices.
 func newTestSet(t testing.TB, nBuckets, bucketSize int64, backSizes ...int64) (*Set, *device.Mem, []*device.Mem) {
 	t.Helper()
+	return newTestSetKnobs(t, testingKnobs{}, nBuckets, bucketSize, backSizes...)
+}
+
+// newTestSetKnobs is newTestSet with the set opened with knobs.
+func newTestSetKnobs(t testing.TB, knobs testingKnobs, nBuckets, bucketSize int64, backSizes ...int64) (*Set, *device.Mem, []*device.Mem) {
+	t.Helper()
 	jl := int64(minJournalLen)
 	cache := device.NewMem(cacheSizeFor(nBuckets, bucketSize, jl, len(backSizes)))
 	var backs []*device.Mem
@@ -42,7 +48,7 @@ func newTestSet(t testing.TB, nBuckets, bucketSize int64, backSizes ...int64) (*
 	if _, err := Format(cache, specs, FormatOptions{BucketSize: bucketSize, JournalSize: jl}); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(cache, specs, OpenOptions{})
+	s, err := Open(cache, specs, OpenOptions{testing: knobs})
 	if err != nil {
 		t.Fatal(err)
 	}

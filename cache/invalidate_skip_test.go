@@ -30,11 +30,10 @@ func openQuietSet(t *testing.T, backSize int64) (*Set, *Volume, *device.Mem, *de
 	if _, err := Format(cache, specs, FormatOptions{BucketSize: bs, JournalSize: jl}); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(cache, specs, OpenOptions{noBackground: true})
+	s, err := Open(cache, specs, OpenOptions{testing: testingKnobs{noBackground: true, fixedJournal: true}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	s.fixedJournal.Store(true)
 	t.Cleanup(s.crashStop)
 	checkAfter(t, s)
 	v, _ := s.Volume("a")
@@ -46,7 +45,7 @@ func openQuietSet(t *testing.T, backSize int64) (*Set, *Volume, *device.Mem, *de
 func crashReopen(t *testing.T, cache, back *device.Mem) (*Set, *Volume, *device.Mem) {
 	t.Helper()
 	c2, b2 := cache.CrashClone(device.CrashConfig{}), back.CrashClone(device.CrashConfig{})
-	s2, err := Open(c2, []BackingSpec{{Name: "a", Dev: b2}}, OpenOptions{noBackground: true})
+	s2, err := Open(c2, []BackingSpec{{Name: "a", Dev: b2}}, OpenOptions{testing: testingKnobs{noBackground: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

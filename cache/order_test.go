@@ -23,7 +23,7 @@ func TestDegradeSurvivesCrash(t *testing.T) {
 	}
 	open := func(c, b *device.Mem) (*Set, *Volume) {
 		t.Helper()
-		s, err := Open(c, []BackingSpec{{Name: "a", Dev: b}}, OpenOptions{noBackground: true})
+		s, err := Open(c, []BackingSpec{{Name: "a", Dev: b}}, OpenOptions{testing: testingKnobs{noBackground: true}})
 		if err != nil {
 			t.Fatal(err)
 		}

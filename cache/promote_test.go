@@ -39,7 +39,7 @@ func TestPromoteSkipsOnlyWrittenBlocks(t *testing.T) {
 	if _, err := Format(cache, specs, FormatOptions{BucketSize: 64 * blockSize, JournalSize: minJournalLen}); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(cache, specs, OpenOptions{noBackground: true})
+	s, err := Open(cache, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
 	if err != nil {
 		t.Fatal(err)
 	}

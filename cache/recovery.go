@@ -682,10 +682,7 @@ type OpenOptions struct {
 	// Without it Open refuses.
 	AcceptJournalLoss bool
 	Logger            *slog.Logger
-	// noBackground (tests only) starts no background goroutine: the
-	// crash-point tests drive commit, writeback and eviction themselves, so
-	// that the sequence of device operations, and so crash point N, replays.
-	noBackground bool
+	testing           testingKnobs // tests only
 }
 
 // Open recovers a cache set: newest valid checkpoint plus journal replay.
@@ -706,6 +703,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		byName[b.Name] = b
 	}
 	s := newSet(cacheDev, sb, log)
+	s.knobs = opts.testing
 	s.noSpace = newRetryBackoff(log, "cache device writes (ENOSPC: the file system under the cache is full; writing around the cache)")
 	volBlocks := make([]uint64, len(sb.Backings))
 	var vols []*Volume
@@ -806,8 +804,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}
-	if opts.noBackground {
-		s.noBackground = true
+	if s.knobs.noBackground {
 		for _, v := range s.vols {
 			close(v.wb.done) // no writeback goroutine to wait for (detach)
 		}

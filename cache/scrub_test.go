@@ -57,10 +57,9 @@ func TestScrubOnlineFindsCorruptDirtyBlock(t *testing.T) {
 }
 
 func TestCheckOfflineAndImage(t *testing.T) {
-	s, cdev, _ := newTestSet(t, 8, 64<<10, 4<<20, 1<<20)
 	// The records must stay in the journal: a random checkpoint (invariants
 	// builds) would leave it empty, 3 % a commit.
-	s.fixedJournal.Store(true)
+	s, cdev, _ := newTestSetKnobs(t, testingKnobs{fixedJournal: true}, 8, 64<<10, 4<<20, 1<<20)
 	v := s.Volumes()[0]
 	opsWriteBlocks(t, v, 7)
 	// Not closed: the image is rebuilt from checkpoint + journal, as after a crash.

@@ -57,10 +57,6 @@ type Set struct {
 		taken []byte
 		headN uint64 // journal head records written (journalhead.go)
 	}
-	// fixedJournal turns off the checkpoints invariants builds take at
-	// random in commits (tests that look at the journal's records need
-	// them to stay in the journal).
-	fixedJournal atomic.Bool
 	// noSpace: cache data writes failing with ENOSPC, written around the
 	// cache (cacheIOError); its log lines are one per state change.
 	noSpace *retryBackoff
@@ -93,9 +89,21 @@ type Set struct {
 	stop       chan struct{}
 	wg         sync.WaitGroup
 	stats      setStats
-	// noBackground: OpenOptions.noBackground (tests); no goroutine runs.
+	knobs      testingKnobs // from OpenOptions; the zero value in production
+	draining   atomic.Int32 // Drain calls running: background writeback pauses
+}
+
+// testingKnobs are the tests' controls of a set, given to Open in
+// OpenOptions.testing. Production code leaves them zero.
+type testingKnobs struct {
+	// noBackground starts no background goroutine: the crash-point tests
+	// drive commit, writeback and eviction themselves, so that the
+	// sequence of device operations, and so crash point N, replays.
 	noBackground bool
-	draining     atomic.Int32 // Drain calls running: background writeback pauses
+	// fixedJournal turns off the checkpoints invariants builds take at
+	// random in commits (tests that look at the journal's records need
+	// them to stay in the journal).
+	fixedJournal bool
 }
 
 type setStats struct {
