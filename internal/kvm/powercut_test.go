@@ -169,7 +169,7 @@ func TestPowerCut(t *testing.T) {
 	}
 	for _, m := range modes {
 		t.Run(m.name, func(t *testing.T) {
-			pc := &powerCut{t: t, bin: hostBin, dir: t.TempDir(), mode: m, files: files}
+			pc := &powerCut{t: t, bin: hostBin, dir: t.TempDir(), mode: m}
 			pc.run(filepath.Join(dir, m.name+".log"), filepath.Join(dir, m.name+".events"), full, perKind, seed)
 		})
 	}
@@ -243,12 +243,11 @@ func pcGuest(t *testing.T, img *Image, dir string, modes []pcMode, writes, files
 }
 
 type powerCut struct {
-	t     *testing.T
-	bin   string
-	dir   string
-	mode  pcMode
-	seed  uint64
-	files int
+	t    *testing.T
+	bin  string
+	dir  string
+	mode pcMode
+	seed uint64
 
 	lg *logwrites.Log
 	ev *Events
@@ -300,11 +299,14 @@ func (pc *powerCut) run(logPath, evPath string, full bool, perKind int, seed uin
 	}
 	pc.seed = seed
 	points := pc.points(full, perKind)
-	var flushes, fuas, marks int
+	var flushes, fuas, marks, fileMarks int
 	for _, e := range pc.lg.Entries {
 		switch {
 		case e.IsMark():
 			marks++
+			if strings.HasPrefix(e.Mark, "e") {
+				fileMarks++
+			}
 		case e.IsFlush():
 			flushes++
 		case e.IsFUA():
@@ -312,7 +314,7 @@ func (pc *powerCut) run(logPath, evPath string, full bool, perKind int, seed uin
 		}
 	}
 	t.Logf("log: %d entries (%d FLUSH, %d FUA, %d marks); workload: %d kvmload marks, %d ext4 files; %d points to replay",
-		len(pc.lg.Entries), flushes, fuas, marks, pc.ev.Marks, pc.files, len(points))
+		len(pc.lg.Entries), flushes, fuas, marks, pc.ev.Marks, fileMarks, len(points))
 
 	base := pc.newImages(filepath.Join(pc.dir, "base"))
 	defer base.close()
