@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"time"
 
 	"github.com/tiercache/tiercache/device/nbddev"
 	"github.com/tiercache/tiercache/internal/backingid"
@@ -31,12 +32,13 @@ func remoteSpec(spec string) string {
 	return t.String()
 }
 
-// openRemote connects to the export a URI names. log receives the link's
-// state changes (outages, reconnects, refusals); nil discards them.
-func openRemote(spec string, readOnly bool, log *slog.Logger) (*nbddev.Device, error) {
+// openRemote connects to the export a URI names. outage bounds how long
+// requests wait for a lost link (0: nbddev's default); log receives the
+// link's state changes (outages, reconnects, refusals), nil discards them.
+func openRemote(spec string, readOnly bool, outage time.Duration, log *slog.Logger) (*nbddev.Device, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*nbddev.DefaultDialTimeout)
 	defer cancel()
-	return nbddev.Open(ctx, spec, nbddev.Options{ReadOnly: readOnly, Log: log})
+	return nbddev.Open(ctx, spec, nbddev.Options{ReadOnly: readOnly, OutageTimeout: outage, Log: log})
 }
 
 // remoteID is the identity of the export d is connected to.
@@ -78,7 +80,7 @@ func releaseBacking(spec string) error {
 // checkRemoteBacking is checkBackings for a remote export: it connects
 // read-only and compares the size and identity with those recorded.
 func checkRemoteBacking(name, uri, id string, size int64) []string {
-	d, err := openRemote(uri, true, nil)
+	d, err := openRemote(uri, true, 0, nil)
 	if err != nil {
 		return []string{fmt.Sprintf("backing device %q: not checked: %v (serve needs the export reachable, or --backing %s=URI)", name, err, name)}
 	}
