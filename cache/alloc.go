@@ -35,17 +35,46 @@ const (
 )
 
 // allocFor is alloc for foreground writes: it may use the free reserve, and
-// when no bucket is free it waits at most writeWaitMax for GC before giving
-// up with errNoSpace (the caller then writes around the cache).
+// when no bucket is free it waits at most writeWaitMax for GC to free one
+// (wakeLocked) before giving up with errNoSpace (the caller then writes
+// around the cache).
 func (s *Set) allocFor(n int) (run, error) {
-	deadline := time.Now().Add(writeWaitMax)
+	var timer *time.Timer
 	for {
-		r, err := s.alloc(n, allocNoWait)
-		if !errors.Is(err, errNoSpace) || time.Now().After(deadline) {
+		s.mu.Lock()
+		r, err := s.allocLocked(n, allocNoWait)
+		var woken <-chan struct{}
+		if errors.Is(err, errNoSpace) {
+			if s.mu.wake == nil {
+				s.mu.wake = make(chan struct{})
+			}
+			woken = s.mu.wake
+		}
+		s.mu.Unlock()
+		if woken == nil {
 			return r, err
 		}
+		if timer == nil {
+			timer = time.NewTimer(writeWaitMax)
+			defer timer.Stop()
+		}
 		s.kick()
-		time.Sleep(200 * time.Microsecond)
+		select {
+		case <-woken:
+		case <-timer.C:
+			return r, err
+		}
+	}
+}
+
+// wakeLocked wakes everything waiting for a free bucket or for the set to
+// close or fail: alloc's waiters (s.mu.cond) and allocFor's (s.mu.wake).
+// REQUIRES: s.mu
+func (s *Set) wakeLocked() {
+	s.mu.cond.Broadcast()
+	if s.mu.wake != nil {
+		close(s.mu.wake)
+		s.mu.wake = nil
 	}
 }
 
@@ -57,9 +86,15 @@ const writeWaitMax = 5 * time.Millisecond
 // fails when no bucket is free; allocPromote fails rather than use the free
 // reserve. It never holds a pin while waiting, so waiters cannot starve gc.
 func (s *Set) alloc(n int, how allocHow) (run, error) {
-	wait := how == allocWait
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	return s.allocLocked(n, how)
+}
+
+// allocLocked is alloc with s.mu held (allocWait releases it while waiting).
+// REQUIRES: s.mu
+func (s *Set) allocLocked(n int, how allocHow) (run, error) {
+	wait := how == allocWait
 	for {
 		if s.mu.closed {
 			return run{}, ErrClosed

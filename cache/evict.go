@@ -244,7 +244,7 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 	}
 	b.State, b.Fill = index.BucketFree, 0
 	s.mu.free = append(s.mu.free, uint32(victim))
-	s.mu.cond.Broadcast()
+	s.wakeLocked()
 	s.stats.evictions.Add(1)
 	return true
 }
@@ -365,7 +365,7 @@ func (s *Set) freeEmptyBuckets() (int, error) {
 		b.State, b.Fill = index.BucketFree, 0
 	}
 	s.mu.free = append(s.mu.free, freed...)
-	s.mu.cond.Broadcast()
+	s.wakeLocked()
 	s.stats.evictions.Add(uint64(len(freed)))
 	return len(freed), nil
 }

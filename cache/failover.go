@@ -237,7 +237,7 @@ func (s *Set) failLocked(cause error) error {
 		}
 	}
 	// Wake writers waiting for space: they go around the cache now.
-	s.mu.cond.Broadcast()
+	s.wakeLocked()
 	s.mu.Unlock()
 	if !first {
 		return s.err()

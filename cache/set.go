@@ -82,6 +82,9 @@ type Set struct {
 		// whose passthrough write replaced dirty data (failover.go).
 		dirtyInval map[uint64]struct{}
 		closed     bool
+		// wake is closed (and cleared) by wakeLocked; allocFor waits on
+		// it with a deadline, which cond cannot do.
+		wake chan struct{}
 	}
 
 	kickGC     chan struct{}
@@ -223,7 +226,7 @@ func (s *Set) Close() error {
 		return ErrClosed
 	}
 	s.mu.closed = true
-	s.mu.cond.Broadcast()
+	s.wakeLocked()
 	s.mu.Unlock()
 	close(s.stop)
 	s.wg.Wait()
@@ -282,7 +285,7 @@ func (s *Set) crashStop() {
 		return
 	}
 	s.mu.closed = true
-	s.mu.cond.Broadcast()
+	s.wakeLocked()
 	s.mu.Unlock()
 	close(s.stop)
 	s.wg.Wait()
