@@ -3,12 +3,33 @@ package cache
 import (
 	"errors"
 	"time"
-
-	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
 // Allocation: buckets are filled append-only, one open bucket at a time,
 // and sealed into the FIFO eviction takes victims from when full.
+
+// bucketState is where a bucket is in the allocator's cycle.
+type bucketState uint8
+
+const (
+	bucketFree    bucketState = iota // on the free list, ready to open
+	bucketOpen                       // being filled append-only
+	bucketSealed                     // full (or recovered with live data); in the FIFO
+	bucketFreeing                    // emptied; its reuse record is being made durable
+)
+
+func (s bucketState) String() string {
+	return [...]string{"free", "open", "sealed", "freeing"}[s]
+}
+
+// bucketAlloc is the allocator's part of a bucket (s.mu.alloc, by bucket
+// number); the index's part is s.mu.Buckets.
+type bucketAlloc struct {
+	state bucketState
+	fill  uint32 // blocks handed out (open bucket)
+	pins  int32  // reads and unfinished writes in flight into the bucket
+	atime uint64 // the recency clock at the last read hit or allocation (eviction recency)
+}
 
 // run is a contiguous piece of cache blocks inside one bucket.
 type run struct {
@@ -103,17 +124,17 @@ func (s *Set) allocLocked(n int, how allocHow) (run, error) {
 			return run{}, err
 		}
 		if s.mu.open >= 0 {
-			b := &s.mu.Buckets[s.mu.open]
-			if int64(b.Fill) < s.bpb {
-				k := min(n, int(s.bpb)-int(b.Fill))
-				r := run{loc: uint32(s.mu.open*s.bpb) + b.Fill, n: k}
-				b.Fill += uint32(k)
-				b.Pins++
+			b := &s.mu.alloc[s.mu.open]
+			if int64(b.fill) < s.bpb {
+				k := min(n, int(s.bpb)-int(b.fill))
+				r := run{loc: uint32(s.mu.open*s.bpb) + b.fill, n: k}
+				b.fill += uint32(k)
+				b.pins++
 				s.mu.tick++
-				b.Atime = s.mu.tick
+				b.atime = s.mu.tick
 				return r, nil
 			}
-			b.State = index.BucketSealed
+			b.state = bucketSealed
 			s.mu.sealed = append(s.mu.sealed, uint32(s.mu.open))
 			s.mu.open = -1
 		}
@@ -129,15 +150,15 @@ func (s *Set) allocLocked(n int, how allocHow) (run, error) {
 		}
 		bi := s.mu.free[0]
 		s.mu.free = s.mu.free[1:]
-		b := &s.mu.Buckets[bi]
-		b.State, b.Fill = index.BucketOpen, 0
+		b := &s.mu.alloc[bi]
+		b.state, b.fill = bucketOpen, 0
 		s.mu.open = int64(bi)
 	}
 }
 
 // REQUIRES: s.mu
 func (s *Set) unpinLocked(loc uint32) {
-	s.mu.Buckets[int64(loc)/s.bpb].Pins--
+	s.mu.alloc[int64(loc)/s.bpb].pins--
 	s.mu.cond.Broadcast()
 }
 

@@ -31,6 +31,7 @@ func measureEpochBatches(t *testing.T, nblocks, ndirty, perEpoch, batch int) {
 	s := &Set{bpb: bpb}
 	s.mu.BPB = s.bpb
 	s.mu.Buckets = make([]index.Bucket, int64(nblocks)/bpb)
+	s.mu.alloc = make([]bucketAlloc, len(s.mu.Buckets))
 	v := &Volume{s: s, nblocks: 1 << 30}
 	v.idx.Tree = index.NewPtree()
 	v.idx.wbInflight = map[uint32]struct{}{}

@@ -65,18 +65,18 @@ func (s *Set) pickVictimsLocked(k int) []int64 {
 	}
 	var cands []cand
 	for _, bi := range s.mu.sealed {
-		b := &s.mu.Buckets[bi]
-		if b.Pins > 0 && b.Live == 0 {
+		b, a := &s.mu.Buckets[bi], &s.mu.alloc[bi]
+		if a.pins > 0 && b.Live == 0 {
 			continue
 		}
 		var key [3]uint64
 		switch {
 		case b.Live == 0:
-			key = [3]uint64{0, 0, b.Atime}
+			key = [3]uint64{0, 0, a.atime}
 		case b.Dirty == 0:
-			key = [3]uint64{1, b.Atime, 0}
+			key = [3]uint64{1, a.atime, 0}
 		default:
-			key = [3]uint64{2, uint64(b.Live), b.Atime}
+			key = [3]uint64{2, uint64(b.Live), a.atime}
 		}
 		cands = append(cands, cand{int64(bi), key})
 	}
@@ -174,7 +174,7 @@ func (s *Set) evictOne() bool {
 func (s *Set) evictVictim(victim int64, items []located) bool {
 	s.mu.Lock()
 	vb := &s.mu.Buckets[victim]
-	if vb.State != index.BucketSealed {
+	if s.mu.alloc[victim].state != bucketSealed {
 		s.mu.Unlock()
 		return false
 	}
@@ -202,7 +202,7 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 		}
 	}
 	s.mu.Lock()
-	b := &s.mu.Buckets[victim]
+	b, a := &s.mu.Buckets[victim], &s.mu.alloc[victim]
 	for _, it := range items {
 		v := s.vols[it.vi]
 		if e, ok := v.idx.Tree.Get(it.e); ok && !e.Dirty() && e.Block() == it.e.Block() {
@@ -215,13 +215,13 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 			invariants.AssertionFailedf("after evicting bucket %d: %v", victim, err)
 		}
 	}
-	if b.Live > 0 || b.Pins > 0 || b.State != index.BucketSealed {
+	if b.Live > 0 || a.pins > 0 || a.state != bucketSealed {
 		// Dirty blocks that could not be written back yet (claimed by a
 		// passthrough write, or failing), entries of writes that were in
 		// flight during the walk, or reads in flight: retry later, after
 		// the other sealed buckets.
 		s.mu.sealed = slices.DeleteFunc(s.mu.sealed, func(x uint32) bool { return int64(x) == victim })
-		if b.State == index.BucketSealed {
+		if a.state == bucketSealed {
 			s.mu.sealed = append(s.mu.sealed, uint32(victim))
 		}
 		s.mu.Unlock()
@@ -229,7 +229,7 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 	}
 	s.mu.sealed = slices.DeleteFunc(s.mu.sealed, func(x uint32) bool { return int64(x) == victim })
 	b.Gen++
-	b.State = index.BucketFreeing
+	a.state = bucketFreeing
 	s.appendLocked(&ondisk.Rec{Type: ondisk.RecReuse, Bucket: uint32(victim), Gen: b.Gen})
 	target := s.mu.seq
 	s.mu.Unlock()
@@ -242,7 +242,7 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 		// The set has failed; keep the bucket out of circulation.
 		return false
 	}
-	b.State, b.Fill = index.BucketFree, 0
+	a.state, a.fill = bucketFree, 0
 	s.mu.free = append(s.mu.free, uint32(victim))
 	s.wakeLocked()
 	s.stats.evictions.Add(1)
@@ -277,11 +277,11 @@ func (s *Set) gcMove(bi int64, found []located) {
 		}
 	}
 	slices.SortFunc(items, func(a, b item) int { return cmp.Compare(a.e.Block(), b.e.Block()) })
-	s.mu.Buckets[bi].Pins++
+	s.mu.alloc[bi].pins++
 	s.mu.Unlock()
 	defer func() {
 		s.mu.Lock()
-		s.mu.Buckets[bi].Pins--
+		s.mu.alloc[bi].pins--
 		s.mu.cond.Broadcast()
 		s.mu.Unlock()
 	}()
@@ -330,20 +330,20 @@ func (s *Set) freeEmptyBuckets() (int, error) {
 	}
 	s.mu.Lock()
 	if o := s.mu.open; o >= 0 {
-		if b := &s.mu.Buckets[o]; b.Live == 0 && b.Pins == 0 && b.Fill > 0 {
-			b.State = index.BucketSealed
+		if a := &s.mu.alloc[o]; s.mu.Buckets[o].Live == 0 && a.pins == 0 && a.fill > 0 {
+			a.state = bucketSealed
 			s.mu.sealed = append(s.mu.sealed, uint32(o))
 			s.mu.open = -1
 		}
 	}
 	var freed []uint32
 	s.mu.sealed = slices.DeleteFunc(s.mu.sealed, func(bi uint32) bool {
-		b := &s.mu.Buckets[bi]
-		if b.Live > 0 || b.Pins > 0 || b.State != index.BucketSealed {
+		b, a := &s.mu.Buckets[bi], &s.mu.alloc[bi]
+		if b.Live > 0 || a.pins > 0 || a.state != bucketSealed {
 			return false
 		}
 		b.Gen++
-		b.State = index.BucketFreeing
+		a.state = bucketFreeing
 		s.appendLocked(&ondisk.Rec{Type: ondisk.RecReuse, Bucket: bi, Gen: b.Gen})
 		freed = append(freed, bi)
 		return true
@@ -361,8 +361,8 @@ func (s *Set) freeEmptyBuckets() (int, error) {
 		return 0, err
 	}
 	for _, bi := range freed {
-		b := &s.mu.Buckets[bi]
-		b.State, b.Fill = index.BucketFree, 0
+		a := &s.mu.alloc[bi]
+		a.state, a.fill = bucketFree, 0
 	}
 	s.mu.free = append(s.mu.free, freed...)
 	s.wakeLocked()

@@ -351,10 +351,10 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 		valid := make([]bool, r.n)
 		for i := range valid {
 			it := &items[int(r.lba)+i]
-			b := &s.mu.Buckets[int64(it.loc)/s.bpb]
-			valid[i] = claimed && b.Gen == it.gen && s.hasVersionLocked(vi, it.lba, it.loc, it.crc)
+			bi := int64(it.loc) / s.bpb
+			valid[i] = claimed && s.mu.Buckets[bi].Gen == it.gen && s.hasVersionLocked(vi, it.lba, it.loc, it.crc)
 			if valid[i] {
-				b.Pins++
+				s.mu.alloc[bi].pins++
 			}
 		}
 		s.mu.Unlock()

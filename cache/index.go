@@ -73,15 +73,24 @@ func (s *Set) checkIndexLocked(exact bool) error {
 		}
 		inFIFO[bi] = true
 	}
-	for i := range s.mu.Buckets {
-		b := &s.mu.Buckets[i]
-		if (b.State == index.BucketFree) != inFree[i] {
-			return fmt.Errorf("bucket %d is %v, on free list %t", i, b.State, inFree[i])
+	if len(s.mu.alloc) != len(s.mu.Buckets) {
+		return fmt.Errorf("%d buckets in the allocator, %d in the index", len(s.mu.alloc), len(s.mu.Buckets))
+	}
+	for i := range s.mu.alloc {
+		a := &s.mu.alloc[i]
+		if (a.state == bucketFree || a.state == bucketFreeing) && s.mu.Buckets[i].Live != 0 {
+			return fmt.Errorf("bucket %d is %v with %d live entries (invariant 11)", i, a.state, s.mu.Buckets[i].Live)
 		}
-		if (b.State == index.BucketSealed) != inFIFO[i] {
-			return fmt.Errorf("bucket %d is %v, in sealed FIFO %t", i, b.State, inFIFO[i])
+		if a.fill > uint32(s.bpb) || a.pins < 0 {
+			return fmt.Errorf("bucket %d: fill %d pins %d", i, a.fill, a.pins)
 		}
-		if b.State == index.BucketOpen && int64(i) != s.mu.open {
+		if (a.state == bucketFree) != inFree[i] {
+			return fmt.Errorf("bucket %d is %v, on free list %t", i, a.state, inFree[i])
+		}
+		if (a.state == bucketSealed) != inFIFO[i] {
+			return fmt.Errorf("bucket %d is %v, in sealed FIFO %t", i, a.state, inFIFO[i])
+		}
+		if a.state == bucketOpen && int64(i) != s.mu.open {
 			return fmt.Errorf("bucket %d open but open bucket is %d", i, s.mu.open)
 		}
 	}

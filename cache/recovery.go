@@ -585,6 +585,7 @@ func (s *Set) resolve(c *collector, cd *ondisk.CkptData, clean bool) (*resolver,
 // REQUIRES: exclusive access (Open)
 func (s *Set) resetIndexLocked(nbuckets int64, gens []uint32) {
 	s.mu.Buckets = make([]index.Bucket, nbuckets)
+	s.mu.alloc = make([]bucketAlloc, nbuckets)
 	s.mu.Owner = make([]uint64, nbuckets*s.bpb)
 	s.mu.open = -1
 	for i, g := range gens {
@@ -828,7 +829,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 func (s *Set) listBucketsLocked() {
 	for i := range s.mu.Buckets {
 		if s.mu.Buckets[i].Live > 0 {
-			s.mu.Buckets[i].State = index.BucketSealed
+			s.mu.alloc[i].state = bucketSealed
 			s.mu.sealed = append(s.mu.sealed, uint32(i))
 		} else {
 			s.mu.free = append(s.mu.free, uint32(i))

@@ -101,7 +101,7 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 				continue // changed since the walk
 			}
 			items = append(items, item{it.vi, e})
-			s.mu.Buckets[int64(e.Block())/s.bpb].Pins++
+			s.mu.alloc[int64(e.Block())/s.bpb].pins++
 		}
 		s.mu.Unlock()
 		if len(items) == 0 {

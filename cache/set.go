@@ -72,12 +72,13 @@ type Set struct {
 		sync.Mutex
 		cond *sync.Cond // free bucket, claim released, pins dropped
 		index.Index
-		free    []uint32 // free buckets whose generation bump is durable
-		sealed  []uint32 // FIFO of sealed buckets, oldest first
-		open    int64    // open bucket or -1
-		pending []byte   // encoded records not yet written
-		seq     uint64   // records appended so far
-		tick    uint64   // recency clock: bumped by reads and allocations
+		alloc   []bucketAlloc // by bucket: the allocator's state (alloc.go)
+		free    []uint32      // free buckets whose generation bump is durable
+		sealed  []uint32      // FIFO of sealed buckets, oldest first
+		open    int64         // open bucket or -1
+		pending []byte        // encoded records not yet written
+		seq     uint64        // records appended so far
+		tick    uint64        // recency clock: bumped by reads and allocations
 		// dirtyInval: sequence numbers of pending invalidation records
 		// whose passthrough write replaced dirty data (failover.go).
 		dirtyInval map[uint64]struct{}

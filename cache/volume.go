@@ -390,9 +390,9 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 	s.mu.tick++
 	v.idx.Tree.AscendRange(index.Ent{LBA: lba}, index.Ent{LBA: lba + uint64(n)}, func(e index.Ent) bool {
 		hits = append(hits, e)
-		b := &s.mu.Buckets[int64(e.Block())/s.bpb]
-		b.Pins++
-		b.Atime = s.mu.tick // recency for eviction
+		a := &s.mu.alloc[int64(e.Block())/s.bpb]
+		a.pins++
+		a.atime = s.mu.tick // recency for eviction
 		return true
 	})
 	muts := v.idx.mutations

@@ -55,27 +55,13 @@ func OwnerKey(vol int, lba uint64) uint64 { return uint64(vol+1)<<48 | lba }
 
 func SplitOwner(k uint64) (vol int, lba uint64) { return int(k>>48) - 1, k & (1<<48 - 1) }
 
-type BucketState uint8
-
-const (
-	BucketFree    BucketState = iota // on the free list, ready to open
-	BucketOpen                       // being filled append-only
-	BucketSealed                     // full (or recovered with live data); in the FIFO
-	BucketFreeing                    // emptied; its reuse record is being made durable
-)
-
-func (s BucketState) String() string {
-	return [...]string{"free", "open", "sealed", "freeing"}[s]
-}
-
+// Bucket is the index's part of a bucket: its generation and what of the
+// index lies in it. The allocator's part (state, fill, pins, recency) is
+// the engine's.
 type Bucket struct {
 	Gen   uint32
 	Live  uint32 // entries pointing into this generation
 	Dirty uint32 // dirty entries among live
-	Pins  int32  // reads and unfinished writes in flight into the bucket
-	Fill  uint32 // blocks handed out (open bucket)
-	State BucketState
-	Atime uint64 // the engine's recency clock at the last read hit or allocation (eviction recency)
 	Ep    *Epochs
 }
 
@@ -729,17 +715,11 @@ func (ix *Index) Check(exact bool) error {
 	for i := range ix.Buckets {
 		b := &ix.Buckets[i]
 		if b.Live != liveB[i] || b.Dirty != dirtyB[i] {
-			return fmt.Errorf("bucket %d (%v gen %d): accounted %d live/%d dirty, index has %d/%d",
-				i, b.State, b.Gen, b.Live, b.Dirty, liveB[i], dirtyB[i])
-		}
-		if (b.State == BucketFree || b.State == BucketFreeing) && b.Live != 0 {
-			return fmt.Errorf("bucket %d is %v with %d live entries (invariant 11)", i, b.State, b.Live)
+			return fmt.Errorf("bucket %d (gen %d): accounted %d live/%d dirty, index has %d/%d",
+				i, b.Gen, b.Live, b.Dirty, liveB[i], dirtyB[i])
 		}
 		if (b.Dirty > 0) != (b.Ep != nil) {
 			return fmt.Errorf("bucket %d: %d dirty blocks, epoch table %t", i, b.Dirty, b.Ep != nil)
-		}
-		if b.Fill > uint32(ix.BPB) || b.Pins < 0 {
-			return fmt.Errorf("bucket %d: fill %d pins %d", i, b.Fill, b.Pins)
 		}
 	}
 	return nil

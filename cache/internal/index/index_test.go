@@ -7,13 +7,9 @@ import (
 )
 
 // newTestIndex returns an index of nb buckets of bpb blocks and one volume
-// of nblocks blocks, with every bucket open for use (the engine's
-// allocator is not part of the index).
+// of nblocks blocks (the engine's allocator is not part of the index).
 func newTestIndex(nb, bpb int64, nblocks uint64) *Index {
 	ix := &Index{BPB: bpb, Buckets: make([]Bucket, nb)}
-	for i := range ix.Buckets {
-		ix.Buckets[i].State = BucketSealed
-	}
 	v := NewVol("v0", nblocks)
 	ix.Vols = []*Vol{&v}
 	return ix
