@@ -76,7 +76,10 @@ found at the paths recorded by format; --backing NAME=PATH overrides one.
 --export NAME=PATH serves a file or block device directly, without a cache.
 
 Any device PATH may be written hdd:PATH, ssd:PATH or nvme:PATH to put a
-performance model of such a disk over the file (see docs/MODELS.md).
+performance model of such a disk over the file (see docs/MODELS.md). A
+backing device may be an NBD URI (nbd://HOST[:PORT]/EXPORT, nbds://...,
+nbd+unix:///EXPORT?socket=PATH; see docs/OPERATIONS.md, "Remote backing
+devices").
 A backing file that belongs to a cache set is refused (the set may hold
 newer, dirty data for it) unless --force.
 
