@@ -68,6 +68,27 @@ type ExportInfo struct {
 	// the server started; 0 before the first read.
 	HitRatio float64 `json:"hit_ratio"`
 	Consistency
+	// Remote is the link to a remote (NBD URI) backing device; nil for
+	// local devices.
+	Remote *RemoteLink `json:"remote,omitempty"`
+}
+
+// RemoteLink is the state of the connection to a remote backing device.
+type RemoteLink struct {
+	// State is "up", "down" (reconnecting) or "refused" (the server now
+	// answering is not the recorded export).
+	State      string `json:"state"`
+	Conns      int    `json:"connections"`
+	Reconnects uint64 `json:"reconnects"`
+	Outages    uint64 `json:"outages"`
+	// DownSeconds is the length of the current outage (0 when up);
+	// DownTotalSeconds the time disconnected since serve started.
+	DownSeconds      float64 `json:"down_seconds"`
+	DownTotalSeconds float64 `json:"down_total_seconds"`
+	// NotDurable counts backing syncs refused because a connection ended
+	// before a flush covered earlier writes (they were written again).
+	NotDurable uint64 `json:"not_durable"`
+	LastError  string `json:"last_error,omitempty"`
 }
 
 // Consistency says what the backing device of a volume holds alone (what

@@ -38,13 +38,16 @@ type Export struct {
 
 // Config describes what the server serves.
 type Config struct {
-	Version   string
-	Set       *cache.Set // nil when only plain exports are served
-	CachePath string
-	Exports   []Export
-	NBD       ExportControl
-	Metrics   *Metrics // nil: no /metrics and no latency
-	Logger    *slog.Logger
+	// RemoteLink returns the link state of an export's remote backing
+	// device, nil for a local one; nil: no export has one.
+	RemoteLink func(export string) *RemoteLink
+	Version    string
+	Set        *cache.Set // nil when only plain exports are served
+	CachePath  string
+	Exports    []Export
+	NBD        ExportControl
+	Metrics    *Metrics // nil: no /metrics and no latency
+	Logger     *slog.Logger
 	// Release forgets the cache set's claim on a backing device during
 	// detach (before the superblock drops it); nil uses backingid.Release.
 	Release func(path string) error
@@ -375,6 +378,9 @@ func (s *Server) exportInfo(e Export) ExportInfo {
 		ei.Cached, ei.Mode = true, v.Mode().String()
 		ei.CachedBytes, ei.DirtyBytes, ei.HitRatio = vs.CachedBlocks*blockBytes, vs.DirtyBlocks*blockBytes, hitRatio(vs)
 		ei.Consistency = consistency(v, vs)
+	}
+	if s.cfg.RemoteLink != nil {
+		ei.Remote = s.cfg.RemoteLink(e.Name)
 	}
 	return ei
 }

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/tiercache/tiercache/admin"
 	"github.com/tiercache/tiercache/device/nbddev"
 	"github.com/tiercache/tiercache/internal/backingid"
 )
@@ -93,4 +94,43 @@ func checkRemoteBacking(name, uri, id string, size int64) []string {
 		problems = append(problems, fmt.Sprintf("backing device %q: %v: serve refuses it without --force", name, err))
 	}
 	return problems
+}
+
+// remoteLink is admin.Config.RemoteLink: the link state of the remote
+// backing device of an export, nil for a local one.
+func (h *openedSet) remoteLink(export string) *admin.RemoteLink {
+	h.mu.Lock()
+	d, ok := h.devs[export].(*nbddev.Device)
+	h.mu.Unlock()
+	if !ok {
+		return nil
+	}
+	s := d.Stats()
+	l := &admin.RemoteLink{State: "up", Conns: s.Conns, Reconnects: s.Reconnects, Outages: s.Outages,
+		DownSeconds: s.DownFor.Seconds(), DownTotalSeconds: s.DownTotal.Seconds(), NotDurable: s.NotDurable, LastError: s.LastError}
+	switch {
+	case s.Refused:
+		l.State = "refused"
+	case !s.Up:
+		l.State = "down"
+	}
+	return l
+}
+
+// remoteText is status's line for a remote backing device's link.
+func remoteText(name string, r *admin.RemoteLink) string {
+	s := fmt.Sprintf("%s: remote link %s", name, r.State)
+	if r.State == "up" {
+		s += fmt.Sprintf(" (%d connection(s))", r.Conns)
+	} else {
+		s += fmt.Sprintf(" for %s", (time.Duration(r.DownSeconds * float64(time.Second))).Round(time.Millisecond))
+	}
+	s += fmt.Sprintf(", %d reconnect(s), %s disconnected in all", r.Reconnects, (time.Duration(r.DownTotalSeconds * float64(time.Second))).Round(time.Millisecond))
+	if r.NotDurable > 0 {
+		s += fmt.Sprintf(", %d sync(s) refused after a restart (written again)", r.NotDurable)
+	}
+	if r.State != "up" && r.LastError != "" {
+		s += ": " + r.LastError
+	}
+	return s
 }

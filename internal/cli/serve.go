@@ -295,6 +295,7 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 			return h.attach(req, direct)
 		}
 		adminCfg.Detached = h.closeBacking
+		adminCfg.RemoteLink = h.remoteLink
 		recorded := map[string]string{}
 		for _, bi := range set.Superblock().Backings {
 			recorded[bi.Name] = bi.Path

@@ -103,6 +103,9 @@ func printExports(out io.Writer, exports []admin.ExportInfo) error {
 			}
 		}
 		fmt.Fprintf(w, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n", e.Name, e.Mode, human(e.Size), cached, dirty, hit, cons, e.Path)
+		if r := e.Remote; r != nil {
+			notes = append(notes, remoteText(e.Name, r))
+		}
 	}
 	if err := w.Flush(); err != nil {
 		return err

@@ -3,6 +3,7 @@ package interop
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"net"
 	"os"
@@ -271,6 +272,28 @@ func TestRemoteOutage(t *testing.T) {
 	if !strings.Contains(s.log.String(), "link down") {
 		t.Errorf("the server log does not say the link is down:\n%s", s.log)
 	}
+	link := func() (state string, reconnects uint64) {
+		t.Helper()
+		var st struct {
+			Exports []struct {
+				Remote *struct {
+					State      string `json:"state"`
+					Reconnects uint64 `json:"reconnects"`
+				} `json:"remote"`
+			} `json:"exports"`
+		}
+		out := run(t, time.Minute, bin, "status", "--json", "--admin", admin)
+		if err := json.Unmarshal([]byte(out), &st); err != nil || len(st.Exports) != 1 || st.Exports[0].Remote == nil {
+			t.Fatalf("status --json has no remote link: %v\n%s", err, out)
+		}
+		return st.Exports[0].Remote.State, st.Exports[0].Remote.Reconnects
+	}
+	if state, _ := link(); state != "down" {
+		t.Errorf("status says the remote link is %q with the server killed", state)
+	}
+	if out := run(t, time.Minute, bin, "status", "--admin", admin); !strings.Contains(out, "vm: remote link down for") {
+		t.Errorf("status does not show the link down:\n%s", out)
+	}
 
 	remote.start()
 	for deadline := time.Now().Add(30 * time.Second); ; {
@@ -285,6 +308,9 @@ func TestRemoteOutage(t *testing.T) {
 	}
 	if !strings.Contains(s.log.String(), "link up again") {
 		t.Errorf("the server log does not say the link is back:\n%s", s.log)
+	}
+	if state, n := link(); state != "up" || n != 1 {
+		t.Errorf("status after the restart: link %q, %d reconnects; want up, 1", state, n)
 	}
 	c.Close()
 	run(t, 2*time.Minute, bin, "detach", "vm", "--admin", admin)
