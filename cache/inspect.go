@@ -156,30 +156,23 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 		im.Warnings = append(im.Warnings, warn)
 	}
 	im.JournalStart = hdr.JPos.Blk
-	s.resetIndexLocked(sb.NBuckets, cd.Gens)
-	for vi, cv := range cd.Vols {
-		if vi >= len(s.vols) {
-			break // slots detached after this checkpoint: empty
-		}
-		s.vols[vi].idx.epoch = cv.Epoch
-		for _, e := range cv.Ents {
-			s.mu.Insert(vi, e.LBA, e.Block(), e.CRC, e.Dirty(), s.vols[vi].idx.epoch, s.keepSuperseded(vi))
-		}
-	}
-	apply := s.applyLocked
+	var onRec func(*ondisk.Rec)
 	if opts.OnRecord != nil {
-		apply = func(r *ondisk.Rec) error {
-			opts.OnRecord(r.String())
-			return s.applyLocked(r)
-		}
+		onRec = func(r *ondisk.Rec) { opts.OnRecord(r.String()) }
 	}
-	end, nrec, err := ondisk.ReplayJournal(dev, sb, hdr.Gen, hdr.JPos, nil, apply)
-	im.Records = nrec
-	im.JournalEnd = end.Blk
-	im.JournalBlocks = int64(end.Seq - hdr.JPos.Seq)
-	if err != nil {
+	// Open's recovery, keeping clean entries (as after a clean shutdown).
+	c := newCollector(s, sb.NBuckets)
+	jr := readJournal(dev, sb, hdr, c, onRec)
+	im.Records = jr.n
+	im.JournalEnd = jr.end.Blk
+	im.JournalBlocks = int64(jr.end.Seq - hdr.JPos.Seq)
+	if jr.err != nil {
+		return im, fmt.Errorf("replaying journal: %w", jr.err)
+	}
+	if _, err := s.recoverIndex(sb.NBuckets, cd, c, true); err != nil {
 		return im, fmt.Errorf("replaying journal: %w", err)
 	}
+	s.dropUnkeptSupLocked()
 	s.listBucketsLocked()
 	im.s = s
 	if err := s.checkLocked(); err != nil {

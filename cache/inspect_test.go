@@ -8,10 +8,9 @@ import (
 	"github.com/tiercache/tiercache/cache/internal/index"
 )
 
-// TestImageMatchesLiveIndex: OpenImage repeats the load half of Open, so it
-// must rebuild exactly the index the live set holds once everything is
-// committed. If Open learns new state (e.g. superseded versions for epoch
-// writeback), this test fails until OpenImage learns it too.
+// TestImageMatchesLiveIndex: OpenImage runs Open's recovery (keeping clean
+// entries), so it must rebuild exactly the index the live set holds once
+// everything is committed.
 func TestImageMatchesLiveIndex(t *testing.T) {
 	s, cdev, _ := newTestSet(t, 8, 64<<10, 1<<20, 1<<20)
 	rng := rand.New(rand.NewPCG(1, 2))

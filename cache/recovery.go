@@ -13,9 +13,9 @@ package cache
 // and the trees are bulk-loaded once into nearly full leaves (install).
 //
 // The resolution gives the index that applying the records one by one in
-// journal order gives (applyLocked: index.Index.Insert, MarkClean,
-// Invalidate, DropBucket); the record-by-record replay is kept as the
-// resolver's test oracle (replay_test.go). Records of different LBAs
+// journal order gives (index.Index.Insert, MarkClean, Invalidate,
+// DropBucket); that record-by-record replay is the resolver's test oracle
+// (replay_oracle_test.go: applyLocked). Records of different LBAs
 // interact only through cache blocks and buckets:
 //
 //   - a reuse record drops every version in its bucket: per bucket, the
@@ -32,7 +32,7 @@ package cache
 //     whether or not that version was dropped before the insert. A version
 //     alive at an insert into its block would be one of these two.
 //
-// Anything that applyLocked would reject, and anything a serving set never
+// Anything the record-by-record replay would reject, and anything a serving set never
 // journals (a reuse of a bucket holding dirty data, superseded versions
 // left without a newer dirty entry), is an anomaly:
 // recovery then fails with a corruption error. Journal blocks pass their
@@ -772,14 +772,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		return nil, fmt.Errorf("open: replaying journal: %w", err)
 	}
 	end, nrec := jr.end, jr.n
-	for vi := range s.vols {
-		if !s.keepSuperseded(vi) {
-			// A checkpoint written in epoch order still lists superseded
-			// versions the volume dropped when it left epoch order
-			// (degraded, or writeback_order changed to lba).
-			s.mu.DropAllSup(vi)
-		}
-	}
+	s.dropUnkeptSupLocked()
 	s.listBucketsLocked()
 	if err := s.checkIndexLocked(invariants.Enabled); err != nil {
 		return nil, fmt.Errorf("open: recovered index inconsistent: %w", err)
@@ -823,6 +816,19 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	return s, nil
 }
 
+// dropUnkeptSupLocked drops the recovered superseded versions of volumes
+// that do not keep them: a checkpoint written in epoch order still lists
+// those the volume dropped when it left epoch order (degraded, or
+// writeback_order changed to lba).
+// REQUIRES: exclusive access (Open)
+func (s *Set) dropUnkeptSupLocked() {
+	for vi := range s.vols {
+		if !s.keepSuperseded(vi) {
+			s.mu.DropAllSup(vi)
+		}
+	}
+}
+
 // listBucketsLocked puts the recovered buckets on the sealed FIFO (those
 // holding entries) or the free list.
 // REQUIRES: exclusive access (Open)
@@ -842,66 +848,4 @@ func (s *Set) entries() (n int64) {
 		n += v.idx.Cached
 	}
 	return n
-}
-
-// applyLocked replays one journal record. Records come from a checksummed
-// block, but their contents are still validated before use.
-// REQUIRES: s.mu (or exclusive access during Open)
-func (s *Set) applyLocked(r *ondisk.Rec) error {
-	total := uint64(s.mu.CacheBlocks())
-	vol := func() (*Volume, error) {
-		if int(r.Vol) >= len(s.vols) {
-			return nil, ondisk.Corruptf("journal record", 0, 0, "volume %d of %d", r.Vol, len(s.vols))
-		}
-		return s.vols[r.Vol], nil
-	}
-	switch r.Type {
-	case ondisk.RecInsert:
-		v, err := vol()
-		if err != nil {
-			return err
-		}
-		n := uint64(len(r.CRCs))
-		loc := uint64(r.Loc)
-		if r.LBA+n > v.nblocks || r.LBA+n < r.LBA || loc+n > total || loc/uint64(s.bpb) != (loc+n-1)/uint64(s.bpb) {
-			return ondisk.Corruptf("journal record", 0, 0, "insert out of range: %v", r)
-		}
-		b := &s.mu.Buckets[loc/uint64(s.bpb)]
-		if b.Gen != r.Gen {
-			return ondisk.Corruptf("journal record", 0, 0, "insert into bucket %d generation %d, bucket is at %d", loc/uint64(s.bpb), r.Gen, b.Gen)
-		}
-		for i := uint64(0); i < n; i++ {
-			if k := s.mu.Owner[loc+i]; k != 0 {
-				// The block is being reused within its generation only if
-				// the journal is wrong.
-				return ondisk.Corruptf("journal record", 0, 0, "insert into owned cache block %d", loc+i)
-			}
-			s.mu.Insert(int(r.Vol), r.LBA+i, uint32(loc+i), r.CRCs[i], r.Dirty, r.Epoch, s.keepSuperseded(int(r.Vol)))
-		}
-		v.idx.epoch = max(v.idx.epoch, r.Epoch)
-	case ondisk.RecClean:
-		if _, err := vol(); err != nil {
-			return err
-		}
-		if uint64(r.Loc) >= total {
-			return ondisk.Corruptf("journal record", 0, 0, "clean out of range: %v", r)
-		}
-		s.mu.MarkClean(int(r.Vol), r.LBA, r.Loc)
-	case ondisk.RecInvalidate:
-		if _, err := vol(); err != nil {
-			return err
-		}
-		s.mu.Invalidate(int(r.Vol), r.LBA, min(r.N, 1<<48))
-	case ondisk.RecReuse:
-		if int64(r.Bucket) >= int64(len(s.mu.Buckets)) {
-			return ondisk.Corruptf("journal record", 0, 0, "reuse of bucket %d", r.Bucket)
-		}
-		if d := s.mu.DropBucket(int64(r.Bucket), false); d > 0 {
-			s.log.Error("journal reuses a bucket holding dirty data; dropped", "bucket", r.Bucket, "dirty_blocks", d)
-		}
-		s.mu.Buckets[r.Bucket].Gen = r.Gen
-	default:
-		return ondisk.Corruptf("journal record", 0, 0, "type %d", r.Type)
-	}
-	return nil
 }
