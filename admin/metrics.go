@@ -189,6 +189,34 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 	if st.Set != nil {
 		emitStruct(ch, setMetrics, st.Set.SetStats, "")
 	}
+	if c.s.cfg.RemoteLink != nil {
+		for _, e := range st.Exports {
+			if r := c.s.cfg.RemoteLink(e.Name); r != nil {
+				emitRemote(ch, e.Name, r)
+			}
+		}
+	}
+}
+
+// Remote backing device link metrics (exports with an NBD URI backing).
+var (
+	remoteUpDesc         = prometheus.NewDesc("tiercache_remote_link_up", "1 while the export's remote backing device is connected (0: reconnecting, or refused as another export).", []string{"export"}, nil)
+	remoteReconnectsDesc = prometheus.NewDesc("tiercache_remote_reconnects_total", "Reconnections to the remote backing device after a lost connection.", []string{"export"}, nil)
+	remoteOutagesDesc    = prometheus.NewDesc("tiercache_remote_outages_total", "Times the connection to the remote backing device was lost.", []string{"export"}, nil)
+	remoteDownDesc       = prometheus.NewDesc("tiercache_remote_down_seconds_total", "Time the remote backing device was disconnected, the current outage included.", []string{"export"}, nil)
+	remoteNotDurableDesc = prometheus.NewDesc("tiercache_remote_not_durable_syncs_total", "Backing syncs refused because a connection ended before a flush covered earlier writes (those were written again).", []string{"export"}, nil)
+)
+
+func emitRemote(ch chan<- prometheus.Metric, export string, r *RemoteLink) {
+	up := 0.0
+	if r.State == "up" {
+		up = 1
+	}
+	ch <- prometheus.MustNewConstMetric(remoteUpDesc, gauge, up, export)
+	ch <- prometheus.MustNewConstMetric(remoteReconnectsDesc, prometheus.CounterValue, float64(r.Reconnects), export)
+	ch <- prometheus.MustNewConstMetric(remoteOutagesDesc, prometheus.CounterValue, float64(r.Outages), export)
+	ch <- prometheus.MustNewConstMetric(remoteDownDesc, prometheus.CounterValue, r.DownTotalSeconds, export)
+	ch <- prometheus.MustNewConstMetric(remoteNotDurableDesc, prometheus.CounterValue, float64(r.NotDurable), export)
 }
 
 // emitStruct emits one metric per numeric field found in table.

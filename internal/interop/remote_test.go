@@ -312,6 +312,12 @@ func TestRemoteOutage(t *testing.T) {
 	if state, n := link(); state != "up" || n != 1 {
 		t.Errorf("status after the restart: link %q, %d reconnects; want up, 1", state, n)
 	}
+	_, metrics := do(t, unixHTTP(admin), "GET", "http://tiercache/metrics", "")
+	for _, m := range []string{`tiercache_remote_link_up{export="vm"} 1`, `tiercache_remote_reconnects_total{export="vm"} 1`, `tiercache_remote_outages_total{export="vm"} 1`} {
+		if !strings.Contains(metrics, m) {
+			t.Errorf("/metrics lacks %s", m)
+		}
+	}
 	c.Close()
 	run(t, 2*time.Minute, bin, "detach", "vm", "--admin", admin)
 	s.stop()
