@@ -24,11 +24,15 @@
 //
 // Durability across reconnects. The server may have lost writes it
 // acknowledged but no FLUSH covered when its connection ended (it may have
-// restarted). Each connection set is a generation; a write completed on a
-// generation that ended before a FLUSH covered it makes the next Sync fail
-// with ErrNotDurable (wrapping syscall.EIO), once: the caller must write
-// the data again (writeback keeps such blocks dirty and retries), and the
-// Sync after that covers only what was written since.
+// restarted). Each connection set is a generation. The device keeps a copy
+// of every completed write (and the range of every write-zeroes) until a
+// FLUSH covers it, up to Options.ReplayBytes, and writes them again on a
+// new generation before any request is served there, so a Sync after a
+// reconnect covers them. When more than ReplayBytes are unflushed, the
+// copies are dropped; if the generation then ends before a FLUSH, the next
+// Sync fails with ErrNotDurable (wrapping syscall.EIO), once: the caller
+// must write the data again (writeback keeps such blocks dirty and
+// retries), and the Sync after that covers only what was written since.
 //
 // Identity. Every reconnection must find the same export: the same size
 // and the same description (the marker an identity records, see
@@ -64,6 +68,9 @@ const (
 	DefaultOutageTimeout = 30 * time.Second
 	// DefaultDialTimeout bounds one connection attempt and its handshake.
 	DefaultDialTimeout = 10 * time.Second
+	// DefaultReplayBytes bounds the copies of unflushed writes kept to
+	// replay after a reconnect.
+	DefaultReplayBytes = 64 << 20
 
 	reconnectMin = 100 * time.Millisecond
 	reconnectMax = 5 * time.Second
@@ -98,8 +105,20 @@ type Options struct {
 	// DialTimeout bounds each connection attempt; 0 means
 	// DefaultDialTimeout.
 	DialTimeout time.Duration
+	// ReplayBytes bounds the copies of unflushed writes kept to write
+	// again after a reconnect; 0 means DefaultReplayBytes, negative keeps
+	// none (a reconnect after unflushed writes then always fails the next
+	// Sync with ErrNotDurable).
+	ReplayBytes int64
 	// Log receives link state changes; nil discards them.
 	Log *slog.Logger
+}
+
+// unflushed is a completed write no FLUSH has covered yet.
+type unflushed struct {
+	off int64
+	p   []byte // a copy of the data; nil for write-zeroes
+	n   int64  // length
 }
 
 // Device is a device.Device on an NBD export. Safe for concurrent use.
@@ -129,10 +148,17 @@ type Device struct {
 		downSince  time.Time
 		downErr    error // why the link went down, or why reconnecting fails
 		refused    bool  // downErr is a refusal (a different export)
-		dirty      bool  // a write completed on gen since the last flush began
-		lost       bool  // a write completed on an ended generation, unflushed
-		closed     bool
-		stats      Stats
+		// pend holds the writes completed and not covered by a FLUSH, in
+		// completion order, to replay on the next generation; pendBytes is
+		// what they hold. overflow: some such writes are not in pend
+		// (more than ReplayBytes); ovfCount counts overflows.
+		pend      []unflushed
+		pendBytes int64
+		overflow  bool
+		ovfCount  uint64
+		lost      bool // unflushed writes of an ended generation could not be replayed
+		closed    bool
+		stats     Stats
 	}
 }
 
@@ -178,6 +204,9 @@ func OpenTarget(ctx context.Context, t Target, opts Options) (*Device, error) {
 	}
 	if opts.DialTimeout <= 0 {
 		opts.DialTimeout = DefaultDialTimeout
+	}
+	if opts.ReplayBytes == 0 {
+		opts.ReplayBytes = DefaultReplayBytes
 	}
 	log := opts.Log
 	if log == nil {
@@ -346,9 +375,9 @@ func (d *Device) linkFailed(gen uint64, err error) {
 	old := d.mu.conns
 	d.mu.conns = nil
 	d.mu.gen++
-	if d.mu.dirty {
+	if d.mu.overflow {
 		d.mu.lost = true
-		d.mu.dirty = false
+		d.mu.overflow = false
 	}
 	d.mu.downSince = time.Now()
 	d.mu.downErr = err
@@ -414,6 +443,21 @@ func (d *Device) reconnect(gen uint64) {
 			}
 			continue
 		}
+		d.mu.Unlock()
+		if err := d.replay(conns[0], gen); err != nil {
+			closeAll(conns)
+			d.mu.Lock()
+			d.mu.downErr = err
+			d.mu.Unlock()
+			d.log.Warn("nbd backing: replaying unflushed writes on the new connection failed; retrying with backoff", "err", err, "attempt", attempt)
+			continue
+		}
+		d.mu.Lock()
+		if d.mu.closed || d.mu.gen != gen {
+			d.mu.Unlock()
+			closeAll(conns)
+			return
+		}
 		down := time.Since(d.mu.downSince)
 		d.mu.conns = conns
 		d.mu.refused = false
@@ -423,6 +467,55 @@ func (d *Device) reconnect(gen uint64) {
 		d.mu.Unlock()
 		d.log.Info("nbd backing: link up again", "down_for", down.Round(time.Millisecond), "attempts", attempt, "conns", len(conns))
 		return
+	}
+}
+
+// replay writes the unflushed writes again on c, a connection of the
+// generation gen that is not yet serving requests. Writes that complete
+// late on the ended generation are added to d.mu.pend meanwhile; replay
+// returns once it has written all of them, with d.mu unlocked.
+func (d *Device) replay(c *nbd.Client, gen uint64) error {
+	done, n := 0, 0
+	for {
+		d.mu.Lock()
+		if d.mu.gen != gen || d.mu.closed {
+			d.mu.Unlock()
+			return nil // the caller sees it and gives up
+		}
+		if d.mu.overflow {
+			// Overflowed meanwhile: what was dropped cannot be replayed.
+			d.mu.lost, d.mu.overflow = true, false
+		}
+		if done > len(d.mu.pend) {
+			done = len(d.mu.pend)
+		}
+		batch := d.mu.pend[done:]
+		d.mu.Unlock()
+		if len(batch) == 0 {
+			if n > 0 {
+				d.log.Info("nbd backing: wrote unflushed writes again on the new connection", "writes", n)
+			}
+			return nil
+		}
+		for _, u := range batch {
+			var err error
+			switch {
+			case u.p != nil:
+				err = c.WriteAt(u.p, u.off, false)
+			case d.flags&nbd.FlagSendWriteZeroes != 0:
+				err = c.WriteZeroes(u.off, u.n, false, true, false)
+			default:
+				z := make([]byte, min(u.n, 1<<20))
+				for o := u.off; o < u.off+u.n && err == nil; o += int64(len(z)) {
+					err = c.WriteAt(z[:min(int64(len(z)), u.off+u.n-o)], o, false)
+				}
+			}
+			if err != nil {
+				return fmt.Errorf("replaying a write at offset %d length %d: %w", u.off, u.n, err)
+			}
+		}
+		done += len(batch)
+		n += len(batch)
 	}
 }
 
@@ -535,28 +628,51 @@ func (d *Device) WriteAt(p []byte, off int64) (int, error) {
 			copy(b[off-lo:], p)
 			return c.WriteAt(b, lo, false)
 		})
+		if err == nil {
+			d.wrote(gen, lo, b, int64(len(b)))
+		}
 		d.rmw.Unlock()
 	} else {
 		d.rmw.RLock()
 		gen, err = d.do(func(c *nbd.Client) error { return c.WriteAt(p, off, false) })
+		if err == nil {
+			d.wrote(gen, off, p, int64(len(p)))
+		}
 		d.rmw.RUnlock()
 	}
 	if err != nil {
 		return 0, d.ioErr("write", off, int64(len(p)), err)
 	}
-	d.wrote(gen)
 	return len(p), nil
 }
 
-// wrote records a write completed on generation gen.
-func (d *Device) wrote(gen uint64) {
-	d.mu.Lock()
-	if gen == d.mu.gen && d.mu.conns != nil {
-		d.mu.dirty = true
-	} else {
-		d.mu.lost = true
+// wrote records a write of n bytes at off completed on generation gen: p
+// is its data (copied), nil for write-zeroes.
+func (d *Device) wrote(gen uint64, off int64, p []byte, n int64) {
+	if d.flags&nbd.FlagSendFlush == 0 {
+		return // the server has no write cache: acknowledged is durable
 	}
-	d.mu.Unlock()
+	size := int64(len(p)) + 64
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	switch {
+	case gen != d.mu.gen && d.mu.conns != nil:
+		// Its generation ended and the next one already replayed what it
+		// had: this write may be lost.
+		d.mu.lost = true
+	case d.mu.overflow:
+	case d.mu.pendBytes+size > d.opts.ReplayBytes:
+		d.mu.overflow = true
+		d.mu.ovfCount++
+		d.mu.pend, d.mu.pendBytes = nil, 0
+	default:
+		u := unflushed{off: off, n: n}
+		if p != nil {
+			u.p = append([]byte(nil), p...)
+		}
+		d.mu.pend = append(d.mu.pend, u)
+		d.mu.pendBytes += size
+	}
 }
 
 func (d *Device) writable() error {
@@ -570,7 +686,8 @@ func (d *Device) writable() error {
 }
 
 // Sync sends FLUSH. It fails with ErrNotDurable when an earlier write
-// completed on a connection that ended before a flush covered it.
+// completed on a connection that ended before a flush covered it and could
+// not be replayed.
 func (d *Device) Sync() error {
 	if d.closed() {
 		return device.ErrClosed
@@ -585,40 +702,39 @@ func (d *Device) Sync() error {
 			d.mu.Unlock()
 			return d.ioErr("sync", 0, 0, err)
 		}
-		lost, dirty := d.mu.lost, d.mu.dirty
-		d.mu.lost, d.mu.dirty = false, false
-		if lost {
+		if d.mu.lost {
+			d.mu.lost = false
 			d.mu.stats.NotDurable++
 			d.mu.Unlock()
-			d.log.Warn("nbd backing: flush refused: writes completed on a connection that ended before a flush covered them; the server may have lost them")
+			d.log.Warn("nbd backing: flush refused: writes completed on a connection that ended before a flush covered them, more than could be kept to replay; the server may have lost them")
 			return d.ioErr("sync", 0, 0, fmt.Errorf("%w: %w", syscall.EIO, ErrNotDurable))
 		}
+		// Every write in pend now completed before the FLUSH is sent.
+		n, ovf := len(d.mu.pend), d.mu.ovfCount
 		d.mu.Unlock()
 		err = c.Flush()
 		if err == nil {
+			d.mu.Lock()
+			if d.mu.ovfCount == ovf {
+				// The FLUSH covers the first n (the list was not reset by
+				// an overflow meanwhile) and, if the list had overflowed
+				// before it started, the writes dropped then.
+				n = min(n, len(d.mu.pend))
+				for _, u := range d.mu.pend[:n] {
+					d.mu.pendBytes -= int64(len(u.p)) + 64
+				}
+				d.mu.pend = append([]unflushed(nil), d.mu.pend[n:]...)
+				d.mu.overflow = false
+			}
+			d.mu.Unlock()
 			return nil
 		}
 		if isReply(err) {
-			d.mu.Lock()
-			if dirty {
-				if gen == d.mu.gen {
-					d.mu.dirty = true
-				} else {
-					d.mu.lost = true
-				}
-			}
-			d.mu.Unlock()
 			return d.ioErr("sync", 0, 0, err)
 		}
+		// The connection failed: the writes are replayed on the next
+		// one, and a flush there covers them.
 		d.linkFailed(gen, err)
-		if dirty {
-			d.mu.Lock()
-			d.mu.lost = true
-			d.mu.Unlock()
-		}
-		// Without unflushed writes of the ended generation, a flush on
-		// the next one is all that is asked: loop. With them, the next
-		// round fails with ErrNotDurable.
 	}
 }
 
@@ -648,7 +764,8 @@ func (d *Device) Discard(off, length int64) error {
 	if err != nil {
 		return d.ioErr("discard", lo, hi-lo, err)
 	}
-	d.wrote(gen)
+	// Not kept for replay: a discarded range may keep its old data.
+	_ = gen
 	return nil
 }
 
@@ -676,11 +793,13 @@ func (d *Device) WriteZeroes(off, length int64) error {
 	}
 	d.rmw.RLock()
 	gen, err := d.do(func(c *nbd.Client) error { return c.WriteZeroes(lo, hi-lo, false, true, false) })
+	if err == nil {
+		d.wrote(gen, lo, nil, hi-lo)
+	}
 	d.rmw.RUnlock()
 	if err != nil {
 		return d.ioErr("write-zeroes", lo, hi-lo, err)
 	}
-	d.wrote(gen)
 	if hi < off+length {
 		return d.zeroBuffers(hi, off+length-hi)
 	}

@@ -298,15 +298,16 @@ func TestReadOnly(t *testing.T) {
 	}
 }
 
-// TestServerRestart kills qemu-nbd (SIGKILL) and restarts it on the same
-// image: requests issued while it is away wait and then succeed, data
+// TestServerRestartNoReplay kills qemu-nbd (SIGKILL) and restarts it on
+// the same image, with no copies of unflushed writes kept (ReplayBytes
+// -1): requests issued while it is away wait and then succeed, data
 // flushed before the kill is there, and the Sync after the restart fails
 // with ErrNotDurable because writes acknowledged before the kill were not
 // flushed; once rewritten, Sync succeeds.
-func TestServerRestart(t *testing.T) {
+func TestServerRestartNoReplay(t *testing.T) {
 	needTool(t, "qemu-nbd")
 	p, _ := qemuNBD(t, 4<<20)
-	d := openT(t, p.uri("e"), Options{OutageTimeout: time.Minute})
+	d := openT(t, p.uri("e"), Options{OutageTimeout: time.Minute, ReplayBytes: -1})
 	a := make([]byte, 65536)
 	devicetest.Fill(a, 1)
 	if _, err := d.WriteAt(a, 0); err != nil {
@@ -451,4 +452,90 @@ func writeCerts(t *testing.T) string {
 		}
 	}
 	return dir
+}
+
+// kitLosingUnflushed is nbdkit over a file with its cache filter in
+// writeback mode: a SIGKILL loses every write it acknowledged that no
+// FLUSH covered.
+func kitLosingUnflushed(t *testing.T, size int64) *peer {
+	img := filepath.Join(t.TempDir(), "img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, size); err != nil {
+		t.Fatal(err)
+	}
+	sock := sockIn(t, "kit.sock")
+	return startPeer(t, sock, "nbdkit", "-f", "--exit-with-parent", "-U", sock, "--filter=cache", "file", img, "cache=writeback")
+}
+
+// TestReplayAfterRestart: writes acknowledged and not flushed when the
+// server is killed (and lost by it) are written again on the new
+// connection, so the Sync after the restart succeeds and reads return
+// them.
+func TestReplayAfterRestart(t *testing.T) {
+	needTool(t, "nbdkit")
+	p := kitLosingUnflushed(t, 4<<20)
+	d := openT(t, p.uri(""), Options{})
+	a := make([]byte, 65536)
+	devicetest.Fill(a, 1)
+	if _, err := d.WriteAt(a, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 65536+100)
+	devicetest.Fill(b, 2)
+	if _, err := d.WriteAt(b, 1<<20+7); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.WriteZeroes(12288, 8192); err != nil {
+		t.Fatal(err)
+	}
+	clear(a[12288 : 12288+8192])
+	p.kill()
+	p.start()
+	if err := d.Sync(); err != nil {
+		t.Fatalf("Sync after a restart: %v", err)
+	}
+	got := make([]byte, len(b))
+	if _, err := d.ReadAt(got, 1<<20+7); err != nil || !bytes.Equal(got, b) {
+		t.Fatalf("unflushed write after the restart: %v, equal %v", err, bytes.Equal(got, b))
+	}
+	if _, err := d.ReadAt(got[:len(a)], 0); err != nil || !bytes.Equal(got[:len(a)], a) {
+		t.Fatalf("flushed data and unflushed zeroes after the restart: %v", err)
+	}
+	// Covered by that Sync: another restart loses nothing.
+	p.kill()
+	p.start()
+	if _, err := d.ReadAt(got, 1<<20+7); err != nil || !bytes.Equal(got, b) {
+		t.Fatalf("after a second restart: %v", err)
+	}
+	if s := d.Stats(); s.NotDurable != 0 || s.Reconnects != 2 {
+		t.Errorf("stats %+v", s)
+	}
+}
+
+// TestReplayOverflow: with more unflushed data than ReplayBytes, a restart
+// makes the next Sync fail with ErrNotDurable, once.
+func TestReplayOverflow(t *testing.T) {
+	needTool(t, "nbdkit")
+	p := kitLosingUnflushed(t, 4<<20)
+	d := openT(t, p.uri(""), Options{ReplayBytes: 100 << 10})
+	b := make([]byte, 65536)
+	for i := int64(0); i < 3; i++ {
+		devicetest.Fill(b, uint64(i))
+		if _, err := d.WriteAt(b, i*65536); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.kill()
+	p.start()
+	if err := d.Sync(); !errors.Is(err, ErrNotDurable) {
+		t.Fatalf("Sync after a restart with more unflushed than ReplayBytes: %v; want ErrNotDurable", err)
+	}
+	if err := d.Sync(); err != nil {
+		t.Fatalf("second Sync: %v", err)
+	}
 }
