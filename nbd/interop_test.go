@@ -27,7 +27,10 @@ func needTool(t *testing.T, name string) string {
 	}
 	p, err := exec.LookPath(name)
 	if err != nil {
-		t.Skipf("%s not installed", name)
+		if os.Getenv("CI") != "" {
+			t.Fatalf("%s not installed, and CI must run every test (scripts/install-deps.sh installs it)", name)
+		}
+		t.Skipf("%s not installed (scripts/install-deps.sh installs it)", name)
 	}
 	return p
 }

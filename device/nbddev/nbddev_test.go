@@ -41,6 +41,9 @@ func needTool(t *testing.T, name string) {
 		t.Skip("tests against real NBD servers skipped with -short")
 	}
 	if _, err := exec.LookPath(name); err != nil {
+		if os.Getenv("CI") != "" {
+			t.Fatalf("%s not installed, and CI must run every test (scripts/install-deps.sh installs it)", name)
+		}
 		t.Skipf("%s not installed (scripts/install-deps.sh installs it)", name)
 	}
 }
