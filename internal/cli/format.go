@@ -174,6 +174,12 @@ func runFormat(g *globals, o *formatOptions) error {
 		return fmt.Errorf("%s already holds cache set %s with %d backing device(s); use --force to overwrite it (its cached data, dirty data included, is lost)", o.cache, fmtUUID(sb.SetUUID), sb.LiveBackings())
 	}
 
+	// Before anything is written (identity attributes included): a cache
+	// file its file system cannot hold is refused with nothing changed.
+	if err := allocateCache(devicePath(o.cache), cdev.Size()); err != nil {
+		return fmt.Errorf("format: %w", err)
+	}
+
 	specs := make([]cache.BackingSpec, len(bks))
 	for i := range bks {
 		what := fmt.Sprintf("backing %q", bks[i].name)
@@ -196,9 +202,6 @@ func runFormat(g *globals, o *formatOptions) error {
 	}
 	if cacheID.ID == "" {
 		fmt.Fprintf(g.stderr, "WARNING: nothing identifies the cache device %s (no serial, WWN, partition UUID, loop backing file or file attribute): a copy of it, served later, is not told from it\n", o.cache)
-	}
-	if err := allocateCache(devicePath(o.cache), cdev.Size()); err != nil {
-		return fmt.Errorf("format: %w", err)
 	}
 	pr := newProgress(g.stderr, "format", 3)
 	if o.asJSON {

@@ -173,3 +173,64 @@ func TestTrustCacheENOSPC(t *testing.T) {
 		t.Fatalf("check --cache after the restart: %v\n%s", err, out)
 	}
 }
+
+// TestTrustFormatCacheTooBig: format of a sparse cache file larger than the
+// free space of its file system refuses before writing anything, with a
+// message that says how much is needed, how much is free and how to go on:
+// the cache file keeps no blocks and holds no cache set, and neither file
+// has an attribute written (on main the identity attributes of both were
+// written before the refusal); with the file made smaller, the same format
+// succeeds and allocates all of it.
+func TestTrustFormatCacheTooBig(t *testing.T) {
+	dir := t.TempDir()
+	mnt := smallFS(t, dir, 32*mib)
+	cache := sparseFile(t, mnt, "cache.img", 64*mib)
+	vol := randomFile(t, dir, "vol.img", 8*mib, 7)
+	var before unix.Statfs_t
+	if err := unix.Statfs(mnt, &before); err != nil {
+		t.Fatal(err)
+	}
+
+	out, err := runErr(time.Minute, bin, "format", "--cache", cache, "--backing", "vol="+vol, "--bucket-size", "256K")
+	if err == nil {
+		t.Fatalf("format of a 64 MiB sparse cache file on a 32 MiB file system succeeded:\n%s", out)
+	}
+	for _, want := range []string{cache, "64 MiB", "not allocated", "free", "truncate -s"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("format's refusal does not say %q:\n%s", want, out)
+		}
+	}
+	var st unix.Stat_t
+	if err := unix.Stat(cache, &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Blocks != 0 || st.Size != 64*mib {
+		t.Errorf("the refused cache file has %d blocks allocated and size %d, want 0 and %d", st.Blocks, st.Size, 64*mib)
+	}
+	var after unix.Statfs_t
+	if err := unix.Statfs(mnt, &after); err != nil {
+		t.Fatal(err)
+	}
+	if after.Bfree != before.Bfree {
+		t.Errorf("the refused format left %d blocks of the file system in use", int64(before.Bfree)-int64(after.Bfree))
+	}
+	if out, err := runErr(time.Minute, bin, "inspect", "superblock", "--cache", cache); err == nil {
+		t.Errorf("inspect found a superblock on the refused cache file:\n%s", out)
+	}
+	for _, p := range []string{cache, vol} {
+		if n, err := unix.Listxattr(p, make([]byte, 1024)); err != nil || n != 0 {
+			t.Errorf("the refused format wrote attributes on %s (%d bytes of names, %v)", p, n, err)
+		}
+	}
+
+	if err := os.Truncate(cache, 16*mib); err != nil {
+		t.Fatal(err)
+	}
+	run(t, time.Minute, bin, "format", "--cache", cache, "--backing", "vol="+vol, "--bucket-size", "256K")
+	if err := unix.Stat(cache, &st); err != nil {
+		t.Fatal(err)
+	}
+	if st.Blocks*512 < 16*mib {
+		t.Errorf("the formatted cache file has %d bytes allocated, want all %d", st.Blocks*512, 16*mib)
+	}
+}
