@@ -45,6 +45,9 @@ func (v *Volume) DirtyBlocks() int64 {
 	return v.idx.Dirty
 }
 
+// drainFirstBatch is DrainDirty's first batch (blocks; 4 MiB).
+const drainFirstBatch = 1024
+
 // DrainDirty writes every dirty block of the volume back to its backing
 // device and commits. progress, if set, is called after each batch with
 // the dirty blocks left. It returns when none is left, or with an error
@@ -61,7 +64,7 @@ func (v *Volume) DrainDirty(ctx context.Context, progress func(dirtyBlocks int64
 		return left
 	}
 	report()
-	stuck := 0
+	stuck, batch := 0, drainFirstBatch
 	for {
 		written, failedBefore := 0, v.st.checksumErrors.Load()
 		from := uint64(0)
@@ -72,19 +75,32 @@ func (v *Volume) DrainDirty(ctx context.Context, progress func(dirtyBlocks int64
 			if err := s.err(); err != nil {
 				return err
 			}
-			s.mu.Lock()
-			lbas := s.dirtyLBAsLocked(v.vi, from, 1024)
-			s.mu.Unlock()
-			if len(lbas) == 0 {
+			// Batches double from drainFirstBatch (the first progress
+			// report, and a cancellation, come soon) to background
+			// writeback's full-speed batch: each ends with a backing sync,
+			// which empties the disk's queue and write cache before the
+			// next batch is read. Collected lockChunk entries per hold of
+			// mu.
+			var lbas []uint64
+			end := false
+			for len(lbas) < batch && !end {
+				s.mu.Lock()
+				got, next, done := s.dirtyScanLocked(v.vi, from, batch-len(lbas), lockChunk)
+				s.mu.Unlock()
+				lbas, from, end = append(lbas, got...), next, done
+			}
+			if len(lbas) > 0 {
+				n, err := s.writeback(v.vi, lbas)
+				if err != nil {
+					return fmt.Errorf("flushing %s: %w", v.name, err)
+				}
+				written += n
+				report()
+			}
+			batch = min(2*batch, wbBatch)
+			if end {
 				break
 			}
-			n, err := s.writeback(v.vi, lbas)
-			if err != nil {
-				return fmt.Errorf("flushing %s: %w", v.name, err)
-			}
-			written += n
-			from = lbas[len(lbas)-1] + 1
-			report()
 		}
 		s.mu.Lock()
 		target := s.mu.seq

@@ -47,19 +47,6 @@ func (s *Set) dirtyScanLocked(vi int, from uint64, limit, maxVisit int) (out []u
 	return out, next, done
 }
 
-// dirtyLBAsLocked lists up to max dirty blocks of volume vi from lba on.
-// REQUIRES: s.mu
-func (s *Set) dirtyLBAsLocked(vi int, from uint64, limit int) []uint64 {
-	var out []uint64
-	s.vols[vi].idx.Tree.AscendGreaterOrEqual(index.Ent{LBA: from}, func(e index.Ent) bool {
-		if e.Dirty() {
-			out = append(out, e.LBA)
-		}
-		return len(out) < limit
-	})
-	return out
-}
-
 // writeback writes the given dirty blocks (sorted LBAs) of volume vi to the
 // backing device, syncs it and only then marks them clean (invariant 3).
 //
@@ -171,10 +158,11 @@ func (s *Set) takeEpochBatch(vi, n int) []wbItem {
 		s.mu.Unlock()
 		return nil
 	}
+	hi := v.epochBatchLimit(oldest)
 	start := v.wb.cursor.Load()
-	items, next, more := s.takeEpochRangeLocked(vi, oldest, start, math.MaxUint64, n, nil)
+	items, next, more := s.takeEpochRangeLocked(vi, hi, start, math.MaxUint64, n, nil)
 	if !more && start > 0 && len(items) < n {
-		items, next, more = s.takeEpochRangeLocked(vi, oldest, 0, start, n, items)
+		items, next, more = s.takeEpochRangeLocked(vi, hi, 0, start, n, items)
 	}
 	if more {
 		v.wb.cursor.Store(next)
@@ -186,23 +174,25 @@ func (s *Set) takeEpochBatch(vi, n int) []wbItem {
 	return items
 }
 
-// takeEpochRangeLocked appends to items versions of epoch oldest with LBAs
-// in [from, limit), in LBA order, until it holds n. more reports that it
+// takeEpochRangeLocked appends to items versions of epochs up to hi with
+// LBAs in [from, limit), in LBA order, until it holds n (hi is the oldest
+// dirty epoch, or during a catch-up the last epoch before the cut: one
+// version per LBA either way). more reports that it
 // stopped early at LBA next. It scans in chunks of at most lockChunk
-// entries per hold of mu (dropping it in between): the live entries of the
-// oldest epoch (in the leaves whose summary admits it), merged in LBA
-// order with the superseded versions of that epoch in the LBA range the
+// entries per hold of mu (dropping it in between): the live entries of
+// those epochs (in the leaves whose summary admits them), merged in LBA
+// order with the superseded versions of those epochs in the LBA range the
 // chunk covered. The oldest epoch cannot get older between chunks (new
 // versions take the current epoch, GC moves keep theirs).
 // REQUIRES: s.mu (dropped and retaken between chunks)
-func (s *Set) takeEpochRangeLocked(vi int, oldest, from, limit uint64, n int, items []wbItem) (_ []wbItem, next uint64, more bool) {
+func (s *Set) takeEpochRangeLocked(vi int, hi, from, limit uint64, n int, items []wbItem) (_ []wbItem, next uint64, more bool) {
 	v := s.vols[vi]
 	var cand []index.Ver
 	for {
 		cand = cand[:0]
 		visited := 0
 		next, more = 0, false
-		v.idx.Tree.AscendAggAtMost(index.Ent{LBA: from}, oldest, func(e index.Ent) bool {
+		v.idx.Tree.AscendAggAtMost(index.Ent{LBA: from}, hi, func(e index.Ent) bool {
 			if e.LBA >= limit {
 				return false
 			}
@@ -211,8 +201,8 @@ func (s *Set) takeEpochRangeLocked(vi int, oldest, from, limit uint64, n int, it
 				return false
 			}
 			visited++
-			if e.Dirty() && s.mu.BlockEpoch(e.Block()) == oldest {
-				cand = append(cand, index.Ver{Epoch: oldest, LBA: e.LBA, Loc: e.Block(), CRC: e.CRC})
+			if ep := s.mu.BlockEpoch(e.Block()); e.Dirty() && ep <= hi {
+				cand = append(cand, index.Ver{Epoch: ep, LBA: e.LBA, Loc: e.Block(), CRC: e.CRC})
 			}
 			return true
 		})
@@ -221,17 +211,19 @@ func (s *Set) takeEpochRangeLocked(vi int, oldest, from, limit uint64, n int, it
 			end = next
 		}
 		nlive := len(cand)
-		v.idx.Sup.AscendAggAtMost(index.Ent{LBA: from}, oldest, func(e index.Ent) bool {
+		v.idx.Sup.AscendAggAtMost(index.Ent{LBA: from}, hi, func(e index.Ent) bool {
 			if e.LBA >= end {
 				return false
 			}
-			if s.mu.BlockEpoch(e.Loc) == oldest {
-				cand = append(cand, index.Ver{Epoch: oldest, LBA: e.LBA, Loc: e.Loc, CRC: e.CRC})
+			if ep := s.mu.BlockEpoch(e.Loc); ep <= hi {
+				cand = append(cand, index.Ver{Epoch: ep, LBA: e.LBA, Loc: e.Loc, CRC: e.CRC})
 			}
 			return true
 		})
 		if len(cand) > nlive {
-			slices.SortFunc(cand, index.CmpVer)
+			// LBA order (a catch-up's versions are of several epochs,
+			// one per LBA).
+			slices.SortFunc(cand, func(a, b index.Ver) int { return cmp.Or(cmp.Compare(a.LBA, b.LBA), cmp.Compare(a.Epoch, b.Epoch)) })
 		}
 		for _, x := range cand {
 			if len(items) >= n {
@@ -266,9 +258,10 @@ func (s *Set) writebackEpochLBAs(vi int, lbas []uint64) (int, error) {
 	var runs []blockRange
 	s.mu.Lock()
 	if oldest, ok := s.mu.OldestEpoch(vi); ok {
+		hi := v.epochBatchLimit(oldest)
 		for _, lba := range lbas {
 			e, ok := v.idx.Tree.Get(index.Ent{LBA: lba})
-			if !ok || !e.Dirty() || s.mu.BlockEpoch(e.Block()) != oldest {
+			if !ok || !e.Dirty() || s.mu.BlockEpoch(e.Block()) > hi {
 				continue
 			}
 			if _, busy := v.idx.wbInflight[e.Block()]; busy {

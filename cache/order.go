@@ -26,6 +26,23 @@ package cache
 //     superblock. Stats report the backing device consistent only from
 //     then on.
 //
+// Under writes that never stop, a full drain never comes, so the volume
+// also catches up (catchUp): catchUpAfter after it degraded, with free
+// buckets not short, it cuts. Under Set.mu it starts a new epoch (the cut)
+// and keeps superseded versions again from then on; every version of an
+// epoch before the cut is one "catch-up" epoch that writeback takes in one
+// LBA sweep at full speed (no sync between those epochs: while degraded
+// no superseded version was kept, so each LBA has at most one version
+// before the cut, the newest as of the cut). Once none is left, the
+// backing device holds the image at the cut, an older flush plus part of
+// the epoch then current, and from there epoch order proper: the same
+// commit, backing sync and superblock write as after a full drain report
+// it consistent (restoreOrder). A degrade during the catch-up (space,
+// superseded versions, a sequential stream) ends it; the volume stays
+// inconsistent since the first degrade and cuts again catchUpAfter later.
+// A crash during the catch-up reopens degraded (the superblock still says
+// inconsistent), dropping the superseded versions, as after any degrade.
+//
 // The volume degrades when (degradeReason):
 //
 //   - a write in epoch order finds no free bucket after helping
@@ -63,6 +80,11 @@ const (
 // free buckets short, degrade the volume.
 const supShareDegrade = 0.25
 
+// catchUpAfter is how long a degraded volume runs in lba order (since it
+// degraded, or since its last catch-up ended in a degrade) before it cuts
+// to catch up with epoch order under writes that do not stop.
+const catchUpAfter = 5 * time.Second
+
 // orderState is a volume's epoch-order state.
 type orderState struct {
 	// mu serializes degrade and restore (their superblock writes).
@@ -76,6 +98,14 @@ type orderState struct {
 	since    atomic.Int64
 	degrades atomic.Uint64
 	reason   atomic.Pointer[degradeReason]
+	// at is when the volume last degraded (unix nanos; 0 at Open).
+	at atomic.Int64
+	// cut is the first epoch of a catch-up (versions of earlier epochs are
+	// written back as one), 0 when none is running. Changed under Set.mu
+	// with degraded.
+	cut atomic.Uint64
+	// catchUps counts the cuts made; tests read it.
+	catchUps atomic.Uint64
 }
 
 // epochSetting reports whether the volume's setting is epoch order
@@ -96,6 +126,10 @@ func (v *Volume) degrade(why degradeReason) {
 		return
 	}
 	now := time.Now().UnixNano()
+	v.ord.at.Store(now)
+	if since := v.ord.since.Load(); since != 0 {
+		now = since // a catch-up that degraded again: inconsistent since the first
+	}
 	if err := s.setInconsistentSince(v.vi, now); err != nil {
 		// A metadata write the cache device failed: the set fails over
 		// (failover.go), and what was to leave epoch order goes around
@@ -105,6 +139,7 @@ func (v *Volume) degrade(why degradeReason) {
 	}
 	s.mu.Lock()
 	v.ord.degraded.Store(true)
+	v.ord.cut.Store(0)
 	nsup := v.idx.NSup
 	s.mu.DropAllSup(v.vi)
 	s.mu.cond.Broadcast()
@@ -118,7 +153,54 @@ func (v *Volume) degrade(why degradeReason) {
 	s.kick()
 }
 
-// restoreOrder returns a degraded volume with no dirty data to epoch order
+// catchUp cuts a degraded volume that still has dirty data back to epoch
+// order (see the file comment), catchUpAfter after it degraded and with
+// free buckets not short. It reports whether it cut.
+func (v *Volume) catchUp() bool {
+	s := v.s
+	if !v.ord.degraded.Load() || v.ord.cut.Load() != 0 || time.Since(time.Unix(0, v.ord.at.Load())) < catchUpAfter {
+		return false
+	}
+	v.ord.mu.Lock()
+	defer v.ord.mu.Unlock()
+	if !s.epochSetting(v.vi) || s.isFailed() {
+		return false
+	}
+	s.mu.Lock()
+	if !v.ord.degraded.Load() || len(s.mu.free) < s.lowWater() || s.mu.closed {
+		s.mu.Unlock()
+		return false
+	}
+	v.idx.epoch++
+	v.ord.cut.Store(v.idx.epoch)
+	v.ord.degraded.Store(false)
+	v.ord.catchUps.Add(1)
+	dirty := v.idx.Dirty
+	s.mu.Unlock()
+	s.log.Info("catching up with epoch order: writing back the dirty data of before now in one pass; the backing device is consistent again when it is done",
+		"volume", v.name, "dirty_bytes", dirty*blockSize)
+	s.kickWB()
+	return true
+}
+
+// caughtUpLocked reports whether a volume leaving lba order has nothing
+// left to write before it is in epoch order proper: no dirty data, or (in
+// a catch-up) none of an epoch before the cut.
+// REQUIRES: s.mu
+func (v *Volume) caughtUpLocked() bool {
+	if v.idx.Dirty+v.idx.NSup == 0 {
+		return true
+	}
+	cut := v.ord.cut.Load()
+	if cut == 0 || v.ord.degraded.Load() {
+		return false
+	}
+	oldest, ok := v.s.mu.OldestEpoch(v.vi)
+	return !ok || oldest >= cut
+}
+
+// restoreOrder returns a degraded volume with no dirty data, or one whose
+// catch-up has written back everything before its cut, to epoch order
 // (see the file comment). It reports whether it did.
 func (v *Volume) restoreOrder() bool {
 	s := v.s
@@ -130,10 +212,10 @@ func (v *Volume) restoreOrder() bool {
 	s.mu.Lock()
 	// Backing writes in flight (writeback's or passthrough's claims) end
 	// first; a batch that took versions since cleaned writes nothing.
-	for len(v.idx.busy) != 0 && v.idx.Dirty+v.idx.NSup == 0 && !s.mu.closed {
+	for len(v.idx.busy) != 0 && v.caughtUpLocked() && !s.mu.closed {
 		s.mu.cond.Wait()
 	}
-	if v.idx.Dirty+v.idx.NSup != 0 || s.mu.closed {
+	if !v.caughtUpLocked() || s.mu.closed {
 		s.mu.Unlock()
 		return false
 	}
@@ -148,15 +230,16 @@ func (v *Volume) restoreOrder() bool {
 	if err := s.syncBackings(); err != nil {
 		return false
 	}
-	if !s.epochSetting(v.vi) {
+	if !s.epochSetting(v.vi) || v.ord.degraded.Load() {
 		return false // left epoch order meanwhile: nothing to report consistent
 	}
 	if err := s.setInconsistentSince(v.vi, 0); err != nil {
 		s.log.Warn("cannot record the return to epoch order", "volume", v.name, "err", err)
 		return false
 	}
+	v.ord.cut.Store(0)
 	since := v.ord.since.Swap(0)
-	s.log.Info("back in epoch order after a full drain: the backing device alone is consistent again", "volume", v.name,
+	s.log.Info("back in epoch order: the backing device alone is consistent again", "volume", v.name,
 		"inconsistent_for", time.Since(time.Unix(0, since)).Round(time.Millisecond).String())
 	return true
 }
@@ -177,6 +260,16 @@ func (s *Set) setInconsistentSince(vi int, t int64) error {
 		return fmt.Errorf("recording the consistency of %s: %w", s.vol(vi).name, err)
 	}
 	return nil
+}
+
+// epochBatchLimit is the newest epoch a writeback batch of v may take when
+// oldest is its oldest dirty epoch: oldest itself, or during a catch-up
+// every epoch before the cut (they are written back as one).
+func (v *Volume) epochBatchLimit(oldest uint64) uint64 {
+	if cut := v.ord.cut.Load(); cut > oldest {
+		return cut - 1
+	}
+	return oldest
 }
 
 // behindLocked reports whether epoch-order writeback of v cannot keep up

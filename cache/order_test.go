@@ -2,7 +2,10 @@ package cache
 
 import (
 	"context"
+	"maps"
+	"math/rand/v2"
 	"testing"
+	"time"
 
 	"github.com/tiercache/tiercache/device"
 )
@@ -144,5 +147,129 @@ func TestOrderChangeIntoEpochWithDirtyData(t *testing.T) {
 	}
 	if st := v.Stats(); !st.BackingConsistent {
 		t.Fatal("not consistent after a full drain")
+	}
+}
+
+// TestCatchUpUnderWrites: a degraded volume whose writes never stop (no
+// full drain ever comes) returns to epoch order by a catch-up. From the cut
+// on, overwrites keep their older versions; writeback takes every version
+// of before the cut in one pass and nothing after it, so once that is done
+// the backing device alone is exactly the image at the cut; then the volume
+// reports it consistent again, with dirty data still in the cache. A degrade
+// during a catch-up ends it and keeps the first degrade's moment.
+func TestCatchUpUnderWrites(t *testing.T) {
+	const nblk = 64
+	cache := device.NewMem(cacheSizeFor(32, 16*blockSize, minJournalLen, 1))
+	back := device.NewMem(nblk * blockSize)
+	specs := []BackingSpec{{Name: "a", Dev: back}}
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: 16 * blockSize, JournalSize: minJournalLen}); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(cache, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.crashStop)
+	checkAfter(t, s)
+	v := s.vols[0]
+	setWritebackOrder(t, v, "epoch")
+	p := make([]byte, blockSize)
+	id := uint64(0)
+	cur := map[int]uint64{} // newest id per block
+	rng := rand.New(rand.NewPCG(14, 14))
+	epochOfWrites := func(n int) {
+		t.Helper()
+		for range n {
+			b := rng.IntN(nblk)
+			id++
+			stamp(p, id, 0, int64(b)*blockSize)
+			if err := v.WriteAt(p, int64(b)*blockSize, false); err != nil {
+				t.Fatal(err)
+			}
+			cur[b] = id
+		}
+		if err := v.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for range 4 {
+		epochOfWrites(16)
+	}
+	v.degrade(degradeSuperseded)
+	for range 4 {
+		epochOfWrites(16) // degraded: no superseded version kept
+	}
+	if v.catchUp() {
+		t.Fatal("catch-up right after the degrade, want one catchUpAfter later")
+	}
+	v.ord.at.Store(time.Now().Add(-catchUpAfter).UnixNano())
+	// Writes in flight at the cut: the cut is between two writes of one
+	// epoch.
+	for range 5 {
+		b := rng.IntN(nblk)
+		id++
+		stamp(p, id, 0, int64(b)*blockSize)
+		if err := v.WriteAt(p, int64(b)*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+		cur[b] = id
+	}
+	if !v.catchUp() {
+		t.Fatal("no catch-up")
+	}
+	atCut := maps.Clone(cur)
+	// Writes go on (overwriting blocks dirty before the cut) while
+	// writeback runs in small batches, until the catch-up is done.
+	for round := 0; ; round++ {
+		s.mu.Lock()
+		caught := v.caughtUpLocked()
+		s.mu.Unlock()
+		if caught {
+			break
+		}
+		if round > 1000 {
+			t.Fatal("catch-up not done after 1000 rounds")
+		}
+		if st := v.Stats(); st.BackingConsistent {
+			t.Fatalf("round %d: backing device reported consistent during the catch-up", round)
+		}
+		epochOfWrites(4)
+		if _, err := s.writebackSweep(v, 3); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for b := range nblk {
+		if _, err := back.ReadAt(p, int64(b)*blockSize); err != nil {
+			t.Fatal(err)
+		}
+		if got := le.Uint64(p); got != atCut[b] {
+			t.Fatalf("caught up: block %d holds write %d on the backing device, want %d (the image at the cut)", b, got, atCut[b])
+		}
+	}
+	if !v.restoreOrder() {
+		t.Fatal("caught up, but not restored")
+	}
+	st := v.Stats()
+	if !st.BackingConsistent || !st.InconsistentSince.IsZero() || st.DirtyBlocks == 0 || !s.keepSuperseded(0) {
+		t.Fatalf("after the catch-up: consistent %v, since %v, %d dirty (want some), keeps superseded %v", st.BackingConsistent, st.InconsistentSince, st.DirtyBlocks, s.keepSuperseded(0))
+	}
+
+	// Degraded again; a degrade during the catch-up ends it.
+	v.degrade(degradeSuperseded)
+	since := v.Stats().InconsistentSince
+	epochOfWrites(16)
+	v.ord.at.Store(time.Now().Add(-catchUpAfter).UnixNano())
+	if !v.catchUp() {
+		t.Fatal("no second catch-up")
+	}
+	epochOfWrites(16)
+	v.degrade(degradeSequential)
+	st = v.Stats()
+	if st.BackingConsistent || !st.InconsistentSince.Equal(since) || v.ord.cut.Load() != 0 || s.keepSuperseded(0) || st.SupersededBlocks != 0 {
+		t.Fatalf("degraded during a catch-up: consistent %v, since %v (want %v), cut %d, keeps superseded %v, %d superseded",
+			st.BackingConsistent, st.InconsistentSince, since, v.ord.cut.Load(), s.keepSuperseded(0), st.SupersededBlocks)
+	}
+	if v.catchUp() {
+		t.Fatal("catch-up right after the degrade that ended the last one")
 	}
 }

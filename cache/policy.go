@@ -265,11 +265,14 @@ func (v *Volume) SetSettings(st Settings) error {
 	case intoEpoch:
 		why := degradeSettings
 		v.ord.degraded.Store(true)
+		v.ord.cut.Store(0)
 		v.ord.since.Store(since)
+		v.ord.at.Store(since)
 		v.ord.reason.Store(&why)
 		v.ord.degrades.Add(1)
 	case st.WritebackOrder != OrderEpoch:
 		v.ord.degraded.Store(false)
+		v.ord.cut.Store(0)
 		v.ord.since.Store(0)
 	}
 	v.cfg.Store(&st)

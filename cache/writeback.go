@@ -200,6 +200,9 @@ func (s *Set) wbRate(v *Volume) int64 {
 	if short || v.Mode() != Writeback || nowNanos()-v.lastIO.Load() > int64(wbIdle) {
 		return -1
 	}
+	if v.ord.cut.Load() != 0 {
+		return -1 // catching up with epoch order (order.go): the sooner the better
+	}
 	target := total * int64(cfg.WritebackPercent) / 100
 	if v.ord.degraded.Load() {
 		// Degraded from epoch order (order.go): drain to come back.
@@ -302,18 +305,21 @@ func (s *Set) writebackLoop(v *Volume) {
 	}
 }
 
-// checkOrder degrades v when epoch-order writeback is behind, and returns
-// it to epoch order once it has no dirty data (order.go).
+// checkOrder degrades v when epoch-order writeback is behind, returns it
+// to epoch order once it has no dirty data or has caught up, and starts a
+// catch-up when it has been degraded long enough (order.go).
 func (s *Set) checkOrder(v *Volume) {
 	s.mu.Lock()
 	behind := s.keepSuperseded(v.vi) && s.behindLocked(v)
-	clean := v.idx.Dirty+v.idx.NSup == 0
+	caught := v.caughtUpLocked()
 	s.mu.Unlock()
 	switch {
 	case behind:
 		v.degrade(degradeSuperseded)
-	case clean:
+	case caught:
 		v.restoreOrder()
+	default:
+		v.catchUp()
 	}
 }
 
