@@ -41,6 +41,7 @@ type CacheOptions struct {
 	Only      []string // scenarios to run, e.g. S1, S3; all when empty
 	Rounds    int      // times the whole scenario list runs (medians reported); 0 or 1: once
 	S6LBA     bool     // S6 also runs pgbench in writeback with writeback_order=lba
+	S7Jobs    []string // S7's cases to run (s7JobNames); all when empty
 }
 
 var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8", "S9"}
@@ -148,6 +149,8 @@ func cacheMain(args []string) int {
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
 	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S9), in this order; default all")
 	fs.BoolVar(&o.S6LBA, "s6-lba", false, "S6 also runs pgbench in writeback with writeback_order=lba (issue 4: what epoch order costs; ~45 s more a round)")
+	var s7 string
+	fs.StringVar(&s7, "s7", "", "comma-separated S7 cases to run: "+strings.Join(s7JobNames, ", ")+" (drain also runs seqwrite, its reference); default all")
 	fs.IntVar(&o.Rounds, "rounds", 1, "run the scenarios this many times, one round after the other, and report each bar's median round (every round's ratio is shown)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -174,6 +177,16 @@ func cacheMain(args []string) int {
 		}
 		o.Only = append(o.Only, s)
 	}
+	for _, j := range strings.Split(s7, ",") {
+		if j = strings.TrimSpace(j); j == "" {
+			continue
+		}
+		if !slices.Contains(s7JobNames, j) {
+			fmt.Fprintf(os.Stderr, "tcbench cache: --s7: unknown case %q (known: %s)\n", j, strings.Join(s7JobNames, ", "))
+			return 2
+		}
+		o.S7Jobs = append(o.S7Jobs, j)
+	}
 	ctx, stop := signalContext()
 	defer stop()
 	if err := RunCache(ctx, o, os.Stdout); err != nil {
@@ -193,6 +206,7 @@ type cacheRunner struct {
 	sz      cacheSizes
 	quick   bool
 	s6lba   bool
+	s7jobs  []string
 	tcBin   string
 	workdir string
 	master  string // pseudo-random data, copied into each backing image
@@ -268,7 +282,7 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	if err := checkTools([]string{"qemu-nbd"}); err != nil {
 		return err
 	}
-	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout, s6lba: o.S6LBA}
+	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout, s6lba: o.S6LBA, s7jobs: o.S7Jobs}
 	if o.Quick {
 		c.sz = quickSizes()
 	}
@@ -429,7 +443,7 @@ func (c *cacheRunner) plannedSteps(scen []string) int {
 		case "S6":
 			n += c.s6Steps()
 		case "S7":
-			n += 4 * len(cliffTargets)
+			n += c.s7Steps()
 		case "S8":
 			n += 3 * len(cliffTargets)
 		case "S9":

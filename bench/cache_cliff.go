@@ -29,6 +29,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -49,6 +50,7 @@ type cliffSizes struct {
 	FS          int64         // S7/S8 ext4, at the start of the HDD model's disk
 	RocksKeys   int           // fillrandom keys (4 KiB values)
 	DrainFill   int64         // S7: sequential dirty data drained by tiercache flush
+	RandDrain   int64         // S7: random 4 KiB dirty data drained by tiercache flush
 	HistRegion  int64         // S8: the region the history overwrites
 	HistWrites  int64         // S8: bytes of 4 KiB overwrites
 	HistHDDTime time.Duration // S8: cap of the history on the plain HDD model (it writes in place)
@@ -65,22 +67,22 @@ type cliffSizes struct {
 }
 
 func fullCliffSizes() cliffSizes {
-	return cliffSizes{Cache: 256 << 20, SeqWrite: 768 << 20, MixWrite: 768 << 20, MixRegion: 1 << 30, DrainFill: 192 << 20, FS: 2 << 30, RocksKeys: 131072,
+	return cliffSizes{Cache: 256 << 20, SeqWrite: 768 << 20, MixWrite: 768 << 20, MixRegion: 1 << 30, DrainFill: 192 << 20, RandDrain: 64 << 20, FS: 2 << 30, RocksKeys: 131072,
 		HistRegion: 32 << 20, HistWrites: 256 << 20, HistHDDTime: 10 * time.Second, HistSeq: 512 << 20,
 		CapMin: 20 * time.Second, CapFactor: 4, Grace: 15 * time.Second, ConsistentWait: time.Minute,
 		WarmRegion: 32 << 20, WarmTime: 20 * time.Second, WarmSample: 2 * time.Second}
 }
 
 func quickCliffSizes() cliffSizes {
-	return cliffSizes{Cache: 64 << 20, SeqWrite: 96 << 20, MixWrite: 16 << 20, MixRegion: 64 << 20, DrainFill: 32 << 20, FS: 256 << 20, RocksKeys: 4000,
+	return cliffSizes{Cache: 64 << 20, SeqWrite: 96 << 20, MixWrite: 16 << 20, MixRegion: 64 << 20, DrainFill: 32 << 20, RandDrain: 1 << 20, FS: 256 << 20, RocksKeys: 4000,
 		HistRegion: 4 << 20, HistWrites: 8 << 20, HistHDDTime: 2 * time.Second, HistSeq: 32 << 20,
 		CapMin: 10 * time.Second, CapFactor: 4, Grace: 10 * time.Second, ConsistentWait: 10 * time.Second,
 		WarmRegion: 4 << 20, WarmTime: 2 * time.Second, WarmSample: 500 * time.Millisecond}
 }
 
 func (z cliffSizes) line() string {
-	return fmt.Sprintf("S7-S9 cache %d MiB; S7 sequential write %d MiB, mixed random writes %d MiB over %d MiB, drain of %d MiB sequential dirty data, fillrandom %d keys x 4 KiB on ext4 %d MiB; S8 %d MiB of 4K overwrites of %d MiB (plain HDD capped at %v), then %d MiB sequential, then fillrandom; tiercache runs cut at max(%v, %.0fx the plain HDD's time); S9 %d MiB working set, %v per job",
-		z.Cache>>20, z.SeqWrite>>20, z.MixWrite>>20, z.MixRegion>>20, z.DrainFill>>20, z.RocksKeys, z.FS>>20, z.HistWrites>>20, z.HistRegion>>20, z.HistHDDTime, z.HistSeq>>20,
+	return fmt.Sprintf("S7-S9 cache %d MiB; S7 sequential write %d MiB, mixed random writes %d MiB over %d MiB, drain of %d MiB sequential and of %d MiB random 4K dirty data, fillrandom %d keys x 4 KiB on ext4 %d MiB; S8 %d MiB of 4K overwrites of %d MiB (plain HDD capped at %v), then %d MiB sequential, then fillrandom; tiercache runs cut at max(%v, %.0fx the plain HDD's time); S9 %d MiB working set, %v per job",
+		z.Cache>>20, z.SeqWrite>>20, z.MixWrite>>20, z.MixRegion>>20, z.DrainFill>>20, z.RandDrain>>20, z.RocksKeys, z.FS>>20, z.HistWrites>>20, z.HistRegion>>20, z.HistHDDTime, z.HistSeq>>20,
 		z.CapMin, z.CapFactor, z.WarmRegion>>20, z.WarmTime)
 }
 
@@ -289,7 +291,11 @@ func (c *cacheRunner) s7(ctx context.Context) error {
 			RW: "randwrite", BS: 4096, BSSplit: "4k/25:64k/25:1m/50", QD: 16, Size: z.MixRegion, IOSize: z.MixWrite, FsyncN: 32, EndSync: true, Seed: 14, Metric: MetricMiBps},
 	}
 	var cases []cliffCase
-	for _, j := range jobs {
+	var seqRef *cliffRun
+	for ji, j := range jobs {
+		if !c.s7Runs(s7JobNames[ji]) && (ji != 0 || !c.s7Runs("drain")) {
+			continue
+		}
 		cc := cliffCase{title: j.Title}
 		var limit time.Duration
 		for ti, t := range cliffTargets {
@@ -315,20 +321,102 @@ func (c *cacheRunner) s7(ctx context.Context) error {
 			c.cliffFigure("S7", t, j.Title, r)
 			cc.runs = append(cc.runs, r)
 		}
+		if ji == 0 {
+			seqRef = &cc.runs[0]
+		}
 		cases = append(cases, cc)
 	}
-	dr, err := c.s7Drain(ctx, cases[0].runs[0])
-	if err != nil {
-		return err
+	if c.s7Runs("drain") {
+		dr, err := c.s7Drain(ctx, *seqRef)
+		if err != nil {
+			return err
+		}
+		cases = append(cases, dr)
 	}
-	cases = append(cases, dr)
-	fr, err := c.s7Fillrandom(ctx)
-	if err != nil {
-		return err
+	if c.s7Runs("randdrain") {
+		dr, err := c.s7RandDrain(ctx)
+		if err != nil {
+			return err
+		}
+		cases = append(cases, dr)
 	}
-	cases = append(cases, fr)
+	if c.s7Runs("fillrandom") {
+		fr, err := c.s7Fillrandom(ctx)
+		if err != nil {
+			return err
+		}
+		cases = append(cases, fr)
+	}
 	return c.cliffReport("S7", fmt.Sprintf("S7 larger than the cache: %d MiB SATA SSD model cache, fresh, in front of the HDD model; tiercache in writeback", z.Cache>>20), cases,
 		[]string{"fio through NBD; fillrandom on ext4 via nbdfuse + loop (as S6). Tiercache runs are cut at the cap shown (a multiple of the plain HDD model's time), so a ratio below 1/cap-factor means \"did not finish\"."})
+}
+
+// s7JobNames name S7's cases for --s7 (seqwrite and mixwrite in the
+// order of s7's fio jobs).
+var s7JobNames = []string{"seqwrite", "mixwrite", "drain", "randdrain", "fillrandom"}
+
+// s7Runs reports whether S7 runs the case named (all when --s7 is empty).
+func (c *cacheRunner) s7Runs(name string) bool {
+	return len(c.s7jobs) == 0 || slices.Contains(c.s7jobs, name)
+}
+
+// s7RandDrain fills the cache with random 4 KiB dirty data (background
+// writeback held) and times `tiercache flush` in each writeback order,
+// against the same random writes on the plain HDD model in arrival order
+// (fio at QD32, writeback's queue depth; the drive's own queue and write
+// cache reorder what they hold, as they do for writeback). The density is
+// the bar's (64 MiB over 1 GiB, docs/MODELS.md "Random writes"): what
+// sorting gains over arrival order grows with the blocks per track.
+func (c *cacheRunner) s7RandDrain(ctx context.Context) (cliffCase, error) {
+	z := c.sz.Cliff
+	cc := cliffCase{title: fmt.Sprintf("drain of %d MiB of random 4 KiB dirty data over %d MiB (tiercache flush) / the same writes on the plain HDD model in arrival order, QD32", z.RandDrain>>20, z.MixRegion>>20),
+		bar: 2.5, drain: true, seed: "target: writeback keeps up, ≥ 2.5x arrival order on random dirty data"}
+	fill := job{Name: "s7-randdrain-fill", RW: "randwrite", BS: 4096, QD: 32, Size: z.MixRegion, IOSize: z.RandDrain, EndSync: true, Seed: 25, Metric: MetricMiBps}
+	for ti, t := range cliffTargets {
+		srv, err := c.cliffServer(ctx, fmt.Sprintf("s7-randdrain-%d", ti), t, "")
+		if err != nil {
+			return cc, err
+		}
+		r := cliffRun{unit: "MB/s", p999Ms: math.NaN(), maxMs: math.NaN()}
+		err = func() error {
+			if t.order == "" {
+				t0 := time.Now()
+				fr, err := c.fio(ctx, srv, fill, "s7-randdrain-hdd")
+				if err != nil {
+					return err
+				}
+				r.secs = time.Since(t0).Seconds()
+				r.value = fr.res.BW / 1e6
+				r.tc = "the random writes in arrival order (fio on the plain HDD model)"
+				return nil
+			}
+			if err := c.set(ctx, srv, "writeback_rate_max=1"); err != nil {
+				return err
+			}
+			if _, err := c.fio(ctx, srv, fill, fmt.Sprintf("s7-randdrain-%d", ti)); err != nil {
+				return err
+			}
+			v0, _ := c.quickStats(ctx, srv)
+			d, err := c.flush(ctx, srv)
+			if err != nil {
+				return err
+			}
+			v1, s1 := c.quickStats(ctx, srv)
+			r.secs = d.Seconds()
+			r.value = delta(v0, v1, "WritebackBytes") / d.Seconds() / 1e6
+			r.tc = fmt.Sprintf("%s dirty before the flush, written back in %.1f s; ", mib(4096*v0["DirtyBlocks"]), d.Seconds()) + tcCounters(v0, v1, s1)
+			return nil
+		}()
+		if derr := c.discard(srv); err == nil {
+			err = derr
+		}
+		if err != nil {
+			return cc, err
+		}
+		c.cliffFigure("S7", t, cc.title, r)
+		cc.runs = append(cc.runs, r)
+	}
+	return cc, nil
 }
 
 // s7Drain fills the cache with sequential dirty data (sequential_cutoff
@@ -400,7 +488,13 @@ func (c *cacheRunner) s7Fillrandom(ctx context.Context) (cliffCase, error) {
 			continue
 		}
 		r, err := c.onExt4(ctx, fmt.Sprintf("s7-rocks-%d", ti), tg, golden, func(srv *server, mnt string) (cliffRun, error) {
-			return c.fillrandom(ctx, t, srv, filepath.Join(mnt, "rocks"), limit)
+			v0, _ := c.quickStats(ctx, srv)
+			r, err := c.fillrandom(ctx, t, srv, filepath.Join(mnt, "rocks"), limit)
+			if err == nil && tg.order != "" && !r.stalled {
+				v1, s1 := c.quickStats(ctx, srv)
+				r.tc = tcCounters(v0, v1, s1)
+			}
+			return r, err
 		})
 		if err != nil {
 			return cc, err
@@ -878,4 +972,15 @@ func chartLines(path, title, xlabel, ylabel string, ss []series) error {
 		return errors.Join(fmt.Errorf("chart %s", path), err)
 	}
 	return nil
+}
+
+// s7Steps counts S7's progress steps: every case on every target.
+func (c *cacheRunner) s7Steps() int {
+	n := 0
+	for _, j := range s7JobNames {
+		if c.s7Runs(j) || j == "seqwrite" && c.s7Runs("drain") {
+			n += len(cliffTargets)
+		}
+	}
+	return n
 }
