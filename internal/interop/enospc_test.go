@@ -234,3 +234,117 @@ func TestTrustFormatCacheTooBig(t *testing.T) {
 		t.Errorf("the formatted cache file has %d bytes allocated, want all %d", st.Blocks*512, 16*mib)
 	}
 }
+
+// punchJournal deallocates the journal area of the cache file at path, as a
+// file system that reallocates on overwrite leaves it.
+func punchJournal(t *testing.T, path string) {
+	t.Helper()
+	out := run(t, time.Minute, bin, "inspect", "superblock", "--cache", path)
+	m := regexp.MustCompile(`journal +(\d+) KiB at offset (\d+)`).FindStringSubmatch(out)
+	if m == nil {
+		t.Fatalf("inspect superblock: no journal offset:\n%s", out)
+	}
+	n, _ := strconv.ParseInt(m[1], 10, 64)
+	off, _ := strconv.ParseInt(m[2], 10, 64)
+	f, err := os.OpenFile(path, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if err := unix.Fallocate(int(f.Fd()), unix.FALLOC_FL_PUNCH_HOLE|unix.FALLOC_FL_KEEP_SIZE, off, n<<10); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestTrustJournalENOSPC: a journal write that fails with ENOSPC (the
+// journal area of the cache file deallocated, its file system full) fails
+// the set over like any failed metadata write. The client's write fails
+// with EIO, never ENOSPC (errno 28), and so does every later FLUSH, on any
+// connection (the write was lost with the cache); the server logs CACHE DEVICE FAILED and
+// goes on in passthrough: a write after the failover reaches the backing
+// device, the lost block reads back as EIO, and no request returns ENOSPC.
+func TestTrustJournalENOSPC(t *testing.T) {
+	need(t, "qemu-io")
+	dir := t.TempDir()
+	mnt := smallFS(t, dir, 24*mib)
+	cache := sparseFile(t, mnt, "cache.img", 16*mib)
+	vol := randomFile(t, dir, "vol.img", 32*mib, 9)
+	run(t, time.Minute, bin, "format", "--cache", cache, "--backing", "vol="+vol, "--bucket-size", "256K")
+	punchJournal(t, cache)
+	fillFS(t, mnt)
+
+	sock := filepath.Join(dir, "nbd.sock")
+	s := startServerRaw(t, sock, "serve", "--cache", cache, "--listen", "unix:"+sock, "--data-dir", dir)
+	qemu := func(cmds ...string) (string, error) {
+		t.Helper()
+		out, err := runErr(2*time.Minute, "qemu-io", append([]string{"-f", "raw", s.uri("vol")}, cmds...)...)
+		if strings.Contains(out, "space") {
+			t.Errorf("a client saw ENOSPC:\n%s\nserver log:\n%s", out, s.log)
+		}
+		return out, err
+	}
+	// The write's journal commit fails (qemu-io stops at the first failed
+	// command, so the flush is sent on its own below).
+	out, _ := qemu("-c", "write -P 0x41 1m 1m", "-c", "flush")
+	if !strings.Contains(out, "failed: Input/output error") {
+		t.Errorf("the write or FLUSH whose journal commit failed with ENOSPC did not fail with EIO:\n%s\nserver log:\n%s", out, s.log)
+	}
+	if !strings.Contains(s.log.String(), "CACHE DEVICE FAILED") {
+		t.Fatalf("the server did not fail the set over:\n%s", s.log)
+	}
+	// Passthrough: a write elsewhere succeeds, and reaches the backing
+	// device; the FLUSH after it fails with EIO, as every later FLUSH does
+	// (the write above was lost with the cache). (qemu sends no FLUSH
+	// without a write before it on the connection.)
+	// qemu-io prints nothing for a failed flush: its exit status says it,
+	// and the server's log the errno sent (checked below).
+	out, err := qemu("-c", "write -P 0x42 8m 1m", "-c", "flush")
+	if !strings.Contains(out, "wrote 1048576/1048576") || err == nil {
+		t.Errorf("a write after the failover should succeed and the FLUSH after it fail: %v\n%s\nserver log:\n%s", err, out, s.log)
+	}
+	if out, err := qemu("-c", "read -P 0x42 8m 1m"); err != nil || strings.Contains(out, "failed") || strings.Contains(out, "error") {
+		t.Errorf("a read of the write after the failover failed: %v\n%s\nserver log:\n%s", err, out, s.log)
+	}
+	got := make([]byte, mib)
+	f, err := os.Open(vol)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.ReadAt(got, 8*mib); err != nil {
+		t.Fatal(err)
+	}
+	for i, b := range got {
+		if b != 0x42 {
+			t.Fatalf("backing device byte %d of the passthrough write is %#x, want 0x42", 8*mib+i, b)
+		}
+	}
+	// The block written before the failover is fenced: EIO, never the
+	// backing device's older data.
+	if out, _ := qemu("-c", "read 1m 1m"); !strings.Contains(out, "read failed: Input/output error") {
+		t.Errorf("a read of the block lost with the cache did not fail with EIO:\n%s", out)
+	}
+
+	// Every request that failed, failed with EIO: the server's log names
+	// the errno sent for each, WRITE, READ and FLUSH.
+	failed := regexp.MustCompile(`msg="nbd: backend error" .*cmd=(\w+) .*errno=(\d+)`).FindAllStringSubmatch(s.log.String(), -1)
+	cmdsSeen := map[string]bool{}
+	for _, m := range failed {
+		cmdsSeen[m[1]] = true
+		if m[2] != "5" {
+			t.Errorf("%s failed with errno %s, want 5 (EIO)", m[1], m[2])
+		}
+	}
+	for _, c := range []string{"WRITE", "READ", "FLUSH"} {
+		if !cmdsSeen[c] {
+			t.Errorf("no %s failed with EIO: the test does not cover it:\n%s", c, s.log)
+		}
+	}
+
+	s.cmd.Process.Signal(syscall.SIGTERM)
+	<-s.done
+	if s.waited == nil {
+		t.Errorf("serve exited 0 after a cache failover:\n%s", s.log)
+	}
+	s.waited = nil // a failed-over set exits 1
+}
