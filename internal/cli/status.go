@@ -140,9 +140,9 @@ func consistencyText(c admin.Consistency) string {
 	case c.BackingConsistent:
 		return "yes"
 	case c.InconsistentSince != nil:
-		return "no, since " + c.InconsistentSince.Local().Format(time.DateTime) + "; consistent again after the next full drain"
+		return "no, since " + c.InconsistentSince.Local().Format(time.DateTime) + "; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)"
 	case c.WritebackOrder == "lba":
 		return "no (writeback_order lba: writeback does not keep the order of flushes)"
 	}
-	return "no; consistent again after the next full drain"
+	return "no; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)"
 }

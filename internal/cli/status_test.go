@@ -53,7 +53,7 @@ logs     writeback  1 GiB  64 MiB  8 MiB  50.0%  no, since 10:02:03  /srv/logs.i
 scratch  writeback  1 GiB  64 MiB  8 MiB  50.0%  no (lba order)      /srv/scratch.img
 iso      plain      1 MiB  -       -      -      -                   /srv/iso.img
 
-logs: backing device consistent: no, since 2026-12-02 10:02:03; consistent again after the next full drain
+logs: backing device consistent: no, since 2026-12-02 10:02:03; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)
 `
 	if got := out.String(); got != want {
 		t.Errorf("status printed:\n%s\nwant:\n%s", got, want)
@@ -70,7 +70,7 @@ logs: backing device consistent: no, since 2026-12-02 10:02:03; consistent again
 	}
 	for _, want := range []string{
 		"  backing device consistent: yes\n",
-		"  backing device consistent: no, since 2026-12-02 10:02:03; consistent again after the next full drain\n",
+		"  backing device consistent: no, since 2026-12-02 10:02:03; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)\n",
 		"  backing device consistent: no (writeback_order lba: writeback does not keep the order of flushes)\n",
 	} {
 		if !strings.Contains(out.String(), want) {
