@@ -42,7 +42,7 @@ func TestMeasurePartlyCachedRead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := measureSetOn(t, cdev, hdd, DefaultSettings())
+	s := measureSetOn(t, cdev, hdd, DefaultSettings(), testingKnobs{})
 	v, _ := s.Volume("hdd")
 	p := make([]byte, blockSize)
 	for _, l := range lbas {

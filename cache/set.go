@@ -108,6 +108,14 @@ type testingKnobs struct {
 	// random in commits (tests that look at the journal's records need
 	// them to stay in the journal).
 	fixedJournal bool
+	// noYield turns off writeback's yielding to client reads of the
+	// backing device (yieldToReads); the read-latency measurement turns it
+	// off to compare.
+	noYield bool
+	// noThrottle turns off the throttling of foreground writes (throttle);
+	// the latency measurement turns it off to tell its sleeps from other
+	// waits.
+	noThrottle bool
 }
 
 type setStats struct {

@@ -88,16 +88,6 @@ type wbState struct {
 	retry *retryBackoff
 }
 
-// wbYield is whether writeback yields to foreground read misses; the
-// measurement turns it off to compare.
-var wbYield atomic.Bool
-
-// wbThrottle is whether foreground writes are throttled; the latency
-// measurement turns it off to tell its sleeps from other waits.
-var wbThrottle atomic.Bool
-
-func init() { wbYield.Store(true); wbThrottle.Store(true) }
-
 const (
 	// wbYieldQuiet: writeback issues its next backing write only once no
 	// client read of the backing device is in progress or finished within
@@ -119,10 +109,10 @@ const (
 // for them (up to the HDD model's 1 s age limit). It does not wait when
 // free buckets are short: then writeback is what unblocks writes.
 func (v *Volume) yieldToReads() {
-	if !wbYield.Load() {
+	s := v.s
+	if s.knobs.noYield {
 		return
 	}
-	s := v.s
 	wait := wbYieldMax
 	if s.draining.Load() > 0 {
 		wait = wbYieldMaxDrain
@@ -365,7 +355,7 @@ func (s *Set) writebackSweep(v *Volume, n int) (int, error) {
 // running out of buckets. The delay is small and smooth: the square of the
 // larger pressure times throttleMax.
 func (v *Volume) throttle() {
-	if !wbThrottle.Load() {
+	if v.s.knobs.noThrottle {
 		return
 	}
 	share, _, _, lack := v.s.pressure()

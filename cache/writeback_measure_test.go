@@ -50,15 +50,21 @@ func wrapHDD(t *testing.T, inner device.Device, scale float64) *model.HDD {
 // front of back.
 func measureSet(t *testing.T, nb int64, back device.Device, st Settings) *Set {
 	t.Helper()
-	return measureSetOn(t, device.NewMem(measureCacheSize(nb)), back, st)
+	return measureSetKnobs(t, nb, back, st, testingKnobs{})
+}
+
+// measureSetKnobs is measureSet with the set opened with knobs.
+func measureSetKnobs(t *testing.T, nb int64, back device.Device, st Settings, knobs testingKnobs) *Set {
+	t.Helper()
+	return measureSetOn(t, device.NewMem(measureCacheSize(nb)), back, st, knobs)
 }
 
 // measureCacheSize is the size of a measureSetOn cache device of nb buckets.
 func measureCacheSize(nb int64) int64 { return cacheSizeFor(nb, 1<<20, 8<<20, 1) }
 
 // measureSetOn formats a set of 1 MiB buckets on cache (measureCacheSize
-// bytes) in front of back.
-func measureSetOn(t *testing.T, cache device.Device, back device.Device, st Settings) *Set {
+// bytes) in front of back, opened with knobs.
+func measureSetOn(t *testing.T, cache device.Device, back device.Device, st Settings, knobs testingKnobs) *Set {
 	t.Helper()
 	const bs = 1 << 20
 	jl := int64(8 << 20)
@@ -66,7 +72,7 @@ func measureSetOn(t *testing.T, cache device.Device, back device.Device, st Sett
 	if _, err := Format(cache, specs, FormatOptions{BucketSize: bs, JournalSize: jl}); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(cache, specs, OpenOptions{})
+	s, err := Open(cache, specs, OpenOptions{testing: knobs})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -317,7 +323,6 @@ func TestMeasureForegroundLatency(t *testing.T) {
 	if !*flagMeasure {
 		t.Skip("use -measure")
 	}
-	defer wbThrottle.Store(true)
 	for _, tc := range []struct {
 		name            string
 		span, hot, base int64
@@ -329,8 +334,7 @@ func TestMeasureForegroundLatency(t *testing.T) {
 					name += "/nothrottle"
 				}
 				t.Run(name, func(t *testing.T) {
-					wbThrottle.Store(throttle)
-					measureLatency(t, tc.span, tc.hot, tc.base, order)
+					measureLatency(t, tc.span, tc.hot, tc.base, order, throttle)
 				})
 			}
 		}
@@ -339,7 +343,7 @@ func TestMeasureForegroundLatency(t *testing.T) {
 
 var flagLatencyProfile = flag.String("latencyprofile", "", "TestMeasureForegroundLatency: write mutex and block profiles of each run to FILE.<run>.{mutex,block}")
 
-func measureLatency(t *testing.T, span, hot, hotBase int64, order string) {
+func measureLatency(t *testing.T, span, hot, hotBase int64, order string, throttle bool) {
 	if *flagLatencyProfile != "" {
 		runtime.SetMutexProfileFraction(1)
 		runtime.SetBlockProfileRate(int(100 * time.Microsecond))
@@ -359,7 +363,7 @@ func measureLatency(t *testing.T, span, hot, hotBase int64, order string) {
 	hdd := measureHDD(t, 1<<30, 1)
 	cfg := DefaultSettings()
 	cfg.WritebackOrder = orderOf(order)
-	s := measureSet(t, 48, hdd, cfg)
+	s := measureSetKnobs(t, 48, hdd, cfg, testingKnobs{noThrottle: !throttle})
 	v, _ := s.Volume("hdd")
 	const dur = 6 * time.Second
 	var mu sync.Mutex

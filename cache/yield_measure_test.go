@@ -18,10 +18,8 @@ func TestMeasureReadsDuringDrain(t *testing.T) {
 	if !*flagMeasure {
 		t.Skip("use -measure")
 	}
-	defer wbYield.Store(true)
 	for _, yield := range []bool{false, true, false, true} {
-		wbYield.Store(yield)
-		lat, drain, yields, reads := readsDuringDrain(t)
+		lat, drain, yields, reads := readsDuringDrain(t, yield)
 		slices.Sort(lat)
 		q := func(p float64) time.Duration {
 			if len(lat) == 0 {
@@ -34,14 +32,14 @@ func TestMeasureReadsDuringDrain(t *testing.T) {
 	}
 }
 
-func readsDuringDrain(t *testing.T) (lat []time.Duration, drain time.Duration, yields uint64, reads int) {
+func readsDuringDrain(t *testing.T, yield bool) (lat []time.Duration, drain time.Duration, yields uint64, reads int) {
 	const span = 1 << 30
 	const nblk = 32 << 20 / blockSize
 	hdd := measureHDD(t, span, measureScale)
 	st := DefaultSettings()
 	st.WritebackPercent = 100 // nothing in the background while filling
 	st.Promote = "never"      // the reader's blocks stay misses
-	s := measureSet(t, 160, hdd, st)
+	s := measureSetKnobs(t, 160, hdd, st, testingKnobs{noYield: !yield})
 	v, _ := s.Volume("hdd")
 	buf := make([]byte, blockSize)
 	dirty := map[uint64]bool{}
