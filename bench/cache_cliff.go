@@ -390,22 +390,7 @@ func (c *cacheRunner) s7RandDrain(ctx context.Context) (cliffCase, error) {
 				r.tc = "the random writes in arrival order (fio on the plain HDD model)"
 				return nil
 			}
-			if err := c.set(ctx, srv, "writeback_rate_max=1"); err != nil {
-				return err
-			}
-			if _, err := c.fio(ctx, srv, fill, fmt.Sprintf("s7-randdrain-%d", ti)); err != nil {
-				return err
-			}
-			v0, _ := c.quickStats(ctx, srv)
-			d, err := c.flush(ctx, srv)
-			if err != nil {
-				return err
-			}
-			v1, s1 := c.quickStats(ctx, srv)
-			r.secs = d.Seconds()
-			r.value = delta(v0, v1, "WritebackBytes") / d.Seconds() / 1e6
-			r.tc = fmt.Sprintf("%s dirty before the flush, written back in %.1f s; ", mib(4096*v0["DirtyBlocks"]), d.Seconds()) + tcCounters(v0, v1, s1)
-			return nil
+			return c.fillAndDrain(ctx, srv, fill, fmt.Sprintf("s7-randdrain-%d", ti), &r, "writeback_rate_max=1")
 		}()
 		if derr := c.discard(srv); err == nil {
 			err = derr
@@ -439,24 +424,7 @@ func (c *cacheRunner) s7Drain(ctx context.Context, seq cliffRun) (cliffCase, err
 			return cc, err
 		}
 		r := cliffRun{unit: "MB/s", p999Ms: math.NaN(), maxMs: math.NaN()}
-		err = func() error {
-			if err := c.set(ctx, srv, "sequential_cutoff=0", "writeback_rate_max=1"); err != nil {
-				return err
-			}
-			if _, err := c.fio(ctx, srv, fill, fmt.Sprintf("s7-drain-%d", ti)); err != nil {
-				return err
-			}
-			v0, _ := c.quickStats(ctx, srv)
-			d, err := c.flush(ctx, srv)
-			if err != nil {
-				return err
-			}
-			v1, s1 := c.quickStats(ctx, srv)
-			r.secs = d.Seconds()
-			r.value = delta(v0, v1, "WritebackBytes") / d.Seconds() / 1e6
-			r.tc = fmt.Sprintf("%s dirty before the flush, written back in %.1f s; ", mib(4096*v0["DirtyBlocks"]), d.Seconds()) + tcCounters(v0, v1, s1)
-			return nil
-		}()
+		err = c.fillAndDrain(ctx, srv, fill, fmt.Sprintf("s7-drain-%d", ti), &r, "sequential_cutoff=0", "writeback_rate_max=1")
 		if derr := c.discard(srv); err == nil {
 			err = derr
 		}
@@ -467,6 +435,28 @@ func (c *cacheRunner) s7Drain(ctx context.Context, seq cliffRun) (cliffCase, err
 		cc.runs = append(cc.runs, r)
 	}
 	return cc, nil
+}
+
+// fillAndDrain applies settings on srv (they hold background writeback),
+// writes fill, then times `tiercache flush` and puts the rate it wrote back
+// at (MB/s), its time and the counters into r.
+func (c *cacheRunner) fillAndDrain(ctx context.Context, srv *server, fill job, name string, r *cliffRun, settings ...string) error {
+	if err := c.set(ctx, srv, settings...); err != nil {
+		return err
+	}
+	if _, err := c.fio(ctx, srv, fill, name); err != nil {
+		return err
+	}
+	v0, _ := c.quickStats(ctx, srv)
+	d, err := c.flush(ctx, srv)
+	if err != nil {
+		return err
+	}
+	v1, s1 := c.quickStats(ctx, srv)
+	r.secs = d.Seconds()
+	r.value = delta(v0, v1, "WritebackBytes") / d.Seconds() / 1e6
+	r.tc = fmt.Sprintf("%s dirty before the flush, written back in %.1f s; ", mib(4096*v0["DirtyBlocks"]), d.Seconds()) + tcCounters(v0, v1, s1)
+	return nil
 }
 
 // s7Fillrandom is db_bench fillrandom of a database ≥ 2x the cache on a
