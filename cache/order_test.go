@@ -42,10 +42,7 @@ func TestDegradeSurvivesCrash(t *testing.T) {
 	for range 3 {
 		for b := range 8 {
 			id++
-			stamp(p, id, 0, int64(b)*blockSize)
-			if err := v.WriteAt(p, int64(b)*blockSize, false); err != nil {
-				t.Fatal(err)
-			}
+			writeStamped(t, v, p, id, b)
 			want[b] = id
 		}
 		if err := v.Flush(); err != nil {
@@ -105,10 +102,7 @@ func TestDegradeSurvivesCrash(t *testing.T) {
 	for range 2 {
 		for b := range 2 {
 			id++
-			stamp(p, id, 0, int64(b)*blockSize)
-			if err := v2.WriteAt(p, int64(b)*blockSize, false); err != nil {
-				t.Fatal(err)
-			}
+			writeStamped(t, v2, p, id, b)
 			want[b] = id
 		}
 		if err := v2.Flush(); err != nil {
@@ -182,10 +176,7 @@ func TestCatchUpUnderWrites(t *testing.T) {
 		for range n {
 			b := rng.IntN(nblk)
 			id++
-			stamp(p, id, 0, int64(b)*blockSize)
-			if err := v.WriteAt(p, int64(b)*blockSize, false); err != nil {
-				t.Fatal(err)
-			}
+			writeStamped(t, v, p, id, b)
 			cur[b] = id
 		}
 		if err := v.Flush(); err != nil {
@@ -208,10 +199,7 @@ func TestCatchUpUnderWrites(t *testing.T) {
 	for range 5 {
 		b := rng.IntN(nblk)
 		id++
-		stamp(p, id, 0, int64(b)*blockSize)
-		if err := v.WriteAt(p, int64(b)*blockSize, false); err != nil {
-			t.Fatal(err)
-		}
+		writeStamped(t, v, p, id, b)
 		cur[b] = id
 	}
 	if !v.catchUp() {
@@ -271,5 +259,14 @@ func TestCatchUpUnderWrites(t *testing.T) {
 	}
 	if v.catchUp() {
 		t.Fatal("catch-up right after the degrade that ended the last one")
+	}
+}
+
+// writeStamped writes block b of v stamped with write id, through p.
+func writeStamped(t *testing.T, v *Volume, p []byte, id uint64, b int) {
+	t.Helper()
+	stamp(p, id, 0, int64(b)*blockSize)
+	if err := v.WriteAt(p, int64(b)*blockSize, false); err != nil {
+		t.Fatal(err)
 	}
 }
