@@ -52,6 +52,13 @@ type SetInfo struct {
 	FailCause   string `json:"fail_cause,omitempty"`
 	CachedBytes int64  `json:"cached_bytes"`
 	DirtyBytes  int64  `json:"dirty_bytes"`
+	// LostWrites lists, one line per volume, the acknowledged writes that
+	// cache device failovers lost and no operator has acknowledged yet
+	// (the lost-writes record; 'tiercache lost-writes'). LostWritesUnrecorded
+	// is why this server could not record its failover's on the cache
+	// device (the list is then only in its memory).
+	LostWrites           []string `json:"lost_writes,omitempty"`
+	LostWritesUnrecorded string   `json:"lost_writes_unrecorded,omitempty"`
 }
 
 // ExportInfo describes one export.

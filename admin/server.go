@@ -352,6 +352,20 @@ func (s *Server) volume(name string) *cache.Volume {
 	return v
 }
 
+// lostWrites describes the set's unacknowledged lost writes, one line per
+// volume and failover, and why they could not be recorded ("" if they were).
+func (s *Server) lostWrites() ([]string, string) {
+	evs, werr := s.cfg.Set.LostWrites()
+	var lines []string
+	for _, ev := range evs {
+		lines = append(lines, cache.DescribeLostEvent(ev)...)
+	}
+	if werr != nil {
+		return lines, werr.Error()
+	}
+	return lines, ""
+}
+
 func (s *Server) status() Status {
 	st := Status{Version: s.cfg.Version, PID: os.Getpid(), Started: s.started, UptimeSeconds: time.Since(s.started).Seconds(),
 		Listeners: s.cfg.Listeners, Admin: s.cfg.Admin}
@@ -364,6 +378,7 @@ func (s *Server) status() Status {
 		if ss.Failed {
 			st.Set.State, st.Set.FailCause = "failed", ss.Cause
 		}
+		st.Set.LostWrites, st.Set.LostWritesUnrecorded = s.lostWrites()
 	}
 	for _, e := range s.exportList() {
 		st.Exports = append(st.Exports, s.exportInfo(e))
@@ -876,6 +891,11 @@ func (s *Server) handleCheck(w http.ResponseWriter, r *http.Request) {
 	final := Progress{Op: "check", Finished: true}
 	if err := s.cfg.Set.Check(); err != nil {
 		final.Problems = append(final.Problems, "index: "+err.Error())
+	}
+	lost, unrec := s.lostWrites()
+	final.Problems = append(final.Problems, lost...)
+	if unrec != "" {
+		final.Problems = append(final.Problems, "the lost writes above could not be recorded on the cache device: "+unrec)
 	}
 	start := time.Now()
 	rep, err := s.cfg.Set.Scrub(r.Context(), func(done, total int64) {

@@ -49,16 +49,28 @@ package cache
 // The dirty data that is unreachable is logged at failover (per volume,
 // with its ranges) and shown by Stats (VolumeStats.UnreachableDirtyBlocks)
 // and `tiercache usage`.
+//
+// Acknowledged writes the failover lost (LostWriteBlocks: their records
+// never became durable, so no reopen brings them back) are recorded on the
+// cache device, in the lost-writes record (ondisk/lostwrites.go): the one
+// write to the device after failover, to blocks format allocated, so it
+// succeeds when the device failed for want of space or for a bad region
+// and fails only with the device itself. Close records it again if later
+// requests lost more. Open loads it; Stats (LostWrites), `tiercache check`
+// and `status` report each failover it lists, by volume, bytes and ranges,
+// until an operator acknowledges it (AckLostWrites, offline).
 
 import (
 	"errors"
 	"fmt"
 	"slices"
+	"sync"
 	"syscall"
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/device"
 )
 
 // cacheErrLimit is how many cache data I/O errors in a row (no successful
@@ -115,8 +127,10 @@ type foState struct {
 	// (sorted, merged). Writes to them are refused after failover.
 	fence []blockRange
 	// lost counts dirty blocks inserted by records that never became
-	// durable: writes acknowledged only in the failed cache.
-	lost int64
+	// durable: writes acknowledged only in the failed cache. lostR are
+	// their ranges (sorted, merged).
+	lost  int64
+	lostR []blockRange
 	// lastLog is when an unreachable read was last logged (rate limit).
 	lastLog time.Time
 }
@@ -228,6 +242,10 @@ func (s *Set) failLocked(cause error) error {
 		dirty, sup, lost, fences int64
 		ranges                   []blockRange
 	}
+	var rec *ondisk.LostEvent
+	if first {
+		rec = s.lostEventLocked()
+	}
 	var reps []volReport
 	if first {
 		for _, v := range s.vols {
@@ -242,6 +260,7 @@ func (s *Set) failLocked(cause error) error {
 	if !first {
 		return s.err()
 	}
+	s.recordLostLocked(rec)
 	s.log.Error("CACHE DEVICE FAILED: serving every volume from its backing device (passthrough); dirty data still in the cache is unreachable",
 		"cause", cause)
 	for _, r := range reps {
@@ -277,7 +296,7 @@ func (s *Set) lostLocked(r *ondisk.Rec, dropsDirty bool) {
 	switch r.Type {
 	case ondisk.RecInsert:
 		if n := uint64(len(r.CRCs)); r.Dirty || dropsDirty {
-			v.fo.lost += int64(n)
+			v.addLostLocked(r.LBA, n)
 			v.addFenceLocked(r.LBA, n)
 		}
 	case ondisk.RecClean:
@@ -285,18 +304,27 @@ func (s *Set) lostLocked(r *ondisk.Rec, dropsDirty bool) {
 	case ondisk.RecInvalidate:
 		v.addFenceLocked(r.LBA, r.N)
 		if dropsDirty {
-			v.fo.lost += int64(r.N)
+			v.addLostLocked(r.LBA, r.N)
 		}
 	}
 }
 
-// addFenceLocked adds [lba, lba+n) to the fence, keeping it sorted and
-// merged. REQUIRES: s.mu
-func (v *Volume) addFenceLocked(lba, n uint64) {
+// addFenceLocked adds [lba, lba+n) to the fence. REQUIRES: s.mu
+func (v *Volume) addFenceLocked(lba, n uint64) { v.fo.fence = addRange(v.fo.fence, lba, n) }
+
+// addLostLocked counts [lba, lba+n) lost (foState.lost, lostR).
+// REQUIRES: s.mu
+func (v *Volume) addLostLocked(lba, n uint64) {
+	v.fo.lost += int64(n)
+	v.fo.lostR = addRange(v.fo.lostR, lba, n)
+}
+
+// addRange adds [lba, lba+n) to f, keeping it sorted and merged.
+func addRange(f []blockRange, lba, n uint64) []blockRange {
 	if n == 0 {
-		return
+		return f
 	}
-	f := append(v.fo.fence, blockRange{lba, n})
+	f = append(f, blockRange{lba, n})
 	slices.SortFunc(f, func(a, b blockRange) int {
 		switch {
 		case a.lba < b.lba:
@@ -315,7 +343,7 @@ func (v *Volume) addFenceLocked(lba, n uint64) {
 		}
 		out = append(out, r)
 	}
-	v.fo.fence = out
+	return out
 }
 
 // fencedLocked reports whether a write to [lba, lba+n) must be refused
@@ -528,7 +556,7 @@ func (s *Set) noteInvalidateLocked(v *Volume, from, lba, n uint64, dropsDirty bo
 	}
 	if s.isFailed() {
 		// appendLocked fenced an invalidation, not a clean insert.
-		v.fo.lost += int64(n)
+		v.addLostLocked(lba, n)
 		v.addFenceLocked(lba, n)
 		return
 	}
@@ -550,4 +578,219 @@ func (s *Set) lostAny() bool {
 		}
 	}
 	return false
+}
+
+// Lost-writes record types (ondisk/lostwrites.go).
+type (
+	LostWrites = ondisk.LostWrites
+	LostEvent  = ondisk.LostEvent
+	LostVolume = ondisk.LostVolume
+	LostRange  = ondisk.LostRange
+)
+
+// lostMaxEvents bounds the unacknowledged failovers recorded: beyond it
+// the two oldest are merged into one (its volumes and causes kept).
+const lostMaxEvents = 8
+
+// lostState is the set's lost-writes record, guarded by mu.
+type lostState struct {
+	mu  sync.Mutex
+	rec ondisk.LostWrites
+	// id is the ID of this process's failover in rec (0: none), so that
+	// Close records it again with what was lost after it.
+	id uint64
+	// recorded is the lost block count rec holds for this failover.
+	// REQUIRES: Set.commitMu
+	recorded int64
+	// werr is the error of the last write of rec that failed: the record
+	// is then only in memory (and the log).
+	werr error
+}
+
+// loadLostWrites reads the lost-writes record at Open.
+func (s *Set) loadLostWrites() error {
+	rec, err := ondisk.ReadLostWrites(s.dev, s.sb)
+	if err != nil {
+		return err
+	}
+	s.lw.mu.Lock()
+	s.lw.rec = rec
+	s.lw.mu.Unlock()
+	for _, ev := range rec.Events {
+		for _, v := range ev.Vols {
+			s.log.Error("ACKNOWLEDGED WRITES LOST in an earlier cache device failover (recorded on the cache device): they are not on the backing device; acknowledge with 'tiercache lost-writes --cache DEVICE --ack ID' once handled",
+				"failover", ev.ID, "at", time.Unix(0, ev.Time).UTC().Format(time.RFC3339), "volume", v.Name,
+				"lost_bytes", v.Blocks*blockSize, "ranges", FormatLostRanges(v))
+		}
+	}
+	return nil
+}
+
+// lostEventLocked builds this failover's event from the volumes' lost
+// counts (nil when nothing is lost). REQUIRES: s.mu
+func (s *Set) lostEventLocked() *ondisk.LostEvent {
+	ev := &ondisk.LostEvent{Time: time.Now().UnixNano()}
+	var total int64
+	for _, v := range s.vols {
+		if v.fo.lost == 0 {
+			continue
+		}
+		total += v.fo.lost
+		lv := ondisk.LostVolume{Name: v.name, Blocks: uint64(v.fo.lost)}
+		for i, r := range v.fo.lostR {
+			if i == ondisk.LostMaxRanges {
+				lv.More = true
+				break
+			}
+			lv.Ranges = append(lv.Ranges, ondisk.LostRange{LBA: r.lba, N: r.n})
+		}
+		ev.Vols = append(ev.Vols, lv)
+	}
+	if total == 0 {
+		return nil
+	}
+	if fe := s.err(); fe != nil {
+		ev.Cause = fe.Error()
+	}
+	return ev
+}
+
+// recordLostLocked adds ev (this process's failover; it replaces the
+// event recorded for it before) to the lost-writes record and writes the
+// record. A failed write is logged and leaves the record in memory.
+// REQUIRES: s.commitMu, not s.mu
+func (s *Set) recordLostLocked(ev *ondisk.LostEvent) {
+	if ev == nil {
+		return
+	}
+	s.lw.mu.Lock()
+	rec := s.lw.rec
+	rec.Events = slices.Clone(rec.Events)
+	if s.lw.id != 0 {
+		rec.Events = slices.DeleteFunc(rec.Events, func(e ondisk.LostEvent) bool { return e.ID == s.lw.id })
+	} else {
+		rec.NextID = max(rec.NextID, 1)
+		s.lw.id = rec.NextID
+		rec.NextID++
+	}
+	ev.ID = s.lw.id
+	s.lw.recorded = 0
+	for _, v := range ev.Vols {
+		s.lw.recorded += int64(v.Blocks)
+	}
+	rec.Events = append(rec.Events, *ev)
+	for len(rec.Events) > lostMaxEvents {
+		a, b := rec.Events[0], rec.Events[1]
+		b.Cause = fmt.Sprintf("failover %d: %s; failover %d: %s", a.ID, a.Cause, b.ID, b.Cause)
+		b.Vols = append(slices.Clone(a.Vols), b.Vols...)
+		b.Dropped += a.Dropped
+		rec.Events = append([]ondisk.LostEvent{b}, rec.Events[2:]...)
+	}
+	rec.N++
+	err := ondisk.WriteLostWrites(s.dev, rec)
+	s.lw.rec, s.lw.werr = rec, err
+	s.lw.mu.Unlock()
+	if err != nil {
+		s.log.Error("the acknowledged writes lost in this failover could NOT be recorded on the cache device: only this log and the running server's status say so",
+			"failover", ev.ID, "err", err)
+		return
+	}
+	s.log.Error("acknowledged writes lost in this failover recorded on the cache device: 'tiercache check' and 'status' report them until acknowledged ('tiercache lost-writes --cache DEVICE --ack ID')",
+		"failover", ev.ID)
+}
+
+// recordLostAtClose records the failover again if requests after it lost
+// more writes. REQUIRES: not commitMu, not s.mu
+func (s *Set) recordLostAtClose() {
+	s.commitMu.Lock()
+	defer s.commitMu.Unlock()
+	s.mu.Lock()
+	var total int64
+	for _, v := range s.vols {
+		total += v.fo.lost
+	}
+	var ev *ondisk.LostEvent
+	if total != s.lw.recorded {
+		ev = s.lostEventLocked()
+	}
+	s.mu.Unlock()
+	s.recordLostLocked(ev)
+}
+
+// LostWrites returns the unacknowledged failovers that lost acknowledged
+// writes (the record on the cache device, with this process's failover),
+// and the error of writing the record if it could not be (the record is
+// then only in memory).
+func (s *Set) LostWrites() ([]LostEvent, error) {
+	s.lw.mu.Lock()
+	defer s.lw.mu.Unlock()
+	return slices.Clone(s.lw.rec.Events), s.lw.werr
+}
+
+// ReadLostWrites returns the lost-writes record of a cache device that is
+// not open (check, inspect).
+func ReadLostWrites(dev device.Device) (LostWrites, error) {
+	sb, _, err := ondisk.ReadSuperblock(dev)
+	if err != nil {
+		return LostWrites{}, err
+	}
+	return ondisk.ReadLostWrites(dev, sb)
+}
+
+// ErrNoSuchLostEvent is returned by AckLostWrites for an ID the record
+// does not hold.
+var ErrNoSuchLostEvent = errors.New("cache: no such unacknowledged failover")
+
+// AckLostWrites removes the failovers ids from the lost-writes record of a
+// cache device that is not open, after an operator has dealt with what
+// they lost. Every id must be in the record (nothing is removed
+// otherwise). It returns the record written.
+func AckLostWrites(dev device.Device, ids []uint64) (LostWrites, error) {
+	sb, _, err := ondisk.ReadSuperblock(dev)
+	if err != nil {
+		return LostWrites{}, err
+	}
+	rec, err := ondisk.ReadLostWrites(dev, sb)
+	if err != nil {
+		return rec, err
+	}
+	for _, id := range ids {
+		if !slices.ContainsFunc(rec.Events, func(e LostEvent) bool { return e.ID == id }) {
+			return rec, fmt.Errorf("%w: %d", ErrNoSuchLostEvent, id)
+		}
+	}
+	rec.Events = slices.DeleteFunc(rec.Events, func(e LostEvent) bool { return slices.Contains(ids, e.ID) })
+	rec.N++
+	if err := ondisk.WriteLostWrites(dev, rec); err != nil {
+		return rec, err
+	}
+	return rec, nil
+}
+
+// FormatLostRanges lists a volume's lost ranges in bytes, "[off,+len)".
+func FormatLostRanges(v LostVolume) string {
+	var rs []blockRange
+	for _, r := range v.Ranges {
+		rs = append(rs, blockRange{r.LBA, r.N})
+	}
+	out := fmtRanges(rs)
+	if v.More {
+		out += " ..."
+	}
+	return out
+}
+
+// DescribeLostEvent is one line per volume of a failover's lost writes,
+// for check and status.
+func DescribeLostEvent(ev LostEvent) []string {
+	var out []string
+	at := time.Unix(0, ev.Time).UTC().Format(time.RFC3339)
+	for _, v := range ev.Vols {
+		out = append(out, fmt.Sprintf("cache device failover %d at %s lost %d bytes of acknowledged writes to volume %q (never made durable; not on the backing device): %s",
+			ev.ID, at, v.Blocks*blockSize, v.Name, FormatLostRanges(v)))
+	}
+	if ev.Dropped > 0 {
+		out = append(out, fmt.Sprintf("cache device failover %d at %s lost writes to %d more volume(s) (left out of the record for want of room)", ev.ID, at, ev.Dropped))
+	}
+	return out
 }

@@ -208,7 +208,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	// from an older checkpoint, or none, and serve stale data). A crash from
 	// here on leaves a device with no set, which Format accepts again.
 	zero := make([]byte, blockSize)
-	for _, off := range []int64{0, ondisk.SBCopySize, ondisk.JournalHeadOff(0), ondisk.JournalHeadOff(1)} {
+	for _, off := range []int64{0, ondisk.SBCopySize, ondisk.JournalHeadOff(0), ondisk.JournalHeadOff(1), ondisk.LostWritesOff(0), ondisk.LostWritesOff(1)} {
 		if _, err := cacheDev.WriteAt(zero, off); err != nil {
 			return nil, fmt.Errorf("format: erasing superblock copy at %d: %w", off, err)
 		}

@@ -704,6 +704,9 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		byName[b.Name] = b
 	}
 	s := newSet(cacheDev, sb, log)
+	if err := s.loadLostWrites(); err != nil {
+		return nil, fmt.Errorf("open: %w", err)
+	}
 	s.knobs = opts.testing
 	s.noSpace = newRetryBackoff(log, "cache device writes (ENOSPC: the file system under the cache is full; writing around the cache)")
 	volBlocks := make([]uint64, len(sb.Backings))

@@ -186,6 +186,9 @@ type CheckReport struct {
 	// OpenErr is why the set could not be rebuilt (also in Problems), e.g.
 	// a *JournalLossError; nil if it was.
 	OpenErr error
+	// LostWrites: the unacknowledged failovers of the lost-writes record
+	// (each volume's lost writes are also in Problems).
+	LostWrites []LostEvent
 }
 
 // OK reports whether the check found nothing wrong.
@@ -207,6 +210,16 @@ func CheckOffline(ctx context.Context, dev device.Device, progress func(done, to
 	for _, c := range im.Copies {
 		if c.Err != nil {
 			rep.Problems = append(rep.Problems, fmt.Sprintf("superblock copy %d at offset %d: %v", c.Index, c.Offset, c.Err))
+		}
+	}
+	if im.SB != nil {
+		lw, lerr := ondisk.ReadLostWrites(dev, im.SB)
+		if lerr != nil {
+			rep.Problems = append(rep.Problems, fmt.Sprintf("lost-writes record: %v", lerr))
+		}
+		rep.LostWrites = lw.Events
+		for _, ev := range lw.Events {
+			rep.Problems = append(rep.Problems, DescribeLostEvent(ev)...)
 		}
 	}
 	// The slot that is not current may legitimately be empty or torn (a

@@ -57,6 +57,8 @@ type Set struct {
 		taken []byte
 		headN uint64 // journal head records written (journalhead.go)
 	}
+	// lw: the lost-writes record (failover.go).
+	lw lostState
 	// noSpace: cache data writes failing with ENOSPC, written around the
 	// cache (cacheIOError); its log lines are one per state change.
 	noSpace *retryBackoff
@@ -240,6 +242,7 @@ func (s *Set) Close() error {
 	close(s.stop)
 	s.wg.Wait()
 	if s.isFailed() {
+		s.recordLostAtClose()
 		// Leave the cache device as it is: not marked clean, so a reopen
 		// (after the device is repaired) drops the clean entries, which
 		// passthrough writes may have made stale, and recovers the dirty

@@ -151,6 +151,9 @@ func checkOffline(cmd *cobra.Command, g *globals, path string, asJSON bool) erro
 	if im.SB != nil {
 		extra = append(extra, checkBackings(im.SB)...)
 	}
+	if len(rep.LostWrites) > 0 {
+		extra = append(extra, fmt.Sprintf("the lost writes above are reported until acknowledged: once restored, 'tiercache lost-writes --cache %s --ack ID' for each failover", path))
+	}
 	if cache.IsJournalLoss(rep.OpenErr) {
 		extra = append(extra, fmt.Sprintf("'tiercache serve --cache %s' refuses this set; with --force it serves what is left (the lost writes stay undone)", path))
 	}

@@ -75,6 +75,15 @@ func printStatus(out io.Writer, s *session) error {
 			state = strings.ToUpper(c.State) + ": " + c.FailCause + " (every export is served from its backing device)"
 		}
 		fmt.Fprintf(w, "state\t%s; %s cached, %s dirty\n", state, human(c.CachedBytes), human(c.DirtyBytes))
+		for _, l := range c.LostWrites {
+			fmt.Fprintf(w, "LOST WRITES\t%s\n", l)
+		}
+		if len(c.LostWrites) > 0 {
+			fmt.Fprintf(w, "\tacknowledge each failover, once handled, with 'tiercache lost-writes --cache %s --ack ID' (the server stopped)\n", c.CachePath)
+		}
+		if c.LostWritesUnrecorded != "" {
+			fmt.Fprintf(w, "\tNOT RECORDED on the cache device (only this server knows): %s\n", c.LostWritesUnrecorded)
+		}
 	} else {
 		fmt.Fprintf(w, "cache set\tnone (plain exports only)\n")
 	}

@@ -86,9 +86,10 @@ const (
 	BlockSize  = 4096
 	BlockShift = 12
 	SBCopySize = 64 << 10
-	// SBMaxEncoded: the last block of each copy holds a journal head
-	// record slot (journalhead.go).
-	SBMaxEncoded  = SBCopySize - BlockSize
+	// SBMaxEncoded: the last two blocks of each copy hold a lost-writes
+	// record slot (lostwrites.go) and a journal head record slot
+	// (journalhead.go).
+	SBMaxEncoded  = SBCopySize - 2*BlockSize
 	SBHeaderSize  = 24
 	SBMagic       = "TIERCSB\x01"
 	FormatVersion = 2
