@@ -39,6 +39,12 @@
 // a free slot (left by Detach) is a record with an empty name, empty id and
 // path, size 0; the last record is never free (see attach.go).
 //
+// The last two 4 KiB blocks of each 64 KiB copy are not the superblock's:
+// the second-to-last holds a lost-writes record slot (what a failover lost,
+// until acknowledged: ondisk/lostwrites.go) and the last a journal head
+// record slot (ondisk/journalhead.go); each pair alternates by its own
+// counter, and Format zeroes all four.
+//
 // Checkpoint slot (written alternately: generation g goes to slot g%2):
 //
 //	header block: magic "TIERCCK\x01" | version u32 | header crc32c u32 | nonce u64 |
