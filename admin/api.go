@@ -82,12 +82,23 @@ type ExportInfo struct {
 
 // RemoteLink is the state of the connection to a remote backing device.
 type RemoteLink struct {
-	// State is "up", "down" (reconnecting) or "refused" (the server now
-	// answering is not the recorded export).
-	State      string `json:"state"`
-	Conns      int    `json:"connections"`
-	Reconnects uint64 `json:"reconnects"`
-	Outages    uint64 `json:"outages"`
+	// State is "up" (connected), "reconnecting" (down for less than the
+	// outage timeout: requests wait), "down" (for longer: requests fail
+	// with EIO at once) or "refused" (the server now answering is not the
+	// recorded export).
+	State string `json:"state"`
+	// Since is when the link came up, or went down.
+	Since      time.Time `json:"since"`
+	Conns      int       `json:"connections"`
+	Reconnects uint64    `json:"reconnects"`
+	Outages    uint64    `json:"outages"`
+	// RequestTimeouts counts connections closed as hung: a request got no
+	// reply within the request timeout.
+	RequestTimeouts uint64 `json:"request_timeouts"`
+	// ReplayedWrites and ReplayedBytes count the unflushed writes written
+	// again on new connections after outages.
+	ReplayedWrites uint64 `json:"replayed_writes"`
+	ReplayedBytes  uint64 `json:"replayed_bytes"`
 	// DownSeconds is the length of the current outage (0 when up);
 	// DownTotalSeconds the time disconnected since serve started.
 	DownSeconds      float64 `json:"down_seconds"`
@@ -192,6 +203,9 @@ type ExportStats struct {
 	// backing_consistent and inconsistent_since.
 	WritebackOrder string           `json:"writeback_order,omitempty"`
 	Latency        []LatencySummary `json:"latency,omitempty"`
+	// Remote is the link to a remote (NBD URI) backing device; nil for
+	// local devices.
+	Remote *RemoteLink `json:"remote,omitempty"`
 	// HitRatio is ReadHitBytes / (ReadHitBytes + ReadMissBytes) since the
 	// start, 0 before the first read.
 	HitRatio float64 `json:"hit_ratio"`

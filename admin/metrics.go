@@ -205,6 +205,8 @@ var (
 	remoteOutagesDesc    = prometheus.NewDesc("tiercache_remote_outages_total", "Times the connection to the remote backing device was lost.", []string{"export"}, nil)
 	remoteDownDesc       = prometheus.NewDesc("tiercache_remote_down_seconds_total", "Time the remote backing device was disconnected, the current outage included.", []string{"export"}, nil)
 	remoteNotDurableDesc = prometheus.NewDesc("tiercache_remote_not_durable_syncs_total", "Backing syncs refused because a connection ended before a flush covered earlier writes (those were written again).", []string{"export"}, nil)
+	remoteTimeoutsDesc   = prometheus.NewDesc("tiercache_remote_request_timeouts_total", "Connections to the remote backing device closed as hung: a request got no reply within the request timeout.", []string{"export"}, nil)
+	remoteReplayedDesc   = prometheus.NewDesc("tiercache_remote_replayed_bytes_total", "Bytes of unflushed writes written again on new connections to the remote backing device after outages.", []string{"export"}, nil)
 )
 
 func emitRemote(ch chan<- prometheus.Metric, export string, r *RemoteLink) {
@@ -217,6 +219,8 @@ func emitRemote(ch chan<- prometheus.Metric, export string, r *RemoteLink) {
 	ch <- prometheus.MustNewConstMetric(remoteOutagesDesc, prometheus.CounterValue, float64(r.Outages), export)
 	ch <- prometheus.MustNewConstMetric(remoteDownDesc, prometheus.CounterValue, r.DownTotalSeconds, export)
 	ch <- prometheus.MustNewConstMetric(remoteNotDurableDesc, prometheus.CounterValue, float64(r.NotDurable), export)
+	ch <- prometheus.MustNewConstMetric(remoteTimeoutsDesc, prometheus.CounterValue, float64(r.RequestTimeouts), export)
+	ch <- prometheus.MustNewConstMetric(remoteReplayedDesc, prometheus.CounterValue, float64(r.ReplayedBytes), export)
 }
 
 // emitStruct emits one metric per numeric field found in table.

@@ -487,7 +487,7 @@ func (s *Server) stats() Stats {
 		st.Set = &SetStats{s.cfg.Set.Stats()}
 	}
 	for _, ei := range s.status().Exports {
-		es := ExportStats{Name: ei.Name, Mode: ei.Mode, Cached: ei.Cached}
+		es := ExportStats{Name: ei.Name, Mode: ei.Mode, Cached: ei.Cached, Remote: ei.Remote}
 		if s.cfg.Metrics != nil {
 			es.Latency = s.cfg.Metrics.latencyOf(ei.Name)
 		}

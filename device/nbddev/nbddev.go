@@ -15,12 +15,17 @@
 //
 // Outages. A connection that fails is not an error of the device: the
 // requests on it are re-sent once the device has reconnected, which it
-// does in the background with backoff (100 ms doubling to 5 s). A request
-// waits for the link while it has been down for less than
-// Options.OutageTimeout; once the outage is older, requests fail at once
-// with an *device.IOError wrapping syscall.EIO and ErrLinkDown, until the
-// link is back. An error reply from the server (EIO, ENOSPC, ...) is the
-// server's answer and is returned, not retried.
+// does in the background with backoff (100 ms doubling to 5 s). A server
+// that stops answering is a failed connection too: a request (or a
+// replayed write) without a reply after Options.RequestTimeout ends its
+// generation, closing its sockets at once, and is re-sent on the next. A
+// request waits for the link while it has been down for less than
+// Options.OutageTimeout, and is re-sent while it has been failing for less
+// than that (a server that accepts connections and then hangs every
+// request); past it, requests fail with an *device.IOError wrapping
+// syscall.EIO and ErrLinkDown, and while the outage is older, at once,
+// until the link is back. An error reply from the server (EIO, ENOSPC,
+// ...) is the server's answer and is returned, not retried.
 //
 // Durability across reconnects. The server may have lost writes it
 // acknowledged but no FLUSH covered when its connection ended (it may have
@@ -71,6 +76,10 @@ const (
 	// DefaultReplayBytes bounds the copies of unflushed writes kept to
 	// replay after a reconnect.
 	DefaultReplayBytes = 64 << 20
+	// DefaultRequestTimeout is how long a request waits for its reply
+	// before the connection is deemed hung and replaced. It is well above
+	// what a FLUSH of a large server-side cache to a slow disk takes.
+	DefaultRequestTimeout = 60 * time.Second
 
 	reconnectMin = 100 * time.Millisecond
 	reconnectMax = 5 * time.Second
@@ -93,6 +102,10 @@ var (
 	// ErrRefused is wrapped by request errors while the server that
 	// answers is not the export the device was opened on.
 	ErrRefused = errors.New("nbddev: remote export changed")
+	// ErrRequestTimeout is why a generation ended when a request got no
+	// reply within Options.RequestTimeout (it is in Stats.LastError and
+	// in the errors of requests that then outlive the outage timeout).
+	ErrRequestTimeout = errors.New("nbddev: no reply within the request timeout; the connection was closed as hung")
 )
 
 // Options configures Open.
@@ -110,6 +123,13 @@ type Options struct {
 	// none (a reconnect after unflushed writes then always fails the next
 	// Sync with ErrNotDurable).
 	ReplayBytes int64
+	// RequestTimeout is how long a request, or a write replayed after a
+	// reconnect, waits for its reply before its connection is closed as
+	// hung and the request re-sent on a new one; 0 means
+	// DefaultRequestTimeout, negative waits forever. It bounds when a hang
+	// is noticed; OutageTimeout then bounds how long requests wait for
+	// the link to come back.
+	RequestTimeout time.Duration
 	// Log receives link state changes; nil discards them.
 	Log *slog.Logger
 }
@@ -144,7 +164,9 @@ type Device struct {
 		sync.Mutex               // guards the fields below
 		gen        uint64        // current connection generation
 		conns      []*nbd.Client // of gen; nil while the link is down
+		ncs        []net.Conn    // the sockets of conns, to abort a hung generation
 		up         chan struct{} // closed when the link comes back
+		upSince    time.Time     // when gen came up
 		downSince  time.Time
 		downErr    error // why the link went down, or why reconnecting fails
 		refused    bool  // downErr is a refusal (a different export)
@@ -165,12 +187,17 @@ type Device struct {
 // Stats describes the link, for status and metrics.
 type Stats struct {
 	Up             bool          // connected
+	Failing        bool          // down for longer than the outage timeout: requests fail at once
+	Since          time.Time     // when the link came up (Up) or went down
 	Conns          int           // connections in the current generation
 	Reconnects     uint64        // successful reconnections
 	Outages        uint64        // times the link went down
 	DownFor        time.Duration // length of the current outage (0 when up)
 	DownTotal      time.Duration // time spent disconnected, current outage included
 	NotDurable     uint64        // Syncs failed with ErrNotDurable
+	Timeouts       uint64        // generations ended by a request without a reply in RequestTimeout
+	ReplayedWrites uint64        // unflushed writes written again after reconnects
+	ReplayedBytes  uint64        // the bytes of those (write-zeroes count their length)
 	LastError      string        // why the link last went down or failed to come back
 	Refused        bool          // the server now answering is not this export
 	MultiConn      bool          // the server advertises CAN_MULTI_CONN
@@ -208,6 +235,9 @@ func OpenTarget(ctx context.Context, t Target, opts Options) (*Device, error) {
 	if opts.ReplayBytes == 0 {
 		opts.ReplayBytes = DefaultReplayBytes
 	}
+	if opts.RequestTimeout == 0 {
+		opts.RequestTimeout = DefaultRequestTimeout
+	}
 	log := opts.Log
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
@@ -218,7 +248,7 @@ func OpenTarget(ctx context.Context, t Target, opts Options) (*Device, error) {
 	}
 	d := &Device{t: t, name: t.String(), opts: opts, log: log.With("remote", t.String()), done: make(chan struct{})}
 	d.co = nbd.ClientOptions{StructuredReplies: true, TLSConfig: tc}
-	conns, err := d.dial(ctx)
+	conns, ncs, err := d.dial(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", t, err)
 	}
@@ -234,15 +264,17 @@ func OpenTarget(ctx context.Context, t Target, opts Options) (*Device, error) {
 		d.flags |= nbd.FlagReadOnly
 	}
 	d.mu.gen = 1
-	d.mu.conns = conns
+	d.mu.conns, d.mu.ncs = conns, ncs
+	d.mu.upSince = time.Now()
 	d.mu.up = make(chan struct{})
 	close(d.mu.up)
 	return d, nil
 }
 
-// dial opens the connections of one generation: one, and more when the
-// server advertises CAN_MULTI_CONN.
-func (d *Device) dial(ctx context.Context) ([]*nbd.Client, error) {
+// dial opens the connections of one generation (one, and more when the
+// server advertises CAN_MULTI_CONN) and returns them with their sockets.
+func (d *Device) dial(ctx context.Context) ([]*nbd.Client, []net.Conn, error) {
+	var ncs []net.Conn
 	one := func() (*nbd.Client, error) {
 		ctx, cancel := context.WithTimeout(ctx, d.opts.DialTimeout)
 		defer cancel()
@@ -263,11 +295,12 @@ func (d *Device) dial(ctx context.Context) ([]*nbd.Client, error) {
 			nc.Close()
 			return nil, err
 		}
+		ncs = append(ncs, nc)
 		return c, nil
 	}
 	first, err := one()
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	conns := []*nbd.Client{first}
 	if first.Flags()&nbd.FlagCanMultiConn != 0 {
@@ -279,12 +312,12 @@ func (d *Device) dial(ctx context.Context) ([]*nbd.Client, error) {
 			c, err := one()
 			if err != nil {
 				closeAll(conns)
-				return nil, err
+				return nil, nil, err
 			}
 			conns = append(conns, c)
 		}
 	}
-	return conns, nil
+	return conns, ncs, nil
 }
 
 func closeAll(conns []*nbd.Client) {
@@ -310,9 +343,12 @@ func (d *Device) Stats() Stats {
 	s := d.mu.stats
 	s.Up = d.mu.conns != nil
 	s.Conns = len(d.mu.conns)
+	s.Since = d.mu.upSince
 	if !s.Up && !d.mu.closed {
+		s.Since = d.mu.downSince
 		s.DownFor = time.Since(d.mu.downSince)
 		s.DownTotal += s.DownFor
+		s.Failing = s.DownFor >= d.opts.OutageTimeout
 	}
 	if d.mu.downErr != nil {
 		s.LastError = d.mu.downErr.Error()
@@ -366,14 +402,23 @@ func (d *Device) connLocked() (*nbd.Client, uint64, error) {
 
 // linkFailed ends generation gen after err on one of its connections, and
 // starts reconnecting. Calls for a generation already ended do nothing.
-func (d *Device) linkFailed(gen uint64, err error) {
+// With abort (a hung server) the sockets are closed at once, which fails
+// the requests in flight; otherwise the connections are closed with
+// NBD_CMD_DISC, letting the server finish them.
+func (d *Device) linkFailed(gen uint64, err error, abort bool) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if gen != d.mu.gen || d.mu.conns == nil || d.mu.closed {
 		return
 	}
 	old := d.mu.conns
-	d.mu.conns = nil
+	if abort {
+		d.mu.stats.Timeouts++
+		for _, nc := range d.mu.ncs {
+			nc.Close()
+		}
+	}
+	d.mu.conns, d.mu.ncs = nil, nil
 	d.mu.gen++
 	if d.mu.overflow {
 		d.mu.lost = true
@@ -411,7 +456,7 @@ func (d *Device) reconnect(gen uint64) {
 			case <-ctx.Done():
 			}
 		}()
-		conns, err := d.dial(ctx)
+		conns, ncs, err := d.dial(ctx)
 		cancel()
 		refused := false
 		if err == nil {
@@ -444,7 +489,7 @@ func (d *Device) reconnect(gen uint64) {
 			continue
 		}
 		d.mu.Unlock()
-		if err := d.replay(conns[0], gen); err != nil {
+		if err := d.replay(conns[0], ncs[0], gen); err != nil {
 			closeAll(conns)
 			d.mu.Lock()
 			d.mu.downErr = err
@@ -459,7 +504,8 @@ func (d *Device) reconnect(gen uint64) {
 			return
 		}
 		down := time.Since(d.mu.downSince)
-		d.mu.conns = conns
+		d.mu.conns, d.mu.ncs = conns, ncs
+		d.mu.upSince = time.Now()
 		d.mu.refused = false
 		d.mu.stats.Reconnects++
 		d.mu.stats.DownTotal += down
@@ -471,11 +517,13 @@ func (d *Device) reconnect(gen uint64) {
 }
 
 // replay writes the unflushed writes again on c, a connection of the
-// generation gen that is not yet serving requests. Writes that complete
-// late on the ended generation are added to d.mu.pend meanwhile; replay
-// returns once it has written all of them, with d.mu unlocked.
-func (d *Device) replay(c *nbd.Client, gen uint64) error {
+// generation gen that is not yet serving requests (nc is its socket,
+// closed if a write gets no reply in the request timeout). Writes that
+// complete late on the ended generation are added to d.mu.pend meanwhile;
+// replay returns once it has written all of them, with d.mu unlocked.
+func (d *Device) replay(c *nbd.Client, nc net.Conn, gen uint64) error {
 	done, n := 0, 0
+	var bytes int64
 	for {
 		d.mu.Lock()
 		if d.mu.gen != gen || d.mu.closed {
@@ -493,12 +541,25 @@ func (d *Device) replay(c *nbd.Client, gen uint64) error {
 		d.mu.Unlock()
 		if len(batch) == 0 {
 			if n > 0 {
-				d.log.Info("nbd backing: wrote unflushed writes again on the new connection", "writes", n)
+				d.mu.Lock()
+				d.mu.stats.ReplayedWrites += uint64(n)
+				d.mu.stats.ReplayedBytes += uint64(bytes)
+				d.mu.Unlock()
+				d.log.Info("nbd backing: wrote unflushed writes again on the new connection", "writes", n, "bytes", bytes)
 			}
 			return nil
 		}
 		for _, u := range batch {
 			var err error
+			var t *time.Timer
+			if d.opts.RequestTimeout > 0 {
+				t = time.AfterFunc(d.opts.RequestTimeout, func() {
+					nc.Close()
+					d.mu.Lock()
+					d.mu.stats.Timeouts++
+					d.mu.Unlock()
+				})
+			}
 			switch {
 			case u.p != nil:
 				err = c.WriteAt(u.p, u.off, false)
@@ -510,9 +571,13 @@ func (d *Device) replay(c *nbd.Client, gen uint64) error {
 					err = c.WriteAt(z[:min(int64(len(z)), u.off+u.n-o)], o, false)
 				}
 			}
+			if t != nil && !t.Stop() {
+				err = fmt.Errorf("%w (%s)", ErrRequestTimeout, d.opts.RequestTimeout)
+			}
 			if err != nil {
 				return fmt.Errorf("replaying a write at offset %d length %d: %w", u.off, u.n, err)
 			}
+			bytes += u.n
 		}
 		done += len(batch)
 		n += len(batch)
@@ -543,19 +608,56 @@ func isReply(err error) bool {
 }
 
 // do runs f on a connection, re-running it on the next generation when the
-// connection fails, and returns the generation it succeeded on.
+// connection fails or f gets no reply within the request timeout, and
+// returns the generation it succeeded on.
 func (d *Device) do(f func(c *nbd.Client) error) (uint64, error) {
+	var failing time.Time
 	for {
 		c, gen, err := d.conn()
 		if err != nil {
 			return 0, err
 		}
-		err = f(c)
+		err = d.timed(gen, func() error { return f(c) })
 		if err == nil || isReply(err) {
 			return gen, err
 		}
-		d.linkFailed(gen, err)
+		d.linkFailed(gen, err, false)
+		if err := d.givingUp(&failing, err); err != nil {
+			return 0, err
+		}
 	}
+}
+
+// givingUp is called after each failed attempt of a request: it returns
+// the request's error once it has been failing for longer than the outage
+// timeout (*failing is when it first failed), nil to try again.
+func (d *Device) givingUp(failing *time.Time, err error) error {
+	if failing.IsZero() {
+		*failing = time.Now()
+		return nil
+	}
+	if f := time.Since(*failing); f >= d.opts.OutageTimeout {
+		return fmt.Errorf("%w: %w: the request failed on every connection for %s: %w", syscall.EIO, ErrLinkDown, f.Round(time.Millisecond), err)
+	}
+	return nil
+}
+
+// timed runs f, a request on a connection of generation gen, and ends the
+// generation (aborting its sockets, which fails f) if f takes longer than
+// the request timeout. A reply that beats the abort is kept: the request
+// was served.
+func (d *Device) timed(gen uint64, f func() error) error {
+	if d.opts.RequestTimeout < 0 {
+		return f()
+	}
+	t := time.AfterFunc(d.opts.RequestTimeout, func() {
+		d.linkFailed(gen, fmt.Errorf("%w (%s)", ErrRequestTimeout, d.opts.RequestTimeout), true)
+	})
+	err := f()
+	if !t.Stop() && err != nil {
+		err = fmt.Errorf("%w (%s): %w", ErrRequestTimeout, d.opts.RequestTimeout, err)
+	}
+	return err
 }
 
 func (d *Device) ioErr(op string, off, n int64, err error) error {
@@ -695,6 +797,7 @@ func (d *Device) Sync() error {
 	if d.flags&nbd.FlagSendFlush == 0 {
 		return nil
 	}
+	var failing time.Time
 	for {
 		d.mu.Lock()
 		c, gen, err := d.connLocked()
@@ -712,7 +815,7 @@ func (d *Device) Sync() error {
 		// Every write in pend now completed before the FLUSH is sent.
 		n, ovf := len(d.mu.pend), d.mu.ovfCount
 		d.mu.Unlock()
-		err = c.Flush()
+		err = d.timed(gen, c.Flush)
 		if err == nil {
 			d.mu.Lock()
 			if d.mu.ovfCount == ovf {
@@ -734,7 +837,10 @@ func (d *Device) Sync() error {
 		}
 		// The connection failed: the writes are replayed on the next
 		// one, and a flush there covers them.
-		d.linkFailed(gen, err)
+		d.linkFailed(gen, err, false)
+		if err := d.givingUp(&failing, err); err != nil {
+			return d.ioErr("sync", 0, 0, err)
+		}
 	}
 }
 
@@ -827,7 +933,7 @@ func (d *Device) Close() error {
 	}
 	d.mu.closed = true
 	conns := d.mu.conns
-	d.mu.conns = nil
+	d.mu.conns, d.mu.ncs = nil, nil
 	close(d.done)
 	d.mu.Unlock()
 	closeAll(conns)

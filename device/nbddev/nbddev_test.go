@@ -17,6 +17,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
@@ -29,6 +30,7 @@ import (
 type peer struct {
 	t    *testing.T
 	sock string // unix socket, or "" for TCP
+	tcp  string // the TCP address it listens on, with sock ""
 	args []string
 	cmd  *exec.Cmd
 	done chan struct{}
@@ -69,8 +71,12 @@ func (p *peer) start() {
 	}
 	p.done = make(chan struct{})
 	go func(cmd *exec.Cmd, done chan struct{}) { cmd.Wait(); close(done) }(p.cmd, p.done)
+	network, addr := "unix", p.sock
+	if p.sock == "" {
+		network, addr = "tcp", p.tcp
+	}
 	for deadline := time.Now().Add(10 * time.Second); ; {
-		if c, err := net.Dial("unix", p.sock); err == nil {
+		if c, err := net.Dial(network, addr); err == nil {
 			c.Close()
 			return
 		}
@@ -96,6 +102,9 @@ func (p *peer) kill() {
 }
 
 func (p *peer) uri(export string) string {
+	if p.sock == "" {
+		return "nbd://" + p.tcp + "/" + export
+	}
 	return "nbd+unix:///" + export + "?socket=" + p.sock
 }
 
@@ -541,4 +550,213 @@ func TestReplayOverflow(t *testing.T) {
 	if err := d.Sync(); err != nil {
 		t.Fatalf("second Sync: %v", err)
 	}
+}
+
+// freePort returns a loopback TCP port nothing listens on now.
+func freePort(t *testing.T) string {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// pausable is nbdkit over a file that loses unflushed writes when killed
+// (kitLosingUnflushed), behind the pause filter: pause makes it a server
+// that keeps its connections and answers no request (new connections
+// still complete the handshake), resume lets it answer again.
+type pausable struct {
+	*peer
+	ctl string
+}
+
+func kitPausable(t *testing.T, network string, size int64) *pausable {
+	img := filepath.Join(t.TempDir(), "img")
+	if err := os.WriteFile(img, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(img, size); err != nil {
+		t.Fatal(err)
+	}
+	ctl := sockIn(t, "ctl.sock")
+	args := []string{"nbdkit", "-f", "--exit-with-parent"}
+	p := &peer{t: t}
+	if network == "unix" {
+		p.sock = sockIn(t, "kit.sock")
+		args = append(args, "-U", p.sock)
+	} else {
+		p.tcp = freePort(t)
+		host, port, _ := net.SplitHostPort(p.tcp)
+		args = append(args, "-i", host, "-p", port)
+	}
+	p.args = append(args, "--filter=pause", "--filter=cache", "file", img, "cache=writeback", "pause-control="+ctl)
+	p.start()
+	t.Cleanup(p.kill)
+	return &pausable{peer: p, ctl: ctl}
+}
+
+// send sends a pause-control command and waits for its echo ('p' is
+// echoed once the requests received before it are done).
+func (p *pausable) send(cmd byte) {
+	p.t.Helper()
+	c, err := net.Dial("unix", p.ctl)
+	if err != nil {
+		p.t.Fatal(err)
+	}
+	defer c.Close()
+	if _, err := c.Write([]byte{cmd}); err != nil {
+		p.t.Fatal(err)
+	}
+	var b [1]byte
+	if _, err := c.Read(b[:]); err != nil || b[0] != cmd-'a'+'A' {
+		p.t.Fatalf("pause control %q: reply %q, %v", cmd, b[:], err)
+	}
+}
+
+// waitStats waits until cond holds for d's stats.
+func waitStats(t *testing.T, d *Device, what string, cond func(Stats) bool) Stats {
+	t.Helper()
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		s := d.Stats()
+		if cond(s) {
+			return s
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("stats never showed %s: %+v", what, s)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// TestHungServer: a server that keeps the connection and stops answering
+// (nbdkit's pause filter), over a unix socket and TCP. A write issued
+// while it hangs gets no reply; after the request timeout its connection
+// is closed as hung and the write is sent again on a new one, where it
+// completes once the server answers again. It hangs a second time and is
+// killed while hung and restarted: it has lost the writes acknowledged
+// that no flush covered, and the device writes them again. Nothing
+// acknowledged is lost: the flushed write, the unflushed ones and the
+// ones sent during the hangs all read back, and survive another restart
+// once a Sync covered them.
+func TestHungServer(t *testing.T) {
+	needTool(t, "nbdkit")
+	for _, network := range []string{"unix", "tcp"} {
+		t.Run(network, func(t *testing.T) {
+			p := kitPausable(t, network, 4<<20)
+			d := openT(t, p.uri(""), Options{RequestTimeout: 300 * time.Millisecond, OutageTimeout: time.Minute})
+			blocks := make([][]byte, 4)
+			for i := range blocks {
+				blocks[i] = make([]byte, 65536)
+				devicetest.Fill(blocks[i], uint64(i+1))
+			}
+			if _, err := d.WriteAt(blocks[0], 0); err != nil {
+				t.Fatal(err)
+			}
+			if err := d.Sync(); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := d.WriteAt(blocks[1], 1<<20); err != nil {
+				t.Fatal(err)
+			}
+			// A hang that ends: the write completes on a new connection.
+			p.send('p')
+			res := make(chan error, 1)
+			go func() { _, err := d.WriteAt(blocks[2], 2<<20); res <- err }()
+			s := waitStats(t, d, "a request timeout", func(s Stats) bool { return s.Timeouts >= 1 })
+			if !strings.Contains(s.LastError, ErrRequestTimeout.Error()) {
+				t.Errorf("LastError %q does not name the request timeout", s.LastError)
+			}
+			select {
+			case err := <-res:
+				t.Fatalf("write completed while the server hangs: %v", err)
+			default:
+			}
+			p.send('r')
+			if err := <-res; err != nil {
+				t.Fatalf("write sent while the server hung, once it answers: %v", err)
+			}
+			// A hang that ends in a restart.
+			p.send('p')
+			go func() { _, err := d.WriteAt(blocks[3], 3<<20); res <- err }()
+			waitStats(t, d, "a second request timeout", func(s Stats) bool { return s.Timeouts >= 2 })
+			p.kill()
+			p.start()
+			if err := <-res; err != nil {
+				t.Fatalf("write sent while the server hung, after its restart: %v", err)
+			}
+			if err := d.Sync(); err != nil {
+				t.Fatalf("Sync after the restart: %v", err)
+			}
+			check := func(when string) {
+				t.Helper()
+				got := make([]byte, 65536)
+				for i, b := range blocks {
+					if _, err := d.ReadAt(got, int64(i)<<20); err != nil || !bytes.Equal(got, b) {
+						t.Fatalf("%s: block %d: %v, equal %v", when, i, err, bytes.Equal(got, b))
+					}
+				}
+			}
+			check("after the restart")
+			p.kill()
+			p.start()
+			check("after a second restart")
+			if s := d.Stats(); s.NotDurable != 0 || s.ReplayedWrites == 0 || s.ReplayedBytes < 65536 || !s.Up {
+				t.Errorf("stats %+v", s)
+			}
+		})
+	}
+}
+
+// TestHungServerFails: a server that completes every handshake and
+// answers no request fails requests with EIO once they have been failing
+// for the outage timeout, instead of waiting forever; once it answers
+// again, requests succeed.
+func TestHungServerFails(t *testing.T) {
+	needTool(t, "nbdkit")
+	p := kitPausable(t, "unix", 1<<20)
+	d := openT(t, p.uri(""), Options{RequestTimeout: 200 * time.Millisecond, OutageTimeout: time.Second})
+	p.send('p')
+	buf := make([]byte, 4096)
+	_, err := d.ReadAt(buf, 0)
+	if !errors.Is(err, syscall.EIO) || !errors.Is(err, ErrLinkDown) || !errors.Is(err, ErrRequestTimeout) {
+		t.Fatalf("read from a hung server: %v; want EIO, ErrLinkDown, ErrRequestTimeout", err)
+	}
+	p.send('r')
+	if _, err := d.ReadAt(buf, 0); err != nil {
+		t.Fatalf("read once the server answers again: %v", err)
+	}
+}
+
+// TestHungHandshake: a peer that accepts connections and never speaks
+// (a tiny listener here) fails Open within the dial timeout.
+func TestHungHandshake(t *testing.T) {
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	var held []net.Conn
+	defer func() {
+		for _, c := range held {
+			c.Close()
+		}
+	}()
+	accepted := make(chan net.Conn, 4)
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- c
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	_, err = Open(ctx, "nbd://"+l.Addr().String()+"/", Options{DialTimeout: 200 * time.Millisecond})
+	if err == nil || !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Open of a peer that never speaks: %v; want a deadline error", err)
+	}
+	held = append(held, <-accepted)
 }

@@ -206,7 +206,7 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 // export, and the set refuses an export it already has (by identity).
 func (h *openedSet) attachRemote(req admin.AttachRequest, mode cache.Mode) (*cache.Volume, string, error) {
 	path := remoteSpec(req.Path)
-	dev, err := openRemote(path, false, h.remoteTimeout, h.log.With("volume", req.Name))
+	dev, err := openRemote(path, false, h.remote, h.log.With("volume", req.Name))
 	if err != nil {
 		return nil, "", err
 	}

@@ -136,7 +136,7 @@ func runFormat(g *globals, o *formatOptions) error {
 		if isRemote(path) {
 			// Opened read-only: format only measures it and reads its
 			// identity.
-			rd, err := openRemote(path, true, 0, nil)
+			rd, err := openRemote(path, true, remoteTimeouts{}, nil)
 			if err != nil {
 				return fmt.Errorf("backing %q: %w", name, err)
 			}

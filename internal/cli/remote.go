@@ -33,13 +33,19 @@ func remoteSpec(spec string) string {
 	return t.String()
 }
 
-// openRemote connects to the export a URI names. outage bounds how long
-// requests wait for a lost link (0: nbddev's default); log receives the
-// link's state changes (outages, reconnects, refusals), nil discards them.
-func openRemote(spec string, readOnly bool, outage time.Duration, log *slog.Logger) (*nbddev.Device, error) {
+// remoteTimeouts are serve's --remote-timeout and
+// --remote-request-timeout (zero: nbddev's defaults).
+type remoteTimeouts struct {
+	outage  time.Duration // how long requests wait for a lost link
+	request time.Duration // how long a request waits for its reply before its connection counts as hung
+}
+
+// openRemote connects to the export a URI names. log receives the link's
+// state changes (outages, reconnects, refusals), nil discards them.
+func openRemote(spec string, readOnly bool, to remoteTimeouts, log *slog.Logger) (*nbddev.Device, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 2*nbddev.DefaultDialTimeout)
 	defer cancel()
-	return nbddev.Open(ctx, spec, nbddev.Options{ReadOnly: readOnly, OutageTimeout: outage, Log: log})
+	return nbddev.Open(ctx, spec, nbddev.Options{ReadOnly: readOnly, OutageTimeout: to.outage, RequestTimeout: to.request, Log: log})
 }
 
 // remoteID is the identity of the export d is connected to.
@@ -81,7 +87,7 @@ func releaseBacking(spec string) error {
 // checkRemoteBacking is checkBackings for a remote export: it connects
 // read-only and compares the size and identity with those recorded.
 func checkRemoteBacking(name, uri, id string, size int64) []string {
-	d, err := openRemote(uri, true, 0, nil)
+	d, err := openRemote(uri, true, remoteTimeouts{}, nil)
 	if err != nil {
 		return []string{fmt.Sprintf("backing device %q: not checked: %v (serve needs the export reachable, or --backing %s=URI)", name, err, name)}
 	}
@@ -106,15 +112,50 @@ func (h *openedSet) remoteLink(export string) *admin.RemoteLink {
 		return nil
 	}
 	s := d.Stats()
-	l := &admin.RemoteLink{State: "up", Conns: s.Conns, Reconnects: s.Reconnects, Outages: s.Outages,
+	l := &admin.RemoteLink{State: "up", Since: s.Since, Conns: s.Conns, Reconnects: s.Reconnects, Outages: s.Outages,
+		RequestTimeouts: s.Timeouts, ReplayedWrites: s.ReplayedWrites, ReplayedBytes: s.ReplayedBytes,
 		DownSeconds: s.DownFor.Seconds(), DownTotalSeconds: s.DownTotal.Seconds(), NotDurable: s.NotDurable, LastError: s.LastError}
 	switch {
 	case s.Refused:
 		l.State = "refused"
-	case !s.Up:
+	case s.Failing:
 		l.State = "down"
+	case !s.Up:
+		l.State = "reconnecting"
 	}
 	return l
+}
+
+// remoteRows are the rows stats prints for the remote link of each export
+// with a remote backing device ("-" for the others), in order.
+var remoteRows = []struct {
+	name string
+	f    func(r *admin.RemoteLink) string
+}{
+	{"remote_link", func(r *admin.RemoteLink) string { return r.State }},
+	{"remote_since", func(r *admin.RemoteLink) string {
+		if r.Since.IsZero() {
+			return "-"
+		}
+		return r.Since.Local().Format(time.DateTime)
+	}},
+	{"remote_connections", func(r *admin.RemoteLink) string { return fmt.Sprint(r.Conns) }},
+	{"remote_reconnects", func(r *admin.RemoteLink) string { return fmt.Sprint(r.Reconnects) }},
+	{"remote_outages", func(r *admin.RemoteLink) string { return fmt.Sprint(r.Outages) }},
+	{"remote_down_time", func(r *admin.RemoteLink) string {
+		return (time.Duration(r.DownTotalSeconds * float64(time.Second))).Round(time.Millisecond).String()
+	}},
+	{"remote_request_timeouts", func(r *admin.RemoteLink) string { return fmt.Sprint(r.RequestTimeouts) }},
+	{"remote_replayed_bytes", func(r *admin.RemoteLink) string {
+		return fmt.Sprintf("%s (%d writes)", human(int64(r.ReplayedBytes)), r.ReplayedWrites)
+	}},
+	{"remote_not_durable", func(r *admin.RemoteLink) string { return fmt.Sprint(r.NotDurable) }},
+	{"remote_last_error", func(r *admin.RemoteLink) string {
+		if r.LastError == "" {
+			return "-"
+		}
+		return r.LastError
+	}},
 }
 
 // remoteText is status's line for a remote backing device's link.

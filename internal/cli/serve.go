@@ -52,9 +52,9 @@ type serveOptions struct {
 	maxConns      int
 	maxInFlight   string // a size: payload bytes in flight on all connections
 	tls           tlsOptions
-	// remoteTimeout: how long requests to a remote backing device wait
-	// for its link to come back before failing with EIO.
-	remoteTimeout time.Duration
+	// remote: how long requests to a remote backing device wait for its
+	// link to come back before failing with EIO, and for a reply.
+	remote remoteTimeouts
 }
 
 func newServeCmd(g *globals) *cobra.Command {
@@ -129,7 +129,8 @@ purpose (a repaired cache device replays its journal).`,
 	f.StringVar(&o.adminTCP, "admin-tcp", "", "also serve the admin API and /metrics on TCP `HOST:PORT` (host defaults to 127.0.0.1); requests need the bearer token of --admin-token-file")
 	f.IntVar(&o.maxConns, "max-connections", 64, "serve at most `N` NBD connections at once; more are refused at NBD_OPT_GO (0: unlimited)")
 	f.StringVar(&o.maxInFlight, "max-inflight", "256M", "bound on READ/WRITE payload `BYTES` in flight on all NBD connections together (each connection keeps max-inflight/(2 x max-connections) of it)")
-	f.DurationVar(&o.remoteTimeout, "remote-timeout", nbddev.DefaultOutageTimeout, "how long requests to a remote (NBD URI) backing device wait for a lost connection to come back before failing with EIO (reads of cached data and writeback-mode writes do not wait)")
+	f.DurationVar(&o.remote.outage, "remote-timeout", nbddev.DefaultOutageTimeout, "how long requests to a remote (NBD URI) backing device wait for a lost connection to come back, or keep failing on new ones, before failing with EIO (reads of cached data and writeback-mode writes do not wait)")
+	f.DurationVar(&o.remote.request, "remote-request-timeout", nbddev.DefaultRequestTimeout, "how long a request to a remote (NBD URI) backing device waits for its reply before the connection is closed as hung and the request sent again on a new one")
 	f.BoolVar(&o.metricsNoAuth, "metrics-no-auth", false, "let GET /metrics over --admin-tcp in without the bearer token (every other request still needs it)")
 	return cmd
 }
@@ -480,15 +481,15 @@ func prepareDefault(dir string, log *slog.Logger) (string, error) {
 // openedSet is an open cache set with the devices it was opened on. Backing
 // devices come and go with attach and detach while it serves.
 type openedSet struct {
-	set           *cache.Set
-	cachePath     string
-	cdev          device.Device
-	unlock        func()
-	mu            sync.Mutex
-	devs          map[string]device.Device // backing devices by volume name
-	locks         map[string]func()        // their locks' releases (lock.go)
-	log           *slog.Logger             // for remote backings attached later
-	remoteTimeout time.Duration            // serveOptions.remoteTimeout
+	set       *cache.Set
+	cachePath string
+	cdev      device.Device
+	unlock    func()
+	mu        sync.Mutex
+	devs      map[string]device.Device // backing devices by volume name
+	locks     map[string]func()        // their locks' releases (lock.go)
+	log       *slog.Logger             // for remote backings attached later
+	remote    remoteTimeouts           // serveOptions.remote
 }
 
 // closeBacking closes the backing device of a volume that left the set.
@@ -549,7 +550,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		unlock()
 		return nil, fmt.Errorf("cache device: %w", err)
 	}
-	h := &openedSet{cachePath: cachePath, cdev: cdev, unlock: unlock, devs: map[string]device.Device{}, locks: map[string]func(){}, log: log, remoteTimeout: o.remoteTimeout}
+	h := &openedSet{cachePath: cachePath, cdev: cdev, unlock: unlock, devs: map[string]device.Device{}, locks: map[string]func(){}, log: log, remote: o.remote}
 	sb, err := cache.ReadSuperblock(cdev)
 	if errors.Is(err, cache.ErrNotFormatted) {
 		h.closeDevices()
@@ -585,7 +586,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 			return nil, fmt.Errorf("cache set %s: no path for backing device %q; give --backing %s=PATH", setUUID, bi.Name, bi.Name)
 		}
 		if isRemote(path) {
-			rd, err := openRemote(path, o.readOnly, o.remoteTimeout, log.With("volume", bi.Name))
+			rd, err := openRemote(path, o.readOnly, o.remote, log.With("volume", bi.Name))
 			if err != nil {
 				closeDevs()
 				return nil, fmt.Errorf("backing %q: %w", bi.Name, err)

@@ -328,6 +328,24 @@ func printStats(out io.Writer, st admin.Stats) error {
 			fmt.Fprintln(w, row)
 		}
 	}
+	anyRemote := false
+	for _, e := range st.Exports {
+		anyRemote = anyRemote || e.Remote != nil
+	}
+	for _, r := range remoteRows {
+		if !anyRemote {
+			break
+		}
+		row := "  " + r.name
+		for _, e := range st.Exports {
+			if e.Remote == nil {
+				row += "\t-"
+			} else {
+				row += "\t" + r.f(e.Remote)
+			}
+		}
+		fmt.Fprintln(w, row)
+	}
 	for _, op := range latencyRows {
 		name, tier, _ := strings.Cut(op, "/")
 		row := "  latency_" + strings.ReplaceAll(op, "/", "_")

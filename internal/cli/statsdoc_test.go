@@ -49,6 +49,9 @@ func TestStatsDocumented(t *testing.T) {
 		}
 	}
 	rows = append(rows, "hit_ratio", "writeback_rate", "writeback_eta", "backing_consistent")
+	for _, r := range remoteRows {
+		rows = append(rows, r.name)
+	}
 	for _, op := range latencyRows {
 		rows = append(rows, "latency_"+strings.ReplaceAll(op, "/", "_"))
 	}

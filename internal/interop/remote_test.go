@@ -294,6 +294,20 @@ func TestRemoteOutage(t *testing.T) {
 	if out := run(t, time.Minute, bin, "status", "--admin", admin); !strings.Contains(out, "vm: remote link down for") {
 		t.Errorf("status does not show the link down:\n%s", out)
 	}
+	statsRow := func(name string) string {
+		t.Helper()
+		out := run(t, time.Minute, bin, "stats", "--admin", admin)
+		for _, l := range strings.Split(out, "\n") {
+			if f := strings.Fields(l); len(f) >= 2 && f[0] == name {
+				return strings.Join(f[1:], " ")
+			}
+		}
+		t.Fatalf("stats has no row %s:\n%s", name, out)
+		return ""
+	}
+	if r := statsRow("remote_link"); r != "down" {
+		t.Errorf("stats remote_link %q with the server killed past --remote-timeout; want down", r)
+	}
 
 	remote.start()
 	for deadline := time.Now().Add(30 * time.Second); ; {
@@ -311,6 +325,9 @@ func TestRemoteOutage(t *testing.T) {
 	}
 	if state, n := link(); state != "up" || n != 1 {
 		t.Errorf("status after the restart: link %q, %d reconnects; want up, 1", state, n)
+	}
+	if r, n := statsRow("remote_link"), statsRow("remote_reconnects"); r != "up" || n != "1" {
+		t.Errorf("stats after the restart: remote_link %q, remote_reconnects %q; want up, 1", r, n)
 	}
 	_, metrics := do(t, unixHTTP(admin), "GET", "http://tiercache/metrics", "")
 	for _, m := range []string{`tiercache_remote_link_up{export="vm"} 1`, `tiercache_remote_reconnects_total{export="vm"} 1`, `tiercache_remote_outages_total{export="vm"} 1`} {
