@@ -44,7 +44,7 @@ type CacheOptions struct {
 	S7Jobs    []string // S7's cases to run (s7JobNames); all when empty
 }
 
-var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8", "S9"}
+var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8", "S9", "S10"}
 
 // cacheSizes are the sizes and times of a suite run. The full suite keeps the
 // seeds' shapes where the time budget (15 minutes on 2 cores, models on the
@@ -69,6 +69,7 @@ type cacheSizes struct {
 	FioMaxRetry  int
 	Apps         appSizes   // S6
 	Cliff        cliffSizes // S7-S9
+	Hit          hitSizes   // S10
 }
 
 func fullSizes() cacheSizes {
@@ -92,6 +93,7 @@ func fullSizes() cacheSizes {
 		Apps: appSizes{FS: 2 << 30, Cache: 1 << 30, PgScale: 10, PgClients: 10, PgTime: 30 * time.Second,
 			RocksKeys: 300000, RocksTime: 10 * time.Second},
 		Cliff: fullCliffSizes(),
+		Hit:   fullHitSizes(),
 	}
 }
 
@@ -115,14 +117,17 @@ func quickSizes() cacheSizes {
 		Apps: appSizes{FS: 256 << 20, Cache: 128 << 20, PgScale: 1, PgClients: 4, PgTime: 2 * time.Second,
 			RocksKeys: 10000, RocksTime: 1 * time.Second},
 		Cliff: quickCliffSizes(),
+		Hit:   quickHitSizes(),
 	}
 }
 
-const cacheUsage = `tcbench cache runs tiercache's cache scenarios S1-S9 with fio through NBD
+const cacheUsage = `tcbench cache runs tiercache's cache scenarios S1-S10 with fio through NBD
 (S6-S8 also on ext4 through the kernel): tiercache on device models (HDD
 behind an SSD) side by side with the plain HDD model (and, in S5, qemu-nbd),
 and compares the ratios with the published figures and with the plain HDD
-model when the data outgrows the cache (S7, S8). See docs/BENCHMARKS.md.
+model when the data outgrows the cache (S7, S8); S10 measures cache hits on
+a local disk against the disk itself and qemu-nbd (files under /var/tmp, or
+TIERCACHE_HIT_DIR). See docs/BENCHMARKS.md.
 
 Usage: go run ./cmd/tcbench cache [flags]
 
@@ -147,7 +152,7 @@ func cacheMain(args []string) int {
 	fs.BoolVar(&o.Publish, "publish", false, "copy CACHE_RESULTS.md, cache-results.json and the charts into docs/bench in the module, replacing the published run (a run of S7-S9 alone: CLIFF_RESULTS.md, cliff-*, beside the whole suite's)")
 	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
-	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S9), in this order; default all")
+	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S10), in this order; default all")
 	fs.BoolVar(&o.S6LBA, "s6-lba", false, "S6 also runs pgbench in writeback with writeback_order=lba (issue 4: what epoch order costs; ~45 s more a round)")
 	var s7 string
 	fs.StringVar(&s7, "s7", "", "comma-separated S7 cases to run: "+strings.Join(s7JobNames, ", ")+" (drain also runs seqwrite, its reference); default all")
@@ -341,7 +346,7 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	}
 	loadStart := loadAvg()
 	c.started = time.Now()
-	runs := map[string]func(context.Context) error{"S1": c.s1, "S2": c.s2, "S3": c.s3, "S4": c.s4, "S5": c.s5, "S6": c.s6, "S7": c.s7, "S8": c.s8, "S9": c.s9}
+	runs := map[string]func(context.Context) error{"S1": c.s1, "S2": c.s2, "S3": c.s3, "S4": c.s4, "S5": c.s5, "S6": c.s6, "S7": c.s7, "S8": c.s8, "S9": c.s9, "S10": c.s10}
 	for c.round = 1; c.round <= c.nrounds; c.round++ {
 		c.checks, c.details = nil, nil
 		for _, s := range scen {
@@ -422,7 +427,7 @@ func (c *cacheRunner) report(ctx context.Context, o CacheOptions, root, loadStar
 func (c *cacheRunner) sizesLine() string {
 	s := c.sz
 	return fmt.Sprintf("HDD image %d MiB (data and workloads in its first %d MiB), S1 %d MiB of fsync'd 4K writes (plain HDD capped at %v), runs %v (S2, S3 jobs that write: after a %v ramp), S3 working set %d MiB, S4 %d MiB of writes, S5 %d MiB x %d rounds x %v after a %v ramp, %s",
-		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime, s.S5Ramp, s.Apps.line()) + "; " + s.Cliff.line()
+		s.Disk>>20, s.Backing>>20, s.S1Writes>>20, s.S1HDDTime, s.Runtime, s.Ramp, s.S3Region>>20, s.S4Writes>>20, s.S5Region>>20, s.S5Rounds, s.S5Runtime, s.S5Ramp, s.Apps.line()) + "; " + s.Cliff.line() + "; " + s.Hit.line()
 }
 
 // plannedSteps counts the progress steps of the scenarios.
@@ -448,6 +453,8 @@ func (c *cacheRunner) plannedSteps(scen []string) int {
 			n += 3 * len(cliffTargets)
 		case "S9":
 			n += 2
+		case "S10":
+			n += c.sz.Hit.steps()
 		}
 	}
 	return n
@@ -494,6 +501,9 @@ type job struct {
 	// File, when set, is a file on a mounted file system that fio writes
 	// with libaio and O_DIRECT (the kernel path) instead of the NBD export.
 	File string
+	// NumJobs is fio --numjobs (0: 1); each job of the NBD engine opens
+	// its own connection, each of QD requests.
+	NumJobs int
 }
 
 func (j job) args(uri, out string) []string {
@@ -503,7 +513,7 @@ func (j job) args(uri, out string) []string {
 	} else {
 		a = append(a, "--ioengine=nbd", "--uri="+uri)
 	}
-	a = append(a, "--rw="+j.RW, "--bs="+strconv.Itoa(j.BS), "--iodepth="+strconv.Itoa(j.QD), "--numjobs=1",
+	a = append(a, "--rw="+j.RW, "--bs="+strconv.Itoa(j.BS), "--iodepth="+strconv.Itoa(j.QD), "--numjobs="+strconv.Itoa(max(j.NumJobs, 1)),
 		"--size="+strconv.FormatInt(j.Size, 10))
 	if j.Offset > 0 {
 		a = append(a, "--offset="+strconv.FormatInt(j.Offset, 10))

@@ -64,9 +64,10 @@ Percentiles: P50: 9.23 P75: 13.52 P99: 145.23 P99.9: 7920.00 P99.99: 110000.00
 
 func TestCachePlannedSteps(t *testing.T) {
 	c := &cacheRunner{sz: fullSizes()}
-	// S1 5+2*3, S2 16, S3 9, S4 6, S5 1+2*2*3, S6 1+4+2*3, S7 5*3, S8 3*3, S9 2.
-	if n := c.plannedSteps(scenarioNames); n != 92 {
-		t.Errorf("full suite steps = %d, want 92", n)
+	// S1 5+2*3, S2 16, S3 9, S4 6, S5 1+2*2*3, S6 1+4+2*3, S7 5*3, S8 3*3, S9 2,
+	// S10 1+3*(3*3+3+2).
+	if n := c.plannedSteps(scenarioNames); n != 135 {
+		t.Errorf("full suite steps = %d, want 135", n)
 	}
 	c.s7jobs = []string{"drain"} // and seqwrite, its reference
 	if n := c.plannedSteps([]string{"S7"}); n != 2*3 {
@@ -80,6 +81,9 @@ func TestCachePlannedSteps(t *testing.T) {
 	c.sz, c.s6lba = quickSizes(), false
 	if n := c.plannedSteps([]string{"S5"}); n != 1+2*3 {
 		t.Errorf("quick S5 steps = %d", n)
+	}
+	if n := c.plannedSteps([]string{"S10"}); n != 1+14 {
+		t.Errorf("quick S10 steps = %d, want 15", n)
 	}
 }
 

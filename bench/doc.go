@@ -20,12 +20,14 @@
 // so a result can be reproduced by hand.
 //
 // `tcbench cache` (cache.go, cache_scenarios.go, cache_apps.go,
-// cache_report.go, cache_cliff.go) runs the cache scenarios S1-S9: tiercache
+// cache_report.go, cache_cliff.go, cache_hit.go) runs the cache scenarios
+// S1-S10: tiercache
 // with an SSD model in front of an HDD model, side by side with the plain HDD
 // model (and qemu-nbd in S5), driving tiercache's admin CLI (set, flush,
 // stats --json) between fio runs (S6: pgbench and db_bench on ext4 through
 // the kernel; S7-S8: writes larger than the cache, in every writeback order,
-// with a cache already full of history; S9: warm-up under load), and
+// with a cache already full of history; S9: warm-up under load; S10: cache
+// hits on a local disk against the disk itself and qemu-nbd), and
 // reports each published seed figure beside ours; docs/BENCHMARKS.md
 // describes the method.
 //

@@ -13,6 +13,7 @@ type fioResult struct {
 	IOPS       float64 // read plus write
 	BW         float64 // bytes per second, read plus write
 	LatMeanUs  float64 // mean completion latency of the busier direction
+	LatP50Us   float64 // median completion latency, same direction
 	LatP99Us   float64 // 99th percentile completion latency, same direction
 	LatP999Us  float64 // 99.9th percentile, same direction
 	LatMaxUs   float64 // the slowest request, same direction
@@ -84,6 +85,7 @@ func parseFioJSON(data []byte) (fioResult, error) {
 	r.RuntimeSec = float64(runtimeMs) / 1000
 	r.BW = float64(r.Bytes) / r.RuntimeSec
 	r.LatMeanUs = busiest.ClatNs.Mean / 1000
+	r.LatP50Us = busiest.ClatNs.Percentile["50.000000"] / 1000
 	r.LatP99Us = busiest.ClatNs.Percentile["99.000000"] / 1000
 	r.LatP999Us = busiest.ClatNs.Percentile["99.900000"] / 1000
 	r.LatMaxUs = busiest.ClatNs.Max / 1000

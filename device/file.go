@@ -102,8 +102,9 @@ type File struct {
 	dioAlign int64 // offset and length alignment of the direct path (path 1); 0 if !direct
 	memAlign uintptr
 
-	fd  int // the I/O fd: O_DIRECT when direct
-	bfd int // buffered fd for unaligned requests; == fd when !direct
+	fd  int  // the I/O fd: O_DIRECT when direct
+	bfd int  // buffered fd for unaligned requests; == fd when !direct
+	aio *aio // native AIO for the direct fd (aio_linux.go); nil: pread/pwrite
 
 	// mu orders I/O against Close: an operation holds the read lock while
 	// it uses an fd, Close holds the write lock, so an fd number is never
@@ -240,6 +241,7 @@ func (f *File) openDirect(flags int, st *unix.Stat_t) error {
 		f.lbs = int(offAlign)
 	}
 	f.fd, f.direct, f.dioAlign, f.memAlign = dfd, true, dioAlign, memAlign
+	f.aio = newAIO()
 	keep = true
 	return nil
 }
@@ -339,7 +341,7 @@ func (f *File) ReadAt(p []byte, off int64) (int, error) {
 	case !f.isAligned(off, len(p)):
 		n, err = preadFull(f.bfd, p, off)
 	case f.bufAligned(p):
-		n, err = preadFull(f.fd, p, off)
+		n, err = f.preadDirect(p, off)
 	default:
 		n, err = f.bounceRead(p, off)
 	}
@@ -386,10 +388,27 @@ func (f *File) writeLocked(p []byte, off int64) (int, error) {
 	case !f.isAligned(off, len(p)):
 		return pwriteFull(f.bfd, p, off)
 	case f.bufAligned(p):
-		return pwriteFull(f.fd, p, off)
+		return f.pwriteDirect(p, off)
 	default:
 		return f.bounceWrite(p, off)
 	}
+}
+
+// preadDirect is preadFull on the direct fd (p, off and len(p) aligned),
+// through AIO when the File has it.
+func (f *File) preadDirect(p []byte, off int64) (int, error) {
+	if f.aio != nil {
+		return f.aio.do(iocbCmdPread, f.fd, p, off)
+	}
+	return preadFull(f.fd, p, off)
+}
+
+// pwriteDirect is pwriteFull on the direct fd, like preadDirect.
+func (f *File) pwriteDirect(p []byte, off int64) (int, error) {
+	if f.aio != nil {
+		return f.aio.do(iocbCmdPwrite, f.fd, p, off)
+	}
+	return pwriteFull(f.fd, p, off)
 }
 
 func (f *File) bounceRead(p []byte, off int64) (int, error) {
@@ -398,7 +417,7 @@ func (f *File) bounceRead(p []byte, off int64) (int, error) {
 	done := 0
 	for done < len(p) {
 		chunk := min(len(p)-done, maxBounce)
-		n, err := preadFull(f.fd, b.b[:chunk], off+int64(done))
+		n, err := f.preadDirect(b.b[:chunk], off+int64(done))
 		done += copy(p[done:], b.b[:n])
 		if err != nil {
 			return done, err
@@ -413,7 +432,7 @@ func (f *File) bounceWrite(p []byte, off int64) (int, error) {
 	done := 0
 	for done < len(p) {
 		chunk := copy(b.b[:min(len(p)-done, maxBounce)], p[done:])
-		n, err := pwriteFull(f.fd, b.b[:chunk], off+int64(done))
+		n, err := f.pwriteDirect(b.b[:chunk], off+int64(done))
 		done += n
 		if err != nil {
 			return done, err
@@ -567,6 +586,10 @@ func (f *File) Close() error {
 }
 
 func (f *File) closeFDs() error {
+	if f.aio != nil {
+		f.aio.close()
+		f.aio = nil
+	}
 	var err error
 	if f.fd != f.bfd {
 		err = unix.Close(f.fd)

@@ -1,0 +1,246 @@
+package device
+
+import (
+	"sync"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/tiercache/tiercache/internal/invariants"
+)
+
+// Direct reads and writes of a File go through Linux native AIO
+// (io_submit/io_getevents) on the O_DIRECT fd, not pread/pwrite.
+//
+// A blocking pread holds an OS thread for the whole device access, so N
+// requests in flight cost N threads, each parked in the kernel and woken
+// by the completion, and the Go scheduler hands its P to another thread
+// every time (a thread switch per request on each side). With AIO a
+// request costs a share of one io_submit (requests queued meanwhile are
+// submitted together) and a share of one io_getevents in the reaper
+// goroutine, which wakes the waiting goroutine through a channel: the
+// threads stay few and the device sees requests in batches.
+//
+// Invariants:
+//
+//  1. A request is queued, submitted and completed at most once; until its
+//     completion is delivered on r.done the kernel may write r's buffer,
+//     and the waiting goroutine keeps it (and r) reachable.
+//  2. Only the goroutine with submitting set calls io_submit; it drains
+//     a.pending until it is empty. At most aioDepth requests are queued or
+//     in the kernel (a.slots), so io_submit never fails for a full ring.
+//  3. a.inflight counts requests from just before io_submit until their
+//     completion is delivered (or io_submit refused them). The reaper
+//     runs while a.inflight > 0 and exits when it reaches 0, so
+//     an idle File has no goroutine and Close (which runs with no I/O in
+//     flight) can destroy the context once the reaper is gone.
+//  4. A request io_submit refused is completed with aioFallback: its
+//     caller does the I/O with pread/pwrite itself. A short completion
+//     is finished the same way, so the result is exactly that of
+//     preadFull/pwriteFull.
+
+// aioDepth bounds the requests of one File queued or in the kernel.
+const aioDepth = 256
+
+const (
+	iocbCmdPread  = 0
+	iocbCmdPwrite = 1
+)
+
+// iocb is struct iocb of linux/aio_abi.h (little- and big-endian layouts
+// differ only in the order of aio_key and aio_rw_flags, both zero here).
+type iocb struct {
+	data   uint64
+	_      uint32 // aio_key
+	_      int32  // aio_rw_flags
+	opcode uint16
+	_      int16 // aio_reqprio
+	fildes uint32
+	buf    uint64
+	nbytes uint64
+	offset int64
+	_      uint64 // aio_reserved2
+	_      uint32 // aio_flags
+	_      uint32 // aio_resfd
+}
+
+// ioEvent is struct io_event.
+type ioEvent struct {
+	data uint64
+	_    uint64 // obj
+	res  int64
+	_    int64 // res2
+}
+
+// reapTimeout bounds one io_getevents wait of the reaper.
+const reapTimeout = 20 * time.Millisecond
+
+// aioFallback is a completion result meaning "not submitted".
+const aioFallback = -1 << 62
+
+type aioReq struct {
+	cb   iocb
+	slot int
+	res  int64
+	done chan struct{} // receives the completion (capacity 1)
+}
+
+type aio struct {
+	ctx   uintptr           // aio_context_t
+	slots chan int          // free request slots; a token per request in flight
+	reqs  [aioDepth]*aioReq // by slot: the request the kernel's aio_data names
+	reap  sync.WaitGroup    // the reaper goroutine, if running
+
+	mu         sync.Mutex // guards the fields below
+	pending    []*aioReq  // queued, not yet submitted
+	spare      []*aioReq  // the other pending buffer
+	submitting bool       // a goroutine is draining pending
+	inflight   int        // submitted, completion not yet delivered
+	reaping    bool       // the reaper goroutine runs
+	cbs        []*iocb    // the submitter's io_submit argument
+}
+
+// newAIO sets up an AIO context, or returns nil if the kernel refuses
+// (no AIO support, or the system-wide fs.aio-max-nr is used up): the File
+// then uses pread/pwrite.
+func newAIO() *aio {
+	var ctx uintptr
+	if _, _, e := unix.Syscall(unix.SYS_IO_SETUP, aioDepth, uintptr(unsafe.Pointer(&ctx)), 0); e != 0 {
+		return nil
+	}
+	a := &aio{ctx: ctx, slots: make(chan int, aioDepth)}
+	for i := range aioDepth {
+		a.reqs[i] = &aioReq{slot: i, done: make(chan struct{}, 1)}
+		a.slots <- i
+	}
+	return a
+}
+
+// close destroys the context. REQUIRES: no request in flight.
+func (a *aio) close() {
+	a.reap.Wait()
+	unix.Syscall(unix.SYS_IO_DESTROY, a.ctx, 0, 0)
+}
+
+// do reads (cmd iocbCmdPread) or writes p at off on fd, a direct fd:
+// offset, length and buffer are aligned. It returns the bytes transferred
+// or an error, as preadFull and pwriteFull do.
+func (a *aio) do(cmd uint16, fd int, p []byte, off int64) (int, error) {
+	slot := <-a.slots
+	r := a.reqs[slot]
+	r.cb = iocb{data: uint64(slot), opcode: cmd, fildes: uint32(fd),
+		buf: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(p)))), nbytes: uint64(len(p)), offset: off}
+	a.mu.Lock()
+	a.pending = append(a.pending, r)
+	if !a.submitting {
+		a.submitting = true
+		a.submitLocked()
+	}
+	a.mu.Unlock()
+	<-r.done
+	res := r.res
+	a.slots <- slot
+	var done int
+	if res >= 0 && res <= int64(len(p)) {
+		done = int(res)
+		if done == len(p) {
+			return done, nil
+		}
+	} else if res != aioFallback {
+		return 0, unix.Errno(-res)
+	}
+	// Not submitted, or short: finish synchronously.
+	var n int
+	var err error
+	if cmd == iocbCmdPread {
+		n, err = preadFull(fd, p[done:], off+int64(done))
+	} else {
+		n, err = pwriteFull(fd, p[done:], off+int64(done))
+	}
+	return done + n, err
+}
+
+// submitLocked submits everything pending until nothing is. It drops a.mu
+// around io_submit. REQUIRES: a.mu, a.submitting set by the caller.
+func (a *aio) submitLocked() {
+	for len(a.pending) > 0 {
+		batch := a.pending
+		a.pending = a.spare[:0]
+		a.inflight += len(batch)
+		if !a.reaping {
+			a.reaping = true
+			a.reap.Add(1)
+			go a.reaper()
+		}
+		a.mu.Unlock()
+		a.cbs = a.cbs[:0]
+		for _, r := range batch {
+			a.cbs = append(a.cbs, &r.cb)
+		}
+		refused := 0
+		for i := 0; i < len(a.cbs); {
+			n, _, e := unix.Syscall(unix.SYS_IO_SUBMIT, a.ctx, uintptr(len(a.cbs)-i), uintptr(unsafe.Pointer(&a.cbs[i])))
+			if e == unix.EINTR {
+				continue
+			}
+			if e != 0 || n == 0 {
+				// The kernel took none of them from i on: the first is
+				// refused (its caller does it synchronously), and the
+				// rest are retried.
+				batch[i].res = aioFallback
+				batch[i].done <- struct{}{}
+				refused++
+				i++
+				continue
+			}
+			i += int(n)
+		}
+		clear(a.cbs)
+		clear(batch)
+		a.mu.Lock()
+		a.inflight -= refused
+		a.spare = batch[:0]
+	}
+	a.submitting = false
+}
+
+// reaper delivers completions until nothing is in flight.
+func (a *aio) reaper() {
+	defer a.reap.Done()
+	var evs [64]ioEvent
+	for {
+		// The timeout only matters when io_submit refused requests
+		// counted in inflight: the loop then sees inflight reach 0.
+		ts := unix.Timespec{Nsec: int64(reapTimeout)}
+		n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, a.ctx, 1, uintptr(len(evs)), uintptr(unsafe.Pointer(&evs[0])), uintptr(unsafe.Pointer(&ts)), 0)
+		if e != 0 {
+			// EINTR; anything else (EFAULT, EINVAL) is a bug here, not a
+			// device failure. The requests are still the kernel's (it may
+			// yet write their buffers), so they cannot be failed: keep
+			// waiting for them, as for a hung device.
+			if e != unix.EINTR {
+				invariants.AssertionFailedf("device: io_getevents: %v", e)
+				time.Sleep(time.Millisecond)
+			}
+			n = 0
+		}
+		// Under a.mu, which the request's caller held after taking the
+		// slot: the race detector cannot see the kernel order it after
+		// the slot's previous use. r.done has room: one completion per
+		// submission.
+		a.mu.Lock()
+		for _, ev := range evs[:n] {
+			r := a.reqs[ev.data%aioDepth]
+			r.res = ev.res
+			r.done <- struct{}{}
+		}
+		a.inflight -= int(n)
+		if a.inflight == 0 {
+			a.reaping = false
+			a.mu.Unlock()
+			return
+		}
+		a.mu.Unlock()
+	}
+}
