@@ -121,6 +121,9 @@ type Consistency struct {
 	// until the next full drain of the volume's dirty data.
 	BackingConsistent bool       `json:"backing_consistent"`
 	InconsistentSince *time.Time `json:"inconsistent_since,omitempty"`
+	// CatchingUp: a degraded volume is catching up with epoch order; the
+	// backing device is consistent again once the pass is done.
+	CatchingUp bool `json:"catching_up,omitempty"`
 }
 
 // AttachRequest is the body of POST /v1/attach.

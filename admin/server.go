@@ -401,7 +401,7 @@ func (s *Server) exportInfo(e Export) ExportInfo {
 }
 
 func consistency(v *cache.Volume, vs cache.VolumeStats) Consistency {
-	c := Consistency{WritebackOrder: v.Settings().WritebackOrder.String(), BackingConsistent: vs.BackingConsistent}
+	c := Consistency{WritebackOrder: v.Settings().WritebackOrder.String(), BackingConsistent: vs.BackingConsistent, CatchingUp: vs.CatchingUp}
 	if !vs.InconsistentSince.IsZero() {
 		t := vs.InconsistentSince
 		c.InconsistentSince = &t

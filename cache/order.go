@@ -104,7 +104,7 @@ type orderState struct {
 	// written back as one), 0 when none is running. Changed under Set.mu
 	// with degraded.
 	cut atomic.Uint64
-	// catchUps counts the cuts made; tests read it.
+	// catchUps counts the cuts made (VolumeStats.CatchUps).
 	catchUps atomic.Uint64
 }
 
@@ -292,4 +292,5 @@ func (v *Volume) fillOrderStats(st *VolumeStats) {
 	if r := v.ord.reason.Load(); r != nil {
 		st.DegradeReason = string(*r)
 	}
+	st.CatchingUp, st.CatchUps = v.ord.cut.Load() != 0, v.ord.catchUps.Load()
 }

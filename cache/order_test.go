@@ -218,8 +218,8 @@ func TestCatchUpUnderWrites(t *testing.T) {
 		if round > 1000 {
 			t.Fatal("catch-up not done after 1000 rounds")
 		}
-		if st := v.Stats(); st.BackingConsistent {
-			t.Fatalf("round %d: backing device reported consistent during the catch-up", round)
+		if st := v.Stats(); st.BackingConsistent || !st.CatchingUp || st.CatchUps != 1 {
+			t.Fatalf("round %d: during the catch-up: consistent %v, catching up %v, %d catch-ups (want no, yes, 1)", round, st.BackingConsistent, st.CatchingUp, st.CatchUps)
 		}
 		epochOfWrites(4)
 		if _, err := s.writebackSweep(v, 3); err != nil {
@@ -238,8 +238,8 @@ func TestCatchUpUnderWrites(t *testing.T) {
 		t.Fatal("caught up, but not restored")
 	}
 	st := v.Stats()
-	if !st.BackingConsistent || !st.InconsistentSince.IsZero() || st.DirtyBlocks == 0 || !s.keepSuperseded(0) {
-		t.Fatalf("after the catch-up: consistent %v, since %v, %d dirty (want some), keeps superseded %v", st.BackingConsistent, st.InconsistentSince, st.DirtyBlocks, s.keepSuperseded(0))
+	if !st.BackingConsistent || !st.InconsistentSince.IsZero() || st.DirtyBlocks == 0 || !s.keepSuperseded(0) || st.CatchingUp {
+		t.Fatalf("after the catch-up: consistent %v, since %v, %d dirty (want some), keeps superseded %v, catching up %v", st.BackingConsistent, st.InconsistentSince, st.DirtyBlocks, s.keepSuperseded(0), st.CatchingUp)
 	}
 
 	// Degraded again; a degrade during the catch-up ends it.
@@ -253,9 +253,9 @@ func TestCatchUpUnderWrites(t *testing.T) {
 	epochOfWrites(16)
 	v.degrade(degradeSequential)
 	st = v.Stats()
-	if st.BackingConsistent || !st.InconsistentSince.Equal(since) || v.ord.cut.Load() != 0 || s.keepSuperseded(0) || st.SupersededBlocks != 0 {
-		t.Fatalf("degraded during a catch-up: consistent %v, since %v (want %v), cut %d, keeps superseded %v, %d superseded",
-			st.BackingConsistent, st.InconsistentSince, since, v.ord.cut.Load(), s.keepSuperseded(0), st.SupersededBlocks)
+	if st.BackingConsistent || !st.InconsistentSince.Equal(since) || st.CatchingUp || st.CatchUps != 2 || v.ord.cut.Load() != 0 || s.keepSuperseded(0) || st.SupersededBlocks != 0 {
+		t.Fatalf("degraded during a catch-up: consistent %v, since %v (want %v), catching up %v, %d catch-ups (want 2), cut %d, keeps superseded %v, %d superseded",
+			st.BackingConsistent, st.InconsistentSince, since, st.CatchingUp, st.CatchUps, v.ord.cut.Load(), s.keepSuperseded(0), st.SupersededBlocks)
 	}
 	if v.catchUp() {
 		t.Fatal("catch-up right after the degrade that ended the last one")

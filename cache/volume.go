@@ -149,6 +149,13 @@ type VolumeStats struct {
 	// ("space-wait", "sequential-bypass", "superseded", "order-change").
 	WritebackDegrades uint64
 	DegradeReason     string
+	// CatchingUp: a catch-up to epoch order is running (order.go): the
+	// volume is degraded, cut an epoch, and writeback is taking
+	// everything dirty from before the cut in one LBA sweep; the backing
+	// device is consistent again once that is written back. CatchUps
+	// counts the catch-ups started since the server started.
+	CatchingUp bool
+	CatchUps   uint64
 	// WritebackFailures counts background writeback batches that failed
 	// (a failing or full backing device); WritebackFailing is set while
 	// they keep failing and writeback retries with backoff (backoff.go).

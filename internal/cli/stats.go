@@ -298,7 +298,7 @@ func printStats(out io.Writer, st admin.Stats) error {
 			f    func(admin.ExportStats) string
 		}{
 			{"backing_consistent", func(e admin.ExportStats) string {
-				c := admin.Consistency{WritebackOrder: e.WritebackOrder, BackingConsistent: e.Volume.BackingConsistent}
+				c := admin.Consistency{WritebackOrder: e.WritebackOrder, BackingConsistent: e.Volume.BackingConsistent, CatchingUp: e.Volume.CatchingUp}
 				if t := e.Volume.InconsistentSince; !t.IsZero() {
 					c.InconsistentSince = &t
 				}

@@ -134,6 +134,8 @@ func consistencyShort(c admin.Consistency) string {
 	switch {
 	case c.BackingConsistent:
 		return "yes"
+	case c.InconsistentSince != nil && c.CatchingUp:
+		return "no, since " + c.InconsistentSince.Local().Format(time.TimeOnly) + ", catching up"
 	case c.InconsistentSince != nil:
 		return "no, since " + c.InconsistentSince.Local().Format(time.TimeOnly)
 	case c.WritebackOrder == "lba":
@@ -148,6 +150,8 @@ func consistencyText(c admin.Consistency) string {
 	switch {
 	case c.BackingConsistent:
 		return "yes"
+	case c.InconsistentSince != nil && c.CatchingUp:
+		return "no, since " + c.InconsistentSince.Local().Format(time.DateTime) + "; catching up now: consistent again once the catch-up pass has written back everything dirty from before its cut"
 	case c.InconsistentSince != nil:
 		return "no, since " + c.InconsistentSince.Local().Format(time.DateTime) + "; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)"
 	case c.WritebackOrder == "lba":

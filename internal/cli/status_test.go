@@ -12,8 +12,8 @@ import (
 
 // TestStatusConsistency: status says per export whether the backing device
 // alone is consistent (the CONSISTENT column), and for a volume whose
-// epoch order degraded, since when and when it is consistent again; usage
-// says the same per export. Exact output (nothing here is volatile): the
+// epoch order degraded, since when, whether it is catching up and when it
+// is consistent again; usage says the same per export. Exact output (nothing here is volatile): the
 // walk-through shows only the consistent case, since a degrade depends on
 // timing.
 func TestStatusConsistency(t *testing.T) {
@@ -24,6 +24,8 @@ func TestStatusConsistency(t *testing.T) {
 			CachedBytes: 64 << 20, DirtyBytes: 8 << 20, HitRatio: 0.5,
 			Consistency: admin.Consistency{WritebackOrder: order, BackingConsistent: ok, InconsistentSince: at}}
 	}
+	catching := vol("wal", "epoch", false, &since)
+	catching.CatchingUp = true
 	s := &session{id: serverID{Found: "$TIERCACHE_ADMIN"}, st: admin.Status{
 		Version: "v1", PID: 42, Started: started, UptimeSeconds: 60,
 		Listeners: []string{"unix:/srv/nbd.sock"}, Admin: []string{"unix:/srv/admin.sock"},
@@ -33,6 +35,7 @@ func TestStatusConsistency(t *testing.T) {
 			vol("db", "epoch", true, nil),
 			vol("logs", "epoch", false, &since),
 			vol("scratch", "lba", false, nil),
+			catching,
 			{Name: "iso", Path: "/srv/iso.img", Size: 1 << 20, Mode: "plain"},
 		},
 	}}
@@ -47,20 +50,22 @@ cache set     u
 cache device  /srv/ssd.img (256 MiB: 240 buckets of 1 MiB, the rest metadata)
 state         ok; 192 MiB cached, 24 MiB dirty
 
-EXPORT   MODE       SIZE   CACHED  DIRTY  HIT    CONSISTENT          DEVICE
-db       writeback  1 GiB  64 MiB  8 MiB  50.0%  yes                 /srv/db.img
-logs     writeback  1 GiB  64 MiB  8 MiB  50.0%  no, since 10:02:03  /srv/logs.img
-scratch  writeback  1 GiB  64 MiB  8 MiB  50.0%  no (lba order)      /srv/scratch.img
-iso      plain      1 MiB  -       -      -      -                   /srv/iso.img
+EXPORT   MODE       SIZE   CACHED  DIRTY  HIT    CONSISTENT                       DEVICE
+db       writeback  1 GiB  64 MiB  8 MiB  50.0%  yes                              /srv/db.img
+logs     writeback  1 GiB  64 MiB  8 MiB  50.0%  no, since 10:02:03               /srv/logs.img
+scratch  writeback  1 GiB  64 MiB  8 MiB  50.0%  no (lba order)                   /srv/scratch.img
+wal      writeback  1 GiB  64 MiB  8 MiB  50.0%  no, since 10:02:03, catching up  /srv/wal.img
+iso      plain      1 MiB  -       -      -      -                                /srv/iso.img
 
 logs: backing device consistent: no, since 2026-12-02 10:02:03; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)
+wal: backing device consistent: no, since 2026-12-02 10:02:03; catching up now: consistent again once the catch-up pass has written back everything dirty from before its cut
 `
 	if got := out.String(); got != want {
 		t.Errorf("status printed:\n%s\nwant:\n%s", got, want)
 	}
 
 	var u admin.Usage
-	for _, e := range s.st.Exports[:3] {
+	for _, e := range s.st.Exports[:4] {
 		u.Exports = append(u.Exports, admin.ExportUsage{Name: e.Name, Path: e.Path, Mode: e.Mode, Size: e.Size, Used: e.Size,
 			Cached: e.CachedBytes, Dirty: e.DirtyBytes, PendingWriteback: e.DirtyBytes, Consistency: e.Consistency})
 	}
@@ -72,6 +77,7 @@ logs: backing device consistent: no, since 2026-12-02 10:02:03; consistent again
 		"  backing device consistent: yes\n",
 		"  backing device consistent: no, since 2026-12-02 10:02:03; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)\n",
 		"  backing device consistent: no (writeback_order lba: writeback does not keep the order of flushes)\n",
+		"  backing device consistent: no, since 2026-12-02 10:02:03; catching up now: consistent again once the catch-up pass has written back everything dirty from before its cut\n",
 	} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("usage lacks %q:\n%s", want, out.String())
