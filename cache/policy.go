@@ -3,9 +3,12 @@ package cache
 // Per-volume policies: sequential bypass and promotion of read misses.
 //
 // Both decide from recent history only and keep it in small, bounded
-// structures under the volume's policy lock (never Set.mu), so a decision
-// costs a few hundred nanoseconds and no foreground request waits on GC or
-// writeback bookkeeping to make it.
+// structures under the volume's policy lock (never held with Set.mu), so a
+// decision costs a few hundred nanoseconds and no foreground request waits
+// on GC or writeback bookkeeping to make it. Only a write in a stream
+// already past sequential_cutoff also reads the cache's room for streams,
+// under Set.mu once the policy lock is released (as the write's throttle
+// does).
 //
 // Sequential detection (bcache's sequential_cutoff): the last seqStreams
 // streams are remembered as (lowest and highest byte offset reached, bytes
@@ -22,16 +25,28 @@ package cache
 //
 // A request a little behind the end that fills no hole rewrites what the
 // stream just wrote (a log's last block, a database page): it belongs to
-// the stream but adds nothing to it, and does not bypass the cache. A request that fits several streams
-// goes to the most recently used one; one that fits none replaces the
-// least recently used stream. A
-// request bypasses the cache when it is as large as the cutoff, or when
-// its stream, including the request itself, has reached the cutoff and is
-// dense (its bytes cover at least
-// half of its span, so a random writer that lands near a stream by chance
-// never builds one). Tracking several streams detects a sequential reader
-// or writer even when other streams (several files, several clients)
-// interleave.
+// the stream but adds nothing to it, and does not bypass the cache. A
+// request that fits several streams goes to the most recently used one;
+// one that fits none replaces the least recently used stream. Tracking
+// several streams detects a sequential reader or writer even when other
+// streams (several files, several clients) interleave.
+//
+// A request bypasses the cache when it, or the stream it extends
+// (including the request itself, if the stream is dense: its bytes cover
+// at least half of its span, so a random writer that lands near a stream
+// by chance never builds one), is as long as the cutoff (seqBypass). For
+// reads the cutoff is sequential_cutoff: promoting a scan would only evict
+// what was read before. For writes in writeback mode it grows with the
+// room the cache has for a stream (streamRoom: what is left below the
+// throttle point once dirty data and superseded versions are counted, none
+// while free buckets are short): a
+// stream goes to the cache, at the cache's speed, while it is shorter than
+// that room, and bypasses once it is longer. A cache with room absorbs a
+// database's table files and logs; a cache short of room (earlier jobs'
+// dirty data) bypasses streams at sequential_cutoff, as bcache does. The
+// room shrinks as the stream itself fills the cache, so a stream takes at
+// most half of it and a stream of any length never drives the cache to
+// the throttle point; the streams of several writers share it.
 //
 // Promotion: "always" promotes every read miss; "never" promotes none
 // (NBD_CMD_CACHE still does: the client asked for it); "after:N" promotes a
@@ -152,10 +167,9 @@ func (st *stream) fill(lo, hi int64) int64 {
 	return got
 }
 
-// long reports whether the stream has reached cutoff bytes densely.
-func (st *stream) long(cutoff int64) bool {
-	return cutoff > 0 && st.seen >= cutoff && st.next-st.start <= 2*st.seen
-}
+// dense reports whether the stream's bytes cover at least half of its
+// span.
+func (st *stream) dense() bool { return st.next-st.start <= 2*st.seen }
 
 // policy is a volume's run-time policy state.
 type policy struct {
@@ -165,9 +179,10 @@ type policy struct {
 	misses  map[uint64]uint8 // after:N: read misses per block
 }
 
-// sequential records a request of n bytes at off and reports whether it is
-// part of a stream at least cutoff bytes long (cutoff 0: never).
-func (p *policy) sequential(off, n, cutoff int64) bool {
+// sequential records a request of n bytes at off and returns the bytes of
+// the dense stream it extends, itself included; n when it starts a stream,
+// rewrites what its stream wrote or extends a stream that is not dense.
+func (p *policy) sequential(off, n int64) int64 {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.clock++
@@ -189,10 +204,63 @@ func (p *policy) sequential(off, n, cutoff int64) bool {
 		st := &p.streams[best]
 		st.extend(off, n, how)
 		st.used = p.clock
-		return cutoff > 0 && n >= cutoff || how != seqRewrite && st.long(cutoff)
+		if how != seqRewrite && st.dense() {
+			return max(st.seen, n)
+		}
+		return n
 	}
 	p.streams[lru] = stream{start: off, next: off + n, seen: n, used: p.clock}
-	return cutoff > 0 && n >= cutoff
+	return n
+}
+
+// seqBypass reports whether a request whose stream holds run bytes (as
+// policy.sequential returns) bypasses the cache, for the volume's
+// sequential_cutoff and the room the cache has for the stream (bytes; 0
+// when short of room): once the stream is as long as the larger of the
+// two. A cutoff of 0 turns bypass off.
+func seqBypass(run, cutoff, room int64) bool {
+	return cutoff > 0 && run >= max(cutoff, room)
+}
+
+// seqRead records a read of n bytes at off and reports whether it is part
+// of a stream at least sequential_cutoff long (not promoted).
+func (v *Volume) seqRead(off, n int64) bool {
+	return seqBypass(v.pol.sequential(off, n), v.cfg.Load().SequentialCutoff, 0)
+}
+
+// seqWrite records a write of n bytes at off and reports whether it
+// bypasses the cache as part of a stream: at sequential_cutoff, or in
+// writeback mode once the stream is longer than the cache's room for it.
+// The room, which takes Set.mu, is looked at only for streams already past
+// the cutoff.
+func (v *Volume) seqWrite(off, n int64) bool {
+	run, cutoff := v.pol.sequential(off, n), v.cfg.Load().SequentialCutoff
+	if !seqBypass(run, cutoff, 0) {
+		return false
+	}
+	if v.Mode() != Writeback {
+		return true // writethrough gains nothing from caching a stream
+	}
+	return seqBypass(run, cutoff, v.s.streamRoom())
+}
+
+// streamRoom is the room the cache has for a write stream, in bytes: the
+// blocks below the throttle point (throttleStart of the cache) that hold
+// neither dirty data nor superseded versions, of every volume. Clean data
+// counts as room: eviction frees it without writing anything back. None
+// while free buckets are short: eviction is behind, and a stream taken
+// into the cache then would wait for it, or go around the cache anyway.
+func (s *Set) streamRoom() int64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if len(s.mu.free) < s.lowWater() {
+		return 0
+	}
+	var d int64
+	for _, v := range s.vols {
+		d += v.idx.Dirty + v.idx.NSup
+	}
+	return max(int64(throttleStart*float64(s.mu.CacheBlocks()))-d, 0) * blockSize
 }
 
 // promoteMiss counts a read miss of block lba and reports whether the block

@@ -26,8 +26,13 @@ var flagRewrite = flagBool("rewrite", false, "regenerate the golden policy trace
 // Trace lines (LBAs and lengths in 4 KiB blocks):
 //
 //	set key=value ...           change settings
+//	room N                      another volume's dirty data leaves the cache N blocks of room for write streams
 //	read LBA N -> hit | miss [bypass] [promote=K]
 //	write LBA N -> cache | bypass
+//
+// The set runs without background goroutines, so nothing is written back
+// and the room is what the trace's writes leave (the test checks the
+// engine's streamRoom against the model's after every room line).
 func TestPolicyGolden(t *testing.T) {
 	files, _ := filepath.Glob("testdata/policy/*.trace")
 	if len(files) == 0 {
@@ -37,6 +42,14 @@ func TestPolicyGolden(t *testing.T) {
 		t.Run(filepath.Base(f), func(t *testing.T) { runPolicyTrace(t, f) })
 	}
 }
+
+// Golden traces' cache: about 512 buckets of 16 blocks, and the volume that
+// holds the other dirty data (room lines).
+const (
+	goldenBuckets = 512
+	goldenBPB     = 16
+	goldenOther   = goldenBuckets * goldenBPB // blocks of the other volume
+)
 
 func runPolicyTrace(t *testing.T, path string) {
 	fh, err := os.Open(path)
@@ -49,10 +62,18 @@ func runPolicyTrace(t *testing.T, path string) {
 		lines = append(lines, sc.Text())
 	}
 	fh.Close()
-	// 64 buckets of 16 blocks: nothing is evicted in these traces.
-	s, _, _ := newTestSet(t, 64, 16*blockSize, 4096*blockSize)
-	v := s.vols[0]
-	ref := newRefPolicy()
+	// Nothing is evicted in these traces: every trace's writes, promotions
+	// and other dirty data stay below the free reserve.
+	s, _, _ := newTestSetKnobs(t, testingKnobs{noBackground: true}, goldenBuckets, goldenBPB*blockSize, 4096*blockSize, goldenOther*blockSize)
+	v, other := s.vols[0], s.vols[1]
+	ost := other.Settings()
+	ost.SequentialCutoff = 0
+	if err := other.SetSettings(ost); err != nil {
+		t.Fatal(err)
+	}
+	s.mu.Lock()
+	ref := newRefPolicy(s.mu.CacheBlocks())
+	s.mu.Unlock()
 	var out []string
 	for ln, line := range lines {
 		op, want, _ := strings.Cut(line, " -> ")
@@ -61,7 +82,8 @@ func runPolicyTrace(t *testing.T, path string) {
 			out = append(out, line)
 			continue
 		}
-		if f[0] == "set" {
+		switch f[0] {
+		case "set":
 			st := v.Settings()
 			for _, kv := range f[1:] {
 				k, val, _ := strings.Cut(kv, "=")
@@ -73,6 +95,28 @@ func runPolicyTrace(t *testing.T, path string) {
 				t.Fatal(err)
 			}
 			ref.st = st
+			out = append(out, line)
+			continue
+		case "room":
+			n, err := strconv.ParseInt(f[1], 10, 64)
+			if len(f) != 2 || err != nil {
+				t.Fatalf("%s:%d: bad line %q", path, ln+1, line)
+			}
+			more := ref.room() - n
+			if more < 0 || ref.other+more > goldenOther {
+				t.Fatalf("%s:%d: %q: the room is %d blocks already, the other volume holds %d", path, ln+1, line, ref.room(), ref.other)
+			}
+			for done := int64(0); done < more; {
+				k := min(more-done, 256)
+				if err := other.WriteAt(make([]byte, k*blockSize), (ref.other+done)*blockSize, false); err != nil {
+					t.Fatal(err)
+				}
+				done += k
+			}
+			ref.other += more
+			if got := s.streamRoom(); got != n*blockSize {
+				t.Fatalf("%s:%d: %q: the engine's room is %d blocks", path, ln+1, line, got/blockSize)
+			}
 			out = append(out, line)
 			continue
 		}
@@ -140,11 +184,14 @@ func engineWrite(t *testing.T, v *Volume, lba uint64, n int) string {
 	return "cache"
 }
 
-// refPolicy is the reference model: the rules of doc.go's policy section
-// written as plainly as possible, over a map of cached blocks.
+// refPolicy is the reference model: the rules of policy.go's comment
+// written as plainly as possible, over maps of cached and dirty blocks.
 type refPolicy struct {
 	st      Settings
 	cached  map[uint64]bool
+	dirty   map[uint64]bool // the volume's dirty blocks
+	other   int64           // the other volume's dirty blocks (room lines)
+	blocks  int64           // the cache's blocks
 	misses  map[uint64]int
 	streams []refStream // most recently used last
 }
@@ -157,8 +204,14 @@ type refStream struct {
 	holes             [][2]int64 // [lo, hi) byte ranges
 }
 
-func newRefPolicy() *refPolicy {
-	return &refPolicy{st: DefaultSettings(), cached: map[uint64]bool{}, misses: map[uint64]int{}}
+func newRefPolicy(blocks int64) *refPolicy {
+	return &refPolicy{st: DefaultSettings(), cached: map[uint64]bool{}, dirty: map[uint64]bool{}, misses: map[uint64]int{}, blocks: blocks}
+}
+
+// room is the cache's room for write streams in blocks: the blocks below
+// 70 % of the cache (where writes start to be throttled) not dirty.
+func (r *refPolicy) room() int64 {
+	return max(r.blocks*7/10-int64(len(r.dirty))-r.other, 0)
 }
 
 // seq: the most recently used remembered stream that the request belongs
@@ -167,11 +220,17 @@ func newRefPolicy() *refPolicy {
 // up to seqWindow behind its end (adds nothing, and is not sequential). Otherwise the request
 // starts a new stream, forgetting the least recently used of 16. It
 // bypasses if it is as large as the cutoff, or once its stream holds the
-// cutoff and covers at least half of its span.
-func (r *refPolicy) seq(lba uint64, n int) bool {
+// cutoff and covers at least half of its span. The cutoff of a write in
+// writeback mode is the larger of sequential_cutoff and the room (0
+// disables either way).
+func (r *refPolicy) seq(lba uint64, n int, write bool) bool {
 	off, ln := int64(lba)*blockSize, int64(n)*blockSize
+	cutoff := r.st.SequentialCutoff
+	if write && r.st.Mode == Writeback && cutoff > 0 {
+		cutoff = max(cutoff, r.room()*blockSize)
+	}
 	long := func(s refStream) bool {
-		return r.st.SequentialCutoff > 0 && s.seen >= r.st.SequentialCutoff && s.next-s.start <= 2*s.seen
+		return cutoff > 0 && s.seen >= cutoff && s.next-s.start <= 2*s.seen
 	}
 	for i := len(r.streams) - 1; i >= 0; i-- {
 		s := r.streams[i]
@@ -209,23 +268,23 @@ func (r *refPolicy) seq(lba uint64, n int) bool {
 			if len(s.holes) == before && s.seen == seen {
 				// A rewrite: part of the stream, not sequential.
 				r.streams = append(append(r.streams[:i:i], r.streams[i+1:]...), s)
-				return r.st.SequentialCutoff > 0 && ln >= r.st.SequentialCutoff
+				return cutoff > 0 && ln >= cutoff
 			}
 		default:
 			continue
 		}
 		r.streams = append(append(r.streams[:i:i], r.streams[i+1:]...), s)
-		return r.st.SequentialCutoff > 0 && ln >= r.st.SequentialCutoff || long(s)
+		return cutoff > 0 && ln >= cutoff || long(s)
 	}
 	if len(r.streams) == seqStreams {
 		r.streams = r.streams[1:]
 	}
 	r.streams = append(r.streams, refStream{start: off, next: off + ln, seen: ln})
-	return r.st.SequentialCutoff > 0 && ln >= r.st.SequentialCutoff
+	return cutoff > 0 && ln >= cutoff
 }
 
 func (r *refPolicy) read(lba uint64, n int) string {
-	seq := r.seq(lba, n)
+	seq := r.seq(lba, n, false)
 	all := true
 	for i := 0; i < n; i++ {
 		all = all && r.cached[lba+uint64(i)]
@@ -257,9 +316,15 @@ func (r *refPolicy) read(lba uint64, n int) string {
 }
 
 func (r *refPolicy) write(lba uint64, n int) string {
-	seq := r.seq(lba, n)
+	seq := r.seq(lba, n, true)
 	for i := 0; i < n; i++ {
-		r.cached[lba+uint64(i)] = !seq
+		b := lba + uint64(i)
+		r.cached[b] = !seq
+		if !seq && r.st.Mode == Writeback {
+			r.dirty[b] = true
+		} else {
+			delete(r.dirty, b)
+		}
 	}
 	if seq {
 		return "bypass"
@@ -361,7 +426,7 @@ func TestSequentialDetection(t *testing.T) {
 			var total, seq int64
 			for _, r := range tc.reqs {
 				total += r.n
-				if p.sequential(r.off, r.n, cutoff) {
+				if seqBypass(p.sequential(r.off, r.n), cutoff, 0) {
 					seq += r.n
 				}
 			}
@@ -397,7 +462,7 @@ func TestSequentialKernelTrace(t *testing.T) {
 		if len(f) != 3 || f[0] != "write" || err1 != nil || err2 != nil {
 			t.Fatalf("bad line %q", sc.Text())
 		}
-		isSeq := p.sequential(lba*blockSize, n*blockSize, DefaultSettings().SequentialCutoff)
+		isSeq := seqBypass(p.sequential(lba*blockSize, n*blockSize), DefaultSettings().SequentialCutoff, 0)
 		if n >= 16 { // the file's requests (64 KiB and up); the rest is ext4 metadata
 			file += n * blockSize
 			if isSeq {
@@ -409,4 +474,101 @@ func TestSequentialKernelTrace(t *testing.T) {
 		t.Fatalf("%d of the file's %d MiB found sequential, want at least 448", seq>>20, file>>20)
 	}
 	t.Logf("%d of the file's %d MiB found sequential", seq>>20, file>>20)
+}
+
+// TestSeqBypass is the bypass decision's table: a stream bypasses once it
+// is as long as the larger of sequential_cutoff and the cache's room for
+// streams; 0 turns bypass off whatever the room.
+func TestSeqBypass(t *testing.T) {
+	const cutoff = 4 << 20
+	for _, tc := range []struct {
+		run, cutoff, room int64
+		want              bool
+	}{
+		{run: 4 << 20, cutoff: cutoff, room: 0, want: true},         // short of room: the cutoff
+		{run: 4<<20 - 1, cutoff: cutoff, room: 0, want: false},      // below the cutoff
+		{run: 4 << 20, cutoff: cutoff, room: 1 << 20, want: true},   // room below the cutoff: the cutoff
+		{run: 8 << 20, cutoff: cutoff, room: 64 << 20, want: false}, // room: the stream goes to the cache
+		{run: 64<<20 - 1, cutoff: cutoff, room: 64 << 20, want: false},
+		{run: 64 << 20, cutoff: cutoff, room: 64 << 20, want: true}, // as long as the room
+		{run: 1 << 30, cutoff: cutoff, room: 64 << 20, want: true},
+		{run: 1 << 30, cutoff: 0, room: 0, want: false}, // disabled
+		{run: 1 << 30, cutoff: 0, room: 64 << 20, want: false},
+	} {
+		if got := seqBypass(tc.run, tc.cutoff, tc.room); got != tc.want {
+			t.Errorf("seqBypass(run %d, cutoff %d, room %d) = %v, want %v", tc.run, tc.cutoff, tc.room, got, tc.want)
+		}
+	}
+}
+
+// TestStreamRoomBound writes streams twice the cache's size, one alone and
+// then four interleaved, into a cache nothing is written back from, and
+// checks what the room rule promises: the streams go to the cache first
+// (together about half the room, or more when several share it) and
+// never take the dirty data past the throttle point, however long they
+// are; the rest bypasses.
+func TestStreamRoomBound(t *testing.T) {
+	for _, writers := range []int{1, 4} {
+		t.Run(fmt.Sprintf("%d writers", writers), func(t *testing.T) {
+			s, _, _ := newTestSetKnobs(t, testingKnobs{noBackground: true}, 64, 16*blockSize, 4096*blockSize)
+			v := s.vols[0]
+			st := v.Settings()
+			st.SequentialCutoff = 16 << 10
+			if err := v.SetSettings(st); err != nil {
+				t.Fatal(err)
+			}
+			room0 := s.streamRoom() / blockSize // blocks
+			const req = 4                       // blocks per write
+			total := 2 * 64 * 16 / writers      // blocks per writer: together twice the cache
+			for i := 0; i < total/req; i++ {
+				for w := 0; w < writers; w++ {
+					off := int64(w*1024+i*req) * blockSize
+					if err := v.WriteAt(make([]byte, req*blockSize), off, false); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+			vs := v.Stats()
+			cached := int64(vs.WriteBytes-vs.BypassSequentialBytes) / blockSize
+			t.Logf("room %d blocks; %d of %d blocks written went to the cache, %d dirty", room0, cached, vs.WriteBytes/blockSize, vs.DirtyBlocks)
+			if vs.DirtyBlocks != cached || cached >= room0 {
+				t.Errorf("%d blocks dirty, %d cached of %d written: want them equal and below the room (%d)", vs.DirtyBlocks, cached, vs.WriteBytes/blockSize, room0)
+			}
+			// n streams stop when each is as long as the room they left:
+			// together n/(n+1) of it.
+			if want := room0 * int64(writers) / int64(writers+1); cached < want-int64(writers*req) {
+				t.Errorf("%d blocks of %d writers' streams went to the cache, want about %d (room %d)", cached, writers, want, room0)
+			}
+		})
+	}
+}
+
+// TestStreamRoomShortFree: a cache whose free buckets are short has no room
+// for streams even when nothing in it is dirty (eviction is behind; a
+// stream would wait for it).
+func TestStreamRoomShortFree(t *testing.T) {
+	s, _, _ := newTestSetKnobs(t, testingKnobs{noBackground: true}, 64, 16*blockSize, 4096*blockSize)
+	v := s.vols[0]
+	st := v.Settings()
+	st.Mode, st.SequentialCutoff = Writethrough, 0 // clean data, nothing bypassed
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	if s.streamRoom() == 0 {
+		t.Fatal("no room in an empty cache")
+	}
+	for lba := int64(0); ; lba += 16 {
+		s.mu.Lock()
+		short := len(s.mu.free) < s.lowWater()
+		s.mu.Unlock()
+		if short {
+			break
+		}
+		if err := v.WriteAt(make([]byte, 16*blockSize), lba*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if vs := v.Stats(); vs.DirtyBlocks != 0 || s.streamRoom() != 0 {
+		t.Fatalf("free buckets short, %d blocks dirty: room %d bytes, want 0 dirty and no room", vs.DirtyBlocks, s.streamRoom())
+	}
 }

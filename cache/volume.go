@@ -321,7 +321,7 @@ func (v *Volume) ReadAt(p []byte, off int64) error {
 	v.st.readBytes.Add(uint64(len(p)))
 	v.touch()
 	pm := promotePolicy
-	if v.pol.sequential(off, int64(len(p)), v.cfg.Load().SequentialCutoff) {
+	if v.seqRead(off, int64(len(p))) {
 		pm = promoteSeqBypass
 	}
 	first, n := blockSpan(off, int64(len(p)))
@@ -656,7 +656,7 @@ func (v *Volume) WriteAtTier(p []byte, off int64, fua bool) (Tier, error) {
 		v.st.writeOps.Add(1)
 		v.st.writeBytes.Add(uint64(len(p)))
 		v.touch()
-		t, err := v.write(p, off, v.pol.sequential(off, int64(len(p)), v.cfg.Load().SequentialCutoff))
+		t, err := v.write(p, off, v.seqWrite(off, int64(len(p))))
 		if err != nil {
 			return t, err
 		}

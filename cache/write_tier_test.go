@@ -8,7 +8,8 @@ import (
 // TestWriteTier: WriteAtTier names the device each write went to, as the
 // routing did it: the cache alone for writeback, the backing device for
 // writethrough, writearound and none, and for a writeback write that is
-// part of a sequential stream past the cutoff (bypassed).
+// part of a sequential stream past the cutoff and the cache's room for it
+// (bypassed).
 func TestWriteTier(t *testing.T) {
 	const bs = 64 << 10
 	s, _, _ := newTestSet(t, 64, bs, 8<<20, 8<<20, 8<<20, 8<<20)
@@ -29,7 +30,8 @@ func TestWriteTier(t *testing.T) {
 			t.Errorf("%v write: tier %v, want %v", tc.mode, got, tc.want)
 		}
 	}
-	// A sequential stream in writeback: the writes past the cutoff bypass.
+	// A sequential stream in writeback, 3 MiB into a 4 MiB cache: the writes
+	// past the cutoff and the cache's room for the stream bypass.
 	v := s.Volumes()[0]
 	st := v.Settings()
 	st.SequentialCutoff = 64 << 10
@@ -40,7 +42,7 @@ func TestWriteTier(t *testing.T) {
 		t.Fatal(err)
 	}
 	var last Tier
-	for off := int64(1 << 20); off < 2<<20; off += 16 << 10 {
+	for off := int64(1 << 20); off < 4<<20; off += 16 << 10 {
 		tier, err := v.WriteAtTier(bytes.Repeat([]byte{1}, 16<<10), off, false)
 		if err != nil {
 			t.Fatal(err)

@@ -13,7 +13,7 @@ import (
 // Keys (as used by the CLI and admin API, see ParseSetting):
 //
 //	cache_mode          writeback | writethrough | writearound | none
-//	sequential_cutoff   bytes (e.g. 4M); streams longer than this bypass the cache; 0 disables
+//	sequential_cutoff   bytes (e.g. 4M); streams longer than this bypass the cache (writeback write streams: longer than this and the cache's room); 0 disables
 //	writeback_percent   target dirty share of the cache, 0..100
 //	writeback_order     epoch | lba
 //	promote             always | never | after:N (promote a block read N times)
