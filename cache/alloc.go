@@ -140,6 +140,10 @@ func (s *Set) allocLocked(n int, how allocHow) (run, error) {
 		}
 		if len(s.mu.free) < s.lowWater() {
 			s.kick()
+			if s.mu.short != nil {
+				close(s.mu.short)
+				s.mu.short = nil
+			}
 		}
 		if len(s.mu.free) == 0 || (how == allocPromote && len(s.mu.free) < s.lowWater()) {
 			if !wait {

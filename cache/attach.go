@@ -32,7 +32,6 @@ import (
 	"context"
 	"fmt"
 	"slices"
-	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/internal/invariants"
@@ -45,90 +44,22 @@ func (v *Volume) DirtyBlocks() int64 {
 	return v.idx.Dirty
 }
 
-// drainFirstBatch is DrainDirty's first batch (blocks; 4 MiB).
+// drainFirstBatch is DrainDirty's first batch (blocks; 4 MiB): the first
+// progress report, and a cancellation, come soon.
 const drainFirstBatch = 1024
 
 // DrainDirty writes every dirty block of the volume back to its backing
-// device and commits. progress, if set, is called after each batch with
-// the dirty blocks left. It returns when none is left, or with an error
-// when some dirty data cannot be written back (failing checksum or device),
-// or when ctx ends. Under a constant stream of new writes in writeback mode
-// it may not finish; switch the mode first to be sure it does.
+// device and commits (Set.drain). progress, if set, is called after each
+// batch with the dirty blocks left. It returns when none is left, or with
+// an error when some dirty data cannot be written back (a failing device,
+// or an *UnwritableError for blocks failing their checksum), or when ctx
+// ends. Under a constant stream of new writes in writeback mode it may not
+// finish; switch the mode first to be sure it does.
 func (v *Volume) DrainDirty(ctx context.Context, progress func(dirtyBlocks int64)) error {
-	s := v.s
-	report := func() int64 {
-		left := v.DirtyBlocks()
-		if progress != nil {
-			progress(left)
-		}
-		return left
+	if err := v.s.drain(ctx, []*Volume{v}, drainFirstBatch, progress); err != nil {
+		return fmt.Errorf("flushing %s: %w", v.name, err)
 	}
-	report()
-	stuck, batch := 0, drainFirstBatch
-	for {
-		written, failedBefore := 0, v.st.checksumErrors.Load()
-		from := uint64(0)
-		for {
-			if err := ctx.Err(); err != nil {
-				return err
-			}
-			if err := s.err(); err != nil {
-				return err
-			}
-			// Batches double from drainFirstBatch (the first progress
-			// report, and a cancellation, come soon) to background
-			// writeback's full-speed batch: each ends with a backing sync,
-			// which empties the disk's queue and write cache before the
-			// next batch is read. Collected lockChunk entries per hold of
-			// mu.
-			var lbas []uint64
-			end := false
-			for len(lbas) < batch && !end {
-				s.mu.Lock()
-				got, next, done := s.dirtyScanLocked(v.vi, from, batch-len(lbas), lockChunk)
-				s.mu.Unlock()
-				lbas, from, end = append(lbas, got...), next, done
-			}
-			if len(lbas) > 0 {
-				n, err := s.writeback(v.vi, lbas)
-				if err != nil {
-					return fmt.Errorf("flushing %s: %w", v.name, err)
-				}
-				written += n
-				report()
-			}
-			batch = min(2*batch, wbBatch)
-			if end {
-				break
-			}
-		}
-		s.mu.Lock()
-		target := s.mu.seq
-		s.mu.Unlock()
-		if err := s.commit(target); err != nil {
-			return fmt.Errorf("flushing %s: %w", v.name, err)
-		}
-		left := report()
-		if left == 0 {
-			return nil
-		}
-		if written > 0 {
-			stuck = 0
-			continue
-		}
-		if v.st.checksumErrors.Load() > failedBefore {
-			stuck++
-		}
-		if stuck >= 3 {
-			return fmt.Errorf("flushing %s: %d dirty blocks cannot be written back: %w", v.name, left, ErrChecksum)
-		}
-		// Blocks busy with a passthrough write are released quickly.
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(10 * time.Millisecond):
-		}
-	}
+	return nil
 }
 
 // DetachOptions configure Volume.Detach.

@@ -3,6 +3,7 @@ package cache
 import (
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 )
@@ -37,6 +38,47 @@ var ErrDetached = errors.New("cache: volume detached from the cache set")
 
 // ErrExists is returned by Attach for a name or device already in the set.
 var ErrExists = errors.New("cache: already in the cache set")
+
+// UnwritableError is returned by Set.Drain and Volume.DrainDirty when dirty
+// blocks cannot be written back because their cached copy fails its
+// checksum: a drain gives up once a pass writes nothing back, with nothing
+// busy, and every block version that failed its checksum in that pass has
+// failed it in Tries passes in a row. It wraps ErrChecksum.
+type UnwritableError struct {
+	Blocks []UnwritableBlock // the versions given up on (the first maxUnwritableNamed)
+	N      int               // how many versions were given up on
+	Dirty  int64             // dirty blocks left in the drained volumes
+	Tries  int
+}
+
+// UnwritableBlock is a dirty block version a drain gave up on.
+type UnwritableBlock struct {
+	Volume      string
+	LBA         uint64
+	CacheOffset int64 // of its cached copy
+}
+
+// maxUnwritableNamed bounds UnwritableError.Blocks.
+const maxUnwritableNamed = 16
+
+func (e *UnwritableError) Error() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "%d dirty blocks cannot be written back: %d failed their checksum %d times in a row (", e.Dirty, e.N, e.Tries)
+	for i, x := range e.Blocks {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		fmt.Fprintf(&b, "%s lba %d at cache offset %d", x.Volume, x.LBA, x.CacheOffset)
+	}
+	if e.N > len(e.Blocks) {
+		fmt.Fprintf(&b, ", and %d more", e.N-len(e.Blocks))
+	}
+	b.WriteString("): ")
+	b.WriteString(ErrChecksum.Error())
+	return b.String()
+}
+
+func (e *UnwritableError) Unwrap() error { return ErrChecksum }
 
 // IsCorruption reports whether err stems from corrupt metadata or data.
 func IsCorruption(err error) bool {

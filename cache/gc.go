@@ -13,7 +13,6 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
-	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
@@ -70,8 +69,14 @@ func (s *Set) dirtyScanLocked(vi int, from uint64, limit, maxVisit int) (out []u
 // oldest epoch instead (writebackEpoch): every writeback of such a volume,
 // background, eviction or drain, keeps the order.
 func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
+	return s.writebackLBAs(vi, lbas, nil)
+}
+
+// writebackLBAs is writeback that adds to rep (if set) what it could not
+// write.
+func (s *Set) writebackLBAs(vi int, lbas []uint64, rep *wbReport) (int, error) {
 	if s.keepSuperseded(vi) {
-		return s.writebackEpochLBAs(vi, lbas)
+		return s.writebackEpochLBAs(vi, lbas, rep)
 	}
 	v := s.vol(vi)
 	var items []wbItem
@@ -98,7 +103,20 @@ func (s *Set) writeback(vi int, lbas []uint64) (int, error) {
 		}
 		s.mu.Unlock()
 	}
-	return s.writeItems(vi, items, runs)
+	return s.writeItems(vi, items, runs, rep)
+}
+
+// wbReport collects what writeback batches could not write.
+type wbReport struct {
+	corrupt []wbVersion // versions whose cached copy failed its checksum
+}
+
+// wbVersion names one block version: volume, LBA, cache block, checksum.
+type wbVersion struct {
+	vi  int
+	lba uint64
+	loc uint32
+	crc uint32
 }
 
 // wbBufs holds run buffers (wbMaxRun blocks each) for writeItems. Reusing
@@ -120,6 +138,7 @@ type wbItem struct {
 	crc uint32
 	gen uint32 // bucket generation when taken
 	ok  bool   // written (and to be marked clean after the sync)
+	bad bool   // failed its checksum
 }
 
 // writebackEpoch writes back up to n versions of the volume's oldest flush
@@ -130,6 +149,12 @@ type wbItem struct {
 // from one epoch to the next with a sync in between, and holds at any
 // moment the image after some epoch plus part of the next one.
 func (s *Set) writebackEpoch(vi, n int) (int, error) {
+	return s.writebackEpochReport(vi, n, nil)
+}
+
+// writebackEpochReport is writebackEpoch that adds to rep (if set) what it
+// could not write.
+func (s *Set) writebackEpochReport(vi, n int, rep *wbReport) (int, error) {
 	items := s.takeEpochBatch(vi, n)
 	var runs []blockRange
 	for i, it := range items {
@@ -139,7 +164,7 @@ func (s *Set) writebackEpoch(vi, n int) (int, error) {
 			runs = append(runs, blockRange{uint64(i), 1})
 		}
 	}
-	return s.writeItems(vi, items, runs)
+	return s.writeItems(vi, items, runs, rep)
 }
 
 // takeEpochBatch takes (into wbInflight) up to n versions of volume vi's
@@ -252,7 +277,7 @@ func (s *Set) takeEpochRangeLocked(vi int, hi, from, limit uint64, n int, items 
 // allowed, so eviction can free its victim's blocks); when none does, it
 // writes back a batch of the oldest epoch instead, so callers always see
 // progress.
-func (s *Set) writebackEpochLBAs(vi int, lbas []uint64) (int, error) {
+func (s *Set) writebackEpochLBAs(vi int, lbas []uint64, rep *wbReport) (int, error) {
 	v := s.vol(vi)
 	var items []wbItem
 	var runs []blockRange
@@ -278,9 +303,9 @@ func (s *Set) writebackEpochLBAs(vi int, lbas []uint64) (int, error) {
 	}
 	s.mu.Unlock()
 	if len(items) == 0 {
-		return s.writebackEpoch(vi, max(len(lbas), 1))
+		return s.writebackEpochReport(vi, max(len(lbas), 1), rep)
 	}
-	return s.writeItems(vi, items, runs)
+	return s.writeItems(vi, items, runs, rep)
 }
 
 // hasVersionLocked reports whether the dirty version of lba at loc is still
@@ -297,8 +322,9 @@ func (s *Set) hasVersionLocked(vi int, lba uint64, loc uint32, crc uint32) bool 
 
 // writeItems writes a batch taken by writeback or writebackEpoch (items
 // pinned and in wbInflight; runs cut at consecutive LBAs), syncs, and marks
-// the written versions clean.
-func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error) {
+// the written versions clean. The versions that failed their checksum are
+// added to rep, if set.
+func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange, rep *wbReport) (int, error) {
 	v := s.vol(vi)
 	if len(items) == 0 {
 		return 0, nil
@@ -310,6 +336,7 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 		for _, it := range items {
 			delete(v.idx.wbInflight, it.loc)
 		}
+		s.notifyReleasedLocked()
 		s.mu.Unlock()
 	}()
 	// Queue depth: up to wbQueueDepth runs, but at most about
@@ -390,6 +417,7 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 				}
 				if got := ondisk.CRC32C(buf[i*blockSize : (i+1)*blockSize]); got != its[i].crc {
 					v.st.checksumErrors.Add(1)
+					its[i].bad = true
 					s.log.Error("dirty block fails its checksum; not written back", "volume", v.name,
 						"lba", its[i].lba, "cache_offset", s.cacheOff(its[i].loc), "expected", its[i].crc, "actual", got)
 					continue
@@ -421,6 +449,13 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 		}
 		return rerr
 	})
+	if rep != nil {
+		for _, it := range items {
+			if it.bad {
+				rep.corrupt = append(rep.corrupt, wbVersion{vi, it.lba, it.loc, it.crc})
+			}
+		}
+	}
 	if werr != nil {
 		return 0, werr
 	}
@@ -450,79 +485,137 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange) (int, error)
 }
 
 // Drain writes every dirty block of every volume back to its backing device
-// and commits. It returns when no dirty data is left, or with an error when
-// some dirty data cannot be written back (failing checksum or device).
+// and commits (drain). Background writeback pauses meanwhile.
 func (s *Set) Drain(ctx context.Context) error {
 	s.draining.Add(1)
-	defer s.draining.Add(-1)
+	defer func() {
+		s.draining.Add(-1)
+		s.kickWB()
+	}()
+	if err := s.drain(ctx, s.volList(), drainBatch, nil); err != nil {
+		return fmt.Errorf("drain: %w", err)
+	}
+	return nil
+}
+
+// drainChecksumTries: drain gives up on a dirty block version whose cached
+// copy has failed its checksum in this many passes in a row (a read of the
+// cache device may fail once; a corrupt block fails every time).
+const drainChecksumTries = 3
+
+// drain writes back every dirty block of vols and commits, in passes. A
+// pass sweeps each volume's dirty blocks in LBA order in batches (the first
+// of first blocks, doubling up to drainBatch: each batch ends with a
+// backing sync), then commits; progress, if set, is called with the dirty
+// blocks left after each batch. It returns:
+//
+//   - nil once no dirty block is left (each volume that left epoch order
+//     returns to it: restoreOrder);
+//   - the error of a backing write, a commit, the set or ctx;
+//   - an *UnwritableError (ErrChecksum) when a pass wrote nothing back,
+//     nothing was busy, and every version that failed its checksum in it
+//     has failed it drainChecksumTries passes in a row.
+//
+// A pass that wrote nothing while blocks were busy (in a batch of
+// background writeback or eviction, or claimed by a passthrough write)
+// waits for a claim to be released before the next pass; a pass that
+// wrote something, or whose failing versions have not yet failed often
+// enough, is followed by the next at once. Under a constant stream of new
+// dirty writes it may not finish.
+func (s *Set) drain(ctx context.Context, vols []*Volume, first int, progress func(dirtyBlocks int64)) error {
+	report := func() int64 {
+		s.mu.Lock()
+		left := int64(0)
+		for _, v := range vols {
+			left += v.idx.Dirty
+		}
+		s.mu.Unlock()
+		if progress != nil {
+			progress(left)
+		}
+		return left
+	}
+	report()
+	fails := map[wbVersion]int{} // versions failing their checksum: passes in a row
+	batch := first
 	for {
-		progress, left := 0, int64(0)
-		failedBefore := s.checksumFailures()
-		for vi := range s.volList() {
+		written := 0
+		var rep wbReport
+		for _, v := range vols {
 			from := uint64(0)
-			for {
+			for end := false; !end; {
 				if err := ctx.Err(); err != nil {
 					return err
 				}
 				if err := s.err(); err != nil {
 					return err
 				}
-				s.mu.Lock()
-				lbas, next, done := s.dirtyScanLocked(vi, from, drainBatch, 4*wbBatch)
-				s.mu.Unlock()
+				var lbas []uint64
+				for len(lbas) < batch && !end {
+					s.mu.Lock()
+					got, next, done := s.dirtyScanLocked(v.vi, from, batch-len(lbas), lockChunk)
+					s.mu.Unlock()
+					lbas, from, end = append(lbas, got...), next, done
+				}
 				if len(lbas) > 0 {
-					n, err := s.writeback(vi, lbas)
+					n, err := s.writebackLBAs(v.vi, lbas, &rep)
 					if err != nil {
-						return fmt.Errorf("drain: %w", err)
+						return err
 					}
-					progress += n
+					written += n
+					report()
 				}
-				if done {
-					break
-				}
-				from = next
+				batch = min(2*batch, drainBatch)
 			}
 		}
 		s.mu.Lock()
-		for _, v := range s.vols {
-			left += v.idx.Dirty
-		}
 		target := s.mu.seq
 		s.mu.Unlock()
 		if err := s.commit(target); err != nil {
-			return fmt.Errorf("drain: %w", err)
+			return err
 		}
+		left := report()
 		if left == 0 {
-			for _, v := range s.volList() {
+			for _, v := range vols {
 				v.restoreOrder()
 			}
 			return nil
 		}
-		if progress == 0 {
-			// Busy blocks get released quickly; failing ones never.
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case <-time.After(10 * time.Millisecond):
+		for _, x := range rep.corrupt {
+			fails[x]++
+		}
+		s.mu.Lock()
+		for x := range fails {
+			if !s.hasVersionLocked(x.vi, x.lba, x.loc, x.crc) {
+				delete(fails, x) // overwritten or dropped since
 			}
-			s.mu.Lock()
-			still := int64(0)
-			for _, v := range s.vols {
-				still += v.idx.Dirty
+		}
+		s.mu.Unlock()
+		if written > 0 {
+			continue
+		}
+		released, busy := s.waitReleased(vols...)
+		if !busy {
+			if len(rep.corrupt) > 0 && !slices.ContainsFunc(rep.corrupt, func(x wbVersion) bool { return fails[x] < drainChecksumTries }) {
+				return s.unwritable(rep.corrupt, left)
 			}
-			s.mu.Unlock()
-			if still == left && s.checksumFailures() > failedBefore {
-				return fmt.Errorf("drain: %d dirty blocks cannot be written back: %w", left, ErrChecksum)
-			}
+			continue
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-released:
 		}
 	}
 }
 
-func (s *Set) checksumFailures() (n uint64) {
-	for _, v := range s.volList() {
-		n += v.st.checksumErrors.Load()
+// unwritable builds drain's error for the versions given up on.
+func (s *Set) unwritable(bad []wbVersion, left int64) error {
+	e := &UnwritableError{N: len(bad), Dirty: left, Tries: drainChecksumTries}
+	for _, x := range bad[:min(len(bad), maxUnwritableNamed)] {
+		e.Blocks = append(e.Blocks, UnwritableBlock{Volume: s.vol(x.vi).name, LBA: x.lba, CacheOffset: s.cacheOff(x.loc)})
 	}
-	return n
+	return e
 }
 
 // parallel runs f(0..n-1) with at most qd calls in flight, started in

@@ -132,10 +132,9 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []index.Ent) (mi
 	var fbMu sync.Mutex // guards fromBacking
 	do := func(p piece) error {
 		if p.backing {
-			v.wb.fgReads.Add(1)
+			v.wb.reads.start()
 			err := v.readBacking(p.dst, p.lba)
-			v.wb.fgReadDone.Store(nowNanos())
-			v.wb.fgReads.Add(-1)
+			v.wb.reads.end()
 			if err != nil {
 				return fmt.Errorf("volume %s: %w", v.name, err)
 			}

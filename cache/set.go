@@ -88,6 +88,11 @@ type Set struct {
 		// wake is closed (and cleared) by wakeLocked; allocFor waits on
 		// it with a deadline, which cond cannot do.
 		wake chan struct{}
+		// released is closed (and cleared) when a writeback batch or a
+		// passthrough write releases its claim (waitReleased); short when
+		// an allocation finds free buckets short (shortChan). Channels,
+		// not cond: their waiters also wait for a stop or a deadline.
+		released, short chan struct{}
 	}
 
 	kickGC     chan struct{}

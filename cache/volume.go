@@ -212,6 +212,7 @@ func (v *Volume) SetMode(m Mode) error {
 	st := *v.cfg.Load()
 	st.Mode = m
 	v.cfg.Store(&st)
+	v.kickWB()
 	return nil
 }
 
@@ -621,6 +622,7 @@ func (v *Volume) releaseLocked(rs []blockRange) {
 		}
 	}
 	v.s.mu.cond.Broadcast()
+	v.s.notifyReleasedLocked()
 }
 
 // WriteAt writes p at off. With fua the write is durable when WriteAt
@@ -831,6 +833,9 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) (Tier, error) {
 			s.mu.Insert(v.vi, at+uint64(i), r.loc+uint32(i), crcs[i], dirty, v.idx.epoch, s.keepSuperseded(v.vi))
 		}
 		s.appendInsertLocked(v.vi, at, r.loc, dirty, crcs, v.idx.epoch)
+		if dirty {
+			v.noteDirtyLocked()
+		}
 		s.noteInvalidateLocked(v, from, at, uint64(r.n), dropsDirty)
 		v.noteWriteLocked(at, uint64(r.n))
 		v.releaseLocked(claim)

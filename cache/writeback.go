@@ -39,18 +39,20 @@ package cache
 // marks, so epochs reach the disk in order with a sync in between.
 
 import (
+	"math"
+	"sync"
 	"sync/atomic"
 	"time"
 )
 
 const (
-	wbQueueDepth    = 32      // backing writes (and cache reads) in flight per batch
-	wbMaxRun        = 512     // blocks per merged write (2 MiB)
-	wbBatch         = 16384   // blocks per batch at full speed (64 MiB: one sweep, one backing sync)
-	wbBatchShort    = 1024    // blocks per batch while free buckets are short
-	drainBatch      = 65536   // blocks per batch of Drain (256 MiB of disk; 24 B each in memory)
-	wbInflightBytes = 4 << 20 // backing bytes in flight per batch (at least 2 runs)
-	wbTick          = 100 * time.Millisecond
+	wbQueueDepth    = 32                     // backing writes (and cache reads) in flight per batch
+	wbMaxRun        = 512                    // blocks per merged write (2 MiB)
+	wbBatch         = 16384                  // blocks per batch at full speed (64 MiB: one sweep, one backing sync)
+	wbBatchShort    = 1024                   // blocks per batch while free buckets are short
+	drainBatch      = 65536                  // blocks per batch of Drain (256 MiB of disk; 24 B each in memory)
+	wbInflightBytes = 4 << 20                // backing bytes in flight per batch (at least 2 runs)
+	wbPace          = 100 * time.Millisecond // a paced batch's length (at the rate decided)
 	wbIdle          = 200 * time.Millisecond // no client request for this long: full speed
 	wbHorizon       = 10                     // seconds to clear the excess over the target
 	wbMinRate       = 256                    // blocks/s (1 MiB/s) once above the target
@@ -74,18 +76,71 @@ type wbState struct {
 	// waiting for space that only writeback can free fails instead of
 	// waiting.
 	backingErr atomic.Pointer[error]
-	// fgReads counts client reads of the backing device in progress,
-	// fgReadDone is when the last one finished (unix nanos): writeback
-	// yields to them (yieldToReads).
-	fgReads    atomic.Int32
-	fgReadDone atomic.Int64
-	yields     atomic.Uint64 // 500 µs waits in yieldToReads (tests)
-	grant      atomic.Int32  // writes left in the current burst
+	// reads tracks client reads of the backing device: writeback yields
+	// to them (yieldToReads).
+	reads  readGate
+	yields atomic.Uint64 // waits in yieldToReads (tests)
+	grant  atomic.Int32  // writes left in the current burst
 	// throttleDebt is foreground throttle delay (ns) accrued and not yet
 	// slept (throttle).
 	throttleDebt atomic.Int64
 	// retry paces background writeback while it fails (backoff.go).
 	retry *retryBackoff
+	// wakeDirty: the goroutine sleeps until the volume's dirty versions
+	// (Dirty+NSup) reach this many; a write that makes them reach it
+	// kicks the goroutine (noteDirtyLocked). REQUIRES: Set.mu
+	wakeDirty int64
+}
+
+// noteDirtyLocked kicks v's writeback goroutine when a write has brought
+// the volume's dirty versions to the level it waits for.
+// REQUIRES: s.mu
+func (v *Volume) noteDirtyLocked() {
+	if v.idx.Dirty+v.idx.NSup >= v.wb.wakeDirty {
+		v.wb.wakeDirty = math.MaxInt64
+		v.kickWB()
+	}
+}
+
+func (v *Volume) kickWB() {
+	select {
+	case v.wb.kick <- struct{}{}:
+	default:
+	}
+}
+
+// readGate counts a volume's client reads of the backing device in
+// progress and signals when the last one ends.
+type readGate struct {
+	n    atomic.Int32
+	done atomic.Int64 // when the last read ended (unix nanos)
+	mu   sync.Mutex
+	idle chan struct{} // closed when n drops to 0; nil while nobody waits
+}
+
+func (g *readGate) start() { g.n.Add(1) }
+
+func (g *readGate) end() {
+	g.done.Store(nowNanos())
+	if g.n.Add(-1) == 0 {
+		g.mu.Lock()
+		if g.idle != nil {
+			close(g.idle)
+			g.idle = nil
+		}
+		g.mu.Unlock()
+	}
+}
+
+// idleChan returns a channel closed when the reads in progress now (if
+// any) have ended.
+func (g *readGate) idleChan() <-chan struct{} {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.idle == nil {
+		g.idle = make(chan struct{})
+	}
+	return g.idle
 }
 
 const (
@@ -117,28 +172,61 @@ func (v *Volume) yieldToReads() {
 	if s.draining.Load() > 0 {
 		wait = wbYieldMaxDrain
 	}
-	deadline := time.Now().Add(wait)
+	var deadline, quiet *time.Timer
+	defer func() {
+		for _, t := range []*time.Timer{deadline, quiet} {
+			if t != nil {
+				t.Stop()
+			}
+		}
+	}()
 	for {
-		busy := v.wb.fgReads.Load() > 0 || nowNanos()-v.wb.fgReadDone.Load() < int64(wbYieldQuiet)
-		if !busy {
+		idle := v.wb.reads.idleChan()
+		n, since := v.wb.reads.n.Load(), nowNanos()-v.wb.reads.done.Load()
+		if n == 0 && since >= int64(wbYieldQuiet) {
 			return
 		}
 		if v.wb.grant.Load() > 0 {
 			v.wb.grant.Add(-1)
 			return
 		}
-		if time.Now().After(deadline) {
-			v.wb.grant.Store(wbYieldBurst - 1)
-			return
+		if deadline == nil {
+			deadline = time.NewTimer(wait)
 		}
 		s.mu.Lock()
 		short := len(s.mu.free) < s.lowWater()
+		if s.mu.short == nil {
+			s.mu.short = make(chan struct{})
+		}
+		shortC := s.mu.short
 		s.mu.Unlock()
 		if short {
 			return
 		}
+		// Wait for the reads in progress to end, or for the quiet window
+		// after the last one to pass.
+		var quietC <-chan time.Time
+		if n == 0 {
+			d := time.Duration(int64(wbYieldQuiet) - since)
+			if quiet == nil {
+				quiet = time.NewTimer(d)
+			} else {
+				quiet.Reset(d)
+			}
+			quietC = quiet.C
+		}
 		v.wb.yields.Add(1)
-		time.Sleep(500 * time.Microsecond)
+		select {
+		case <-idle:
+		case <-quietC:
+		case <-shortC:
+			return
+		case <-deadline.C:
+			v.wb.grant.Store(wbYieldBurst - 1)
+			return
+		case <-s.stop:
+			return
+		}
 	}
 }
 
@@ -173,44 +261,76 @@ func (s *Set) pressure() (dirtyShare float64, short bool, total int64, freeLack 
 }
 
 // wbRate decides the volume's writeback rate in blocks per second; -1 means
-// full speed, 0 nothing to do now.
+// full speed, 0 nothing to do now. When it returns 0 it also sets the dirty
+// level at which a write is to kick the goroutine (wakeDirty): the level
+// where the decision changes.
 func (s *Set) wbRate(v *Volume) int64 {
 	s.mu.Lock()
+	defer s.mu.Unlock()
+	v.wb.wakeDirty = math.MaxInt64
 	dirty := v.idx.Dirty + v.idx.NSup
-	short := len(s.mu.free) < s.lowWater()
-	total := s.mu.CacheBlocks()
-	s.mu.Unlock()
 	if dirty == 0 {
+		v.wb.wakeDirty = 1
 		return 0
 	}
-	cfg := v.cfg.Load()
 	if s.draining.Load() > 0 {
-		return 0 // Drain sweeps the disk itself; a second sweep would fight it
+		return 0 // Drain sweeps the disk itself (and kicks when done); a second sweep would fight it
 	}
-	if short || v.Mode() != Writeback || nowNanos()-v.lastIO.Load() > int64(wbIdle) {
+	if len(s.mu.free) < s.lowWater() || v.Mode() != Writeback || nowNanos()-v.lastIO.Load() > int64(wbIdle) {
 		return -1
 	}
 	if v.ord.cut.Load() != 0 {
 		return -1 // catching up with epoch order (order.go): the sooner the better
 	}
-	target := total * int64(cfg.WritebackPercent) / 100
+	target := s.mu.CacheBlocks() * int64(v.cfg.Load().WritebackPercent) / 100
 	if v.ord.degraded.Load() {
 		// Degraded from epoch order (order.go): drain to come back.
 		target = 0
 	}
 	if dirty <= target {
+		v.wb.wakeDirty = target + 1
 		return 0
 	}
-	if dirty >= (target+total)/2 {
+	if dirty >= (target+s.mu.CacheBlocks())/2 {
 		return -1
 	}
 	return max((dirty-target)/wbHorizon, wbMinRate)
 }
 
-// writebackLoop is a volume's background writeback goroutine.
+// writebackLoop is a volume's background writeback goroutine. It sleeps
+// until something changes the decision: a kick (settings, mode, pressure,
+// the end of a Drain, a write reaching wakeDirty, a writeback claim
+// released), the client going idle (wbIdle after its last request), or
+// the end of a pacing or retry delay; and it exits when the set or the
+// volume stops.
 func (s *Set) writebackLoop(v *Volume) {
 	defer s.wg.Done()
 	defer close(v.wb.done)
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	// sleep waits for d (forever: no deadline), for also, for a kick if
+	// kicks, or for a stop (false).
+	sleep := func(d time.Duration, kicks bool, also <-chan struct{}) bool {
+		var tc <-chan time.Time
+		if d != forever {
+			timer.Reset(d)
+			tc = timer.C
+		}
+		kick := v.wb.kick
+		if !kicks {
+			kick = nil
+		}
+		select {
+		case <-s.stop:
+			return false
+		case <-v.wb.stop:
+			return false
+		case <-kick:
+		case <-also:
+		case <-tc:
+		}
+		return true
+	}
 	for {
 		s.checkOrder(v)
 		rate := s.wbRate(v)
@@ -227,14 +347,23 @@ func (s *Set) writebackLoop(v *Volume) {
 		default:
 			v.wb.rate.Store(rate * blockSize)
 		}
-		if rate == 0 || s.err() != nil {
-			select {
-			case <-s.stop:
+		if s.err() != nil {
+			// Failed over (sticky): nothing is written back any more.
+			if !sleep(forever, false, nil) {
 				return
-			case <-v.wb.stop:
+			}
+			continue
+		}
+		if rate == 0 {
+			// Until a write reaches wakeDirty, free buckets run short, or
+			// the client has been idle for wbIdle (full speed then).
+			d, short := forever, (<-chan struct{})(nil)
+			if v.hasDirty() && s.draining.Load() == 0 {
+				d = max(time.Duration(v.lastIO.Load()+int64(wbIdle)-nowNanos()), time.Millisecond)
+				short = s.shortChan()
+			}
+			if !sleep(d, true, short) {
 				return
-			case <-v.wb.kick:
-			case <-time.After(wbTick):
 			}
 			continue
 		}
@@ -245,18 +374,15 @@ func (s *Set) writebackLoop(v *Volume) {
 			n = wbBatchShort
 		}
 		if rate > 0 {
-			n = int(min(max(rate*int64(wbTick)/int64(time.Second), 1), wbBatch))
+			n = int(min(max(rate*int64(wbPace)/int64(time.Second), 1), wbBatch))
 		}
 		start := time.Now()
+		before := v.dirtyVersions()
 		done, err := s.writebackSweep(v, n)
 		if err != nil {
 			// A failing or full backing device: retry with backoff.
-			select {
-			case <-s.stop:
+			if !sleep(v.wb.retry.Failed(err), false, nil) {
 				return
-			case <-v.wb.stop:
-				return
-			case <-time.After(v.wb.retry.Failed(err)):
 			}
 			continue
 		}
@@ -264,35 +390,78 @@ func (s *Set) writebackLoop(v *Volume) {
 		if rate > 0 {
 			// Pace: n blocks at rate blocks/s.
 			d := time.Duration(int64(max(done, 1)) * int64(time.Second) / rate)
-			d = max(d-time.Since(start), 0)
-			select {
-			case <-s.stop:
+			d = max(d-time.Since(start), time.Microsecond)
+			if !sleep(min(d, time.Second), true, nil) {
 				return
-			case <-v.wb.stop:
-				return
-			case <-v.wb.kick:
-			case <-time.After(min(d, time.Second)):
 			}
 			continue
 		}
-		select {
-		case <-s.stop:
-			return
-		case <-v.wb.stop:
-			return
-		default:
-		}
 		if done == 0 {
-			// Everything found was busy or failing: do not spin.
-			select {
-			case <-s.stop:
+			// Everything found was busy (in another batch, or claimed by
+			// a passthrough write) or failing its checksum: wait for a
+			// claim to be released, or for a write to add a dirty
+			// version (wakeDirty).
+			released, busy := s.waitReleased(v)
+			if !busy {
+				released = nil
+			}
+			s.mu.Lock()
+			cur := v.idx.Dirty + v.idx.NSup
+			v.wb.wakeDirty = cur + 1
+			s.mu.Unlock()
+			if cur > before {
+				continue // written meanwhile
+			}
+			if !sleep(forever, true, released) {
 				return
-			case <-v.wb.stop:
-				return
-			case <-time.After(10 * time.Millisecond):
 			}
 		}
 	}
+}
+
+// forever: no deadline (writebackLoop's sleep).
+const forever time.Duration = -1
+
+// dirtyVersions returns the volume's dirty versions (live and superseded).
+func (v *Volume) dirtyVersions() int64 {
+	v.s.mu.Lock()
+	defer v.s.mu.Unlock()
+	return v.idx.Dirty + v.idx.NSup
+}
+
+// waitReleased returns a channel closed when a writeback batch or a
+// passthrough write releases its claim, and whether one of vols has any
+// now.
+func (s *Set) waitReleased(vols ...*Volume) (_ <-chan struct{}, busy bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.mu.released == nil {
+		s.mu.released = make(chan struct{})
+	}
+	for _, v := range vols {
+		busy = busy || len(v.idx.wbInflight) > 0 || len(v.idx.busy) > 0
+	}
+	return s.mu.released, busy
+}
+
+// notifyReleasedLocked wakes waitReleased's waiters.
+// REQUIRES: s.mu
+func (s *Set) notifyReleasedLocked() {
+	if s.mu.released != nil {
+		close(s.mu.released)
+		s.mu.released = nil
+	}
+}
+
+// shortChan returns a channel closed when an allocation next finds free
+// buckets short (allocLocked).
+func (s *Set) shortChan() <-chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.mu.short == nil {
+		s.mu.short = make(chan struct{})
+	}
+	return s.mu.short
 }
 
 // checkOrder degrades v when epoch-order writeback is behind, returns it
