@@ -5,7 +5,9 @@
 # and staticcheck; qemu-system-x86 and the test guest of internal/kvm (Debian
 # packages fetched with apt-get download into $TIERCACHE_KVM_CACHE, default
 # ~/.cache/tiercache/kvm, and packed into an initramfs once per package
-# versions). Idempotent: installs only what is missing.
+# versions) and versitygw, the real S3 server the object-store tests start
+# (built from the module proxy once, about 2-4 minutes; then cached in
+# $(go env GOPATH)/bin). Idempotent: installs only what is missing.
 #
 # --bench also installs what `make bench` adds for its application scenario
 # (S6): PostgreSQL (server and pgbench) and rocksdb-tools (db_bench). They
@@ -51,6 +53,10 @@ GOBIN=$(go env GOPATH)/bin
 if [ ! -x "$GOBIN/staticcheck" ]; then
   echo "install-deps: installing staticcheck"
   GOFLAGS= go install honnef.co/go/tools/cmd/staticcheck@v0.8.2
+fi
+if [ ! -x "$GOBIN/versitygw" ] || ! go version -m "$GOBIN/versitygw" 2>/dev/null | grep -q "mod.*github.com/versity/versitygw.*v1\.8\.0"; then
+  echo "install-deps: installing versitygw (the object-store tests' S3 server)"
+  (cd / && GOFLAGS= go install github.com/versity/versitygw/cmd/versitygw@v1.8.0)
 fi
 # The kernel tests' guest: downloads the packages once, rebuilds the image
 # only when a package version changes.

@@ -1,0 +1,130 @@
+package objstore
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"github.com/tiercache/tiercache/device/objstore/layout"
+)
+
+// DefaultLeaseTTL is how long a lease lives without renewal. The owner
+// renews it every third of that, and stops acknowledging Syncs once its
+// last renewal is older than the TTL, so that a takeover after expiry
+// never loses an acknowledged flush (given clocks that agree to well
+// within the TTL).
+const DefaultLeaseTTL = 30 * time.Second
+
+// OwnedError is the refusal to open or remove an image another process
+// holds.
+type OwnedError struct {
+	Loc   Location
+	Lease layout.Lease
+	Age   time.Duration // since its last renewal
+}
+
+func (e *OwnedError) Error() string {
+	return fmt.Sprintf("%s is owned by %s pid %d (generation %d), lease renewed %s ago (expires after %s); take it over only if that process is gone (--force)",
+		e.Loc, e.Lease.Host, e.Lease.PID, e.Lease.Gen, e.Age.Round(time.Second), e.Lease.TTL)
+}
+
+func (e *OwnedError) Unwrap() error { return ErrOwned }
+
+// readLease returns the lease (nil if none) and its age.
+func (s *store) readLease() (*layout.Lease, time.Duration, error) {
+	l, _, age, err := s.readLeaseETag()
+	return l, age, err
+}
+
+func (s *store) readLeaseETag() (*layout.Lease, string, time.Duration, error) {
+	p, etag, err := s.getETag(layout.LeaseName)
+	if errors.Is(err, errNoObject) {
+		return nil, "", 0, nil
+	}
+	if err != nil {
+		return nil, "", 0, err
+	}
+	l, err := layout.DecodeLease(p)
+	if err != nil {
+		return nil, "", 0, fmt.Errorf("%s: %w", s.loc, err)
+	}
+	return l, etag, time.Since(l.Renewed), nil
+}
+
+// lease is a held lease.
+type lease struct {
+	s       *store
+	l       layout.Lease
+	etag    string
+	renewed time.Time // local time the last successful write started
+}
+
+// acquireLease takes the image's lease: created if absent, taken over if
+// expired or force, else refused with an *OwnedError.
+func acquireLease(s *store, ttl time.Duration, force bool) (*lease, error) {
+	host, _ := os.Hostname()
+	var nonce [8]byte
+	rand.Read(nonce[:])
+	ls := &lease{s: s, l: layout.Lease{Host: host, PID: os.Getpid(), Nonce: hex.EncodeToString(nonce[:]), TTL: ttl}}
+	start := time.Now()
+	ls.l.Renewed = start.UTC()
+	p, err := layout.EncodeLease(&ls.l)
+	if err != nil {
+		return nil, err
+	}
+	etag, err := s.put(layout.LeaseName, p, putIfAbsent, "")
+	if errors.Is(err, errPrecondition) {
+		old, oldETag, age, rerr := s.readLeaseETag()
+		if rerr != nil {
+			return nil, rerr
+		}
+		if old != nil && age <= old.TTL && !force {
+			return nil, &OwnedError{Loc: s.loc, Lease: *old, Age: age}
+		}
+		cond, tag := putIfMatch, oldETag
+		if old == nil { // released meanwhile
+			cond, tag = putIfAbsent, ""
+		}
+		etag, err = s.put(layout.LeaseName, p, cond, tag)
+		if errors.Is(err, errPrecondition) {
+			return nil, fmt.Errorf("%s: another process took the lease at the same time: %w", s.loc, ErrOwned)
+		}
+	}
+	if err != nil {
+		return nil, err
+	}
+	ls.etag, ls.renewed = etag, start
+	return ls, nil
+}
+
+// renew rewrites the lease if it is still ours (errPrecondition if not).
+func (ls *lease) renew(gen uint64) error {
+	start := time.Now()
+	l := ls.l
+	l.Gen, l.Renewed = gen, start.UTC()
+	p, err := layout.EncodeLease(&l)
+	if err != nil {
+		return err
+	}
+	etag, err := ls.s.put(layout.LeaseName, p, putIfMatch, ls.etag)
+	if err != nil {
+		return err
+	}
+	ls.l, ls.etag, ls.renewed = l, etag, start
+	return nil
+}
+
+// valid reports whether the lease is certainly still ours.
+func (ls *lease) valid() bool { return time.Since(ls.renewed) < ls.l.TTL }
+
+// release deletes the lease if it is still ours.
+func (ls *lease) release() error {
+	cur, etag, _, err := ls.s.readLeaseETag()
+	if err != nil || cur == nil || etag != ls.etag {
+		return err
+	}
+	return ls.s.remove(layout.LeaseName)
+}

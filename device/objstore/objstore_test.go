@@ -1,0 +1,192 @@
+package objstore
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"testing"
+
+	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/device/devicetest"
+	"github.com/tiercache/tiercache/internal/s3test"
+)
+
+var imageCounter atomic.Int64
+
+// testEnv starts versitygw with one bucket and points the AWS variables at
+// it for the test.
+func testEnv(t *testing.T) (*s3test.Server, Location) {
+	t.Helper()
+	srv := s3test.Start(t)
+	srv.Bucket("images")
+	t.Setenv("AWS_ACCESS_KEY_ID", s3test.AccessKey)
+	t.Setenv("AWS_SECRET_ACCESS_KEY", s3test.SecretKey)
+	t.Setenv("AWS_SESSION_TOKEN", "")
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	return srv, Location{Bucket: "images", Endpoint: srv.Endpoint(), Region: s3test.Region, PathStyle: true}
+}
+
+func newImage(t *testing.T, base Location, size int64, bs int) Location {
+	t.Helper()
+	l := base
+	l.Prefix = fmt.Sprintf("img%d", imageCounter.Add(1))
+	if _, err := Create(l, size, bs); err != nil {
+		t.Fatalf("Create %s: %v", l, err)
+	}
+	return l
+}
+
+func mustOpen(t *testing.T, l Location, o Options) *Device {
+	t.Helper()
+	d, err := Open(l, o)
+	if err != nil {
+		t.Fatalf("Open %s: %v", l, err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return d
+}
+
+// TestConformance runs the device contract against images on a real
+// versitygw, with a small segment size so that large writes also take the
+// multi-part path.
+func TestConformance(t *testing.T) {
+	_, base := testEnv(t)
+	devicetest.RunConformance(t, func(t *testing.T, size int64) device.Device {
+		l := newImage(t, base, size, 512)
+		return mustOpen(t, l, Options{SegmentBytes: 1 << 20, CheckpointEvery: 3})
+	})
+}
+
+// TestReopen checks that what a Sync stored is what a fresh opener reads,
+// through checkpoints and segments, and that unsynced writes are not.
+func TestReopen(t *testing.T) {
+	_, base := testEnv(t)
+	const size = 4 << 20
+	l := newImage(t, base, size, 4096)
+	want := make([]byte, size)
+	d := mustOpen(t, l, Options{SegmentBytes: 64 << 10, CheckpointEvery: 4})
+	for i := range 40 {
+		p := make([]byte, 4096*(1+i%5))
+		devicetest.Fill(p, uint64(i))
+		off := int64((i * 7919 * 4096) % (size - len(p)))
+		off -= off % 4096
+		if i%9 == 8 {
+			if err := d.WriteZeroes(off, int64(len(p))); err != nil {
+				t.Fatal(err)
+			}
+			clear(want[off : off+int64(len(p))])
+		} else {
+			if _, err := d.WriteAt(p, off); err != nil {
+				t.Fatal(err)
+			}
+			copy(want[off:], p)
+		}
+		if i%3 == 2 {
+			if err := d.Sync(); err != nil {
+				t.Fatalf("Sync %d: %v", i, err)
+			}
+		}
+	}
+	if err := d.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	st := d.Stats()
+	if st.Checkpoints == 0 || st.SegmentsPut == 0 {
+		t.Fatalf("stats %+v: want segments and checkpoints", st)
+	}
+	// Written after the last Sync: must not survive.
+	junk := make([]byte, 8192)
+	devicetest.Fill(junk, 999)
+	d.WriteAt(junk, 0)
+	d.Close()
+
+	for round := range 2 {
+		d2 := mustOpen(t, l, Options{})
+		got := make([]byte, size)
+		if _, err := d2.ReadAt(got, 0); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(got, want) {
+			t.Fatalf("round %d: reopened image differs from what was synced", round)
+		}
+		d2.Close()
+	}
+	in, err := Stat(l)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if in.Lease != nil || in.Seq == 0 || in.Checkpoints != 1 {
+		t.Fatalf("info %+v: want no lease, a newest segment, one checkpoint", in)
+	}
+}
+
+// TestFreshReadsNoRequest: never-written blocks read as zeroes without a
+// request to the store.
+func TestFreshReadsNoRequest(t *testing.T) {
+	_, base := testEnv(t)
+	l := newImage(t, base, 1<<20, 4096)
+	d := mustOpen(t, l, Options{})
+	p := make([]byte, 1<<20)
+	if _, err := d.ReadAt(p, 0); err != nil {
+		t.Fatal(err)
+	}
+	if st := d.Stats(); st.Gets != 0 {
+		t.Fatalf("%d GETs for never-written blocks", st.Gets)
+	}
+}
+
+// TestLease: a second writer is refused naming the holder; a reader is
+// not; after the holder closes, the second writer gets in; a forced
+// takeover fences the old owner.
+func TestLease(t *testing.T) {
+	_, base := testEnv(t)
+	l := newImage(t, base, 1<<20, 4096)
+	a := mustOpen(t, l, Options{})
+	_, err := Open(l, Options{})
+	var owned *OwnedError
+	if !errors.As(err, &owned) || !errors.Is(err, ErrOwned) {
+		t.Fatalf("second Open: %v; want an OwnedError", err)
+	}
+	host, _ := os.Hostname()
+	if owned.Lease.Host != host || owned.Lease.PID != os.Getpid() {
+		t.Fatalf("refusal names %s pid %d, want %s pid %d", owned.Lease.Host, owned.Lease.PID, host, os.Getpid())
+	}
+	if err := Remove(l, false); !errors.Is(err, ErrOwned) {
+		t.Fatalf("Remove while owned: %v", err)
+	}
+	ro := mustOpen(t, l, Options{ReadOnly: true})
+	ro.Close()
+
+	p := make([]byte, 4096)
+	devicetest.Fill(p, 1)
+	a.WriteAt(p, 0)
+	if err := a.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	b := mustOpen(t, l, Options{Force: true})
+	// a is fenced: its next Sync fails, and what it wrote never counts.
+	devicetest.Fill(p, 2)
+	a.WriteAt(p, 4096)
+	if err := a.Sync(); !errors.Is(err, ErrFenced) {
+		t.Fatalf("Sync of the fenced owner: %v; want ErrFenced", err)
+	}
+	if _, err := a.WriteAt(p, 0); !errors.Is(err, ErrFenced) {
+		t.Fatalf("write of the fenced owner: %v; want ErrFenced", err)
+	}
+	a.Close()
+	got := make([]byte, 8192)
+	b.ReadAt(got, 0)
+	devicetest.Fill(p, 1)
+	if !bytes.Equal(got[:4096], p) || !bytes.Equal(got[4096:], make([]byte, 4096)) {
+		t.Fatal("new owner does not see exactly the old owner's synced state")
+	}
+	b.Close()
+	if err := Remove(l, false); err != nil {
+		t.Fatalf("Remove: %v", err)
+	}
+	if _, err := Stat(l); !errors.Is(err, ErrNoImage) {
+		t.Fatalf("Stat after Remove: %v", err)
+	}
+}

@@ -1,0 +1,177 @@
+package objstore
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"time"
+
+	"github.com/minio/minio-go/v7"
+)
+
+// store is the image's objects on one bucket: the few S3 calls the device
+// makes, each wrapped with the object's name. minio-go retries 5xx,
+// throttling and network errors with backoff itself; what comes out of it
+// is final.
+type store struct {
+	c   *minio.Client
+	loc Location
+	// timeout bounds one call (its retries included).
+	timeout time.Duration
+}
+
+// errPrecondition is wrapped when a conditional write found the object
+// changed (HTTP 412) or already there.
+var errPrecondition = errors.New("objstore: precondition failed")
+
+// errNoObject is wrapped when an object does not exist.
+var errNoObject = errors.New("objstore: no such object")
+
+func (s *store) ctx() (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.Background(), s.timeout)
+}
+
+func (s *store) wrap(op, name string, err error) error {
+	if err == nil {
+		return nil
+	}
+	r := minio.ToErrorResponse(err)
+	switch {
+	case r.StatusCode == http.StatusPreconditionFailed || r.Code == "PreconditionFailed":
+		err = fmt.Errorf("%w (%v)", errPrecondition, err)
+	case r.StatusCode == http.StatusNotFound || r.Code == "NoSuchKey":
+		err = fmt.Errorf("%w (%v)", errNoObject, err)
+	}
+	return fmt.Errorf("%s s3://%s/%s: %w", op, s.loc.Bucket, s.loc.key(name), err)
+}
+
+type putCond int
+
+const (
+	putAny putCond = iota
+	putIfAbsent
+	putIfMatch
+)
+
+// put writes an object and returns its ETag. With putIfAbsent it fails
+// (errPrecondition) if the object exists; with putIfMatch, unless its ETag
+// is etag.
+func (s *store) put(name string, data []byte, cond putCond, etag string) (string, error) {
+	ctx, cancel := s.ctx()
+	defer cancel()
+	var o minio.PutObjectOptions
+	o.ContentType = "application/octet-stream"
+	o.DisableMultipart = true
+	switch cond {
+	case putIfAbsent:
+		o.SetMatchETagExcept("*")
+	case putIfMatch:
+		o.SetMatchETag(etag)
+	}
+	info, err := s.c.PutObject(ctx, s.loc.Bucket, s.loc.key(name), bytes.NewReader(data), int64(len(data)), o)
+	if err != nil {
+		return "", s.wrap("put", name, err)
+	}
+	return info.ETag, nil
+}
+
+// get reads n bytes at off of an object (n < 0: all of it from off).
+func (s *store) get(name string, off, n int64) ([]byte, error) {
+	ctx, cancel := s.ctx()
+	defer cancel()
+	var o minio.GetObjectOptions
+	if off != 0 || n >= 0 {
+		end := int64(-1)
+		if n >= 0 {
+			end = off + n - 1
+		}
+		if n == 0 {
+			return nil, nil
+		}
+		if end < 0 {
+			o.SetRange(off, 0)
+		} else {
+			o.SetRange(off, end)
+		}
+	}
+	obj, err := s.c.GetObject(ctx, s.loc.Bucket, s.loc.key(name), o)
+	if err != nil {
+		return nil, s.wrap("get", name, err)
+	}
+	defer obj.Close()
+	var buf bytes.Buffer
+	if n > 0 {
+		buf.Grow(int(n))
+	}
+	if _, err := io.Copy(&buf, obj); err != nil {
+		return nil, s.wrap("get", name, err)
+	}
+	if n > 0 && int64(buf.Len()) != n {
+		return nil, fmt.Errorf("get s3://%s/%s: %d bytes at %d, want %d: %w", s.loc.Bucket, s.loc.key(name), buf.Len(), off, n, io.ErrUnexpectedEOF)
+	}
+	return buf.Bytes(), nil
+}
+
+// getETag reads a whole object and its ETag.
+func (s *store) getETag(name string) ([]byte, string, error) {
+	ctx, cancel := s.ctx()
+	defer cancel()
+	obj, err := s.c.GetObject(ctx, s.loc.Bucket, s.loc.key(name), minio.GetObjectOptions{})
+	if err != nil {
+		return nil, "", s.wrap("get", name, err)
+	}
+	defer obj.Close()
+	st, err := obj.Stat()
+	if err != nil {
+		return nil, "", s.wrap("get", name, err)
+	}
+	p, err := io.ReadAll(obj)
+	if err != nil {
+		return nil, "", s.wrap("get", name, err)
+	}
+	return p, st.ETag, nil
+}
+
+// stat returns an object's ETag and modification time.
+func (s *store) stat(name string) (string, time.Time, int64, error) {
+	ctx, cancel := s.ctx()
+	defer cancel()
+	st, err := s.c.StatObject(ctx, s.loc.Bucket, s.loc.key(name), minio.StatObjectOptions{})
+	if err != nil {
+		return "", time.Time{}, 0, s.wrap("stat", name, err)
+	}
+	return st.ETag, st.LastModified, st.Size, nil
+}
+
+type objInfo struct {
+	Name     string // relative to the image prefix
+	Size     int64
+	Modified time.Time
+}
+
+// list returns the objects whose names (relative to the image) start with
+// dir, in name order.
+func (s *store) list(dir string) ([]objInfo, error) {
+	ctx, cancel := s.ctx()
+	defer cancel()
+	pfx := s.loc.key(dir)
+	var out []objInfo
+	for o := range s.c.ListObjects(ctx, s.loc.Bucket, minio.ListObjectsOptions{Prefix: pfx, Recursive: true}) {
+		if o.Err != nil {
+			return nil, s.wrap("list", dir, o.Err)
+		}
+		out = append(out, objInfo{Name: dir + strings.TrimPrefix(o.Key, pfx), Size: o.Size, Modified: o.LastModified})
+	}
+	return out, nil
+}
+
+// remove deletes an object (a missing one is not an error).
+func (s *store) remove(name string) error {
+	ctx, cancel := s.ctx()
+	defer cancel()
+	return s.wrap("delete", name, s.c.RemoveObject(ctx, s.loc.Bucket, s.loc.key(name), minio.RemoveObjectOptions{}))
+}
