@@ -88,6 +88,10 @@ type FormatOptions struct {
 	// JournalSize is the journal region size; 0 picks cache size/64
 	// clamped to [256 KiB, 64 MiB].
 	JournalSize int64
+	// DryRun makes Format refuse what it would refuse and return the
+	// superblock it would write, writing nothing: a caller that records
+	// identities on the devices first checks that the format goes ahead.
+	DryRun bool
 }
 
 // minDeviceSize is the smallest cache device Format lays out minBuckets
@@ -196,6 +200,12 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	}
 	if err := sb.Validate(devSize); err != nil {
 		return nil, fmt.Errorf("format: computed layout invalid: %w", err)
+	}
+	if opts.DryRun {
+		if _, err := sb.Encode(); err != nil {
+			return nil, fmt.Errorf("format: %w", err)
+		}
+		return sb, nil
 	}
 	// Empty checkpoint of generation 1, then the superblock copies.
 	trees := make([]*index.Ptree, len(backings))

@@ -391,3 +391,62 @@ func EnsureID(path string) (Identity, error) {
 	// Read back: on a file system without xattrs the ID stays empty.
 	return Read(path)
 }
+
+// Settable reports whether EnsureID can give the device at path an
+// identity attribute: a regular file on a file system that keeps user
+// extended attributes, or a loop device over one. It writes nothing, so
+// a command can refuse a device nothing would identify before it changes
+// anything.
+func Settable(path string) bool {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return false
+	}
+	if fi.Mode()&os.ModeDevice != 0 {
+		bf := loopBackingFile(fi)
+		return bf != "" && Settable(bf)
+	}
+	if !fi.Mode().IsRegular() {
+		return false
+	}
+	_, err = unix.Getxattr(path, xattrID, nil)
+	return !errors.Is(err, unix.ENOTSUP)
+}
+
+// Restore puts the identity attributes of the file at path back as prev
+// (what Read returned before a Claim): the set's claim, and no ID if it
+// had none. A command that fails after it claimed a file leaves the file
+// as it found it.
+func Restore(path string, prev Identity) error {
+	fi, err := os.Stat(path)
+	if err != nil {
+		return err
+	}
+	if fi.Mode()&os.ModeDevice != 0 {
+		return nil
+	}
+	if prev.Set == "" {
+		if err := removexattr(path, xattrSet); err != nil {
+			return err
+		}
+	} else if err := setxattr(path, xattrSet, prev.Set); err != nil {
+		return err
+	}
+	if prev.ID == "" {
+		if err := removexattr(path, xattrID); err != nil {
+			return err
+		}
+	}
+	return syncInode(path)
+}
+
+func removexattr(path, name string) error {
+	err := unix.Removexattr(path, name)
+	switch {
+	case errors.Is(err, unix.ENODATA), errors.Is(err, unix.ENOTSUP):
+		return nil
+	case err != nil:
+		return fmt.Errorf("%s: removing %s: %w", path, name, err)
+	}
+	return nil
+}

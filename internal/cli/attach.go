@@ -80,6 +80,23 @@ that a running tiercache process has open is refused, even with --force.`,
 				fmt.Fprintf(g.stdout, "attached %s (%s, %s) in mode %s; export %q is served now\n", ei.Path, human(ei.Size), name, ei.Mode, name)
 				return nil
 			}
+			// Refused before the set is opened (which writes the cache
+			// device): a refused attach changes nothing.
+			if !isRemote(req.Path) {
+				// A served set says so first (openOffline locks it again).
+				unlock, err := lockDevice(devicePath(cachePath), "cache device", lockServe)
+				if err != nil {
+					return err
+				}
+				unlock()
+				sb, err := readSuperblock(cachePath)
+				if err != nil {
+					return fmt.Errorf("attach: %w", err)
+				}
+				if _, err := attachRefusal(sb, cachePath, req); err != nil {
+					return fmt.Errorf("attach %s: %w", name, err)
+				}
+			}
 			h, dm, err := openOffline(g, cachePath, direct)
 			if err != nil {
 				return err
@@ -136,29 +153,11 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 		return h.attachRemote(req, mode)
 	}
 	dp := devicePath(path)
-	if _, err := os.Stat(dp); err != nil {
-		return nil, "", err
-	}
-	if same, _ := sameFile(dp, devicePath(h.cachePath)); same {
-		return nil, "", fmt.Errorf("%w: %s is the cache device", cache.ErrInvalid, path)
-	}
 	sb := h.set.Superblock()
 	setUUID := fmtUUID(sb.SetUUID)
-	id, err := backingid.Read(dp)
+	id, err := attachRefusal(sb, h.cachePath, req)
 	if err != nil {
 		return nil, "", err
-	}
-	for _, bi := range sb.Backings {
-		if bi.Free() {
-			continue
-		}
-		if same, _ := sameFile(dp, devicePath(bi.Path)); same || (id.ID != "" && id.ID == bi.ID) {
-			return nil, "", fmt.Errorf("%w: %s is the backing device of volume %q", cache.ErrExists, path, bi.Name)
-		}
-	}
-	if id.Set != "" && id.Set != setUUID && !req.Force {
-		return nil, "", fmt.Errorf("%s: %w %s, which may hold newer (dirty) data for it; detach it there first, or use --force if that set is gone",
-			path, backingid.ErrAttachedElsewhere, id.Set)
 	}
 	release, err := lockDevice(dp, "device", lockServe)
 	if err != nil {
@@ -184,13 +183,7 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 	if err != nil {
 		dev.Close()
 		release()
-		var rerr error
-		if id.Set == "" {
-			rerr = backingid.Release(dp)
-		} else {
-			_, rerr = backingid.Claim(dp, id.Set, true)
-		}
-		if rerr != nil {
+		if rerr := backingid.Restore(dp, id); rerr != nil {
 			err = errors.Join(err, fmt.Errorf("restoring the claim of %s: %w", path, rerr))
 		}
 		return nil, "", err
@@ -200,6 +193,46 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 	h.locks[req.Name] = release
 	h.mu.Unlock()
 	return v, path, nil
+}
+
+// attachRefusal makes every refusal of attaching req.Path to the set of sb
+// that needs no change to anything, before anything is changed (the
+// device's identity attributes, the cache device), and returns the
+// device's identity as it is.
+func attachRefusal(sb *cache.Superblock, cachePath string, req admin.AttachRequest) (backingid.Identity, error) {
+	path := req.Path
+	dp := devicePath(path)
+	if _, err := os.Stat(dp); err != nil {
+		return backingid.Identity{}, err
+	}
+	if same, _ := sameFile(dp, devicePath(cachePath)); same {
+		return backingid.Identity{}, fmt.Errorf("%w: %s is the cache device", cache.ErrInvalid, path)
+	}
+	setUUID := fmtUUID(sb.SetUUID)
+	id, err := backingid.Read(dp)
+	if err != nil {
+		return id, err
+	}
+	for _, bi := range sb.Backings {
+		if bi.Free() {
+			continue
+		}
+		if same, _ := sameFile(dp, devicePath(bi.Path)); same || (id.ID != "" && id.ID == bi.ID) {
+			return id, fmt.Errorf("%w: %s is the backing device of volume %q", cache.ErrExists, path, bi.Name)
+		}
+		if bi.Name == req.Name {
+			return id, fmt.Errorf("%w: a volume of that name exists", cache.ErrExists)
+		}
+	}
+	if id.Set != "" && id.Set != setUUID && !req.Force {
+		return id, fmt.Errorf("%s: %w %s, which may hold newer (dirty) data for it; detach it there first, or use --force if that set is gone",
+			path, backingid.ErrAttachedElsewhere, id.Set)
+	}
+	if id.ID == "" && !req.TrustPath && !backingid.Settable(dp) {
+		_, err := identifyAttach(dp, false)
+		return id, err
+	}
+	return id, nil
 }
 
 // attachRemote is attachDevice for an NBD URI: nothing is claimed on the

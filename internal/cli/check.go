@@ -106,7 +106,7 @@ func checkBackings(sb *cache.Superblock) []string {
 				bi.Name, bi.Path, size, bi.Size, bi.Size, bi.Size, bi.Name))
 		}
 		if err := backingid.Check(bi.ID, p); err != nil {
-			problems = append(problems, fmt.Sprintf("backing device %q: %v: serve refuses it without --force", bi.Name, err))
+			problems = append(problems, fmt.Sprintf("backing device %q: %v: serve refuses it without --force; if this IS the disk and only its identity changed, 'tiercache identity --cache CACHE --rerecord %s' records its identity now", bi.Name, err, bi.Name))
 		}
 	}
 	return problems

@@ -180,21 +180,37 @@ func runFormat(g *globals, o *formatOptions) error {
 		return fmt.Errorf("format: %w", err)
 	}
 
+	// Every refusal before any identity attribute is written: a device
+	// nothing would identify, and a layout or superblock the cache device
+	// cannot hold (a dry run of the format with the identities to come).
 	specs := make([]cache.BackingSpec, len(bks))
 	for i := range bks {
 		what := fmt.Sprintf("backing %q", bks[i].name)
-		var id backingid.Identity
-		var err error
+		id := placeholderID
 		if bks[i].remote != nil {
-			id.ID, err = identifyRemote(g.stderr, what, bks[i].remote, o.trustPath)
-		} else {
-			id, err = identify(g, what, bks[i].path, o.trustPath)
+			rid, err := identifyRemote(g.stderr, what, bks[i].remote, o.trustPath)
+			if err != nil {
+				return err
+			}
+			id, bks[i].id.ID = rid, rid
+		} else if err := identifiable(what, bks[i].path, o.trustPath); err != nil {
+			return err
 		}
+		specs[i] = cache.BackingSpec{Name: bks[i].name, Dev: bks[i].dev, ID: id, Path: absSpec(bks[i].path)}
+	}
+	if _, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: bs, Mode: mode, Force: o.force, CacheID: placeholderID, DryRun: true}); err != nil {
+		return fmt.Errorf("format %s: %w", o.cache, err)
+	}
+	for i := range bks {
+		if bks[i].remote != nil {
+			continue
+		}
+		id, err := identify(g, fmt.Sprintf("backing %q", bks[i].name), bks[i].path, o.trustPath)
 		if err != nil {
 			return err
 		}
 		bks[i].id = id
-		specs[i] = cache.BackingSpec{Name: bks[i].name, Dev: bks[i].dev, ID: id.ID, Path: absSpec(bks[i].path)}
+		specs[i].ID = id.ID
 	}
 	cacheID, err := backingid.EnsureID(devicePath(o.cache))
 	if err != nil {
@@ -254,6 +270,30 @@ func runFormat(g *globals, o *formatOptions) error {
 	return w.Flush()
 }
 
+// placeholderID stands for an identity not recorded yet in format's dry
+// run: as long as a file's ("UUID/ino:N/born:S.NS" at their longest).
+var placeholderID = strings.Repeat("x", len("loop:")+36+len("/ino:18446744073709551615/born:-9223372036854775808.999999999"))
+
+// identifiable refuses, before anything is written, a device identify
+// would refuse: nothing identifies it and nothing can be recorded on it
+// (a block device with no identity, a file on a file system without user
+// xattrs), unless trustPath.
+func identifiable(what, spec string, trustPath bool) error {
+	p := devicePath(spec)
+	id, err := backingid.Read(p)
+	if err != nil {
+		return fmt.Errorf("%s: %w", what, err)
+	}
+	if id.ID != "" || trustPath || backingid.Settable(p) {
+		return nil
+	}
+	return unidentifiedError(what, spec)
+}
+
+func unidentifiedError(what, spec string) error {
+	return fmt.Errorf("%s (%s): nothing identifies this device (no serial or WWN, partition UUID, device-mapper/md UUID, loop backing file, /dev/disk/by-id link, or file attribute: the file system keeps no user xattrs), so a different disk in its place would not be caught; give --trust-path to identify it by its path, or use a device that has an identity", what, spec)
+}
+
 // identify gives the device at spec an identity to record (a new file
 // attribute if it had none). A device that nothing identifies is refused,
 // unless trustPath: then its path is its identity, said loudly.
@@ -266,7 +306,7 @@ func identify(g *globals, what, spec string, trustPath bool) (backingid.Identity
 		return id, nil
 	}
 	if !trustPath {
-		return id, fmt.Errorf("%s (%s): nothing identifies this device (no serial or WWN, partition UUID, device-mapper/md UUID, loop backing file, /dev/disk/by-id link, or file attribute: the file system keeps no user xattrs), so a different disk in its place would not be caught; give --trust-path to identify it by its path, or use a device that has an identity", what, spec)
+		return id, unidentifiedError(what, spec)
 	}
 	id.ID = backingid.PathID(devicePath(spec))
 	fmt.Fprintf(g.stderr, "WARNING: %s (%s): nothing identifies this device; identified by its path (--trust-path): a different disk appearing at %s will NOT be caught\n", what, spec, devicePath(spec))

@@ -566,9 +566,9 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		if err := backingid.Check(sb.CacheID, devicePath(cachePath)); err != nil {
 			if !o.force {
 				closeDevs()
-				return nil, fmt.Errorf("cache device %w: this is not the device cache set %s was formatted on (a copy of it?); its dirty data would be written back into the set's disks, over newer data: serve the original device, or --force if this is the set's device and only its identity changed", err, setUUID)
+				return nil, fmt.Errorf("cache device %w: this is not the device cache set %s was formatted on (a copy of it?); its dirty data would be written back into the set's disks, over newer data: serve the original device; if this IS the set's device and only its identity changed, record its identity now with 'tiercache identity --cache %s --rerecord-cache' (--force serves it once, and every later serve needs --force again)", err, setUUID, cachePath)
 			}
-			log.Warn("serving a cache device whose identity does not match the one recorded (--force)", "cache", cachePath, "err", err)
+			log.Warn("serving a cache device whose identity does not match the one recorded (--force); if it is the set's device, record its identity with 'tiercache identity --cache CACHE --rerecord-cache' once the server is stopped", "cache", cachePath, "err", err)
 		}
 	}
 	var specs []cache.BackingSpec
@@ -622,10 +622,10 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		if err := backingid.Check(bi.ID, devicePath(path)); err != nil {
 			if !o.force {
 				closeDevs()
-				return nil, fmt.Errorf("backing %q: %w; a wrong disk would be served the set's cached data for %q and written its dirty data: give the right device with --backing %s=PATH, or --force if this is the disk and only its identity changed",
-					bi.Name, err, bi.Name, bi.Name)
+				return nil, fmt.Errorf("backing %q: %w; a wrong disk would be served the set's cached data for %q and written its dirty data: give the right device with --backing %s=PATH; if this IS the disk and only its identity changed, record its identity now with 'tiercache identity --cache %s --rerecord %s' (--force serves it once, and every later serve needs --force again)",
+					bi.Name, err, bi.Name, bi.Name, cachePath, bi.Name)
 			}
-			log.Warn("serving a backing device whose identity does not match the one recorded (--force)", "volume", bi.Name, "path", path, "err", err)
+			log.Warn("serving a backing device whose identity does not match the one recorded (--force); if it is the volume's disk, record its identity with 'tiercache identity --cache CACHE --rerecord NAME' once the server is stopped", "volume", bi.Name, "path", path, "err", err)
 		}
 		bdev, err := openDevice(path, device.FileOptions{ReadOnly: o.readOnly, Direct: direct})
 		if err != nil {
