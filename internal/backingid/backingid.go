@@ -16,11 +16,14 @@
 //     is another inode, born later: no copy carries all three.
 //   - a block device, by what survives reboots and re-plugging, in this
 //     order: the hardware WWID or serial under /sys/dev/block ("hw:"), a
-//     device-mapper or md UUID ("dm:", "md:"), a partition's UUID or its
-//     disk's hardware identity plus the partition number ("partuuid:",
-//     "hw:...-partN"), a loop device's backing file ("loop:" plus that
-//     file's identity, so a loop device over a copy is not the disk
-//     either), a /dev/disk/by-id link ("by-id:").
+//     device-mapper or md UUID ("dm:", "md:"), for a partition its disk's
+//     identity (hardware, or a loop device's backing file) plus the
+//     partition number AND the partition's UUID ("hw:...-partN/partuuid:U":
+//     a dd clone of the whole disk copies the UUID, so the UUID alone would
+//     pass it; either alone where only one exists), a loop device's
+//     backing file ("loop:" plus that file's identity, so a loop device
+//     over a copy is not the disk either), a /dev/disk/by-id link
+//     ("by-id:").
 //   - "path:ABSPATH": nothing identifies the device and the operator said
 //     its path does (--trust-path). A different disk appearing at that
 //     path is not caught.
@@ -35,10 +38,12 @@ package backingid
 
 import (
 	"crypto/rand"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"syscall"
 
@@ -228,8 +233,19 @@ func blockID(fi os.FileInfo) string {
 	if !ok {
 		return ""
 	}
-	maj, mnr := unix.Major(uint64(st.Rdev)), unix.Minor(uint64(st.Rdev))
-	base := fmt.Sprintf("/sys/dev/block/%d:%d/", maj, mnr)
+	return hostRoots.blockID(unix.Major(uint64(st.Rdev)), unix.Minor(uint64(st.Rdev)))
+}
+
+// roots are where blockID reads what the kernel and udev say about block
+// devices: the host's in production, a made-up tree in unit tests (the
+// partition cases need partitioned disks, which a test machine may not
+// be able to make).
+type roots struct{ sys, udev, dev string }
+
+var hostRoots = roots{sys: "/sys", udev: "/run/udev/data", dev: "/dev"}
+
+func (r roots) blockID(maj, mnr uint32) string {
+	base := fmt.Sprintf("%s/dev/block/%d:%d/", r.sys, maj, mnr)
 	if id := hwID(base); id != "" {
 		return id
 	}
@@ -239,12 +255,7 @@ func blockID(fi os.FileInfo) string {
 		}
 	}
 	if part := readTrim(base + "partition"); part != "" {
-		if u := udevProp(maj, mnr, "ID_PART_ENTRY_UUID"); u != "" {
-			return "partuuid:" + u
-		}
-		if id := hwID(base + "../"); id != "" {
-			return id + "-part" + part
-		}
+		return r.partitionID(base, maj, mnr, part)
 	}
 	if bf := readTrim(base + "loop/backing_file"); bf != "" {
 		if id, _ := fileID(bf); id != "" {
@@ -252,7 +263,105 @@ func blockID(fi os.FileInfo) string {
 		}
 		return ""
 	}
-	return byIDLink(maj, mnr)
+	return r.byIDLink(maj, mnr)
+}
+
+// partitionID identifies partition part of a disk by the disk's identity
+// plus the partition number AND the partition's UUID, both where both
+// exist: a partition UUID alone is copied with the disk by dd (a clone of
+// the whole disk, an image restored onto another disk), and the disk's
+// identity alone does not see the partition table rewritten. Either alone
+// where only one exists.
+func (r roots) partitionID(base string, maj, mnr uint32, part string) string {
+	disk := hwID(base + "../")
+	if disk == "" {
+		if bf := readTrim(base + "../loop/backing_file"); bf != "" {
+			if id, _ := fileID(bf); id != "" {
+				disk = "loop:" + id
+			}
+		}
+	}
+	if disk != "" {
+		disk += "-part" + part
+	}
+	pu := r.udevProp(maj, mnr, "ID_PART_ENTRY_UUID")
+	if pu == "" {
+		pu = r.partUUIDFromTable(base, part)
+	}
+	switch {
+	case disk != "" && pu != "":
+		return disk + "/partuuid:" + pu
+	case pu != "":
+		return "partuuid:" + pu
+	}
+	return disk
+}
+
+// partUUIDFromTable reads partition part's UUID from its disk's partition
+// table (GPT: the partition's unique GUID; MBR: the disk signature and the
+// partition number, as the kernel's PARTUUID), for hosts without udev. It
+// reads the disk node udev or devtmpfs made (DEVNAME in the disk's
+// uevent); "" if there is none or no table says.
+func (r roots) partUUIDFromTable(base, part string) string {
+	n, err := strconv.Atoi(part)
+	if err != nil || n < 1 {
+		return ""
+	}
+	var devname string
+	for _, l := range strings.Split(readTrim(base+"../uevent"), "\n") {
+		if v, ok := strings.CutPrefix(l, "DEVNAME="); ok {
+			devname = v
+		}
+	}
+	if devname == "" {
+		return ""
+	}
+	f, err := os.Open(filepath.Join(r.dev, devname))
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	lbs, err := strconv.Atoi(readTrim(base + "../queue/logical_block_size"))
+	if err != nil || lbs < 512 || lbs > 64<<10 {
+		lbs = 512
+	}
+	hdr := make([]byte, 512)
+	if _, err := f.ReadAt(hdr, int64(lbs)); err == nil && string(hdr[:8]) == "EFI PART" {
+		entLBA := binary.LittleEndian.Uint64(hdr[72:])
+		count := binary.LittleEndian.Uint32(hdr[80:])
+		esize := binary.LittleEndian.Uint32(hdr[84:])
+		if uint32(n) > count || esize < 128 || esize > 4096 || entLBA > 1<<40 {
+			return ""
+		}
+		e := make([]byte, 32)
+		if _, err := f.ReadAt(e, int64(entLBA)*int64(lbs)+int64(n-1)*int64(esize)); err != nil {
+			return ""
+		}
+		g := e[16:32]
+		if allZero(g) {
+			return ""
+		}
+		return fmt.Sprintf("%08x-%04x-%04x-%x-%x", binary.LittleEndian.Uint32(g[0:4]), binary.LittleEndian.Uint16(g[4:6]),
+			binary.LittleEndian.Uint16(g[6:8]), g[8:10], g[10:16])
+	}
+	mbr := make([]byte, 512)
+	if _, err := f.ReadAt(mbr, 0); err != nil || mbr[510] != 0x55 || mbr[511] != 0xaa {
+		return ""
+	}
+	sig := binary.LittleEndian.Uint32(mbr[440:])
+	if sig == 0 {
+		return ""
+	}
+	return fmt.Sprintf("%08x-%02x", sig, n)
+}
+
+func allZero(b []byte) bool {
+	for _, c := range b {
+		if c != 0 {
+			return false
+		}
+	}
+	return true
 }
 
 func hwID(base string) string {
@@ -273,8 +382,8 @@ func readTrim(path string) string {
 }
 
 // udevProp reads a property udev recorded for the block device.
-func udevProp(maj, mnr uint32, key string) string {
-	b, err := os.ReadFile(fmt.Sprintf("/run/udev/data/b%d:%d", maj, mnr))
+func (r roots) udevProp(maj, mnr uint32, key string) string {
+	b, err := os.ReadFile(fmt.Sprintf("%s/b%d:%d", r.udev, maj, mnr))
 	if err != nil {
 		return ""
 	}
@@ -288,14 +397,15 @@ func udevProp(maj, mnr uint32, key string) string {
 
 // byIDLink returns the first /dev/disk/by-id link to the device, in name
 // order (udev's names are derived from the device's model and serial).
-func byIDLink(maj, mnr uint32) string {
-	ents, err := os.ReadDir("/dev/disk/by-id")
+func (r roots) byIDLink(maj, mnr uint32) string {
+	dir := filepath.Join(r.dev, "disk/by-id")
+	ents, err := os.ReadDir(dir)
 	if err != nil {
 		return ""
 	}
 	for _, e := range ents {
 		var st unix.Stat_t
-		if unix.Stat("/dev/disk/by-id/"+e.Name(), &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
+		if unix.Stat(filepath.Join(dir, e.Name()), &st) != nil || st.Mode&unix.S_IFMT != unix.S_IFBLK {
 			continue
 		}
 		if unix.Major(uint64(st.Rdev)) == maj && unix.Minor(uint64(st.Rdev)) == mnr {
@@ -305,13 +415,21 @@ func byIDLink(maj, mnr uint32) string {
 	return ""
 }
 
-// loopBackingFile returns the backing file of a loop device, or "".
+// loopBackingFile returns the backing file of a loop device, or of the
+// loop device a partition is on, or "".
 func loopBackingFile(fi os.FileInfo) string {
 	st, ok := fi.Sys().(*syscall.Stat_t)
 	if !ok {
 		return ""
 	}
-	return readTrim(fmt.Sprintf("/sys/dev/block/%d:%d/loop/backing_file", unix.Major(uint64(st.Rdev)), unix.Minor(uint64(st.Rdev))))
+	base := fmt.Sprintf("%s/dev/block/%d:%d/", hostRoots.sys, unix.Major(uint64(st.Rdev)), unix.Minor(uint64(st.Rdev)))
+	if bf := readTrim(base + "loop/backing_file"); bf != "" {
+		return bf
+	}
+	if readTrim(base+"partition") != "" {
+		return readTrim(base + "../loop/backing_file")
+	}
+	return ""
 }
 
 // PathID is the identity of a device known only by its path (--trust-path).
