@@ -32,8 +32,8 @@ const DefaultBlockSize = 4096
 // DefaultTimeout bounds one store call, retries included.
 const DefaultTimeout = 60 * time.Second
 
-func newStore(loc Location) (*store, error) {
-	c, err := loc.Client()
+func newStore(loc Location, tries int) (*store, error) {
+	c, err := loc.client(tries)
 	if err != nil {
 		return nil, err
 	}
@@ -62,7 +62,7 @@ func Create(loc Location, size int64, blockSize int) (*layout.Head, error) {
 	if size <= 0 || size%int64(blockSize) != 0 {
 		return nil, fmt.Errorf("objstore: size %d: want a positive multiple of the block size %d", size, blockSize)
 	}
-	s, err := newStore(loc)
+	s, err := newStore(loc, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -77,7 +77,7 @@ func Create(loc Location, size int64, blockSize int) (*layout.Head, error) {
 	}
 	if _, err := s.put(layout.HeadName, p, putIfAbsent, ""); err != nil {
 		if errors.Is(err, errPrecondition) {
-			return nil, fmt.Errorf("%s: %w", loc, ErrExists)
+			return nil, fmt.Errorf("%s: %w", loc.Name(), ErrExists)
 		}
 		return nil, err
 	}
@@ -86,9 +86,9 @@ func Create(loc Location, size int64, blockSize int) (*layout.Head, error) {
 	if _, err := s.put(layout.HeadName, p, putIfAbsent, ""); !errors.Is(err, errPrecondition) {
 		s.remove(layout.HeadName)
 		if err != nil {
-			return nil, fmt.Errorf("%s: checking conditional writes: %w", loc, err)
+			return nil, fmt.Errorf("%s: checking conditional writes: %w", loc.Name(), err)
 		}
-		return nil, fmt.Errorf("%s: %w", loc, ErrNoConditionalWrites)
+		return nil, fmt.Errorf("%s: %w", loc.Name(), ErrNoConditionalWrites)
 	}
 	return h, nil
 }
@@ -118,14 +118,14 @@ func endpointName(l Location) string {
 func (s *store) readHead() (*layout.Head, string, error) {
 	p, etag, err := s.getETag(layout.HeadName)
 	if errors.Is(err, errNoObject) {
-		return nil, "", fmt.Errorf("%s: %w", s.loc, ErrNoImage)
+		return nil, "", fmt.Errorf("%s: %w", s.loc.Name(), ErrNoImage)
 	}
 	if err != nil {
 		return nil, "", err
 	}
 	h, err := layout.DecodeHead(p)
 	if err != nil {
-		return nil, "", fmt.Errorf("%s: %w", s.loc, err)
+		return nil, "", fmt.Errorf("%s: %w", s.loc.Name(), err)
 	}
 	return h, etag, nil
 }
@@ -152,7 +152,7 @@ type Info struct {
 
 // Stat recovers the image's newest state read-only and describes it.
 func Stat(loc Location) (*Info, error) {
-	s, err := newStore(loc)
+	s, err := newStore(loc, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -190,7 +190,7 @@ func Stat(loc Location) (*Info, error) {
 // List returns the locations of the images under loc's prefix (the
 // prefixes holding a head object), sorted.
 func List(loc Location) ([]Location, error) {
-	s, err := newStore(loc)
+	s, err := newStore(loc, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -223,7 +223,7 @@ var ErrOwned = errors.New("objstore: the image is owned")
 // (last, so that a Remove cut short leaves an image that Remove finishes).
 // It is refused while the lease is live, unless force.
 func Remove(loc Location, force bool) error {
-	s, err := newStore(loc)
+	s, err := newStore(loc, 0)
 	if err != nil {
 		return err
 	}

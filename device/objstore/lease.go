@@ -28,7 +28,7 @@ type OwnedError struct {
 
 func (e *OwnedError) Error() string {
 	return fmt.Sprintf("%s is owned by %s pid %d (generation %d), lease renewed %s ago (expires after %s); take it over only if that process is gone (--force)",
-		e.Loc, e.Lease.Host, e.Lease.PID, e.Lease.Gen, e.Age.Round(time.Second), e.Lease.TTL)
+		e.Loc.Name(), e.Lease.Host, e.Lease.PID, e.Lease.Gen, e.Age.Round(time.Second), e.Lease.TTL)
 }
 
 func (e *OwnedError) Unwrap() error { return ErrOwned }
@@ -49,7 +49,7 @@ func (s *store) readLeaseETag() (*layout.Lease, string, time.Duration, error) {
 	}
 	l, err := layout.DecodeLease(p)
 	if err != nil {
-		return nil, "", 0, fmt.Errorf("%s: %w", s.loc, err)
+		return nil, "", 0, fmt.Errorf("%s: %w", s.loc.Name(), err)
 	}
 	return l, etag, time.Since(l.Renewed), nil
 }
@@ -90,7 +90,7 @@ func acquireLease(s *store, ttl time.Duration, force bool) (*lease, error) {
 		}
 		etag, err = s.put(layout.LeaseName, p, cond, tag)
 		if errors.Is(err, errPrecondition) {
-			return nil, fmt.Errorf("%s: another process took the lease at the same time: %w", s.loc, ErrOwned)
+			return nil, fmt.Errorf("%s: another process took the lease at the same time: %w", s.loc.Name(), ErrOwned)
 		}
 	}
 	if err != nil {

@@ -58,6 +58,9 @@ func ParseURI(s string) (Location, error) {
 	return l, nil
 }
 
+// Name is s3://BUCKET/PREFIX, for messages.
+func (l Location) Name() string { return "s3://" + l.Bucket + "/" + l.Prefix }
+
 // String is the canonical URI of l.
 func (l Location) String() string {
 	s := "s3://" + l.Bucket + "/" + l.Prefix
@@ -115,7 +118,11 @@ func splitEndpoint(ep string) (host string, secure bool, err error) {
 // AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, else the
 // shared credentials file (AWS_SHARED_CREDENTIALS_FILE or
 // ~/.aws/credentials, profile AWS_PROFILE or "default").
-func (l Location) Client() (*minio.Client, error) {
+func (l Location) Client() (*minio.Client, error) { return l.client(0) }
+
+// client is Client with at most tries attempts per call (0: minio-go's
+// default).
+func (l Location) client(tries int) (*minio.Client, error) {
 	host, secure := "s3.amazonaws.com", true
 	if l.Endpoint != "" {
 		var err error
@@ -133,7 +140,7 @@ func (l Location) Client() (*minio.Client, error) {
 		&credentials.EnvAWS{},
 		&credentials.FileAWSCredentials{Filename: os.Getenv("AWS_SHARED_CREDENTIALS_FILE"), Profile: os.Getenv("AWS_PROFILE")},
 	})
-	return minio.New(host, &minio.Options{Creds: creds, Secure: secure, Region: l.Region, BucketLookup: lookup})
+	return minio.New(host, &minio.Options{Creds: creds, Secure: secure, Region: l.Region, BucketLookup: lookup, MaxRetries: tries})
 }
 
 // key is the object name of name (relative to the image) in the bucket.

@@ -76,6 +76,9 @@ type Options struct {
 	// CheckpointEvery is how many segments are written between
 	// checkpoints; 0 means DefaultCheckpointEvery.
 	CheckpointEvery int
+	// Tries bounds the attempts of one store call (minio-go retries 5xx,
+	// throttling and network errors with backoff); 0 means its default, 10.
+	Tries int
 	// Log receives lease and fencing events; nil discards them.
 	Log *slog.Logger
 }
@@ -148,7 +151,7 @@ func Open(loc Location, opts Options) (*Device, error) {
 	if opts.Log == nil {
 		opts.Log = slog.New(slog.DiscardHandler)
 	}
-	s, err := newStore(loc)
+	s, err := newStore(loc, opts.Tries)
 	if err != nil {
 		return nil, err
 	}
@@ -236,7 +239,7 @@ func (d *Device) putHead(h *layout.Head, etag string) (string, error) {
 		if rerr == nil && string(cur) == string(p) {
 			return curETag, nil
 		}
-		return "", fmt.Errorf("%s: %w", d.loc, ErrFenced)
+		return "", fmt.Errorf("%s: %w", d.loc.Name(), ErrFenced)
 	}
 	return n, err
 }
@@ -252,9 +255,9 @@ func (d *Device) renewLoop() {
 		case <-t.C:
 		}
 		if err := d.ls.renew(d.gen); err != nil {
-			d.opts.Log.Warn("object-store lease renewal failed", "image", d.loc.String(), "err", err)
+			d.opts.Log.Warn("object-store lease renewal failed", "image", d.loc.Name(), "err", err)
 			if errors.Is(err, errPrecondition) {
-				d.fence(fmt.Errorf("%s: the lease was taken over: %w", d.loc, ErrFenced))
+				d.fence(fmt.Errorf("%s: the lease was taken over: %w", d.loc.Name(), ErrFenced))
 				return
 			}
 		}
@@ -265,7 +268,7 @@ func (d *Device) fence(err error) {
 	d.mu.Lock()
 	if d.mu.fenced == nil {
 		d.mu.fenced = err
-		d.opts.Log.Error("object-store image fenced", "image", d.loc.String(), "err", err)
+		d.opts.Log.Error("object-store image fenced", "image", d.loc.Name(), "err", err)
 	}
 	d.mu.Unlock()
 }
@@ -293,7 +296,7 @@ func (d *Device) Stats() Stats {
 }
 
 func (d *Device) ioErr(op string, off, n int64, err error) error {
-	return &device.IOError{Op: op, Path: d.loc.String(), Off: off, Len: n, Err: err}
+	return &device.IOError{Op: op, Path: d.loc.Name(), Off: off, Len: n, Err: err}
 }
 
 // checkWritableLocked returns the error a modifying request fails with.
@@ -561,7 +564,7 @@ func (d *Device) flush(final bool) error {
 		if err := d.writeCheckpoint(); err != nil {
 			// The segments are stored and count; a failed checkpoint
 			// only makes the next recovery longer.
-			d.opts.Log.Warn("object-store checkpoint failed", "image", d.loc.String(), "err", err)
+			d.opts.Log.Warn("object-store checkpoint failed", "image", d.loc.Name(), "err", err)
 		}
 	}
 	return nil
@@ -595,7 +598,7 @@ func (d *Device) storeParts(lbas []uint64, flushing map[uint64]*blk, final bool)
 		}
 		part := lbas[:i]
 		lbas = lbas[i:]
-		h.Seq, h.Gen, h.Epoch, h.UUID = d.nextSeq, d.gen, d.epoch, d.mu.st.uuid
+		h.Seq, h.Gen, h.Epoch, h.UUID = d.nextSeq, d.gen, d.epoch+1, d.mu.st.uuid
 		h.BlockSize, h.Final = uint32(d.bs), final && len(lbas) == 0
 		obj, err := layout.EncodeSegment(h, data)
 		if err != nil {
@@ -643,7 +646,7 @@ func (d *Device) storeParts(lbas []uint64, flushing map[uint64]*blk, final bool)
 // checkOwner is the acknowledgement check of invariant 2. REQUIRES d.syncMu.
 func (d *Device) checkOwner() error {
 	if !d.ls.valid() {
-		err := fmt.Errorf("%s: %w", d.loc, ErrLeaseLost)
+		err := fmt.Errorf("%s: %w", d.loc.Name(), ErrLeaseLost)
 		d.fence(err)
 		return err
 	}
@@ -652,7 +655,7 @@ func (d *Device) checkOwner() error {
 		return err
 	}
 	if etag != d.headETag {
-		err := fmt.Errorf("%s: %w", d.loc, ErrFenced)
+		err := fmt.Errorf("%s: %w", d.loc.Name(), ErrFenced)
 		d.fence(err)
 		return err
 	}

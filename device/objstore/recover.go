@@ -84,14 +84,14 @@ func recoverImage(s *store, h *layout.Head) (*state, error) {
 		name := layout.CkptName(c.Seq, c.Gen)
 		p, err := s.get(name, 0, -1)
 		if err != nil {
-			return nil, fmt.Errorf("image %s: its head names %s: %w", s.loc, name, err)
+			return nil, fmt.Errorf("image %s: its head names %s: %w", s.loc.Name(), name, err)
 		}
 		ck, err := layout.DecodeCheckpoint(p)
 		if err != nil {
-			return nil, fmt.Errorf("image %s: %s: %w", s.loc, name, err)
+			return nil, fmt.Errorf("image %s: %s: %w", s.loc.Name(), name, err)
 		}
 		if ck.UUID != uuid || ck.Seq != c.Seq || int64(ck.BlockSize) != st.bs {
-			return nil, fmt.Errorf("image %s: %s belongs to image %s (sequence %d, block size %d): %w", s.loc, name, ck.UUID, ck.Seq, ck.BlockSize, layout.ErrCorrupt)
+			return nil, fmt.Errorf("image %s: %s belongs to image %s (sequence %d, block size %d): %w", s.loc.Name(), name, ck.UUID, ck.Seq, ck.BlockSize, layout.ErrCorrupt)
 		}
 		if err := st.loadCheckpoint(s, ck); err != nil {
 			return nil, err
@@ -112,7 +112,7 @@ func recoverImage(s *store, h *layout.Head) (*state, error) {
 			return nil, err
 		}
 		if len(parts) > 0 && parts[0].Epoch != sh.Epoch {
-			return nil, fmt.Errorf("image %s: segment %d (epoch %d) follows an unfinished epoch %d: %w", s.loc, seq, sh.Epoch, parts[0].Epoch, layout.ErrCorrupt)
+			return nil, fmt.Errorf("image %s: segment %d (epoch %d) follows an unfinished epoch %d: %w", s.loc.Name(), seq, sh.Epoch, parts[0].Epoch, layout.ErrCorrupt)
 		}
 		parts = append(parts, sh)
 		partTime = mod
@@ -148,16 +148,16 @@ func readSegHeader(s *store, ref layout.SegRef, st *state) (*layout.SegmentHeade
 			continue
 		}
 		if errors.As(err, &short) {
-			return nil, time.Time{}, fmt.Errorf("image %s: %s: truncated (%d bytes, header needs %d): %w", s.loc, name, size, short.Need, layout.ErrCorrupt)
+			return nil, time.Time{}, fmt.Errorf("image %s: %s: truncated (%d bytes, header needs %d): %w", s.loc.Name(), name, size, short.Need, layout.ErrCorrupt)
 		}
 		if err != nil {
-			return nil, time.Time{}, fmt.Errorf("image %s: %s: %w", s.loc, name, err)
+			return nil, time.Time{}, fmt.Errorf("image %s: %s: %w", s.loc.Name(), name, err)
 		}
 		if h.Seq != ref.Seq || h.Gen != ref.Gen || h.UUID != st.uuid || int64(h.BlockSize) != st.bs {
-			return nil, time.Time{}, fmt.Errorf("image %s: %s holds segment %d of generation %d of image %s: %w", s.loc, name, h.Seq, h.Gen, h.UUID, layout.ErrCorrupt)
+			return nil, time.Time{}, fmt.Errorf("image %s: %s holds segment %d of generation %d of image %s: %w", s.loc.Name(), name, h.Seq, h.Gen, h.UUID, layout.ErrCorrupt)
 		}
 		if want := h.Len() + int64(len(h.CRCs))*st.bs; want != size {
-			return nil, time.Time{}, fmt.Errorf("image %s: %s is %d bytes, its header says %d: %w", s.loc, name, size, want, layout.ErrCorrupt)
+			return nil, time.Time{}, fmt.Errorf("image %s: %s is %d bytes, its header says %d: %w", s.loc.Name(), name, size, want, layout.ErrCorrupt)
 		}
 		return &h, mod, nil
 	}
@@ -171,7 +171,7 @@ func (st *state) loadCheckpoint(s *store, ck *layout.Checkpoint) error {
 	for i, ref := range ck.Segs {
 		h, _, err := readSegHeader(s, ref, st)
 		if err != nil {
-			return fmt.Errorf("image %s: checkpoint %d refers to segment %d-%d: %w", s.loc, ck.Seq, ref.Seq, ref.Gen, err)
+			return fmt.Errorf("image %s: checkpoint %d refers to segment %d-%d: %w", s.loc.Name(), ck.Seq, ref.Seq, ref.Gen, err)
 		}
 		base[i] = st.addSeg(ref, h.Len())
 	}

@@ -152,6 +152,9 @@ func (h *openedSet) attachDevice(req admin.AttachRequest, direct device.DirectMo
 	if isRemote(path) {
 		return h.attachRemote(req, mode)
 	}
+	if isObjImage(path) {
+		return h.attachObjImage(req, mode)
+	}
 	dp := devicePath(path)
 	sb := h.set.Superblock()
 	setUUID := fmtUUID(sb.SetUUID)

@@ -91,6 +91,10 @@ func checkBackings(sb *cache.Superblock) []string {
 		if bi.Free() {
 			continue
 		}
+		if isObjImage(bi.Path) {
+			problems = append(problems, checkObjBacking(bi.Name, bi.Path, bi.ID, bi.Size)...)
+			continue
+		}
 		if isRemote(bi.Path) {
 			problems = append(problems, checkRemoteBacking(bi.Name, bi.Path, bi.ID, bi.Size)...)
 			continue

@@ -32,6 +32,9 @@ func absSpec(spec string) string {
 	if isRemote(spec) {
 		return remoteSpec(spec)
 	}
+	if isObjImage(spec) {
+		return objImageSpec(spec)
+	}
 	kind, path, ok := model.Parse(spec)
 	if !ok {
 		path = spec

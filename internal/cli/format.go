@@ -13,6 +13,7 @@ import (
 	"github.com/tiercache/tiercache/cache"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/nbddev"
+	"github.com/tiercache/tiercache/device/objstore"
 	"github.com/tiercache/tiercache/internal/backingid"
 )
 
@@ -115,7 +116,8 @@ func runFormat(g *globals, o *formatOptions) error {
 		name, path string
 		dev        device.Device
 		id         backingid.Identity
-		remote     *nbddev.Device // dev, when path is an NBD URI
+		remote     *nbddev.Device   // dev, when path is an NBD URI
+		obj        *objstore.Device // dev, when path is an object-store image
 	}
 	var bks []backing
 	defer func() {
@@ -133,6 +135,15 @@ func runFormat(g *globals, o *formatOptions) error {
 			return fmt.Errorf("--backing: name %q given twice", name)
 		}
 		seen[name] = true
+		if isObjImage(path) {
+			// Read-only, as the remote case: no lease is taken.
+			od, err := openObjImage(path, true, false, nil)
+			if err != nil {
+				return fmt.Errorf("backing %q: %w", name, err)
+			}
+			bks = append(bks, backing{name: name, path: path, dev: od, obj: od})
+			continue
+		}
 		if isRemote(path) {
 			// Opened read-only: format only measures it and reads its
 			// identity.
@@ -187,7 +198,10 @@ func runFormat(g *globals, o *formatOptions) error {
 	for i := range bks {
 		what := fmt.Sprintf("backing %q", bks[i].name)
 		id := placeholderID
-		if bks[i].remote != nil {
+		if bks[i].obj != nil {
+			id = objImageID(bks[i].obj)
+			bks[i].id.ID = id
+		} else if bks[i].remote != nil {
 			rid, err := identifyRemote(g.stderr, what, bks[i].remote, o.trustPath)
 			if err != nil {
 				return err
@@ -202,7 +216,7 @@ func runFormat(g *globals, o *formatOptions) error {
 		return fmt.Errorf("format %s: %w", o.cache, err)
 	}
 	for i := range bks {
-		if bks[i].remote != nil {
+		if bks[i].remote != nil || bks[i].obj != nil {
 			continue
 		}
 		id, err := identify(g, fmt.Sprintf("backing %q", bks[i].name), bks[i].path, o.trustPath)
@@ -239,7 +253,7 @@ func runFormat(g *globals, o *formatOptions) error {
 	}
 	setUUID := fmtUUID(sb.SetUUID)
 	for _, b := range bks {
-		if b.remote != nil {
+		if b.remote != nil || b.obj != nil {
 			continue // nothing is recorded on a remote export
 		}
 		if _, err := backingid.Claim(devicePath(b.path), setUUID, true); err != nil {

@@ -78,7 +78,7 @@ func checkRemote(recorded string, d *nbddev.Device) error {
 // releaseBacking forgets the set's claim on a backing device (detach):
 // nothing is recorded on a remote export.
 func releaseBacking(spec string) error {
-	if isRemote(spec) {
+	if isRemote(spec) || isObjImage(spec) {
 		return nil
 	}
 	return backingid.Release(devicePath(spec))

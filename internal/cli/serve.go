@@ -585,6 +585,24 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 			closeDevs()
 			return nil, fmt.Errorf("cache set %s: no path for backing device %q; give --backing %s=PATH", setUUID, bi.Name, bi.Name)
 		}
+		if isObjImage(path) {
+			od, err := openObjImage(path, o.readOnly, o.force, log.With("volume", bi.Name))
+			if err != nil {
+				closeDevs()
+				return nil, fmt.Errorf("backing %q: %w", bi.Name, err)
+			}
+			if err := checkObjImage(bi.ID, od); err != nil {
+				if !o.force {
+					od.Close()
+					closeDevs()
+					return nil, fmt.Errorf("backing %q: %w; give the right image with --backing %s=s3://..., or --force", bi.Name, err, bi.Name)
+				}
+				log.Warn("serving an object-store image whose identity does not match the one recorded (--force)", "volume", bi.Name, "err", err)
+			}
+			h.devs[bi.Name] = od
+			specs = append(specs, cache.BackingSpec{Name: bi.Name, Dev: od, ID: bi.ID, Path: path})
+			continue
+		}
 		if isRemote(path) {
 			rd, err := openRemote(path, o.readOnly, o.remote, log.With("volume", bi.Name))
 			if err != nil {

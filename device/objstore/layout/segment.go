@@ -24,7 +24,7 @@ type Extent struct {
 type SegmentHeader struct {
 	Seq       uint64 // position in the image's sequence of segments (from 1)
 	Gen       uint64 // owner generation that wrote it
-	Epoch     uint64 // the owner's flush count it belongs to; parts of one epoch share it
+	Epoch     uint64 // which Sync of its generation (from 1) it belongs to; parts of one epoch share it
 	UUID      UUID
 	Final     bool // the last part of its epoch: replay applies an epoch only up to a final part
 	BlockSize uint32

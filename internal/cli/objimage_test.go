@@ -1,0 +1,91 @@
+package cli
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/tiercache/tiercache/device/objstore"
+	"github.com/tiercache/tiercache/internal/s3test"
+)
+
+// TestObjImage drives the image commands and an object-store backing end to
+// end against a real versitygw: create (and its refusal to overwrite), ls,
+// info, format --backing default=s3://..., serve, writes through NBD, rm
+// refused while the server owns the image, detach writing everything back,
+// the image then read on its own, rm. The secret key is never printed.
+func TestObjImage(t *testing.T) {
+	srv := s3test.Start(t)
+	srv.Bucket("images")
+	for _, kv := range srv.Env() {
+		k, v, _ := strings.Cut(kv, "=")
+		t.Setenv(k, v)
+	}
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	var printed bytes.Buffer
+	run := func(want string, args ...string) string {
+		t.Helper()
+		out, errs, code := tc(t, args...)
+		printed.WriteString(out + errs)
+		if code != 0 || !strings.Contains(out, want) {
+			t.Fatalf("tiercache %s: exit %d, stdout %q, stderr %q; want %q", strings.Join(args, " "), code, out, errs, want)
+		}
+		return out
+	}
+	fail := func(want string, args ...string) {
+		t.Helper()
+		out, errs, code := tc(t, args...)
+		printed.WriteString(out + errs)
+		if code == 0 || !strings.Contains(errs, want) {
+			t.Fatalf("tiercache %s: exit %d, stdout %q, stderr %q; want a failure with %q", strings.Join(args, " "), code, out, errs, want)
+		}
+	}
+	const uri = "s3://images/vm1"
+	run("created image s3://images/vm1", "image", "create", uri, "--size", "16M")
+	fail("already exists", "image", "create", uri, "--size", "16M")
+	fail("does not exist", "image", "create", "s3://nobucket/x", "--size", "16M")
+	run("s3://images/vm1", "image", "ls", "s3://images")
+	run("newest epoch: none", "image", "info", uri)
+
+	dir := t.TempDir()
+	cachePath := filepath.Join(dir, "c.img")
+	if err := os.WriteFile(cachePath, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(cachePath, 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	run("cache set", "format", "--cache", cachePath, "--backing", "default="+uri, "--bucket-size", "256K")
+	sock := filepath.Join(dir, "admin.sock")
+	s := startServe(t, sock, "--data-dir", dir, "--cache", cachePath)
+	writePattern(t, filepath.Join(dir, "tiercache.sock"), 0, 64<<10, 0x42)
+	host, _ := os.Hostname()
+	fail("is owned by "+host, "image", "rm", uri)
+	run("is detached", "detach", "--admin", sock, "default")
+	s.stop(t)
+
+	out := run("newest epoch: ", "image", "info", uri)
+	if strings.Contains(out, "none (all zero)") || !strings.Contains(out, "owner:        none") {
+		t.Fatalf("image info after detach:\n%s", out)
+	}
+	l, _ := objstore.ParseURI(uri)
+	d, err := objstore.Open(l.WithEnv(), objstore.Options{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	got := make([]byte, 128<<10)
+	if _, err := d.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	d.Close()
+	if !bytes.Equal(got[:64<<10], bytes.Repeat([]byte{0x42}, 64<<10)) || !bytes.Equal(got[64<<10:], make([]byte, 64<<10)) {
+		t.Fatal("the image does not hold what was written through the cache")
+	}
+	run("removed image", "image", "rm", uri)
+	fail("no image", "image", "info", uri)
+	if strings.Contains(printed.String(), s3test.SecretKey) {
+		t.Fatal("a command printed the secret key")
+	}
+}
