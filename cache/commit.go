@@ -231,11 +231,12 @@ func (s *Set) checkpointLocked(taken uint64) error {
 	empty := make([]bool, len(vols))
 	for i, v := range s.vols {
 		empty[i] = v.idx.Tree.Len() == 0 && v.idx.NSup == 0
-		trees[i] = v.idx.Tree.Clone()
+		trees[i] = s.snapshotCleanExcluding(v, v.idx.Tree.Clone())
 		epochs[i] = v.idx.epoch
 		// The trees and the epoch tables are copy-on-write.
 		vers[i] = ondisk.VerSnap{EpochOf: epochOf, Sup: v.idx.Sup.Clone(), Dirty: int(v.idx.Dirty)}
 	}
+	s.resetMarksLocked()
 	s.mu.Unlock()
 	if err := s.syncBackingsForCommit(); err != nil {
 		return err
@@ -279,6 +280,7 @@ func (s *Set) commitLoop() {
 		case <-s.kickCommit:
 		}
 		s.mu.Lock()
+		s.lapseMarksLocked(nowNanos())
 		target := s.mu.seq
 		s.mu.Unlock()
 		_ = s.commit(target) // a failure is sticky and reported to clients

@@ -125,7 +125,7 @@ func (r *crashRun) run(nops int) {
 	r.specs = r.makeSpecs()
 	mode := Mode(rng.IntN(4))
 	r.logf("format: %d buckets of %d, %d volumes, mode %v, hide caps %t", nb, bs, nvols, mode, r.hide)
-	if _, err := Format(r.cache, r.specs, FormatOptions{BucketSize: bs, JournalSize: jl, Mode: mode}); err != nil {
+	if _, err := Format(r.cache, r.specs, FormatOptions{BucketSize: bs, JournalSize: jl, Mode: mode, markShift: testMarkShift(r.seed)}); err != nil {
 		r.fatalf("format: %v", err)
 	}
 	r.open()
@@ -191,6 +191,9 @@ func (r *crashRun) makeSpecs() []BackingSpec {
 func (r *crashRun) open() {
 	s, err := Open(r.cache, r.specs, OpenOptions{})
 	if err != nil {
+		r.fatalf("open: %v", err)
+	}
+	if err := checkCleanCoherent(s); err != nil {
 		r.fatalf("open: %v", err)
 	}
 	r.set = s
@@ -373,13 +376,13 @@ func (r *crashRun) crash() {
 	torn := []float64{0, 0.2}[r.rng.IntN(2)]
 	r.logf("crash keep=%.1f torn=%.1f", keep, torn)
 	cfg := device.CrashConfig{UnsyncedKeep: keep, TornProb: torn, Rand: r.rng}
-	// The cache first: background writeback between the two clones only
-	// writes data the cache still holds dirty, which a real crash allows.
-	cache := r.cache.CrashClone(cfg)
-	backs := make([]*device.Mem, len(r.backs))
-	for i, b := range r.backs {
-		backs[i] = b.CrashClone(cfg)
-	}
+	// Every device at one instant, as in a power cut: cloned one after
+	// the other, a backing device could take writeback of data whose
+	// insert record the cache's clone lacks, and recovery would then
+	// rightly keep the older clean entry it replaced, which no real crash
+	// can leave over newer backing data (marks.go, rule 4).
+	clones := device.CrashCloneAll(cfg, append([]*device.Mem{r.cache}, r.backs...)...)
+	cache, backs := clones[0], clones[1:]
 	r.set.crashStop()
 	r.cache, r.backs = cache, backs
 	r.specs = r.makeSpecs()

@@ -146,7 +146,7 @@ func runCPC(t *testing.T, seed uint64, at int) cpcResult {
 	back := w.add("back0", device.NewMem(nworkers*region))
 	specs := []BackingSpec{{Name: "vol0", Dev: back}}
 	mode := Mode(rng.IntN(4))
-	if _, err := Format(cache, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode}); err != nil {
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode, markShift: testMarkShift(seed)}); err != nil {
 		t.Fatal(err)
 	}
 	log := &cpLog{}
@@ -284,6 +284,10 @@ func runCPC(t *testing.T, seed uint64, at int) cpcResult {
 		if err := s2.Check(); err != nil {
 			s2.crashStop()
 			fail("%s: Check: %v", names[k], err)
+		}
+		if err := checkCleanCoherent(s2); err != nil {
+			s2.crashStop()
+			fail("%s: %v", names[k], err)
 		}
 		for i, cw := range workers {
 			got := make([]byte, region)

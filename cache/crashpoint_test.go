@@ -432,7 +432,7 @@ func (r *cpRun) liveSpecs() []BackingSpec {
 }
 
 func (r *cpRun) format(force bool) error {
-	_, err := Format(r.cache, r.liveSpecs(), FormatOptions{BucketSize: r.bs, JournalSize: minJournalLen, Mode: r.initMode, Force: force})
+	_, err := Format(r.cache, r.liveSpecs(), FormatOptions{BucketSize: r.bs, JournalSize: minJournalLen, Mode: r.initMode, Force: force, markShift: testMarkShift(r.seed)})
 	return err
 }
 
@@ -578,6 +578,15 @@ func (r *cpRun) flush(vi int) error {
 	r.logf("flush vol%d", vi)
 	if err := r.set.vols[vi].Flush(); err != nil {
 		return err
+	}
+	if r.set.isFailed() {
+		// After failover a flush syncs the backing devices and covers
+		// its own volume only: another volume may have lost writes
+		// (its flushes fail).
+		if !r.uncertain {
+			r.durable(vi, 0, int64(len(r.model[vi].cur)))
+		}
+		return nil
 	}
 	r.flushed()
 	return nil
@@ -780,6 +789,9 @@ func (r *cpRun) checkImage(mems []*device.Mem, what string, finished bool) {
 	defer s.crashStop()
 	if err := s.Check(); err != nil {
 		r.fatalf("%s: Check: %v", what, err)
+	}
+	if err := checkCleanCoherent(s); err != nil {
+		r.fatalf("%s: %v", what, err)
 	}
 	if (absent && r.sc.name == "detach") || (r.sc.name == "detach" && finished) {
 		// Removed from the set: the backing device alone holds every

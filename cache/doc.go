@@ -27,10 +27,15 @@
 //	journal off, len u64 | ckpt off[2], len u64 | buckets off u64 | clean u8 |
 //	nbackings u16 | { name str16 | id str16 | size u64 | mode u8 | path str16 } ...
 //	"SETT" u32 | { cutoff u64 | writeback % u8 | order str16 | promote str16 | rate max u64 |
-//	               inconsistent since u64 } ...
+//	               inconsistent since u64 } ... |
+//	[ "CAID" u32 | cache device id str16 ] | [ "FEAT" u32 | features u64 | flags u64 ]
 //
-// The format version is 2 (ondisk.FormatVersion), in the superblock and in
-// each checkpoint header; Open refuses any other. The crc32c covers header
+// The format version is 2 (ondisk.FormatVersion) in each checkpoint header
+// and in a superblock without features; a superblock with features (the
+// FEAT trailer: bit 0 warm-clean, see docs/CACHE.md "Recovery"; flag bit 0
+// clean entries untrusted) is version 3 (ondisk.FormatVersionFeatures), so
+// a binary that knows only version 2 refuses it. Open refuses any other
+// version and any feature bit it does not know. The crc32c covers header
 // (crc field zeroed) and payload. Updates write the
 // copy seq%2 with seq+1, so the other copy always holds the previous
 // version; Open takes the valid copy with the highest seq (bbolt's meta
@@ -76,6 +81,7 @@
 //	  clean:      vol u16 | lba u64 | loc u32
 //	  invalidate: vol u16 | lba u64 | n u64
 //	  reuse:      bucket u32 | new generation u32
+//	  mark:       vol u16 | region u64 (1 GiB: lba >> 18; format feature warm-clean only)
 //
 // The crc32c covers the block after the crc field. The nonce (from the set
 // UUID) and the generation (the checkpoint the journal follows) reject

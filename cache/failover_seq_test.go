@@ -194,7 +194,7 @@ func (r *failRun) reopenWithFault(cacheMem device.Device, specs []BackingSpec, r
 	k := uint64(rng.IntN(40))
 	q := &seqSched{dev: "reopen", at: map[[2]int]bool{}, only: func(i uint64) bool { return i == k }}
 	r.logf("reopen with a fault at cache device op %d", k)
-	s, err := Open(faultdev.Wrap(cacheMem, q), specs, OpenOptions{Logger: slog.New(r.logs), testing: testingKnobs{noBackground: true}})
+	s, err := Open(faultdev.Wrap(cacheMem, q), specs, OpenOptions{Logger: slog.New(r.logs), ColdClean: r.coldClean(), testing: testingKnobs{noBackground: true}})
 	r.logf("reopen with a fault: %v", err)
 	r.noteErr(err)
 	if err != nil {

@@ -122,6 +122,13 @@ type failRun struct {
 	errs                                        []string // errors the run got back (seq)
 }
 
+// coldClean is what docs/OPERATIONS.md tells an operator to do on a
+// restart after a failover: recover cold if the log said the failed cache
+// device could not record that its clean data is untrusted.
+func (r *failRun) coldClean() bool {
+	return strings.Contains(r.logs.all(), "start the next server on it with --cold-clean")
+}
+
 func (r *failRun) logf(format string, args ...any) {
 	r.log = append(r.log, fmt.Sprintf(format, args...))
 }
@@ -228,7 +235,7 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	}
 	mode := []Mode{Writeback, Writeback, Writethrough, Writearound}[rng.IntN(4)]
 	r.logf("format: %d buckets of %d, %d volumes, mode %v; %s dies at op %d (%s), transient p=%.2f", nb, bs, nvols, mode, target, deadAt, kinds, pTransient)
-	if _, err := Format(cacheMem, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode}); err != nil {
+	if _, err := Format(cacheMem, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode, markShift: testMarkShift(seed)}); err != nil {
 		t.Fatal(err)
 	}
 	s, err := Open(cacheDev, faultSpecs, OpenOptions{Logger: slog.New(r.logs)})
@@ -318,7 +325,7 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	// restarted process).
 	healed.Store(true)
 	r.logf("heal + reopen")
-	s2, err := Open(cacheMem, specs, OpenOptions{})
+	s2, err := Open(cacheMem, specs, OpenOptions{ColdClean: r.coldClean()})
 	if err != nil {
 		r.fatalf("reopen on the healed devices: %v", err)
 	}
@@ -326,6 +333,9 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	defer func() { s2.crashStop() }()
 	if err := s2.Check(); err != nil {
 		r.fatalf("after reopen: Check: %v", err)
+	}
+	if err := checkCleanCoherent(s2); err != nil {
+		r.fatalf("after heal and reopen: %v", err)
 	}
 	for vi, fv := range r.vols {
 		v := s2.vols[vi]

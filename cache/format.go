@@ -92,6 +92,9 @@ type FormatOptions struct {
 	// superblock it would write, writing nothing: a caller that records
 	// identities on the devices first checks that the format goes ahead.
 	DryRun bool
+	// markShift, if not 0, is the mark region size (log2 of blocks)
+	// instead of ondisk.DefaultMarkShift: tests use small regions.
+	markShift uint8
 }
 
 // minDeviceSize is the smallest cache device Format lays out minBuckets
@@ -158,8 +161,13 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	if jl < minJournalLen {
 		return nil, fmt.Errorf("%w: journal size %d (at least %d)", ErrInvalid, jl, minJournalLen)
 	}
-	sb := &Superblock{Version: ondisk.FormatVersion, Seq: 1, BlockSize: blockSize, BucketSize: bs,
-		JournalOff: 2 * ondisk.SBCopySize, JournalLen: jl, CacheID: opts.CacheID}
+	// New sets keep their clean cache warm across crashes (region marks).
+	sb := &Superblock{Version: ondisk.FormatVersionFeatures, Seq: 1, BlockSize: blockSize, BucketSize: bs,
+		JournalOff: 2 * ondisk.SBCopySize, JournalLen: jl, CacheID: opts.CacheID,
+		Features: ondisk.FeatureWarmClean, MarkShift: ondisk.DefaultMarkShift}
+	if opts.markShift != 0 {
+		sb.MarkShift = opts.markShift
+	}
 	if _, err := rand.Read(sb.SetUUID[:]); err != nil {
 		return nil, err
 	}

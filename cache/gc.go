@@ -339,6 +339,9 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange, rep *wbRepor
 		s.notifyReleasedLocked()
 		s.mu.Unlock()
 	}()
+	if err := s.commitBeforeWriteback(s.appended()); err != nil {
+		return 0, fmt.Errorf("writeback: %w", err)
+	}
 	// Queue depth: up to wbQueueDepth runs, but at most about
 	// wbInflightBytes in flight, so long sequential runs reach the disk
 	// nearly in order (a disk's write cache destages what arrives first).

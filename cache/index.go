@@ -27,6 +27,9 @@ type volIndex struct {
 	//
 	// insertSeq is Set.mu.seq just after the volume's last insert record.
 	insertSeq uint64
+	// marks: the regions whose mark record was appended in this journal
+	// generation (marks.go).
+	marks map[uint64]*regionMark
 }
 
 type blockRange struct{ lba, n uint64 }

@@ -113,7 +113,8 @@ type collector struct {
 	insWin   []uint32     // per cache block: 1 + reuses of its bucket at its last insert; 0: none
 	firstWin []uint32     // per cache block: seq of its insert before any reuse of its bucket
 	anyFirst bool
-	volEpoch []uint64 // per volume: highest insert epoch
+	volEpoch []uint64          // per volume: highest insert epoch
+	marked   []map[uint64]bool // per volume: regions marked at the journal's end (RecMark, RecUnmark)
 	seq      uint32
 	anomaly  string
 	tooLong  bool // more block records than seq counts: not corruption
@@ -131,6 +132,7 @@ func newCollector(s *Set, nbuckets int64) *collector {
 	c.insWin = make([]uint32, c.total)
 	c.firstWin = make([]uint32, c.total)
 	c.volEpoch = make([]uint64, len(s.vols))
+	c.marked = make([]map[uint64]bool, len(s.vols))
 	return c
 }
 
@@ -232,6 +234,18 @@ func (c *collector) add(r *ondisk.Rec) {
 		}
 		t := c.next()
 		c.reuses[r.Bucket] = append(c.reuses[r.Bucket], reuseEv{seq: t, gen: r.Gen})
+	case ondisk.RecMark, ondisk.RecUnmark:
+		// Regions are checked against no volume size: a mark names
+		// where backing writes may go, and one beyond the end marks
+		// nothing.
+		if c.marked[r.Vol] == nil {
+			c.marked[r.Vol] = map[uint64]bool{}
+		}
+		if r.Type == ondisk.RecMark {
+			c.marked[r.Vol][r.Region] = true
+		} else {
+			delete(c.marked[r.Vol], r.Region)
+		}
 	default:
 		c.fail("record type %d", r.Type)
 	}
@@ -303,11 +317,38 @@ type resolvedVol struct {
 	epoch  uint64
 }
 
+// cleanPolicy is what recovery does with clean entries.
+type cleanPolicy uint8
+
+const (
+	// cleanDrop: an unclean shutdown without region marks (or with clean
+	// entries untrusted): drop every clean entry.
+	cleanDrop cleanPolicy = iota
+	// cleanKeepUnmarked: an unclean shutdown with region marks: drop the
+	// clean entries of the regions marked at the journal's end.
+	cleanKeepUnmarked
+	// cleanKeep: a clean shutdown, or read-only inspection.
+	cleanKeep
+)
+
+// recoveryPolicy is the clean policy for a set with superblock sb.
+func recoveryPolicy(sb *Superblock) cleanPolicy {
+	switch {
+	case sb.Clean:
+		return cleanKeep
+	case sb.HasFeature(ondisk.FeatureWarmClean) && !sb.CleanUntrusted:
+		return cleanKeepUnmarked
+	}
+	return cleanDrop
+}
+
 // resolver resolves each LBA's final state (see the top of the file).
 type resolver struct {
 	c        *collector
 	cd       *ondisk.CkptData
-	clean    bool // clean shutdown: clean entries are kept
+	clean    cleanPolicy
+	shift    uint8           // mark region shift
+	marked   map[uint64]bool // the volume at hand's marked regions
 	keepSup  []bool
 	anyReuse bool
 	anomaly  string
@@ -433,7 +474,7 @@ func (r *resolver) finish(lba uint64, out *resolvedVol) {
 	if !r.hasLive {
 		return
 	}
-	if !r.live.dirty && !r.clean {
+	if !r.live.dirty && (r.clean == cleanDrop || r.clean == cleanKeepUnmarked && r.marked[lba>>r.shift]) {
 		// dropCleanLocked: a clean entry may be stale after a crash.
 		r.dropped++
 		return
@@ -545,8 +586,8 @@ func (r *resolver) volume(vi int, cv *ondisk.CkptVol, items []replayItem, big []
 }
 
 // resolve runs the resolver over every volume. It does not touch s.
-func (s *Set) resolve(c *collector, cd *ondisk.CkptData, clean bool) (*resolver, []resolvedVol) {
-	r := &resolver{c: c, cd: cd, clean: clean, anomaly: c.anomaly}
+func (s *Set) resolve(c *collector, cd *ondisk.CkptData, clean cleanPolicy) (*resolver, []resolvedVol) {
+	r := &resolver{c: c, cd: cd, clean: clean, shift: s.wm.shift, anomaly: c.anomaly}
 	if r.anomaly != "" {
 		return r, nil
 	}
@@ -572,6 +613,7 @@ func (s *Set) resolve(c *collector, cd *ondisk.CkptData, clean bool) (*resolver,
 		if vi < len(cd.Vols) {
 			cv = &cd.Vols[vi]
 		}
+		r.marked = c.marked[vi]
 		out[vi] = r.volume(vi, cv, items[lo:hi], c.big[vi])
 		if r.anomaly != "" {
 			return r, nil
@@ -655,9 +697,9 @@ func readJournal(dev device.Device, sb *Superblock, h ondisk.CkptHeader, c *coll
 
 // recoverIndex rebuilds the index from the checkpoint cd and the journal
 // records c collected (see the top of the file), dropping clean entries
-// after an unclean shutdown. It returns how many it dropped.
+// as clean says. It returns how many it dropped.
 // REQUIRES: exclusive access (Open)
-func (s *Set) recoverIndex(nbuckets int64, cd *ondisk.CkptData, c *collector, clean bool) (dropped int, err error) {
+func (s *Set) recoverIndex(nbuckets int64, cd *ondisk.CkptData, c *collector, clean cleanPolicy) (dropped int, err error) {
 	s.resetIndexLocked(nbuckets, cd.Gens)
 	r, out := s.resolve(c, cd, clean)
 	switch {
@@ -682,8 +724,13 @@ type OpenOptions struct {
 	// journal blocks or checkpoint recorded are undone, and logged as such.
 	// Without it Open refuses.
 	AcceptJournalLoss bool
-	Logger            *slog.Logger
-	testing           testingKnobs // tests only
+	// ColdClean drops every clean entry in recovery, as after a crash of
+	// a set without region marks. For a restart on a cache device that
+	// failed over and could not record it (the log of that failover says
+	// so): writes that went around it may have made its clean data stale.
+	ColdClean bool
+	Logger    *slog.Logger
+	testing   testingKnobs // tests only
 }
 
 // Open recovers a cache set: newest valid checkpoint plus journal replay.
@@ -770,7 +817,11 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if jr.err != nil {
 		return nil, fmt.Errorf("open: replaying journal: %w", jr.err)
 	}
-	dropped, err := s.recoverIndex(sb.NBuckets, d.cd, c, sb.Clean)
+	policy := recoveryPolicy(sb)
+	if opts.ColdClean && policy != cleanKeep {
+		policy = cleanDrop
+	}
+	dropped, err := s.recoverIndex(sb.NBuckets, d.cd, c, policy)
 	if err != nil {
 		return nil, fmt.Errorf("open: replaying journal: %w", err)
 	}
@@ -793,10 +844,13 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		return nil, fmt.Errorf("open: %w", err)
 	}
 	log.Info("cache set recovered", "checkpoint_gen", hdr.Gen, "journal_records", nrec,
-		"entries", s.entries(), "dropped_clean", dropped, "took", time.Since(start),
+		"entries", s.entries(), "dropped_clean", dropped, "clean_kept", policy.String(), "took", time.Since(start),
 		"read_checkpoint_and_journal", loaded.Sub(start), "replay_journal", replayed.Sub(loaded), "write_checkpoint", time.Since(replayed))
 	s.sbMu.Lock()
-	err = s.updateSuperblockLocked(func(nsb *Superblock) error { nsb.Clean = false; return nil })
+	// The checkpoint just written holds no clean entry the untrusted flag
+	// was about.
+	err = s.updateSuperblockLocked(func(nsb *Superblock) error { nsb.Clean, nsb.CleanUntrusted = false, false; return nil })
+	s.wm.untrusted = false
 	s.sbMu.Unlock()
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
@@ -817,6 +871,10 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		}
 	}
 	return s, nil
+}
+
+func (p cleanPolicy) String() string {
+	return [...]string{"none (unclean shutdown)", "outside marked regions (unclean shutdown)", "all (clean shutdown)"}[p]
 }
 
 // dropUnkeptSupLocked drops the recovered superseded versions of volumes

@@ -66,15 +66,34 @@ func (s *Set) loadCheckpointLocked(vi int, cv *ondisk.CkptVol) {
 	}
 }
 
-// dropCleanLocked drops every clean entry, as recovery does after an
-// unclean shutdown (resolver.finish).
+// marksOf returns the regions marked at the end of recs, per volume: a
+// mark record marks its region, an unmark record ends that.
+func marksOf(recs []*ondisk.Rec) map[uint16]map[uint64]bool {
+	m := map[uint16]map[uint64]bool{}
+	for _, r := range recs {
+		switch r.Type {
+		case ondisk.RecMark:
+			if m[r.Vol] == nil {
+				m[r.Vol] = map[uint64]bool{}
+			}
+			m[r.Vol][r.Region] = true
+		case ondisk.RecUnmark:
+			delete(m[r.Vol], r.Region)
+		}
+	}
+	return m
+}
+
+// dropCleanLocked drops the clean entries recovery drops after an unclean
+// shutdown (resolver.finish): every one (cleanDrop), or those in the
+// regions of 2^shift blocks marked (cleanKeepUnmarked).
 // REQUIRES: exclusive access
-func (s *Set) dropCleanLocked() int {
+func (s *Set) dropCleanLocked(p cleanPolicy, shift uint8, marked map[uint16]map[uint64]bool) int {
 	n := 0
 	for vi, v := range s.vols {
 		var drop []index.Ent
 		v.idx.Tree.Ascend(func(e index.Ent) bool {
-			if !e.Dirty() {
+			if !e.Dirty() && (p == cleanDrop || marked[uint16(vi)][e.LBA>>shift]) {
 				drop = append(drop, e)
 			}
 			return true
@@ -144,6 +163,11 @@ func (s *Set) applyLocked(r *ondisk.Rec) error {
 			s.log.Error("journal reuses a bucket holding dirty data; dropped", "bucket", r.Bucket, "dirty_blocks", d)
 		}
 		s.mu.Buckets[r.Bucket].Gen = r.Gen
+	case ondisk.RecMark, ondisk.RecUnmark:
+		// Recovery reads them (marksOf); the index has nothing of them.
+		if _, err := vol(); err != nil {
+			return err
+		}
 	default:
 		return ondisk.Corruptf("journal record", 0, 0, "type %d", r.Type)
 	}

@@ -18,7 +18,8 @@ type replayCfg struct {
 	nb, bpb int64
 	orders  []WritebackOrder
 	nblocks uint64
-	clean   bool
+	clean   cleanPolicy
+	shift   uint8 // mark region shift
 }
 
 // newReplaySet builds a set with cfg's volumes and an empty index with a
@@ -26,6 +27,7 @@ type replayCfg struct {
 func newReplaySet(cfg replayCfg, gens []uint32) *Set {
 	s := &Set{bpb: cfg.bpb, log: slog.New(slog.DiscardHandler)}
 	s.mu.BPB = s.bpb
+	s.wm.on, s.wm.shift = true, cfg.shift
 	var vols []*Volume
 	for i, o := range cfg.orders {
 		st := DefaultSettings()
@@ -142,6 +144,16 @@ func (g *replayGen) step(t *testing.T) {
 	s := g.sim
 	vi := g.rng.IntN(len(g.cfg.orders))
 	hot := uint64(48)
+	if g.rng.IntN(100) < 8 {
+		// Region marks: regions of 2^shift blocks, some beyond the
+		// volume's end.
+		typ := uint8(ondisk.RecMark)
+		if g.rng.IntN(3) == 0 {
+			typ = ondisk.RecUnmark
+		}
+		g.emit(t, &ondisk.Rec{Type: typ, Vol: uint16(vi), Region: uint64(g.rng.IntN(int(hot>>g.cfg.shift) + 2))})
+		return
+	}
 	switch p := g.rng.IntN(100); {
 	case p < 55:
 		n := int64(1 + g.rng.IntN(4))
@@ -220,7 +232,7 @@ func checkpointOf(t *testing.T, what string, cfg replayCfg, s *Set) *ondisk.Ckpt
 // after a random prefix of a workload, and the journal of the rest.
 func replayCase(t *testing.T, seed uint64) (replayCfg, *ondisk.CkptData, []*ondisk.Rec, *Set) {
 	rng := rand.New(rand.NewPCG(seed, 7))
-	cfg := replayCfg{nb: int64(6 + rng.IntN(6)), bpb: 8, nblocks: 600, clean: rng.IntN(2) == 0}
+	cfg := replayCfg{nb: int64(6 + rng.IntN(6)), bpb: 8, nblocks: 600, clean: cleanPolicy(rng.IntN(3)), shift: uint8(rng.IntN(5))}
 	for range 1 + rng.IntN(3) {
 		cfg.orders = append(cfg.orders, []WritebackOrder{OrderEpoch, OrderLBA}[rng.IntN(2)])
 	}
@@ -290,8 +302,8 @@ func recoverBoth(t *testing.T, what string, cfg replayCfg, cd *ondisk.CkptData, 
 	old := newReplaySet(cfg, cd.Gens)
 	oerr := old.replayOld(cd, recs)
 	odrop := 0
-	if oerr == nil && !cfg.clean {
-		odrop = old.dropCleanLocked()
+	if oerr == nil && cfg.clean != cleanKeep {
+		odrop = old.dropCleanLocked(cfg.clean, cfg.shift, marksOf(recs))
 	}
 	switch {
 	case ferr != nil && !IsCorruption(ferr):
@@ -362,7 +374,7 @@ func TestReplayMatchesSequential(t *testing.T) {
 	var cover [5]int
 	for seed := uint64(0); seed < uint64(seeds); seed++ {
 		cfg, cd, recs, sim := replayCase(t, seed)
-		what := fmt.Sprintf("seed %d (%d volumes %v, %d buckets, clean %t, %d records)", seed, len(cfg.orders), cfg.orders, cfg.nb, cfg.clean, len(recs))
+		what := fmt.Sprintf("seed %d (%d volumes %v, %d buckets, clean %v, shift %d, %d records)", seed, len(cfg.orders), cfg.orders, cfg.nb, cfg.clean, cfg.shift, len(recs))
 		s, err := recoverBoth(t, what, cfg, cd, recs, true)
 		if err != nil {
 			t.Fatalf("%s: %v", what, err)
@@ -386,7 +398,7 @@ func TestReplayMatchesSequential(t *testing.T) {
 		if err := s.checkIndexLocked(true); err != nil {
 			t.Fatalf("%s: recovered index: %v", what, err)
 		}
-		if cfg.clean {
+		if cfg.clean == cleanKeep {
 			sim.listBucketsLocked()
 			if a, b := dumpRecovered(s), dumpRecovered(sim); a != b {
 				t.Fatalf("%s: recovered index differs from the journal-order state:\n%s", what, diffLines(a, b))
@@ -452,7 +464,7 @@ func TestReplayMatchesSequential(t *testing.T) {
 // recovery gives it epoch 0 on both paths. The record-by-record load once
 // indexed a nil epoch table (a panic on data from disk).
 func TestReplayCheckpointWithoutEpochs(t *testing.T) {
-	cfg := replayCfg{nb: 4, bpb: 8, orders: []WritebackOrder{OrderEpoch}, nblocks: 64, clean: true}
+	cfg := replayCfg{nb: 4, bpb: 8, orders: []WritebackOrder{OrderEpoch}, nblocks: 64, clean: cleanKeep}
 	tr := index.NewPtree()
 	tr.ReplaceOrInsert(index.Ent{LBA: 3, Loc: 5 | index.DirtyBit, CRC: 7})
 	tr.ReplaceOrInsert(index.Ent{LBA: 9, Loc: 6, CRC: 8})
@@ -482,7 +494,7 @@ func TestReplayCheckpointWithoutEpochs(t *testing.T) {
 // record replay (TestCrashPointsConcurrent seed 6 at 63 in lba order,
 // TestFaultInjection/cache-error fault 75), which did the same.
 func TestReplayReuseDropsUnjournaledSuperseded(t *testing.T) {
-	cfg := replayCfg{nb: 4, bpb: 8, orders: []WritebackOrder{OrderEpoch}, nblocks: 64, clean: true}
+	cfg := replayCfg{nb: 4, bpb: 8, orders: []WritebackOrder{OrderEpoch}, nblocks: 64, clean: cleanKeep}
 	sim := newReplaySet(cfg, make([]uint32, cfg.nb))
 	for _, r := range []*ondisk.Rec{
 		{Type: ondisk.RecInsert, Vol: 0, LBA: 3, Loc: 8, Gen: 0, Dirty: true, Epoch: 1, CRCs: []uint32{1}},

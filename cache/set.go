@@ -66,6 +66,8 @@ type Set struct {
 	failed  atomic.Pointer[error] // set by failover: passthrough mode (failover.go)
 	errRun  atomic.Int32          // cache data I/O errors in a row
 
+	wm warmState // region marks (marks.go)
+
 	// sbMu serializes superblock updates.
 	sbMu sync.Mutex
 	sb   *Superblock // REQUIRES: sbMu
@@ -138,6 +140,7 @@ func newSet(dev device.Device, sb *Superblock, log *slog.Logger) *Set {
 		kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1), stop: make(chan struct{})}
 	s.mu.cond = sync.NewCond(&s.mu.Mutex)
 	s.mu.BPB = s.bpb
+	s.initWarm(sb)
 	return s
 }
 

@@ -598,17 +598,16 @@ func (v *Volume) busyLocked(lba, n uint64) bool {
 	return false
 }
 
-// claim marks [lba, lba+n) as having a backing write in flight, waiting for
-// overlapping claims (writeback or another passthrough write) to finish.
-func (v *Volume) claim(lba, n uint64) {
-	s := v.s
-	s.mu.Lock()
+// claimLocked marks [lba, lba+n) as having a backing write in flight,
+// waiting for overlapping claims (writeback or another passthrough write)
+// to finish. Client writes claim through claimBacking (marks.go).
+// REQUIRES: s.mu
+func (v *Volume) claimLocked(lba, n uint64) {
 	for v.busyLocked(lba, n) {
-		s.mu.cond.Wait()
+		v.s.mu.cond.Wait()
 	}
 	v.idx.busy = append(v.idx.busy, blockRange{lba, n})
 	v.noteWriteLocked(lba, n)
-	s.mu.Unlock()
 }
 
 // REQUIRES: s.mu
@@ -805,7 +804,9 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) (Tier, error) {
 			v.orderBeforeBacking()
 			// Writethrough: the backing write must not interleave with a
 			// writeback of an older version of these blocks.
-			v.claim(at, uint64(r.n))
+			if err := v.claimBacking(at, uint64(r.n)); err != nil {
+				return TierBacking, fail(err)
+			}
 			claim = []blockRange{{at, uint64(r.n)}}
 			if err := v.writeBacking(p, at); err != nil {
 				s.mu.Lock()
@@ -921,7 +922,9 @@ func (v *Volume) discardAround(lba, n uint64) error {
 func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 	s := v.s
 	v.orderBeforeBacking()
-	v.claim(lba, n)
+	if err := v.claimBacking(lba, n); err != nil {
+		return err
+	}
 	claim := []blockRange{{lba, n}}
 	s.mu.Lock()
 	failed := s.isFailed()

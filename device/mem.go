@@ -324,21 +324,41 @@ func flipped(a *[MemBlockSize]byte, off, n int) *[MemBlockSize]byte {
 // would hold after a power cut now (see the type comment). m itself is not
 // changed. Writes in flight during the call land in the clone or not, per
 // block.
-func (m *Mem) CrashClone(cfg CrashConfig) *Mem {
-	rng := cfg.Rand
-	if rng == nil {
-		rng = rand.New(rand.NewPCG(0, 0))
+func (m *Mem) CrashClone(cfg CrashConfig) *Mem { return CrashCloneAll(cfg, m)[0] }
+
+// CrashCloneAll is CrashClone of several devices at one instant: a power
+// cut of the whole machine. Cloning them one after the other lets writes
+// reach the later ones after the earlier were cloned, which no power cut
+// does. The clones draw from cfg.Rand in the order of ms.
+func CrashCloneAll(cfg CrashConfig, ms ...*Mem) []*Mem {
+	if cfg.Rand == nil {
+		cfg.Rand = rand.New(rand.NewPCG(0, 0))
 	}
-	c := NewMem(m.size)
-	// Lock every shard so the clone is one instant's state.
-	for i := range m.shards {
-		m.shards[i].mu.Lock()
+	// Lock every shard of every device so the clones are one instant's
+	// state.
+	for _, m := range ms {
+		for i := range m.shards {
+			m.shards[i].mu.Lock()
+		}
 	}
 	defer func() {
-		for i := range m.shards {
-			m.shards[i].mu.Unlock()
+		for _, m := range ms {
+			for i := range m.shards {
+				m.shards[i].mu.Unlock()
+			}
 		}
 	}()
+	out := make([]*Mem, len(ms))
+	for i, m := range ms {
+		out[i] = m.crashCloneLocked(cfg)
+	}
+	return out
+}
+
+// crashCloneLocked is CrashClone with every shard of m locked.
+func (m *Mem) crashCloneLocked(cfg CrashConfig) *Mem {
+	rng := cfg.Rand
+	c := NewMem(m.size)
 	var dirty []int64
 	for i := range m.shards {
 		s := &m.shards[i]

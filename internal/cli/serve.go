@@ -40,6 +40,7 @@ type serveOptions struct {
 	cache      string
 	backings   []string
 	force      bool
+	coldClean  bool
 	exports    []string
 	listens    []string
 	readOnly   bool
@@ -116,6 +117,7 @@ purpose (a repaired cache device replays its journal).`,
 	f.StringVar(&o.cache, "cache", "", "serve the cache set on this cache device")
 	f.StringArrayVar(&o.backings, "backing", nil, "path of a cache set's backing device `NAME=PATH`, overriding the recorded one; repeatable")
 	f.BoolVar(&o.force, "force", false, "serve despite identity mismatches or a backing device that belongs to a cache set (may serve stale data)")
+	f.BoolVar(&o.coldClean, "cold-clean", false, "recover the cache set with no clean cached data, as after a crash of a set without region marks (a restart on a cache device that failed over; see the log of the failover)")
 	f.StringArrayVar(&o.exports, "export", nil, "serve `NAME=PATH` (a file or block device) without a cache; repeatable")
 	f.StringArrayVar(&o.listens, "listen", nil, "listen on `unix:PATH` or tcp:HOST:PORT (host defaults to 127.0.0.1); repeatable (default unix:DATA_DIR/tiercache.sock)")
 	f.BoolVar(&o.readOnly, "read-only", false, "serve every export read-only")
@@ -658,7 +660,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		return nil, fmt.Errorf("--backing %s: cache set %s has no backing device of that name", name, setUUID)
 	}
 	start := time.Now()
-	set, err := cache.Open(cdev, specs, cache.OpenOptions{Force: o.force, AcceptJournalLoss: o.force, Logger: log})
+	set, err := cache.Open(cdev, specs, cache.OpenOptions{Force: o.force, AcceptJournalLoss: o.force, ColdClean: o.coldClean, Logger: log})
 	if err != nil {
 		closeDevs()
 		return nil, fmt.Errorf("opening cache set %s on %s: %w%s", setUUID, cachePath, err, openHint(err))

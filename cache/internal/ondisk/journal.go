@@ -15,6 +15,14 @@ const (
 	RecClean      = 2 // block lba at loc was written back: clear dirty if still there
 	RecInvalidate = 3 // drop any cached blocks in [lba, lba+n)
 	RecReuse      = 4 // bucket starts generation gen: drop everything in it
+	// RecMark: backing writes into mark region Region of the volume
+	// (LBAs lba>>Superblock.MarkShift == Region) may follow
+	// (FeatureWarmClean): recovery after an unclean shutdown drops the
+	// region's clean entries, unless a later RecUnmark ends the mark.
+	RecMark = 5
+	// RecUnmark: every backing write into the region since its mark has
+	// its record before this one; the mark ends.
+	RecUnmark = 6
 )
 
 const (
@@ -35,6 +43,7 @@ type Rec struct {
 	Loc    uint32 // insert: first cache block of the run; clean: cache block
 	Gen    uint32 // insert: bucket generation; reuse: new generation
 	Bucket uint32 // reuse
+	Region uint64 // mark, unmark: LBA >> Superblock.MarkShift
 	Dirty  bool
 	Epoch  uint64   // insert: client flush epoch of the write
 	CRCs   []uint32 // insert: one per block
@@ -50,6 +59,10 @@ func (r *Rec) String() string {
 		return fmt.Sprintf("invalidate vol=%d lba=%d n=%d", r.Vol, r.LBA, r.N)
 	case RecReuse:
 		return fmt.Sprintf("reuse bucket=%d gen=%d", r.Bucket, r.Gen)
+	case RecMark:
+		return fmt.Sprintf("mark vol=%d region=%d", r.Vol, r.Region)
+	case RecUnmark:
+		return fmt.Sprintf("unmark vol=%d region=%d", r.Vol, r.Region)
 	}
 	return fmt.Sprintf("rec(%d)", r.Type)
 }
@@ -87,6 +100,9 @@ func AppendRec(b []byte, r *Rec) []byte {
 	case RecReuse:
 		e.u32(r.Bucket)
 		e.u32(r.Gen)
+	case RecMark, RecUnmark:
+		e.u16(r.Vol)
+		e.u64(r.Region)
 	}
 	le.PutUint16(e.b[start+1:], uint16(len(e.b)-start-RecHdrSize))
 	return e.b
@@ -136,6 +152,9 @@ func DecodeRec(b []byte) (*Rec, []byte, error) {
 	case RecReuse:
 		r.Bucket = d.u32()
 		r.Gen = d.u32()
+	case RecMark, RecUnmark:
+		r.Vol = d.u16()
+		r.Region = d.u64()
 	default:
 		return nil, nil, Badf("journal record", "unknown record type %d", typ)
 	}

@@ -114,6 +114,74 @@ func sampleRecs() []*Rec {
 		{Type: RecInvalidate, Vol: 1, LBA: 100, N: 1000},
 		{Type: RecReuse, Bucket: 2, Gen: 4},
 		{Type: RecInsert, Vol: 0, LBA: 1, Loc: 8, Gen: 0, CRCs: []uint32{0xdeadbeef}},
+		{Type: RecMark, Vol: 1, Region: 3},
+		{Type: RecUnmark, Vol: 0, Region: 1 << 40},
+	}
+}
+
+// TestSuperblockFeatures: features round-trip in a version 3 superblock
+// (a binary that knows only version 2 refuses it); a version 2 superblock
+// has no features section; unknown feature bits and flags, a features
+// section in a version 2 superblock and a version 3 one without it are
+// refused as corruption.
+func TestSuperblockFeatures(t *testing.T) {
+	sb := testSuperblock()
+	b, got := encodeDecode(t, sb)
+	if v := le.Uint32(b[8:]); v != FormatVersion || got.Features != 0 || got.CleanUntrusted {
+		t.Fatalf("no features: version %d, features %#x, untrusted %t", v, got.Features, got.CleanUntrusted)
+	}
+	for _, untrusted := range []bool{false, true} {
+		sb.CacheID = "cache-1"
+		sb.Features, sb.CleanUntrusted, sb.MarkShift = FeatureWarmClean, untrusted, DefaultMarkShift
+		b, got = encodeDecode(t, sb)
+		if v := le.Uint32(b[8:]); v != FormatVersionFeatures || got.Features != FeatureWarmClean || got.CleanUntrusted != untrusted || got.MarkShift != DefaultMarkShift ||
+			!got.HasFeature(FeatureWarmClean) || got.CacheID != "cache-1" {
+			t.Fatalf("features: version %d, %+v", v, got)
+		}
+	}
+	// forge re-encodes b with the version and the features section's
+	// words changed, and a valid checksum.
+	forge := func(version uint32, features, flags uint64, shift uint8) []byte {
+		c := append([]byte(nil), b...)
+		le.PutUint32(c[8:], version)
+		le.PutUint64(c[len(c)-17:], features)
+		le.PutUint64(c[len(c)-9:], flags)
+		c[len(c)-1] = shift
+		le.PutUint32(c[16:], 0)
+		le.PutUint32(c[16:], CRC32C(c))
+		return c
+	}
+	if _, err := DecodeSuperblock(forge(FormatVersionFeatures, FeatureWarmClean, 1, 5), 0); err != nil {
+		t.Fatalf("forge: %v", err)
+	}
+	for what, c := range map[string][]byte{
+		"version 2 with features": forge(FormatVersion, FeatureWarmClean, 0, 18),
+		"unknown feature":         forge(FormatVersionFeatures, FeatureWarmClean|1<<7, 0, 18),
+		"no feature bit":          forge(FormatVersionFeatures, 0, 0, 18),
+		"unknown flag":            forge(FormatVersionFeatures, FeatureWarmClean, 1<<5, 18),
+		"region too large":        forge(FormatVersionFeatures, FeatureWarmClean, 0, MaxMarkShift+1),
+		"version 4":               forge(4, FeatureWarmClean, 0, 18),
+	} {
+		if _, err := DecodeSuperblock(c, 0); !errors.Is(err, ErrCorrupt) {
+			t.Errorf("%s: %v, want a corruption error", what, err)
+		}
+	}
+	sb.Features = 1 << 9
+	if _, err := sb.Encode(); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("unknown feature encoded: %v", err)
+	}
+	sb.Features, sb.CleanUntrusted = 0, true
+	if _, err := sb.Encode(); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("untrusted flag without features encoded: %v", err)
+	}
+	// A version 3 superblock without its features section.
+	sb.Features, sb.CleanUntrusted = 0, false
+	c, _ := sb.Encode()
+	le.PutUint32(c[8:], FormatVersionFeatures)
+	le.PutUint32(c[16:], 0)
+	le.PutUint32(c[16:], CRC32C(c))
+	if _, err := DecodeSuperblock(c, 0); !errors.Is(err, ErrCorrupt) {
+		t.Fatalf("version 3 without features: %v", err)
 	}
 }
 
@@ -148,6 +216,10 @@ func TestJournalBlockRoundTrip(t *testing.T) {
 
 func FuzzDecodeSuperblock(f *testing.F) {
 	b, _ := testSuperblock().Encode()
+	f.Add(b)
+	sb := testSuperblock()
+	sb.Features, sb.CleanUntrusted, sb.MarkShift = FeatureWarmClean, true, DefaultMarkShift
+	b, _ = sb.Encode()
 	f.Add(b)
 	f.Add(make([]byte, 64))
 	f.Fuzz(func(t *testing.T, data []byte) {

@@ -41,7 +41,42 @@ type Superblock struct {
 	// identity, or the set predates the field). Kept in an optional
 	// trailer after the settings trailer.
 	CacheID string
+	// Features are the format features the set uses (Feature*). A set
+	// with any is written as format version FormatVersionFeatures with a
+	// features trailer, so a binary that knows only FormatVersion refuses
+	// it ("unsupported format version") instead of misreading it; a
+	// feature bit this binary does not know is refused the same way.
+	Features uint64
+	// CleanUntrusted says that the backing devices may have been written
+	// where the journal does not show it (a failover wrote around a dead
+	// cache device): the next recovery drops every clean entry even with
+	// FeatureWarmClean. Open clears it once it has recovered cold.
+	CleanUntrusted bool
+	// MarkShift is the size of a mark region, log2 of its blocks
+	// (FeatureWarmClean; DefaultMarkShift: 1 GiB).
+	MarkShift uint8
 }
+
+// Format features (Superblock.Features).
+const (
+	// FeatureWarmClean: the journal holds region marks (RecMark) before
+	// every backing write that could make a clean entry stale, so
+	// recovery after an unclean shutdown keeps the clean entries of the
+	// regions not marked since the checkpoint (docs/CACHE.md, "Recovery").
+	FeatureWarmClean = 1 << 0
+	// KnownFeatures are the features this binary reads and writes.
+	KnownFeatures = FeatureWarmClean
+)
+
+// Mark regions: DefaultMarkShift (2^18 blocks, 1 GiB) unless Format was
+// told otherwise (tests use small regions), at most MaxMarkShift.
+const (
+	DefaultMarkShift = 18
+	MaxMarkShift     = 30
+)
+
+// HasFeature reports whether the set uses feature f.
+func (sb *Superblock) HasFeature(f uint64) bool { return sb.Features&f != 0 }
 
 // BackingInfo identifies one backing device of the set (invariant 6).
 //
@@ -109,6 +144,16 @@ const (
 	MinJournalLen = 64 << 10
 )
 
+// The features section.
+const (
+	// FormatVersionFeatures is the version of a superblock with a
+	// features trailer (Superblock.Features not zero); checkpoints and
+	// journal framing stay at FormatVersion.
+	FormatVersionFeatures = 3
+	sbFeatureTag          = 0x54414546 // "FEAT": the features section (version 3 only)
+	sbFlagCleanUntrusted  = 1 << 0     // flag: Superblock.CleanUntrusted
+)
+
 // Nonce derives the 64-bit value that tags journal blocks and checkpoints
 // of this set, so that metadata left over from an earlier Format of the same
 // device is never mistaken for ours.
@@ -169,12 +214,32 @@ func (sb *Superblock) Encode() ([]byte, error) {
 		e.u32(sbCacheIDTag)
 		e.str(sb.CacheID)
 	}
+	version := uint32(FormatVersion)
+	if sb.Features != 0 {
+		if sb.Features&^KnownFeatures != 0 {
+			return nil, fmt.Errorf("%w: unknown format features %#x", ErrInvalid, sb.Features&^KnownFeatures)
+		}
+		version = FormatVersionFeatures
+		e.u32(sbFeatureTag)
+		e.u64(sb.Features)
+		flags := uint64(0)
+		if sb.CleanUntrusted {
+			flags |= sbFlagCleanUntrusted
+		}
+		e.u64(flags)
+		if sb.MarkShift > MaxMarkShift {
+			return nil, fmt.Errorf("%w: mark region shift %d", ErrInvalid, sb.MarkShift)
+		}
+		e.u8(sb.MarkShift)
+	} else if sb.CleanUntrusted {
+		return nil, fmt.Errorf("%w: clean-untrusted flag without format features", ErrInvalid)
+	}
 	b := e.b
 	if len(b) > SBMaxEncoded {
 		return nil, fmt.Errorf("%w: superblock of %d bytes exceeds its %d-byte slot (too many backings or long paths)", ErrInvalid, len(b), SBMaxEncoded)
 	}
 	copy(b[0:8], SBMagic)
-	le.PutUint32(b[8:], FormatVersion)
+	le.PutUint32(b[8:], version)
 	le.PutUint32(b[12:], uint32(len(b)-SBHeaderSize))
 	le.PutUint32(b[16:], 0)
 	le.PutUint32(b[16:], CRC32C(b))
@@ -200,7 +265,7 @@ func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
 		return nil, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "superblock", Offset: off,
 			Length: int64(SBHeaderSize + plen), Expected: want, Actual: got, HaveSums: true}
 	}
-	if version != FormatVersion {
+	if version != FormatVersion && version != FormatVersionFeatures {
 		return nil, Corruptf("superblock", off, SBCopySize, "unsupported format version %d", version)
 	}
 	d := dec{b: b[SBHeaderSize : SBHeaderSize+plen]}
@@ -247,11 +312,41 @@ func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
 			return nil, Corruptf("superblock", off, SBCopySize, "backing %d settings: %v", i, err)
 		}
 	}
+	// Optional trailers, each once, in this order.
+	tag := uint32(0)
 	if !d.bad && d.remaining() > 0 {
-		if d.u32() != sbCacheIDTag {
-			return nil, Corruptf("superblock", off, SBCopySize, "unknown trailer")
-		}
+		tag = d.u32()
+	}
+	if tag == sbCacheIDTag {
 		sb.CacheID = d.str()
+		tag = 0
+		if !d.bad && d.remaining() > 0 {
+			tag = d.u32()
+		}
+	}
+	if tag == sbFeatureTag {
+		sb.Features = d.u64()
+		flags := d.u64()
+		sb.CleanUntrusted = flags&sbFlagCleanUntrusted != 0
+		sb.MarkShift = d.u8()
+		switch {
+		case d.bad:
+		case version != FormatVersionFeatures || sb.Features == 0:
+			return nil, Corruptf("superblock", off, SBCopySize, "features section %#x in a version %d superblock", sb.Features, version)
+		case sb.Features&^KnownFeatures != 0:
+			return nil, Corruptf("superblock", off, SBCopySize, "unsupported format features %#x", sb.Features&^KnownFeatures)
+		case flags&^sbFlagCleanUntrusted != 0:
+			return nil, Corruptf("superblock", off, SBCopySize, "unknown superblock flags %#x", flags)
+		case sb.MarkShift > MaxMarkShift:
+			return nil, Corruptf("superblock", off, SBCopySize, "mark region shift %d", sb.MarkShift)
+		}
+		tag = 0
+	}
+	if tag != 0 {
+		return nil, Corruptf("superblock", off, SBCopySize, "unknown trailer %#x", tag)
+	}
+	if !d.bad && version == FormatVersionFeatures && sb.Features == 0 {
+		return nil, Corruptf("superblock", off, SBCopySize, "version %d superblock without a features section", version)
 	}
 	for i := range sb.Backings {
 		if err := sb.Backings[i].Settings.Validate(); err != nil && !d.bad {

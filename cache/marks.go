@@ -1,0 +1,237 @@
+package cache
+
+// Region marks: what keeps the clean cache warm after a crash
+// (docs/CACHE.md, "Region marks"; format feature warm-clean).
+//
+// A clean entry recovered after an unclean shutdown is stale if a backing
+// write of its block reached the backing device while the record that
+// dropped or replaced the entry (an invalidation, a writethrough's clean
+// insert) was lost. With marks, recovery drops only the clean entries of
+// the regions marked in the journal it replays. What makes that enough:
+//
+//  1. A backing write that can make a clean entry stale (passthrough,
+//     trim, write-zeroes, writethrough) is issued only once its region is
+//     covered: a mark record of the region is durable in the current
+//     journal generation. The check and the write's claim are one hold of
+//     Set.mu (claimBacking), so a checkpoint snapshot sees either the
+//     claim or a covered region.
+//  2. A checkpoint snapshot leaves out the clean entries of every claimed
+//     range (snapshotCleanExcluding): a write in flight at the snapshot
+//     cannot be exposed by a recovery from that checkpoint, whose journal
+//     holds none of the marks written before it. The covered set starts
+//     empty in each generation (resetMarksLocked): marks lapse at every
+//     checkpoint.
+//  3. An unmark record ends a mark once no write is in flight in the
+//     region and none has started for markIdle (lapseMarksLocked). Every
+//     write issued into the region before it appended its record before
+//     the unmark, and the journal is durable in prefix order, so a durable
+//     unmark comes with every record it covers.
+//  4. Writeback writes a dirty version to the backing device only once the
+//     record that inserted it is durable (commitBeforeWriteback): else a
+//     crash could bring back the older clean entry it replaced, over a
+//     backing device that holds the newer data.
+//  5. After failover nothing reaches the journal: a backing write into a
+//     region that is not covered first sets the superblock's clean-untrusted
+//     flag (untrustClean), so the next recovery is cold. A dead device
+//     cannot take that write either; the backing write goes ahead anyway
+//     (failover keeps every export up), the log says so, and a restart on
+//     that device once it works again must recover cold
+//     (OpenOptions.ColdClean, `serve --cold-clean`): nothing on the cache
+//     device can tell such a restart from one after a plain crash.
+//
+// Bucket reuse stays as it is: a reuse record is durable before new data
+// goes into the bucket (evict.go), so a clean entry of an older generation
+// never points at another block's data.
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
+)
+
+// markIdle is how long a region sees no new backing write before its mark
+// ends. Shorter ends marks sooner (less of the cache goes cold in a crash)
+// but marks a region written now and then again, one commit each time.
+const markIdle = 5 * time.Second
+
+// regionMark is a region whose mark record was appended in the current
+// journal generation.
+type regionMark struct {
+	seq  uint64 // Set.mu.seq just after the mark record: covered once durable
+	last int64  // nowNanos of the last backing write that started in it
+}
+
+// warmState is the set's side of the marks.
+type warmState struct {
+	on    bool  // the set has FeatureWarmClean
+	shift uint8 // log2 of a region's blocks
+	// untrusted: the superblock says clean entries are untrusted (after a
+	// failover); untrustErr: setting it failed. REQUIRES: sbMu
+	untrusted  bool
+	untrustErr error
+}
+
+func (s *Set) initWarm(sb *Superblock) {
+	s.wm.on = sb.HasFeature(ondisk.FeatureWarmClean)
+	s.wm.shift = sb.MarkShift
+	s.wm.untrusted = sb.CleanUntrusted
+}
+
+// claimBacking claims [lba, lba+n) for a backing write that can make a
+// clean entry stale, and returns once the range's regions are covered
+// (rule 1 above): it appends the marks missing and commits them. The caller
+// releases the claim (releaseLocked) as with claim.
+func (v *Volume) claimBacking(lba, n uint64) error {
+	s := v.s
+	s.mu.Lock()
+	v.claimLocked(lba, n)
+	if !s.wm.on || n == 0 {
+		s.mu.Unlock()
+		return nil
+	}
+	// With no entry of the volume findable by any recovery (Replayable
+	// clear), no clean entry can go stale; an insert appended while the
+	// claim is held cannot be of this range (promotion drops it, other
+	// writers wait for the claim).
+	need := v.idx.Replayable
+	target, uncovered := uint64(0), false
+	now := nowNanos()
+	durable := s.durable.Load()
+	for r := lba >> s.wm.shift; need && r <= (lba+n-1)>>s.wm.shift; r++ {
+		m := v.idx.marks[r]
+		if m == nil {
+			if s.isFailed() {
+				uncovered = true
+				continue
+			}
+			s.appendLocked(&ondisk.Rec{Type: ondisk.RecMark, Vol: uint16(v.vi), Region: r})
+			m = &regionMark{seq: s.mu.seq}
+			if v.idx.marks == nil {
+				v.idx.marks = map[uint64]*regionMark{}
+			}
+			v.idx.marks[r] = m
+		}
+		m.last = now
+		if m.seq > durable {
+			target = max(target, m.seq)
+		}
+	}
+	failed := s.isFailed()
+	s.mu.Unlock()
+	if target != 0 && !failed {
+		if err := s.commit(target); err != nil && !s.isFailed() {
+			// A backing device that cannot sync fails every commit.
+			v.releaseClaim(lba, n)
+			return fmt.Errorf("volume %s: marking the region of a backing write: %w", v.name, err)
+		}
+		// The set failed over meanwhile (this commit or another): the
+		// write goes on as after failover.
+		uncovered = s.durable.Load() < target
+	} else if target != 0 {
+		uncovered = true
+	}
+	if uncovered {
+		// Best effort: the write goes to the backing device either way
+		// (a failed-over set keeps serving); see untrustClean.
+		_ = s.untrustClean()
+	}
+	return nil
+}
+
+func (v *Volume) releaseClaim(lba, n uint64) {
+	v.s.mu.Lock()
+	v.releaseLocked([]blockRange{{lba, n}})
+	v.s.mu.Unlock()
+}
+
+// untrustClean sets the superblock's clean-untrusted flag (once) so that
+// the next recovery drops every clean entry: a failed-over set writes the
+// backing devices where its journal cannot say so (rule 5 above). It
+// returns the error of the attempt if the flag could not be written (it is
+// tried once).
+func (s *Set) untrustClean() error {
+	s.sbMu.Lock()
+	defer s.sbMu.Unlock()
+	if s.wm.untrusted || s.wm.untrustErr != nil {
+		return s.wm.untrustErr
+	}
+	err := s.updateSuperblockLocked(func(nsb *Superblock) error { nsb.CleanUntrusted = true; return nil })
+	if err != nil {
+		s.wm.untrustErr = fmt.Errorf("marking the cache's clean data untrusted: %w", err)
+		s.log.Error("the cache device failed and could not record that its clean data is now untrusted: if it works again, start the next server on it with --cold-clean, or it may serve older cached data for blocks written since the failure",
+			"err", err)
+		return s.wm.untrustErr
+	}
+	s.wm.untrusted = true
+	s.log.Warn("the cache device failed: its clean data is marked untrusted, and the next start recovers it cold")
+	return nil
+}
+
+// resetMarksLocked starts a journal generation's covered set empty (rule
+// 2): called at a checkpoint's snapshot.
+// REQUIRES: s.mu
+func (s *Set) resetMarksLocked() {
+	for _, v := range s.vols {
+		v.idx.marks = nil
+	}
+}
+
+// snapshotCleanExcluding returns the checkpoint snapshot of volume v's
+// tree: t, with the clean entries of the ranges claimed for backing writes
+// left out (rule 2). t is a clone and may be changed.
+// REQUIRES: s.mu
+func (s *Set) snapshotCleanExcluding(v *Volume, t *index.Ptree) *index.Ptree {
+	if !s.wm.on || len(v.idx.busy) == 0 {
+		return t
+	}
+	var drop []index.Ent
+	for _, r := range v.idx.busy {
+		t.AscendRange(index.Ent{LBA: r.lba}, index.Ent{LBA: r.lba + r.n}, func(e index.Ent) bool {
+			if !e.Dirty() {
+				drop = append(drop, e)
+			}
+			return true
+		})
+	}
+	for _, e := range drop {
+		t.Delete(e)
+	}
+	return t
+}
+
+// lapseMarksLocked appends an unmark for each region with no backing write
+// in flight and none started for markIdle (rule 3).
+// REQUIRES: s.mu
+func (s *Set) lapseMarksLocked(now int64) {
+	if !s.wm.on || s.isFailed() {
+		return
+	}
+	for _, v := range s.vols {
+		for r, m := range v.idx.marks {
+			if now-m.last < int64(markIdle) || v.busyRegionLocked(r) {
+				continue
+			}
+			delete(v.idx.marks, r)
+			s.appendLocked(&ondisk.Rec{Type: ondisk.RecUnmark, Vol: uint16(v.vi), Region: r})
+		}
+	}
+}
+
+// busyRegionLocked reports whether a claim overlaps region r.
+// REQUIRES: s.mu
+func (v *Volume) busyRegionLocked(r uint64) bool {
+	sh := v.s.wm.shift
+	return v.busyLocked(r<<sh, 1<<sh)
+}
+
+// commitBeforeWriteback makes the insert records of the versions a
+// writeback batch is about to write durable (rule 4): target is Set.mu.seq
+// when the batch collected them.
+func (s *Set) commitBeforeWriteback(target uint64) error {
+	if !s.wm.on || s.durable.Load() >= target {
+		return nil
+	}
+	return s.commit(target)
+}
