@@ -5,7 +5,7 @@ GO ?= go
 GOBIN := $(shell $(GO) env GOPATH)/bin
 PKGS := ./...
 
-.PHONY: all build install test deps lint unit race interop kernel kernel-sweep bench bench-deps bench-quick bench-nbd fuzz stress clean
+.PHONY: all build install test deps lint unit race interop kernel kernel-sweep bench bench-guest bench-deps bench-quick bench-nbd fuzz stress clean
 
 all: build
 
@@ -111,6 +111,14 @@ stress:
 # for medians.
 bench: bench-deps
 	$(GO) run ./cmd/tcbench cache $(BENCHFLAGS)
+	$(MAKE) bench-guest
+
+# tiercache (kernel NBD client, 2 connections) against bcache, both
+# writeback, in the test guest on the same virtual disks (2 GiB SSD, 8 GiB
+# HDD at 200 IOPS): fio 4K QD16 random writes and cache-hit reads, ratios
+# (internal/kvm/cmd/kvm-bench; GUESTBENCHFLAGS="--rounds 3").
+bench-guest:
+	$(GO) run ./internal/kvm/cmd/kvm-bench $(GUESTBENCHFLAGS)
 
 bench-deps:
 	./scripts/install-deps.sh --bench

@@ -1,0 +1,54 @@
+# kvm-bench's guest script: bcache (writeback) and tiercache (writeback,
+# served in the guest to the kernel NBD client with 2 connections) on the
+# same disks, one after the other: /dev/vda the SSD, /dev/vdb the HDD
+# (throttled by qemu). Each system: a sequential fill of the region (so
+# that it is cached), 4 KiB random reads (cache hits) and then 4 KiB random
+# writes at QD16; fio's JSON goes to /host/SYSTEM-JOB-ROUND.json.
+set -u
+TC=/host/tiercache
+REGION=@REGION@
+job() { # NAME DEV RW
+	fio --name=$1 --filename=$2 --rw=$3 --bs=4k --ioengine=libaio --iodepth=16 --direct=1 --size=$REGION \
+		--time_based --runtime=@RUNTIME@ --ramp_time=2 --randrepeat=0 --output-format=json --output=/host/$1.json >/dev/null \
+		|| { echo "fio $1 failed"; return 1; }
+	echo "job $1 done"
+}
+fill() { fio --name=fill --filename=$1 --rw=write --bs=1m --ioengine=libaio --iodepth=4 --direct=1 --size=$REGION >/dev/null || { echo "fill of $1 failed"; return 1; }; }
+wipe() { for d in /dev/vda /dev/vdb; do dd if=/dev/zero of=$d bs=1M count=16 oflag=direct 2>/dev/null; done; }
+
+bcache_round() { # ROUND
+	make-bcache -C /dev/vda -B /dev/vdb --writeback >/tmp/mkb.out 2>&1 || { cat /tmp/mkb.out; return 1; }
+	for d in /dev/vda /dev/vdb; do echo $d >/sys/fs/bcache/register 2>/dev/null; done
+	for i in $(seq 1 100); do [ -e /sys/block/bcache0/bcache/cache_mode ] && break; sleep 0.2; done
+	echo writeback >/sys/block/bcache0/bcache/cache_mode && echo 0 >/sys/block/bcache0/bcache/sequential_cutoff || return 1
+	# bcache sends I/O around a cache device slower than these latencies
+	# (2 ms reads, 20 ms writes); the emulated SSD often is: 0 turns that off.
+	for u in /sys/fs/bcache/*-*; do echo 0 >$u/congested_read_threshold_us && echo 0 >$u/congested_write_threshold_us || return 1; done
+	echo "bcache: $(cat /sys/block/bcache0/bcache/cache_mode)"
+	fill /dev/bcache0 && job bcache-randread-$1 /dev/bcache0 randread && job bcache-randwrite-$1 /dev/bcache0 randwrite || return 1
+	echo "bcache: $(cat /sys/block/bcache0/bcache/stats_total/cache_hit_ratio)% hits, dirty $(cat /sys/block/bcache0/bcache/dirty_data)"
+	echo 1 >/sys/block/bcache0/bcache/stop
+	for u in /sys/fs/bcache/*-*; do echo 1 >$u/stop; done
+	for i in $(seq 1 100); do [ -e /sys/block/bcache0 ] || [ -n "$(ls -d /sys/fs/bcache/*-* 2>/dev/null)" ] || break; sleep 0.2; done
+	wipe
+}
+
+tiercache_round() { # ROUND
+	$TC format --cache /dev/vda --backing disk=/dev/vdb --mode writeback >/tmp/fmt.out 2>&1 || { cat /tmp/fmt.out; return 1; }
+	$TC serve --cache /dev/vda --listen unix:/run/tc.sock --admin /run/admin.sock >/tmp/tc.log 2>&1 &
+	pid=$!
+	for i in $(seq 1 100); do [ -S /run/tc.sock ] && [ -S /run/admin.sock ] && break; sleep 0.2; done
+	$TC set disk sequential_cutoff=0 --admin /run/admin.sock >/dev/null || return 1
+	nbd-client -unix /run/tc.sock /dev/nbd0 -N disk -b 4096 -C 2 >/dev/null || return 1
+	fill /dev/nbd0 && job tiercache-randread-$1 /dev/nbd0 randread && job tiercache-randwrite-$1 /dev/nbd0 randwrite || return 1
+	nbd-client -d /dev/nbd0 >/dev/null
+	kill -TERM $pid && wait $pid || { echo "tiercache exit $?"; tail /tmp/tc.log; return 1; }
+	rm -f /run/tc.sock /run/admin.sock
+	wipe
+}
+
+wipe
+for r in $(seq 1 @ROUNDS@); do
+	bcache_round $r || { echo "bcache round $r failed"; exit 1; }
+	tiercache_round $r || { echo "tiercache round $r failed"; exit 1; }
+done
