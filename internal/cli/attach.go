@@ -257,6 +257,10 @@ func (h *openedSet) attachRemote(req admin.AttachRequest, mode cache.Mode) (*cac
 			return nil, "", fmt.Errorf("%w: %s is the backing device of volume %q", cache.ErrExists, path, bi.Name)
 		}
 	}
+	if err := syncRemote(dev, false); err != nil {
+		dev.Close()
+		return nil, "", err
+	}
 	v, err := h.set.Attach(cache.BackingSpec{Name: req.Name, Dev: dev, ID: id, Path: path}, cache.AttachOptions{Mode: mode})
 	if err != nil {
 		dev.Close()

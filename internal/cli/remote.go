@@ -48,6 +48,23 @@ func openRemote(spec string, readOnly bool, to remoteTimeouts, log *slog.Logger)
 	return nbddev.Open(ctx, spec, nbddev.Options{ReadOnly: readOnly, OutageTimeout: to.outage, RequestTimeout: to.request, Log: log})
 }
 
+// syncRemote flushes a remote export before anything is served from it.
+// A previous serve that was killed may have left writes the server
+// acknowledged and no FLUSH covered; a client could read them now and
+// take them for durable, and a restart of the server would then take them
+// back. A local backing device keeps such writes in the page cache, which
+// a killed process does not lose; a remote server may keep them in a
+// volatile cache of its own.
+func syncRemote(d *nbddev.Device, readOnly bool) error {
+	if readOnly {
+		return nil // nothing is written: what is read stays as durable as it is
+	}
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("flushing the remote export before serving it: %w", err)
+	}
+	return nil
+}
+
 // remoteID is the identity of the export d is connected to.
 func remoteID(d *nbddev.Device) string {
 	return backingid.NBDID(d.Target().Name(), d.Description())

@@ -620,6 +620,11 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 				}
 				log.Warn("serving a remote backing whose identity does not match the one recorded (--force)", "volume", bi.Name, "uri", rd.Target().String(), "err", err)
 			}
+			if err := syncRemote(rd, o.readOnly); err != nil {
+				rd.Close()
+				closeDevs()
+				return nil, fmt.Errorf("backing %q: %w", bi.Name, err)
+			}
 			h.devs[bi.Name] = rd
 			specs = append(specs, cache.BackingSpec{Name: bi.Name, Dev: rd, ID: bi.ID, Path: path})
 			continue
