@@ -53,14 +53,15 @@ func crashWorkload(d *Device, size int64, rounds int, seed uint64, beforeSync fu
 // number of PUTs of a workload (segment parts, checkpoints, head updates)
 // and recovers from the bucket alone: the image must be exactly the state
 // after the last acknowledged Sync, or after the Sync in progress at the
-// cut (its last segment may have landed before the acknowledgement was
+// cut (garbage collection runs after each checkpoint, so the cuts fall
+// inside its rounds too) (its last segment may have landed before the acknowledgement was
 // lost), never a mix and never anything older.
 func TestCrashBetweenPuts(t *testing.T) {
 	srv, direct := testEnv(t)
 	proxy := s3test.NewProxy(t, srv)
 	viaProxy := direct
 	viaProxy.Endpoint = proxy.Endpoint()
-	const size, rounds = 512 << 10, 8
+	const size, rounds = 128 << 10, 10
 	// Small segments (multi-part epochs) and frequent checkpoints, so
 	// that the cuts fall between parts and around head updates too.
 	o := Options{SegmentBytes: 16 << 10, CheckpointEvery: 3, Tries: 1}
@@ -74,8 +75,13 @@ func TestCrashBetweenPuts(t *testing.T) {
 		t.Fatalf("clean run acknowledged %d of %d rounds", acked, rounds)
 	}
 	total := proxy.Puts()
+	st := d.Stats()
 	d.Close()
-	t.Logf("%d PUTs in a clean run", total)
+	t.Logf("%d PUTs in a clean run (%d segments, %d checkpoints, %d GC rounds rewriting %d blocks and deleting %d segments)",
+		total, st.SegmentsPut, st.Checkpoints, st.GCRuns, st.GCBlocks, st.GCDeleted)
+	if st.GCBlocks == 0 || st.GCDeleted == 0 {
+		t.Fatal("the workload does not exercise garbage collection: the cuts would miss it")
+	}
 
 	for cut := 0; cut < total; cut++ {
 		l := newImage(t, direct, size, 4096)

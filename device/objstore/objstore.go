@@ -61,6 +61,8 @@ var ErrLeaseLost = errors.New("objstore: the lease was not renewed within its TT
 const (
 	DefaultSegmentBytes    = 32 << 20
 	DefaultCheckpointEvery = 256
+	DefaultGCThreshold     = 0.5
+	DefaultGCBytes         = 32 << 20
 )
 
 // Options configures Open.
@@ -76,6 +78,14 @@ type Options struct {
 	// CheckpointEvery is how many segments are written between
 	// checkpoints; 0 means DefaultCheckpointEvery.
 	CheckpointEvery int
+	// GCThreshold: after each checkpoint, segments less than this
+	// fraction live are rewritten (their live blocks, at most GCBytes per
+	// round) and deleted once a checkpoint no longer needs them; 0 means
+	// DefaultGCThreshold, negative disables garbage collection.
+	GCThreshold float64
+	// GCBytes bounds the live data one round rewrites; 0 means
+	// DefaultGCBytes.
+	GCBytes int64
 	// Tries bounds the attempts of one store call (minio-go retries 5xx,
 	// throttling and network errors with backoff); 0 means its default, 10.
 	Tries int
@@ -107,6 +117,9 @@ type Device struct {
 	nextSeq  uint64
 	epoch    uint64
 	parts    int // parts of the current epoch stored (not yet final)
+	// ckptFresh: the head's checkpoint is of the map as it is (no
+	// segment stored since).
+	ckptFresh bool
 
 	// mu guards the map and the blocks not yet stored.
 	mu struct {
@@ -133,6 +146,12 @@ type Stats struct {
 	Checkpoints   int64
 	Gets          int64
 	BytesGot      int64
+	// Garbage collection.
+	GCRuns        int64
+	GCBlocks      int64 // live blocks rewritten
+	GCBytesPut    int64 // bytes of the segments it wrote
+	GCDeleted     int64 // segments deleted
+	GCDeletedByte int64 // their bytes
 }
 
 // Open opens the image at loc. For writing it takes the lease and a new
@@ -150,6 +169,12 @@ func Open(loc Location, opts Options) (*Device, error) {
 	}
 	if opts.Log == nil {
 		opts.Log = slog.New(slog.DiscardHandler)
+	}
+	if opts.GCThreshold == 0 {
+		opts.GCThreshold = DefaultGCThreshold
+	}
+	if opts.GCBytes == 0 {
+		opts.GCBytes = DefaultGCBytes
 	}
 	s, err := newStore(loc, opts.Tries)
 	if err != nil {
@@ -358,6 +383,18 @@ func (d *Device) fetch(si segInfo, ls []loc) ([]byte, error) {
 // ReadAt reads from the newest write of each block: memory, else the
 // segment the map names, else zeroes.
 func (d *Device) ReadAt(p []byte, off int64) (int, error) {
+	for try := 0; ; try++ {
+		n, err := d.readAt(p, off)
+		// Garbage collection may have moved a block and deleted its old
+		// segment after the read looked it up: look it up again.
+		if errors.Is(err, errNoObject) && try < 3 {
+			continue
+		}
+		return n, err
+	}
+}
+
+func (d *Device) readAt(p []byte, off int64) (int, error) {
 	d.mu.Lock()
 	if d.mu.closed {
 		d.mu.Unlock()
@@ -565,6 +602,10 @@ func (d *Device) flush(final bool) error {
 			// The segments are stored and count; a failed checkpoint
 			// only makes the next recovery longer.
 			d.opts.Log.Warn("object-store checkpoint failed", "image", d.loc.Name(), "err", err)
+		} else if d.opts.GCThreshold > 0 {
+			if _, err := d.gcLocked(d.opts.GCThreshold, d.opts.GCBytes); err != nil {
+				d.opts.Log.Warn("object-store garbage collection failed", "image", d.loc.Name(), "err", err)
+			}
 		}
 	}
 	return nil
@@ -611,6 +652,7 @@ func (d *Device) storeParts(lbas []uint64, flushing map[uint64]*blk, final bool)
 		if _, err := d.s.put(layout.SegName(h.Seq, h.Gen), obj, putAny, ""); err != nil {
 			return err
 		}
+		d.ckptFresh = false
 		d.statsMu.Lock()
 		d.stats.SegmentsPut++
 		d.stats.BytesPut += int64(len(obj))
@@ -618,7 +660,7 @@ func (d *Device) storeParts(lbas []uint64, flushing map[uint64]*blk, final bool)
 		d.statsMu.Unlock()
 		d.nextSeq++
 		d.mu.Lock()
-		si := d.mu.st.addSeg(layout.SegRef{Seq: hdr.Seq, Gen: hdr.Gen}, hdr.Len())
+		si := d.mu.st.addSeg(layout.SegRef{Seq: hdr.Seq, Gen: hdr.Gen}, &hdr)
 		di := 0
 		for _, lba := range part {
 			b := flushing[lba]
@@ -691,6 +733,7 @@ func (d *Device) writeCheckpoint() error {
 		return err
 	}
 	d.head, d.headETag = &h, etag
+	d.ckptFresh = true
 	d.mu.Lock()
 	d.mu.st.sinceCkpt = 0
 	d.mu.Unlock()

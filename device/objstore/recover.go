@@ -16,9 +16,12 @@ type loc struct {
 }
 
 type segInfo struct {
-	ref  layout.SegRef
-	hlen int64 // header length: data block i is at hlen + i*blockSize
-	live int64 // blocks of it the map refers to
+	ref     layout.SegRef
+	hlen    int64 // header length: data block i is at hlen + i*blockSize
+	blocks  int64 // data blocks it holds
+	live    int64 // blocks of it the map refers to
+	size    int64 // bytes of the object
+	deleted bool  // removed by garbage collection
 }
 
 // state is the map of an image: which segment holds each written block.
@@ -34,8 +37,9 @@ type state struct {
 	sinceCkpt int // segments applied after the checkpoint recovery started from
 }
 
-func (st *state) addSeg(ref layout.SegRef, hlen int64) uint32 {
-	st.segs = append(st.segs, segInfo{ref: ref, hlen: hlen})
+func (st *state) addSeg(ref layout.SegRef, h *layout.SegmentHeader) uint32 {
+	n := int64(len(h.CRCs))
+	st.segs = append(st.segs, segInfo{ref: ref, hlen: h.Len(), blocks: n, size: h.Len() + n*st.bs})
 	return uint32(len(st.segs) - 1)
 }
 
@@ -54,7 +58,7 @@ func (st *state) set(lba uint64, l loc, zero bool) {
 
 // apply maps the blocks of a stored segment.
 func (st *state) apply(h *layout.SegmentHeader) {
-	si := st.addSeg(layout.SegRef{Seq: h.Seq, Gen: h.Gen}, h.Len())
+	si := st.addSeg(layout.SegRef{Seq: h.Seq, Gen: h.Gen}, h)
 	d := 0
 	for _, e := range h.Extents {
 		for i := range uint64(e.Count) {
@@ -173,7 +177,7 @@ func (st *state) loadCheckpoint(s *store, ck *layout.Checkpoint) error {
 		if err != nil {
 			return fmt.Errorf("image %s: checkpoint %d refers to segment %d-%d: %w", s.loc.Name(), ck.Seq, ref.Seq, ref.Gen, err)
 		}
-		base[i] = st.addSeg(ref, h.Len())
+		base[i] = st.addSeg(ref, h)
 	}
 	d := 0
 	for _, e := range ck.Extents {
