@@ -281,9 +281,11 @@ const (
 	opPrefetch
 )
 
-// cachedHinter is implemented by backends that can tell whether a range is
-// in the cache (cache.Volume).
-type cachedHinter interface{ Cached(off, n int64) bool }
+// tierReader is implemented by backends that say whether a read was served
+// from the cache (cache.Volume).
+type tierReader interface {
+	ReadAtTier(p []byte, off int64) (cache.Tier, error)
+}
 
 // tierWriter is implemented by backends that say which tier a write went
 // to (cache.Volume).
@@ -294,7 +296,7 @@ type tierWriter interface {
 // instrumented wraps an nbd.Backend and records each request's latency.
 type instrumented struct {
 	b      nbd.Backend
-	tiers  cachedHinter           // nil: reads are not split by tier
+	tiers  tierReader             // nil: reads are not split by tier
 	tier   [2]prometheus.Observer // read latency: backing, cache
 	wtiers tierWriter             // nil: writes are not split by tier
 	wtier  [2]prometheus.Observer // write latency: cache.TierCache, cache.TierBacking
@@ -324,14 +326,16 @@ func (w *instrumented) observeDur(op int, d time.Duration, err error) error {
 func (w *instrumented) Size() int64 { return w.b.Size() }
 
 func (w *instrumented) ReadAt(p []byte, off int64) error {
-	hit := w.tiers != nil && w.tiers.Cached(off, int64(len(p)))
 	t := time.Now()
-	err := w.b.ReadAt(p, off)
+	if w.tiers == nil {
+		return w.observe(opRead, t, w.b.ReadAt(p, off))
+	}
+	tier, err := w.tiers.ReadAtTier(p, off)
 	d := time.Since(t)
 	err = w.observeDur(opRead, d, err)
-	if w.tiers != nil && err == nil {
-		i := 0
-		if hit {
+	if err == nil {
+		i := 0 // tier[] and tierLat[] are backing, cache
+		if tier == cache.TierCache {
 			i = 1
 		}
 		w.tier[i].Observe(d.Seconds())
@@ -445,7 +449,7 @@ type base struct{ *instrumented }
 // Prefetcher).
 func (m *Metrics) Wrap(export string, b nbd.Backend) nbd.Backend {
 	w := &instrumented{b: b}
-	if h, ok := b.(cachedHinter); ok {
+	if h, ok := b.(tierReader); ok {
 		w.tiers = h
 		w.tier[0] = m.reads.WithLabelValues(export, "backing")
 		w.tier[1] = m.reads.WithLabelValues(export, "cache")

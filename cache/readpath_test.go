@@ -126,3 +126,54 @@ func TestReadPiecesChecksum(t *testing.T) {
 		t.Fatalf("read over a corrupt dirty block: %v", err)
 	}
 }
+
+// TestReadAtTier checks that ReadAtTier reports a read served wholly by
+// the cache as TierCache and one needing the backing device as
+// TierBacking, with the same data ReadAt returns, unaligned reads
+// included.
+func TestReadAtTier(t *testing.T) {
+	const nblk = 64
+	s, _, backs := newTestSet(t, 64, 64<<10, nblk*blockSize)
+	v := s.vols[0]
+	st := *v.cfg.Load()
+	st.Promote = "never"
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	want := make([]byte, nblk*blockSize)
+	stamp(want, 1, 0, 0)
+	if _, err := backs[0].WriteAt(want, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := v.SetMode(Writeback); err != nil {
+		t.Fatal(err)
+	}
+	p := make([]byte, 4*blockSize)
+	stamp(p, 2, 0, 8*blockSize)
+	if err := v.WriteAt(p, 8*blockSize, false); err != nil { // blocks 8-11 cached
+		t.Fatal(err)
+	}
+	copy(want[8*blockSize:], p)
+	for _, tc := range []struct {
+		off, n int64
+		tier   Tier
+	}{
+		{8 * blockSize, 4 * blockSize, TierCache},
+		{9*blockSize + 100, 1000, TierCache},
+		{7 * blockSize, 2 * blockSize, TierBacking},
+		{0, blockSize, TierBacking},
+		{11*blockSize + 5, blockSize, TierBacking},
+	} {
+		got := make([]byte, tc.n)
+		tier, err := v.ReadAtTier(got, tc.off)
+		if err != nil {
+			t.Fatalf("read %d at %d: %v", tc.n, tc.off, err)
+		}
+		if tier != tc.tier {
+			t.Errorf("read %d at %d: tier %v, want %v", tc.n, tc.off, tier, tc.tier)
+		}
+		if string(got) != string(want[tc.off:tc.off+tc.n]) {
+			t.Errorf("read %d at %d: wrong data", tc.n, tc.off)
+		}
+	}
+}

@@ -308,33 +308,8 @@ func (v *Volume) writeBackingNoMark(p []byte, lba uint64) error {
 
 // ReadAt fills p with the volume's data at off.
 func (v *Volume) ReadAt(p []byte, off int64) error {
-	if err := v.enter(); err != nil {
-		return err
-	}
-	defer v.exit()
-	if err := v.checkIO(off, int64(len(p))); err != nil {
-		return err
-	}
-	if len(p) == 0 {
-		return nil
-	}
-	v.st.readOps.Add(1)
-	v.st.readBytes.Add(uint64(len(p)))
-	v.touch()
-	pm := promotePolicy
-	if v.seqRead(off, int64(len(p))) {
-		pm = promoteSeqBypass
-	}
-	first, n := blockSpan(off, int64(len(p)))
-	if off%blockSize == 0 && len(p)%blockSize == 0 {
-		return v.readBlocks(p, first, n, pm)
-	}
-	buf := make([]byte, n*blockSize)
-	if err := v.readBlocks(buf, first, n, pm); err != nil {
-		return err
-	}
-	copy(p, buf[off-int64(first)<<blockShift:])
-	return nil
+	_, err := v.ReadAtTier(p, off)
+	return err
 }
 
 // promoteMode says what readBlocks does with read misses.
@@ -389,9 +364,15 @@ func (v *Volume) touch() { v.lastIO.Store(nowNanos()) }
 // verified (invariant 4); the rest come from the backing device and may be
 // promoted into the cache.
 func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error {
+	_, err := v.readBlocksHit(buf, lba, n, pm)
+	return err
+}
+
+// readBlocksHit is readBlocks; hit reports that every block was cached.
+func (v *Volume) readBlocksHit(buf []byte, lba uint64, n int, pm promoteMode) (hit bool, err error) {
 	s := v.s
 	if s.isFailed() {
-		return v.readFailed(buf, lba, n)
+		return false, v.readFailed(buf, lba, n)
 	}
 	var hits []index.Ent
 	s.mu.Lock()
@@ -423,8 +404,9 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 	// Cached and backing pieces, all in flight at once (readpath.go).
 	misses, fromBacking, err := v.readPieces(buf, lba, n, hits)
 	if err != nil {
-		return err
+		return false, err
 	}
+	hit = len(misses) == 0
 	// Verify every block read from the cache.
 	for _, e := range hits {
 		if fromBacking[e.LBA] {
@@ -441,36 +423,36 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 			Offset: s.cacheOff(e.Block()), Length: blockSize, Expected: e.CRC, Actual: got, HaveSums: true}
 		if e.Dirty() {
 			s.log.Error("dirty cached block fails its checksum", "err", cerr)
-			return cerr
+			return false, cerr
 		}
 		s.log.Warn("clean cached block fails its checksum; re-reading backing device", "err", cerr)
 		if err := v.readBacking(p, e.LBA); err != nil {
-			return fmt.Errorf("volume %s: %w", v.name, err)
+			return false, fmt.Errorf("volume %s: %w", v.name, err)
 		}
 		v.st.checksumRepairs.Add(1)
 		drop = append(drop, e)
 	}
 	if pm == promoteNo {
-		return nil
+		return hit, nil
 	}
 	hitBytes := uint64(len(hits)) * blockSize
 	v.st.hitBytes.Add(hitBytes)
 	v.st.missBytes.Add(uint64(n)*blockSize - hitBytes)
 	if len(misses) == 0 {
 		v.st.readHitOps.Add(1)
-		return nil
+		return hit, nil
 	}
 	v.st.readMissOps.Add(1)
 	missBytes := uint64(n)*blockSize - hitBytes
 	switch {
 	case v.Mode() == None:
 		v.st.bypass[bypassMode].Add(missBytes)
-		return nil
+		return hit, nil
 	case pm == promoteSeqBypass:
 		v.st.bypass[bypassSequential].Add(missBytes)
-		return nil
+		return hit, nil
 	case busy:
-		return nil
+		return hit, nil
 	}
 	need := v.cfg.Load().PromoteNeed()
 	for _, m := range misses {
@@ -494,7 +476,7 @@ func (v *Volume) readBlocks(buf []byte, lba uint64, n int, pm promoteMode) error
 			i = j
 		}
 	}
-	return nil
+	return hit, nil
 }
 
 // promote copies blocks just read from the backing device into the cache as
