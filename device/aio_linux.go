@@ -1,8 +1,9 @@
 package device
 
 import (
+	"encoding/binary"
+	"os"
 	"sync"
-	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -18,9 +19,12 @@ import (
 // by the completion, and the Go scheduler hands its P to another thread
 // every time (a thread switch per request on each side). With AIO a
 // request costs a share of one io_submit (requests queued meanwhile are
-// submitted together) and a share of one io_getevents in the reaper
-// goroutine, which wakes the waiting goroutine through a channel: the
-// threads stay few and the device sees requests in batches.
+// submitted together) and a share of one non-blocking io_getevents in the
+// reaper goroutine, which wakes the waiting goroutine through a channel.
+// The kernel signals completions on an eventfd (IOCB_FLAG_RESFD) that the
+// reaper reads through the Go netpoller, so no thread blocks in the
+// kernel waiting for the device: the threads stay few and the device sees
+// requests in batches.
 //
 // Invariants:
 //
@@ -35,6 +39,10 @@ import (
 //     runs while a.inflight > 0 and exits when it reaches 0, so
 //     an idle File has no goroutine and Close (which runs with no I/O in
 //     flight) can destroy the context once the reaper is gone.
+//  5. Every completion, and every refusal, adds to the eventfd after its
+//     event is reapable (refusals: after inflight dropped), so a reaper
+//     reading the eventfd never sleeps through work; a count left over
+//     from events already reaped only makes it look once more.
 //  4. A request io_submit refused is completed with aioFallback: its
 //     caller does the I/O with pread/pwrite itself. A short completion
 //     is finished the same way, so the result is exactly that of
@@ -61,9 +69,11 @@ type iocb struct {
 	nbytes uint64
 	offset int64
 	_      uint64 // aio_reserved2
-	_      uint32 // aio_flags
-	_      uint32 // aio_resfd
+	flags  uint32
+	resfd  uint32
 }
+
+const iocbFlagResfd = 1 << 0 // IOCB_FLAG_RESFD
 
 // ioEvent is struct io_event.
 type ioEvent struct {
@@ -72,9 +82,6 @@ type ioEvent struct {
 	res  int64
 	_    int64 // res2
 }
-
-// reapTimeout bounds one io_getevents wait of the reaper.
-const reapTimeout = 20 * time.Millisecond
 
 // aioFallback is a completion result meaning "not submitted".
 const aioFallback = -1 << 62
@@ -88,6 +95,8 @@ type aioReq struct {
 
 type aio struct {
 	ctx   uintptr           // aio_context_t
+	efd   *os.File          // the eventfd completions are signalled on (non-blocking, netpolled)
+	efdN  int               // its descriptor
 	slots chan int          // free request slots; a token per request in flight
 	reqs  [aioDepth]*aioReq // by slot: the request the kernel's aio_data names
 	reap  sync.WaitGroup    // the reaper goroutine, if running
@@ -105,11 +114,17 @@ type aio struct {
 // (no AIO support, or the system-wide fs.aio-max-nr is used up): the File
 // then uses pread/pwrite.
 func newAIO() *aio {
-	var ctx uintptr
-	if _, _, e := unix.Syscall(unix.SYS_IO_SETUP, aioDepth, uintptr(unsafe.Pointer(&ctx)), 0); e != 0 {
+	efd, err := unix.Eventfd(0, unix.EFD_NONBLOCK|unix.EFD_CLOEXEC)
+	if err != nil {
 		return nil
 	}
-	a := &aio{ctx: ctx, slots: make(chan int, aioDepth)}
+	var ctx uintptr
+	if _, _, e := unix.Syscall(unix.SYS_IO_SETUP, aioDepth, uintptr(unsafe.Pointer(&ctx)), 0); e != 0 {
+		unix.Close(efd)
+		return nil
+	}
+	// A non-blocking descriptor: os.NewFile registers it with the netpoller.
+	a := &aio{ctx: ctx, efd: os.NewFile(uintptr(efd), "aio-eventfd"), efdN: efd, slots: make(chan int, aioDepth)}
 	for i := range aioDepth {
 		a.reqs[i] = &aioReq{slot: i, done: make(chan struct{}, 1)}
 		a.slots <- i
@@ -121,6 +136,7 @@ func newAIO() *aio {
 func (a *aio) close() {
 	a.reap.Wait()
 	unix.Syscall(unix.SYS_IO_DESTROY, a.ctx, 0, 0)
+	a.efd.Close()
 }
 
 // do reads (cmd iocbCmdPread) or writes p at off on fd, a direct fd:
@@ -130,7 +146,8 @@ func (a *aio) do(cmd uint16, fd int, p []byte, off int64) (int, error) {
 	slot := <-a.slots
 	r := a.reqs[slot]
 	r.cb = iocb{data: uint64(slot), opcode: cmd, fildes: uint32(fd),
-		buf: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(p)))), nbytes: uint64(len(p)), offset: off}
+		buf: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(p)))), nbytes: uint64(len(p)), offset: off,
+		flags: iocbFlagResfd, resfd: uint32(a.efdN)}
 	a.mu.Lock()
 	a.pending = append(a.pending, r)
 	if !a.submitting {
@@ -201,46 +218,69 @@ func (a *aio) submitLocked() {
 		a.mu.Lock()
 		a.inflight -= refused
 		a.spare = batch[:0]
+		if refused > 0 {
+			a.kickLocked()
+		}
 	}
 	a.submitting = false
+}
+
+// kickLocked makes the reaper look at a.inflight again.
+// REQUIRES: a.mu
+func (a *aio) kickLocked() {
+	var one [8]byte
+	binary.NativeEndian.PutUint64(one[:], 1)
+	// Only EAGAIN (the counter at its maximum) can fail it, and then the
+	// reaper has a count to read anyway.
+	unix.Write(a.efdN, one[:])
 }
 
 // reaper delivers completions until nothing is in flight.
 func (a *aio) reaper() {
 	defer a.reap.Done()
 	var evs [64]ioEvent
+	var cnt [8]byte
+	zero := unix.Timespec{}
 	for {
-		// The timeout only matters when io_submit refused requests
-		// counted in inflight: the loop then sees inflight reach 0.
-		ts := unix.Timespec{Nsec: int64(reapTimeout)}
-		n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, a.ctx, 1, uintptr(len(evs)), uintptr(unsafe.Pointer(&evs[0])), uintptr(unsafe.Pointer(&ts)), 0)
-		if e != 0 {
-			// EINTR; anything else (EFAULT, EINVAL) is a bug here, not a
-			// device failure. The requests are still the kernel's (it may
-			// yet write their buffers), so they cannot be failed: keep
-			// waiting for them, as for a hung device.
-			if e != unix.EINTR {
-				invariants.AssertionFailedf("device: io_getevents: %v", e)
-				time.Sleep(time.Millisecond)
+		// Wait in the netpoller for the eventfd; reading it resets the
+		// count. Its only failure would be a closed file, and close
+		// waits for this goroutine.
+		if _, err := a.efd.Read(cnt[:]); err != nil {
+			invariants.AssertionFailedf("device: reading the AIO eventfd: %v", err)
+		}
+		for {
+			n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, a.ctx, 0, uintptr(len(evs)), uintptr(unsafe.Pointer(&evs[0])), uintptr(unsafe.Pointer(&zero)), 0)
+			if e != 0 {
+				// EINTR; anything else (EFAULT, EINVAL) is a bug here,
+				// not a device failure. The requests are still the
+				// kernel's (it may yet write their buffers), so they
+				// cannot be failed: keep waiting for them, as for a
+				// hung device.
+				if e != unix.EINTR {
+					invariants.AssertionFailedf("device: io_getevents: %v", e)
+				}
+				n = 0
 			}
-			n = 0
-		}
-		// Under a.mu, which the request's caller held after taking the
-		// slot: the race detector cannot see the kernel order it after
-		// the slot's previous use. r.done has room: one completion per
-		// submission.
-		a.mu.Lock()
-		for _, ev := range evs[:n] {
-			r := a.reqs[ev.data%aioDepth]
-			r.res = ev.res
-			r.done <- struct{}{}
-		}
-		a.inflight -= int(n)
-		if a.inflight == 0 {
-			a.reaping = false
+			// Under a.mu, which the request's caller held after taking
+			// the slot: the race detector cannot see the kernel order
+			// it after the slot's previous use. r.done has room: one
+			// completion per submission.
+			a.mu.Lock()
+			for _, ev := range evs[:n] {
+				r := a.reqs[ev.data%aioDepth]
+				r.res = ev.res
+				r.done <- struct{}{}
+			}
+			a.inflight -= int(n)
+			if a.inflight == 0 {
+				a.reaping = false
+				a.mu.Unlock()
+				return
+			}
 			a.mu.Unlock()
-			return
+			if int(n) < len(evs) {
+				break // the ring is empty for now: wait for the eventfd
+			}
 		}
-		a.mu.Unlock()
 	}
 }
