@@ -69,16 +69,19 @@ interop:
 # the kernel NBD client against tiercache served inside the guest, and power
 # cuts of the whole guest (TestPowerCut: a short workload in every cache mode
 # and both writeback orders, a seeded sample of 4 points of each kind per
-# mode replayed from the dm-log-writes log). Three guest boots.
+# mode replayed from the dm-log-writes log; TestPowerCutCompare: the same
+# against bcache and dm-cache, replayed in the guest, 1 point per kind).
+# Four guest boots.
 kernel:
-	$(GO) test -count=1 -timeout 30m -v -run 'TestBoot$$|TestKernelNBD$$|TestPowerCut$$' ./internal/kvm/
+	$(GO) test -count=1 -timeout 40m -v -run 'TestBoot$$|TestKernelNBD$$|TestPowerCut$$|TestPowerCutCompare$$' ./internal/kvm/
 
 # Every power-cut point of the log (every mark, FLUSH and FUA, and a torn
-# point per FLUSH interval) in every cache mode, with a longer workload.
+# point per FLUSH interval) in every cache mode, with a longer workload,
+# and the same for bcache and dm-cache (TestPowerCutCompare).
 # TIERCACHE_KVM_SEED=N repeats a run's workload and points;
 # TIERCACHE_KVM_KEEP=DIR keeps (and replays) its logs.
 kernel-sweep:
-	TIERCACHE_KVM_FULL=1 $(GO) test -count=1 -timeout 3h -v -run 'TestPowerCut$$' ./internal/kvm/
+	TIERCACHE_KVM_FULL=1 $(GO) test -count=1 -timeout 6h -v -run 'TestPowerCut$$|TestPowerCutCompare$$' ./internal/kvm/
 
 # Every fuzz target (NBD parsers, on-disk decoders, recovery of forged
 # metadata) for FUZZTIME each (60s), two at a time; a crasher fails and stays

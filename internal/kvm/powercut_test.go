@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"math/rand/v2"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -89,13 +88,6 @@ run_mode() { # NAME DATA LOG MODE ORDER
 	dmsetup remove $name-fs && dmsetup remove $name-disk && dmsetup remove $name-cache && dmsetup remove $lw
 }
 `
-
-// pcFileContents is the content of file i the guest's ext4 workload writes.
-func pcFileContents(i int) []byte {
-	line := []byte(fmt.Sprintf("tiercache file %d\n", i))
-	n := 1000 + i*3001%60000
-	return bytes.Repeat(line, n/len(line)+1)[:n]
-}
 
 // TestPowerCut cuts the power of the whole guest at points of a
 // dm-log-writes log (the method of xfstests generic/482): in the guest,
@@ -257,26 +249,6 @@ type powerCut struct {
 	tornRead int // torn blocks found, each sector holding allowed content
 }
 
-// point is one replay: entries [0, upto) applied, then (for a torn point)
-// the entries of keep, the last of them cut to tornSectors sectors (-1:
-// whole).
-type point struct {
-	kind        string // mark, flush, torn
-	upto        int
-	keep        []int
-	tornSectors int64
-	lastF       int // last kvmload mark (fK) in the replayed part, -1 none
-	lastE       int // last ext4 file mark (eK), 0 none
-}
-
-func (p point) String() string {
-	s := fmt.Sprintf("%s point at entry %d (after f%d, e%d)", p.kind, p.upto, p.lastF, p.lastE)
-	if p.kind == "torn" {
-		s += fmt.Sprintf(", %d unflushed entries kept, the last torn to %d sectors", len(p.keep), p.tornSectors)
-	}
-	return s
-}
-
 func (pc *powerCut) run(logPath, evPath string, full bool, perKind int, seed uint64) {
 	t := pc.t
 	lf, err := os.Open(logPath)
@@ -298,7 +270,10 @@ func (pc *powerCut) run(logPath, evPath string, full bool, perKind int, seed uin
 		t.Fatal(err)
 	}
 	pc.seed = seed
-	points := pc.points(full, perKind)
+	points, err := ChoosePoints(pc.lg, seed, full, perKind)
+	if err != nil {
+		t.Fatal(err)
+	}
 	var flushes, fuas, marks, fileMarks int
 	for _, e := range pc.lg.Entries {
 		switch {
@@ -322,7 +297,7 @@ func (pc *powerCut) run(logPath, evPath string, full bool, perKind int, seed uin
 	start := time.Now()
 	var checked, failures int
 	for _, p := range points {
-		for ; at < p.upto; at++ {
+		for ; at < p.Upto; at++ {
 			if err := pc.lg.Apply(base, pc.lg.Entries[at], -1); err != nil {
 				t.Fatal(err)
 			}
@@ -337,87 +312,11 @@ func (pc *powerCut) run(logPath, evPath string, full bool, perKind int, seed uin
 	el := time.Since(start)
 	kinds := map[string]int{}
 	for _, p := range points {
-		kinds[p.kind]++
+		kinds[p.Kind]++
 	}
 	t.Logf("%s: %d points replayed (%d marks, %d FLUSH/FUA, %d torn), %d blocks checked (%d durable writes found, %d unflushed writes found, %d torn), %d failures, %v per replay",
 		pc.mode.name, len(points), kinds["mark"], kinds["flush"], kinds["torn"], checked, pc.durable, pc.maybe, pc.tornRead, failures,
 		(el / time.Duration(max(1, len(points)))).Round(time.Millisecond))
-}
-
-// points picks the replay points: every mark, FLUSH and FUA entry after the
-// ext4 file system was made (full), or a seeded sample of perKind of each,
-// and perKind torn points.
-func (pc *powerCut) points(full bool, perKind int) []point {
-	es := pc.lg.Entries
-	ready := -1
-	for i, e := range es {
-		if e.IsMark() && e.Mark == "fsready" {
-			ready = i
-			break
-		}
-	}
-	if ready < 0 {
-		pc.t.Fatal("no fsready mark in the log")
-	}
-	lastF, lastE := make([]int, len(es)+1), make([]int, len(es)+1)
-	f, e := -1, 0
-	for i := 0; i <= len(es); i++ {
-		lastF[i], lastE[i] = f, e
-		if i < len(es) && es[i].IsMark() {
-			if n, err := strconv.Atoi(strings.TrimPrefix(es[i].Mark, "f")); err == nil && es[i].Mark[0] == 'f' {
-				f = n
-			}
-			if n, err := strconv.Atoi(strings.TrimPrefix(es[i].Mark, "e")); err == nil && es[i].Mark[0] == 'e' {
-				e = n
-			}
-		}
-	}
-	var markPts, flushPts []point
-	var flushIdx []int
-	for i := ready + 1; i < len(es); i++ {
-		switch {
-		case es[i].IsMark() && es[i].Mark != "dm-log-writes-end":
-			markPts = append(markPts, point{kind: "mark", upto: i + 1, lastF: lastF[i+1], lastE: lastE[i+1]})
-		case es[i].IsFlush() || es[i].IsFUA():
-			flushPts = append(flushPts, point{kind: "flush", upto: i + 1, lastF: lastF[i+1], lastE: lastE[i+1]})
-			if es[i].IsFlush() {
-				flushIdx = append(flushIdx, i)
-			}
-		}
-	}
-	rng := rand.New(rand.NewPCG(pc.seed, 19))
-	sample := func(ps []point, n int) []point {
-		if full || len(ps) <= n {
-			return ps
-		}
-		rng.Shuffle(len(ps), func(i, j int) { ps[i], ps[j] = ps[j], ps[i] })
-		return ps[:n]
-	}
-	pts := append(sample(markPts, perKind), sample(flushPts, perKind)...)
-	nTorn := perKind
-	if full {
-		nTorn = len(flushIdx)
-	}
-	for k := 0; k < nTorn && len(flushIdx) > 1; k++ {
-		j := rng.IntN(len(flushIdx) - 1)
-		if full {
-			j = k % (len(flushIdx) - 1)
-		}
-		lo, hi := flushIdx[j], flushIdx[j+1]
-		p := point{kind: "torn", upto: lo + 1, lastF: lastF[lo+1], lastE: lastE[lo+1], tornSectors: -1}
-		for i := lo + 1; i < hi; i++ {
-			if es[i].HasData() && rng.IntN(2) == 0 {
-				p.keep = append(p.keep, i)
-			}
-		}
-		if len(p.keep) > 0 {
-			last := es[p.keep[len(p.keep)-1]]
-			p.tornSectors = rng.Int64N(int64(last.NrSectors))
-		}
-		pts = append(pts, p)
-	}
-	slices.SortStableFunc(pts, func(a, b point) int { return a.upto - b.upto })
-	return pts
 }
 
 // images are the three device images of a replay, addressed as the one
@@ -497,7 +396,7 @@ func copyImage(dst string, src *os.File) error {
 
 // check replays p onto copies of base and checks everything it promises;
 // it returns the number of stamped blocks checked.
-func (pc *powerCut) check(base *images, p point) (int, error) {
+func (pc *powerCut) check(base *images, p Point) (int, error) {
 	d := filepath.Join(pc.dir, "work")
 	os.RemoveAll(d)
 	os.MkdirAll(d, 0o755)
@@ -510,7 +409,7 @@ func (pc *powerCut) check(base *images, p point) (int, error) {
 			return 0, err
 		}
 	}
-	if p.kind == "torn" {
+	if p.Kind == "torn" {
 		im := &images{}
 		var err error
 		for _, x := range []struct {
@@ -521,10 +420,10 @@ func (pc *powerCut) check(base *images, p point) (int, error) {
 				return 0, err
 			}
 		}
-		for i, idx := range p.keep {
+		for i, idx := range p.Keep {
 			sectors := int64(-1)
-			if i == len(p.keep)-1 {
-				sectors = p.tornSectors
+			if i == len(p.Keep)-1 {
+				sectors = p.TornSectors
 			}
 			if err := pc.lg.Apply(im, pc.lg.Entries[idx], sectors); err != nil {
 				im.close()
@@ -585,7 +484,7 @@ func (pc *powerCut) check(base *images, p point) (int, error) {
 		return n, fmt.Errorf("%w\ntiercache serve:\n%s", err, slog.String())
 	}
 	flat := filepath.Join(d, "fs-flat.img")
-	if p.lastE > 0 {
+	if p.LastE > 0 {
 		if out, err := exec.Command("qemu-img", "convert", "-f", "raw", "-O", "raw", "nbd+unix:///fs?socket="+sock, flat).CombinedOutput(); err != nil {
 			return n, fmt.Errorf("qemu-img convert of export fs: %v\n%s", err, out)
 		}
@@ -599,8 +498,8 @@ func (pc *powerCut) check(base *images, p point) (int, error) {
 	if err := pc.offlineCheck(cache); err != nil {
 		return n, fmt.Errorf("tiercache check after recovery and clean stop: %w", err)
 	}
-	if p.lastE > 0 {
-		if err := pc.fsck(flat, p.lastE); err != nil {
+	if p.LastE > 0 {
+		if err := pc.fsck(flat, p.LastE); err != nil {
 			return n, fmt.Errorf("ext4 export through tiercache: %w", err)
 		}
 	}
@@ -637,8 +536,8 @@ func (pc *powerCut) offlineCheck(cache string) error {
 
 // checkBlocks reads every block of export disk and checks it against the
 // oracle of the point.
-func (pc *powerCut) checkBlocks(sock string, p point) (int, error) {
-	o, err := pc.ev.OracleAt(p.lastF)
+func (pc *powerCut) checkBlocks(sock string, p Point) (int, error) {
+	o, err := pc.ev.OracleAt(p.LastF)
 	if err != nil {
 		return 0, err
 	}
@@ -663,7 +562,7 @@ func (pc *powerCut) checkBlocks(sock string, p point) (int, error) {
 				// the backing device (writearound, none, or an uncommitted
 				// insert): each sector must hold what an allowed content
 				// holds there.
-				if err = pc.sectorMix(p, lba+i, b); err == nil {
+				if err = pc.ev.TornAllowed(p.LastF, lba+i, b); err == nil {
 					pc.tornRead++
 					continue
 				}
@@ -690,57 +589,18 @@ func (pc *powerCut) checkBlocks(sock string, p point) (int, error) {
 // point cuts inside (-1: none, or the entry is not on that export's backing
 // device). Only that block may read as torn: every other entry of the point
 // landed whole, and tiercache's own copy in the cache carries a checksum.
-func (pc *powerCut) tornBlock(p point) int64 {
-	if p.kind != "torn" || len(p.keep) == 0 || p.tornSectors < 0 {
+func (pc *powerCut) tornBlock(p Point) int64 {
+	if p.Kind != "torn" || len(p.Keep) == 0 || p.TornSectors < 0 {
 		return -1
 	}
-	e := pc.lg.Entries[p.keep[len(p.keep)-1]]
+	e := pc.lg.Entries[p.Keep[len(p.Keep)-1]]
 	ss := pc.lg.SectorSize
 	start, end := int64(pcCacheMiB)<<20, int64(pcCacheMiB+pcDiskMiB)<<20
-	cut := int64(e.Sector)*ss + p.tornSectors*ss
+	cut := int64(e.Sector)*ss + p.TornSectors*ss
 	if cut < start || cut >= end || cut >= int64(e.Sector+e.NrSectors)*ss || (cut-start)%crashtest.BlockSize == 0 {
 		return -1
 	}
 	return (cut - start) / crashtest.BlockSize
-}
-
-// sectorMix checks a torn block of point p: every 512-byte sector equals
-// that sector of a content the oracle allows in the block (zeroes or a
-// write to it).
-func (pc *powerCut) sectorMix(p point, lba int64, b []byte) error {
-	const sector = 512
-	cands := map[uint64][]byte{}
-	for _, id := range append([]uint64{0}, pc.ev.WritesTo(lba)...) {
-		d := crashtest.Decoded{Kind: crashtest.KindZero}
-		if id != 0 {
-			d = crashtest.Decoded{Kind: crashtest.KindWrite, ID: id}
-		}
-		// CheckCrash settles the block on what it accepts: a fresh oracle
-		// for each question.
-		o, err := pc.ev.OracleAt(p.lastF)
-		if err != nil {
-			return err
-		}
-		if _, err := o.CheckCrash(lba, d); err == nil {
-			cands[id] = make([]byte, crashtest.BlockSize)
-			if id != 0 {
-				crashtest.Stamp(cands[id], pc.ev.Seed, uint64(lba), id)
-			}
-		}
-	}
-	for off := 0; off < crashtest.BlockSize; off += sector {
-		ok := false
-		for _, c := range cands {
-			if bytes.Equal(b[off:off+sector], c[off:off+sector]) {
-				ok = true
-				break
-			}
-		}
-		if !ok {
-			return fmt.Errorf("block %d, torn: sector %d holds no allowed content", lba, off/sector)
-		}
-	}
-	return nil
 }
 
 // fsck replays the ext4 journal of img, requires a clean e2fsck -fn, and
@@ -759,8 +619,8 @@ func (pc *powerCut) fsck(img string, lastE int) error {
 		if err != nil {
 			return fmt.Errorf("debugfs cat /f%d: %v", i, err)
 		}
-		if !bytes.Equal(out, pcFileContents(i)) {
-			return fmt.Errorf("file f%d, fsynced before the point: %d bytes, want %d, contents differ", i, len(out), len(pcFileContents(i)))
+		if !bytes.Equal(out, FileContents(i)) {
+			return fmt.Errorf("file f%d, fsynced before the point: %d bytes, want %d, contents differ", i, len(out), len(FileContents(i)))
 		}
 	}
 	return nil
