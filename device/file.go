@@ -25,9 +25,10 @@ import (
 // takes one of three paths:
 //
 //  1. offset and length multiples of the direct alignment (see below) and an
-//     aligned buffer: pread/pwrite on the O_DIRECT fd. No allocation, no
-//     copy; this is the hot path of the cache engine, which does all its
-//     I/O in aligned 4 KiB multiples into aligned buffers.
+//     aligned buffer: Linux native AIO on the O_DIRECT fd (aio_linux.go;
+//     pread/pwrite if the kernel refuses an AIO context). No allocation,
+//     no copy; this is the hot path of the cache engine, which does all
+//     its I/O in aligned 4 KiB multiples into aligned buffers.
 //  2. aligned offset and length but an unaligned buffer (a []byte from
 //     make): the data is copied through a pooled, page-aligned bounce buffer
 //     and then takes path 1.
