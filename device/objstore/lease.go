@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"sync"
 	"time"
 
 	"github.com/tiercache/tiercache/device/objstore/layout"
@@ -56,7 +57,10 @@ func (s *store) readLeaseETag() (*layout.Lease, string, time.Duration, error) {
 
 // lease is a held lease.
 type lease struct {
-	s       *store
+	s *store
+	// mu serializes renewals (the renewal loop and a Sync's) and guards
+	// the fields below.
+	mu      sync.Mutex
 	l       layout.Lease
 	etag    string
 	renewed time.Time // local time the last successful write started
@@ -102,6 +106,8 @@ func acquireLease(s *store, ttl time.Duration, force bool) (*lease, error) {
 
 // renew rewrites the lease if it is still ours (errPrecondition if not).
 func (ls *lease) renew(gen uint64) error {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
 	start := time.Now()
 	l := ls.l
 	l.Gen, l.Renewed = gen, start.UTC()
@@ -118,10 +124,16 @@ func (ls *lease) renew(gen uint64) error {
 }
 
 // valid reports whether the lease is certainly still ours.
-func (ls *lease) valid() bool { return time.Since(ls.renewed) < ls.l.TTL }
+func (ls *lease) valid() bool {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	return time.Since(ls.renewed) < ls.l.TTL
+}
 
 // release deletes the lease if it is still ours.
 func (ls *lease) release() error {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
 	cur, etag, _, err := ls.s.readLeaseETag()
 	if err != nil || cur == nil || etag != ls.etag {
 		return err

@@ -24,8 +24,9 @@
 //     from the sequence number it starts at, only that generation's
 //     segments count. A Sync is acknowledged only after its segments are
 //     stored, the head's ETag is still the one this device wrote last, and
-//     the lease was renewed less than its TTL ago; otherwise it fails with
-//     ErrFenced or ErrLeaseLost and the device refuses further writes.
+//     the lease was renewed less than its TTL ago (or is renewed then);
+//     a changed head or lease fails it with ErrFenced, and the device
+//     refuses further writes.
 //  3. Never-written blocks read as zeroes without a request; every block
 //     read from the store is checked against the CRC32C in the map (an
 //     error wrapping layout.ErrCorrupt otherwise).
@@ -53,9 +54,9 @@ var _ device.Device = (*Device)(nil)
 var _ device.Zeroer = (*Device)(nil)
 var _ device.Discarder = (*Device)(nil)
 
-// ErrLeaseLost: the lease could not be renewed within its TTL, so another
-// host may have taken the image; Syncs are no longer acknowledged.
-var ErrLeaseLost = errors.New("objstore: the lease was not renewed within its TTL; another host may own the image")
+// ErrLeaseLost: the lease is older than its TTL (the store was
+// unreachable) and renewing it failed; another host may take the image.
+var ErrLeaseLost = errors.New("objstore: the lease was not renewed within its TTL and cannot be renewed now")
 
 // Defaults of Options.
 const (
@@ -686,11 +687,23 @@ func (d *Device) storeParts(lbas []uint64, flushing map[uint64]*blk, final bool)
 }
 
 // checkOwner is the acknowledgement check of invariant 2. REQUIRES d.syncMu.
+//
+// The head's ETag is what makes an acknowledgement safe: a new owner
+// fences the head before it recovers, so a segment stored before this
+// check saw the old head is in its recovery. A lease older than its TTL
+// (the store was unreachable) is renewed here first: if nobody took it
+// meanwhile the renewal succeeds and the device goes on; if someone did,
+// the device is fenced.
 func (d *Device) checkOwner() error {
 	if !d.ls.valid() {
-		err := fmt.Errorf("%s: %w", d.loc.Name(), ErrLeaseLost)
-		d.fence(err)
-		return err
+		if err := d.ls.renew(d.gen); err != nil {
+			if errors.Is(err, errPrecondition) {
+				err := fmt.Errorf("%s: the lease was taken over: %w", d.loc.Name(), ErrFenced)
+				d.fence(err)
+				return err
+			}
+			return fmt.Errorf("%s: %w: %v", d.loc.Name(), ErrLeaseLost, err)
+		}
 	}
 	etag, _, _, err := d.s.stat(layout.HeadName)
 	if err != nil {

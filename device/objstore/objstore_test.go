@@ -190,3 +190,48 @@ func TestLease(t *testing.T) {
 		t.Fatalf("Stat after Remove: %v", err)
 	}
 }
+
+// TestOutage: while the store answers 503 to everything, a Sync fails
+// (not fenced: retryable), writes and reads of unstored data go on, and a
+// read of stored data fails rather than returning zeroes; once the store
+// is back, the next Sync stores everything and a fresh opener sees it.
+func TestOutage(t *testing.T) {
+	srv, direct := testEnv(t)
+	proxy := s3test.NewProxy(t, srv)
+	l := newImage(t, direct, 1<<20, 4096)
+	l.Endpoint = proxy.Endpoint()
+	d := mustOpen(t, l, Options{Tries: 1})
+	a, b := make([]byte, 8192), make([]byte, 8192)
+	devicetest.Fill(a, 1)
+	devicetest.Fill(b, 2)
+	d.WriteAt(a, 0)
+	if err := d.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	proxy.CutAfter(0)
+	if _, err := d.WriteAt(b, 65536); err != nil {
+		t.Fatalf("write during the outage: %v", err)
+	}
+	if err := d.Sync(); err == nil || errors.Is(err, ErrFenced) {
+		t.Fatalf("Sync during the outage: %v; want a retryable error", err)
+	}
+	got := make([]byte, 8192)
+	if _, err := d.ReadAt(got, 65536); err != nil || !bytes.Equal(got, b) {
+		t.Fatalf("read of unstored data during the outage: %v", err)
+	}
+	if _, err := d.ReadAt(got, 0); err == nil {
+		t.Fatal("read of stored data during the outage succeeded")
+	}
+	proxy.CutAfter(-1)
+	if err := d.Sync(); err != nil {
+		t.Fatalf("Sync after the outage: %v", err)
+	}
+	d.Close()
+	l.Endpoint = direct.Endpoint
+	r := mustOpen(t, l, Options{ReadOnly: true})
+	all := make([]byte, 65536+8192)
+	r.ReadAt(all, 0)
+	if !bytes.Equal(all[:8192], a) || !bytes.Equal(all[65536:], b) {
+		t.Fatal("after the outage the image lacks what was written")
+	}
+}
