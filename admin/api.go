@@ -13,6 +13,7 @@
 //	POST /v1/exports/{name}/detach    write back, remove from the set and the NBD server, release the backing device; streams Progress
 //	POST /v1/attach                   add a backing device as a new volume and export: AttachRequest -> ExportInfo
 //	POST /v1/check                    verify index and every cached block; streams Progress
+//	POST /v1/lost-writes/ack          acknowledge failovers' lost writes: LostWritesAck -> LostWritesReply
 //	GET  /metrics                     Prometheus text exposition
 //
 // Errors are JSON {"error": "...", "key": "..."} with a 4xx/5xx status.
@@ -59,6 +60,19 @@ type SetInfo struct {
 	// device (the list is then only in its memory).
 	LostWrites           []string `json:"lost_writes,omitempty"`
 	LostWritesUnrecorded string   `json:"lost_writes_unrecorded,omitempty"`
+}
+
+// LostWritesAck is the body of POST /v1/lost-writes/ack: the failovers
+// (their numbers, as the lost-writes lines name them) whose lost writes
+// the operator has dealt with.
+type LostWritesAck struct {
+	IDs []uint64 `json:"ids"`
+}
+
+// LostWritesReply is the reply of POST /v1/lost-writes/ack: the lost
+// writes still recorded, one line per volume and failover.
+type LostWritesReply struct {
+	LostWrites []string `json:"lost_writes"`
 }
 
 // ExportInfo describes one export.

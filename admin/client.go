@@ -198,6 +198,14 @@ func (c *Client) Attach(ctx context.Context, req AttachRequest) (ExportInfo, err
 	return ei, err
 }
 
+// AckLostWrites acknowledges the lost writes of the failovers ids and
+// returns those still recorded.
+func (c *Client) AckLostWrites(ctx context.Context, ids []uint64) (LostWritesReply, error) {
+	var rep LostWritesReply
+	err := c.getJSON(ctx, "POST", "/v1/lost-writes/ack", LostWritesAck{IDs: ids}, &rep)
+	return rep, err
+}
+
 // Metrics returns the Prometheus text exposition.
 func (c *Client) Metrics(ctx context.Context) (string, error) {
 	resp, err := c.do(ctx, "GET", "/metrics", nil)

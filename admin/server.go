@@ -243,6 +243,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/exports/{name}/detach", s.handleDetach)
 	mux.HandleFunc("POST /v1/attach", s.handleAttach)
 	mux.HandleFunc("POST /v1/check", s.handleCheck)
+	mux.HandleFunc("POST /v1/lost-writes/ack", s.handleAckLostWrites)
 	if s.cfg.Metrics != nil {
 		mux.Handle("GET /metrics", s.cfg.Metrics.Handler())
 	}
@@ -880,6 +881,47 @@ func (s *Server) findExport(name string) (Export, bool) {
 		}
 	}
 	return Export{}, false
+}
+
+func (s *Server) handleAckLostWrites(w http.ResponseWriter, r *http.Request) {
+	var req LostWritesAck
+	if !decodeBody(w, r, &req, `{"ids": [N, ...]}`, true) {
+		return
+	}
+	switch {
+	case s.cfg.Set == nil:
+		writeError(w, http.StatusConflict, "", "this server serves no cache set: there are no lost writes to acknowledge")
+		return
+	case len(req.IDs) == 0:
+		writeError(w, http.StatusBadRequest, "ids", "name each failover to acknowledge by its number (there is no 'all')")
+		return
+	}
+	evs, err := s.cfg.Set.AckLostWrites(req.IDs)
+	if err != nil {
+		var lines []string
+		for _, ev := range evs {
+			lines = append(lines, fmt.Sprint(ev.ID))
+		}
+		msg := err.Error()
+		if errors.Is(err, cache.ErrNoSuchLostEvent) {
+			msg = fmt.Sprintf("%v; the record lists failover(s) %s: nothing was acknowledged", err, joinOr(lines, "none"))
+		}
+		writeError(w, http.StatusConflict, "ids", msg)
+		return
+	}
+	rep := LostWritesReply{LostWrites: []string{}}
+	for _, ev := range evs {
+		rep.LostWrites = append(rep.LostWrites, cache.DescribeLostEvent(ev)...)
+	}
+	s.log.Warn("lost writes acknowledged by the operator", "failovers", req.IDs)
+	writeJSON(w, http.StatusOK, rep)
+}
+
+func joinOr(s []string, none string) string {
+	if len(s) == 0 {
+		return none
+	}
+	return strings.Join(s, ", ")
 }
 
 func (s *Server) handleCheck(w http.ResponseWriter, r *http.Request) {

@@ -58,7 +58,7 @@ package cache
 // and fails only with the device itself. Close records it again if later
 // requests lost more. Open loads it; Stats (LostWrites), `tiercache check`
 // and `status` report each failover it lists, by volume, bytes and ranges,
-// until an operator acknowledges it (AckLostWrites, offline).
+// until an operator acknowledges it (AckLostWrites, offline or online).
 
 import (
 	"errors"
@@ -618,7 +618,7 @@ func (s *Set) loadLostWrites() error {
 	s.lw.mu.Unlock()
 	for _, ev := range rec.Events {
 		for _, v := range ev.Vols {
-			s.log.Error("ACKNOWLEDGED WRITES LOST in an earlier cache device failover (recorded on the cache device): they are not on the backing device; acknowledge with 'tiercache lost-writes --cache DEVICE --ack ID' once handled",
+			s.log.Error("ACKNOWLEDGED WRITES LOST in an earlier cache device failover (recorded on the cache device): they are not on the backing device; acknowledge with 'tiercache lost-writes --ack ID' once handled",
 				"failover", ev.ID, "at", time.Unix(0, ev.Time).UTC().Format(time.RFC3339), "volume", v.Name,
 				"lost_bytes", v.Blocks*blockSize, "ranges", FormatLostRanges(v))
 		}
@@ -754,17 +754,44 @@ func AckLostWrites(dev device.Device, ids []uint64) (LostWrites, error) {
 	if err != nil {
 		return rec, err
 	}
+	return ackRecord(dev, rec, ids)
+}
+
+// ackRecord writes rec without the failovers ids, all of which must be in
+// it (nothing is written otherwise).
+func ackRecord(dev device.Device, rec LostWrites, ids []uint64) (LostWrites, error) {
 	for _, id := range ids {
 		if !slices.ContainsFunc(rec.Events, func(e LostEvent) bool { return e.ID == id }) {
 			return rec, fmt.Errorf("%w: %d", ErrNoSuchLostEvent, id)
 		}
 	}
-	rec.Events = slices.DeleteFunc(rec.Events, func(e LostEvent) bool { return slices.Contains(ids, e.ID) })
-	rec.N++
-	if err := ondisk.WriteLostWrites(dev, rec); err != nil {
+	next := rec
+	next.Events = slices.DeleteFunc(slices.Clone(rec.Events), func(e LostEvent) bool { return slices.Contains(ids, e.ID) })
+	next.N++
+	if err := ondisk.WriteLostWrites(dev, next); err != nil {
 		return rec, err
 	}
-	return rec, nil
+	return next, nil
+}
+
+// AckLostWrites is the package-level AckLostWrites for an open set (the
+// admin API): it refuses while the set is failed over (acknowledge after
+// the server restarted on a working device) and returns the failovers
+// left.
+func (s *Set) AckLostWrites(ids []uint64) ([]LostEvent, error) {
+	s.commitMu.Lock()
+	defer s.commitMu.Unlock()
+	if err := s.err(); err != nil {
+		return nil, fmt.Errorf("acknowledging lost writes: the cache device failed, and this server's own failover is not over: restart the server on a working cache device first: %w", err)
+	}
+	s.lw.mu.Lock()
+	defer s.lw.mu.Unlock()
+	rec, err := ackRecord(s.dev, s.lw.rec, ids)
+	if err != nil {
+		return slices.Clone(s.lw.rec.Events), err
+	}
+	s.lw.rec = rec
+	return slices.Clone(rec.Events), nil
 }
 
 // FormatLostRanges lists a volume's lost ranges in bytes, "[off,+len)".

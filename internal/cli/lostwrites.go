@@ -21,7 +21,7 @@ func newLostWritesCmd(g *globals) *cobra.Command {
 	var acks []string
 	var asJSON bool
 	cmd := &cobra.Command{
-		Use:   "lost-writes --cache PATH [--ack ID]...",
+		Use:   "lost-writes [--cache PATH] [--ack ID]...",
 		Short: "List the acknowledged writes cache device failovers lost, or acknowledge them once handled",
 		Long: `List or acknowledge the lost-writes record of a cache set.
 
@@ -36,12 +36,13 @@ until an operator acknowledges it here.
 Without --ack, prints the record (read-only). With --ack ID (repeatable)
 removes those failovers from the record, after you have restored or
 rewritten what they lost (from the application's log, a backup, or a
-filesystem check of the volume). The set must not be served.`,
+filesystem check of the volume).
+
+Online (no --cache): the running server's record; it refuses while it is
+failed over itself (restart it on a working cache device first). Offline
+(--cache PATH): a cache device that is not being served.`,
 		Args: cobra.NoArgs,
 		RunE: func(cmd *cobra.Command, _ []string) error {
-			if cachePath == "" {
-				return errors.New("lost-writes: --cache PATH is required (the cache device whose record to read)")
-			}
 			var ids []uint64
 			for _, a := range acks {
 				id, err := strconv.ParseUint(a, 10, 64)
@@ -50,10 +51,13 @@ filesystem check of the volume). The set must not be served.`,
 				}
 				ids = append(ids, id)
 			}
+			if cachePath == "" {
+				return lostWritesOnline(cmd, g, ids, asJSON)
+			}
 			return lostWrites(g, cachePath, ids, asJSON)
 		},
 	}
-	cmd.Flags().StringVar(&cachePath, "cache", "", "the cache device (not served)")
+	cmd.Flags().StringVar(&cachePath, "cache", "", "read or change the record of this cache device offline (not served) instead of asking the running server")
 	cmd.Flags().StringArrayVar(&acks, "ack", nil, "acknowledge failover `ID` (repeatable): its lost writes are handled; removes it from the record")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON")
 	return cmd
@@ -121,4 +125,40 @@ func listIDs(evs []cache.LostEvent) string {
 		s = append(s, strconv.FormatUint(ev.ID, 10))
 	}
 	return "failover " + strings.Join(s, ", ")
+}
+
+// lostWritesOnline lists or acknowledges the running server's lost writes.
+func lostWritesOnline(cmd *cobra.Command, g *globals, ids []uint64, asJSON bool) error {
+	ctx := cmdContext(cmd)
+	s, err := g.connect(ctx)
+	if err != nil {
+		return err
+	}
+	if s.st.Set == nil {
+		return errors.New("lost-writes: the server serves no cache set")
+	}
+	lines := s.st.Set.LostWrites
+	if len(ids) > 0 {
+		rep, err := s.c.AckLostWrites(ctx, ids)
+		if err != nil {
+			return fmt.Errorf("lost-writes: %w", g.apiErr(err))
+		}
+		lines = rep.LostWrites
+	}
+	if asJSON {
+		return writeServerJSON(g.stdout, s.id, map[string]any{"lost_writes": lines, "acknowledged": ids})
+	}
+	s.header(g.stdout)
+	for _, id := range ids {
+		fmt.Fprintf(g.stdout, "failover %d acknowledged: its lost writes are no longer reported\n", id)
+	}
+	if len(lines) == 0 {
+		fmt.Fprintln(g.stdout, "no lost writes recorded")
+		return nil
+	}
+	for _, l := range lines {
+		fmt.Fprintln(g.stdout, "  "+l)
+	}
+	fmt.Fprintln(g.stdout, "once what they lost is restored, acknowledge each with 'tiercache lost-writes --ack ID'")
+	return nil
 }

@@ -79,7 +79,7 @@ func printStatus(out io.Writer, s *session) error {
 			fmt.Fprintf(w, "LOST WRITES\t%s\n", l)
 		}
 		if len(c.LostWrites) > 0 {
-			fmt.Fprintf(w, "\tacknowledge each failover, once handled, with 'tiercache lost-writes --cache %s --ack ID' (the server stopped)\n", c.CachePath)
+			fmt.Fprintf(w, "\tacknowledge each failover, once handled, with 'tiercache lost-writes --ack ID'\n")
 		}
 		if c.LostWritesUnrecorded != "" {
 			fmt.Fprintf(w, "\tNOT RECORDED on the cache device (only this server knows): %s\n", c.LostWritesUnrecorded)

@@ -269,8 +269,8 @@ func punchJournal(t *testing.T, path string) {
 // failover lost (acknowledged, its journal record never durable) is
 // recorded on the cache device, and `check --cache` (exit 1), serve's log,
 // `status` and online `check` (exit 1) name the volume, the bytes and the
-// range until `lost-writes --ack` (refused while served, and for an ID the
-// record does not hold); the lost range reads the backing device's older
+// range until `lost-writes --ack` through the server (offline: refused
+// while served; both refuse an ID the record does not hold); the lost range reads the backing device's older
 // data, the passthrough write is there, and the set serves writes and
 // FLUSHes again. On main the loss was only a log line of the failed
 // server: after the restart check exited 0 and nothing said it.
@@ -372,6 +372,9 @@ func TestTrustJournalENOSPC(t *testing.T) {
 	if out, err := runErr(time.Minute, bin, "lost-writes", "--cache", cache); err != nil || !lostLine.MatchString(out) || !strings.Contains(out, "failover 1 at") {
 		t.Errorf("lost-writes --cache: %v\n%s", err, out)
 	}
+	if out, err := runErr(time.Minute, bin, "lost-writes", "--cache", cache, "--ack", "7"); err == nil || !strings.Contains(out, "lists failover 1") {
+		t.Errorf("lost-writes --cache --ack 7: want a refusal listing failover 1: %v\n%s", err, out)
+	}
 
 	// Restart with free space: the set serves again, and says what it lost.
 	if err := os.Remove(filler); err != nil {
@@ -409,15 +412,23 @@ func TestTrustJournalENOSPC(t *testing.T) {
 	if out, err := runErr(2*time.Minute, "qemu-io", "-f", "raw", s.uri("vol"), "-c", "write -P 0x43 2m 1m", "-c", "flush", "-c", "read -P 0x43 2m 1m"); err != nil || strings.Contains(out, "failed") {
 		t.Errorf("write and FLUSH after the restart: %v\n%s\nserver log:\n%s", err, out, s.log)
 	}
-	s.stop()
-
-	// Acknowledge: an ID the record does not hold is refused, nothing
-	// acknowledged; the right one clears it and check exits 0.
-	if out, err := runErr(time.Minute, bin, "lost-writes", "--cache", cache, "--ack", "7"); err == nil || !strings.Contains(out, "lists failover 1") {
-		t.Errorf("lost-writes --ack 7: want a refusal listing failover 1: %v\n%s", err, out)
+	// Acknowledge through the server: an ID the record does not hold is
+	// refused, nothing acknowledged; the right one clears it.
+	if out, err := runErr(time.Minute, bin, "lost-writes", "--data-dir", dir); err != nil || !lostLine.MatchString(out) {
+		t.Errorf("lost-writes (online): %v\n%s", err, out)
 	}
-	if out, err := runErr(time.Minute, bin, "lost-writes", "--cache", cache, "--ack", "1"); err != nil || !strings.Contains(out, "failover 1 acknowledged") || !strings.Contains(out, "no lost writes recorded") {
-		t.Errorf("lost-writes --ack 1: %v\n%s", err, out)
+	if out, err := runErr(time.Minute, bin, "lost-writes", "--data-dir", dir, "--ack", "7"); err == nil || !strings.Contains(out, "lists failover(s) 1") || !strings.Contains(out, "nothing was acknowledged") {
+		t.Errorf("lost-writes --ack 7 (online): want a refusal listing failover 1: %v\n%s", err, out)
+	}
+	if out, err := runErr(time.Minute, bin, "lost-writes", "--data-dir", dir, "--ack", "1"); err != nil || !strings.Contains(out, "failover 1 acknowledged") || !strings.Contains(out, "no lost writes recorded") {
+		t.Errorf("lost-writes --ack 1 (online): %v\n%s", err, out)
+	}
+	if out := run(t, time.Minute, bin, "status", "--data-dir", dir); strings.Contains(out, "LOST WRITES") {
+		t.Errorf("status still reports the acknowledged lost writes:\n%s", out)
+	}
+	s.stop()
+	if out, err := runErr(time.Minute, bin, "lost-writes", "--cache", cache); err != nil || !strings.Contains(out, "no lost writes recorded") {
+		t.Errorf("lost-writes --cache after the acknowledgement: %v\n%s", err, out)
 	}
 	if out, err := runErr(time.Minute, bin, "check", "--cache", cache); err != nil || !strings.Contains(out, "no problems found") {
 		t.Errorf("check --cache after the acknowledgement: %v\n%s", err, out)

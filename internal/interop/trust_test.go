@@ -260,6 +260,7 @@ func TestAdminTCPAuth(t *testing.T) {
 		{"PUT", "/v1/exports/disk/settings", `{"cache_mode": "none"}`, nil},
 		{"POST", "/v1/exports/disk/flush", "{}", nil},
 		{"POST", "/v1/check", "{}", nil},
+		{"POST", "/v1/lost-writes/ack", `{"ids": [1]}`, nil},
 		{"POST", "/v1/exports/disk/detach", "{}", nil},
 		{"GET", "/metrics", "", nil},
 	} {
