@@ -132,6 +132,12 @@ func (d *Device) gcLocked(threshold float64, maxBytes int64) (GCResult, error) {
 		res.Deleted++
 		res.DeletedBytes += segs[i].size
 	}
+	n, b, err := d.removeOrphans()
+	res.Deleted += n
+	res.DeletedBytes += b
+	if err != nil {
+		return res, err
+	}
 	d.mu.Lock()
 	for _, si := range d.mu.st.segs {
 		if !si.deleted {
@@ -146,6 +152,57 @@ func (d *Device) gcLocked(threshold float64, maxBytes int64) (GCResult, error) {
 	d.stats.GCDeletedByte += res.DeletedBytes
 	d.statsMu.Unlock()
 	return res, nil
+}
+
+// removeOrphans deletes the objects that can never count: segments of an
+// older generation that the map does not know (written by an owner after
+// it was fenced, parts of an epoch it never finished, or segments before
+// the checkpoint that it does not refer to), and checkpoints other than
+// the head's. Every segment recovery can reach is in the map's table: the
+// checkpoint's, and those replayed or written after it. Objects of newer
+// generations are left alone (a newer owner's, if this device is being
+// fenced now). REQUIRES d.syncMu.
+func (d *Device) removeOrphans() (n int, bytes int64, err error) {
+	objs, err := d.s.list(layout.SegDir)
+	if err != nil {
+		return 0, 0, err
+	}
+	known := map[layout.SegRef]bool{}
+	d.mu.Lock()
+	for _, si := range d.mu.st.segs {
+		if !si.deleted {
+			known[si.ref] = true
+		}
+	}
+	d.mu.Unlock()
+	for _, o := range objs {
+		seq, gen, perr := layout.ParseSeqGen(o.Name[len(layout.SegDir):])
+		if perr != nil || gen >= d.gen || known[layout.SegRef{Seq: seq, Gen: gen}] {
+			continue
+		}
+		if err := d.s.remove(o.Name); err != nil {
+			return n, bytes, err
+		}
+		n++
+		bytes += o.Size
+	}
+	cks, err := d.s.list(layout.CkptDir)
+	if err != nil {
+		return n, bytes, err
+	}
+	for _, o := range cks {
+		seq, gen, perr := layout.ParseSeqGen(o.Name[len(layout.CkptDir):])
+		if perr != nil || gen > d.gen {
+			continue
+		}
+		if c := d.head.Checkpoint; c != nil && c.Seq == seq && c.Gen == gen {
+			continue
+		}
+		if err := d.s.remove(o.Name); err != nil {
+			return n, bytes, err
+		}
+	}
+	return n, bytes, nil
 }
 
 // ErrClosedGC is returned by GC on a closed device.

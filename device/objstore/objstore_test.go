@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 
@@ -176,6 +177,20 @@ func TestLease(t *testing.T) {
 		t.Fatalf("write of the fenced owner: %v; want ErrFenced", err)
 	}
 	a.Close()
+	// a's last segment was stored before its Sync saw the fence: an
+	// orphan, which b's garbage collection deletes.
+	if _, err := b.GC(0.5, 1<<20); err != nil {
+		t.Fatal(err)
+	}
+	objs, err := b.s.list("seg/")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, o := range objs {
+		if strings.HasSuffix(o.Name, fmt.Sprintf("-%08x", a.Generation())) && !strings.HasPrefix(o.Name, "seg/0000000000000001-") {
+			t.Errorf("after GC the bucket still holds %s of the fenced owner", o.Name)
+		}
+	}
 	got := make([]byte, 8192)
 	b.ReadAt(got, 0)
 	devicetest.Fill(p, 1)
@@ -233,5 +248,40 @@ func TestOutage(t *testing.T) {
 	r.ReadAt(all, 0)
 	if !bytes.Equal(all[:8192], a) || !bytes.Equal(all[65536:], b) {
 		t.Fatal("after the outage the image lacks what was written")
+	}
+}
+
+// TestOpenRace: eight openers race for one image; exactly one gets it, the
+// others are refused naming an owner.
+func TestOpenRace(t *testing.T) {
+	_, base := testEnv(t)
+	l := newImage(t, base, 1<<20, 4096)
+	const n = 8
+	devs := make(chan *Device, n)
+	errs := make(chan error, n)
+	for range n {
+		go func() {
+			d, err := Open(l, Options{})
+			if err != nil {
+				errs <- err
+				return
+			}
+			devs <- d
+		}()
+	}
+	won := 0
+	for range n {
+		select {
+		case d := <-devs:
+			won++
+			defer d.Close()
+		case err := <-errs:
+			if !errors.Is(err, ErrOwned) {
+				t.Errorf("a losing opener: %v; want ErrOwned", err)
+			}
+		}
+	}
+	if won != 1 {
+		t.Fatalf("%d openers got the image, want 1", won)
 	}
 }
