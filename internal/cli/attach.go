@@ -257,18 +257,25 @@ func (h *openedSet) attachRemote(req admin.AttachRequest, mode cache.Mode) (*cac
 			return nil, "", fmt.Errorf("%w: %s is the backing device of volume %q", cache.ErrExists, path, bi.Name)
 		}
 	}
+	release, err := lockRemote(dev, fmt.Sprintf("backing device of volume %q", req.Name))
+	if err != nil {
+		dev.Close()
+		return nil, "", fmt.Errorf("%w: %v", cache.ErrExists, err)
+	}
 	if err := syncRemote(dev, false); err != nil {
 		dev.Close()
+		release()
 		return nil, "", err
 	}
 	v, err := h.set.Attach(cache.BackingSpec{Name: req.Name, Dev: dev, ID: id, Path: path}, cache.AttachOptions{Mode: mode})
 	if err != nil {
 		dev.Close()
+		release()
 		return nil, "", err
 	}
 	h.mu.Lock()
 	h.devs[req.Name] = dev
-	h.locks[req.Name] = func() {}
+	h.locks[req.Name] = release
 	h.mu.Unlock()
 	return v, path, nil
 }

@@ -2,10 +2,17 @@ package cli
 
 import (
 	"context"
+	"crypto/sha256"
+	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/tiercache/tiercache/admin"
 	"github.com/tiercache/tiercache/device/nbddev"
@@ -14,10 +21,11 @@ import (
 
 // Remote backing devices: an NBD URI (nbd://, nbds://, nbd+unix://,
 // nbds+unix://) wherever a backing device path is taken. A remote export
-// has no extended attributes and no local lock: its identity is
+// has no extended attributes and no device file to flock: its identity is
 // nbd:URI#MARKER (backingid.NBDID), its description as the server gives
 // it, and "attached to another set" cannot be recorded on it, as on a
-// block device.
+// block device. What can be caught is two servers on one host: serve and
+// attach hold a flock on a file named after the export (lockRemote).
 
 // isRemote reports whether a backing spec is an NBD URI.
 func isRemote(spec string) bool { return nbddev.IsURI(spec) }
@@ -63,6 +71,65 @@ func syncRemote(d *nbddev.Device, readOnly bool) error {
 		return fmt.Errorf("flushing the remote export before serving it: %w", err)
 	}
 	return nil
+}
+
+// remoteLockDir is the host-wide directory of the remote exports' lock
+// files: /run/lock/tiercache when /run/lock exists, else tiercache-locks
+// in the temporary directory. It is world-writable with the sticky bit,
+// so that servers of every user meet there.
+func remoteLockDir() (string, error) {
+	dir := filepath.Join(os.TempDir(), "tiercache-locks")
+	if st, err := os.Stat("/run/lock"); err == nil && st.IsDir() && unix.Access("/run/lock", unix.W_OK) == nil {
+		dir = "/run/lock/tiercache"
+	}
+	if err := os.Mkdir(dir, 0o700); err == nil {
+		if err := os.Chmod(dir, os.ModePerm|os.ModeSticky); err != nil {
+			return "", err
+		}
+	} else if !errors.Is(err, fs.ErrExist) {
+		return "", err
+	}
+	return dir, nil
+}
+
+// remoteLockKey names the export d reaches for its lock: its identity
+// (URI and description). The description alone would also catch one
+// export reached by two URIs, but descriptions are not always unique (a
+// tiercache export's default one names only the volume and mode).
+func remoteLockKey(d *nbddev.Device) string { return remoteID(d) }
+
+// lockRemote takes the host-wide lock of the export d reaches, exclusive,
+// for as long as a server uses it as a backing device, and returns its
+// release. Two cache sets in front of one export corrupt it (each writes
+// back over the other's data, and each serves reads from its own cache);
+// servers on other hosts cannot be seen from here (OPERATIONS.md: the
+// server can refuse a second client).
+func lockRemote(d *nbddev.Device, role string) (func(), error) {
+	dir, err := remoteLockDir()
+	if err != nil {
+		return nil, fmt.Errorf("%s: the directory of remote export locks: %w", role, err)
+	}
+	key := remoteLockKey(d)
+	path := filepath.Join(dir, fmt.Sprintf("nbd-%x.lock", sha256.Sum256([]byte(key))))
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o666)
+	if err != nil {
+		return nil, fmt.Errorf("%s: locking remote export (%s): %w", role, path, err)
+	}
+	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		holder := lockHolder(f)
+		f.Close()
+		if errors.Is(err, unix.EWOULDBLOCK) {
+			if holder == "" {
+				holder = "another tiercache process"
+			}
+			return nil, fmt.Errorf("%s %s: expected no other server on this host to use the export (%s) as a backing device, found it in use by %s (lock %s); two cache sets in front of one export corrupt it, and --force does not override this: detach it from the other set (or stop that server) first, or give this volume another export",
+				role, d.Target(), key, holder, path)
+		}
+		return nil, fmt.Errorf("%s: locking remote export (%s): %w", role, path, err)
+	}
+	f.Truncate(0)
+	f.WriteAt([]byte(key+"\n"), 0)
+	return func() { f.Close() }, nil
 }
 
 // remoteID is the identity of the export d is connected to.

@@ -620,12 +620,22 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 				}
 				log.Warn("serving a remote backing whose identity does not match the one recorded (--force)", "volume", bi.Name, "uri", rd.Target().String(), "err", err)
 			}
+			release := func() {}
+			if !o.readOnly {
+				if release, err = lockRemote(rd, fmt.Sprintf("backing device of volume %q", bi.Name)); err != nil {
+					rd.Close()
+					closeDevs()
+					return nil, err
+				}
+			}
 			if err := syncRemote(rd, o.readOnly); err != nil {
 				rd.Close()
+				release()
 				closeDevs()
 				return nil, fmt.Errorf("backing %q: %w", bi.Name, err)
 			}
 			h.devs[bi.Name] = rd
+			h.locks[bi.Name] = release
 			specs = append(specs, cache.BackingSpec{Name: bi.Name, Dev: rd, ID: bi.ID, Path: path})
 			continue
 		}

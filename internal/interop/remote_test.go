@@ -505,3 +505,37 @@ func TestRemoteChain(t *testing.T) {
 	run(t, 2*time.Minute, bin, "detach", "--cache", cachePath, "vol")
 	fioVerify(t, remote.uri("disk"), 2, "48m", "--verify_only=1")
 }
+
+// TestRemoteExportLock: two servers on one host cannot both use one
+// remote export as a backing device. A second cache set formatted on the
+// export a running server uses is refused by serve, saying what it found
+// and how to proceed; so is an online attach of that export to another
+// running server. Once the first server has stopped, the second serves it.
+func TestRemoteExportLock(t *testing.T) {
+	need(t, "nbdkit")
+	dir := shortDir(t)
+	rsock := filepath.Join(dir, "r.sock")
+	remote := startRemote(t, rsock, nbdkitMemoryArgs(rsock, "16M", "marker-lock")...)
+	cache1 := sparseFile(t, dir, "cache1.img", 16*mib)
+	cache2 := sparseFile(t, dir, "cache2.img", 16*mib)
+	run(t, time.Minute, bin, "format", "--cache", cache1, "--backing", "vm="+remote.uri(""), "--bucket-size", "256K")
+	run(t, time.Minute, bin, "format", "--cache", cache2, "--backing", "vm="+remote.uri(""), "--bucket-size", "256K")
+	sock1 := filepath.Join(dir, "n1.sock")
+	s1 := startServerRaw(t, sock1, "--data-dir", filepath.Join(dir, "d1"), "serve", "--cache", cache1, "--listen", "unix:"+sock1)
+	want := []string{"expected no other server on this host to use the export", "found it in use by process", "detach it from the other set (or stop that server) first"}
+	refusedRun(t, want, "--data-dir", filepath.Join(dir, "d2"), "serve", "--cache", cache2, "--listen", "unix:"+filepath.Join(dir, "n2.sock"))
+
+	// An online attach to another server.
+	other := sparseFile(t, dir, "other.img", 8*mib)
+	cache3 := sparseFile(t, dir, "cache3.img", 16*mib)
+	run(t, time.Minute, bin, "format", "--cache", cache3, "--backing", "x="+other, "--bucket-size", "256K")
+	sock3 := filepath.Join(dir, "n3.sock")
+	admin3 := filepath.Join(dir, "a3.sock")
+	s3 := startServerRaw(t, sock3, "--data-dir", filepath.Join(dir, "d3"), "serve", "--cache", cache3, "--listen", "unix:"+sock3, "--admin", admin3)
+	refusedRun(t, want, "attach", "vm="+remote.uri(""), "--admin", admin3)
+	s3.stop()
+
+	s1.stop()
+	s2 := startServerRaw(t, filepath.Join(dir, "n2.sock"), "--data-dir", filepath.Join(dir, "d2"), "serve", "--cache", cache2, "--listen", "unix:"+filepath.Join(dir, "n2.sock"))
+	s2.stop()
+}
