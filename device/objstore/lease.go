@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"syscall"
 	"time"
 
 	"github.com/tiercache/tiercache/device/objstore/layout"
@@ -85,7 +86,7 @@ func acquireLease(s *store, ttl time.Duration, force bool) (*lease, error) {
 		if rerr != nil {
 			return nil, rerr
 		}
-		if old != nil && age <= old.TTL && !force {
+		if old != nil && age <= old.TTL && !force && !deadHere(old) {
 			return nil, &OwnedError{Loc: s.loc, Lease: *old, Age: age}
 		}
 		cond, tag := putIfMatch, oldETag
@@ -102,6 +103,17 @@ func acquireLease(s *store, ttl time.Duration, force bool) (*lease, error) {
 	}
 	ls.etag, ls.renewed = etag, start
 	return ls, nil
+}
+
+// deadHere reports whether the lease names a process of this host that no
+// longer exists (a server restarted after a crash need not wait out its
+// own lease). A reused pid counts as alive: the safe direction.
+func deadHere(l *layout.Lease) bool {
+	host, err := os.Hostname()
+	if err != nil || l.Host != host || l.PID <= 0 || l.PID == os.Getpid() {
+		return false
+	}
+	return syscall.Kill(l.PID, 0) == syscall.ESRCH
 }
 
 // renew rewrites the lease if it is still ours (errPrecondition if not).

@@ -5,12 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"os/exec"
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/devicetest"
+	"github.com/tiercache/tiercache/device/objstore/layout"
 	"github.com/tiercache/tiercache/internal/s3test"
 )
 
@@ -284,4 +287,34 @@ func TestOpenRace(t *testing.T) {
 	if won != 1 {
 		t.Fatalf("%d openers got the image, want 1", won)
 	}
+}
+
+// TestLeaseOfDeadProcess: a live lease naming a process of this host that
+// has exited (a server killed and restarted) is taken without --force; one
+// naming a live process is not.
+func TestLeaseOfDeadProcess(t *testing.T) {
+	_, base := testEnv(t)
+	l := newImage(t, base, 1<<20, 4096)
+	cmd := exec.Command("true")
+	if err := cmd.Run(); err != nil {
+		t.Fatal(err)
+	}
+	host, _ := os.Hostname()
+	s, err := newStore(l, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	put := func(pid int) {
+		p, _ := layout.EncodeLease(&layout.Lease{Host: host, PID: pid, Gen: 1, Renewed: time.Now().UTC(), TTL: time.Hour})
+		if _, err := s.put(layout.LeaseName, p, putAny, ""); err != nil {
+			t.Fatal(err)
+		}
+	}
+	put(os.Getppid())
+	if _, err := Open(l, Options{}); !errors.Is(err, ErrOwned) {
+		t.Fatalf("Open over a live process's lease: %v; want ErrOwned", err)
+	}
+	put(cmd.Process.Pid)
+	d := mustOpen(t, l, Options{})
+	d.Close()
 }
