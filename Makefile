@@ -5,7 +5,7 @@ GO ?= go
 GOBIN := $(shell $(GO) env GOPATH)/bin
 PKGS := ./...
 
-.PHONY: all build install test deps lint unit race interop kernel kernel-sweep bench bench-guest bench-deps bench-quick bench-nbd fuzz stress clean
+.PHONY: all build install test deps lint unit race interop kernel kernel-sweep bench bench-guest bench-deps bench-quick bench-nbd bench-remote fuzz stress clean
 
 all: build
 
@@ -129,6 +129,12 @@ bench-deps:
 # Only checks that every scenario runs end to end (part of make test).
 bench-quick:
 	$(GO) run ./cmd/tcbench cache --quick $(BENCHFLAGS)
+
+# A remote backing device (nbdkit on loopback TCP): 4 KiB random I/O
+# straight to it and through a writeback cache set in front of it (hits,
+# misses, writes); docs/BENCHMARKS.md "Remote backing device".
+bench-remote: build
+	./scripts/bench-remote.sh bin/tiercache
 
 # tiercache's NBD server vs qemu-nbd and nbdkit on a plain file.
 bench-nbd:
