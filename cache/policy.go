@@ -38,8 +38,9 @@ package cache
 // reads the cutoff is sequential_cutoff: promoting a scan would only evict
 // what was read before. For writes in writeback mode it grows with the
 // room the cache has for a stream (streamRoom: what is left below the
-// throttle point once dirty data and superseded versions are counted, none
-// while free buckets are short): a
+// volume's writeback target and the cache's throttle point once dirty data
+// and superseded versions are counted, none while free buckets are short):
+// a
 // stream goes to the cache, at the cache's speed, while it is shorter than
 // that room, and bypasses once it is longer. A cache with room absorbs a
 // database's table files and logs; a cache short of room (earlier jobs'
@@ -241,26 +242,35 @@ func (v *Volume) seqWrite(off, n int64) bool {
 	if v.Mode() != Writeback {
 		return true // writethrough gains nothing from caching a stream
 	}
-	return seqBypass(run, cutoff, v.s.streamRoom())
+	return seqBypass(run, cutoff, v.streamRoom())
 }
 
-// streamRoom is the room the cache has for a write stream, in bytes: the
-// blocks below the throttle point (throttleStart of the cache) that hold
-// neither dirty data nor superseded versions, of every volume. Clean data
-// counts as room: eviction frees it without writing anything back. None
+// streamRoom is the room the cache has for a write stream of v, in bytes:
+// the smaller of the blocks below the throttle point (throttleStart of the
+// cache) that hold neither dirty data nor superseded versions of any
+// volume, and what is left of v's writeback target (writeback_percent of
+// the cache) once v's own dirty data and superseded versions are counted.
+// Clean data counts as room: eviction frees it without writing anything
+// back. Below the target, background writeback does not run while the
+// volume is busy, so the part of a stream the cache took is not written
+// back under the rest of the stream, which bypasses to the same disk. None
 // while free buckets are short: eviction is behind, and a stream taken
 // into the cache then would wait for it, or go around the cache anyway.
-func (s *Set) streamRoom() int64 {
+func (v *Volume) streamRoom() int64 {
+	s := v.s
+	pct := int64(v.cfg.Load().WritebackPercent)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if len(s.mu.free) < s.lowWater() {
 		return 0
 	}
+	total := s.mu.CacheBlocks()
 	var d int64
-	for _, v := range s.vols {
-		d += v.idx.Dirty + v.idx.NSup
+	for _, u := range s.vols {
+		d += u.idx.Dirty + u.idx.NSup
 	}
-	return max(int64(throttleStart*float64(s.mu.CacheBlocks()))-d, 0) * blockSize
+	room := min(int64(throttleStart*float64(total))-d, total*pct/100-(v.idx.Dirty+v.idx.NSup))
+	return max(room, 0) * blockSize
 }
 
 // promoteMiss counts a read miss of block lba and reports whether the block

@@ -27,6 +27,7 @@ var flagRewrite = flagBool("rewrite", false, "regenerate the golden policy trace
 //
 //	set key=value ...           change settings
 //	room N                      another volume's dirty data leaves the cache N blocks of room for write streams
+//	                            (at most what the volume's writeback target leaves)
 //	read LBA N -> hit | miss [bypass] [promote=K]
 //	write LBA N -> cache | bypass
 //
@@ -102,8 +103,8 @@ func runPolicyTrace(t *testing.T, path string) {
 			if len(f) != 2 || err != nil {
 				t.Fatalf("%s:%d: bad line %q", path, ln+1, line)
 			}
-			more := ref.room() - n
-			if more < 0 || ref.other+more > goldenOther {
+			more := ref.setRoom() - n
+			if more < 0 || ref.other+more > goldenOther || ref.room() < n {
 				t.Fatalf("%s:%d: %q: the room is %d blocks already, the other volume holds %d", path, ln+1, line, ref.room(), ref.other)
 			}
 			for done := int64(0); done < more; {
@@ -114,7 +115,7 @@ func runPolicyTrace(t *testing.T, path string) {
 				done += k
 			}
 			ref.other += more
-			if got := s.streamRoom(); got != n*blockSize {
+			if got := v.streamRoom(); got != n*blockSize {
 				t.Fatalf("%s:%d: %q: the engine's room is %d blocks", path, ln+1, line, got/blockSize)
 			}
 			out = append(out, line)
@@ -209,10 +210,15 @@ func newRefPolicy(blocks int64) *refPolicy {
 }
 
 // room is the cache's room for write streams in blocks: the blocks below
-// 70 % of the cache (where writes start to be throttled) not dirty.
+// 70 % of the cache (where writes start to be throttled) not dirty, and at
+// most what the volume's dirty blocks leave of writeback_percent of the
+// cache.
 func (r *refPolicy) room() int64 {
-	return max(r.blocks*7/10-int64(len(r.dirty))-r.other, 0)
+	return max(min(r.setRoom(), r.blocks*int64(r.st.WritebackPercent)/100-int64(len(r.dirty))), 0)
 }
+
+// setRoom is the blocks below 70 % of the cache not dirty in any volume.
+func (r *refPolicy) setRoom() int64 { return r.blocks*7/10 - int64(len(r.dirty)) - r.other }
 
 // seq: the most recently used remembered stream that the request belongs
 // to takes it: starting at its end or at most seqWindow ahead and no more
@@ -517,7 +523,7 @@ func TestStreamRoomBound(t *testing.T) {
 			if err := v.SetSettings(st); err != nil {
 				t.Fatal(err)
 			}
-			room0 := s.streamRoom() / blockSize // blocks
+			room0 := v.streamRoom() / blockSize // blocks
 			const req = 4                       // blocks per write
 			total := 2 * 64 * 16 / writers      // blocks per writer: together twice the cache
 			for i := 0; i < total/req; i++ {
@@ -554,7 +560,7 @@ func TestStreamRoomShortFree(t *testing.T) {
 	if err := v.SetSettings(st); err != nil {
 		t.Fatal(err)
 	}
-	if s.streamRoom() == 0 {
+	if v.streamRoom() == 0 {
 		t.Fatal("no room in an empty cache")
 	}
 	for lba := int64(0); ; lba += 16 {
@@ -568,7 +574,7 @@ func TestStreamRoomShortFree(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if vs := v.Stats(); vs.DirtyBlocks != 0 || s.streamRoom() != 0 {
-		t.Fatalf("free buckets short, %d blocks dirty: room %d bytes, want 0 dirty and no room", vs.DirtyBlocks, s.streamRoom())
+	if vs := v.Stats(); vs.DirtyBlocks != 0 || v.streamRoom() != 0 {
+		t.Fatalf("free buckets short, %d blocks dirty: room %d bytes, want 0 dirty and no room", vs.DirtyBlocks, v.streamRoom())
 	}
 }

@@ -83,10 +83,11 @@ func TestKernelSequentialBypass(t *testing.T) {
 		t.Logf("%s: %d MiB written to the export, %d MiB bypassed as sequential; %d dirty blocks before, %d after", name, written>>20, bypassed>>20, before.DirtyBlocks, after.DirtyBlocks)
 		// The start of the file goes to the cache while the cache has
 		// room for streams: all its streams together take less than the
-		// room below the throttle point (70 % of this 128 MiB cache,
-		// 90 MiB), one stream about half of it; each stream's first
-		// sequential_cutoff (4 MiB) goes to the cache when it has less.
-		// ext4 adds its metadata.
+		// room (at most the writeback target, 10 % of this 128 MiB
+		// cache, and never more than 90 MiB, the throttle point), one
+		// stream about half of it; each stream's first sequential_cutoff
+		// (4 MiB) goes to the cache when it has less. ext4 adds its
+		// metadata.
 		const want = fileSize - 96*mib
 		if bypassed < want {
 			t.Errorf("%s: %d MiB of the %d MiB file bypassed as sequential (want at least %d MiB); %d MiB written to the export; %d dirty blocks before the dd",
