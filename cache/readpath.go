@@ -54,6 +54,27 @@ type piece struct {
 // every piece is in buf.
 func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []index.Ent) (misses []blockRange, fromBacking map[uint64]bool, err error) {
 	s := v.s
+	if len(hits) == n && cacheContiguous(hits) {
+		// A cache hit stored in one run on the cache device (every 4 KiB
+		// hit): one device read, as the general path below makes of it,
+		// without building pieces.
+		if _, err := s.dev.ReadAt(buf, s.cacheOff(hits[0].Block())); err != nil {
+			s.cacheIOError("read", err)
+			backed, err := v.readAroundCache(buf, hits)
+			if err != nil {
+				return nil, nil, err
+			}
+			if len(backed) > 0 {
+				fromBacking = make(map[uint64]bool, len(backed))
+				for _, l := range backed {
+					fromBacking[l] = true
+				}
+			}
+			return nil, fromBacking, nil
+		}
+		s.cacheIOOK()
+		return nil, nil, nil
+	}
 	next := lba
 	for k := 0; k <= len(hits); k++ {
 		end := lba + uint64(n)
@@ -165,6 +186,17 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []index.Ent) (mi
 		copy(o.dst, o.src)
 	}
 	return misses, fromBacking, nil
+}
+
+// cacheContiguous reports whether hits (sorted by lba) are consecutive
+// blocks both in the volume and on the cache device.
+func cacheContiguous(hits []index.Ent) bool {
+	for i := 1; i < len(hits); i++ {
+		if hits[i].LBA != hits[i-1].LBA+1 || hits[i].Block() != hits[i-1].Block()+1 {
+			return false
+		}
+	}
+	return true
 }
 
 // runPieces runs do for every piece, at most maxReadFanout at a time, the
