@@ -3,6 +3,7 @@ package device
 import (
 	"encoding/binary"
 	"os"
+	"runtime"
 	"sync"
 	"unsafe"
 
@@ -30,7 +31,7 @@ import (
 //
 //  1. A request is queued, submitted and completed at most once; until its
 //     completion is delivered on r.done the kernel may write r's buffer,
-//     and the waiting goroutine keeps it (and r) reachable.
+//     which stays pinned (r.pin) and reachable from the waiting goroutine.
 //  2. Only the goroutine with submitting set calls io_submit; it drains
 //     a.pending until it is empty. At most aioDepth requests are queued or
 //     in the kernel (a.slots), so io_submit never fails for a full ring.
@@ -91,6 +92,11 @@ type aioReq struct {
 	slot int
 	res  int64
 	done chan struct{} // receives the completion (capacity 1)
+	// pin holds the buffer in place while the kernel has its address: a
+	// buffer on the caller's stack would otherwise move if the stack were
+	// grown or shrunk while the caller waits (Pin also makes it escape, so
+	// the compiler puts it on the heap).
+	pin runtime.Pinner
 }
 
 type aio struct {
@@ -145,6 +151,7 @@ func (a *aio) close() {
 func (a *aio) do(cmd uint16, fd int, p []byte, off int64) (int, error) {
 	slot := <-a.slots
 	r := a.reqs[slot]
+	r.pin.Pin(unsafe.SliceData(p))
 	r.cb = iocb{data: uint64(slot), opcode: cmd, fildes: uint32(fd),
 		buf: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(p)))), nbytes: uint64(len(p)), offset: off,
 		flags: iocbFlagResfd, resfd: uint32(a.efdN)}
@@ -156,6 +163,7 @@ func (a *aio) do(cmd uint16, fd int, p []byte, off int64) (int, error) {
 	}
 	a.mu.Unlock()
 	<-r.done
+	r.pin.Unpin()
 	res := r.res
 	a.slots <- slot
 	var done int
