@@ -13,6 +13,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
@@ -342,10 +343,21 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange, rep *wbRepor
 	if err := s.commitBeforeWriteback(s.appended()); err != nil {
 		return 0, fmt.Errorf("writeback: %w", err)
 	}
-	// Queue depth: up to wbQueueDepth runs, but at most about
-	// wbInflightBytes in flight, so long sequential runs reach the disk
-	// nearly in order (a disk's write cache destages what arrives first).
-	qd := max(2, min(wbQueueDepth, wbInflightBytes/(blockSize*len(items)/len(runs))))
+	// Queue depth: up to the volume's depth (wbdepth.go) in runs, but at
+	// most about its in-flight bytes, so long sequential runs reach the
+	// disk nearly in order (a disk's write cache destages what arrives
+	// first).
+	runBytes := blockSize * len(items) / len(runs)
+	qd := func() int {
+		d := v.wb.depth.depth()
+		if v.wb.reads.recent(wbIdle) {
+			// A client read of the backing device waits behind every
+			// write queued ahead of it.
+			d = min(d, wbQueueDepth)
+		}
+		return max(2, min(d, v.wb.depth.inflightBytes()/runBytes))
+	}
+	v.wb.depth.begin(v.wb.disturbances())
 	issued := make([]chan struct{}, len(runs))
 	for i := range issued {
 		issued[i] = make(chan struct{})
@@ -439,7 +451,10 @@ func (s *Set) writeItems(vi int, items []wbItem, runs []blockRange, rep *wbRepor
 				turn()
 				v.yieldToReads()
 				issue()
-				if err := v.writeBackingNoMark(buf[i*blockSize:j*blockSize], its[i].lba); err != nil {
+				t0 := time.Now()
+				if err := v.writeBackingNoMark(buf[i*blockSize:j*blockSize], its[i].lba); err == nil {
+					v.wb.depth.done(time.Since(t0), v.wb.disturbances())
+				} else {
 					rerr = fmt.Errorf("writeback to %s: %w", v.name, err)
 					v.wb.backingErr.Store(&rerr)
 					for x := i; x < len(its); x++ {
@@ -621,36 +636,43 @@ func (s *Set) unwritable(bad []wbVersion, left int64) error {
 	return e
 }
 
-// parallel runs f(0..n-1) with at most qd calls in flight, started in
-// order; after a call fails no new one starts. It returns every error of
-// the calls that ran (errors.Join): two runs of a writeback batch can fail
-// on the backing device at once, and each failure must reach the caller's
-// log, not only the first (found by TestDeviceFailureModel/seq).
-func parallel(n, qd int, f func(i int) error) error {
+// parallel runs f(0..n-1) with at most qd() calls in flight (asked again
+// before each call starts: the depth adapts while a batch runs), started
+// in order; after a call fails no new one starts. It returns every error
+// of the calls that ran (errors.Join): two runs of a writeback batch can
+// fail on the backing device at once, and each failure must reach the
+// caller's log, not only the first (found by TestDeviceFailureModel/seq).
+func parallel(n int, qd func() int, f func(i int) error) error {
 	if n == 1 {
 		return f(0)
 	}
 	var wg sync.WaitGroup
-	var mu sync.Mutex
+	var mu sync.Mutex // guards inflight and errs
+	cond := sync.NewCond(&mu)
+	inflight := 0
 	var errs []error
-	sem := make(chan struct{}, qd)
 	for i := 0; i < n; i++ {
-		sem <- struct{}{}
 		mu.Lock()
-		stop := len(errs) > 0
-		mu.Unlock()
-		if stop {
-			<-sem
+		for inflight >= qd() && len(errs) == 0 {
+			cond.Wait()
+		}
+		if len(errs) > 0 {
+			mu.Unlock()
 			break
 		}
+		inflight++
+		mu.Unlock()
 		wg.Add(1)
 		go func() {
-			defer func() { <-sem; wg.Done() }()
-			if err := f(i); err != nil {
-				mu.Lock()
+			defer wg.Done()
+			err := f(i)
+			mu.Lock()
+			inflight--
+			if err != nil {
 				errs = append(errs, err)
-				mu.Unlock()
 			}
+			cond.Signal()
+			mu.Unlock()
 		}()
 	}
 	wg.Wait()

@@ -125,6 +125,9 @@ type testingKnobs struct {
 	// the latency measurement turns it off to tell its sleeps from other
 	// waits.
 	noThrottle bool
+	// fixedDepth keeps writeback's queue depth at wbQueueDepth (wbdepth.go)
+	// instead of adapting it; the remote-drain measurement compares.
+	fixedDepth bool
 }
 
 type setStats struct {
@@ -165,6 +168,7 @@ func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
 	v.wb.stop = make(chan struct{})
 	v.wb.done = make(chan struct{})
 	v.wb.retry = newRetryBackoff(s.log, "writeback to the backing device", "volume", bi.Name)
+	v.wb.depth = newDepthCtl(s.knobs.fixedDepth)
 	// Replayable: until a checkpoint shows otherwise, a recovery may find
 	// entries of the slot (Open replays them; a checkpoint clears it if
 	// empty).

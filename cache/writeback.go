@@ -5,7 +5,7 @@ package cache
 // Each volume has a writeback goroutine. It sweeps the volume's index in
 // LBA order from a cursor (wrapping at the end), takes the next batch of
 // dirty blocks, and hands them to writeback (gc.go), which merges adjacent
-// blocks into writes of up to wbMaxRun blocks, keeps wbQueueDepth of them in
+// blocks into writes of up to wbMaxRun blocks, keeps the volume's queue depth (wbdepth.go) of them in
 // flight in ascending LBA order, syncs the backing device and only then
 // journals the blocks clean (invariant 3). Sweeping in one direction over
 // the whole volume is what turns random dirty blocks into an elevator pass
@@ -46,12 +46,12 @@ import (
 )
 
 const (
-	wbQueueDepth    = 32                     // backing writes (and cache reads) in flight per batch
+	wbQueueDepth    = 32                     // backing writes (and cache reads) in flight per batch, to start with (wbdepth.go)
 	wbMaxRun        = 512                    // blocks per merged write (2 MiB)
 	wbBatch         = 16384                  // blocks per batch at full speed (64 MiB: one sweep, one backing sync)
 	wbBatchShort    = 1024                   // blocks per batch while free buckets are short
 	drainBatch      = 65536                  // blocks per batch of Drain (256 MiB of disk; 24 B each in memory)
-	wbInflightBytes = 4 << 20                // backing bytes in flight per batch (at least 2 runs)
+	wbInflightBytes = 4 << 20                // backing bytes in flight per batch at wbQueueDepth (at least 2 runs)
 	wbPace          = 100 * time.Millisecond // a paced batch's length (at the rate decided)
 	wbIdle          = 200 * time.Millisecond // no client request for this long: full speed
 	wbHorizon       = 10                     // seconds to clear the excess over the target
@@ -86,6 +86,8 @@ type wbState struct {
 	throttleDebt atomic.Int64
 	// retry paces background writeback while it fails (backoff.go).
 	retry *retryBackoff
+	// depth is how many backing writes a batch keeps in flight (wbdepth.go).
+	depth *depthCtl
 	// wakeDirty: the goroutine sleeps until the volume's dirty versions
 	// (Dirty+NSup) reach this many; a write that makes them reach it
 	// kicks the goroutine (noteDirtyLocked). REQUIRES: Set.mu
@@ -109,16 +111,30 @@ func (v *Volume) kickWB() {
 	}
 }
 
+// disturbances counts what makes a window of writeback's latencies say
+// nothing of the backing device alone: yields to client reads, and the
+// client reads of the backing device themselves (wbdepth.go).
+func (w *wbState) disturbances() uint64 { return w.yields.Load() + w.reads.all.Load() }
+
 // readGate counts a volume's client reads of the backing device in
 // progress and signals when the last one ends.
 type readGate struct {
 	n    atomic.Int32
-	done atomic.Int64 // when the last read ended (unix nanos)
+	all  atomic.Uint64 // reads started
+	done atomic.Int64  // when the last read ended (unix nanos)
 	mu   sync.Mutex
 	idle chan struct{} // closed when n drops to 0; nil while nobody waits
 }
 
-func (g *readGate) start() { g.n.Add(1) }
+func (g *readGate) start() {
+	g.all.Add(1)
+	g.n.Add(1)
+}
+
+// recent reports whether a read is in progress or ended within d.
+func (g *readGate) recent(d time.Duration) bool {
+	return g.n.Load() > 0 || nowNanos()-g.done.Load() < int64(d)
+}
 
 func (g *readGate) end() {
 	g.done.Store(nowNanos())
