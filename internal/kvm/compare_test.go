@@ -86,7 +86,9 @@ func TestPowerCutCompare(t *testing.T) {
 			Disk{Path: sparse(t, filepath.Join(dir, s+".log"), pcLogMiB<<20)})
 		script += fmt.Sprintf("run_sys %s /dev/vd%c /dev/vd%c || { echo \"SYSTEM %s FAIL\"; exit 1; }\n", s, 'a'+2*i, 'a'+2*i+1, s)
 	}
-	timeout := 20 * time.Minute
+	// Each replay takes ~40 s in the guest on a loaded 2-core host; the
+	// timeout only catches a hung guest.
+	timeout := 15*time.Minute + time.Duration(3*perKind+1)*time.Duration(len(compareSystems))*90*time.Second
 	if full {
 		timeout = 3 * time.Hour
 	}

@@ -37,15 +37,16 @@ func main() {
 	rounds := flag.Int("rounds", 1, "rounds (each system once per round, bcache first)")
 	runtime := flag.Int("runtime", 10, "seconds per fio job (after a 2 s ramp)")
 	region := flag.String("region", "256M", "region filled and then read and written at random")
+	bin := flag.String("bin", "", "tiercache binary to run in the guest (static; default: build this tree's with CGO_ENABLED=0)")
 	keep := flag.String("keep", "", "directory to keep the disks, fio's JSON and the console log in (default: a temporary directory, removed)")
 	flag.Parse()
-	if err := run(*rounds, *runtime, *region, *keep); err != nil {
+	if err := run(*rounds, *runtime, *region, *bin, *keep); err != nil {
 		fmt.Fprintln(os.Stderr, "kvm-bench:", err)
 		os.Exit(1)
 	}
 }
 
-func run(rounds, runtime int, region, keep string) error {
+func run(rounds, runtime int, region, bin, keep string) error {
 	cacheDir, err := kvm.CacheDir()
 	if err != nil {
 		return err
@@ -63,10 +64,20 @@ func run(rounds, runtime int, region, keep string) error {
 	} else if err := os.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
-	build := exec.Command("go", "build", "-o", filepath.Join(dir, "tiercache"), "github.com/tiercache/tiercache/cmd/tiercache")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		return fmt.Errorf("building tiercache for the guest: %v\n%s", err, out)
+	if bin != "" {
+		b, err := os.ReadFile(bin)
+		if err != nil {
+			return err
+		}
+		if err := os.WriteFile(filepath.Join(dir, "tiercache"), b, 0o755); err != nil {
+			return err
+		}
+	} else {
+		build := exec.Command("go", "build", "-o", filepath.Join(dir, "tiercache"), "github.com/tiercache/tiercache/cmd/tiercache")
+		build.Env = append(os.Environ(), "CGO_ENABLED=0")
+		if out, err := build.CombinedOutput(); err != nil {
+			return fmt.Errorf("building tiercache for the guest: %v\n%s", err, out)
+		}
 	}
 	ssd, hdd := filepath.Join(dir, "ssd.img"), filepath.Join(dir, "hdd.img")
 	for _, d := range []struct {
