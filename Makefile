@@ -105,6 +105,7 @@ stress:
 	TIERCACHE_CRASHCONC_SEEDS=$(STRESS_SEEDS) TIERCACHE_CRASHCONC_START=$(STRESS_START) $(GO) test -count=1 -timeout 3h -run 'TestCrashConcurrent$$' ./cache/
 	TIERCACHE_CRASHMODEL_SEEDS=$(STRESS_SEEDS) TIERCACHE_CRASHMODEL_START=$(STRESS_START) $(GO) test -count=1 -timeout 3h -run 'TestCrashModel$$' ./cache/
 	TIERCACHE_CRASHPOINT_SEEDS=40 $(GO) test -count=1 -timeout 1h -run 'Test(Crash|Error)Points$$' -v ./cache/
+	TIERCACHE_WARMHIT_SEEDS=$$(( $(STRESS_SEEDS) / 10 )) TIERCACHE_WARMHIT_START=$(STRESS_START) $(GO) test -count=1 -timeout 1h -run 'TestWarmHitRatio$$' -v ./cache/
 	TIERCACHE_CRASH_CYCLES=1000 $(GO) test -count=1 -timeout 3h -run 'TestKillCycles$$' -v ./internal/interop/
 
 # The cache scenarios S1-S9 (HDD/SSD models, fio through NBD, side by side;

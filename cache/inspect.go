@@ -169,7 +169,7 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 	if jr.err != nil {
 		return im, fmt.Errorf("replaying journal: %w", jr.err)
 	}
-	if _, err := s.recoverIndex(sb.NBuckets, cd, c, cleanKeep); err != nil {
+	if _, _, err := s.recoverIndex(sb.NBuckets, cd, c, cleanKeep, false); err != nil {
 		return im, fmt.Errorf("replaying journal: %w", err)
 	}
 	s.dropUnkeptSupLocked()

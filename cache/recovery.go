@@ -40,6 +40,7 @@ package cache
 // written wrong, not a torn write.
 
 import (
+	"bytes"
 	"cmp"
 	"fmt"
 	"log/slog"
@@ -315,6 +316,9 @@ type resolvedVol struct {
 	nsup   int64
 	ndirty int64
 	epoch  uint64
+	// suspects: clean entries of marked regions (cleanKeepUnmarked), by
+	// LBA, left out of ents; verifyClean may put them back.
+	suspects []index.Ent
 }
 
 // cleanPolicy is what recovery does with clean entries.
@@ -477,6 +481,9 @@ func (r *resolver) finish(lba uint64, out *resolvedVol) {
 	if !r.live.dirty && (r.clean == cleanDrop || r.clean == cleanKeepUnmarked && r.marked[lba>>r.shift]) {
 		// dropCleanLocked: a clean entry may be stale after a crash.
 		r.dropped++
+		if r.clean == cleanKeepUnmarked {
+			out.suspects = append(out.suspects, index.Ent{LBA: lba, Loc: r.live.loc, CRC: r.live.crc})
+		}
 		return
 	}
 	loc := r.live.loc
@@ -697,19 +704,108 @@ func readJournal(dev device.Device, sb *Superblock, h ondisk.CkptHeader, c *coll
 
 // recoverIndex rebuilds the index from the checkpoint cd and the journal
 // records c collected (see the top of the file), dropping clean entries
-// as clean says. It returns how many it dropped.
+// as clean says. With verify, the clean entries of marked regions that the
+// backing device shows current are kept (verifyClean). It returns how many
+// clean entries it dropped and how many of the marked regions' it kept.
 // REQUIRES: exclusive access (Open)
-func (s *Set) recoverIndex(nbuckets int64, cd *ondisk.CkptData, c *collector, clean cleanPolicy) (dropped int, err error) {
+func (s *Set) recoverIndex(nbuckets int64, cd *ondisk.CkptData, c *collector, clean cleanPolicy, verify bool) (dropped, verified int, err error) {
 	s.resetIndexLocked(nbuckets, cd.Gens)
 	r, out := s.resolve(c, cd, clean)
 	switch {
 	case c.tooLong:
-		return 0, fmt.Errorf("journal too long to recover: more than %d block records", uint32(math.MaxUint32-1))
+		return 0, 0, fmt.Errorf("journal too long to recover: more than %d block records", uint32(math.MaxUint32-1))
 	case r.anomaly != "":
-		return 0, ondisk.Badf("journal records", "%s", r.anomaly)
+		return 0, 0, ondisk.Badf("journal records", "%s", r.anomaly)
+	}
+	if verify {
+		for vi := range out {
+			verified += s.verifyClean(vi, &out[vi])
+		}
 	}
 	s.install(c, out)
-	return r.dropped, nil
+	return r.dropped - verified, verified, nil
+}
+
+// verifyClean puts back into rv the suspect clean entries (those of
+// regions marked at the journal's end) whose cached block equals the
+// backing device's block now: a marked region's backing writes may have
+// made some of its clean entries stale, and comparing tells which. Blocks
+// are compared byte for byte (the backing block's checksum first, to skip
+// the cache read of a stale one). An entry whose either read fails stays
+// out. It returns how many it kept, and marks the backing device for a
+// sync before the next checkpoint: what was read may still be in a page
+// cache, and the checkpoint must not call it clean before it is durable.
+// REQUIRES: exclusive access (Open), before install
+func (s *Set) verifyClean(vi int, rv *resolvedVol) int {
+	if len(rv.suspects) == 0 {
+		return 0
+	}
+	v := s.vols[vi]
+	const run = 256 // blocks read from the backing device at once
+	back := make([]byte, run*blockSize)
+	cblk := make([]byte, blockSize)
+	var keep []index.Ent
+	sus := rv.suspects
+	for i := 0; i < len(sus); {
+		j := i + 1
+		for j < len(sus) && j-i < run && sus[j].LBA == sus[j-1].LBA+1 {
+			j++
+		}
+		p := back[:(j-i)*blockSize]
+		if err := v.readBacking(p, sus[i].LBA); err != nil {
+			s.log.Warn("recovery: reading the backing device to verify clean cached blocks failed; they are dropped",
+				"volume", v.name, "lba", sus[i].LBA, "blocks", j-i, "err", err)
+			i = j
+			continue
+		}
+		for k := i; k < j; k++ {
+			b := p[(k-i)*blockSize : (k-i+1)*blockSize]
+			if ondisk.CRC32C(b) != sus[k].CRC {
+				continue // stale (or a torn backing write): dropped
+			}
+			if _, err := s.dev.ReadAt(cblk, s.cacheOff(sus[k].Loc)); err != nil {
+				s.log.Warn("recovery: reading a clean cached block to verify it failed; it is dropped",
+					"volume", v.name, "lba", sus[k].LBA, "cache_offset", s.cacheOff(sus[k].Loc), "err", err)
+				continue
+			}
+			if !bytes.Equal(cblk, b) {
+				continue
+			}
+			keep = append(keep, sus[k])
+		}
+		i = j
+	}
+	rv.suspects = nil
+	if len(keep) == 0 {
+		return 0
+	}
+	// Merge into the live entries (both by LBA; an LBA is in one or the
+	// other) and recompute the per-leaf summaries.
+	ents := make([]index.Ent, 0, len(rv.ents)+len(keep))
+	a, b := rv.ents, keep
+	for len(a) > 0 || len(b) > 0 {
+		if len(b) == 0 || len(a) > 0 && a[0].LBA < b[0].LBA {
+			ents, a = append(ents, a[0]), a[1:]
+		} else {
+			ents, b = append(ents, b[0]), b[1:]
+		}
+	}
+	epochOf := map[uint32]uint64{}
+	for _, x := range rv.dirty {
+		epochOf[x.Loc] = x.Epoch
+	}
+	aggs := make([]uint64, (len(ents)+index.LeafBulkFill-1)/index.LeafBulkFill)
+	for k := range aggs {
+		aggs[k] = math.MaxUint64
+	}
+	for i, e := range ents {
+		if e.Dirty() {
+			aggs[i/index.LeafBulkFill] = min(aggs[i/index.LeafBulkFill], epochOf[e.Block()])
+		}
+	}
+	rv.ents, rv.aggs = ents, aggs
+	v.backingUnsynced.Store(true)
+	return len(keep)
 }
 
 // OpenOptions configure Open.
@@ -821,7 +917,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if opts.ColdClean && policy != cleanKeep {
 		policy = cleanDrop
 	}
-	dropped, err := s.recoverIndex(sb.NBuckets, d.cd, c, policy)
+	dropped, verified, err := s.recoverIndex(sb.NBuckets, d.cd, c, policy, true)
 	if err != nil {
 		return nil, fmt.Errorf("open: replaying journal: %w", err)
 	}
@@ -844,7 +940,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		return nil, fmt.Errorf("open: %w", err)
 	}
 	log.Info("cache set recovered", "checkpoint_gen", hdr.Gen, "journal_records", nrec,
-		"entries", s.entries(), "dropped_clean", dropped, "clean_kept", policy.String(), "took", time.Since(start),
+		"entries", s.entries(), "dropped_clean", dropped, "clean_kept", policy.String(), "clean_verified", verified, "took", time.Since(start),
 		"read_checkpoint_and_journal", loaded.Sub(start), "replay_journal", replayed.Sub(loaded), "write_checkpoint", time.Since(replayed))
 	s.sbMu.Lock()
 	// The checkpoint just written holds no clean entry the untrusted flag

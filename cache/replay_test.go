@@ -298,7 +298,7 @@ func recoverBoth(t *testing.T, what string, cfg replayCfg, cd *ondisk.CkptData, 
 	for _, r := range recs {
 		c.add(r)
 	}
-	fdrop, ferr := fast.recoverIndex(cfg.nb, cd, c, cfg.clean)
+	fdrop, _, ferr := fast.recoverIndex(cfg.nb, cd, c, cfg.clean, false)
 	old := newReplaySet(cfg, cd.Gens)
 	oerr := old.replayOld(cd, recs)
 	odrop := 0
