@@ -66,6 +66,11 @@ type conn struct {
 	hdr      [requestHeaderSize]byte
 	running  atomic.Int64 // requests dispatched and not yet replied to
 	draining atomic.Bool  // Shutdown began: refuse what is already buffered
+	// replyDead is set with werr: no reply can reach the client any more,
+	// so the reader stops instead of executing what the client left
+	// buffered (a client that vanished with thousands of pipelined
+	// requests would otherwise hold budget until all of them had run).
+	replyDead atomic.Bool
 
 	wmu     sync.Mutex  // guards the fields below
 	wq      []*request  // replies waiting for the writer
@@ -163,6 +168,9 @@ func (c *conn) transmit() {
 	for {
 		if c.draining.Load() && c.br.Buffered() < requestHeaderSize {
 			break // nothing more can arrive: the read deadline has passed
+		}
+		if c.replyDead.Load() {
+			break // the client is gone: its buffered requests have no one to answer
 		}
 		if _, err := io.ReadFull(c.br, c.hdr[:]); err != nil {
 			if !c.quietReadErr(err) {
@@ -563,6 +571,7 @@ func (c *conn) queueReply(r *request) {
 		c.wmu.Lock()
 		if err != nil && c.werr == nil {
 			c.werr = err
+			c.replyDead.Store(true)
 			c.raw.Close() // stops the reader too
 			if !errors.Is(err, net.ErrClosed) {
 				c.log.Debug("nbd: write reply", "err", err)
