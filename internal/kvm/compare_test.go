@@ -8,6 +8,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -48,7 +49,8 @@ var compareSystems = []string{"bcache", "dmcache"}
 // TIERCACHE_KVM_POINTS (default 1) points per kind and system, and
 // the end of the log; make
 // kernel-sweep (TIERCACHE_KVM_FULL=1) every point of a longer workload.
-// TIERCACHE_KVM_SEED repeats the workload's choices and the sample.
+// TIERCACHE_KVM_SEED repeats the workload's choices and the sample;
+// TIERCACHE_KVM_MODES=dmcache (or bcache) runs one system.
 func TestPowerCutCompare(t *testing.T) {
 	img := guestImage(t)
 	full := os.Getenv("TIERCACHE_KVM_FULL") != ""
@@ -66,6 +68,15 @@ func TestPowerCutCompare(t *testing.T) {
 	if full {
 		writes, files, fullFlag = 2000, 30, "-full"
 	}
+	systems := compareSystems
+	if s := os.Getenv("TIERCACHE_KVM_MODES"); s != "" {
+		systems = nil
+		for _, sys := range compareSystems {
+			if slices.Contains(strings.Split(s, ","), sys) {
+				systems = append(systems, sys)
+			}
+		}
+	}
 	dir := t.TempDir()
 	for _, c := range []string{"kvmload", "kvmreplay"} {
 		cmd := exec.Command("go", "build", "-o", filepath.Join(dir, c), "github.com/tiercache/tiercache/internal/kvm/"+c)
@@ -80,7 +91,7 @@ func TestPowerCutCompare(t *testing.T) {
 	script := strings.NewReplacer("@BLOCKS@", strconv.Itoa(pcBlocks), "@WRITES@", strconv.Itoa(writes), "@SEED@", strconv.FormatUint(seed, 10),
 		"@FILES@", strconv.Itoa(files), "@POINTS@", strconv.Itoa(perKind), "@FULL@", fullFlag).Replace(compareScript)
 	var disks []Disk
-	for i, s := range compareSystems {
+	for i, s := range systems {
 		disks = append(disks,
 			Disk{Path: sparse(t, filepath.Join(dir, s+".data"), (8+32+81)<<20)},
 			Disk{Path: sparse(t, filepath.Join(dir, s+".log"), pcLogMiB<<20)})
@@ -88,7 +99,7 @@ func TestPowerCutCompare(t *testing.T) {
 	}
 	// Each replay takes ~40 s in the guest on a loaded 2-core host; the
 	// timeout only catches a hung guest.
-	timeout := 15*time.Minute + time.Duration(3*perKind+1)*time.Duration(len(compareSystems))*90*time.Second
+	timeout := 15*time.Minute + time.Duration(3*perKind+1)*time.Duration(len(systems))*90*time.Second
 	if full {
 		timeout = 3 * time.Hour
 	}
@@ -96,7 +107,7 @@ func TestPowerCutCompare(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Logf("guest workload and replay, %d systems: %v", len(compareSystems), res.Elapsed.Round(time.Second))
+	t.Logf("guest workload and replay, %d systems: %v", len(systems), res.Elapsed.Round(time.Second))
 	if testing.Verbose() || res.Status != 0 {
 		for _, l := range strings.Split(res.Log, "\n") {
 			if strings.HasPrefix(l, "POINT ") && !strings.HasSuffix(strings.TrimSpace(l), " ok") || strings.HasPrefix(l, "WORKLOAD") {
@@ -125,7 +136,7 @@ func TestPowerCutCompare(t *testing.T) {
 		}
 	}
 	t.Logf("power cuts of the kernel's caches (seed %d):\n%s", seed, table.String())
-	for _, s := range compareSystems {
+	for _, s := range systems {
 		if !found[s] {
 			t.Errorf("no replay summary for %s", s)
 		}
