@@ -117,7 +117,7 @@ bench: bench-deps
 	$(GO) run ./cmd/tcbench cache $(BENCHFLAGS)
 	$(MAKE) bench-guest
 
-# tiercache (kernel NBD client, 2 connections) against bcache, both
+# tiercache (kernel NBD client, 2 connections) against bcache and dm-cache, all
 # writeback, in the test guest on the same virtual disks (2 GiB SSD, 8 GiB
 # HDD at 200 IOPS): fio 4K QD16 random writes and cache-hit reads, ratios
 # (internal/kvm/cmd/kvm-bench; GUESTBENCHFLAGS="--rounds 3").

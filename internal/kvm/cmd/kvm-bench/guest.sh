@@ -1,7 +1,8 @@
-# kvm-bench's guest script: bcache (writeback) and tiercache (writeback,
-# served in the guest to the kernel NBD client with 2 connections) on the
-# same disks, one after the other: /dev/vda the SSD, /dev/vdb the HDD
-# (throttled by qemu). Each system: a sequential fill of the region (so
+# kvm-bench's guest script: bcache (writeback), dm-cache (smq, writeback)
+# and tiercache (writeback, served in the guest to the kernel NBD client
+# with 2 connections) on the same disks, one after the other: /dev/vda the
+# SSD, /dev/vdb the HDD (throttled by qemu). dm-cache keeps its metadata in
+# the SSD's first 64 MiB and caches in 32 KiB blocks (its smallest). Each system: a sequential fill of the region (so
 # that it is cached), 4 KiB random reads (cache hits) and then 4 KiB random
 # writes at QD16; fio's JSON goes to /host/SYSTEM-JOB-ROUND.json.
 set -u
@@ -33,6 +34,26 @@ bcache_round() { # ROUND
 	wipe
 }
 
+dmcache_round() { # ROUND
+	ssd=$(cat /sys/block/vda/size) hdd=$(cat /sys/block/vdb/size) meta=$((64*2048))
+	dmsetup create dmc-meta --table "0 $meta linear /dev/vda 0" &&
+		dmsetup create dmc-cdev --table "0 $((ssd-meta)) linear /dev/vda $meta" &&
+		dmsetup mknodes dmc-meta && dmsetup mknodes dmc-cdev || return 1
+	dd if=/dev/zero of=/dev/mapper/dmc-meta bs=1M count=1 oflag=direct 2>/dev/null
+	dmsetup create dmc --table "0 $hdd cache /dev/mapper/dmc-meta /dev/mapper/dmc-cdev /dev/vdb 64 1 writeback smq 0" &&
+		dmsetup mknodes dmc || return 1
+	echo "dm-cache: $(dmsetup table dmc | cut -d' ' -f3,7-)"
+	fill /dev/mapper/dmc && job dmcache-randread-$1 /dev/mapper/dmc randread && job dmcache-randwrite-$1 /dev/mapper/dmc randwrite || return 1
+	# status: ... <read hits> <read misses> <write hits> <write misses> ... <dirty>
+	echo "dm-cache: status $(dmsetup status dmc | cut -d' ' -f4-14)"
+	# Removing a writeback dm-cache would first write back every dirty
+	# block through the throttled HDD: the table is replaced by an error
+	# target, which drops them (the disks are wiped anyway).
+	dmsetup suspend --nolockfs --noflush dmc && dmsetup load dmc --table "0 $hdd error" && dmsetup resume dmc &&
+		dmsetup remove dmc && dmsetup remove dmc-cdev && dmsetup remove dmc-meta || return 1
+	wipe
+}
+
 tiercache_round() { # ROUND
 	$TC format --cache /dev/vda --backing disk=/dev/vdb --mode writeback >/tmp/fmt.out 2>&1 || { cat /tmp/fmt.out; return 1; }
 	$TC serve --cache /dev/vda --listen unix:/run/tc.sock --admin /run/admin.sock >/tmp/tc.log 2>&1 &
@@ -50,5 +71,6 @@ tiercache_round() { # ROUND
 wipe
 for r in $(seq 1 @ROUNDS@); do
 	bcache_round $r || { echo "bcache round $r failed"; exit 1; }
+	dmcache_round $r || { echo "dm-cache round $r failed"; exit 1; }
 	tiercache_round $r || { echo "tiercache round $r failed"; exit 1; }
 done
