@@ -38,6 +38,13 @@ package cache
 //     that device once it works again must recover cold
 //     (OpenOptions.ColdClean, `serve --cold-clean`): nothing on the cache
 //     device can tell such a restart from one after a plain crash.
+//  6. A commit that fails without a failover (a backing device of any
+//     volume cannot sync, and every commit syncs them all) does not fail
+//     a backing write or a writeback of another volume: the region stays
+//     uncovered (the inserts not durable) and
+//     the clean-untrusted flag is set as in rule 5, so a crash before the
+//     next clean start recovers cold. Only if that flag cannot be written
+//     either does the write fail.
 //
 // Bucket reuse stays as it is: a reuse record is durable before new data
 // goes into the bucket (evict.go), so a clean entry of an older generation
@@ -122,12 +129,16 @@ func (v *Volume) claimBacking(lba, n uint64) error {
 	s.mu.Unlock()
 	if target != 0 && !failed {
 		if err := s.commit(target); err != nil && !s.isFailed() {
-			// A backing device that cannot sync fails every commit.
-			v.releaseClaim(lba, n)
-			return fmt.Errorf("volume %s: marking the region of a backing write: %w", v.name, err)
+			// A backing device that cannot sync (any volume's) fails
+			// every commit. This volume's write must not fail for it
+			// (rule 6): the clean data is marked untrusted instead.
+			if uerr := s.untrustClean(fmt.Sprintf("a commit failed (%v)", err)); uerr != nil {
+				v.releaseClaim(lba, n)
+				return fmt.Errorf("volume %s: marking the region of a backing write: %w", v.name, err)
+			}
 		}
-		// The set failed over meanwhile (this commit or another): the
-		// write goes on as after failover.
+		// The set failed over meanwhile (this commit or another), or the
+		// commit failed: the write goes on uncovered.
 		uncovered = s.durable.Load() < target
 	} else if target != 0 {
 		uncovered = true
@@ -135,7 +146,7 @@ func (v *Volume) claimBacking(lba, n uint64) error {
 	if uncovered {
 		// Best effort: the write goes to the backing device either way
 		// (a failed-over set keeps serving); see untrustClean.
-		_ = s.untrustClean()
+		_ = s.untrustClean("the cache device failed")
 	}
 	return nil
 }
@@ -147,11 +158,12 @@ func (v *Volume) releaseClaim(lba, n uint64) {
 }
 
 // untrustClean sets the superblock's clean-untrusted flag (once) so that
-// the next recovery drops every clean entry: a failed-over set writes the
-// backing devices where its journal cannot say so (rule 5 above). It
+// the next recovery drops every clean entry: the set writes a backing
+// device where its journal cannot say so (rules 5 and 6 above); why says
+// what stopped the journal, for the log. It
 // returns the error of the attempt if the flag could not be written (it is
 // tried once).
-func (s *Set) untrustClean() error {
+func (s *Set) untrustClean(why string) error {
 	s.sbMu.Lock()
 	defer s.sbMu.Unlock()
 	if s.wm.untrusted || s.wm.untrustErr != nil {
@@ -160,12 +172,12 @@ func (s *Set) untrustClean() error {
 	err := s.updateSuperblockLocked(func(nsb *Superblock) error { nsb.CleanUntrusted = true; return nil })
 	if err != nil {
 		s.wm.untrustErr = fmt.Errorf("marking the cache's clean data untrusted: %w", err)
-		s.log.Error("the cache device failed and could not record that its clean data is now untrusted: if it works again, start the next server on it with --cold-clean, or it may serve older cached data for blocks written since the failure",
-			"err", err)
+		s.log.Error("could not record that the cache's clean data is now untrusted: if the cache device works again, start the next server on it with --cold-clean, or it may serve older cached data for blocks written since then",
+			"why", why, "err", err)
 		return s.wm.untrustErr
 	}
 	s.wm.untrusted = true
-	s.log.Warn("the cache device failed: its clean data is marked untrusted, and the next start recovers it cold")
+	s.log.Warn("the cache's clean data is marked untrusted: a backing write went ahead without its region's mark, and the next start recovers the clean cache cold", "why", why)
 	return nil
 }
 
@@ -233,5 +245,14 @@ func (s *Set) commitBeforeWriteback(target uint64) error {
 	if !s.wm.on || s.durable.Load() >= target {
 		return nil
 	}
-	return s.commit(target)
+	err := s.commit(target)
+	if err != nil && !s.isFailed() {
+		// Another volume's backing device that cannot sync must not stop
+		// this writeback (rule 6): with the clean data untrusted, no
+		// recovery brings back the older clean entries.
+		if uerr := s.untrustClean(fmt.Sprintf("a commit before writeback failed (%v)", err)); uerr == nil {
+			return nil
+		}
+	}
+	return err
 }
