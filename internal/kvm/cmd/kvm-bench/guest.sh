@@ -4,7 +4,9 @@
 # SSD, /dev/vdb the HDD (throttled by qemu). dm-cache keeps its metadata in
 # the SSD's first 64 MiB and caches in 32 KiB blocks (its smallest). Each system: a sequential fill of the region (so
 # that it is cached), 4 KiB random reads (cache hits) and then 4 KiB random
-# writes at QD16; fio's JSON goes to /host/SYSTEM-JOB-ROUND.json.
+# writes at QD16, then a file-system job: ext4 (1 GiB of the device) and
+# fio 4 KiB random writes with an fsync after each, QD1, into a 64 MiB
+# file; fio's JSON goes to /host/SYSTEM-JOB-ROUND.json.
 set -u
 TC=/host/tiercache
 REGION=@REGION@
@@ -12,6 +14,15 @@ job() { # NAME DEV RW
 	fio --name=$1 --filename=$2 --rw=$3 --bs=4k --ioengine=libaio --iodepth=16 --direct=1 --size=$REGION \
 		--time_based --runtime=@RUNTIME@ --ramp_time=2 --randrepeat=0 --output-format=json --output=/host/$1.json >/dev/null \
 		|| { echo "fio $1 failed"; return 1; }
+	echo "job $1 done"
+}
+fsjob() { # NAME DEV
+	mkfs.ext4 -q -F -E lazy_itable_init=1,lazy_journal_init=1 $2 1G || { echo "mkfs of $2 failed"; return 1; }
+	mkdir -p /mnt/b && mount -o noinit_itable $2 /mnt/b || { echo "mount of $2 failed"; return 1; }
+	fio --name=$1 --filename=/mnt/b/f --rw=randwrite --bs=4k --ioengine=psync --fsync=1 --size=64M \
+		--time_based --runtime=@RUNTIME@ --ramp_time=2 --randrepeat=0 --output-format=json --output=/host/$1.json >/dev/null \
+		|| { echo "fio $1 failed"; umount /mnt/b; return 1; }
+	umount /mnt/b || return 1
 	echo "job $1 done"
 }
 fill() { fio --name=fill --filename=$1 --rw=write --bs=1m --ioengine=libaio --iodepth=4 --direct=1 --size=$REGION >/dev/null || { echo "fill of $1 failed"; return 1; }; }
@@ -26,7 +37,8 @@ bcache_round() { # ROUND
 	# (2 ms reads, 20 ms writes); the emulated SSD often is: 0 turns that off.
 	for u in /sys/fs/bcache/*-*; do echo 0 >$u/congested_read_threshold_us && echo 0 >$u/congested_write_threshold_us || return 1; done
 	echo "bcache: $(cat /sys/block/bcache0/bcache/cache_mode)"
-	fill /dev/bcache0 && job bcache-randread-$1 /dev/bcache0 randread && job bcache-randwrite-$1 /dev/bcache0 randwrite || return 1
+	fill /dev/bcache0 && job bcache-randread-$1 /dev/bcache0 randread && job bcache-randwrite-$1 /dev/bcache0 randwrite &&
+		fsjob bcache-fsync-$1 /dev/bcache0 || return 1
 	echo "bcache: $(cat /sys/block/bcache0/bcache/stats_total/cache_hit_ratio)% hits, dirty $(cat /sys/block/bcache0/bcache/dirty_data)"
 	echo 1 >/sys/block/bcache0/bcache/stop
 	for u in /sys/fs/bcache/*-*; do echo 1 >$u/stop; done
@@ -43,7 +55,8 @@ dmcache_round() { # ROUND
 	dmsetup create dmc --table "0 $hdd cache /dev/mapper/dmc-meta /dev/mapper/dmc-cdev /dev/vdb 64 1 writeback smq 0" &&
 		dmsetup mknodes dmc || return 1
 	echo "dm-cache: $(dmsetup table dmc | cut -d' ' -f3,7-)"
-	fill /dev/mapper/dmc && job dmcache-randread-$1 /dev/mapper/dmc randread && job dmcache-randwrite-$1 /dev/mapper/dmc randwrite || return 1
+	fill /dev/mapper/dmc && job dmcache-randread-$1 /dev/mapper/dmc randread && job dmcache-randwrite-$1 /dev/mapper/dmc randwrite &&
+		fsjob dmcache-fsync-$1 /dev/mapper/dmc || return 1
 	# status: ... <read hits> <read misses> <write hits> <write misses> ... <dirty>
 	echo "dm-cache: status $(dmsetup status dmc | cut -d' ' -f4-14)"
 	# Removing a writeback dm-cache would first write back every dirty
@@ -61,7 +74,8 @@ tiercache_round() { # ROUND
 	for i in $(seq 1 100); do [ -S /run/tc.sock ] && [ -S /run/admin.sock ] && break; sleep 0.2; done
 	$TC set disk sequential_cutoff=0 --admin /run/admin.sock >/dev/null || return 1
 	nbd-client -unix /run/tc.sock /dev/nbd0 -N disk -b 4096 -C 2 >/dev/null || return 1
-	fill /dev/nbd0 && job tiercache-randread-$1 /dev/nbd0 randread && job tiercache-randwrite-$1 /dev/nbd0 randwrite || return 1
+	fill /dev/nbd0 && job tiercache-randread-$1 /dev/nbd0 randread && job tiercache-randwrite-$1 /dev/nbd0 randwrite &&
+		fsjob tiercache-fsync-$1 /dev/nbd0 || return 1
 	nbd-client -d /dev/nbd0 >/dev/null
 	kill -TERM $pid && wait $pid || { echo "tiercache exit $?"; tail /tmp/tc.log; return 1; }
 	rm -f /run/tc.sock /run/admin.sock
