@@ -23,12 +23,12 @@ import (
 func TestShutdownCutsFlushAndCloseWaits(t *testing.T) {
 	cdev := device.NewMem(64 << 20)
 	// Writes to the backing device (writeback) block until released.
-	entered, release := make(chan struct{}, 1), make(chan struct{})
+	// Every write that enters the gate is announced on entered, so the
+	// test can tell the background writeback's first write (it starts
+	// wbIdle after the last client write) from the flush's own.
+	entered, release := make(chan struct{}, 4096), make(chan struct{})
 	gate := faultdev.InjectorFunc(func(faultdev.Op) faultdev.Fault {
-		select {
-		case entered <- struct{}{}:
-		default:
-		}
+		entered <- struct{}{}
 		<-release
 		return faultdev.Fault{}
 	})
@@ -62,6 +62,16 @@ func TestShutdownCutsFlushAndCloseWaits(t *testing.T) {
 		if err := v.WriteAt(blk, i*16<<10, false); err != nil {
 			t.Fatal(err)
 		}
+	}
+	// Background writeback goes to full speed once the client is idle:
+	// wait until its first write is parked in the gate, so that the write
+	// the flush is found inside below is the flush's own (a flush cut while
+	// only the background writer is inside a device write may, and does,
+	// end at once).
+	select {
+	case <-entered:
+	case <-time.After(30 * time.Second):
+		t.Fatal("background writeback did not start")
 	}
 	srv := New(Config{Version: "test", Set: set, Exports: []Export{{Export: nbd.Export{Name: "a", Backend: v}}}, NBD: &fakeNBD{}})
 	c, stopHTTP := serveHTTP(t, srv)
