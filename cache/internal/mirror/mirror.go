@@ -1,0 +1,787 @@
+// Package mirror keeps a cache set's metadata and dirty data on two
+// devices. A Mirror is a device.Device over members A and B that presents
+// A's address space to the engine: below the bucket region (superblocks,
+// journal, checkpoints) every write goes to both at the same offsets; in
+// the bucket region a bucket is written to B only while the engine has
+// mapped it to one of B's slots (Map), which it does for buckets that may
+// hold dirty data. B can therefore be smaller than A. docs/DESIGN.md,
+// "Mirrored cache devices", has the decisions; docs/CACHE.md the protocol.
+//
+// B's layout: the metadata region as on A ([0, BucketsOff)), then slots of
+// one 4 KiB slot header and one bucket each:
+//
+//	slot header: magic "TCMIRSLT" | crc32c u32 | pad u32 | nonce u64 |
+//	             bucket u64 | generation u32 | from u32
+//
+// A slot header names the bucket (and its generation) whose blocks from
+// block `from` on the slot holds; a header of another set (nonce) or an
+// older generation of its bucket is not a mapping.
+//
+// Failure: a write or sync error on one member fails it (its flag in a new
+// label, written and synced on the survivor before the failing call
+// returns); the mirror then runs on the survivor alone. A read error on
+// one member is served from the other and the bad copy rewritten.
+// Concurrency: as device.Device; Map, Release and Mapped may be called
+// under the caller's locks (they do no I/O).
+package mirror
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/device"
+)
+
+// Member names a member of a mirror.
+type Member int
+
+// The members: A is the primary (--cache), B the mirror (--cache-mirror).
+const (
+	A Member = 0
+	B Member = 1
+)
+
+func (m Member) String() string { return [...]string{"A", "B"}[m&1] }
+
+func (m Member) other() Member { return 1 - m }
+
+// ErrNoCopy is returned for I/O in the bucket region that the live
+// members do not hold: with A failed, a bucket (or the part of one) B
+// has no slot for. Such blocks were clean: the caller reads them from the
+// backing device. It is not a device failure.
+var ErrNoCopy = errors.New("mirror: no copy of this block on the surviving member")
+
+// ErrBothFailed is returned when the last live member fails.
+var ErrBothFailed = errors.New("mirror: both members failed")
+
+// Layout is the part of the set's layout the mirror needs.
+type Layout struct {
+	Nonce      uint64
+	BucketsOff int64 // start of the bucket region (metadata below)
+	BucketSize int64
+	NBuckets   int64
+}
+
+const blockSize = ondisk.BlockSize
+
+func (l Layout) slotLen() int64 { return l.BucketSize + blockSize }
+
+// Slots returns how many slots a B of bSize bytes has for layout l.
+func Slots(l Layout, bSize int64) int64 {
+	if bSize <= l.BucketsOff || l.BucketSize <= 0 {
+		return 0
+	}
+	return min((bSize-l.BucketsOff)/l.slotLen(), l.NBuckets)
+}
+
+// MinSlots is the fewest slots a B may have: the open bucket and a few
+// being written back.
+const MinSlots = 4
+
+// CheckSize reports an error unless a B of bSize bytes holds the metadata
+// region and at least MinSlots slots.
+func CheckSize(l Layout, bSize int64) error {
+	if n := Slots(l, bSize); n < MinSlots {
+		need := l.BucketsOff + MinSlots*l.slotLen()
+		return fmt.Errorf("mirror device of %d bytes holds %d slots of %d bytes after the %d-byte metadata region; at least %d bytes (%d slots) are needed",
+			bSize, n, l.slotLen(), l.BucketsOff, need, MinSlots)
+	}
+	return nil
+}
+
+type slot struct {
+	bucket int64 // -1: free
+	gen    uint32
+	from   uint32 // first block of the bucket the slot holds
+	// hdr is closed once the slot header is written (hdrErr its result);
+	// nil until the first write into the slot starts writing it.
+	hdr    chan struct{}
+	hdrErr error
+}
+
+// Stats are the mirror's counters.
+type Stats struct {
+	Failed      [2]bool
+	Gen         uint64
+	Slots       int64 // B's slots
+	SlotsUsed   int64
+	ReadRetries uint64 // reads that failed on one member and were served by the other
+	Repairs     uint64 // copies rewritten from the other member
+}
+
+// Mirror is the two-member device. See the package comment.
+type Mirror struct {
+	dev [2]device.Device
+	lay Layout
+	log *slog.Logger
+
+	failed  [2]atomic.Bool
+	retries atomic.Uint64
+	repairs atomic.Uint64
+
+	// lmu serializes label updates; labelWait is closed when the label
+	// of the last member failure is durable (nil when none is pending).
+	lmu   sync.Mutex
+	label Label
+	// counters of the newest label slot written on each member
+	counter [2]uint64
+
+	mu        sync.Mutex
+	labelWait chan struct{}
+	slots     []slot
+	slotOf    []int32 // bucket -> slot, -1 when unmapped
+	free      []int32
+}
+
+var _ device.Device = (*Mirror)(nil)
+
+// Assemble decides, from their labels, which of a and b (either may be
+// nil: missing) are current members, and returns a mirror that is not yet
+// usable for the bucket region (Init). A missing member, or one that the
+// other's newer label marks failed, makes the mirror degraded; a member
+// whose label is missing, of another set or of the wrong role is refused.
+// allowMissing accepts a missing member whose partner's label says both
+// were in sync (the operator says the missing one is gone for good and
+// the present one was not run alone since): the present one is then
+// labelled sole survivor.
+func Assemble(a, b device.Device, allowMissing bool, log *slog.Logger) (*Mirror, error) {
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	m := &Mirror{dev: [2]device.Device{a, b}, log: log}
+	var labels [2]Label
+	var have [2]bool
+	for r, dev := range m.dev {
+		if dev == nil {
+			continue
+		}
+		l, ok, err := ReadLabel(dev)
+		if err != nil {
+			return nil, fmt.Errorf("mirror: member %v: %w", Member(r), err)
+		}
+		if !ok {
+			return nil, fmt.Errorf("mirror: member %v holds no mirror label (not a member of a mirrored cache set)", Member(r))
+		}
+		if l.Role != Member(r) {
+			return nil, fmt.Errorf("mirror: the device given as member %v is member %v of its set (swap --cache and --cache-mirror)", Member(r), l.Role)
+		}
+		labels[r], have[r] = l, true
+		m.counter[r] = l.Counter
+	}
+	switch {
+	case have[A] && have[B]:
+		la, lb := labels[A], labels[B]
+		if la.Nonce != lb.Nonce || la.IDs != lb.IDs {
+			return nil, fmt.Errorf("mirror: members A and B belong to different mirrored sets")
+		}
+		cur := la
+		if lb.Gen > la.Gen {
+			cur = lb
+		}
+		m.label = cur
+		for r := range 2 {
+			if cur.Failed[r] || labels[r].Gen < cur.Gen {
+				m.failed[r].Store(true)
+				m.label.Failed[r] = true
+			}
+		}
+		if m.failed[A].Load() && m.failed[B].Load() {
+			return nil, fmt.Errorf("mirror: both members are marked failed")
+		}
+	default:
+		r := A
+		if !have[A] {
+			r = B
+		}
+		if !have[r] {
+			return nil, fmt.Errorf("mirror: no member given")
+		}
+		l := labels[r]
+		if l.Failed[r] {
+			return nil, fmt.Errorf("mirror: the only member given (%v) is marked failed; the current data is on member %v", r, r.other())
+		}
+		m.label = l
+		m.failed[r.other()].Store(true)
+		if !l.Failed[r.other()] {
+			if !allowMissing {
+				return nil, fmt.Errorf("mirror: member %v is missing and member %v's label says both were in sync: if %v is gone for good and %v has not been used alone since, open it degraded (allow missing member)", r.other(), r, r.other(), r)
+			}
+			m.label.Failed[r.other()] = true
+			m.label.Gen++
+			if err := m.writeLabelLocked(r); err != nil {
+				return nil, err
+			}
+			log.Warn("mirrored cache set opened without a member: degraded", "missing", r.other().String(), "survivor", r.String())
+		}
+	}
+	return m, nil
+}
+
+// Init sets the layout (from the superblock read through Primary) and
+// loads B's slot headers: a slot whose header names bucket k at
+// generation gens[k] is k's mapping. It returns the buckets that were
+// mapped.
+func (m *Mirror) Init(lay Layout, gens []uint32) error {
+	if lay.Nonce != m.label.Nonce {
+		return fmt.Errorf("mirror: the superblock's set (nonce %#x) is not the mirror label's (%#x)", lay.Nonce, m.label.Nonce)
+	}
+	m.lay = lay
+	var n int64
+	if m.live(B) {
+		n = Slots(lay, m.dev[B].Size())
+	}
+	m.slots = make([]slot, n)
+	m.slotOf = make([]int32, lay.NBuckets)
+	for i := range m.slotOf {
+		m.slotOf[i] = -1
+	}
+	buf := make([]byte, blockSize)
+	for i := int64(n) - 1; i >= 0; i-- {
+		sl := &m.slots[i]
+		sl.bucket = -1
+		if gens == nil {
+			m.free = append(m.free, int32(i))
+			continue
+		}
+		if _, err := m.dev[B].ReadAt(buf, m.slotOff(int32(i))); err != nil {
+			if ferr := m.fail(B, fmt.Errorf("reading slot header %d: %w", i, err)); ferr != nil {
+				return ferr
+			}
+			break
+		}
+		h, ok := decodeSlot(buf)
+		if ok && h.nonce == lay.Nonce && h.bucket < uint64(lay.NBuckets) && h.gen == gens[h.bucket] && int64(h.from) < lay.BucketSize/blockSize {
+			if j := m.slotOf[h.bucket]; j < 0 || m.slots[j].from > h.from {
+				if j >= 0 {
+					m.slots[j].bucket = -1
+					m.free = append(m.free, j)
+				}
+				sl.bucket, sl.gen, sl.from = int64(h.bucket), h.gen, h.from
+				sl.hdr = closedChan
+				m.slotOf[h.bucket] = int32(i)
+				continue
+			}
+		}
+		m.free = append(m.free, int32(i))
+	}
+	if !m.live(B) {
+		m.free = nil
+	}
+	return nil
+}
+
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+type slotHdr struct {
+	nonce, bucket uint64
+	gen, from     uint32
+}
+
+const slotMagic = "TCMIRSLT"
+
+func (h slotHdr) encode() []byte {
+	b := make([]byte, blockSize)
+	copy(b, slotMagic)
+	binary.LittleEndian.PutUint64(b[16:], h.nonce)
+	binary.LittleEndian.PutUint64(b[24:], h.bucket)
+	binary.LittleEndian.PutUint32(b[32:], h.gen)
+	binary.LittleEndian.PutUint32(b[36:], h.from)
+	binary.LittleEndian.PutUint32(b[8:], ondisk.CRC32C(b[16:40]))
+	return b
+}
+
+func decodeSlot(b []byte) (h slotHdr, ok bool) {
+	if string(b[:8]) != slotMagic || ondisk.CRC32C(b[16:40]) != binary.LittleEndian.Uint32(b[8:]) {
+		return h, false
+	}
+	return slotHdr{binary.LittleEndian.Uint64(b[16:]), binary.LittleEndian.Uint64(b[24:]),
+		binary.LittleEndian.Uint32(b[32:]), binary.LittleEndian.Uint32(b[36:])}, true
+}
+
+func (m *Mirror) slotOff(i int32) int64 { return m.lay.BucketsOff + int64(i)*m.lay.slotLen() }
+
+func (m *Mirror) live(r Member) bool { return m.dev[r] != nil && !m.failed[r].Load() }
+
+// Redundant reports whether both members are live.
+func (m *Mirror) Redundant() bool { return m.live(A) && m.live(B) }
+
+// Primary returns the member reads go to: A unless A failed.
+func (m *Mirror) Primary() Member {
+	if m.live(A) {
+		return A
+	}
+	return B
+}
+
+// Device returns member r's device (nil when missing).
+func (m *Mirror) Device(r Member) device.Device { return m.dev[r] }
+
+// Failed reports whether member r failed (or is missing or stale).
+func (m *Mirror) Failed(r Member) bool { return !m.live(r) }
+
+// Map gives bucket (at generation gen) a slot on B, mirroring its blocks
+// from block `from` on. It reports false when B has no free slot (or is
+// not live). Mapping a mapped bucket is a no-op that reports true.
+func (m *Mirror) Map(bucket int64, gen uint32, from uint32) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if !m.live(B) {
+		return false
+	}
+	if j := m.slotOf[bucket]; j >= 0 {
+		if m.slots[j].gen == gen {
+			return true
+		}
+		m.releaseLocked(bucket)
+	}
+	if len(m.free) == 0 {
+		return false
+	}
+	i := m.free[len(m.free)-1]
+	m.free = m.free[:len(m.free)-1]
+	m.slots[i] = slot{bucket: bucket, gen: gen, from: from}
+	m.slotOf[bucket] = i
+	return true
+}
+
+// Mapped reports whether bucket has a slot on B.
+func (m *Mirror) Mapped(bucket int64) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.slotOf[bucket] >= 0
+}
+
+// MappedBuckets calls f for each mapped bucket (under the mirror's lock:
+// f must not call the mirror).
+func (m *Mirror) MappedBuckets(f func(bucket int64)) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for _, sl := range m.slots {
+		if sl.bucket >= 0 {
+			f(sl.bucket)
+		}
+	}
+}
+
+// Release frees bucket's slot. The caller guarantees that B's copy of it
+// is no longer needed (nothing dirty in it, durably) and that no write
+// into the bucket is in flight.
+func (m *Mirror) Release(bucket int64) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.releaseLocked(bucket)
+}
+
+func (m *Mirror) releaseLocked(bucket int64) {
+	j := m.slotOf[bucket]
+	if j < 0 {
+		return
+	}
+	m.slotOf[bucket] = -1
+	m.slots[j] = slot{bucket: -1}
+	m.free = append(m.free, j)
+}
+
+// Stats returns the mirror's counters.
+func (m *Mirror) Stats() Stats {
+	m.mu.Lock()
+	st := Stats{Slots: int64(len(m.slots)), SlotsUsed: int64(len(m.slots) - len(m.free))}
+	m.mu.Unlock()
+	m.lmu.Lock()
+	st.Gen = m.label.Gen
+	m.lmu.Unlock()
+	st.Failed = [2]bool{!m.live(A), !m.live(B)}
+	st.ReadRetries, st.Repairs = m.retries.Load(), m.repairs.Load()
+	return st
+}
+
+// fail marks member r failed: a new label saying so is written and synced
+// on the survivor before fail returns. It returns an error when no member
+// is left (the survivor failed too, or failing the label write).
+func (m *Mirror) fail(r Member, cause error) error {
+	m.lmu.Lock()
+	defer m.lmu.Unlock()
+	if m.failed[r].Load() {
+		return m.survivorErr(r)
+	}
+	o := r.other()
+	if !m.live(o) {
+		return fmt.Errorf("%w: %v: %v", ErrBothFailed, r, cause)
+	}
+	wait := make(chan struct{})
+	m.mu.Lock()
+	m.failed[r].Store(true)
+	m.labelWait = wait
+	m.mu.Unlock()
+	m.log.Error("MIRROR MEMBER FAILED: the cache set runs degraded on the survivor", "failed", r.String(), "survivor", o.String(), "cause", cause)
+	m.label.Failed[r] = true
+	m.label.Gen++
+	err := m.writeLabelLocked(o)
+	if err != nil {
+		m.failed[o].Store(true)
+	}
+	m.mu.Lock()
+	m.labelWait = nil
+	m.mu.Unlock()
+	close(wait)
+	if err != nil {
+		return fmt.Errorf("%w: %v failed (%v), then writing the label to %v: %v", ErrBothFailed, r, cause, o, err)
+	}
+	if r == B {
+		m.mu.Lock()
+		m.free = nil // no slot is handed out on a failed B
+		m.mu.Unlock()
+	}
+	return nil
+}
+
+// survivorErr is nil while the other member of r is live.
+func (m *Mirror) survivorErr(r Member) error {
+	if m.live(r.other()) {
+		return nil
+	}
+	return ErrBothFailed
+}
+
+// writeLabelLocked writes m.label to member r. REQUIRES: lmu (or no
+// concurrency: Assemble).
+func (m *Mirror) writeLabelLocked(r Member) error {
+	if err := writeLabel(m.dev[r], m.label, r, m.counter[r]); err != nil {
+		return fmt.Errorf("mirror: writing the label of member %v: %w", r, err)
+	}
+	m.counter[r]++
+	return nil
+}
+
+// extent is the part of a request that lies in one place on each member.
+type extent struct {
+	off  int64 // on A (the mirror's address space)
+	p    []byte
+	bOff int64 // on B; -1 when B holds no copy
+	sl   int32 // slot, -1 for the metadata region
+}
+
+// split cuts [off, off+len(p)) at bucket boundaries and places each piece
+// on B.
+func (m *Mirror) split(p []byte, off int64) []extent {
+	if off+int64(len(p)) <= m.lay.BucketsOff || m.lay.BucketSize == 0 {
+		return []extent{{off: off, p: p, bOff: off, sl: -1}}
+	}
+	var out []extent
+	if off < m.lay.BucketsOff {
+		k := m.lay.BucketsOff - off
+		out = append(out, extent{off: off, p: p[:k], bOff: off, sl: -1})
+		p, off = p[k:], m.lay.BucketsOff
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	for len(p) > 0 {
+		rel := off - m.lay.BucketsOff
+		bucket := rel / m.lay.BucketSize
+		in := rel % m.lay.BucketSize
+		k := min(int64(len(p)), m.lay.BucketSize-in)
+		e := extent{off: off, p: p[:k], bOff: -1, sl: -1}
+		if bucket < m.lay.NBuckets {
+			if j := m.slotOf[bucket]; j >= 0 {
+				from := int64(m.slots[j].from) * blockSize
+				switch {
+				case in >= from:
+					e.bOff, e.sl = m.slotOff(j)+blockSize+in, j
+				case in+k > from:
+					// A request straddling the slot's first block:
+					// the part before it has no copy on B.
+					e.p = p[:from-in]
+					k = from - in
+				}
+			}
+		}
+		out = append(out, e)
+		p, off = p[k:], off+k
+	}
+	return out
+}
+
+// slotHeader makes sure slot j's header is written (by this call or one
+// before it) before data written into the slot can be made durable.
+func (m *Mirror) slotHeader(j int32) error {
+	m.mu.Lock()
+	sl := &m.slots[j]
+	if sl.hdr != nil {
+		ch := sl.hdr
+		m.mu.Unlock()
+		<-ch
+		m.mu.Lock()
+		err := m.slots[j].hdrErr
+		m.mu.Unlock()
+		return err
+	}
+	ch := make(chan struct{})
+	sl.hdr = ch
+	h := slotHdr{nonce: m.lay.Nonce, bucket: uint64(sl.bucket), gen: sl.gen, from: sl.from}
+	m.mu.Unlock()
+	_, err := m.dev[B].WriteAt(h.encode(), m.slotOff(j))
+	m.mu.Lock()
+	m.slots[j].hdrErr = err
+	m.mu.Unlock()
+	close(ch)
+	return err
+}
+
+// ReadAt reads from the primary member; an error there is served from the
+// other member's copy (and that copy written over the failed one).
+func (m *Mirror) ReadAt(p []byte, off int64) (int, error) {
+	if err := device.CheckRange(off, int64(len(p)), m.Size()); err != nil {
+		return 0, device.RangeError("read", off, int64(len(p)), m.Size())
+	}
+	for _, e := range m.split(p, off) {
+		if err := m.readExtent(e); err != nil {
+			return 0, err
+		}
+	}
+	return len(p), nil
+}
+
+func (m *Mirror) readExtent(e extent) error {
+	r := m.Primary()
+	if r == B && e.bOff < 0 {
+		return ErrNoCopy
+	}
+	_, err := m.dev[r].ReadAt(e.p, m.memberOff(r, e))
+	if err == nil {
+		return nil
+	}
+	o := r.other()
+	if !m.live(o) || (o == B && e.bOff < 0) {
+		return err
+	}
+	if _, oerr := m.dev[o].ReadAt(e.p, m.memberOff(o, e)); oerr != nil {
+		return err
+	}
+	m.retries.Add(1)
+	m.log.Warn("mirror: read failed on one member, served by the other", "failed_on", r.String(), "offset", e.off, "len", len(e.p), "err", err)
+	if _, werr := m.dev[r].WriteAt(e.p, m.memberOff(r, e)); werr != nil {
+		if ferr := m.fail(r, werr); ferr != nil {
+			return ferr
+		}
+		return nil
+	}
+	m.repairs.Add(1)
+	return nil
+}
+
+func (m *Mirror) memberOff(r Member, e extent) int64 {
+	if r == A {
+		return e.off
+	}
+	return e.bOff
+}
+
+// RepairFrom re-reads [off, off+len(p)) from the member that is not the
+// primary; if good(p) accepts what it read, the copy is written over the
+// primary's and RepairFrom reports true (p holds the good data). For a
+// block that failed its checksum on the primary.
+func (m *Mirror) RepairFrom(p []byte, off int64, good func([]byte) bool) bool {
+	r := m.Primary()
+	o := r.other()
+	if !m.live(o) {
+		return false
+	}
+	exts := m.split(p, off)
+	for _, e := range exts {
+		if o == B && e.bOff < 0 {
+			return false
+		}
+		if _, err := m.dev[o].ReadAt(e.p, m.memberOff(o, e)); err != nil {
+			return false
+		}
+	}
+	if !good(p) {
+		return false
+	}
+	for _, e := range exts {
+		if _, err := m.dev[r].WriteAt(e.p, m.memberOff(r, e)); err != nil {
+			_ = m.fail(r, err)
+			return true // p is good; the primary is failed now
+		}
+	}
+	m.repairs.Add(1)
+	m.log.Warn("mirror: block that failed its checksum repaired from the other member", "repaired", r.String(), "offset", off, "len", len(p))
+	return true
+}
+
+// ReadMember reads [off, off+len(p)) of member r's copy; ErrNoCopy when r
+// holds none of it.
+func (m *Mirror) ReadMember(r Member, p []byte, off int64) error {
+	if !m.live(r) {
+		return ErrNoCopy
+	}
+	for _, e := range m.split(p, off) {
+		if r == B && e.bOff < 0 {
+			return ErrNoCopy
+		}
+		if _, err := m.dev[r].ReadAt(e.p, m.memberOff(r, e)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// WriteMember writes p over member r's copy at off (a repair: the caller
+// syncs).
+func (m *Mirror) WriteMember(r Member, p []byte, off int64) error {
+	if !m.live(r) {
+		return ErrNoCopy
+	}
+	for _, e := range m.split(p, off) {
+		if r == B && e.bOff < 0 {
+			return ErrNoCopy
+		}
+		if r == B && e.sl >= 0 {
+			if err := m.slotHeader(e.sl); err != nil {
+				if ferr := m.fail(B, err); ferr != nil {
+					return ferr
+				}
+				return err
+			}
+		}
+		if _, err := m.dev[r].WriteAt(e.p, m.memberOff(r, e)); err != nil {
+			if ferr := m.fail(r, err); ferr != nil {
+				return ferr
+			}
+			return err
+		}
+	}
+	m.repairs.Add(1)
+	return nil
+}
+
+// WriteAt writes to both members (B only where it holds a copy) and
+// returns when both completed. An error on one member fails it and the
+// write succeeds on the other.
+func (m *Mirror) WriteAt(p []byte, off int64) (int, error) {
+	if err := device.CheckRange(off, int64(len(p)), m.Size()); err != nil {
+		return 0, device.RangeError("write", off, int64(len(p)), m.Size())
+	}
+	for _, e := range m.split(p, off) {
+		if err := m.writeExtent(e); err != nil {
+			return 0, err
+		}
+	}
+	return len(p), nil
+}
+
+func (m *Mirror) writeExtent(e extent) error {
+	toA, toB := m.live(A), m.live(B) && e.bOff >= 0
+	if !toA && !toB {
+		if m.live(B) {
+			return ErrNoCopy
+		}
+		return ErrBothFailed
+	}
+	var errB error
+	var wg sync.WaitGroup
+	if toB {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if e.sl >= 0 {
+				if errB = m.slotHeader(e.sl); errB != nil {
+					return
+				}
+			}
+			_, errB = m.dev[B].WriteAt(e.p, e.bOff)
+		}()
+	}
+	var errA error
+	if toA {
+		_, errA = m.dev[A].WriteAt(e.p, e.off)
+	}
+	wg.Wait()
+	return m.settle(toA, errA, toB, errB)
+}
+
+// settle fails the members whose part of an operation failed and returns
+// the operation's error: nil when a member that took part succeeded (the
+// failed one is failed, the survivor's label says so), the error when
+// none did. A member whose error left the other without the data (a write
+// to a bucket B has no slot for) is failed too when the other is live,
+// and the error returned.
+func (m *Mirror) settle(didA bool, errA error, didB bool, errB error) error {
+	okA, okB := didA && errA == nil, didB && errB == nil
+	if !okA && !okB {
+		if didA && !didB && m.live(B) {
+			if err := m.fail(A, errA); err != nil {
+				return err
+			}
+		}
+		if didA {
+			return errA
+		}
+		return errB
+	}
+	if didA && errA != nil {
+		if err := m.fail(A, errA); err != nil {
+			return err
+		}
+	}
+	if didB && errB != nil {
+		if err := m.fail(B, errB); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// Sync syncs both members. It returns once every write completed before
+// it is durable on every live member and any member failure it or an
+// earlier call saw is durable in the survivor's label.
+func (m *Mirror) Sync() error {
+	doA, doB := m.live(A), m.live(B)
+	var errB error
+	var wg sync.WaitGroup
+	if doB {
+		wg.Add(1)
+		go func() { defer wg.Done(); errB = m.dev[B].Sync() }()
+	}
+	var errA error
+	if doA {
+		errA = m.dev[A].Sync()
+	}
+	wg.Wait()
+	if !doA && !doB {
+		return ErrBothFailed
+	}
+	if err := m.settle(doA, errA, doB, errB); err != nil {
+		return err
+	}
+	m.mu.Lock()
+	wait := m.labelWait
+	m.mu.Unlock()
+	if wait != nil {
+		<-wait
+	}
+	if !m.live(A) && !m.live(B) {
+		return ErrBothFailed
+	}
+	return nil
+}
+
+// Size is A's size: the mirror presents A's address space. With A
+// missing it is B's size until Init and the end of the set's layout after.
+func (m *Mirror) Size() int64 {
+	if m.dev[A] != nil {
+		return m.dev[A].Size()
+	}
+	if m.lay.BucketSize == 0 {
+		return m.dev[B].Size()
+	}
+	return m.lay.BucketsOff + m.lay.NBuckets*m.lay.BucketSize
+}
+
+// Close closes nothing: the members belong to the caller.
+func (m *Mirror) Close() error { return nil }

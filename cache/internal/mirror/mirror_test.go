@@ -1,0 +1,319 @@
+package mirror
+
+import (
+	"bytes"
+	"errors"
+	"sync/atomic"
+	"testing"
+
+	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/device/faultdev"
+)
+
+// testLayout: 256 KiB of metadata, 16 buckets of 64 KiB.
+var testLayout = Layout{Nonce: 0x5eed, BucketsOff: 256 << 10, BucketSize: 64 << 10, NBuckets: 16}
+
+// switchable is a faultdev device whose every operation fails once dead
+// is set.
+type switchable struct {
+	*faultdev.Device
+	dead atomic.Bool
+}
+
+func newSwitchable(size int64) *switchable {
+	s := &switchable{}
+	s.Device = faultdev.Wrap(device.NewMem(size), faultdev.InjectorFunc(func(faultdev.Op) faultdev.Fault {
+		if s.dead.Load() {
+			return faultdev.Error(nil)
+		}
+		return faultdev.Fault{}
+	}))
+	return s
+}
+
+// newPair formats a pair: A the size of the layout, B with nslots slots.
+func newPair(t *testing.T, nslots int64) (*switchable, *switchable, *Mirror) {
+	t.Helper()
+	a := newSwitchable(testLayout.BucketsOff + testLayout.NBuckets*testLayout.BucketSize)
+	b := newSwitchable(testLayout.BucketsOff + nslots*testLayout.slotLen())
+	l, err := NewLabel(testLayout.Nonce)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := WriteNew(a, b, l); err != nil {
+		t.Fatal(err)
+	}
+	m := assemble(t, a, b, nil)
+	return a, b, m
+}
+
+func assemble(t *testing.T, a, b device.Device, gens []uint32) *Mirror {
+	t.Helper()
+	var da, db device.Device
+	if a != nil {
+		da = a
+	}
+	if b != nil {
+		db = b
+	}
+	m, err := Assemble(da, db, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Init(testLayout, gens); err != nil {
+		t.Fatal(err)
+	}
+	return m
+}
+
+func fill(n int, c byte) []byte { return bytes.Repeat([]byte{c}, n) }
+
+func bucketOff(b int64) int64 { return testLayout.BucketsOff + b*testLayout.BucketSize }
+
+func readDev(t *testing.T, d device.Device, off int64, n int) []byte {
+	t.Helper()
+	p := make([]byte, n)
+	if _, err := d.ReadAt(p, off); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// TestPlacement: metadata on both at the same offset, a mapped bucket in
+// its slot on B (from the block it was mapped at), an unmapped one on A
+// only; the mapping is found again from the slot headers at its
+// generation only.
+func TestPlacement(t *testing.T) {
+	a, b, m := newPair(t, 4)
+	meta := fill(8192, 'm')
+	if _, err := m.WriteAt(meta, 128<<10); err != nil {
+		t.Fatal(err)
+	}
+	if !m.Map(3, 7, 2) {
+		t.Fatal("Map failed with free slots")
+	}
+	d := fill(4*blockSize, 'd') // blocks 0..3 of bucket 3: 0,1 before the mapping
+	if _, err := m.WriteAt(d, bucketOff(3)); err != nil {
+		t.Fatal(err)
+	}
+	c := fill(blockSize, 'c')
+	if _, err := m.WriteAt(c, bucketOff(5)); err != nil {
+		t.Fatal(err)
+	}
+	if err := m.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	for _, dev := range []device.Device{a, b} {
+		if !bytes.Equal(readDev(t, dev, 128<<10, 8192), meta) {
+			t.Fatal("metadata not on both members")
+		}
+	}
+	slot := m.slotOf[3]
+	got := readDev(t, b, m.slotOff(slot)+blockSize+2*blockSize, 2*blockSize)
+	if !bytes.Equal(got, d[:2*blockSize]) {
+		t.Fatal("mapped bucket's blocks not in its slot on B")
+	}
+	if got := readDev(t, b, m.slotOff(slot)+blockSize, blockSize); bytes.Equal(got, d[:blockSize]) {
+		t.Fatal("block before the mapping copied to B")
+	}
+	if st := m.Stats(); st.SlotsUsed != 1 || st.Slots != 4 {
+		t.Fatalf("stats %+v", st)
+	}
+
+	gens := make([]uint32, testLayout.NBuckets)
+	gens[3] = 7
+	m2 := assemble(t, a, b, gens)
+	if !m2.Mapped(3) || m2.Mapped(5) {
+		t.Fatal("mapping not recovered from the slot headers")
+	}
+	gens[3] = 8
+	if m3 := assemble(t, a, b, gens); m3.Mapped(3) {
+		t.Fatal("slot of an older generation taken as a mapping")
+	}
+}
+
+// TestSlotsRunOut: B with 4 slots maps 4 buckets; a release frees one.
+func TestSlotsRunOut(t *testing.T) {
+	_, _, m := newPair(t, 4)
+	for i := range int64(4) {
+		if !m.Map(i, 1, 0) {
+			t.Fatalf("Map %d failed", i)
+		}
+	}
+	if m.Map(4, 1, 0) {
+		t.Fatal("Map succeeded with no free slot")
+	}
+	m.Release(1)
+	if !m.Map(4, 1, 0) {
+		t.Fatal("Map failed after a release")
+	}
+}
+
+// TestFailB: a write error on B fails B; the write succeeds on A, A's
+// label says B failed, and a reassembly does not use B.
+func TestFailB(t *testing.T) {
+	a, b, m := newPair(t, 4)
+	m.Map(0, 1, 0)
+	b.dead.Store(true)
+	if _, err := m.WriteAt(fill(blockSize, 'x'), bucketOff(0)); err != nil {
+		t.Fatalf("write with B dead: %v", err)
+	}
+	if err := m.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	if m.Redundant() || !m.Failed(B) {
+		t.Fatal("B not failed")
+	}
+	if m.Map(1, 1, 0) {
+		t.Fatal("slot handed out on a failed B")
+	}
+	b.dead.Store(false)
+	l, _, _ := ReadLabel(a)
+	if !l.Failed[B] || l.Gen != 2 {
+		t.Fatalf("A's label %+v", l)
+	}
+	m2 := assemble(t, a, b, nil)
+	if !m2.Failed(B) || m2.Failed(A) {
+		t.Fatal("reassembly uses the stale B")
+	}
+	// B alone cannot know it is stale: its label says both in sync, so
+	// it is refused unless the operator allows a missing member.
+	if _, err := Assemble(nil, b, false, nil); err == nil {
+		t.Fatal("a stale B alone assembled")
+	}
+	if _, err := Assemble(a, nil, false, nil); err != nil {
+		t.Fatalf("A alone (B marked failed): %v", err)
+	}
+}
+
+// TestFailA: with A dead, mapped buckets and metadata are served by B,
+// unmapped buckets are ErrNoCopy, and B's label says A failed.
+func TestFailA(t *testing.T) {
+	a, b, m := newPair(t, 4)
+	m.Map(2, 1, 0)
+	d := fill(blockSize, 'd')
+	meta := fill(blockSize, 'm')
+	for _, w := range []struct {
+		p   []byte
+		off int64
+	}{{d, bucketOff(2)}, {meta, 200 << 10}, {d, bucketOff(6)}} {
+		if _, err := m.WriteAt(w.p, w.off); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := m.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	a.dead.Store(true)
+	if _, err := m.WriteAt(d, bucketOff(2)+blockSize); err != nil {
+		t.Fatalf("write to a mapped bucket with A dead: %v", err)
+	}
+	if m.Primary() != B {
+		t.Fatal("A not failed")
+	}
+	p := make([]byte, blockSize)
+	if _, err := m.ReadAt(p, bucketOff(2)); err != nil || !bytes.Equal(p, d) {
+		t.Fatalf("mapped block from B: %v", err)
+	}
+	if _, err := m.ReadAt(p, 200<<10); err != nil || !bytes.Equal(p, meta) {
+		t.Fatalf("metadata from B: %v", err)
+	}
+	if _, err := m.ReadAt(p, bucketOff(6)); !errors.Is(err, ErrNoCopy) {
+		t.Fatalf("unmapped block with A dead: %v, want ErrNoCopy", err)
+	}
+	if _, err := m.WriteAt(d, bucketOff(7)); !errors.Is(err, ErrNoCopy) {
+		t.Fatalf("write to an unmapped bucket with A dead: %v, want ErrNoCopy", err)
+	}
+	l, _, _ := ReadLabel(b)
+	if !l.Failed[A] {
+		t.Fatalf("B's label %+v", l)
+	}
+	b.dead.Store(true)
+	if _, err := m.WriteAt(d, bucketOff(2)); err == nil {
+		t.Fatal("write succeeded with both members dead")
+	}
+}
+
+// TestReadRetryAndRepair: a read error on A is served by B and A's copy
+// rewritten; RepairFrom replaces a copy that fails its check.
+func TestReadRetryAndRepair(t *testing.T) {
+	a := device.NewMem(testLayout.BucketsOff + testLayout.NBuckets*testLayout.BucketSize)
+	b := device.NewMem(testLayout.BucketsOff + 4*testLayout.slotLen())
+	var failReads atomic.Bool
+	fa := faultdev.Wrap(a, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+		if op.Kind == faultdev.Read && failReads.Load() {
+			return faultdev.Error(nil)
+		}
+		return faultdev.Fault{}
+	}))
+	l, _ := NewLabel(testLayout.Nonce)
+	if err := WriteNew(fa, b, l); err != nil {
+		t.Fatal(err)
+	}
+	m := assemble(t, fa, b, nil)
+	m.Map(1, 1, 0)
+	d := fill(2*blockSize, 'd')
+	if _, err := m.WriteAt(d, bucketOff(1)); err != nil {
+		t.Fatal(err)
+	}
+	failReads.Store(true)
+	p := make([]byte, 2*blockSize)
+	if _, err := m.ReadAt(p, bucketOff(1)); err != nil || !bytes.Equal(p, d) {
+		t.Fatalf("read with A failing reads: %v", err)
+	}
+	failReads.Store(false)
+	if st := m.Stats(); st.ReadRetries != 1 || st.Repairs != 1 || st.Failed[A] {
+		t.Fatalf("stats %+v", st)
+	}
+	if err := a.Corrupt(bucketOff(1), 16); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := m.ReadAt(p, bucketOff(1)); err != nil || bytes.Equal(p, d) {
+		t.Fatalf("corrupt block read back intact (%v): the test corrupts nothing", err)
+	}
+	if !m.RepairFrom(p, bucketOff(1), func(q []byte) bool { return bytes.Equal(q, d) }) {
+		t.Fatal("RepairFrom failed")
+	}
+	if !bytes.Equal(readDev(t, a, bucketOff(1), 2*blockSize), d) {
+		t.Fatal("A's copy not repaired")
+	}
+	if m.RepairFrom(p, bucketOff(9), func([]byte) bool { return true }) {
+		t.Fatal("RepairFrom of an unmapped bucket")
+	}
+}
+
+// TestAssembleRefusals: a missing member is accepted only when the
+// survivor's label says it failed, or when allowed; swapped roles and
+// members of different sets are refused.
+func TestAssembleRefusals(t *testing.T) {
+	a, b, _ := newPair(t, 4)
+	if _, err := Assemble(a, nil, false, nil); err == nil {
+		t.Fatal("A alone assembled while its label says B is in sync")
+	}
+	if _, err := Assemble(b, a, false, nil); err == nil {
+		t.Fatal("swapped members assembled")
+	}
+	a2, _, _ := newPair(t, 4)
+	if _, err := Assemble(a2, b, false, nil); err == nil {
+		t.Fatal("members of two sets assembled")
+	}
+	m, err := Assemble(nil, b, true, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !m.Failed(A) {
+		t.Fatal("missing A not failed")
+	}
+	// B's label now says A failed: B alone needs no permission, and A
+	// (stale) is not used beside it.
+	if _, err := Assemble(nil, b, false, nil); err != nil {
+		t.Fatal(err)
+	}
+	m2, err := Assemble(a, b, false, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !m2.Failed(A) || m2.Primary() != B {
+		t.Fatal("stale A used")
+	}
+}
