@@ -32,6 +32,7 @@ func TestMetricsTableComplete(t *testing.T) {
 	}{
 		{reflect.TypeFor[cache.VolumeStats](), volumeMetrics, "volumeMetrics"},
 		{reflect.TypeFor[cache.SetStats](), setMetrics, "setMetrics"},
+		{reflect.TypeFor[ObjectStore](), objectStoreMetrics, "objectStoreMetrics"},
 	} {
 		names := map[string]bool{}
 		for i := 0; i < tc.typ.NumField(); i++ {

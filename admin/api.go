@@ -92,6 +92,51 @@ type ExportInfo struct {
 	// Remote is the link to a remote (NBD URI) backing device; nil for
 	// local devices.
 	Remote *RemoteLink `json:"remote,omitempty"`
+	// ObjectStore is the image of an object-store (s3://) backing
+	// device; nil for other devices.
+	ObjectStore *ObjectStore `json:"object_store,omitempty"`
+}
+
+// ObjectStore describes an object-store image backing a volume and counts
+// the device's traffic to the store since the server opened it.
+type ObjectStore struct {
+	Image      string `json:"image"` // s3://BUCKET/PREFIX
+	Generation uint64 `json:"generation"`
+	// Epoch is the newest epoch stored, of generation EpochGeneration, at
+	// EpochTime (nil when unknown: nothing stored since the image was
+	// opened and recovered from a checkpoint alone). Recovery from the
+	// bucket alone gives at least this epoch's image.
+	Epoch           uint64     `json:"epoch"`
+	EpochGeneration uint64     `json:"epoch_generation"`
+	EpochTime       *time.Time `json:"epoch_time,omitempty"`
+	// Fenced says why the device stopped writing (another host took a
+	// newer generation of the image); "" while it writes.
+	Fenced string `json:"fenced,omitempty"`
+	// Space: segments the map knows, their bytes, the bytes of the blocks
+	// the map refers to, and stored / live.
+	Segments           int64   `json:"segments"`
+	StoredBytes        int64   `json:"stored_bytes"`
+	LiveBytes          int64   `json:"live_bytes"`
+	SpaceAmplification float64 `json:"space_amplification"`
+	// Writeback: segment objects and bytes PUT (checkpoints included),
+	// the data bytes they carried, and bytes PUT per data byte.
+	SegmentsPut      int64   `json:"segments_put"`
+	BytesPut         int64   `json:"bytes_put"`
+	WrittenBytes     int64   `json:"written_bytes"`
+	PutAmplification float64 `json:"put_amplification"`
+	Checkpoints      int64   `json:"checkpoints"`
+	// Reads: ranged GETs of segment data and their bytes.
+	Gets     int64 `json:"gets"`
+	BytesGot int64 `json:"bytes_got"`
+	// Garbage collection: rounds, live bytes rewritten, bytes PUT for
+	// them, segments deleted and their bytes; GCWriteAmplification is
+	// (BytesPut + GCBytesPut) / BytesPut.
+	GCRuns               int64   `json:"gc_runs"`
+	GCRewrittenBytes     int64   `json:"gc_rewritten_bytes"`
+	GCBytesPut           int64   `json:"gc_bytes_put"`
+	GCDeletedSegments    int64   `json:"gc_deleted_segments"`
+	GCDeletedBytes       int64   `json:"gc_deleted_bytes"`
+	GCWriteAmplification float64 `json:"gc_write_amplification"`
 }
 
 // RemoteLink is the state of the connection to a remote backing device.
@@ -198,6 +243,9 @@ type ExportUsage struct {
 	UnreachableDirty int64 `json:"unreachable_dirty_bytes,omitempty"`
 	LostWrites       int64 `json:"lost_write_bytes,omitempty"`
 	Consistency
+	// ObjectStore: the image of an object-store backing device (its
+	// stored and live bytes, space and GC write amplification).
+	ObjectStore *ObjectStore `json:"object_store,omitempty"`
 }
 
 // Stats is the reply of GET /v1/stats.
@@ -223,6 +271,8 @@ type ExportStats struct {
 	// Remote is the link to a remote (NBD URI) backing device; nil for
 	// local devices.
 	Remote *RemoteLink `json:"remote,omitempty"`
+	// ObjectStore: the image of an object-store backing device.
+	ObjectStore *ObjectStore `json:"object_store,omitempty"`
 	// HitRatio is ReadHitBytes / (ReadHitBytes + ReadMissBytes) since the
 	// start, 0 before the first read.
 	HitRatio float64 `json:"hit_ratio"`

@@ -102,6 +102,31 @@ var setMetrics = map[string]metricDef{
 	"UnreachableDirtyBlocks": {name: "tiercache_set_unreachable_dirty_bytes", help: "Dirty bytes left on a failed cache device, all exports.", kind: gauge, scale: blockBytes},
 }
 
+// objectStoreMetrics maps ObjectStore fields (label export), for exports
+// with an object-store backing device.
+var objectStoreMetrics = map[string]metricDef{
+	"Generation":           {name: "tiercache_objstore_generation", help: "Owner generation of the object-store image held by this server.", kind: gauge},
+	"Epoch":                {name: "tiercache_objstore_epoch", help: "Newest epoch stored in the object-store image (of the generation tiercache_objstore_epoch_generation).", kind: gauge},
+	"EpochGeneration":      {name: "tiercache_objstore_epoch_generation", help: "Owner generation of the newest epoch stored.", kind: gauge},
+	"Segments":             {name: "tiercache_objstore_segments", help: "Segment objects of the image the map knows.", kind: gauge},
+	"StoredBytes":          {name: "tiercache_objstore_stored_bytes", help: "Bytes of the image's segment objects.", kind: gauge},
+	"LiveBytes":            {name: "tiercache_objstore_live_bytes", help: "Bytes of the blocks the image's map refers to.", kind: gauge},
+	"SpaceAmplification":   {name: "tiercache_objstore_space_amplification", help: "Stored bytes / live bytes of the image.", kind: gauge},
+	"SegmentsPut":          {name: "tiercache_objstore_segments_put_total", help: "Segment objects PUT by writeback.", kind: counter},
+	"BytesPut":             {name: "tiercache_objstore_put_bytes_total", help: "Bytes PUT by writeback: segments and checkpoints.", kind: counter},
+	"WrittenBytes":         {name: "tiercache_objstore_written_bytes_total", help: "Data bytes the writeback segments carried.", kind: counter},
+	"PutAmplification":     {name: "tiercache_objstore_put_amplification", help: "Bytes PUT by writeback per data byte written.", kind: gauge},
+	"Checkpoints":          {name: "tiercache_objstore_checkpoints_total", help: "Map checkpoints stored.", kind: counter},
+	"Gets":                 {name: "tiercache_objstore_gets_total", help: "Ranged GETs of segment data.", kind: counter},
+	"BytesGot":             {name: "tiercache_objstore_get_bytes_total", help: "Bytes of segment data read.", kind: counter},
+	"GCRuns":               {name: "tiercache_objstore_gc_runs_total", help: "Garbage-collection rounds.", kind: counter},
+	"GCRewrittenBytes":     {name: "tiercache_objstore_gc_rewritten_bytes_total", help: "Live bytes garbage collection copied out of mostly dead segments.", kind: counter},
+	"GCBytesPut":           {name: "tiercache_objstore_gc_put_bytes_total", help: "Bytes PUT by garbage collection.", kind: counter},
+	"GCDeletedSegments":    {name: "tiercache_objstore_gc_deleted_segments_total", help: "Segment objects garbage collection deleted.", kind: counter},
+	"GCDeletedBytes":       {name: "tiercache_objstore_gc_deleted_bytes_total", help: "Bytes of the segment objects garbage collection deleted.", kind: counter},
+	"GCWriteAmplification": {name: "tiercache_objstore_gc_write_amplification", help: "(Bytes PUT by writeback + by garbage collection) / bytes PUT by writeback.", kind: gauge},
+}
+
 // Request latency buckets: 10 µs to ~10 s, x4.
 var latencyBuckets = prometheus.ExponentialBuckets(10e-6, 4, 11)
 
@@ -198,6 +223,16 @@ func (c statsCollector) Collect(ch chan<- prometheus.Metric) {
 			}
 		}
 	}
+	for _, e := range st.Exports {
+		if o := e.ObjectStore; o != nil {
+			emitStruct(ch, objectStoreMetrics, *o, e.Name)
+			fenced := 0.0
+			if o.Fenced != "" {
+				fenced = 1
+			}
+			ch <- prometheus.MustNewConstMetric(objFencedDesc, gauge, fenced, e.Name)
+		}
+	}
 }
 
 // Remote backing device link metrics (exports with an NBD URI backing).
@@ -210,6 +245,8 @@ var (
 	remoteTimeoutsDesc   = prometheus.NewDesc("tiercache_remote_request_timeouts_total", "Connections to the remote backing device closed as hung: a request got no reply within the request timeout.", []string{"export"}, nil)
 	remoteReplayedDesc   = prometheus.NewDesc("tiercache_remote_replayed_bytes_total", "Bytes of unflushed writes written again on new connections to the remote backing device after outages.", []string{"export"}, nil)
 )
+
+var objFencedDesc = prometheus.NewDesc("tiercache_objstore_fenced", "1 when another host took a newer generation of the export's object-store image: this server no longer writes to it.", []string{"export"}, nil)
 
 func emitRemote(ch chan<- prometheus.Metric, export string, r *RemoteLink) {
 	up := 0.0

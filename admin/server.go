@@ -41,13 +41,16 @@ type Config struct {
 	// RemoteLink returns the link state of an export's remote backing
 	// device, nil for a local one; nil: no export has one.
 	RemoteLink func(export string) *RemoteLink
-	Version    string
-	Set        *cache.Set // nil when only plain exports are served
-	CachePath  string
-	Exports    []Export
-	NBD        ExportControl
-	Metrics    *Metrics // nil: no /metrics and no latency
-	Logger     *slog.Logger
+	// ObjectStore returns the image of an export's object-store backing
+	// device, nil for another device; nil: no export has one.
+	ObjectStore func(export string) *ObjectStore
+	Version     string
+	Set         *cache.Set // nil when only plain exports are served
+	CachePath   string
+	Exports     []Export
+	NBD         ExportControl
+	Metrics     *Metrics // nil: no /metrics and no latency
+	Logger      *slog.Logger
 	// Release forgets the cache set's claim on a backing device during
 	// detach (before the superblock drops it); nil uses backingid.Release.
 	Release func(path string) error
@@ -398,6 +401,9 @@ func (s *Server) exportInfo(e Export) ExportInfo {
 	if s.cfg.RemoteLink != nil {
 		ei.Remote = s.cfg.RemoteLink(e.Name)
 	}
+	if s.cfg.ObjectStore != nil {
+		ei.ObjectStore = s.cfg.ObjectStore(e.Name)
+	}
 	return ei
 }
 
@@ -462,7 +468,10 @@ func (s *Server) usage() Usage {
 			Failed: ss.Failed, FailCause: ss.Cause, UnreachableDirtyBytes: ss.UnreachableDirtyBlocks * blockBytes}
 	}
 	for _, ei := range s.status().Exports {
-		eu := ExportUsage{Name: ei.Name, Path: ei.Path, Mode: ei.Mode, Size: ei.Size, Used: allocated(ei.Path, ei.Size)}
+		eu := ExportUsage{Name: ei.Name, Path: ei.Path, Mode: ei.Mode, Size: ei.Size, Used: allocated(ei.Path, ei.Size), ObjectStore: ei.ObjectStore}
+		if ei.ObjectStore != nil {
+			eu.Used = ei.ObjectStore.StoredBytes
+		}
 		if v := s.volume(ei.Name); v != nil {
 			vs := v.Stats()
 			eu.Cached, eu.Dirty = vs.CachedBlocks*blockBytes, vs.DirtyBlocks*blockBytes
@@ -488,7 +497,7 @@ func (s *Server) stats() Stats {
 		st.Set = &SetStats{s.cfg.Set.Stats()}
 	}
 	for _, ei := range s.status().Exports {
-		es := ExportStats{Name: ei.Name, Mode: ei.Mode, Cached: ei.Cached, Remote: ei.Remote}
+		es := ExportStats{Name: ei.Name, Mode: ei.Mode, Cached: ei.Cached, Remote: ei.Remote, ObjectStore: ei.ObjectStore}
 		if s.cfg.Metrics != nil {
 			es.Latency = s.cfg.Metrics.latencyOf(ei.Name)
 		}

@@ -139,7 +139,8 @@ type Device struct {
 	statsMu   sync.Mutex
 }
 
-// Stats counts the device's traffic to the store.
+// Stats counts the device's traffic to the store (since Open) and
+// describes the image as this device sees it now.
 type Stats struct {
 	SegmentsPut   int64
 	BytesPut      int64 // segment and checkpoint bytes
@@ -153,6 +154,22 @@ type Stats struct {
 	GCBytesPut    int64 // bytes of the segments it wrote
 	GCDeleted     int64 // segments deleted
 	GCDeletedByte int64 // their bytes
+
+	// The image now: segments the map knows and not deleted, their
+	// bytes, and the bytes of the blocks the map refers to.
+	Segments    int64
+	StoredBytes int64
+	LiveBytes   int64
+	// Epoch is the newest epoch stored (0: none since the image was
+	// created), of generation EpochGen, at EpochTime (zero when
+	// unknown: recovered from a checkpoint alone).
+	Epoch     uint64
+	EpochGen  uint64
+	EpochTime time.Time
+	// Generation is this opener's owner generation; Fenced why the device
+	// no longer writes ("" while it does).
+	Generation uint64
+	Fenced     string
 }
 
 // Open opens the image at loc. For writing it takes the lease and a new
@@ -317,8 +334,23 @@ func (d *Device) Generation() uint64 { return d.gen }
 // Stats returns the traffic counters.
 func (d *Device) Stats() Stats {
 	d.statsMu.Lock()
-	defer d.statsMu.Unlock()
-	return d.stats
+	st := d.stats
+	d.statsMu.Unlock()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	for _, si := range d.mu.st.segs {
+		if !si.deleted {
+			st.Segments++
+			st.StoredBytes += si.size
+		}
+	}
+	st.LiveBytes = int64(len(d.mu.st.index)) * d.bs
+	st.Epoch, st.EpochGen, st.EpochTime = d.mu.st.lastEpoch, d.mu.st.lastGen, d.mu.st.lastTime
+	st.Generation = d.gen
+	if d.mu.fenced != nil {
+		st.Fenced = d.mu.fenced.Error()
+	}
+	return st
 }
 
 func (d *Device) ioErr(op string, off, n int64, err error) error {
@@ -676,6 +708,7 @@ func (d *Device) storeParts(lbas []uint64, flushing map[uint64]*blk, final bool)
 		d.mu.st.sinceCkpt++
 		if h.Final {
 			d.mu.st.lastSeq, d.mu.st.lastEpoch, d.mu.st.lastGen = h.Seq, h.Epoch, h.Gen
+			d.mu.st.lastTime = time.Now()
 		}
 		d.mu.Unlock()
 		if h.Final {

@@ -306,7 +306,11 @@ func openOffline(g *globals, cachePath, direct string) (*openedSet, device.Direc
 	if err != nil {
 		return nil, dm, err
 	}
-	h, err := openSet(log, cachePath, &serveOptions{}, dm)
+	s3, err := g.s3Defaults(s3Defaults{})
+	if err != nil {
+		return nil, dm, err
+	}
+	h, err := openSet(log, cachePath, &serveOptions{s3: s3}, dm)
 	return h, dm, err
 }
 

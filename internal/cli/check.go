@@ -85,14 +85,14 @@ func reportProblems(g *globals, problems []string) error {
 // mismatch). A device not found there is no problem of the cache device
 // (it may be checked elsewhere, or the disk is given to serve with
 // --backing); it is said.
-func checkBackings(sb *cache.Superblock) []string {
+func checkBackings(sb *cache.Superblock, s3 s3Defaults) []string {
 	var problems []string
 	for _, bi := range sb.Backings {
 		if bi.Free() {
 			continue
 		}
 		if isObjImage(bi.Path) {
-			problems = append(problems, checkObjBacking(bi.Name, bi.Path, bi.ID, bi.Size)...)
+			problems = append(problems, checkObjBacking(bi.Name, bi.Path, bi.ID, bi.Size, s3)...)
 			continue
 		}
 		if isRemote(bi.Path) {
@@ -153,7 +153,11 @@ func checkOffline(cmd *cobra.Command, g *globals, path string, asJSON bool) erro
 	im := rep.Image
 	var extra []string // the backing devices, and how to get past a journal loss
 	if im.SB != nil {
-		extra = append(extra, checkBackings(im.SB)...)
+		s3, err := g.s3Defaults(s3Defaults{})
+		if err != nil {
+			return err
+		}
+		extra = append(extra, checkBackings(im.SB, s3)...)
 	}
 	if len(rep.LostWrites) > 0 {
 		extra = append(extra, fmt.Sprintf("the lost writes above are reported until acknowledged: once restored, 'tiercache lost-writes --cache %s --ack ID' for each failover", path))

@@ -39,6 +39,11 @@ import (
 //
 //	[export]                      # NAME = PATH, served without a cache
 //	scratch = "/srv/scratch.img"
+//
+//	[s3]                          # the store of s3:// images whose URI does not name it
+//	endpoint = "https://s3.example.net"
+//	region = "eu-west-1"
+//	path_style = true
 type serveConfig struct {
 	DataDir         *string           `toml:"data_dir"`
 	LogFormat       *string           `toml:"log_format"`
@@ -58,6 +63,17 @@ type serveConfig struct {
 	Force           *bool             `toml:"force"`
 	Backing         map[string]string `toml:"backing"`
 	Export          map[string]string `toml:"export"`
+	S3              *s3Config         `toml:"s3"`
+}
+
+// s3Config is the [s3] table: where the store of object-store image URIs
+// is when the URI does not say (image's --endpoint, --region,
+// --path-style; an endpoint implies path-style addressing).
+// Credentials are never read from here.
+type s3Config struct {
+	Endpoint  *string `toml:"endpoint"`
+	Region    *string `toml:"region"`
+	PathStyle *bool   `toml:"path_style"`
 }
 
 // loadServeConfig parses path. Unknown keys are errors naming the line.
@@ -87,7 +103,7 @@ func loadServeConfig(path string) (*serveConfig, error) {
 			msgs = append(msgs, fmt.Sprintf("%s:%d: unknown key %q", path, keyLine(path, k), k.String()))
 		}
 		sort.Strings(msgs)
-		return nil, fmt.Errorf("config: %s (known keys: data_dir, log_format, log_level, cache, listen, admin, admin_tcp, admin_token_file, metrics_no_auth, read_only, direct, socket_mode, shutdown_timeout, max_connections, max_inflight, force, [backing], [export])",
+		return nil, fmt.Errorf("config: %s (known keys: data_dir, log_format, log_level, cache, listen, admin, admin_tcp, admin_token_file, metrics_no_auth, read_only, direct, socket_mode, shutdown_timeout, max_connections, max_inflight, force, [backing], [export], [s3])",
 			strings.Join(msgs, "; "))
 	}
 	return &c, nil

@@ -137,7 +137,11 @@ func runFormat(g *globals, o *formatOptions) error {
 		seen[name] = true
 		if isObjImage(path) {
 			// Read-only, as the remote case: no lease is taken.
-			od, err := openObjImage(path, true, false, nil)
+			s3, err := g.s3Defaults(s3Defaults{})
+			if err != nil {
+				return err
+			}
+			od, err := openObjImage(path, s3, true, false, nil)
 			if err != nil {
 				return fmt.Errorf("backing %q: %w", name, err)
 			}

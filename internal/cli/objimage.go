@@ -18,19 +18,62 @@ import (
 // is taken, and the `image` commands that manage them. The store's
 // endpoint and region come from the URI's query (endpoint=, region=,
 // path-style=1), else --endpoint/--region/--path-style of `image`, else
-// AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL / AWS_REGION; credentials only
-// from the AWS variables or credentials file, never from flags, and never
+// the [s3] table of the config file, else AWS_ENDPOINT_URL_S3 /
+// AWS_ENDPOINT_URL / AWS_REGION; credentials only from the AWS variables
+// or credentials file, never from flags or the config file, and never
 // printed. An image's identity is s3:BUCKET/PREFIX#UUID.
 
 // isObjImage reports whether a backing spec is an object-store image URI.
 func isObjImage(spec string) bool { return objstore.IsURI(spec) }
 
-// objLocation parses an image URI and fills what it lacks from the
-// environment.
-func objLocation(spec string) (objstore.Location, error) {
+// s3Defaults say where the store is for an image URI that does not.
+type s3Defaults struct {
+	endpoint, region string
+	pathStyle        bool
+}
+
+// s3Defaults are the image command's flags (given, when called from it),
+// completed by the config file's [s3] table.
+func (g *globals) s3Defaults(flags s3Defaults) (s3Defaults, error) {
+	p, how := g.configPath()
+	if p == "" {
+		return flags, nil
+	}
+	c, err := loadServeConfig(p)
+	if err != nil {
+		return flags, fmt.Errorf("%s: %w", how, err)
+	}
+	if c.S3 == nil {
+		return flags, nil
+	}
+	if flags.endpoint == "" && c.S3.Endpoint != nil {
+		flags.endpoint = *c.S3.Endpoint
+	}
+	if flags.region == "" && c.S3.Region != nil {
+		flags.region = *c.S3.Region
+	}
+	if c.S3.PathStyle != nil && *c.S3.PathStyle {
+		flags.pathStyle = true
+	}
+	return flags, nil
+}
+
+// location parses an image URI and applies the defaults, then the
+// environment, to what the URI does not say. An endpoint from the
+// defaults implies path-style addressing, as one from the environment.
+func (o s3Defaults) location(spec string) (objstore.Location, error) {
 	l, err := objstore.ParseURI(spec)
 	if err != nil {
 		return l, err
+	}
+	if l.Endpoint == "" && o.endpoint != "" {
+		l.Endpoint, l.PathStyle = o.endpoint, true
+	}
+	if l.Region == "" {
+		l.Region = o.region
+	}
+	if o.pathStyle {
+		l.PathStyle = true
 	}
 	return l.WithEnv(), nil
 }
@@ -47,8 +90,8 @@ func objImageSpec(spec string) string {
 
 // openObjImage opens the image a URI names; for writing it takes the
 // lease (force: even from a live holder).
-func openObjImage(spec string, readOnly, force bool, log *slog.Logger) (*objstore.Device, error) {
-	l, err := objLocation(spec)
+func openObjImage(spec string, s3 s3Defaults, readOnly, force bool, log *slog.Logger) (*objstore.Device, error) {
+	l, err := s3.location(spec)
 	if err != nil {
 		return nil, err
 	}
@@ -74,8 +117,8 @@ func checkObjImage(recorded string, d *objstore.Device) error {
 
 // checkObjBacking is checkBackings for an image: opened read-only, its
 // size and identity compared with those recorded.
-func checkObjBacking(name, uri, id string, size int64) []string {
-	d, err := openObjImage(uri, true, false, nil)
+func checkObjBacking(name, uri, id string, size int64, s3 s3Defaults) []string {
+	d, err := openObjImage(uri, s3, true, false, nil)
 	if err != nil {
 		return []string{fmt.Sprintf("backing device %q: not checked: %v", name, err)}
 	}
@@ -90,32 +133,8 @@ func checkObjBacking(name, uri, id string, size int64) []string {
 	return problems
 }
 
-type imageOpts struct {
-	endpoint, region string
-	pathStyle        bool
-}
-
-// location parses a URI argument and applies the flags, then the
-// environment, to what the URI does not say.
-func (o *imageOpts) location(arg string) (objstore.Location, error) {
-	l, err := objstore.ParseURI(arg)
-	if err != nil {
-		return l, err
-	}
-	if l.Endpoint == "" && o.endpoint != "" {
-		l.Endpoint, l.PathStyle = o.endpoint, true
-	}
-	if l.Region == "" {
-		l.Region = o.region
-	}
-	if o.pathStyle {
-		l.PathStyle = true
-	}
-	return l.WithEnv(), nil
-}
-
 func newImageCmd(g *globals) *cobra.Command {
-	o := &imageOpts{}
+	flags := &s3Defaults{}
 	cmd := &cobra.Command{
 		Use:   "image",
 		Short: "Create, list, describe and remove object-store images (s3://BUCKET/PREFIX) used as backing devices",
@@ -123,15 +142,16 @@ func newImageCmd(g *globals) *cobra.Command {
 backing device: format --backing NAME=s3://BUCKET/PREFIX, attach the same.
 
 The store is given by the URI's query (?endpoint=URL&region=R&path-style=1),
-else --endpoint/--region/--path-style, else AWS_ENDPOINT_URL_S3,
+else --endpoint/--region/--path-style, else the [s3] table of the config
+file (endpoint, region, path_style), else AWS_ENDPOINT_URL_S3,
 AWS_ENDPOINT_URL and AWS_REGION. Credentials come from AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN, else the shared credentials
 file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE); they are never printed.`,
 	}
 	pf := cmd.PersistentFlags()
-	pf.StringVar(&o.endpoint, "endpoint", "", "store `URL` (http://host:port or https://host); default AWS S3, or $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL")
-	pf.StringVar(&o.region, "region", "", "store region (default $AWS_REGION)")
-	pf.BoolVar(&o.pathStyle, "path-style", false, "address the bucket in the path, not the host name (implied by --endpoint)")
+	pf.StringVar(&flags.endpoint, "endpoint", "", "store `URL` (http://host:port or https://host); default AWS S3, or $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL")
+	pf.StringVar(&flags.region, "region", "", "store region (default $AWS_REGION)")
+	pf.BoolVar(&flags.pathStyle, "path-style", false, "address the bucket in the path, not the host name (implied by --endpoint)")
 
 	var size, blockSize string
 	create := &cobra.Command{
@@ -139,7 +159,11 @@ file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE); they are never printed.`,
 		Short: "Create an all-zero image (checks the bucket, credentials and conditional writes first)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			l, err := o.location(args[0])
+			d, err := g.s3Defaults(*flags)
+			if err != nil {
+				return err
+			}
+			l, err := d.location(args[0])
 			if err != nil {
 				return err
 			}
@@ -167,7 +191,11 @@ file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE); they are never printed.`,
 		Short: "List the images under a prefix",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			l, err := o.location(args[0])
+			d, err := g.s3Defaults(*flags)
+			if err != nil {
+				return err
+			}
+			l, err := d.location(args[0])
 			if err != nil {
 				return err
 			}
@@ -194,7 +222,11 @@ file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE); they are never printed.`,
 		Short: "Describe an image: size, newest complete epoch and when, space, owner",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			l, err := o.location(args[0])
+			d, err := g.s3Defaults(*flags)
+			if err != nil {
+				return err
+			}
+			l, err := d.location(args[0])
 			if err != nil {
 				return err
 			}
@@ -234,7 +266,11 @@ file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE); they are never printed.`,
 		Short: "Delete an image and all its objects (refused while a live lease names an owner)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			l, err := o.location(args[0])
+			d, err := g.s3Defaults(*flags)
+			if err != nil {
+				return err
+			}
+			l, err := d.location(args[0])
 			if err != nil {
 				return err
 			}
@@ -269,7 +305,7 @@ func ownerText(in *objstore.Info) string {
 // image it already has (by identity).
 func (h *openedSet) attachObjImage(req admin.AttachRequest, mode cache.Mode) (*cache.Volume, string, error) {
 	path := objImageSpec(req.Path)
-	dev, err := openObjImage(path, false, req.Force, h.log.With("volume", req.Name))
+	dev, err := openObjImage(path, h.s3, false, req.Force, h.log.With("volume", req.Name))
 	if err != nil {
 		return nil, "", err
 	}
@@ -290,4 +326,91 @@ func (h *openedSet) attachObjImage(req admin.AttachRequest, mode cache.Mode) (*c
 	h.locks[req.Name] = func() {}
 	h.mu.Unlock()
 	return v, path, nil
+}
+
+// objectStore is admin.Config.ObjectStore: the image of an export's
+// object-store backing device, nil for another device.
+func (h *openedSet) objectStore(export string) *admin.ObjectStore {
+	h.mu.Lock()
+	d, ok := h.devs[export].(*objstore.Device)
+	h.mu.Unlock()
+	if !ok {
+		return nil
+	}
+	s := d.Stats()
+	l := d.Location()
+	o := &admin.ObjectStore{Image: "s3://" + l.Bucket + "/" + l.Prefix, Generation: s.Generation,
+		Epoch: s.Epoch, EpochGeneration: s.EpochGen, Fenced: s.Fenced,
+		Segments: s.Segments, StoredBytes: s.StoredBytes, LiveBytes: s.LiveBytes,
+		SegmentsPut: s.SegmentsPut, BytesPut: s.BytesPut, WrittenBytes: s.BlocksWritten * d.BlockSize(), Checkpoints: s.Checkpoints,
+		Gets: s.Gets, BytesGot: s.BytesGot,
+		GCRuns: s.GCRuns, GCRewrittenBytes: s.GCBlocks * d.BlockSize(), GCBytesPut: s.GCBytesPut,
+		GCDeletedSegments: s.GCDeleted, GCDeletedBytes: s.GCDeletedByte}
+	if !s.EpochTime.IsZero() {
+		t := s.EpochTime
+		o.EpochTime = &t
+	}
+	if o.LiveBytes > 0 {
+		o.SpaceAmplification = float64(o.StoredBytes) / float64(o.LiveBytes)
+	}
+	if o.WrittenBytes > 0 {
+		o.PutAmplification = float64(o.BytesPut) / float64(o.WrittenBytes)
+	}
+	if o.BytesPut > 0 {
+		o.GCWriteAmplification = float64(o.BytesPut+o.GCBytesPut) / float64(o.BytesPut)
+	}
+	return o
+}
+
+// objStoreRows are the rows stats prints for the image of each export
+// with an object-store backing device ("-" for the others), in order.
+var objStoreRows = []struct {
+	name string
+	f    func(o *admin.ObjectStore) string
+}{
+	{"objstore_image", func(o *admin.ObjectStore) string { return o.Image }},
+	{"objstore_generation", func(o *admin.ObjectStore) string { return fmt.Sprint(o.Generation) }},
+	{"objstore_epoch", func(o *admin.ObjectStore) string { return objEpochText(o) }},
+	{"objstore_fenced", func(o *admin.ObjectStore) string {
+		if o.Fenced == "" {
+			return "no"
+		}
+		return o.Fenced
+	}},
+	{"objstore_segments", func(o *admin.ObjectStore) string { return fmt.Sprint(o.Segments) }},
+	{"objstore_stored_bytes", func(o *admin.ObjectStore) string { return human(o.StoredBytes) }},
+	{"objstore_live_bytes", func(o *admin.ObjectStore) string { return human(o.LiveBytes) }},
+	{"objstore_space_amplification", func(o *admin.ObjectStore) string { return ratioText(o.SpaceAmplification) }},
+	{"objstore_segments_put", func(o *admin.ObjectStore) string { return fmt.Sprint(o.SegmentsPut) }},
+	{"objstore_bytes_put", func(o *admin.ObjectStore) string { return human(o.BytesPut) }},
+	{"objstore_written_bytes", func(o *admin.ObjectStore) string { return human(o.WrittenBytes) }},
+	{"objstore_put_amplification", func(o *admin.ObjectStore) string { return ratioText(o.PutAmplification) }},
+	{"objstore_checkpoints", func(o *admin.ObjectStore) string { return fmt.Sprint(o.Checkpoints) }},
+	{"objstore_gets", func(o *admin.ObjectStore) string { return fmt.Sprint(o.Gets) }},
+	{"objstore_bytes_got", func(o *admin.ObjectStore) string { return human(o.BytesGot) }},
+	{"objstore_gc_runs", func(o *admin.ObjectStore) string { return fmt.Sprint(o.GCRuns) }},
+	{"objstore_gc_rewritten_bytes", func(o *admin.ObjectStore) string { return human(o.GCRewrittenBytes) }},
+	{"objstore_gc_bytes_put", func(o *admin.ObjectStore) string { return human(o.GCBytesPut) }},
+	{"objstore_gc_deleted", func(o *admin.ObjectStore) string {
+		return fmt.Sprintf("%d segments, %s", o.GCDeletedSegments, human(o.GCDeletedBytes))
+	}},
+	{"objstore_gc_write_amplification", func(o *admin.ObjectStore) string { return ratioText(o.GCWriteAmplification) }},
+}
+
+func ratioText(r float64) string {
+	if r == 0 {
+		return "-"
+	}
+	return fmt.Sprintf("%.2f", r)
+}
+
+func objEpochText(o *admin.ObjectStore) string {
+	if o.Epoch == 0 {
+		return "none stored since open"
+	}
+	s := fmt.Sprintf("%d of generation %d", o.Epoch, o.EpochGeneration)
+	if o.EpochTime != nil {
+		s += ", stored " + o.EpochTime.Local().Format(time.DateTime)
+	}
+	return s
 }

@@ -2,11 +2,13 @@ package cli
 
 import (
 	"bytes"
+	"context"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 
+	"github.com/tiercache/tiercache/admin"
 	"github.com/tiercache/tiercache/device/objstore"
 	"github.com/tiercache/tiercache/internal/s3test"
 )
@@ -61,12 +63,36 @@ func TestObjImage(t *testing.T) {
 	sock := filepath.Join(dir, "admin.sock")
 	s := startServe(t, sock, "--data-dir", dir, "--cache", cachePath)
 	writePattern(t, filepath.Join(dir, "tiercache.sock"), 0, 64<<10, 0x42)
+	run("wrote back", "flush", "--admin", sock, "default")
+	// The store's counters: stats rows, usage lines, metrics.
+	out := run("objstore_image", "stats", "--admin", sock)
+	for _, want := range []string{"s3://images/vm1", "objstore_epoch", "of generation 1, stored", "objstore_live_bytes"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("stats lacks %q:\n%s", want, out)
+		}
+	}
+	out = run("space amplification", "usage", "--admin", sock)
+	for _, want := range []string{"stored (segments)", "64 KiB", "GC write amplification"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("usage lacks %q:\n%s", want, out)
+		}
+	}
+	text, err := admin.NewClient(sock).Metrics(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{`tiercache_objstore_live_bytes{export="default"} 65536`, `tiercache_objstore_written_bytes_total{export="default"} 65536`,
+		`tiercache_objstore_fenced{export="default"} 0`, `tiercache_objstore_generation{export="default"} 1`} {
+		if !strings.Contains(text, want) {
+			t.Errorf("metrics lack %q", want)
+		}
+	}
 	host, _ := os.Hostname()
 	fail("is owned by "+host, "image", "rm", uri)
 	run("is detached", "detach", "--admin", sock, "default")
 	s.stop(t)
 
-	out := run("newest epoch: ", "image", "info", uri)
+	out = run("newest epoch: ", "image", "info", uri)
 	if strings.Contains(out, "none (all zero)") || !strings.Contains(out, "owner:        none") {
 		t.Fatalf("image info after detach:\n%s", out)
 	}
@@ -88,4 +114,46 @@ func TestObjImage(t *testing.T) {
 	if strings.Contains(printed.String(), s3test.SecretKey) {
 		t.Fatal("a command printed the secret key")
 	}
+}
+
+// TestObjImageConfig: with the store named only by the config file's [s3]
+// table (no endpoint in the URI, the flags or the environment), image
+// create, format and serve reach it.
+func TestObjImageConfig(t *testing.T) {
+	srv := s3test.Start(t)
+	srv.Bucket("cfg")
+	for _, kv := range srv.Env() {
+		k, v, _ := strings.Cut(kv, "=")
+		if k == "AWS_ENDPOINT_URL" || k == "AWS_REGION" {
+			continue
+		}
+		t.Setenv(k, v)
+	}
+	for _, k := range []string{"AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "TIERCACHE_CONFIG"} {
+		t.Setenv(k, "")
+	}
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	dir := t.TempDir()
+	cachePath := filepath.Join(dir, "c.img")
+	if err := os.WriteFile(cachePath, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(cachePath, 64<<20); err != nil {
+		t.Fatal(err)
+	}
+	cfg := filepath.Join(dir, "tiercache.toml")
+	sock := filepath.Join(dir, "admin.sock")
+	body := "data_dir = \"" + dir + "\"\ncache = \"" + cachePath + "\"\nadmin = \"" + sock + "\"\n\n[s3]\nendpoint = \"" + srv.Endpoint() + "\"\nregion = \"" + s3test.Region + "\"\n"
+	if err := os.WriteFile(cfg, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	const uri = "s3://cfg/vm"
+	mustTC(t, "created image s3://cfg/vm?endpoint=", "--config", cfg, "image", "create", uri, "--size", "8M")
+	mustTC(t, "newest epoch: none", "--config", cfg, "image", "info", uri)
+	mustTC(t, "cache set", "--config", cfg, "format", "--cache", cachePath, "--backing", "default="+uri, "--bucket-size", "256K")
+	s := startServe(t, sock, "--config", cfg)
+	writePattern(t, filepath.Join(dir, "tiercache.sock"), 0, 8<<10, 0x17)
+	mustTC(t, "is detached", "--config", cfg, "detach", "default")
+	s.stop(t)
+	mustTC(t, "stored:       8", "--config", cfg, "image", "info", uri)
 }

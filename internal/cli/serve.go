@@ -37,6 +37,9 @@ const (
 )
 
 type serveOptions struct {
+	// s3 is where the store of image URIs is that do not say (the
+	// config file's [s3]).
+	s3         s3Defaults
 	cache      string
 	backings   []string
 	force      bool
@@ -98,6 +101,9 @@ purpose (a repaired cache device replays its journal).`,
 					return err
 				}
 				if err := applyServeConfig(cmd, g, o, c); err != nil {
+					return err
+				}
+				if o.s3, err = g.s3Defaults(s3Defaults{}); err != nil {
 					return err
 				}
 			}
@@ -299,6 +305,7 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 		}
 		adminCfg.Detached = h.closeBacking
 		adminCfg.RemoteLink = h.remoteLink
+		adminCfg.ObjectStore = h.objectStore
 		recorded := map[string]string{}
 		for _, bi := range set.Superblock().Backings {
 			recorded[bi.Name] = bi.Path
@@ -492,6 +499,7 @@ type openedSet struct {
 	locks     map[string]func()        // their locks' releases (lock.go)
 	log       *slog.Logger             // for remote backings attached later
 	remote    remoteTimeouts           // serveOptions.remote
+	s3        s3Defaults               // serveOptions.s3
 }
 
 // closeBacking closes the backing device of a volume that left the set.
@@ -552,7 +560,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		unlock()
 		return nil, fmt.Errorf("cache device: %w", err)
 	}
-	h := &openedSet{cachePath: cachePath, cdev: cdev, unlock: unlock, devs: map[string]device.Device{}, locks: map[string]func(){}, log: log, remote: o.remote}
+	h := &openedSet{cachePath: cachePath, cdev: cdev, unlock: unlock, devs: map[string]device.Device{}, locks: map[string]func(){}, log: log, remote: o.remote, s3: o.s3}
 	sb, err := cache.ReadSuperblock(cdev)
 	if errors.Is(err, cache.ErrNotFormatted) {
 		h.closeDevices()
@@ -588,7 +596,7 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 			return nil, fmt.Errorf("cache set %s: no path for backing device %q; give --backing %s=PATH", setUUID, bi.Name, bi.Name)
 		}
 		if isObjImage(path) {
-			od, err := openObjImage(path, o.readOnly, o.force, log.With("volume", bi.Name))
+			od, err := openObjImage(path, o.s3, o.readOnly, o.force, log.With("volume", bi.Name))
 			if err != nil {
 				closeDevs()
 				return nil, fmt.Errorf("backing %q: %w", bi.Name, err)

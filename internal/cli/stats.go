@@ -346,6 +346,24 @@ func printStats(out io.Writer, st admin.Stats) error {
 		}
 		fmt.Fprintln(w, row)
 	}
+	anyObj := false
+	for _, e := range st.Exports {
+		anyObj = anyObj || e.ObjectStore != nil
+	}
+	for _, r := range objStoreRows {
+		if !anyObj {
+			break
+		}
+		row := "  " + r.name
+		for _, e := range st.Exports {
+			if e.ObjectStore == nil {
+				row += "\t-"
+			} else {
+				row += "\t" + r.f(e.ObjectStore)
+			}
+		}
+		fmt.Fprintln(w, row)
+	}
 	for _, op := range latencyRows {
 		name, tier, _ := strings.Cut(op, "/")
 		row := "  latency_" + strings.ReplaceAll(op, "/", "_")

@@ -52,6 +52,9 @@ func TestStatsDocumented(t *testing.T) {
 	for _, r := range remoteRows {
 		rows = append(rows, r.name)
 	}
+	for _, r := range objStoreRows {
+		rows = append(rows, r.name)
+	}
 	for _, op := range latencyRows {
 		rows = append(rows, "latency_"+strings.ReplaceAll(op, "/", "_"))
 	}

@@ -90,8 +90,22 @@ func printUsage(out io.Writer, u admin.Usage, devSize int64) error {
 			fmt.Fprintln(w, "\t\t\t")
 		}
 		fmt.Fprintf(w, "export %s (%s) on %s\n", e.Name, e.Mode, e.Path)
+		if o := e.ObjectStore; o != nil {
+			// No tab: the line does not widen the table's columns.
+			fmt.Fprintf(w, "  image %s, generation %d, newest epoch %s\n", o.Image, o.Generation, objEpochText(o))
+		}
 		fmt.Fprintf(w, "  size\t%s\t\t\n", human(e.Size))
-		usageLine(w, "used (allocated)", e.Used, e.Size)
+		if o := e.ObjectStore; o != nil {
+			usageLine(w, "stored (segments)", o.StoredBytes, e.Size)
+			usageLine(w, "live (mapped)", o.LiveBytes, e.Size)
+			fmt.Fprintf(w, "  space amplification\t%s\t\tstored / live\n", ratioText(o.SpaceAmplification))
+			fmt.Fprintf(w, "  GC write amplification\t%s\t\t(writeback + GC PUT) / writeback PUT, %s rewritten\n", ratioText(o.GCWriteAmplification), human(o.GCRewrittenBytes))
+			if o.Fenced != "" {
+				fmt.Fprintf(w, "  FENCED\t%s\t\t\n", o.Fenced)
+			}
+		} else {
+			usageLine(w, "used (allocated)", e.Used, e.Size)
+		}
 		if e.Mode != "plain" {
 			usageLine(w, "cached", e.Cached, e.Size)
 			usageLine(w, "dirty", e.Dirty, e.Size)
