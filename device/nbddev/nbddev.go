@@ -10,8 +10,11 @@
 // unspecified). WriteZeroes is WRITE_ZEROES when advertised, else zero
 // buffers. Structured replies are used when the server offers them. When
 // the server advertises CAN_MULTI_CONN, Target.Conns connections (default
-// DefaultConns) share the requests; a FLUSH on any of them then covers the
-// writes completed on all of them, as the protocol promises.
+// DefaultConns) share the requests: one that continues an ascending stream
+// goes on the stream's connection, so the server receives the stream in
+// order, and others take the connections in turn (streams.go). A FLUSH on
+// any of them covers the writes completed on all of them, as the protocol
+// promises.
 //
 // Outages. A connection that fails is not an error of the device: the
 // requests on it are re-sent once the device has reconnected, which it
@@ -155,7 +158,8 @@ type Device struct {
 	desc     string
 	minBlock int64
 
-	rr  atomic.Uint64 // round-robin over connections
+	rr  atomic.Uint64 // round-robin over connections (Sync)
+	ch  chooser       // the connection of each read and write (streams.go)
 	rmw sync.RWMutex  // held for writing by unaligned read-modify-writes
 
 	done chan struct{} // closed by Close: stops the reconnect loop
@@ -362,12 +366,19 @@ func (d *Device) Stats() Stats {
 	return s
 }
 
-// conn returns a connection of the current generation, waiting for the
-// link while its outage is younger than the outage timeout.
-func (d *Device) conn() (*nbd.Client, uint64, error) {
+// conn returns the connection of the current generation for a request of
+// [off, end) (streams.go), its generation, and the function that ends the
+// request there, waiting for the link while its outage is younger than the
+// outage timeout.
+func (d *Device) conn(off, end int64) (*nbd.Client, uint64, func(), error) {
 	d.mu.Lock()
 	defer d.mu.Unlock()
-	return d.connLocked()
+	if _, _, err := d.connLocked(); err != nil {
+		return nil, 0, nil, err
+	}
+	cs, gen := d.mu.conns, d.mu.gen
+	k := d.ch.pick(gen, off, end, len(cs))
+	return cs[k], gen, func() { d.ch.done(gen, k) }, nil
 }
 
 // REQUIRES: d.mu (released while waiting)
@@ -610,14 +621,15 @@ func isReply(err error) bool {
 // do runs f on a connection, re-running it on the next generation when the
 // connection fails or f gets no reply within the request timeout, and
 // returns the generation it succeeded on.
-func (d *Device) do(f func(c *nbd.Client) error) (uint64, error) {
+func (d *Device) do(off, end int64, f func(c *nbd.Client) error) (uint64, error) {
 	var failing time.Time
 	for {
-		c, gen, err := d.conn()
+		c, gen, done, err := d.conn(off, end)
 		if err != nil {
 			return 0, err
 		}
 		err = d.timed(gen, func() error { return f(c) })
+		done()
 		if err == nil || isReply(err) {
 			return gen, err
 		}
@@ -687,10 +699,10 @@ func (d *Device) ReadAt(p []byte, off int64) (int, error) {
 	var err error
 	if lo, hi := d.widen(off, int64(len(p))); lo != off || hi != off+int64(len(p)) {
 		b := make([]byte, hi-lo)
-		_, err = d.do(func(c *nbd.Client) error { return c.ReadAt(b, lo) })
+		_, err = d.do(lo, hi, func(c *nbd.Client) error { return c.ReadAt(b, lo) })
 		copy(p, b[off-lo:])
 	} else {
-		_, err = d.do(func(c *nbd.Client) error { return c.ReadAt(p, off) })
+		_, err = d.do(off, off+int64(len(p)), func(c *nbd.Client) error { return c.ReadAt(p, off) })
 	}
 	if err != nil {
 		return 0, d.ioErr("read", off, int64(len(p)), err)
@@ -723,7 +735,7 @@ func (d *Device) WriteAt(p []byte, off int64) (int, error) {
 		// overwritten with the old bytes read here.
 		d.rmw.Lock()
 		b := make([]byte, hi-lo)
-		gen, err = d.do(func(c *nbd.Client) error {
+		gen, err = d.do(lo, hi, func(c *nbd.Client) error {
 			if err := c.ReadAt(b, lo); err != nil {
 				return err
 			}
@@ -736,7 +748,7 @@ func (d *Device) WriteAt(p []byte, off int64) (int, error) {
 		d.rmw.Unlock()
 	} else {
 		d.rmw.RLock()
-		gen, err = d.do(func(c *nbd.Client) error { return c.WriteAt(p, off, false) })
+		gen, err = d.do(off, off+int64(len(p)), func(c *nbd.Client) error { return c.WriteAt(p, off, false) })
 		if err == nil {
 			d.wrote(gen, off, p, int64(len(p)))
 		}
@@ -865,7 +877,7 @@ func (d *Device) Discard(off, length int64) error {
 		return nil
 	}
 	d.rmw.RLock()
-	gen, err := d.do(func(c *nbd.Client) error { return c.Trim(lo, hi-lo, false) })
+	gen, err := d.do(lo, hi, func(c *nbd.Client) error { return c.Trim(lo, hi-lo, false) })
 	d.rmw.RUnlock()
 	if err != nil {
 		return d.ioErr("discard", lo, hi-lo, err)
@@ -898,7 +910,7 @@ func (d *Device) WriteZeroes(off, length int64) error {
 		}
 	}
 	d.rmw.RLock()
-	gen, err := d.do(func(c *nbd.Client) error { return c.WriteZeroes(lo, hi-lo, false, true, false) })
+	gen, err := d.do(lo, hi, func(c *nbd.Client) error { return c.WriteZeroes(lo, hi-lo, false, true, false) })
 	if err == nil {
 		d.wrote(gen, lo, nil, hi-lo)
 	}
