@@ -159,6 +159,14 @@ func (a *aio) do(cmd uint16, fd int, p []byte, off int64) (int, error) {
 	a.pending = append(a.pending, r)
 	if !a.submitting {
 		a.submitting = true
+		if a.inflight > 0 {
+			// The device is busy with other requests, whose callers are
+			// likely to issue more: let those that are runnable queue
+			// theirs first, so that one io_submit takes them all.
+			a.mu.Unlock()
+			runtime.Gosched()
+			a.mu.Lock()
+		}
 		a.submitLocked()
 	}
 	a.mu.Unlock()
