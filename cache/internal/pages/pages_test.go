@@ -1,0 +1,665 @@
+package pages
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math"
+	"math/rand/v2"
+	"testing"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/device"
+)
+
+const testNonce = 0x5eed
+
+func testLayout(pages uint32) Layout { return Layout{Off: 8192, Pages: pages, Nonce: testNonce} }
+
+func newTestStore(t testing.TB, dev device.Device, lay Layout, cachePages int) *Store {
+	t.Helper()
+	if err := Format(dev, lay, []byte("p0")); err != nil {
+		t.Fatal(err)
+	}
+	st, payload, err := Open(dev, lay, cachePages)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if string(payload) != "p0" {
+		t.Fatalf("payload %q", payload)
+	}
+	return st
+}
+
+func TestPageRoundTrip(t *testing.T) {
+	var p Page
+	p.Init(KindLeaf, 0, 3)
+	slots := []Slot{
+		{LBA: 0, Loc: 1, CRC: 2, BGen: 3, Epoch: 0},
+		{LBA: 7, Loc: 5 | dirtyBit, CRC: math.MaxUint32, BGen: math.MaxUint32, Epoch: MaxEpoch - 1},
+		{LBA: MaxLBA - 1, Loc: math.MaxUint32, CRC: 9, BGen: 1, Epoch: 1 << 40},
+	}
+	for i, s := range slots {
+		p.InsertSlot(i, s)
+	}
+	crc := p.Seal(17, 4, testNonce)
+	if err := p.Verify(Ptr{Page: 17, Gen: 4, CRC: crc}, 0, KindLeaf, 0, 3, testNonce); err != nil {
+		t.Fatal(err)
+	}
+	for i, s := range slots {
+		if got := p.Slot(i); got != s {
+			t.Errorf("slot %d: %+v, want %+v", i, got, s)
+		}
+	}
+	if got := p.MinEpoch(); got != 1<<40 {
+		t.Errorf("MinEpoch %d, want %d", got, uint64(1<<40))
+	}
+	if i, ok := p.Search(7); i != 1 || !ok {
+		t.Errorf("Search(7) = %d, %t", i, ok)
+	}
+	if i, ok := p.Search(8); i != 2 || ok {
+		t.Errorf("Search(8) = %d, %t", i, ok)
+	}
+	p.RemoveSlot(1)
+	if p.Count() != 2 || p.Slot(1) != slots[2] {
+		t.Errorf("after RemoveSlot: %d slots, slot 1 %+v", p.Count(), p.Slot(1))
+	}
+	if CheckSlot(Slot{LBA: MaxLBA}) == nil || CheckSlot(Slot{Epoch: MaxEpoch}) == nil {
+		t.Error("CheckSlot accepts a value the format cannot hold")
+	}
+}
+
+// TestPageVerify: every way a page can be wrong is reported as corruption
+// naming the page.
+func TestPageVerify(t *testing.T) {
+	var good Page
+	good.Init(KindLeaf, 0, 1)
+	good.InsertSlot(0, Slot{LBA: 5, Loc: 1})
+	good.InsertSlot(1, Slot{LBA: 9, Loc: 2})
+	crc := good.Seal(3, 2, testNonce)
+	at := Ptr{Page: 3, Gen: 2, CRC: crc}
+	resealed := func(f func(p *Page)) *Page {
+		p := good
+		f(&p)
+		p.Seal(3, 2, testNonce)
+		return &p
+	}
+	for _, c := range []struct {
+		name string
+		p    *Page
+		at   Ptr
+		kind uint8
+		tree uint16
+	}{
+		{"byte flipped", func() *Page { p := good; p[100] ^= 1; return &p }(), at, KindLeaf, 1},
+		{"checksum the parent does not name", resealed(func(p *Page) { p.SetSlot(0, Slot{LBA: 6}) }), at, KindLeaf, 1},
+		{"misdirected", &good, Ptr{Page: 4}, KindLeaf, 1},
+		{"older generation than the parent names", &good, Ptr{Page: 3, Gen: 3}, KindLeaf, 1},
+		{"other kind", &good, at, KindInner, 1},
+		{"other tree", &good, at, KindLeaf, 2},
+		{"out of order", resealed(func(p *Page) { p.SetSlot(1, Slot{LBA: 5}) }), Ptr{Page: 3}, KindLeaf, 1},
+		{"empty", resealed(func(p *Page) { p.setCount(0) }), Ptr{Page: 3}, KindLeaf, 1},
+		{"overfull", resealed(func(p *Page) { p.setCount(LeafCap + 1) }), Ptr{Page: 3}, KindLeaf, 1},
+		{"reserved bytes", resealed(func(p *Page) { p[14] = 1 }), Ptr{Page: 3}, KindLeaf, 1},
+		{"no magic", &Page{}, Ptr{Page: 3}, KindLeaf, 1},
+	} {
+		err := c.p.Verify(c.at, 12345, c.kind, 0, c.tree, testNonce)
+		if !IsCorruption(err) {
+			t.Errorf("%s: %v, want corruption", c.name, err)
+		}
+	}
+	if err := good.Verify(at, 0, KindLeaf, 0, 1, testNonce+1); !IsCorruption(err) {
+		t.Errorf("other set's nonce: %v", err)
+	}
+}
+
+// FuzzPages decodes any 4 KiB as a leaf page, an inner page and a root:
+// never a panic, a refusal is a corruption error, and what is accepted
+// encodes back to the same bytes.
+func FuzzPages(f *testing.F) {
+	var p Page
+	p.Init(KindLeaf, 0, 0)
+	p.InsertSlot(0, Slot{LBA: 1, Loc: 2 | dirtyBit, Epoch: 3})
+	p.Seal(0, 1, testNonce)
+	f.Add(p[:])
+	var q Page
+	q.Init(KindInner, 1, 0)
+	q.AppendChild(Child{Key: Key{LBA: 0}, Ptr: Ptr{Page: 1, Gen: 1, CRC: 5}, Agg: 3})
+	q.AppendChild(Child{Key: Key{LBA: 9}, Ptr: Ptr{Page: 2, Gen: 1, CRC: 6}, Agg: math.MaxUint64})
+	q.Seal(0, 1, testNonce)
+	f.Add(q[:])
+	lay := testLayout(64)
+	r, _ := encodeRoot(Root{Gen: 3, Nonce: testNonce, Pages: 64, Payload: []byte("x"),
+		Trees: []RootTree{{ID: 0, Level: 1, Root: Ptr{Page: 5, Gen: 3, CRC: 1}, Count: 4, Agg: 2}, {ID: 4}}})
+	f.Add(r)
+	f.Fuzz(func(t *testing.T, b []byte) {
+		var p Page
+		copy(p[:], b)
+		for _, kind := range []uint8{KindLeaf, KindInner} {
+			orig := p
+			if err := p.Verify(Ptr{Page: 0}, 0, kind, 0, 0, testNonce); err != nil {
+				if !IsCorruption(err) {
+					t.Fatalf("not a corruption error: %v", err)
+				}
+				continue
+			}
+			var r Page
+			h := p.Hdr()
+			r.Init(h.Kind, h.Level, h.Tree)
+			for i := range p.Count() {
+				if kind == KindLeaf {
+					r.InsertSlot(i, p.Slot(i))
+				} else {
+					r.AppendChild(p.Child(i))
+				}
+			}
+			r.Seal(h.Page, h.Gen, h.Nonce)
+			if r != orig {
+				t.Fatalf("re-encoded page differs")
+			}
+			if kind == KindLeaf {
+				for i := range p.Count() {
+					j, ok := p.Search(p.LBA(i))
+					if !ok || j != i {
+						t.Fatalf("Search(slot %d) = %d, %t", i, j, ok)
+					}
+				}
+			}
+		}
+		root, err := decodeRoot(p[:], 0, lay)
+		if err != nil {
+			if !IsCorruption(err) {
+				t.Fatalf("not a corruption error: %v", err)
+			}
+			return
+		}
+		out, err := encodeRoot(root)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(out, p[:]) {
+			t.Fatal("re-encoded root differs")
+		}
+	})
+}
+
+func TestRootSlots(t *testing.T) {
+	lay := testLayout(16)
+	dev := device.NewMem(lay.Off + lay.Len())
+	st := newTestStore(t, dev, lay, 4)
+	for i := range 3 {
+		if err := st.Checkpoint([]byte{byte(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Generation 4 (slot 0) is the newest: a torn slot 0 falls back to 3.
+	if _, p, err := Open(dev, lay, 4); err != nil || !bytes.Equal(p, []byte{2}) {
+		t.Fatalf("open: %q %v", p, err)
+	}
+	if err := dev.Corrupt(lay.Off+100, 1); err != nil {
+		t.Fatal(err)
+	}
+	st2, p, err := Open(dev, lay, 4)
+	if err != nil || !bytes.Equal(p, []byte{1}) || st2.Gen() != 3 {
+		t.Fatalf("open with slot 0 damaged: %q %v", p, err)
+	}
+	if err := dev.Corrupt(lay.Off+PageSize+100, 1); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := Open(dev, lay, 4); !IsCorruption(err) {
+		t.Fatalf("open with both slots damaged: %v", err)
+	}
+	other := lay
+	other.Nonce++
+	if _, _, err := Open(dev, other, 4); err == nil {
+		t.Fatal("opened another set's area")
+	}
+}
+
+func TestCacheClock(t *testing.T) {
+	c := NewCache(3)
+	pg := func(i byte) *Page { p := new(Page); p[0] = i; return p }
+	for i := range uint32(3) {
+		c.Put(i, pg(byte(i)))
+	}
+	c.Get(0) // referenced: survives the next eviction
+	c.Put(3, pg(3))
+	if _, ok := c.Get(1); ok {
+		t.Error("page 1 (not referenced) should have been evicted first")
+	}
+	for _, p := range []uint32{0, 2, 3} {
+		if _, ok := c.Get(p); !ok {
+			t.Errorf("page %d evicted", p)
+		}
+	}
+	if b, ok := c.Take(2); !ok || b[0] != 2 {
+		t.Error("Take(2)")
+	}
+	c.Drop(3)
+	if c.Len() != 1 || c.Evictions != 1 {
+		t.Errorf("len %d, evictions %d", c.Len(), c.Evictions)
+	}
+	if err := c.Check(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// oracle is the in-memory index (index.Ptree: LBA, cache block, checksum)
+// plus each LBA's bucket generation and epoch, which Ptree does not keep.
+type oracle struct {
+	tree  *index.Ptree
+	extra map[uint64][2]uint64
+}
+
+func newOracle() *oracle { return &oracle{tree: index.NewPtree(), extra: map[uint64][2]uint64{}} }
+
+func (o *oracle) clone() *oracle {
+	c := &oracle{tree: o.tree.Clone(), extra: make(map[uint64][2]uint64, len(o.extra))}
+	for k, v := range o.extra {
+		c.extra[k] = v
+	}
+	return c
+}
+
+func (o *oracle) put(s Slot) {
+	o.tree.ReplaceOrInsert(index.Ent{LBA: s.LBA, Loc: s.Loc, CRC: s.CRC})
+	o.extra[s.LBA] = [2]uint64{uint64(s.BGen), s.Epoch}
+}
+
+func (o *oracle) del(lba uint64) bool {
+	delete(o.extra, lba)
+	_, ok := o.tree.Delete(index.Ent{LBA: lba})
+	return ok
+}
+
+func (o *oracle) slot(e index.Ent) Slot {
+	x := o.extra[e.LBA]
+	return Slot{LBA: e.LBA, Loc: e.Loc, CRC: e.CRC, BGen: uint32(x[0]), Epoch: x[1]}
+}
+
+// same compares every slot of tr with the oracle, in order.
+func (o *oracle) same(tr *Tree) error {
+	var want []Slot
+	o.tree.Ascend(func(e index.Ent) bool { want = append(want, o.slot(e)); return true })
+	var got []Slot
+	if err := tr.Ascend(0, func(s Slot) bool { got = append(got, s); return true }); err != nil {
+		return err
+	}
+	if len(got) != len(want) || tr.Len() != len(want) {
+		return fmt.Errorf("%d slots (Len %d), oracle %d", len(got), tr.Len(), len(want))
+	}
+	for i := range want {
+		if got[i] != want[i] {
+			return fmt.Errorf("slot %d: %+v, oracle %+v", i, got[i], want[i])
+		}
+	}
+	return nil
+}
+
+func randSlot(rng *rand.Rand, span uint64) Slot {
+	s := Slot{LBA: rng.Uint64N(span), Loc: rng.Uint32N(1 << 20), CRC: rng.Uint32(), BGen: rng.Uint32N(8)}
+	if rng.IntN(2) == 0 {
+		s.Loc |= dirtyBit
+		s.Epoch = 1 + rng.Uint64N(1000)
+	}
+	return s
+}
+
+// workload runs n random operations on tr and o: puts (mostly), deletes,
+// lookups and range scans, comparing each result with the oracle.
+func workload(t *testing.T, rng *rand.Rand, tr *Tree, o *oracle, n int, span uint64) {
+	t.Helper()
+	for range n {
+		switch r := rng.IntN(20); {
+		case r < 12:
+			s := randSlot(rng, span)
+			old, replaced, err := tr.Put(s)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want, had := o.tree.Get(index.Ent{LBA: s.LBA})
+			if replaced != had || (had && old != o.slot(want)) {
+				t.Fatalf("Put(%+v) replaced %+v (%t), oracle %+v (%t)", s, old, replaced, want, had)
+			}
+			o.put(s)
+		case r < 17:
+			lba := rng.Uint64N(span)
+			want, had := o.tree.Get(index.Ent{LBA: lba})
+			var wantSlot Slot
+			if had {
+				wantSlot = o.slot(want)
+			}
+			old, ok, err := tr.Delete(lba)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if ok != o.del(lba) || (ok && old != wantSlot) {
+				t.Fatalf("Delete(%d) = %+v %t, oracle %+v %t", lba, old, ok, wantSlot, had)
+			}
+		case r < 19:
+			lba := rng.Uint64N(span)
+			got, ok, err := tr.Get(lba)
+			if err != nil {
+				t.Fatal(err)
+			}
+			want, had := o.tree.Get(index.Ent{LBA: lba})
+			if ok != had || (ok && got != o.slot(want)) {
+				t.Fatalf("Get(%d) = %+v %t, oracle %+v %t", lba, got, ok, want, had)
+			}
+		default:
+			from := rng.Uint64N(span)
+			var got, want []Slot
+			if err := tr.Ascend(from, func(s Slot) bool { got = append(got, s); return len(got) < 50 }); err != nil {
+				t.Fatal(err)
+			}
+			o.tree.AscendGreaterOrEqual(index.Ent{LBA: from}, func(e index.Ent) bool {
+				want = append(want, o.slot(e))
+				return len(want) < 50
+			})
+			if fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("Ascend(%d): %v, oracle %v", from, got, want)
+			}
+		}
+	}
+}
+
+// reachable counts the pages the durable root names, reading the trees
+// as stored.
+func reachable(t *testing.T, dev device.Device, lay Layout) int {
+	t.Helper()
+	st, _, err := Open(dev, lay, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st.alloc.Used()
+}
+
+// TestTreeOracle runs random operations on a tree and on the in-memory
+// index, with checkpoints and re-opens (from the device, with a page
+// cache of 4 pages) in between: every lookup, scan and the whole content
+// agree with the oracle, Check holds, the page cache stays within its
+// bound, and after each checkpoint exactly the pages the root names are
+// in use (nothing leaks, nothing named is free).
+func TestTreeOracle(t *testing.T) {
+	seeds, rounds := uint64(3), 9
+	if raceEnabled {
+		seeds, rounds = 2, 6
+	}
+	for seed := range seeds {
+		t.Run(fmt.Sprint(seed), func(t *testing.T) {
+			t.Logf("seed %d", seed)
+			rng := rand.New(rand.NewPCG(seed, 20))
+			lay := testLayout(4096)
+			dev := device.NewMem(lay.Off + lay.Len())
+			st := newTestStore(t, dev, lay, 4)
+			span := uint64(2000 + seed*20000) // dense (replacements) to sparse (splits)
+			trees := []*Tree{st.Tree(0), st.Tree(5)}
+			oracles := []*oracle{newOracle(), newOracle()}
+			for round := range rounds {
+				for i, tr := range trees {
+					workload(t, rng, tr, oracles[i], 1000, span)
+				}
+				if err := st.Checkpoint([]byte(fmt.Sprint(round))); err != nil {
+					t.Fatal(err)
+				}
+				for i, tr := range trees {
+					if err := tr.Check(); err != nil {
+						t.Fatal(err)
+					}
+					if tr.Dirty() != 0 {
+						t.Fatalf("%v after a checkpoint", tr)
+					}
+					if err := oracles[i].same(tr); err != nil {
+						t.Fatalf("round %d tree %d: %v", round, i, err)
+					}
+				}
+				if n := reachable(t, dev, lay); n != st.alloc.Used() {
+					t.Fatalf("round %d: %d pages in use, the root names %d", round, st.alloc.Used(), n)
+				}
+				if st.cache.Len() > 4 {
+					t.Fatalf("page cache holds %d pages, bound 4", st.cache.Len())
+				}
+				if round%3 == 2 {
+					var payload []byte
+					var err error
+					st, payload, err = Open(dev, lay, 4)
+					if err != nil {
+						t.Fatal(err)
+					}
+					if string(payload) != fmt.Sprint(round) {
+						t.Fatalf("payload %q after round %d", payload, round)
+					}
+					trees = []*Tree{st.Tree(0), st.Tree(5)}
+					for i, tr := range trees {
+						if err := oracles[i].same(tr); err != nil {
+							t.Fatalf("reopened after round %d, tree %d: %v", round, i, err)
+						}
+					}
+				}
+			}
+			// Everything deleted: the trees are empty, and so is the area
+			// once a root says so.
+			for i, tr := range trees {
+				var lbas []uint64
+				oracles[i].tree.Ascend(func(e index.Ent) bool { lbas = append(lbas, e.LBA); return true })
+				for _, l := range lbas {
+					if _, ok, err := tr.Delete(l); !ok || err != nil {
+						t.Fatalf("Delete(%d): %t %v", l, ok, err)
+					}
+				}
+				if err := tr.Check(); err != nil || tr.Len() != 0 {
+					t.Fatalf("%v: %v", tr, err)
+				}
+			}
+			if err := st.Checkpoint(nil); err != nil {
+				t.Fatal(err)
+			}
+			if st.alloc.Used() != 0 {
+				t.Fatalf("%d pages in use with empty trees", st.alloc.Used())
+			}
+		})
+	}
+}
+
+// countDev counts reads and writes, and can crash: at write-or-sync
+// operation cut it takes a crash image of the memory device as it is
+// before that operation.
+type countDev struct {
+	*device.Mem
+	reads, ops int
+	cut        int
+	crashed    *device.Mem
+	rng        *rand.Rand
+}
+
+func (d *countDev) ReadAt(p []byte, off int64) (int, error) {
+	d.reads++
+	return d.Mem.ReadAt(p, off)
+}
+
+func (d *countDev) op() {
+	if d.ops == d.cut && d.crashed == nil {
+		d.crashed = d.Mem.CrashClone(device.CrashConfig{UnsyncedKeep: 0.5, TornProb: 0.2, Rand: d.rng})
+	}
+	d.ops++
+}
+
+func (d *countDev) WriteAt(p []byte, off int64) (int, error) {
+	d.op()
+	return d.Mem.WriteAt(p, off)
+}
+
+func (d *countDev) Sync() error {
+	d.op()
+	return d.Mem.Sync()
+}
+
+// TestLookupCost: with the leaves 10x the page cache, a lookup costs at
+// most one device read (the inner nodes are resident), and only when its
+// leaf is not resident.
+func TestLookupCost(t *testing.T) {
+	lay := testLayout(2048)
+	dev := &countDev{Mem: device.NewMem(lay.Off + lay.Len()), cut: -1}
+	st := newTestStore(t, dev, lay, 1000)
+	tr := st.Tree(0)
+	rng := rand.New(rand.NewPCG(1, 2))
+	const n = 50000
+	for i := range n {
+		if _, _, err := tr.Put(Slot{LBA: uint64(i) * 3, Loc: uint32(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.Checkpoint(nil); err != nil {
+		t.Fatal(err)
+	}
+	st, _, err := Open(dev, lay, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaves := st.alloc.Used() // leaves and inner pages
+	st.cache = NewCache(leaves / 10)
+	tr = st.Tree(0)
+	misses := st.cache.Misses
+	const lookups = 5000
+	for range lookups {
+		i := rng.Uint64N(n)
+		r0 := dev.reads
+		s, ok, err := tr.Get(i * 3)
+		if err != nil || !ok || s.Loc != uint32(i) {
+			t.Fatalf("Get(%d): %+v %t %v", i*3, s, ok, err)
+		}
+		if d := dev.reads - r0; d > 1 {
+			t.Fatalf("a lookup read %d pages", d)
+		}
+	}
+	if got := st.cache.Misses - misses; int(got) > lookups || st.cache.Len() > leaves/10 {
+		t.Fatalf("%d misses, %d resident of bound %d", got, st.cache.Len(), leaves/10)
+	}
+	t.Logf("%d pages, cache %d: %d of %d lookups read a page", leaves, leaves/10, st.cache.Misses-misses, lookups)
+}
+
+// TestCheckpointWritesWhatChanged: a checkpoint after k changes to a large
+// tree writes at most the k leaves changed and the inner pages above them,
+// not the tree.
+func TestCheckpointWritesWhatChanged(t *testing.T) {
+	lay := testLayout(8192)
+	dev := device.NewMem(lay.Off + lay.Len())
+	st := newTestStore(t, dev, lay, 64)
+	tr := st.Tree(0)
+	const n = 100000
+	for i := range n {
+		if _, _, err := tr.Put(Slot{LBA: uint64(i), Loc: uint32(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.Checkpoint(nil); err != nil {
+		t.Fatal(err)
+	}
+	total := st.alloc.Used()
+	height := tr.root.level
+	rng := rand.New(rand.NewPCG(3, 4))
+	for _, k := range []int{1, 10, 100} {
+		w0 := st.PagesWritten
+		for range k {
+			l := rng.Uint64N(n)
+			if _, _, err := tr.Put(Slot{LBA: l, Loc: 7}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := st.Checkpoint(nil); err != nil {
+			t.Fatal(err)
+		}
+		w := int(st.PagesWritten - w0)
+		if w > k*height+1 || w < 1 {
+			t.Fatalf("%d changes: %d pages written (tree of %d pages, height %d)", k, w, total, height)
+		}
+		t.Logf("%d changes in a tree of %d pages: %d pages written", k, total, w)
+	}
+}
+
+// TestCrashAtEveryWrite: a crash at any write or sync of a checkpoint
+// (unsynced blocks kept, lost or torn at random) reopens either the
+// previous root's trees or the new one's, exactly.
+func TestCrashAtEveryWrite(t *testing.T) {
+	lay := testLayout(1024)
+	// One run without a crash counts the operations.
+	run := func(cut int, seed uint64) (*countDev, []*oracle, int) {
+		rng := rand.New(rand.NewPCG(seed, 9))
+		dev := &countDev{Mem: device.NewMem(lay.Off + lay.Len()), cut: cut, rng: rand.New(rand.NewPCG(seed, uint64(cut)))}
+		st := newTestStore(t, dev, lay, 8)
+		o := newOracle()
+		snaps := []*oracle{o.clone()} // the trees as of each root, from generation 1
+		tr := st.Tree(1)
+		start := dev.ops
+		for range 5 {
+			workload(t, rng, tr, o, 250, 3000)
+			if err := st.Checkpoint(nil); err != nil {
+				t.Fatal(err)
+			}
+			snaps = append(snaps, o.clone())
+		}
+		return dev, snaps, dev.ops - start
+	}
+	seeds := uint64(2)
+	if raceEnabled {
+		seeds = 1
+	}
+	for seed := range seeds {
+		_, _, nops := run(-1, seed)
+		for cut := 0; cut < nops; cut++ {
+			dev, snaps, _ := run(cut+3, seed) // after Format's two writes and a sync
+			if dev.crashed == nil {
+				t.Fatalf("seed %d cut %d: no crash image", seed, cut)
+			}
+			st, _, err := Open(dev.crashed, lay, 8)
+			if err != nil {
+				t.Fatalf("seed %d cut %d: open after crash: %v", seed, cut, err)
+			}
+			g := int(st.Gen()) - 1
+			if g < 0 || g >= len(snaps) {
+				t.Fatalf("seed %d cut %d: generation %d", seed, cut, st.Gen())
+			}
+			if err := snaps[g].same(st.Tree(1)); err != nil {
+				t.Fatalf("seed %d cut %d: generation %d: %v", seed, cut, st.Gen(), err)
+			}
+			if err := st.Tree(1).Check(); err != nil {
+				t.Fatalf("seed %d cut %d: %v", seed, cut, err)
+			}
+		}
+		t.Logf("seed %d: %d crash points", seed, nops)
+	}
+}
+
+// TestCorruptLeaf: a damaged leaf is an error naming it, never a panic or
+// wrong data, and the tree around it still answers.
+func TestCorruptLeaf(t *testing.T) {
+	lay := testLayout(256)
+	dev := device.NewMem(lay.Off + lay.Len())
+	st := newTestStore(t, dev, lay, 2)
+	tr := st.Tree(0)
+	for i := range 2000 {
+		if _, _, err := tr.Put(Slot{LBA: uint64(i), Loc: uint32(i)}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := st.Checkpoint(nil); err != nil {
+		t.Fatal(err)
+	}
+	st, _, err := Open(dev, lay, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr = st.Tree(0)
+	k := tr.root.kids[0]
+	if err := dev.Corrupt(lay.pageOff(k.ptr.Page)+200, 1); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err = tr.Get(0)
+	var ce interface{ Unwrap() error }
+	if !IsCorruption(err) || !errors.As(err, &ce) {
+		t.Fatalf("Get of a damaged leaf: %v", err)
+	}
+	if s, ok, err := tr.Get(1999); err != nil || !ok || s.Loc != 1999 {
+		t.Fatalf("Get(1999) beside the damaged leaf: %+v %t %v", s, ok, err)
+	}
+}

@@ -1,0 +1,456 @@
+package pages
+
+import (
+	"fmt"
+	"math"
+	"slices"
+)
+
+// Tree is one volume's entries as a B+tree whose leaves are pages: inner
+// nodes resident (each also a page on the device), leaves read through
+// the store's page cache when clean and held by the tree when changed
+// since the last checkpoint.
+//
+// Copy-on-write: a page on the device is never changed. The first change
+// of a leaf or inner node after a checkpoint works on a copy and releases
+// the page it came from (Alloc.Release); the next checkpoint writes the
+// copy to a free page. So the durable root's pages stay intact until a
+// newer root is durable, and a checkpoint writes only the pages changed
+// since the last one, plus the inner nodes above them.
+//
+// Structural invariants (Check): every leaf at depth level of the root;
+// every node holds 1..cap children; a leaf 1..LeafCap slots in strictly
+// increasing LBA order; every key under child i of a node is >= its key
+// and < the key of child i+1; kid.agg <= the oldest dirty epoch under it;
+// length counts the slots. Leaves are not merged when they get small (a
+// leaf is dropped when it is empty).
+//
+// A Tree is guarded by the caller's lock; every method requires it. Page
+// reads happen inside the call (the engine would drop its lock around
+// them: docs/CACHE.md).
+type Tree struct {
+	id     uint16
+	st     *Store
+	root   *node // nil: empty
+	length int
+	ndirty int // leaves held changed (not in the cache)
+}
+
+type node struct {
+	level   int // 1: the children are leaves
+	kids    []kid
+	dirty   bool // changed since its page was written, or never written
+	written bool // ptr names its page
+	ptr     Ptr
+}
+
+type kid struct {
+	key Key
+	agg uint64 // lower bound of the oldest dirty epoch under it
+	// ptr: the child's page (written: ptr.Gen != 0). For an inner child
+	// the node's own ptr is authoritative; this copy is what the parent's
+	// page records.
+	ptr   Ptr
+	node  *node // inner child (level > 1)
+	dirty *Page // leaf changed since written (or never written): not in the cache
+}
+
+// ID returns the tree's number (the volume slot).
+func (t *Tree) ID() uint16 { return t.id }
+
+// Len returns the number of slots.
+func (t *Tree) Len() int { return t.length }
+
+// Dirty returns the number of leaves changed since the last checkpoint.
+func (t *Tree) Dirty() int { return t.ndirty }
+
+func (n *node) childIndex(k Key) int {
+	// The last child whose key is <= k (0 if none).
+	i, _ := slices.BinarySearchFunc(n.kids, k, func(c kid, k Key) int {
+		if keyLess(k, c.key) {
+			return 1
+		}
+		return -1
+	})
+	return max(i-1, 0)
+}
+
+// leaf returns the leaf of kid k for reading.
+func (t *Tree) leaf(k *kid) (*Page, error) {
+	if k.dirty != nil {
+		return k.dirty, nil
+	}
+	if p, ok := t.st.cache.Get(k.ptr.Page); ok {
+		return p, nil
+	}
+	p, err := t.st.readPage(k.ptr, KindLeaf, 0, t.id)
+	if err != nil {
+		return nil, err
+	}
+	t.st.cache.Put(k.ptr.Page, p)
+	return p, nil
+}
+
+// mutLeaf returns the leaf of kid k for changing: a copy of its page, the
+// page released.
+func (t *Tree) mutLeaf(k *kid) (*Page, error) {
+	if k.dirty != nil {
+		return k.dirty, nil
+	}
+	p, err := t.leaf(k)
+	if err != nil {
+		return nil, err
+	}
+	c := new(Page)
+	*c = *p
+	t.st.cache.Drop(k.ptr.Page)
+	t.st.alloc.Release(k.ptr.Page)
+	k.dirty = c
+	k.ptr = Ptr{}
+	t.ndirty++
+	return c, nil
+}
+
+// touch marks n changed, releasing its page.
+func (t *Tree) touch(n *node) {
+	if n.dirty {
+		return
+	}
+	n.dirty = true
+	if n.written {
+		t.st.alloc.Release(n.ptr.Page)
+		n.written, n.ptr = false, Ptr{}
+	}
+}
+
+type step struct {
+	n *node
+	i int
+}
+
+// descend returns the path from the root to the leaf level for key k.
+func (t *Tree) descend(k Key, path []step) []step {
+	n := t.root
+	for {
+		i := n.childIndex(k)
+		path = append(path, step{n, i})
+		if n.level == 1 {
+			return path
+		}
+		n = n.kids[i].node
+	}
+}
+
+// Get returns the slot of lba.
+func (t *Tree) Get(lba uint64) (Slot, bool, error) {
+	if t.root == nil {
+		return Slot{}, false, t.st.err
+	}
+	n := t.root
+	k := Key{LBA: lba}
+	for n.level > 1 {
+		n = n.kids[n.childIndex(k)].node
+	}
+	p, err := t.leaf(&n.kids[n.childIndex(k)])
+	if err != nil {
+		return Slot{}, false, err
+	}
+	i, ok := p.Search(lba)
+	if !ok {
+		return Slot{}, false, nil
+	}
+	return p.Slot(i), true, nil
+}
+
+// Put inserts s, or replaces the slot of its LBA, and returns the slot
+// replaced.
+func (t *Tree) Put(s Slot) (old Slot, replaced bool, err error) {
+	if t.st.err != nil {
+		return Slot{}, false, t.st.err
+	}
+	if err := CheckSlot(s); err != nil {
+		return Slot{}, false, err
+	}
+	agg := uint64(math.MaxUint64)
+	if s.Loc&dirtyBit != 0 {
+		agg = s.Epoch
+	}
+	k := Key{LBA: s.LBA}
+	if t.root == nil {
+		p := new(Page)
+		p.Init(KindLeaf, 0, t.id)
+		p.InsertSlot(0, s)
+		t.root = &node{level: 1, dirty: true, kids: []kid{{key: k, agg: agg, dirty: p}}}
+		t.ndirty++
+		t.length++
+		return Slot{}, false, nil
+	}
+	var buf [8]step
+	path := t.descend(k, buf[:0])
+	for _, st := range path {
+		t.touch(st.n)
+		c := &st.n.kids[st.i]
+		c.agg = min(c.agg, agg)
+		if keyLess(k, c.key) {
+			c.key = k // only child 0 of a node can be above k
+		}
+	}
+	last := path[len(path)-1]
+	lk := &last.n.kids[last.i]
+	p, err := t.mutLeaf(lk)
+	if err != nil {
+		return Slot{}, false, err
+	}
+	i, found := p.Search(s.LBA)
+	if found {
+		old = p.Slot(i)
+		p.SetSlot(i, s)
+		return old, true, nil
+	}
+	t.length++
+	if p.Count() < LeafCap {
+		p.InsertSlot(i, s)
+		return Slot{}, false, nil
+	}
+	// Split: the upper half goes to a new leaf after this one.
+	r := new(Page)
+	r.Init(KindLeaf, 0, t.id)
+	half := LeafCap / 2
+	for j := half; j < LeafCap; j++ {
+		r.InsertSlot(j-half, p.Slot(j))
+	}
+	for p.Count() > half {
+		p.RemoveSlot(p.Count() - 1)
+	}
+	if i <= half {
+		p.InsertSlot(i, s)
+	} else {
+		r.InsertSlot(i-half, s)
+	}
+	t.ndirty++
+	// Both halves' bounds stay the old one (a lower bound of each).
+	t.addKid(path, len(path)-1, kid{key: Key{LBA: r.LBA(0)}, agg: lk.agg, dirty: r})
+	return Slot{}, false, nil
+}
+
+// addKid puts c after path[level]'s child, splitting nodes upwards.
+func (t *Tree) addKid(path []step, level int, c kid) {
+	for {
+		st := path[level]
+		n := st.n
+		n.kids = slices.Insert(n.kids, st.i+1, c)
+		if len(n.kids) <= InnerCap {
+			return
+		}
+		half := len(n.kids) / 2
+		r := &node{level: n.level, dirty: true, kids: slices.Clone(n.kids[half:])}
+		n.kids = slices.Clip(n.kids[:half])
+		rc := kid{key: r.kids[0].key, agg: minAgg(r.kids), node: r}
+		if level == 0 {
+			t.root = &node{level: n.level + 1, dirty: true, kids: []kid{
+				{key: n.kids[0].key, agg: minAgg(n.kids), node: n}, rc}}
+			return
+		}
+		path[level-1].n.kids[path[level-1].i].agg = minAgg(n.kids)
+		c, level = rc, level-1
+	}
+}
+
+func minAgg(ks []kid) uint64 {
+	m := uint64(math.MaxUint64)
+	for _, k := range ks {
+		m = min(m, k.agg)
+	}
+	return m
+}
+
+// Delete removes the slot of lba and returns it.
+func (t *Tree) Delete(lba uint64) (Slot, bool, error) {
+	if t.st.err != nil {
+		return Slot{}, false, t.st.err
+	}
+	if t.root == nil {
+		return Slot{}, false, nil
+	}
+	k := Key{LBA: lba}
+	var buf [8]step
+	path := t.descend(k, buf[:0])
+	last := path[len(path)-1]
+	lk := &last.n.kids[last.i]
+	// Look first: a miss changes nothing.
+	p, err := t.leaf(lk)
+	if err != nil {
+		return Slot{}, false, err
+	}
+	if _, ok := p.Search(lba); !ok {
+		return Slot{}, false, nil
+	}
+	for _, st := range path {
+		t.touch(st.n)
+	}
+	if p, err = t.mutLeaf(lk); err != nil {
+		return Slot{}, false, err
+	}
+	i, _ := p.Search(lba)
+	old := p.Slot(i)
+	p.RemoveSlot(i)
+	t.length--
+	if p.Count() > 0 {
+		return old, true, nil
+	}
+	// The leaf is empty: drop it, and every node it empties.
+	t.ndirty--
+	for level := len(path) - 1; level >= 0; level-- {
+		st := path[level]
+		st.n.kids = slices.Delete(st.n.kids, st.i, st.i+1)
+		if len(st.n.kids) > 0 {
+			break
+		}
+		if level == 0 {
+			t.root = nil
+		}
+	}
+	for t.root != nil && t.root.level > 1 && len(t.root.kids) == 1 {
+		t.touch(t.root) // releases its page
+		t.root = t.root.kids[0].node
+	}
+	return old, true, nil
+}
+
+// Ascend calls fn for each slot with LBA >= from, in order, until fn
+// returns false.
+func (t *Tree) Ascend(from uint64, fn func(Slot) bool) error {
+	if t.root == nil {
+		return t.st.err
+	}
+	_, err := t.ascend(t.root, Key{LBA: from}, fn)
+	return err
+}
+
+func (t *Tree) ascend(n *node, from Key, fn func(Slot) bool) (bool, error) {
+	for i := n.childIndex(from); i < len(n.kids); i++ {
+		k := &n.kids[i]
+		if n.level > 1 {
+			if more, err := t.ascend(k.node, from, fn); !more || err != nil {
+				return more, err
+			}
+			continue
+		}
+		p, err := t.leaf(k)
+		if err != nil {
+			return false, err
+		}
+		j, _ := p.Search(from.LBA)
+		for ; j < p.Count(); j++ {
+			if !fn(p.Slot(j)) {
+				return false, nil
+			}
+		}
+	}
+	return true, nil
+}
+
+// Check verifies the tree's structural invariants, reading every leaf.
+func (t *Tree) Check() error {
+	if t.root == nil {
+		if t.length != 0 || t.ndirty != 0 {
+			return errorf("tree %d: empty with length %d, %d dirty leaves", t.id, t.length, t.ndirty)
+		}
+		return nil
+	}
+	var count, dirty int
+	var prev *uint64
+	var walk func(n *node, lo Key, hasLo bool, hi Key, hasHi bool) error
+	walk = func(n *node, lo Key, hasLo bool, hi Key, hasHi bool) error {
+		if len(n.kids) == 0 || len(n.kids) > InnerCap {
+			return errorf("tree %d: node of level %d with %d children", t.id, n.level, len(n.kids))
+		}
+		if !n.dirty && !n.written {
+			return errorf("tree %d: clean node of level %d without a page", t.id, n.level)
+		}
+		for i := range n.kids {
+			k := &n.kids[i]
+			if i > 0 && !keyLess(n.kids[i-1].key, k.key) {
+				return errorf("tree %d: level %d keys out of order", t.id, n.level)
+			}
+			clo, chasLo := lo, hasLo
+			if i > 0 {
+				clo, chasLo = k.key, true
+			}
+			chi, chasHi := hi, hasHi
+			if i+1 < len(n.kids) {
+				chi, chasHi = n.kids[i+1].key, true
+			}
+			var minEp uint64
+			if n.level > 1 {
+				if k.node == nil || k.node.level != n.level-1 || k.dirty != nil {
+					return errorf("tree %d: level %d child %d is not a node of level %d", t.id, n.level, i, n.level-1)
+				}
+				if err := walk(k.node, clo, chasLo, chi, chasHi); err != nil {
+					return err
+				}
+				minEp = t.subtreeMin(k.node)
+			} else {
+				if k.node != nil || (k.dirty == nil && k.ptr.Gen == 0) {
+					return errorf("tree %d: leaf child %d neither held nor written", t.id, i)
+				}
+				if k.dirty != nil {
+					dirty++
+				}
+				p, err := t.leaf(k)
+				if err != nil {
+					return err
+				}
+				if p.Count() == 0 || p.Count() > LeafCap {
+					return errorf("tree %d: leaf with %d slots", t.id, p.Count())
+				}
+				for j := range p.Count() {
+					l := p.LBA(j)
+					if prev != nil && l <= *prev {
+						return errorf("tree %d: lba %d after %d", t.id, l, *prev)
+					}
+					if (chasLo && l < clo.LBA) || (chasHi && l >= chi.LBA) {
+						return errorf("tree %d: lba %d outside its child's key range", t.id, l)
+					}
+					prev = &l
+					count++
+				}
+				minEp = p.MinEpoch()
+			}
+			if k.agg > minEp {
+				return errorf("tree %d: level %d child %d bound %d above its oldest dirty epoch %d", t.id, n.level, i, k.agg, minEp)
+			}
+		}
+		return nil
+	}
+	if err := walk(t.root, Key{}, false, Key{}, false); err != nil {
+		return err
+	}
+	if count != t.length || dirty != t.ndirty {
+		return errorf("tree %d: %d slots and %d dirty leaves, accounted %d and %d", t.id, count, dirty, t.length, t.ndirty)
+	}
+	return nil
+}
+
+func (t *Tree) subtreeMin(n *node) uint64 {
+	m := uint64(math.MaxUint64)
+	for i := range n.kids {
+		k := &n.kids[i]
+		if n.level > 1 {
+			m = min(m, t.subtreeMin(k.node))
+			continue
+		}
+		if p, err := t.leaf(k); err == nil {
+			m = min(m, p.MinEpoch())
+		}
+	}
+	return m
+}
+
+func (t *Tree) String() string {
+	h := 0
+	if t.root != nil {
+		h = t.root.level
+	}
+	return fmt.Sprintf("tree %d: %d slots, height %d, %d dirty leaves", t.id, t.length, h, t.ndirty)
+}
