@@ -42,6 +42,10 @@ type CacheOptions struct {
 	Rounds    int      // times the whole scenario list runs (medians reported); 0 or 1: once
 	S6LBA     bool     // S6 also runs pgbench in writeback with writeback_order=lba
 	S7Jobs    []string // S7's cases to run (s7JobNames); all when empty
+	// AB, when set, is a second tiercache binary that S7 and S8 also run,
+	// in both writeback orders, beside the first in every round (an A/B
+	// of two builds side by side); ABRev names it in the report.
+	AB, ABRev string
 }
 
 var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8", "S9", "S10"}
@@ -156,6 +160,8 @@ func cacheMain(args []string) int {
 	fs.BoolVar(&o.S6LBA, "s6-lba", false, "S6 also runs pgbench in writeback with writeback_order=lba (issue 4: what epoch order costs; ~45 s more a round)")
 	var s7 string
 	fs.StringVar(&s7, "s7", "", "comma-separated S7 cases to run: "+strings.Join(s7JobNames, ", ")+" (drain also runs seqwrite, its reference); default all")
+	fs.StringVar(&o.AB, "ab", "", "S7 and S8 also run this tiercache binary, in both writeback orders, beside the first in every round (targets named \"B\")")
+	fs.StringVar(&o.ABRev, "ab-rev", "", "with --ab: the commit that binary was built from, for the report")
 	fs.IntVar(&o.Rounds, "rounds", 1, "run the scenarios this many times, one round after the other, and report each bar's median round (every round's ratio is shown)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -207,21 +213,23 @@ func cacheMain(args []string) int {
 
 // cacheRunner holds the state of one suite run.
 type cacheRunner struct {
-	r       *runner // fio runs, process registry, command log
-	sz      cacheSizes
-	quick   bool
-	s6lba   bool
-	s7jobs  []string
-	tcBin   string
-	workdir string
-	master  string // pseudo-random data, copied into each backing image
-	figs    []Figure
-	checks  []Check   // this round's
-	rounds  [][]Check // every finished round's checks
-	round   int       // 1-based
-	nrounds int
-	details []detail // the last round's
-	dirs    []string // the current scenario's tcDir directories
+	r      *runner // fio runs, process registry, command log
+	sz     cacheSizes
+	quick  bool
+	s6lba  bool
+	s7jobs []string
+	tcBin  string
+	// abBin and abRev: CacheOptions.AB and ABRev.
+	abBin, abRev string
+	workdir      string
+	master       string // pseudo-random data, copied into each backing image
+	figs         []Figure
+	checks       []Check   // this round's
+	rounds       [][]Check // every finished round's checks
+	round        int       // 1-based
+	nrounds      int
+	details      []detail // the last round's
+	dirs         []string // the current scenario's tcDir directories
 	// golden is S6's golden image, built in the first round that runs S6
 	// and kept in goldenDir until the suite ends.
 	golden, goldenDir string
@@ -287,7 +295,7 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	if err := checkTools([]string{"qemu-nbd"}); err != nil {
 		return err
 	}
-	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout, s6lba: o.S6LBA, s7jobs: o.S7Jobs}
+	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout, s6lba: o.S6LBA, s7jobs: o.S7Jobs, abBin: o.AB, abRev: o.ABRev}
 	if o.Quick {
 		c.sz = quickSizes()
 	}
@@ -450,7 +458,7 @@ func (c *cacheRunner) plannedSteps(scen []string) int {
 		case "S7":
 			n += c.s7Steps()
 		case "S8":
-			n += 3 * len(cliffTargets)
+			n += 3 * len(c.cliffTargets())
 		case "S9":
 			n += 2
 		case "S10":
@@ -695,6 +703,11 @@ func (c *cacheRunner) cached(ctx context.Context, tag, cacheKind, backKind, mode
 
 // cachedFrom is cached with the backing data copied from src.
 func (c *cacheRunner) cachedFrom(ctx context.Context, tag, cacheKind, backKind, mode string, cacheSize int64, src string) (*server, error) {
+	return c.cachedFromBin(ctx, c.tcBin, tag, cacheKind, backKind, mode, cacheSize, src)
+}
+
+// cachedFromBin is cachedFrom served by the tiercache binary bin.
+func (c *cacheRunner) cachedFromBin(ctx context.Context, bin, tag, cacheKind, backKind, mode string, cacheSize int64, src string) (*server, error) {
 	dir, err := c.tcDir(tag)
 	if err != nil {
 		return nil, err
@@ -716,14 +729,18 @@ func (c *cacheRunner) cachedFrom(ctx context.Context, tag, cacheKind, backKind, 
 		}
 		return kind + ":" + p
 	}
-	format := []string{c.tcBin, "format", "--cache", spec(cacheKind, cf), "--backing", "vol=" + spec(backKind, b), "--mode", mode, "--direct", "off", "--data-dir", dir}
+	format := []string{bin, "format", "--cache", spec(cacheKind, cf), "--backing", "vol=" + spec(backKind, b), "--mode", mode, "--direct", "off", "--data-dir", dir}
 	c.r.noteCommand(format)
 	if out, err := exec.CommandContext(ctx, format[0], format[1:]...).CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("%s: %v\n%s", shellJoin(format), err, out)
 	}
 	sock := filepath.Join(dir, "nbd.sock")
-	argv := []string{c.tcBin, "serve", "--cache", spec(cacheKind, cf), "--listen", "unix:" + sock, "--data-dir", dir, "--direct", "off"}
-	return c.startServer(ctx, "tiercache", "vol", sock, dir, argv)
+	argv := []string{bin, "serve", "--cache", spec(cacheKind, cf), "--listen", "unix:" + sock, "--data-dir", dir, "--direct", "off"}
+	srv, err := c.startServer(ctx, "tiercache", "vol", sock, dir, argv)
+	if srv != nil {
+		srv.bin = bin
+	}
+	return srv, err
 }
 
 // admin runs a tiercache admin command against s.

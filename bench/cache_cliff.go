@@ -22,6 +22,7 @@ package bench
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -36,6 +37,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/tiercache/tiercache/admin"
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/vg"
@@ -87,10 +89,32 @@ func (z cliffSizes) line() string {
 }
 
 // cliffTarget is one column of S7 and S8: the plain HDD model (order "")
-// or tiercache in writeback mode with one writeback order.
-type cliffTarget struct{ name, order string }
+// or tiercache in writeback mode with one writeback order, served by the
+// suite's tiercache binary or (bin) the --ab one.
+type cliffTarget struct{ name, order, bin string }
 
-var cliffTargets = []cliffTarget{{"HDD model", ""}, {"tiercache epoch", "epoch"}, {"tiercache lba", "lba"}}
+var cliffTargets = []cliffTarget{{"HDD model", "", ""}, {"tiercache epoch", "epoch", ""}, {"tiercache lba", "lba", ""}}
+
+// cliffTargets are the round's targets: cliffTargets, and with --ab the
+// second binary in both orders, after the first binary's targets in odd
+// rounds and before them in even ones (the machine's load drifts within
+// a round). The plain HDD model always runs first: its times set the
+// caps.
+func (c *cacheRunner) cliffTargets() []cliffTarget {
+	if c.abBin == "" {
+		return cliffTargets
+	}
+	b := "B"
+	if c.abRev != "" {
+		b += " " + c.abRev
+	}
+	a := cliffTargets[1:]
+	bt := []cliffTarget{{"tiercache epoch (" + b + ")", "epoch", c.abBin}, {"tiercache lba (" + b + ")", "lba", c.abBin}}
+	if c.round%2 == 0 {
+		a, bt = bt, a
+	}
+	return slices.Concat(cliffTargets[:1], a, bt)
+}
 
 // cliffRun is one job's result on one target.
 type cliffRun struct {
@@ -239,6 +263,42 @@ func (c *cacheRunner) quickStats(ctx context.Context, srv *server) (vol, set map
 	return v, s
 }
 
+// writeLat returns srv's latency summary of all write requests since it
+// started, as its backend served them (admin API; zero when unknown).
+func (c *cacheRunner) writeLat(ctx context.Context, srv *server) admin.LatencySummary {
+	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	out, err := c.admin(ctx, srv, "stats", "--json")
+	if err != nil {
+		return admin.LatencySummary{}
+	}
+	var st admin.Stats
+	if json.Unmarshal(out, &st) != nil {
+		return admin.LatencySummary{}
+	}
+	for _, e := range st.Exports {
+		if e.Name != "vol" {
+			continue
+		}
+		for _, l := range e.Latency {
+			if l.Op == "write" && l.Tier == "" {
+				return l
+			}
+		}
+	}
+	return admin.LatencySummary{}
+}
+
+// latText says what the server saw of the write requests between l0 and
+// l1 (writeLat): their p99.9 and the slowest ("" when none).
+func latText(l0, l1 admin.LatencySummary) string {
+	d := l1.Sub(l0)
+	if d.Count == 0 {
+		return ""
+	}
+	return fmt.Sprintf("server: %d write requests, p99.9 %s, slowest %s", d.Count, msText(d.P999Micros/1000), msText(d.MaxMicros/1000))
+}
+
 // cliffServer starts target t over a fresh copy of src (the master data
 // when "").
 func (c *cacheRunner) cliffServer(ctx context.Context, tag string, t cliffTarget, src string) (*server, error) {
@@ -257,7 +317,7 @@ func (c *cacheRunner) cliffServer(ctx context.Context, tag string, t cliffTarget
 		sock := filepath.Join(dir, "nbd.sock")
 		return c.startServer(ctx, "tiercache", "vol", sock, dir, []string{c.tcBin, "serve", "--export", "vol=hdd:" + b, "--listen", "unix:" + sock, "--data-dir", dir, "--direct", "off"})
 	}
-	srv, err := c.cachedFrom(ctx, tag, "ssd", "hdd", "writeback", c.sz.Cliff.Cache, src)
+	srv, err := c.cachedFromBin(ctx, cmp.Or(t.bin, c.tcBin), tag, "ssd", "hdd", "writeback", c.sz.Cliff.Cache, src)
 	if err != nil {
 		return nil, err
 	}
@@ -271,7 +331,7 @@ func (c *cacheRunner) cliffServer(ctx context.Context, tag string, t cliffTarget
 // cliffCase is one job on every target.
 type cliffCase struct {
 	title string
-	runs  []cliffRun // by cliffTargets
+	runs  []cliffRun // by cacheRunner.cliffTargets
 	// bar is the lowest ratio to the plain HDD model that meets the case's
 	// bar (0: 0.95); drain is a writeback drain (no request latency).
 	bar   float64
@@ -298,7 +358,7 @@ func (c *cacheRunner) s7(ctx context.Context) error {
 		}
 		cc := cliffCase{title: j.Title}
 		var limit time.Duration
-		for ti, t := range cliffTargets {
+		for ti, t := range c.cliffTargets() {
 			srv, err := c.cliffServer(ctx, fmt.Sprintf("s7-%s-%d", j.Name, ti), t, "")
 			if err != nil {
 				return err
@@ -372,7 +432,7 @@ func (c *cacheRunner) s7RandDrain(ctx context.Context) (cliffCase, error) {
 	cc := cliffCase{title: fmt.Sprintf("drain of %d MiB of random 4 KiB dirty data over %d MiB (tiercache flush) / the same writes on the plain HDD model in arrival order, QD32", z.RandDrain>>20, z.MixRegion>>20),
 		bar: 2.5, drain: true, seed: "target: writeback keeps up, ≥ 2.5x arrival order on random dirty data"}
 	fill := job{Name: "s7-randdrain-fill", RW: "randwrite", BS: 4096, QD: 32, Size: z.MixRegion, IOSize: z.RandDrain, EndSync: true, Seed: 25, Metric: MetricMiBps}
-	for ti, t := range cliffTargets {
+	for ti, t := range c.cliffTargets() {
 		srv, err := c.cliffServer(ctx, fmt.Sprintf("s7-randdrain-%d", ti), t, "")
 		if err != nil {
 			return cc, err
@@ -418,7 +478,7 @@ func (c *cacheRunner) s7Drain(ctx context.Context, seq cliffRun) (cliffCase, err
 	ref.p999Ms, ref.maxMs = math.NaN(), math.NaN()
 	cc.runs = append(cc.runs, ref)
 	c.progress("S7", "HDD model "+cc.title, fmt.Sprintf("%.0f MB/s (the sequential write above)", seq.value))
-	for ti, t := range cliffTargets[1:] {
+	for ti, t := range c.cliffTargets()[1:] {
 		srv, err := c.cliffServer(ctx, fmt.Sprintf("s7-drain-%d", ti), t, "")
 		if err != nil {
 			return cc, err
@@ -469,8 +529,23 @@ func (c *cacheRunner) s7Fillrandom(ctx context.Context) (cliffCase, error) {
 	if err != nil {
 		return cc, err
 	}
+	// The ceiling: the same job with no device under it at all.
+	ceiling := ""
+	if terr == nil {
+		dir := filepath.Join(c.workdir, "s7-rocks-ceiling")
+		r, err := c.fillrandom(ctx, t, nil, filepath.Join(dir, "rocks"), 0)
+		if rerr := os.RemoveAll(dir); err == nil {
+			err = rerr
+		}
+		if err != nil {
+			return cc, err
+		}
+		ceiling = fmt.Sprintf("the same job in a directory of the workdir (%s), no NBD, no model, in this round: %s ops/s (the most a cache could reach here)", fsType(c.workdir), formatValue(r.value))
+		c.add(Figure{Scenario: "S7", Target: "no device", Test: cc.title, Value: r.value, Unit: "ops/s", Note: ceiling})
+		c.progress("S7", "no device "+cc.title, fmt.Sprintf("%s ops/s", formatValue(r.value)))
+	}
 	var limit time.Duration
-	for ti, tg := range cliffTargets {
+	for ti, tg := range c.cliffTargets() {
 		if terr != nil {
 			r := cliffRun{skipped: terr.Error(), p999Ms: math.NaN(), maxMs: math.NaN(), unit: "ops/s"}
 			cc.runs = append(cc.runs, r)
@@ -479,10 +554,14 @@ func (c *cacheRunner) s7Fillrandom(ctx context.Context) (cliffCase, error) {
 		}
 		r, err := c.onExt4(ctx, fmt.Sprintf("s7-rocks-%d", ti), tg, golden, func(srv *server, mnt string) (cliffRun, error) {
 			v0, _ := c.quickStats(ctx, srv)
+			l0 := c.writeLat(ctx, srv)
 			r, err := c.fillrandom(ctx, t, srv, filepath.Join(mnt, "rocks"), limit)
-			if err == nil && tg.order != "" && !r.stalled {
-				v1, s1 := c.quickStats(ctx, srv)
-				r.tc = tcCounters(v0, v1, s1)
+			if err == nil && !r.stalled {
+				if tg.order != "" {
+					v1, s1 := c.quickStats(ctx, srv)
+					r.tc = tcCounters(v0, v1, s1)
+				}
+				r.tc = joinNote(r.tc, latText(l0, c.writeLat(ctx, srv)))
 			}
 			return r, err
 		})
@@ -491,11 +570,21 @@ func (c *cacheRunner) s7Fillrandom(ctx context.Context) (cliffCase, error) {
 		}
 		if ti == 0 {
 			limit = c.capFor(r.secs)
+			r.tc = joinNote(r.tc, ceiling)
 		}
 		c.cliffFigure("S7", tg, cc.title, r)
 		cc.runs = append(cc.runs, r)
 	}
 	return cc, nil
+}
+
+// fsType names the file system dir is on ("tmpfs", "ext4"; "" if unknown).
+func fsType(dir string) string {
+	out, err := exec.Command("stat", "-f", "-c", "%T", dir).Output()
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(out))
 }
 
 // ---------------------------------------------------------------- S8
@@ -509,7 +598,7 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 	if _, err := exec.LookPath("nbdfuse"); err != nil || os.Geteuid() != 0 {
 		why := "needs root and nbdfuse (ext4 through the kernel)"
 		c.details = append(c.details, detail{Scenario: "S8", Title: "S8 history: not run", Rows: [][]string{{"Reason"}, {why}}})
-		c.step += len(cliffTargets) * 3
+		c.step += len(c.cliffTargets()) * 3
 		fmt.Fprintf(c.out, "S8 skipped: %s\n", why)
 		return nil
 	}
@@ -524,7 +613,7 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 	rocksTitle := fmt.Sprintf("then: db_bench fillrandom %d keys x 4 KiB (%s)", z.RocksKeys, mib(float64(z.RocksKeys)*4096))
 	cases := []cliffCase{{title: hist.Title}, {title: seq.Title}, {title: rocksTitle}}
 	var limSeq, limRocks time.Duration
-	for ti, tg := range cliffTargets {
+	for ti, tg := range c.cliffTargets() {
 		var runs [3]cliffRun
 		reported := 0 // runs whose progress line is out
 		_, err := c.onExt4(ctx, fmt.Sprintf("s8-%d", ti), tg, golden, func(srv *server, mnt string) (cliffRun, error) {
@@ -578,10 +667,12 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 				runs[2].skipped = toolErr.Error()
 				return r, nil
 			}
+			l0 := c.writeLat(ctx, srv)
 			r, err = c.fillrandom(ctx, tools, srv, filepath.Join(mnt, "rocks"), limRocks)
 			if err != nil {
 				return r, err
 			}
+			l1 := c.writeLat(ctx, srv)
 			if tg.order == "" {
 				limRocks = c.capFor(r.secs)
 			} else if !r.stalled {
@@ -592,6 +683,9 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 						r.tc += "; " + u
 					}
 				}
+			}
+			if !r.stalled {
+				r.tc = joinNote(r.tc, latText(l0, l1))
 			}
 			runs[2] = r
 			return r, nil
@@ -769,6 +863,17 @@ func (c *cacheRunner) cliffFigure(scen string, t cliffTarget, title string, r cl
 	}
 }
 
+// joinNote joins the non-empty parts of a run's note with "; ".
+func joinNote(parts ...string) string {
+	var out []string
+	for _, p := range parts {
+		if p != "" {
+			out = append(out, p)
+		}
+	}
+	return strings.Join(out, "; ")
+}
+
 func msText(ms float64) string {
 	if math.IsNaN(ms) {
 		return dash
@@ -783,7 +888,8 @@ func msText(ms float64) string {
 func (c *cacheRunner) cliffReport(scen, title string, cases []cliffCase, notes []string) error {
 	rows := [][]string{{"Job", "Target", "Result", "x HDD model", "p99.9 write", "Slowest write", "Run", "What tiercache did"}}
 	var groups []string
-	ratios := make([][]float64, len(cliffTargets)-1)
+	tgs := c.cliffTargets()
+	ratios := make([][]float64, len(tgs)-1)
 	for ci, cc := range cases {
 		base := cc.runs[0]
 		groups = append(groups, fmt.Sprintf("%s.%d", scen, ci+1))
@@ -802,12 +908,12 @@ func (c *cacheRunner) cliffReport(scen, title string, cases []cliffCase, notes [
 			} else if ti == 0 && r.skipped == "" {
 				run = fmt.Sprintf("done in %.1f s", r.secs)
 			}
-			rows = append(rows, []string{cc.title, cliffTargets[ti].name, res, ratioText(ratio), msText(r.p999Ms), msText(r.maxMs), run, r.tc})
+			rows = append(rows, []string{cc.title, tgs[ti].name, res, ratioText(ratio), msText(r.p999Ms), msText(r.maxMs), run, r.tc})
 			if ti == 0 {
 				continue
 			}
 			ratios[ti-1] = append(ratios[ti-1], ratio)
-			what := fmt.Sprintf("%s, %s / HDD model", cc.title, cliffTargets[ti].name)
+			what := fmt.Sprintf("%s, %s / HDD model", cc.title, tgs[ti].name)
 			// A stream that bypasses the cache is the plain device plus
 			// tiercache's pass-through: 1.00 at best, so the bar allows
 			// the 5 % a side-by-side run on this machine moves (as S2's
@@ -830,13 +936,13 @@ func (c *cacheRunner) cliffReport(scen, title string, cases []cliffCase, notes [
 					met = "no"
 				}
 			}
-			c.checks = append(c.checks, Check{Scenario: scen, What: fmt.Sprintf("%s, %s: p99.9 write latency / 1 s", cc.title, cliffTargets[ti].name), Seed: "target: no write waits longer than 1 s",
+			c.checks = append(c.checks, Check{Scenario: scen, What: fmt.Sprintf("%s, %s: p99.9 write latency / 1 s", cc.title, tgs[ti].name), Seed: "target: no write waits longer than 1 s",
 				Ours: fmt.Sprintf("p99.9 %s, slowest %s (HDD model: %s, %s)", msText(r.p999Ms), msText(r.maxMs), msText(base.p999Ms), msText(base.maxMs)), Ratio: p, Bar: "≤ 1", Met: met})
 		}
 	}
 	c.details = append(c.details, detail{Scenario: scen, Title: title, Rows: rows, Notes: notes})
 	var series []string
-	for _, t := range cliffTargets[1:] {
+	for _, t := range tgs[1:] {
 		series = append(series, t.name+" / HDD")
 	}
 	return chartGroupsLabelled(c.chartPath(strings.ToLower(scen)+".png"), scen+": tiercache / the plain HDD model (≥ 1: never slower than no cache)", "x HDD model",
@@ -966,13 +1072,17 @@ func chartLines(path, title, xlabel, ylabel string, ss []series) error {
 	return nil
 }
 
-// s7Steps counts S7's progress steps: every case on every target.
+// s7Steps counts S7's progress steps: every case on every target, and
+// fillrandom's run with no device.
 func (c *cacheRunner) s7Steps() int {
 	n := 0
 	for _, j := range s7JobNames {
 		if c.s7Runs(j) || j == "seqwrite" && c.s7Runs("drain") {
-			n += len(cliffTargets)
+			n += len(c.cliffTargets())
 		}
+	}
+	if c.s7Runs("fillrandom") {
+		n++
 	}
 	return n
 }

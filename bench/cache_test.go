@@ -64,16 +64,21 @@ Percentiles: P50: 9.23 P75: 13.52 P99: 145.23 P99.9: 7920.00 P99.99: 110000.00
 
 func TestCachePlannedSteps(t *testing.T) {
 	c := &cacheRunner{sz: fullSizes()}
-	// S1 5+2*3, S2 16, S3 9, S4 6, S5 1+2*2*3, S6 1+4+2*3, S7 5*3, S8 3*3, S9 2,
-	// S10 1+3*(3*3+3+2).
-	if n := c.plannedSteps(scenarioNames); n != 135 {
-		t.Errorf("full suite steps = %d, want 135", n)
+	// S1 5+2*3, S2 16, S3 9, S4 6, S5 1+2*2*3, S6 1+4+2*3, S7 5*3+1 (fillrandom
+	// with no device), S8 3*3, S9 2, S10 1+3*(3*3+3+2).
+	if n := c.plannedSteps(scenarioNames); n != 136 {
+		t.Errorf("full suite steps = %d, want 136", n)
 	}
 	c.s7jobs = []string{"drain"} // and seqwrite, its reference
 	if n := c.plannedSteps([]string{"S7"}); n != 2*3 {
 		t.Errorf("S7 steps with --s7 drain = %d, want 6", n)
 	}
 	c.s7jobs = nil
+	c.abBin = "other" // S8 and S7 run two more targets
+	if n := c.plannedSteps([]string{"S7", "S8"}); n != 5*5+1+3*5 {
+		t.Errorf("S7, S8 steps with --ab = %d, want %d", n, 5*5+1+3*5)
+	}
+	c.abBin = ""
 	c.s6lba = true // S6 1+5+2*3
 	if n := c.plannedSteps([]string{"S6"}); n != 12 {
 		t.Errorf("S6 steps with --s6-lba = %d, want 12", n)
