@@ -663,3 +663,139 @@ func TestCorruptLeaf(t *testing.T) {
 		t.Fatalf("Get(1999) beside the damaged leaf: %+v %t %v", s, ok, err)
 	}
 }
+
+// TestWritebackScan walks a tree the way epoch-ordered writeback would:
+// OldestEpoch, then AscendAggAtMost for that epoch, then clean marks of
+// what it found, until nothing is dirty. Each step agrees with the oracle
+// (the oldest dirty epoch and its slots), and after a re-open (bounds
+// exact, cache empty) a scan reads only leaves holding a dirty slot of an
+// epoch at most the one scanned for: clean leaves are never read.
+func TestWritebackScan(t *testing.T) {
+	lay := testLayout(2048)
+	dev := &countDev{Mem: device.NewMem(lay.Off + lay.Len()), cut: -1}
+	st := newTestStore(t, dev, lay, 16)
+	tr := st.Tree(0)
+	o := newOracle()
+	rng := rand.New(rand.NewPCG(5, 6))
+	const n = 30000
+	for i := range n {
+		s := Slot{LBA: uint64(i), Loc: uint32(i), CRC: uint32(i)}
+		if rng.IntN(100) == 0 {
+			s.Loc |= dirtyBit
+			s.Epoch = 1 + rng.Uint64N(20)
+		}
+		if _, _, err := tr.Put(s); err != nil {
+			t.Fatal(err)
+		}
+		o.put(s)
+	}
+	if err := st.Checkpoint(nil); err != nil {
+		t.Fatal(err)
+	}
+	st, _, err := Open(dev, lay, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr = st.Tree(0)
+	leafOf := map[uint64]int{} // lba -> leaf ordinal (slots in LBA order, leaves in order)
+	nleaves := 0
+	{
+		ord := -1
+		prevPage := uint32(math.MaxUint32)
+		var walk func(n *node)
+		walk = func(n *node) {
+			for i := range n.kids {
+				if n.level > 1 {
+					walk(n.kids[i].node)
+					continue
+				}
+				if n.kids[i].ptr.Page != prevPage {
+					ord++
+					prevPage = n.kids[i].ptr.Page
+				}
+				p, err := tr.leaf(&n.kids[i])
+				if err != nil {
+					t.Fatal(err)
+				}
+				for j := range p.Count() {
+					leafOf[p.LBA(j)] = ord
+				}
+			}
+		}
+		walk(tr.root)
+		nleaves = ord + 1
+	}
+	st.cache = NewCache(16) // forget what the walk read
+	for steps := 0; ; steps++ {
+		var want uint64 = math.MaxUint64
+		wantLeaves := map[int]bool{}
+		o.tree.Ascend(func(e index.Ent) bool {
+			if e.Dirty() {
+				want = min(want, o.extra[e.LBA][1])
+			}
+			return true
+		})
+		ep, ok, err := tr.OldestEpoch()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ok != (want != math.MaxUint64) || (ok && ep != want) {
+			t.Fatalf("step %d: OldestEpoch %d %t, oracle %d", steps, ep, ok, want)
+		}
+		if !ok {
+			break
+		}
+		o.tree.Ascend(func(e index.Ent) bool {
+			if e.Dirty() && o.extra[e.LBA][1] <= ep {
+				wantLeaves[leafOf[e.LBA]] = true
+			}
+			return true
+		})
+		r0 := dev.reads
+		var batch []Slot
+		err = tr.AscendAggAtMost(0, ep, func(s Slot) bool {
+			if s.Loc&dirtyBit != 0 && s.Epoch == ep {
+				batch = append(batch, s)
+			}
+			return true
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if steps == 0 {
+			if dev.reads-r0 > len(wantLeaves) {
+				t.Fatalf("the first scan read %d pages; %d leaves hold dirty slots of epoch <= %d", dev.reads-r0, len(wantLeaves), ep)
+			}
+			t.Logf("epoch %d: the scan read %d of %d leaves (%d hold a dirty slot of that epoch)", ep, dev.reads-r0, nleaves, len(wantLeaves))
+		}
+		var wantBatch []Slot
+		o.tree.Ascend(func(e index.Ent) bool {
+			if s := o.slot(e); e.Dirty() && s.Epoch == ep {
+				wantBatch = append(wantBatch, s)
+			}
+			return true
+		})
+		if fmt.Sprint(batch) != fmt.Sprint(wantBatch) {
+			t.Fatalf("step %d: epoch %d batch %d slots, oracle %d", steps, ep, len(batch), len(wantBatch))
+		}
+		for _, s := range batch {
+			s.Loc &^= dirtyBit
+			s.Epoch = 0
+			if _, _, err := tr.Put(s); err != nil {
+				t.Fatal(err)
+			}
+			o.put(s)
+		}
+		if steps%5 == 4 {
+			if err := st.Checkpoint(nil); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if err := tr.Check(); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.same(tr); err != nil {
+		t.Fatal(err)
+	}
+}

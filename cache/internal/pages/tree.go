@@ -320,18 +320,76 @@ func (t *Tree) Delete(lba uint64) (Slot, bool, error) {
 // Ascend calls fn for each slot with LBA >= from, in order, until fn
 // returns false.
 func (t *Tree) Ascend(from uint64, fn func(Slot) bool) error {
+	return t.AscendAggAtMost(from, math.MaxUint64, fn)
+}
+
+// AscendAggAtMost calls fn, in order from from on, for the slots of every
+// leaf whose bound is at most bound (every dirty slot of an epoch at most
+// bound, and the other slots of those leaves), until fn returns false. A
+// leaf whose bound is higher is not read: writeback finds the oldest
+// epoch's blocks from the resident inner nodes.
+func (t *Tree) AscendAggAtMost(from, bound uint64, fn func(Slot) bool) error {
 	if t.root == nil {
 		return t.st.err
 	}
-	_, err := t.ascend(t.root, Key{LBA: from}, fn)
+	_, err := t.ascend(t.root, Key{LBA: from}, bound, fn)
 	return err
 }
 
-func (t *Tree) ascend(n *node, from Key, fn func(Slot) bool) (bool, error) {
+// OldestEpoch returns the oldest flush epoch of the tree's dirty slots. It
+// follows the smallest bound to a leaf; if the leaf's exact minimum is
+// higher (a clean mark or a removal left the bound low) it raises the
+// bounds on that path, in memory only (a lower bound on the device stays
+// valid), and tries again.
+func (t *Tree) OldestEpoch() (uint64, bool, error) {
+	var buf [8]*kid
+	for {
+		if t.root == nil {
+			return 0, false, t.st.err
+		}
+		bound := minAgg(t.root.kids)
+		if bound == math.MaxUint64 {
+			return 0, false, nil
+		}
+		path := buf[:0]
+		n := t.root
+		for {
+			i := 0
+			for j := 1; j < len(n.kids); j++ {
+				if n.kids[j].agg < n.kids[i].agg {
+					i = j
+				}
+			}
+			path = append(path, &n.kids[i])
+			if n.level == 1 {
+				break
+			}
+			n = n.kids[i].node
+		}
+		lk := path[len(path)-1]
+		p, err := t.leaf(lk)
+		if err != nil {
+			return 0, false, err
+		}
+		m := p.MinEpoch()
+		if m == bound {
+			return m, true, nil
+		}
+		lk.agg = max(lk.agg, m)
+		for j := len(path) - 2; j >= 0; j-- {
+			path[j].agg = max(path[j].agg, minAgg(path[j].node.kids))
+		}
+	}
+}
+
+func (t *Tree) ascend(n *node, from Key, bound uint64, fn func(Slot) bool) (bool, error) {
 	for i := n.childIndex(from); i < len(n.kids); i++ {
 		k := &n.kids[i]
+		if k.agg > bound {
+			continue
+		}
 		if n.level > 1 {
-			if more, err := t.ascend(k.node, from, fn); !more || err != nil {
+			if more, err := t.ascend(k.node, from, bound, fn); !more || err != nil {
 				return more, err
 			}
 			continue
