@@ -7,10 +7,10 @@
 // Built so far, and tested against the in-memory index (index.Ptree) as
 // the oracle: the page codec (this file), the page cache (cache.go), the
 // page area's allocation (alloc.go), the copy-on-write tree of one
-// volume's entries and the root that names every tree (tree.go,
-// store.go, root.go).
-// Not built: the superseded-version trees, the per-bucket summaries and
-// pages, and any use by the engine (package cache still keeps its index
+// volume's entries or superseded versions and the root that names every
+// tree (tree.go, store.go, root.go). Not built: the per-bucket summaries
+// and owner lists, a checkpoint outside the caller's lock, merging small
+// leaves, and any use by the engine (package cache still keeps its index
 // wholly in memory).
 //
 // # Page format
@@ -23,7 +23,7 @@
 //	8    1    kind: 1 leaf, 2 inner
 //	9    1    level: 0 for a leaf, the height above the leaves for an inner page
 //	10   2    slot count
-//	12   2    tree: the volume slot the page belongs to
+//	12   2    tree: the volume slot the page belongs to (| SupTree: its superseded versions)
 //	14   2    0
 //	16   8    the page's own number in the page area (a page read from another address is misdirected)
 //	24   8    the checkpoint generation that wrote it
@@ -35,7 +35,8 @@
 //
 //	lba u40 | loc u32 (cache block, bit 31 dirty) | crc u32 (of the data) | bucket gen u32 | flush epoch u48
 //
-// in strictly increasing LBA order. The bucket generation is the one the
+// in strictly increasing LBA order (in a tree of superseded versions,
+// SupTree: by LBA, then cache block). The bucket generation is the one the
 // entry's block was written in: an entry whose bucket has since been
 // reused names another generation and is no longer live (so reusing a
 // bucket needs no walk of the pages that name it). The epoch is the dirty
@@ -195,8 +196,9 @@ func (p *Page) Verify(at Ptr, off int64, kind, level uint8, tree uint16, nonce u
 		if h.Count == 0 || int(h.Count) > LeafCap {
 			return bad("leaf page %d holds %d slots (1..%d)", at.Page, h.Count, LeafCap)
 		}
+		sup := h.Tree&SupTree != 0
 		for i := 1; i < int(h.Count); i++ {
-			if p.LBA(i) <= p.LBA(i-1) {
+			if !keyLess(p.SlotKey(i-1, sup), p.SlotKey(i, sup)) {
 				return bad("leaf page %d: slot %d (lba %d) out of order", at.Page, i, p.LBA(i))
 			}
 		}
@@ -257,17 +259,46 @@ func (p *Page) setSlot(i int, s Slot) {
 
 // Search returns the first leaf slot whose LBA is >= lba, and whether it
 // is lba.
-func (p *Page) Search(lba uint64) (int, bool) {
+func (p *Page) Search(lba uint64) (int, bool) { return p.SearchKey(Key{LBA: lba}, false) }
+
+// SlotKey returns the key of leaf slot i: its LBA, and in a tree of
+// superseded versions (sup) its cache block as the sub-key.
+func (p *Page) SlotKey(i int, sup bool) Key {
+	if !sup {
+		return Key{LBA: p.LBA(i)}
+	}
+	o := leafOff(i)
+	return Key{LBA: p.LBA(i), Sub: le.Uint32(p[o+5:]) &^ dirtyBit}
+}
+
+// SearchKey returns the first leaf slot whose key is >= k, and whether it
+// is k.
+func (p *Page) SearchKey(k Key, sup bool) (int, bool) {
 	lo, hi := 0, p.Count()
 	for lo < hi {
 		m := int(uint(lo+hi) >> 1)
-		if p.LBA(m) < lba {
+		if keyLess(p.SlotKey(m, sup), k) {
 			lo = m + 1
 		} else {
 			hi = m
 		}
 	}
-	return lo, lo < p.Count() && p.LBA(lo) == lba
+	return lo, lo < p.Count() && p.SlotKey(lo, sup) == k
+}
+
+// SupTree is the bit of a tree number that makes it a tree of superseded
+// versions: slots ordered by (LBA, cache block), since an LBA can have
+// several (of different epochs). Its slots carry the dirty bit (they are
+// dirty versions), so the epoch bounds find them as they find live dirty
+// entries.
+const SupTree = 1 << 15
+
+// SlotKeyOf returns the key of s in a tree (sup: of superseded versions).
+func SlotKeyOf(s Slot, sup bool) Key {
+	if sup {
+		return Key{LBA: s.LBA, Sub: s.Loc &^ dirtyBit}
+	}
+	return Key{LBA: s.LBA}
 }
 
 // InsertSlot puts s at slot i, moving the later slots up (the caller

@@ -799,3 +799,99 @@ func TestWritebackScan(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestSupTreeOracle: a tree of superseded versions (SupTree: several
+// slots per LBA, ordered by cache block) against index.Stree, the
+// in-memory index's tree of superseded versions, with checkpoints and a
+// re-open: inserts, deletes of one version, the versions of an LBA, the
+// oldest epoch.
+func TestSupTreeOracle(t *testing.T) {
+	lay := testLayout(1024)
+	dev := device.NewMem(lay.Off + lay.Len())
+	st := newTestStore(t, dev, lay, 4)
+	id := uint16(2) | SupTree
+	tr := st.Tree(id)
+	ref := index.NewStree()
+	epochs := map[[2]uint64]uint64{}
+	rng := rand.New(rand.NewPCG(7, 8))
+	const span = 800
+	for round := range 6 {
+		for range 1500 {
+			lba, loc := rng.Uint64N(span), rng.Uint32N(64)
+			if rng.IntN(3) > 0 {
+				ep := 1 + rng.Uint64N(500)
+				s := Slot{LBA: lba, Loc: loc | dirtyBit, CRC: uint32(lba), Epoch: ep}
+				_, replaced, err := tr.Put(s)
+				if err != nil {
+					t.Fatal(err)
+				}
+				_, had := ref.ReplaceOrInsert(index.Ent{LBA: lba, Loc: loc, CRC: uint32(lba)})
+				if replaced != had {
+					t.Fatalf("Put(%d, %d): replaced %t, oracle %t", lba, loc, replaced, had)
+				}
+				epochs[[2]uint64{lba, uint64(loc)}] = ep
+				continue
+			}
+			_, ok, err := tr.DeleteKey(Key{LBA: lba, Sub: loc})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, had := ref.Delete(index.Ent{LBA: lba, Loc: loc}); ok != had {
+				t.Fatalf("DeleteKey(%d, %d): %t, oracle %t", lba, loc, ok, had)
+			}
+			delete(epochs, [2]uint64{lba, uint64(loc)})
+		}
+		if err := st.Checkpoint(nil); err != nil {
+			t.Fatal(err)
+		}
+		if round%2 == 1 {
+			var err error
+			if st, _, err = Open(dev, lay, 4); err != nil {
+				t.Fatal(err)
+			}
+			tr = st.Tree(id)
+		}
+		if err := tr.Check(); err != nil {
+			t.Fatal(err)
+		}
+		// The versions of some LBAs, and all of them in order.
+		for range 50 {
+			lba := rng.Uint64N(span)
+			var got, want []uint32
+			err := tr.AscendKey(Key{LBA: lba}, func(s Slot) bool {
+				if s.LBA != lba {
+					return false
+				}
+				got = append(got, s.Loc&^dirtyBit)
+				return true
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			ref.AscendRange(index.Ent{LBA: lba}, index.Ent{LBA: lba + 1}, func(e index.Ent) bool {
+				want = append(want, e.Loc)
+				return true
+			})
+			if fmt.Sprint(got) != fmt.Sprint(want) {
+				t.Fatalf("versions of %d: %v, oracle %v", lba, got, want)
+			}
+		}
+		var got, want []string
+		oldest := uint64(math.MaxUint64)
+		if err := tr.Ascend(0, func(s Slot) bool { got = append(got, fmt.Sprint(s.LBA, s.Loc&^dirtyBit, s.Epoch)); return true }); err != nil {
+			t.Fatal(err)
+		}
+		ref.Ascend(func(e index.Ent) bool {
+			ep := epochs[[2]uint64{e.LBA, uint64(e.Loc)}]
+			oldest = min(oldest, ep)
+			want = append(want, fmt.Sprint(e.LBA, e.Loc, ep))
+			return true
+		})
+		if fmt.Sprint(got) != fmt.Sprint(want) || tr.Len() != ref.Len() {
+			t.Fatalf("round %d: %d versions, oracle %d", round, len(got), len(want))
+		}
+		if ep, ok, err := tr.OldestEpoch(); err != nil || ok != (oldest != math.MaxUint64) || (ok && ep != oldest) {
+			t.Fatalf("OldestEpoch %d %t %v, oracle %d", ep, ok, err, oldest)
+		}
+	}
+}

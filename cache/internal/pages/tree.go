@@ -55,8 +55,11 @@ type kid struct {
 	dirty *Page // leaf changed since written (or never written): not in the cache
 }
 
-// ID returns the tree's number (the volume slot).
+// ID returns the tree's number (the volume slot, | SupTree for its
+// superseded versions).
 func (t *Tree) ID() uint16 { return t.id }
+
+func (t *Tree) sup() bool { return t.id&SupTree != 0 }
 
 // Len returns the number of slots.
 func (t *Tree) Len() int { return t.length }
@@ -141,13 +144,15 @@ func (t *Tree) descend(k Key, path []step) []step {
 	}
 }
 
-// Get returns the slot of lba.
-func (t *Tree) Get(lba uint64) (Slot, bool, error) {
+// Get returns the slot of lba (in a tree of live entries).
+func (t *Tree) Get(lba uint64) (Slot, bool, error) { return t.GetKey(Key{LBA: lba}) }
+
+// GetKey returns the slot of key k.
+func (t *Tree) GetKey(k Key) (Slot, bool, error) {
 	if t.root == nil {
 		return Slot{}, false, t.st.err
 	}
 	n := t.root
-	k := Key{LBA: lba}
 	for n.level > 1 {
 		n = n.kids[n.childIndex(k)].node
 	}
@@ -155,14 +160,15 @@ func (t *Tree) Get(lba uint64) (Slot, bool, error) {
 	if err != nil {
 		return Slot{}, false, err
 	}
-	i, ok := p.Search(lba)
+	i, ok := p.SearchKey(k, t.sup())
 	if !ok {
 		return Slot{}, false, nil
 	}
 	return p.Slot(i), true, nil
 }
 
-// Put inserts s, or replaces the slot of its LBA, and returns the slot
+// Put inserts s, or replaces the slot of its key (its LBA; in a tree of
+// superseded versions its LBA and cache block), and returns the slot
 // replaced.
 func (t *Tree) Put(s Slot) (old Slot, replaced bool, err error) {
 	if t.st.err != nil {
@@ -175,7 +181,7 @@ func (t *Tree) Put(s Slot) (old Slot, replaced bool, err error) {
 	if s.Loc&dirtyBit != 0 {
 		agg = s.Epoch
 	}
-	k := Key{LBA: s.LBA}
+	k := SlotKeyOf(s, t.sup())
 	if t.root == nil {
 		p := new(Page)
 		p.Init(KindLeaf, 0, t.id)
@@ -201,7 +207,7 @@ func (t *Tree) Put(s Slot) (old Slot, replaced bool, err error) {
 	if err != nil {
 		return Slot{}, false, err
 	}
-	i, found := p.Search(s.LBA)
+	i, found := p.SearchKey(k, t.sup())
 	if found {
 		old = p.Slot(i)
 		p.SetSlot(i, s)
@@ -229,7 +235,7 @@ func (t *Tree) Put(s Slot) (old Slot, replaced bool, err error) {
 	}
 	t.ndirty++
 	// Both halves' bounds stay the old one (a lower bound of each).
-	t.addKid(path, len(path)-1, kid{key: Key{LBA: r.LBA(0)}, agg: lk.agg, dirty: r})
+	t.addKid(path, len(path)-1, kid{key: r.SlotKey(0, t.sup()), agg: lk.agg, dirty: r})
 	return Slot{}, false, nil
 }
 
@@ -264,15 +270,18 @@ func minAgg(ks []kid) uint64 {
 	return m
 }
 
-// Delete removes the slot of lba and returns it.
-func (t *Tree) Delete(lba uint64) (Slot, bool, error) {
+// Delete removes the slot of lba (in a tree of live entries) and returns
+// it.
+func (t *Tree) Delete(lba uint64) (Slot, bool, error) { return t.DeleteKey(Key{LBA: lba}) }
+
+// DeleteKey removes the slot of key k and returns it.
+func (t *Tree) DeleteKey(k Key) (Slot, bool, error) {
 	if t.st.err != nil {
 		return Slot{}, false, t.st.err
 	}
 	if t.root == nil {
 		return Slot{}, false, nil
 	}
-	k := Key{LBA: lba}
 	var buf [8]step
 	path := t.descend(k, buf[:0])
 	last := path[len(path)-1]
@@ -282,7 +291,7 @@ func (t *Tree) Delete(lba uint64) (Slot, bool, error) {
 	if err != nil {
 		return Slot{}, false, err
 	}
-	if _, ok := p.Search(lba); !ok {
+	if _, ok := p.SearchKey(k, t.sup()); !ok {
 		return Slot{}, false, nil
 	}
 	for _, st := range path {
@@ -291,7 +300,7 @@ func (t *Tree) Delete(lba uint64) (Slot, bool, error) {
 	if p, err = t.mutLeaf(lk); err != nil {
 		return Slot{}, false, err
 	}
-	i, _ := p.Search(lba)
+	i, _ := p.SearchKey(k, t.sup())
 	old := p.Slot(i)
 	p.RemoveSlot(i)
 	t.length--
@@ -321,6 +330,16 @@ func (t *Tree) Delete(lba uint64) (Slot, bool, error) {
 // returns false.
 func (t *Tree) Ascend(from uint64, fn func(Slot) bool) error {
 	return t.AscendAggAtMost(from, math.MaxUint64, fn)
+}
+
+// AscendKey calls fn for each slot with key >= from, in order, until fn
+// returns false.
+func (t *Tree) AscendKey(from Key, fn func(Slot) bool) error {
+	if t.root == nil {
+		return t.st.err
+	}
+	_, err := t.ascend(t.root, from, math.MaxUint64, fn)
+	return err
 }
 
 // AscendAggAtMost calls fn, in order from from on, for the slots of every
@@ -398,7 +417,7 @@ func (t *Tree) ascend(n *node, from Key, bound uint64, fn func(Slot) bool) (bool
 		if err != nil {
 			return false, err
 		}
-		j, _ := p.Search(from.LBA)
+		j, _ := p.SearchKey(from, t.sup())
 		for ; j < p.Count(); j++ {
 			if !fn(p.Slot(j)) {
 				return false, nil
@@ -417,7 +436,7 @@ func (t *Tree) Check() error {
 		return nil
 	}
 	var count, dirty int
-	var prev *uint64
+	var prev *Key
 	var walk func(n *node, lo Key, hasLo bool, hi Key, hasHi bool) error
 	walk = func(n *node, lo Key, hasLo bool, hi Key, hasHi bool) error {
 		if len(n.kids) == 0 || len(n.kids) > InnerCap {
@@ -463,12 +482,12 @@ func (t *Tree) Check() error {
 					return errorf("tree %d: leaf with %d slots", t.id, p.Count())
 				}
 				for j := range p.Count() {
-					l := p.LBA(j)
-					if prev != nil && l <= *prev {
-						return errorf("tree %d: lba %d after %d", t.id, l, *prev)
+					l := p.SlotKey(j, t.sup())
+					if prev != nil && !keyLess(*prev, l) {
+						return errorf("tree %d: key %+v after %+v", t.id, l, *prev)
 					}
-					if (chasLo && l < clo.LBA) || (chasHi && l >= chi.LBA) {
-						return errorf("tree %d: lba %d outside its child's key range", t.id, l)
+					if (chasLo && keyLess(l, clo)) || (chasHi && !keyLess(l, chi)) {
+						return errorf("tree %d: key %+v outside its child's key range", t.id, l)
 					}
 					prev = &l
 					count++
