@@ -157,10 +157,9 @@ func (v *Volume) Detach(ctx context.Context, opts DetachOptions) error {
 func (s *Set) removeVolume(v *Volume) error {
 	s.volMu.Lock()
 	defer s.volMu.Unlock()
-	close(v.wb.stop)
-	<-v.wb.done
+	v.wb.Stop()
 	restart := func() {
-		v.wb.stop, v.wb.done = make(chan struct{}), make(chan struct{})
+		v.wb.Restart()
 		s.mu.Lock()
 		s.startWritebackLocked(v)
 		s.mu.Unlock()
@@ -220,10 +219,9 @@ func (s *Set) startWritebackLocked(v *Volume) {
 	switch {
 	case s.mu.closed:
 	case s.knobs.noBackground:
-		close(v.wb.done)
+		v.wb.NoLoop()
 	default:
-		s.wg.Add(1)
-		go s.writebackLoop(v)
+		s.runWriteback(v)
 	}
 }
 

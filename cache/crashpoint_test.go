@@ -49,6 +49,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/faultdev"
 )
@@ -1013,7 +1014,7 @@ var cpScenarios = []*cpScenario{
 		prepare: prepareSet(30),
 		op: func(r *cpRun) error {
 			for _, v := range r.set.vols {
-				sweepLogged(r.set, v, wbBatch)
+				sweepLogged(r.set, v, writeback.FullBatch)
 			}
 			return r.set.commit(r.set.appended())
 		},

@@ -118,7 +118,11 @@
 //   - set.go: the Set (orchestration: locks, volumes, Close, stats);
 //   - volume.go, readpath.go, policy.go: the client I/O paths;
 //   - alloc.go: bucket allocation; evict.go: eviction and GC moves;
-//   - gc.go, writeback.go: the writeback mechanism and its loop;
+//   - internal/writeback: the writeback mechanism, its loop, its entry
+//     points (eviction, a write waiting for space, Drain), queue depth and
+//     yielding; writeback.go is the set's side of it (writeback.Volume);
+//   - internal/backoff: retry pacing of operations failing outside the
+//     cache (writeback, ENOSPC);
 //   - failover.go: fencing and loss accounting after a cache failure;
 //   - attach.go, inspect.go, scrub.go: volume slots, read-only inspection,
 //     checksum scrubs.

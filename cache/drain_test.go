@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 )
 
 // drainers are the two ways to drain a volume; they share Set.drain.
@@ -21,7 +22,7 @@ var drainers = []struct {
 }
 
 // TestDrainGivesUpOnChecksum: a dirty block whose cached copy fails its
-// checksum is retried in drainChecksumTries passes, then given up on with
+// checksum is retried in writeback.DrainChecksumTries passes, then given up on with
 // an *UnwritableError naming it; every other dirty block is written back.
 func TestDrainGivesUpOnChecksum(t *testing.T) {
 	for _, d := range drainers {
@@ -44,11 +45,11 @@ func TestDrainGivesUpOnChecksum(t *testing.T) {
 			}
 			t.Log(err)
 			want := UnwritableBlock{Volume: "a", LBA: 6, CacheOffset: s.cacheOff(e.Block())}
-			if ue.N != 1 || len(ue.Blocks) != 1 || ue.Blocks[0] != want || ue.Dirty != 1 || ue.Tries != drainChecksumTries {
-				t.Fatalf("error %+v, want block %+v given up on after %d tries", ue, want, drainChecksumTries)
+			if ue.N != 1 || len(ue.Blocks) != 1 || ue.Blocks[0] != want || ue.Dirty != 1 || ue.Tries != writeback.DrainChecksumTries {
+				t.Fatalf("error %+v, want block %+v given up on after %d tries", ue, want, writeback.DrainChecksumTries)
 			}
-			if got := v.Stats().ChecksumErrors; got != drainChecksumTries {
-				t.Fatalf("%d checksum failures, want one per pass: %d", got, drainChecksumTries)
+			if got := v.Stats().ChecksumErrors; got != writeback.DrainChecksumTries {
+				t.Fatalf("%d checksum failures, want one per pass: %d", got, writeback.DrainChecksumTries)
 			}
 			for _, lba := range []int64{5, 20} {
 				got := make([]byte, blockSize)
@@ -64,7 +65,7 @@ func TestDrainGivesUpOnChecksum(t *testing.T) {
 }
 
 // TestDrainRetriesChecksum: a block that fails its checksum in fewer than
-// drainChecksumTries passes in a row (here a cache read that returns bad
+// writeback.DrainChecksumTries passes in a row (here a cache read that returns bad
 // data twice) is written back once it reads well, and the drain succeeds.
 func TestDrainRetriesChecksum(t *testing.T) {
 	s, cache, backs := newTestSetKnobs(t, testingKnobs{noBackground: true}, 8, 4*blockSize, 64*blockSize)
@@ -80,10 +81,10 @@ func TestDrainRetriesChecksum(t *testing.T) {
 	}
 	// progress is called before the first pass, then after each batch and
 	// each pass's commit (two calls per pass here): after the commit of
-	// pass drainChecksumTries-1, repair the block.
+	// pass writeback.DrainChecksumTries-1, repair the block.
 	calls := 0
 	progress := func(int64) {
-		if calls++; calls == 1+2*(drainChecksumTries-1) {
+		if calls++; calls == 1+2*(writeback.DrainChecksumTries-1) {
 			if err := cache.Corrupt(off, 1); err != nil {
 				t.Error(err)
 			}
@@ -92,8 +93,8 @@ func TestDrainRetriesChecksum(t *testing.T) {
 	if err := v.DrainDirty(context.Background(), progress); err != nil {
 		t.Fatal(err)
 	}
-	if got := v.Stats().ChecksumErrors; got != drainChecksumTries-1 {
-		t.Fatalf("%d checksum failures, want %d", got, drainChecksumTries-1)
+	if got := v.Stats().ChecksumErrors; got != writeback.DrainChecksumTries-1 {
+		t.Fatalf("%d checksum failures, want %d", got, writeback.DrainChecksumTries-1)
 	}
 	got := make([]byte, blockSize)
 	if _, err := backs[0].ReadAt(got, 6*blockSize); err != nil {

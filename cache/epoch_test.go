@@ -263,11 +263,11 @@ func TestEpochBatchResumesAtCursor(t *testing.T) {
 		items := s.takeEpochBatch(0, n)
 		var got []uint64
 		for _, it := range items {
-			got = append(got, it.lba)
+			got = append(got, it.LBA)
 		}
 		s.mu.Lock()
 		for _, it := range items {
-			delete(v.idx.wbInflight, it.loc)
+			delete(v.idx.wbInflight, it.Loc)
 		}
 		s.mu.Unlock()
 		if fmt.Sprint(got) != fmt.Sprint(want) {

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 )
 
 // TestMeasureEpochBatchCPU measures the CPU that epoch-ordered writeback
@@ -19,7 +20,7 @@ func TestMeasureEpochBatchCPU(t *testing.T) {
 		t.Skip("use -measure")
 	}
 	for _, perEpoch := range []int{1, 16, 256} {
-		for _, batch := range []int{64, wbBatch} {
+		for _, batch := range []int{64, writeback.FullBatch} {
 			measureEpochBatches(t, 1<<20, 1<<14, perEpoch, batch)
 		}
 	}
@@ -63,8 +64,8 @@ func measureEpochBatches(t *testing.T, nblocks, ndirty, perEpoch, batch int) {
 		blocks += len(items)
 		s.mu.Lock()
 		for _, it := range items {
-			s.mu.MarkClean(0, it.lba, it.loc)
-			delete(v.idx.wbInflight, it.loc)
+			s.mu.MarkClean(0, it.LBA, it.Loc)
+			delete(v.idx.wbInflight, it.Loc)
 		}
 		s.mu.Unlock()
 	}

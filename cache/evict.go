@@ -197,7 +197,7 @@ func (s *Set) evictVictim(victim int64, items []located) bool {
 	s.mu.Unlock()
 	for vi, lbas := range perVol {
 		slices.Sort(lbas)
-		if _, err := s.writeback(vi, lbas); err != nil {
+		if _, err := s.vol(vi).wb.Evict(lbas); err != nil {
 			s.log.Warn("writeback for eviction failed", "volume", s.vol(vi).name, "err", err)
 		}
 	}

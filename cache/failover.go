@@ -515,8 +515,8 @@ func (v *Volume) allocWaitWriteback(n int) (run, error) {
 		if !errors.Is(err, errNoSpace) {
 			return r, err
 		}
-		if p := v.wb.backingErr.Load(); p != nil {
-			return run{}, fmt.Errorf("no free cache bucket, and writeback to the backing device is failing: %w", *p)
+		if berr := v.wb.BackingErr(); berr != nil {
+			return run{}, fmt.Errorf("no free cache bucket, and writeback to the backing device is failing: %w", berr)
 		}
 		if !v.hasDirty() || !s.keepSuperseded(v.vi) {
 			return run{}, err
@@ -530,7 +530,7 @@ func (v *Volume) allocWaitWriteback(n int) (run, error) {
 			return r, err
 		}
 		s.kick()
-		if _, werr := s.writebackEpoch(v.vi, wbHelpBatch); werr != nil {
+		if _, werr := v.wb.Help(wbHelpBatch); werr != nil {
 			return run{}, fmt.Errorf("no free cache bucket, and writeback failed: %w", werr)
 		}
 	}

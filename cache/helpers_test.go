@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -77,4 +78,24 @@ func sweepLogged(s *Set, v *Volume, n int) int {
 		s.log.Warn("background writeback failed", "volume", v.name, "err", err)
 	}
 	return done
+}
+
+// The writeback entry points by slot, for tests that drive writeback
+// themselves.
+
+// writeback writes back the given dirty blocks (sorted LBAs) of volume vi,
+// as eviction does (writeback.Writer.Evict).
+func (s *Set) writeback(vi int, lbas []uint64) (int, error) { return s.vol(vi).wb.Evict(lbas) }
+
+// writebackEpoch writes back up to n versions of volume vi's oldest epoch
+// (writeback.Writer.Help).
+func (s *Set) writebackEpoch(vi, n int) (int, error) { return s.vol(vi).wb.Help(n) }
+
+// writebackSweep is one batch of v's background loop.
+func (s *Set) writebackSweep(v *Volume, n int) (int, error) { return v.wb.Sweep(n) }
+
+// takeEpochBatch is TakeEpoch from the volume's writeback cursor, whatever
+// its order.
+func (s *Set) takeEpochBatch(vi, n int) []writeback.Item {
+	return s.takeEpochBatchFrom(vi, n, s.vol(vi).wb.Cursor())
 }

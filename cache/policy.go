@@ -61,6 +61,8 @@ import (
 	"fmt"
 	"sync"
 	"time"
+
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 )
 
 const (
@@ -269,7 +271,7 @@ func (v *Volume) streamRoom() int64 {
 	for _, u := range s.vols {
 		d += u.idx.Dirty + u.idx.NSup
 	}
-	room := min(int64(throttleStart*float64(total))-d, total*pct/100-(v.idx.Dirty+v.idx.NSup))
+	room := min(int64(writeback.ThrottleStart*float64(total))-d, total*pct/100-(v.idx.Dirty+v.idx.NSup))
 	return max(room, 0) * blockSize
 }
 

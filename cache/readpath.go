@@ -153,9 +153,9 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []index.Ent) (mi
 	var fbMu sync.Mutex // guards fromBacking
 	do := func(p piece) error {
 		if p.backing {
-			v.wb.reads.start()
+			v.wb.ReadStart()
 			err := v.readBacking(p.dst, p.lba)
-			v.wb.reads.end()
+			v.wb.ReadEnd()
 			if err != nil {
 				return fmt.Errorf("volume %s: %w", v.name, err)
 			}

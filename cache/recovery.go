@@ -50,6 +50,7 @@ import (
 	"math/bits"
 	"slices"
 
+	"github.com/tiercache/tiercache/cache/internal/backoff"
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
@@ -851,7 +852,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		return nil, fmt.Errorf("open: %w", err)
 	}
 	s.knobs = opts.testing
-	s.noSpace = newRetryBackoff(log, "cache device writes (ENOSPC: the file system under the cache is full; writing around the cache)")
+	s.noSpace = backoff.New(log, "cache device writes (ENOSPC: the file system under the cache is full; writing around the cache)")
 	volBlocks := make([]uint64, len(sb.Backings))
 	var vols []*Volume
 	for i, bi := range sb.Backings {
@@ -953,7 +954,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	if s.knobs.noBackground {
 		for _, v := range s.vols {
-			close(v.wb.done) // no writeback goroutine to wait for (detach)
+			v.wb.NoLoop() // nothing to wait for at detach
 		}
 		return s, nil
 	}
@@ -962,8 +963,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	go s.commitLoop()
 	for _, v := range s.vols {
 		if !v.free {
-			s.wg.Add(1)
-			go s.writebackLoop(v)
+			s.runWriteback(v)
 		}
 	}
 	return s, nil

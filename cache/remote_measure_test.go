@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/model"
 	"github.com/tiercache/tiercache/device/nbddev"
@@ -20,7 +21,7 @@ import (
 // socket, each request delayed by a round trip, reached through
 // device/nbddev. Random 4 KiB blocks over 1 GiB: written straight to the
 // remote in arrival order (QD1 for the HDD cases, and QD32), and drained
-// from the cache with writeback's depth fixed at wbQueueDepth and adapting
+// from the cache with writeback's depth fixed at writeback.QueueDepth and adapting
 // (wbdepth.go). Figures only, nothing asserted:
 //
 //	go test ./cache -run TestMeasureRemoteDrain -measure -v
@@ -56,11 +57,11 @@ func TestMeasureRemoteDrain(t *testing.T) {
 		if tc.qd1 {
 			direct1 = writeDirect(t, remote(t, tc.dev(t), tc.rtt), lbas, 1)
 		}
-		direct32 := writeDirect(t, remote(t, tc.dev(t), tc.rtt), lbas, wbQueueDepth)
+		direct32 := writeDirect(t, remote(t, tc.dev(t), tc.rtt), lbas, writeback.QueueDepth)
 		if tc.qd1 {
 			t.Logf("%s: straight to the remote, arrival order QD1: %v", what, direct1.Round(time.Millisecond))
 		}
-		t.Logf("%s: straight to the remote, arrival order QD%d: %v", what, wbQueueDepth, direct32.Round(time.Millisecond))
+		t.Logf("%s: straight to the remote, arrival order QD%d: %v", what, writeback.QueueDepth, direct32.Round(time.Millisecond))
 		for _, fixed := range []bool{true, false} {
 			quiet := DefaultSettings()
 			quiet.WritebackPercent = 100 // no background writeback while filling
@@ -77,11 +78,9 @@ func TestMeasureRemoteDrain(t *testing.T) {
 				t.Fatal(err)
 			}
 			d := time.Since(start)
-			v.wb.depth.mu.Lock()
-			adj := v.wb.depth.mu.adjusts
-			v.wb.depth.mu.Unlock()
+			wst := v.wb.Stats()
 			t.Logf("%s: drain, depth fixed=%t: %v (depth at the end %d, %d changes): %.2fx QD%d arrival order",
-				what, fixed, d.Round(time.Millisecond), v.wb.depth.depth(), adj, direct32.Seconds()/d.Seconds(), wbQueueDepth)
+				what, fixed, d.Round(time.Millisecond), wst.Depth, wst.Adjusts, direct32.Seconds()/d.Seconds(), writeback.QueueDepth)
 		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/tiercache/tiercache/cache/internal/backoff"
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
@@ -61,7 +62,7 @@ type Set struct {
 	lw lostState
 	// noSpace: cache data writes failing with ENOSPC, written around the
 	// cache (cacheIOError); its log lines are one per state change.
-	noSpace *retryBackoff
+	noSpace *backoff.Retry
 	durable atomic.Uint64         // records durable on the cache device
 	failed  atomic.Pointer[error] // set by failover: passthrough mode (failover.go)
 	errRun  atomic.Int32          // cache data I/O errors in a row
@@ -125,7 +126,7 @@ type testingKnobs struct {
 	// the latency measurement turns it off to tell its sleeps from other
 	// waits.
 	noThrottle bool
-	// fixedDepth keeps writeback's queue depth at wbQueueDepth (wbdepth.go)
+	// fixedDepth keeps writeback's queue depth at writeback.QueueDepth
 	// instead of adapting it; the remote-drain measurement compares.
 	fixedDepth bool
 }
@@ -164,11 +165,7 @@ func (s *Set) newVolume(vi int, bi BackingInfo, dev device.Device) *Volume {
 		v.ord.degraded.Store(true)
 		v.ord.since.Store(bi.InconsistentSince)
 	}
-	v.wb.kick = make(chan struct{}, 1)
-	v.wb.stop = make(chan struct{})
-	v.wb.done = make(chan struct{})
-	v.wb.retry = newRetryBackoff(s.log, "writeback to the backing device", "volume", bi.Name)
-	v.wb.depth = newDepthCtl(s.knobs.fixedDepth)
+	s.initWriteback(v)
 	// Replayable: until a checkpoint shows otherwise, a recovery may find
 	// entries of the slot (Open replays them; a checkpoint clears it if
 	// empty).

@@ -9,6 +9,7 @@ import (
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
@@ -54,9 +55,9 @@ type Volume struct {
 	// whole after each superblock update that changes them, under rmw.
 	cfg    atomic.Pointer[Settings]
 	pol    policy
-	lastIO atomic.Int64 // unix nanos of the last client request (idle detection)
-	wb     wbState      // background writeback state (writeback.go)
-	ord    orderState   // epoch order degraded or not (order.go)
+	lastIO atomic.Int64     // unix nanos of the last client request (idle detection)
+	wb     writeback.Writer // the volume's writeback (package writeback)
+	ord    orderState       // epoch order degraded or not (order.go)
 	// wlog: the last wlogSize writes' blocks, for promotions
 	// (writtenSinceLocked); guarded by s.mu.
 	wlog [wlogSize]wlogEnt
@@ -158,7 +159,7 @@ type VolumeStats struct {
 	CatchUps   uint64
 	// WritebackFailures counts background writeback batches that failed
 	// (a failing or full backing device); WritebackFailing is set while
-	// they keep failing and writeback retries with backoff (backoff.go).
+	// they keep failing and writeback retries with backoff (package backoff).
 	WritebackFailures uint64
 	WritebackFailing  bool
 }
@@ -230,13 +231,12 @@ func (v *Volume) Stats() VolumeStats {
 		BypassSequentialBytes: v.st.bypass[bypassSequential].Load(), BypassModeBytes: v.st.bypass[bypassMode].Load(),
 		BypassCongestionBytes: v.st.bypass[bypassCongested].Load(), BypassCacheFullBytes: v.st.bypass[bypassFull].Load(),
 		BypassCacheFailedBytes: v.st.bypass[bypassFailed].Load(),
-		WritebackRate:          v.wb.rate.Load(), ThrottleNanos: v.st.throttleNanos.Load(), SpaceWaitNanos: v.st.spaceWaitNanos.Load(),
+		ThrottleNanos:          v.st.throttleNanos.Load(), SpaceWaitNanos: v.st.spaceWaitNanos.Load(),
 		UnreachableReadErrors: v.st.unreachableReads.Load(), FencedWriteErrors: v.st.fencedWrites.Load(),
 		BackingSyncErrors: v.st.backingSyncErrors.Load(), EpochDeferBytes: v.st.epochDeferBytes.Load()}
 	v.fillOrderStats(&st)
-	if r := v.wb.retry; r != nil {
-		st.WritebackFailures, st.WritebackFailing = r.failures.Load(), r.failing.Load()
-	}
+	wst := v.wb.Stats()
+	st.WritebackRate, st.WritebackFailures, st.WritebackFailing = wst.Rate, wst.Failures, wst.Failing
 	v.s.mu.Lock()
 	st.CachedBlocks, st.DirtyBlocks, st.SupersededBlocks = v.idx.Cached, v.idx.Dirty, v.idx.NSup
 	st.LostWriteBlocks = v.fo.lost

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/model"
 )
@@ -195,11 +196,11 @@ func measureDrainOrders(t *testing.T, capacity int64) {
 	sorted := time.Since(start)
 	hs := hdd.Stats()
 	t.Logf("sorted writeback (Drain, QD%d): %v for 64 MiB = %.1f MB/s; HDD writes %d, seeks %d, busy %v (seek %v, rotation %v, transfer %v)",
-		wbQueueDepth, sorted.Round(time.Millisecond), 64*1.048576/sorted.Seconds(), hs.Writes, hs.Seeks, hs.BusyTime, hs.SeekTime, hs.RotationalWait, hs.TransferTime)
+		writeback.QueueDepth, sorted.Round(time.Millisecond), 64*1.048576/sorted.Seconds(), hs.Writes, hs.Seeks, hs.BusyTime, hs.SeekTime, hs.RotationalWait, hs.TransferTime)
 
 	// 2. The same writes in arrival order at the same queue depth.
-	arr := modelTime(writeDirect(t, hddOf(false, measureScale), lbas, wbQueueDepth), measureScale)
-	t.Logf("arrival order QD%d: %v; sorted is %.2fx faster (bar 2.5x)", wbQueueDepth, arr.Round(time.Millisecond), arr.Seconds()/sorted.Seconds())
+	arr := modelTime(writeDirect(t, hddOf(false, measureScale), lbas, writeback.QueueDepth), measureScale)
+	t.Logf("arrival order QD%d: %v; sorted is %.2fx faster (bar 2.5x)", writeback.QueueDepth, arr.Round(time.Millisecond), arr.Seconds()/sorted.Seconds())
 
 	// 3. A QD1 writer in arrival order, with the drive's write cache on
 	// (a write completes in the cache, which destages it reordered, so

@@ -3,12 +3,11 @@ package cache
 import (
 	"bytes"
 	"errors"
-	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -119,7 +118,9 @@ func TestIdleWriteback(t *testing.T) {
 	}
 }
 
-// TestWritebackRate: the rate decision (table test over dirty counts).
+// TestWritebackRate: the set feeds the rate decision (writeback.Rate,
+// whose table is writeback's TestRate) the volume's dirty versions, its
+// writeback_percent and whether its client is idle.
 func TestWritebackRate(t *testing.T) {
 	s, _, _ := newTestSet(t, 256, 64*blockSize, 4096*blockSize)
 	v := s.vols[0]
@@ -134,16 +135,9 @@ func TestWritebackRate(t *testing.T) {
 	for _, tc := range []struct {
 		dirty int64
 		idle  bool
-		want  int64
 	}{
-		{0, false, 0},
-		{target, false, 0},
-		{target + 1, false, wbMinRate},
-		{target + wbHorizon*wbMinRate/2, false, wbMinRate},
-		{(target+total)/2 - 1, false, ((target+total)/2 - 1 - target) / wbHorizon},
-		{(target + total) / 2, false, -1},
-		{total, false, -1},
-		{1, true, -1},
+		{0, false}, {target, false}, {target + 1, false}, {(target+total)/2 - 1, false},
+		{(target + total) / 2, false}, {total, false}, {1, true}, {target + 4000, false},
 	} {
 		s.mu.Lock()
 		saved := v.idx.Dirty
@@ -158,22 +152,11 @@ func TestWritebackRate(t *testing.T) {
 		s.mu.Lock()
 		v.idx.Dirty = saved
 		s.mu.Unlock()
-		if got != tc.want {
-			t.Errorf("dirty %d idle %t: rate %d, want %d", tc.dirty, tc.idle, got, tc.want)
+		want, _ := writeback.Rate(writeback.RateIn{Dirty: tc.dirty, CacheBlocks: total, Percent: 10, Urgent: tc.idle})
+		if got != want {
+			t.Errorf("dirty %d idle %t: rate %d, want %d", tc.dirty, tc.idle, got, want)
 		}
 	}
-	// Growing with the excess.
-	s.mu.Lock()
-	saved := v.idx.Dirty
-	v.idx.Dirty = target + 400*wbHorizon
-	s.mu.Unlock()
-	v.lastIO.Store(nowNanos())
-	if got := s.wbRate(v); got != 400 {
-		t.Errorf("excess %d blocks: rate %d blocks/s, want 400", 400*wbHorizon, got)
-	}
-	s.mu.Lock()
-	v.idx.Dirty = saved
-	s.mu.Unlock()
 }
 
 // slowDev delays every write, like a busy disk.
@@ -218,55 +201,5 @@ func TestWritesNeverStall(t *testing.T) {
 	t.Logf("worst write %v; throttled %v; cache-full bypass %d KiB; writeback %d KiB", worst, time.Duration(st.ThrottleNanos), st.BypassCacheFullBytes>>10, st.WritebackBytes>>10)
 	if worst > 500*time.Millisecond {
 		t.Errorf("a write took %v", worst)
-	}
-}
-
-// TestThrottleAccrues: throttle delays accrue per volume and are slept in
-// pieces of at least throttleQuantum, and concurrent writers together
-// sleep exactly the delays they accrued (none lost, none doubled).
-func TestThrottleAccrues(t *testing.T) {
-	var w wbState
-	if got := w.accrue(300 * time.Microsecond); got != 0 {
-		t.Fatalf("first 300 µs: sleep %v, want 0 (below the quantum)", got)
-	}
-	var slept time.Duration
-	n := 1
-	for ; slept == 0; n++ {
-		slept = w.accrue(300 * time.Microsecond)
-	}
-	if want := time.Duration(n) * 300 * time.Microsecond; slept != want || slept < throttleQuantum {
-		t.Fatalf("after %d writes of 300 µs: sleep %v, want %v (at least %v)", n, slept, want, throttleQuantum)
-	}
-	if got := w.accrue(throttleMax); got != throttleMax {
-		t.Fatalf("one write at the full delay: sleep %v, want %v", got, throttleMax)
-	}
-
-	const writers, each = 8, 5000
-	var total atomic.Int64
-	var wg sync.WaitGroup
-	for g := range writers {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for i := range each {
-				d := time.Duration(1+(g*each+i)%997) * time.Microsecond
-				if s := w.accrue(d); s > 0 {
-					if s < throttleQuantum {
-						t.Errorf("slept %v, below the quantum", s)
-					}
-					total.Add(int64(s))
-				}
-			}
-		}()
-	}
-	wg.Wait()
-	var want int64
-	for g := range writers {
-		for i := range each {
-			want += int64(time.Duration(1+(g*each+i)%997) * time.Microsecond)
-		}
-	}
-	if got := total.Load() + w.throttleDebt.Load(); got != want {
-		t.Errorf("slept %v plus %v still owed, want %v accrued", time.Duration(total.Load()), time.Duration(w.throttleDebt.Load()), time.Duration(want))
 	}
 }

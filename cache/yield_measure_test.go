@@ -62,7 +62,7 @@ func readsDuringDrain(t *testing.T, yield bool) (lat []time.Duration, drain time
 	for {
 		select {
 		case d := <-done:
-			return lat, modelTime(d, measureScale), v.wb.yields.Load(), len(lat)
+			return lat, modelTime(d, measureScale), v.wb.Stats().Yields, len(lat)
 		default:
 		}
 		l := rng.Uint64N(span / blockSize)

@@ -1,4 +1,4 @@
-package cache
+package backoff
 
 import (
 	"bytes"
@@ -14,7 +14,7 @@ import (
 // one per attempt.
 func TestRetryBackoff(t *testing.T) {
 	var logBuf bytes.Buffer
-	b := newRetryBackoff(slog.New(slog.NewTextHandler(&logBuf, nil)), "writeback", "volume", "v")
+	b := New(slog.New(slog.NewTextHandler(&logBuf, nil)), "writeback", "volume", "v")
 	now := time.Unix(1000, 0)
 	b.now = func() time.Time { return now }
 	fail := errors.New("EIO")

@@ -1,4 +1,4 @@
-package cache
+package writeback
 
 // Writeback's queue depth: how many backing writes a batch keeps in flight.
 //
@@ -31,7 +31,7 @@ package cache
 // dropped (its latencies are the reads' too), as is the partial window at
 // the end of a batch. While client reads go to the backing device
 // (within wbIdle) a batch keeps at most wbQueueDepth writes in flight
-// (writeItems): a read waits behind every write queued ahead of it. The
+// (Writer.write): a read waits behind every write queued ahead of it. The
 // in-flight byte bound grows with the depth (inflightBytes).
 
 import (
@@ -94,7 +94,7 @@ func (c *depthCtl) inflightBytes() int {
 }
 
 // begin starts a window (at a batch's start); yields is the volume's
-// disturbance count now (wbState.disturbances).
+// disturbance count now (Writer.disturbances).
 func (c *depthCtl) begin(yields uint64) {
 	c.mu.Lock()
 	defer c.mu.Unlock()

@@ -1,4 +1,7 @@
-package cache
+// Package backoff paces the retries of an operation that keeps failing
+// for a reason outside the cache, and keeps its log to one line per state
+// change.
+package backoff
 
 import (
 	"log/slog"
@@ -7,14 +10,14 @@ import (
 	"time"
 )
 
-// retryBackoff paces the retries of an operation that keeps failing for a
+// Retry paces the retries of an operation that keeps failing for a
 // reason outside the cache (writeback against a failing or full backing
 // device): the wait doubles from backoffMin with each failure in a row, up
 // to backoffMax, and a success resets it. It logs once per state change
 // (failing, recovered) and a summary every backoffSummary while failing,
 // instead of a line per attempt, and counts attempts for the metrics.
 // Safe for concurrent use.
-type retryBackoff struct {
+type Retry struct {
 	log  *slog.Logger
 	what string // what is retried, for the log: "writeback"
 	attr []any  // log attributes naming the subject, e.g. "volume", name
@@ -38,13 +41,14 @@ const (
 	backoffSummary = time.Minute
 )
 
-func newRetryBackoff(log *slog.Logger, what string, attr ...any) *retryBackoff {
-	return &retryBackoff{log: log, what: what, attr: attr, now: time.Now}
+// New returns a Retry for what (named in its log lines with attr).
+func New(log *slog.Logger, what string, attr ...any) *Retry {
+	return &Retry{log: log, what: what, attr: attr, now: time.Now}
 }
 
 // Failed records a failed attempt and returns how long to wait before the
 // next one.
-func (b *retryBackoff) Failed(err error) time.Duration {
+func (b *Retry) Failed(err error) time.Duration {
 	b.failures.Add(1)
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -66,7 +70,7 @@ func (b *retryBackoff) Failed(err error) time.Duration {
 }
 
 // OK records a successful attempt: a failing state ends.
-func (b *retryBackoff) OK() {
+func (b *Retry) OK() {
 	if !b.failing.Load() {
 		return
 	}
@@ -79,3 +83,7 @@ func (b *retryBackoff) OK() {
 	b.wait, b.inState, b.lastErr = 0, 0, nil
 	b.failing.Store(false)
 }
+
+// Failures returns the failed attempts ever, and whether the operation is
+// failing now (metrics).
+func (b *Retry) Failures() (n uint64, failing bool) { return b.failures.Load(), b.failing.Load() }

@@ -1,0 +1,232 @@
+package writeback
+
+// The mechanism: one batch of dirty versions written to the backing
+// device, synced, and only then marked clean (invariant 3).
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
+)
+
+// report collects what batches could not write.
+type report struct {
+	corrupt []Item // versions whose cached copy failed its checksum
+}
+
+// bufs holds run buffers (wbMaxRun blocks each) for write. Reusing them
+// keeps a sequential writeback from allocating and zeroing a fresh 2 MiB
+// buffer per run, and the garbage collector from running for it. Large
+// allocations are page-aligned, as O_DIRECT devices need.
+var bufs = sync.Pool{New: func() any {
+	b := make([]byte, wbMaxRun*blockSize)
+	return &b
+}}
+
+// blockRange is a range of items: [at, at+n).
+type blockRange struct{ at, n int }
+
+// cutRuns cuts items (sorted by LBA) into runs of consecutive LBAs of at
+// most wbMaxRun blocks.
+func cutRuns(items []Item) []blockRange {
+	var runs []blockRange
+	for i, it := range items {
+		if i > 0 && items[i-1].LBA+1 == it.LBA && runs[len(runs)-1].n < wbMaxRun {
+			runs[len(runs)-1].n++
+		} else {
+			runs = append(runs, blockRange{i, 1})
+		}
+	}
+	return runs
+}
+
+// write writes a batch of items taken from the volume (sorted by LBA, each
+// in this batch only), syncs the backing device, and has the written
+// versions marked clean; it returns how many were. Versions that failed
+// their checksum are added to rep, if set.
+//
+// The items are cut into runs of consecutive LBAs (at most wbMaxRun
+// blocks); runs are submitted in ascending LBA order with the volume's
+// queue depth in flight, each reading its blocks from the cache, verifying
+// them and writing them as one backing write. Memory is bounded by the
+// queue depth, not by the batch, so a batch can cover a whole sweep of the
+// disk.
+//
+// Each run claims its LBA range until its backing write is done, so a
+// passthrough write (writearound, none, trim, zeroes) never overlaps it on
+// the backing device and writeback cannot resurrect old data over a newer
+// write; a run with a passthrough write in flight is skipped. A version
+// that changed meanwhile is left alone (Claim's valid; MarkClean checks
+// again). Buckets are pinned only while their blocks are read, so a long
+// batch never holds buckets back from eviction.
+func (w *Writer) write(items []Item, rep *report) (int, error) {
+	if len(items) == 0 {
+		return 0, nil
+	}
+	c := w.c
+	runs := cutRuns(items)
+	var written atomic.Int64
+	defer c.Release(items)
+	if err := c.BeforeBacking(); err != nil {
+		return 0, fmt.Errorf("writeback: %w", err)
+	}
+	// Queue depth: up to the volume's depth (depth.go) in runs, but at
+	// most about its in-flight bytes, so long sequential runs reach the
+	// disk nearly in order (a disk's write cache destages what arrives
+	// first).
+	runBytes := blockSize * len(items) / len(runs)
+	qd := func() int {
+		d := w.depth.depth()
+		if w.reads.recent(wbIdle) {
+			// A client read of the backing device waits behind every
+			// write queued ahead of it.
+			d = min(d, wbQueueDepth)
+		}
+		return max(2, min(d, w.depth.inflightBytes()/runBytes))
+	}
+	w.depth.begin(w.disturbances())
+	issued := make([]chan struct{}, len(runs))
+	for i := range issued {
+		issued[i] = make(chan struct{})
+	}
+	werr := parallel(len(runs), qd, func(k int) error {
+		r := runs[k]
+		// Backing writes are issued in LBA order: each run issues its
+		// write only after the previous run has issued its own.
+		turn := func() {
+			if k > 0 {
+				<-issued[k-1]
+			}
+		}
+		var once sync.Once
+		issue := func() { once.Do(func() { close(issued[k]) }) }
+		defer func() { turn(); issue() }()
+		its := items[r.at : r.at+r.n]
+		valid := make([]bool, r.n)
+		if c.Claim(its, valid) {
+			defer c.Unclaim(its)
+		}
+		pb := bufs.Get().(*[]byte)
+		defer bufs.Put(pb)
+		buf := (*pb)[:len(its)*blockSize]
+		var rerr error
+		for i := 0; i < len(its) && rerr == nil; {
+			j := i + 1
+			for j < len(its) && its[j].Loc == its[j-1].Loc+1 {
+				j++
+			}
+			if err := c.ReadCache(buf[i*blockSize:j*blockSize], its[i].Loc); err != nil {
+				rerr = fmt.Errorf("writeback: reading cache: %w", err)
+			}
+			i = j
+		}
+		c.Unpin(its, valid)
+		if rerr != nil {
+			return rerr
+		}
+		for i := range its {
+			if !valid[i] {
+				continue
+			}
+			if got := ondisk.CRC32C(buf[i*blockSize : (i+1)*blockSize]); got != its[i].CRC {
+				its[i].bad = true
+				c.Corrupt(its[i], got)
+				continue
+			}
+			its[i].ok = true
+		}
+		for i := 0; i < len(its) && rerr == nil; {
+			if !its[i].ok {
+				i++
+				continue
+			}
+			j := i + 1
+			for j < len(its) && its[j].ok {
+				j++
+			}
+			turn()
+			w.yieldToReads()
+			issue()
+			t0 := time.Now()
+			if err := c.WriteBacking(buf[i*blockSize:j*blockSize], its[i].LBA); err == nil {
+				w.depth.done(time.Since(t0), w.disturbances())
+			} else {
+				rerr = fmt.Errorf("writeback to %s: %w", c.Name(), err)
+				w.backingErr.Store(&rerr)
+				for x := i; x < len(its); x++ {
+					its[x].ok = false
+				}
+			}
+			written.Add(int64(j - i))
+			i = j
+		}
+		return rerr
+	})
+	if rep != nil {
+		for _, it := range items {
+			if it.bad {
+				rep.corrupt = append(rep.corrupt, it)
+			}
+		}
+	}
+	if werr != nil {
+		return 0, werr
+	}
+	if written.Load() == 0 {
+		return 0, nil
+	}
+	if err := c.SyncBacking(); err != nil {
+		err = fmt.Errorf("writeback: syncing %s: %w", c.Name(), err)
+		w.backingErr.Store(&err)
+		return 0, err
+	}
+	w.backingErr.Store(nil)
+	return c.MarkClean(items), nil
+}
+
+// parallel runs f(0..n-1) with at most qd() calls in flight (asked again
+// before each call starts: the depth adapts while a batch runs), started
+// in order; after a call fails no new one starts. It returns every error
+// of the calls that ran (errors.Join): two runs of a batch can fail on the
+// backing device at once, and each failure must reach the caller's log,
+// not only the first.
+func parallel(n int, qd func() int, f func(i int) error) error {
+	if n == 1 {
+		return f(0)
+	}
+	var wg sync.WaitGroup
+	var mu sync.Mutex // guards inflight and errs
+	cond := sync.NewCond(&mu)
+	inflight := 0
+	var errs []error
+	for i := 0; i < n; i++ {
+		mu.Lock()
+		for inflight >= qd() && len(errs) == 0 {
+			cond.Wait()
+		}
+		if len(errs) > 0 {
+			mu.Unlock()
+			break
+		}
+		inflight++
+		mu.Unlock()
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			err := f(i)
+			mu.Lock()
+			inflight--
+			if err != nil {
+				errs = append(errs, err)
+			}
+			cond.Signal()
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}

@@ -1,0 +1,94 @@
+package writeback
+
+import (
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// TestRate: the rate decision, a table over dirty counts around the
+// target (10 % of the cache) and half way to a full cache.
+func TestRate(t *testing.T) {
+	const total = 256 * 64
+	target := int64(total / 10)
+	for _, tc := range []struct {
+		dirty  int64
+		urgent bool
+		want   int64
+	}{
+		{0, false, 0},
+		{target, false, 0},
+		{target + 1, false, wbMinRate},
+		{target + wbHorizon*wbMinRate/2, false, wbMinRate},
+		{(target+total)/2 - 1, false, ((target+total)/2 - 1 - target) / wbHorizon},
+		{(target + total) / 2, false, -1},
+		{total, false, -1},
+		{1, true, -1},
+		{target + 400*wbHorizon, false, 400}, // growing with the excess
+	} {
+		got, wake := Rate(RateIn{Dirty: tc.dirty, CacheBlocks: total, Percent: 10, Urgent: tc.urgent})
+		if got != tc.want {
+			t.Errorf("dirty %d urgent %t: rate %d, want %d", tc.dirty, tc.urgent, got, tc.want)
+		}
+		if got == 0 && wake != max(target+1, 1) && !(tc.dirty == 0 && wake == 1) {
+			t.Errorf("dirty %d: wake level %d, want %d", tc.dirty, wake, target+1)
+		}
+	}
+	if got, _ := Rate(RateIn{Dirty: target + 1, CacheBlocks: total, Percent: 10, Draining: true}); got != 0 {
+		t.Errorf("draining: rate %d, want 0 (Drain sweeps itself)", got)
+	}
+	if got, _ := Rate(RateIn{Dirty: 1, CacheBlocks: total, Percent: 10, Degraded: true}); got != wbMinRate {
+		t.Errorf("degraded, 1 dirty: rate %d, want %d (target 0)", got, wbMinRate)
+	}
+}
+
+// TestThrottleAccrues: throttle delays accrue per volume and are slept in
+// pieces of at least throttleQuantum, and concurrent writers together
+// sleep exactly the delays they accrued (none lost, none doubled).
+func TestThrottleAccrues(t *testing.T) {
+	var w Writer
+	if got := w.Accrue(300 * time.Microsecond); got != 0 {
+		t.Fatalf("first 300 µs: sleep %v, want 0 (below the quantum)", got)
+	}
+	var slept time.Duration
+	n := 1
+	for ; slept == 0; n++ {
+		slept = w.Accrue(300 * time.Microsecond)
+	}
+	if want := time.Duration(n) * 300 * time.Microsecond; slept != want || slept < throttleQuantum {
+		t.Fatalf("after %d writes of 300 µs: sleep %v, want %v (at least %v)", n, slept, want, throttleQuantum)
+	}
+	if got := w.Accrue(throttleMax); got != throttleMax {
+		t.Fatalf("one write at the full delay: sleep %v, want %v", got, throttleMax)
+	}
+
+	const writers, each = 8, 5000
+	var total atomic.Int64
+	var wg sync.WaitGroup
+	for g := range writers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range each {
+				d := time.Duration(1+(g*each+i)%997) * time.Microsecond
+				if s := w.Accrue(d); s > 0 {
+					if s < throttleQuantum {
+						t.Errorf("slept %v, below the quantum", s)
+					}
+					total.Add(int64(s))
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	var want int64
+	for g := range writers {
+		for i := range each {
+			want += int64(time.Duration(1+(g*each+i)%997) * time.Microsecond)
+		}
+	}
+	if got := total.Load() + w.throttleDebt.Load(); got != want {
+		t.Errorf("slept %v plus %v still owed, want %v accrued", time.Duration(total.Load()), time.Duration(w.throttleDebt.Load()), time.Duration(want))
+	}
+}
