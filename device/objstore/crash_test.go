@@ -13,8 +13,9 @@ import (
 // crashWorkload writes rounds of random block writes and write-zeroes to d,
 // each round ended by a Sync, until a Sync fails. states[i] is the image
 // after round i's writes (states[0]: all zero); acked is the number of
-// rounds whose Sync returned nil.
-func crashWorkload(d *Device, size int64, rounds int, seed uint64, beforeSync func(round int)) (states [][]byte, acked int) {
+// rounds whose Sync returned nil. With gcEvery > 0 a garbage-collection
+// round follows every gcEvery-th Sync (the workload stops when it fails).
+func crashWorkload(d *Device, size int64, rounds int, seed uint64, gcEvery int, beforeSync func(round int)) (states [][]byte, acked int) {
 	rng := rand.New(rand.NewPCG(seed, 1))
 	cur := make([]byte, size)
 	states = append(states, slices.Clone(cur))
@@ -45,6 +46,11 @@ func crashWorkload(d *Device, size int64, rounds int, seed uint64, beforeSync fu
 			return states, acked
 		}
 		acked++
+		if gcEvery > 0 && acked%gcEvery == 0 {
+			if _, err := d.GC(DefaultGCThreshold, 1<<30); err != nil {
+				return states, acked
+			}
+		}
 	}
 	return states, acked
 }
@@ -53,9 +59,11 @@ func crashWorkload(d *Device, size int64, rounds int, seed uint64, beforeSync fu
 // number of PUTs of a workload (segment parts, checkpoints, head updates)
 // and recovers from the bucket alone: the image must be exactly the state
 // after the last acknowledged Sync, or after the Sync in progress at the
-// cut (garbage collection runs after each checkpoint, so the cuts fall
-// inside its rounds too) (its last segment may have landed before the acknowledgement was
-// lost), never a mix and never anything older.
+// cut (its last segment may have landed before the acknowledgement was
+// lost), never a mix and never anything older. Garbage collection runs in
+// the workload, after every third Sync (not in the background: the PUTs
+// must come in the same order in every run), so the cuts fall inside its
+// rounds too.
 func TestCrashBetweenPuts(t *testing.T) {
 	srv, direct := testEnv(t)
 	proxy := s3test.NewProxy(t, srv)
@@ -64,14 +72,14 @@ func TestCrashBetweenPuts(t *testing.T) {
 	const size, rounds = 128 << 10, 10
 	// Small segments (multi-part epochs) and frequent checkpoints, so
 	// that the cuts fall between parts and around head updates too.
-	o := Options{SegmentBytes: 16 << 10, CheckpointEvery: 3, Tries: 1}
+	o := Options{SegmentBytes: 16 << 10, CheckpointEvery: 3, Tries: 1, GCThreshold: -1}
 
 	// A clean run counts the workload's PUTs.
 	l := newImage(t, direct, size, 4096)
 	l.Endpoint = proxy.Endpoint()
 	d := mustOpen(t, l, o)
 	proxy.CutAfter(-1)
-	if _, acked := crashWorkload(d, size, rounds, 1, nil); acked != rounds {
+	if _, acked := crashWorkload(d, size, rounds, 1, 3, nil); acked != rounds {
 		t.Fatalf("clean run acknowledged %d of %d rounds", acked, rounds)
 	}
 	total := proxy.Puts()
@@ -92,7 +100,7 @@ func TestCrashBetweenPuts(t *testing.T) {
 			t.Fatal(err)
 		}
 		proxy.CutAfter(cut)
-		states, acked := crashWorkload(d, size, rounds, 1, nil)
+		states, acked := crashWorkload(d, size, rounds, 1, 3, nil)
 		// d is abandoned, as by a crash: not closed, its lease left live.
 		l.Endpoint = direct.Endpoint
 		r, err := Open(l, Options{Force: true})
@@ -133,7 +141,7 @@ func TestServerKilled(t *testing.T) {
 		}
 		killAt := int(2 + seed)
 		var killed chan struct{}
-		states, acked := crashWorkload(d, size, 1000, seed, func(round int) {
+		states, acked := crashWorkload(d, size, 1000, seed, 0, func(round int) {
 			if round == killAt {
 				killed = make(chan struct{})
 				go func() { srv.Kill(); close(killed) }()

@@ -77,9 +77,13 @@ func Create(loc Location, size int64, blockSize int) (*layout.Head, error) {
 	}
 	if _, err := s.put(layout.HeadName, p, putIfAbsent, ""); err != nil {
 		if errors.Is(err, errPrecondition) {
-			return nil, fmt.Errorf("%s: %w", loc.Name(), ErrExists)
+			// Unless it is our own create, landed with its answer lost.
+			if cur, _, rerr := s.getETag(layout.HeadName); rerr != nil || string(cur) != string(p) {
+				return nil, fmt.Errorf("%s: %w", loc.Name(), ErrExists)
+			}
+		} else {
+			return nil, err
 		}
-		return nil, err
 	}
 	// The same conditional create again must be refused: a store that
 	// accepts it would let two hosts both take an image.

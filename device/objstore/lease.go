@@ -86,6 +86,12 @@ func acquireLease(s *store, ttl time.Duration, force bool) (*lease, error) {
 		if rerr != nil {
 			return nil, rerr
 		}
+		if old != nil && old.Nonce == ls.l.Nonce {
+			// Our own create landed and its answer was lost (the retry
+			// found it).
+			ls.etag, ls.renewed = oldETag, start
+			return ls, nil
+		}
 		if old != nil && age <= old.TTL && !force && !deadHere(old) {
 			return nil, &OwnedError{Loc: s.loc, Lease: *old, Age: age}
 		}
@@ -128,6 +134,21 @@ func (ls *lease) renew(gen uint64) error {
 		return err
 	}
 	etag, err := ls.s.put(layout.LeaseName, p, putIfMatch, ls.etag)
+	if errors.Is(err, errPrecondition) {
+		// Our own earlier attempt may have landed (its answer lost, the
+		// retry refused): then the lease is ours (our nonce), exactly
+		// what we wrote or an earlier renewal. Another nonce, or no
+		// lease, is another holder's doing.
+		cur, curETag, _, rerr := ls.s.readLeaseETag()
+		switch {
+		case rerr != nil:
+			err = rerr
+		case cur != nil && cur.Nonce == ls.l.Nonce && cur.Renewed.Equal(l.Renewed):
+			etag, err = curETag, nil
+		case cur != nil && cur.Nonce == ls.l.Nonce:
+			etag, err = ls.s.put(layout.LeaseName, p, putIfMatch, curETag)
+		}
+	}
 	if err != nil {
 		return err
 	}

@@ -63,7 +63,8 @@ const (
 	DefaultSegmentBytes    = 32 << 20
 	DefaultCheckpointEvery = 256
 	DefaultGCThreshold     = 0.5
-	DefaultGCBytes         = 32 << 20
+	DefaultGCBytes         = 8 << 20
+	DefaultGCRate          = 16 << 20
 )
 
 // Options configures Open.
@@ -79,17 +80,26 @@ type Options struct {
 	// CheckpointEvery is how many segments are written between
 	// checkpoints; 0 means DefaultCheckpointEvery.
 	CheckpointEvery int
-	// GCThreshold: after each checkpoint, segments less than this
-	// fraction live are rewritten (their live blocks, at most GCBytes per
-	// round) and deleted once a checkpoint no longer needs them; 0 means
-	// DefaultGCThreshold, negative disables garbage collection.
+	// GCThreshold: after each checkpoint, a background loop rewrites the
+	// live blocks of segments less than this fraction live (at most
+	// GCBytes per round, rounds until none is left) and deletes the
+	// segments once a checkpoint no longer needs them; 0 means
+	// DefaultGCThreshold, negative disables the loop (GC still runs a
+	// round when called).
 	GCThreshold float64
-	// GCBytes bounds the live data one round rewrites; 0 means
-	// DefaultGCBytes.
+	// GCBytes bounds the live data one round rewrites, and so the time a
+	// Sync may wait for a round's PUT; 0 means DefaultGCBytes.
 	GCBytes int64
+	// GCRate bounds the live data the background loop reads and rewrites,
+	// in bytes per second; 0 means DefaultGCRate, negative unbounded.
+	GCRate int64
 	// Tries bounds the attempts of one store call (minio-go retries 5xx,
 	// throttling and network errors with backoff); 0 means its default, 10.
 	Tries int
+	// Timeout bounds one store call, its retries included: a store that
+	// stops answering (a dead peer) fails the call after it; 0 means
+	// DefaultTimeout.
+	Timeout time.Duration
 	// Log receives lease and fencing events; nil discards them.
 	Log *slog.Logger
 }
@@ -135,8 +145,13 @@ type Device struct {
 
 	stopRenew chan struct{}
 	renewDone chan struct{}
-	stats     Stats
-	statsMu   sync.Mutex
+	// Background garbage collection (nil when it does not run): kicked
+	// after each checkpoint, stopped by Close.
+	gcKick  chan struct{}
+	gcStop  chan struct{}
+	gcDone  chan struct{}
+	stats   Stats
+	statsMu sync.Mutex
 }
 
 // Stats counts the device's traffic to the store (since Open) and
@@ -194,9 +209,15 @@ func Open(loc Location, opts Options) (*Device, error) {
 	if opts.GCBytes == 0 {
 		opts.GCBytes = DefaultGCBytes
 	}
+	if opts.GCRate == 0 {
+		opts.GCRate = DefaultGCRate
+	}
 	s, err := newStore(loc, opts.Tries)
 	if err != nil {
 		return nil, err
+	}
+	if opts.Timeout > 0 {
+		s.timeout = opts.Timeout
 	}
 	d := &Device{s: s, loc: loc, opts: opts}
 	if !opts.ReadOnly {
@@ -213,6 +234,10 @@ func Open(loc Location, opts Options) (*Device, error) {
 	if d.ls != nil {
 		d.stopRenew, d.renewDone = make(chan struct{}), make(chan struct{})
 		go d.renewLoop()
+		if opts.GCThreshold > 0 {
+			d.gcKick, d.gcStop, d.gcDone = make(chan struct{}, 1), make(chan struct{}), make(chan struct{})
+			go d.gcLoop()
+		}
 	}
 	return d, nil
 }
@@ -276,15 +301,43 @@ func (d *Device) putHead(h *layout.Head, etag string) (string, error) {
 	}
 	n, err := d.s.put(layout.HeadName, p, putIfMatch, etag)
 	if errors.Is(err, errPrecondition) {
-		// Our own earlier attempt may have landed (a retried PUT): then
-		// the head is exactly what we wrote.
+		// Our own earlier attempt may have landed (a retried PUT whose
+		// answer was lost): then the head is exactly what we wrote, or
+		// an earlier head of this device's generation.
 		cur, curETag, rerr := d.s.getETag(layout.HeadName)
-		if rerr == nil && string(cur) == string(p) {
+		if rerr != nil {
+			return "", rerr
+		}
+		if string(cur) == string(p) {
 			return curETag, nil
+		}
+		if ch, derr := layout.DecodeHead(cur); derr == nil && d.ownsHead(ch) {
+			return d.s.put(layout.HeadName, p, putIfMatch, curETag)
 		}
 		return "", fmt.Errorf("%s: %w", d.loc.Name(), ErrFenced)
 	}
 	return n, err
+}
+
+// ownsHead reports whether h was written by this device: once its first
+// head write (the fence) succeeded, no other opener can write a head of
+// its generation (a newer owner writes a newer one).
+func (d *Device) ownsHead(h *layout.Head) bool { return d.gen != 0 && h.Gen == d.gen }
+
+// adoptHead re-reads the head after its ETag was found changed: a head
+// of this device's generation is one it wrote whose answer was lost
+// (adopted, with a checkpoint to be rewritten before garbage collection
+// relies on one); another means another owner. REQUIRES d.syncMu.
+func (d *Device) adoptHead() (bool, error) {
+	h, etag, err := d.s.readHead()
+	if err != nil {
+		return false, err
+	}
+	if !d.ownsHead(h) {
+		return false, nil
+	}
+	d.head, d.headETag, d.ckptFresh = h, etag, false
+	return true, nil
 }
 
 func (d *Device) renewLoop() {
@@ -635,10 +688,8 @@ func (d *Device) flush(final bool) error {
 			// The segments are stored and count; a failed checkpoint
 			// only makes the next recovery longer.
 			d.opts.Log.Warn("object-store checkpoint failed", "image", d.loc.Name(), "err", err)
-		} else if d.opts.GCThreshold > 0 {
-			if _, err := d.gcLocked(d.opts.GCThreshold, d.opts.GCBytes); err != nil {
-				d.opts.Log.Warn("object-store garbage collection failed", "image", d.loc.Name(), "err", err)
-			}
+		} else {
+			d.kickGC()
 		}
 	}
 	return nil
@@ -743,9 +794,15 @@ func (d *Device) checkOwner() error {
 		return err
 	}
 	if etag != d.headETag {
-		err := fmt.Errorf("%s: %w", d.loc.Name(), ErrFenced)
-		d.fence(err)
-		return err
+		own, err := d.adoptHead()
+		if err != nil {
+			return err
+		}
+		if !own {
+			err := fmt.Errorf("%s: %w", d.loc.Name(), ErrFenced)
+			d.fence(err)
+			return err
+		}
 	}
 	return nil
 }
@@ -805,6 +862,10 @@ func (d *Device) Close() error {
 	}
 	close(d.stopRenew)
 	<-d.renewDone
+	if d.gcStop != nil {
+		close(d.gcStop)
+		<-d.gcDone
+	}
 	d.syncMu.Lock()
 	defer d.syncMu.Unlock()
 	return d.ls.release()

@@ -44,6 +44,7 @@ import (
 //	endpoint = "https://s3.example.net"
 //	region = "eu-west-1"
 //	path_style = true
+//	gc_rate = "16M"               # garbage collection, bytes/s of live data; "unlimited"
 type serveConfig struct {
 	DataDir         *string           `toml:"data_dir"`
 	LogFormat       *string           `toml:"log_format"`
@@ -70,10 +71,14 @@ type serveConfig struct {
 // is when the URI does not say (image's --endpoint, --region,
 // --path-style; an endpoint implies path-style addressing).
 // Credentials are never read from here.
+//
+// gc_rate bounds the live data an owner's garbage collection reads and
+// rewrites per second ("16M", the default; "unlimited").
 type s3Config struct {
 	Endpoint  *string `toml:"endpoint"`
 	Region    *string `toml:"region"`
 	PathStyle *bool   `toml:"path_style"`
+	GCRate    *string `toml:"gc_rate"`
 }
 
 // loadServeConfig parses path. Unknown keys are errors naming the line.

@@ -26,10 +26,13 @@ import (
 // isObjImage reports whether a backing spec is an object-store image URI.
 func isObjImage(spec string) bool { return objstore.IsURI(spec) }
 
-// s3Defaults say where the store is for an image URI that does not.
+// s3Defaults say where the store is for an image URI that does not, and
+// how an owner garbage-collects.
 type s3Defaults struct {
 	endpoint, region string
 	pathStyle        bool
+	// gcRate: objstore.Options.GCRate (0: its default).
+	gcRate int64
 }
 
 // s3Defaults are the image command's flags (given, when called from it),
@@ -54,6 +57,15 @@ func (g *globals) s3Defaults(flags s3Defaults) (s3Defaults, error) {
 	}
 	if c.S3.PathStyle != nil && *c.S3.PathStyle {
 		flags.pathStyle = true
+	}
+	if r := c.S3.GCRate; r != nil {
+		if *r == "unlimited" {
+			flags.gcRate = -1
+		} else if n, err := parseSize(*r); err != nil || n <= 0 {
+			return flags, fmt.Errorf("%s: [s3] gc_rate %q: want bytes per second (e.g. 16M) or \"unlimited\"", how, *r)
+		} else {
+			flags.gcRate = n
+		}
 	}
 	return flags, nil
 }
@@ -95,7 +107,7 @@ func openObjImage(spec string, s3 s3Defaults, readOnly, force bool, log *slog.Lo
 	if err != nil {
 		return nil, err
 	}
-	return objstore.Open(l, objstore.Options{ReadOnly: readOnly, Force: force, Log: log})
+	return objstore.Open(l, objstore.Options{ReadOnly: readOnly, Force: force, Log: log, GCRate: s3.gcRate})
 }
 
 // objImageID is the identity of an open image.

@@ -143,7 +143,7 @@ func TestObjImageConfig(t *testing.T) {
 	}
 	cfg := filepath.Join(dir, "tiercache.toml")
 	sock := filepath.Join(dir, "admin.sock")
-	body := "data_dir = \"" + dir + "\"\ncache = \"" + cachePath + "\"\nadmin = \"" + sock + "\"\n\n[s3]\nendpoint = \"" + srv.Endpoint() + "\"\nregion = \"" + s3test.Region + "\"\n"
+	body := "data_dir = \"" + dir + "\"\ncache = \"" + cachePath + "\"\nadmin = \"" + sock + "\"\n\n[s3]\nendpoint = \"" + srv.Endpoint() + "\"\nregion = \"" + s3test.Region + "\"\ngc_rate = \"4M\"\n"
 	if err := os.WriteFile(cfg, []byte(body), 0o600); err != nil {
 		t.Fatal(err)
 	}
