@@ -895,3 +895,61 @@ func TestSupTreeOracle(t *testing.T) {
 		}
 	}
 }
+
+// TestLeafMerge: removing 90 % of a tree's slots at random leaves its
+// leaves on average at least an eighth full (small leaves merge with a
+// sibling), the content equal to the oracle's, and the pages the root
+// names in proportion to what is left.
+func TestLeafMerge(t *testing.T) {
+	lay := testLayout(2048)
+	dev := device.NewMem(lay.Off + lay.Len())
+	st := newTestStore(t, dev, lay, 8)
+	tr := st.Tree(0)
+	o := newOracle()
+	rng := rand.New(rand.NewPCG(11, 12))
+	const n = 40000
+	for _, i := range rng.Perm(n) {
+		s := Slot{LBA: uint64(i), Loc: uint32(i)}
+		if _, _, err := tr.Put(s); err != nil {
+			t.Fatal(err)
+		}
+		o.put(s)
+	}
+	if err := st.Checkpoint(nil); err != nil {
+		t.Fatal(err)
+	}
+	before := st.alloc.Used()
+	for _, i := range rng.Perm(n)[:n*9/10] {
+		if _, ok, err := tr.Delete(uint64(i)); !ok || err != nil {
+			t.Fatalf("Delete(%d): %t %v", i, ok, err)
+		}
+		o.del(uint64(i))
+	}
+	if err := st.Checkpoint(nil); err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.Check(); err != nil {
+		t.Fatal(err)
+	}
+	if err := o.same(tr); err != nil {
+		t.Fatal(err)
+	}
+	leaves := 0
+	var walk func(n *node)
+	walk = func(n *node) {
+		for _, k := range n.kids {
+			if n.level > 1 {
+				walk(k.node)
+			} else {
+				leaves++
+			}
+		}
+	}
+	walk(tr.root)
+	left := tr.Len()
+	if leaves > left/(LeafCap/8) {
+		t.Fatalf("%d slots left in %d leaves (%.1f a leaf)", left, leaves, float64(left)/float64(leaves))
+	}
+	t.Logf("%d pages before, %d after removing 90 %%: %d slots in %d leaves (%.1f a leaf)",
+		before, st.alloc.Used(), left, leaves, float64(left)/float64(leaves))
+}

@@ -22,8 +22,10 @@ import (
 // every node holds 1..cap children; a leaf 1..LeafCap slots in strictly
 // increasing LBA order; every key under child i of a node is >= its key
 // and < the key of child i+1; kid.agg <= the oldest dirty epoch under it;
-// length counts the slots. Leaves are not merged when they get small (a
-// leaf is dropped when it is empty).
+// length counts the slots. A removal that leaves a leaf under a quarter
+// full merges it with a sibling of the same parent when the two fit in
+// three quarters of a leaf; inner nodes are not merged (a node is dropped
+// when empty).
 //
 // A Tree is guarded by the caller's lock; every method requires it. Page
 // reads happen inside the call (the engine would drop its lock around
@@ -305,6 +307,11 @@ func (t *Tree) DeleteKey(k Key) (Slot, bool, error) {
 	p.RemoveSlot(i)
 	t.length--
 	if p.Count() > 0 {
+		if p.Count() < mergeBelow {
+			if err := t.mergeLeaf(last.n, last.i); err != nil {
+				return Slot{}, false, err
+			}
+		}
 		return old, true, nil
 	}
 	// The leaf is empty: drop it, and every node it empties.
@@ -324,6 +331,51 @@ func (t *Tree) DeleteKey(k Key) (Slot, bool, error) {
 		t.root = t.root.kids[0].node
 	}
 	return old, true, nil
+}
+
+// A leaf that a removal leaves with fewer than mergeBelow slots is merged
+// with a sibling when the two fit in mergeInto slots (so the merged leaf
+// still has room for inserts before it splits again).
+const (
+	mergeBelow = LeafCap / 4
+	mergeInto  = LeafCap * 3 / 4
+)
+
+// mergeLeaf merges leaf child i of n (changed, and small) with its right
+// sibling, else its left one, when both fit in mergeInto slots: the
+// slots go to the left of the two and the right one is dropped. A sibling
+// that is too full is only read.
+func (t *Tree) mergeLeaf(n *node, i int) error {
+	j := i + 1
+	if j == len(n.kids) {
+		j = i - 1
+	}
+	if j < 0 {
+		return nil
+	}
+	sp, err := t.leaf(&n.kids[j])
+	if err != nil {
+		return err
+	}
+	if n.kids[i].dirty.Count()+sp.Count() > mergeInto {
+		return nil
+	}
+	l, r := min(i, j), max(i, j)
+	lp, err := t.mutLeaf(&n.kids[l])
+	if err != nil {
+		return err
+	}
+	rp, err := t.mutLeaf(&n.kids[r])
+	if err != nil {
+		return err
+	}
+	for k := range rp.Count() {
+		lp.InsertSlot(lp.Count(), rp.Slot(k))
+	}
+	n.kids[l].agg = min(n.kids[l].agg, n.kids[r].agg)
+	n.kids = slices.Delete(n.kids, r, r+1)
+	t.ndirty--
+	return nil
 }
 
 // Ascend calls fn for each slot with LBA >= from, in order, until fn
