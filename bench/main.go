@@ -54,6 +54,9 @@ func Main(args []string) int {
 	if len(args) > 0 && args[0] == "cache" {
 		return cacheMain(args[1:])
 	}
+	if len(args) > 0 && args[0] == "remote" {
+		return remoteMain(args[1:])
+	}
 	opts, err := parseFlags(args, os.Stderr)
 	if errors.Is(err, flag.ErrHelp) {
 		return 0

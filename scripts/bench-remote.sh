@@ -5,8 +5,12 @@
 # set whose backing device is that export (writeback, nbd://127.0.0.1):
 # cache hits (a 32 MiB working set read once before), misses (reads spread
 # over a 1 GiB export in front of a 64 MiB cache; promotions go on) and
-# writes. Prints one line per case with IOPS and mean latency.
-# Usage: scripts/bench-remote.sh [tiercache binary] (default bin/tiercache).
+# writes. Prints one line per case with IOPS and mean latency. Then the
+# HDD-model remote (tcbench remote, bench/remote.go): random writes,
+# drains of random dirty blocks against arrival order and sorted QD1, the
+# same drain through nbdfuse, cold sequential reads; rounds and medians.
+# Usage: scripts/bench-remote.sh [tiercache binary] (default bin/tiercache);
+# REMOTEFLAGS passes flags to tcbench remote (-rounds, -cases, ...; -h).
 set -euo pipefail
 BIN=${1:-bin/tiercache}
 RUNTIME=${RUNTIME:-10}
@@ -52,3 +56,7 @@ fio --name=warm --ioengine=nbd --uri="$tc" --rw=read --bs=64k --iodepth=4 --size
 fio1 cache-hit-randread "$tc" randread 32m
 fio1 cache-writeback-randwrite "$tc" randwrite 32m
 "$BIN" --data-dir "$dir/d" stats | grep -E "read_hit_ops|read_miss_ops|remote_link" || true
+
+echo
+echo "HDD model as the remote (go run ./cmd/tcbench remote)"
+go run ./cmd/tcbench remote -tiercache "$BIN" ${REMOTEFLAGS:-}
