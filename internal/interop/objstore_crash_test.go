@@ -1,9 +1,14 @@
 package interop
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
+	"math/rand/v2"
 	"os"
+	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -59,4 +64,156 @@ func TestKillCyclesObjStore(t *testing.T) {
 		}
 		t.Fatalf("%v\nserver log (current process):\n%s", err, log)
 	}
+}
+
+// TestCacheLossObjStore loses the cache device of a writeback set whose
+// backing device is an object-store image: epochs of stamped 4 KiB writes,
+// each ended by a FLUSH, go through the server while writeback (target 0 %:
+// it runs all the time) stores them in the image; the server is SIGKILLed
+// with dirty data in the cache and the cache file deleted. What the
+// operator then has is the image alone: `image info` names its newest
+// epoch, and a fresh cache set formatted over it (the dead server's lease
+// taken without --force) serves a disk that must be exactly the state
+// after one of the client's flushes, block by block, never a mix of two
+// and never a state no flush produced.
+func TestCacheLossObjStore(t *testing.T) {
+	seed, _ := crashConfig(t)
+	srv := s3test.Start(t)
+	srv.Bucket("images")
+	for _, kv := range srv.Env() {
+		k, v, _ := strings.Cut(kv, "=")
+		t.Setenv(k, v)
+	}
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	const uri = "s3://images/lost"
+	const blocks = 2048 // 8 MiB touched
+	run(t, time.Minute, bin, "image", "create", uri, "--size", "64M")
+	dir := shortDir(t)
+	cachePath := sparseFile(t, dir, "cache.img", 16*mib)
+	run(t, time.Minute, bin, "format", "--cache", cachePath, "--backing", "vol="+uri, "--mode", "writeback", "--bucket-size", "256K")
+	ks := newKillableServer(t, "--cache", cachePath)
+	ctx := context.Background()
+	if err := ks.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	admin := filepath.Join(ks.args[1], "admin.sock")
+	run(t, time.Minute, bin, "set", "--admin", admin, "vol", "writeback_percent=0")
+	c, err := ks.dial("vol")(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// states[e][b] is the stamp block b holds after the e-th flush (0:
+	// never written, reads as zeroes).
+	rng := rand.New(rand.NewPCG(seed, 22))
+	cur := make([]uint32, blocks)
+	states := [][]uint32{slices.Clone(cur)}
+	stamp := func(b int64, id uint32) []byte {
+		p := make([]byte, 4096)
+		for i := 0; i < len(p); i += 16 {
+			binary.LittleEndian.PutUint64(p[i:], uint64(b))
+			binary.LittleEndian.PutUint64(p[i+8:], uint64(id))
+		}
+		return p
+	}
+	const epochs, perEpoch = 60, 48
+	for e := 1; e <= epochs; e++ {
+		for w := range perEpoch {
+			b := rng.Int64N(blocks)
+			id := uint32(e*perEpoch + w)
+			if err := c.WriteAt(stamp(b, id), b*4096, false); err != nil {
+				t.Fatal(err)
+			}
+			cur[b] = id
+		}
+		if err := c.Flush(); err != nil {
+			t.Fatal(err)
+		}
+		states = append(states, slices.Clone(cur))
+	}
+	stats := run(t, time.Minute, bin, "stats", "--admin", admin)
+	c.Close()
+	if err := ks.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(cachePath); err != nil {
+		t.Fatal(err)
+	}
+	for _, l := range strings.Split(stats, "\n") {
+		if strings.Contains(l, "dirty_blocks") || strings.Contains(l, "objstore_epoch") {
+			t.Logf("before the kill: %s", strings.TrimSpace(l))
+		}
+	}
+
+	info := run(t, time.Minute, bin, "image", "info", uri)
+	if !strings.Contains(info, "newest epoch: ") || !strings.Contains(info, "owner:        ") {
+		t.Fatalf("image info after the loss:\n%s", info)
+	}
+	t.Logf("image info after the cache device was lost:\n%s", info)
+
+	fresh := sparseFile(t, dir, "fresh.img", 16*mib)
+	run(t, time.Minute, bin, "format", "--cache", fresh, "--backing", "vol="+uri, "--mode", "writeback", "--bucket-size", "256K")
+	ks2 := newKillableServer(t, "--cache", fresh)
+	if err := ks2.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	c2, err := ks2.dial("vol")(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	got := make([]uint32, blocks)
+	p := make([]byte, 1<<20)
+	for off := int64(0); off < blocks*4096; off += int64(len(p)) {
+		if err := c2.ReadAt(p, off); err != nil {
+			t.Fatal(err)
+		}
+		for i := 0; i < len(p); i += 4096 {
+			b := (off + int64(i)) / 4096
+			blk := p[i : i+4096]
+			if allZero(blk) {
+				got[b] = 0
+				continue
+			}
+			if !bytes.Equal(blk, stamp(b, binary.LittleEndian.Uint32(blk[8:]))) {
+				t.Fatalf("block %d holds no write's stamp", b)
+			}
+			got[b] = binary.LittleEndian.Uint32(blk[8:])
+		}
+	}
+	match := -1
+	for e := len(states) - 1; e >= 0; e-- {
+		if slices.Equal(got, states[e]) {
+			match = e
+			break
+		}
+	}
+	if match < 0 {
+		// Name the first block that differs from the nearest state.
+		best, bestDiff := 0, blocks+1
+		for e, s := range states {
+			n := 0
+			for b := range s {
+				if s[b] != got[b] {
+					n++
+				}
+			}
+			if n < bestDiff {
+				best, bestDiff = e, n
+			}
+		}
+		t.Fatalf("the image after the cache loss is no flush's state: nearest is flush %d, %d blocks differ", best, bestDiff)
+	}
+	t.Logf("the image is the state after flush %d of %d (seed %d)", match, epochs, seed)
+	if err := ks2.stop(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func allZero(p []byte) bool {
+	for _, b := range p {
+		if b != 0 {
+			return false
+		}
+	}
+	return true
 }
