@@ -5,6 +5,7 @@ import (
 	"os"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -25,7 +26,10 @@ import (
 // The kernel signals completions on an eventfd (IOCB_FLAG_RESFD) that the
 // reaper reads through the Go netpoller, so no thread blocks in the
 // kernel waiting for the device: the threads stay few and the device sees
-// requests in batches.
+// requests in batches. The reaper takes the completions from the ring the
+// kernel maps at the context's address (as libaio's and fio's userspace
+// reaping do), without an io_getevents call, when the ring has the
+// layout this code knows (aioRing); else with a non-blocking io_getevents.
 //
 // Invariants:
 //
@@ -76,6 +80,19 @@ type iocb struct {
 
 const iocbFlagResfd = 1 << 0 // IOCB_FLAG_RESFD
 
+// aioRing is the header of struct aio_ring (fs/aio.c), which io_setup
+// maps at the context's address; io_events follow it at headerLen. The
+// kernel writes an event, then advances tail; the reader advances head
+// once it has copied the events out.
+type aioRing struct {
+	id, nr, head, tail uint32
+	magic              uint32
+	compat, incompat   uint32
+	headerLen          uint32
+}
+
+const aioRingMagic = 0xa10a10a1
+
 // ioEvent is struct io_event.
 type ioEvent struct {
 	data uint64
@@ -101,6 +118,7 @@ type aioReq struct {
 
 type aio struct {
 	ctx   uintptr           // aio_context_t
+	ring  *aioRing          // the completion ring at ctx; nil: reap with io_getevents
 	efd   *os.File          // the eventfd completions are signalled on (non-blocking, netpolled)
 	efdN  int               // its descriptor
 	slots chan int          // free request slots; a token per request in flight
@@ -130,12 +148,70 @@ func newAIO() *aio {
 		return nil
 	}
 	// A non-blocking descriptor: os.NewFile registers it with the netpoller.
-	a := &aio{ctx: ctx, efd: os.NewFile(uintptr(efd), "aio-eventfd"), efdN: efd, slots: make(chan int, aioDepth)}
+	a := &aio{ctx: ctx, ring: mappedRing(&ctx), efd: os.NewFile(uintptr(efd), "aio-eventfd"), efdN: efd, slots: make(chan int, aioDepth)}
 	for i := range aioDepth {
 		a.reqs[i] = &aioReq{slot: i, done: make(chan struct{}, 1)}
 		a.slots <- i
 	}
 	return a
+}
+
+// mappedRing returns the completion ring io_setup mapped at *ctx, or nil
+// if its header is not the one userspace reaping knows (another magic,
+// incompatible features, a header of another size). The address is read
+// through ctx's memory so that it becomes a pointer without a uintptr
+// conversion: the ring lies outside the Go heap, where the collector
+// ignores it.
+func mappedRing(ctx *uintptr) *aioRing {
+	r := *(**aioRing)(unsafe.Pointer(ctx))
+	if r == nil || atomic.LoadUint32(&r.magic) != aioRingMagic || r.incompat != 0 ||
+		r.headerLen != uint32(unsafe.Sizeof(aioRing{})) || r.nr == 0 {
+		return nil
+	}
+	return r
+}
+
+// reapRing copies up to len(evs) completions out of the ring and frees
+// their places; it returns how many. Only the reaper calls it.
+func (a *aio) reapRing(evs []ioEvent) int {
+	r := a.ring
+	nr := r.nr
+	head := atomic.LoadUint32(&r.head)
+	tail := atomic.LoadUint32(&r.tail) // the events before tail are written
+	events := unsafe.Slice((*ioEvent)(unsafe.Add(unsafe.Pointer(r), r.headerLen)), nr)
+	n := 0
+	for head != tail && n < len(evs) {
+		evs[n] = events[head%nr]
+		head = (head + 1) % nr
+		n++
+	}
+	if n > 0 {
+		atomic.StoreUint32(&r.head, head)
+	}
+	return n
+}
+
+// getEvents takes up to len(evs) completions without waiting: from the
+// ring, or through io_getevents.
+func (a *aio) getEvents(evs []ioEvent) int {
+	if a.ring != nil {
+		return a.reapRing(evs)
+	}
+	zero := unix.Timespec{}
+	for {
+		n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, a.ctx, 0, uintptr(len(evs)), uintptr(unsafe.Pointer(&evs[0])), uintptr(unsafe.Pointer(&zero)), 0)
+		if e == 0 {
+			return int(n)
+		}
+		// EINTR; anything else (EFAULT, EINVAL) is a bug here, not a
+		// device failure. The requests are still the kernel's (it may
+		// yet write their buffers), so they cannot be failed: keep
+		// waiting for them, as for a hung device.
+		if e != unix.EINTR {
+			invariants.AssertionFailedf("device: io_getevents: %v", e)
+			return 0
+		}
+	}
 }
 
 // close destroys the context. REQUIRES: no request in flight.
@@ -256,7 +332,6 @@ func (a *aio) reaper() {
 	defer a.reap.Done()
 	var evs [64]ioEvent
 	var cnt [8]byte
-	zero := unix.Timespec{}
 	for {
 		// Wait in the netpoller for the eventfd; reading it resets the
 		// count. Its only failure would be a closed file, and close
@@ -265,18 +340,7 @@ func (a *aio) reaper() {
 			invariants.AssertionFailedf("device: reading the AIO eventfd: %v", err)
 		}
 		for {
-			n, _, e := unix.Syscall6(unix.SYS_IO_GETEVENTS, a.ctx, 0, uintptr(len(evs)), uintptr(unsafe.Pointer(&evs[0])), uintptr(unsafe.Pointer(&zero)), 0)
-			if e != 0 {
-				// EINTR; anything else (EFAULT, EINVAL) is a bug here,
-				// not a device failure. The requests are still the
-				// kernel's (it may yet write their buffers), so they
-				// cannot be failed: keep waiting for them, as for a
-				// hung device.
-				if e != unix.EINTR {
-					invariants.AssertionFailedf("device: io_getevents: %v", e)
-				}
-				n = 0
-			}
+			n := a.getEvents(evs[:])
 			// Under a.mu, which the request's caller held after taking
 			// the slot: the race detector cannot see the kernel order
 			// it after the slot's previous use. r.done has room: one
@@ -287,14 +351,14 @@ func (a *aio) reaper() {
 				r.res = ev.res
 				r.done <- struct{}{}
 			}
-			a.inflight -= int(n)
+			a.inflight -= n
 			if a.inflight == 0 {
 				a.reaping = false
 				a.mu.Unlock()
 				return
 			}
 			a.mu.Unlock()
-			if int(n) < len(evs) {
+			if n < len(evs) {
 				break // the ring is empty for now: wait for the eventfd
 			}
 		}
