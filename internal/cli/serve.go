@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"sync"
@@ -688,6 +689,12 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		closeDevs()
 		return nil, fmt.Errorf("opening cache set %s on %s: %w%s", setUUID, cachePath, err, openHint(err))
 	}
+	// Recovery's transient heap (the checkpoint body, the decoded entries,
+	// the reverse map) is garbage once Open returns, several times the
+	// index; the runtime gives it back to the OS only slowly, so a served
+	// set's RSS otherwise stays at its recovery peak (docs/BENCHMARKS.md,
+	// "Metadata at scale").
+	debug.FreeOSMemory()
 	st := set.Stats()
 	log.Info("cache set open", "set", setUUID, "cache", cachePath, "recovery", time.Since(start).Round(time.Millisecond),
 		"cached_blocks", st.CachedBlocks, "dirty_blocks", st.DirtyBlocks)
