@@ -71,9 +71,12 @@ interop:
 # and both writeback orders, a seeded sample of 4 points of each kind per
 # mode replayed from the dm-log-writes log; TestPowerCutCompare: the same
 # against bcache and dm-cache, replayed in the guest, 1 point per kind).
-# Four guest boots.
+# Four guest boots. First the package's tests that need no guest (the point
+# choice, the oracle of a mark), with the race detector, in seconds.
+KVM_GUEST_TESTS = TestBoot$$|TestKernelNBD$$|TestPowerCut$$|TestPowerCutCompare$$
 kernel:
-	$(GO) test -count=1 -timeout 40m -v -run 'TestBoot$$|TestKernelNBD$$|TestPowerCut$$|TestPowerCutCompare$$' ./internal/kvm/
+	$(GO) test -race -count=1 -skip '$(KVM_GUEST_TESTS)' ./internal/kvm/...
+	$(GO) test -count=1 -timeout 40m -v -run '$(KVM_GUEST_TESTS)' ./internal/kvm/
 
 # Every power-cut point of the log (every mark, FLUSH and FUA, and a torn
 # point per FLUSH interval) in every cache mode, with a longer workload,

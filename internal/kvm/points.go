@@ -76,12 +76,12 @@ func ChoosePoints(lg *logwrites.Log, seed uint64, full bool, perKind int) ([]Poi
 	pts := append(sample(markPts, perKind), sample(flushPts, perKind)...)
 	nTorn := perKind
 	if full {
-		nTorn = len(flushIdx)
+		nTorn = len(flushIdx) - 1
 	}
 	for k := 0; k < nTorn && len(flushIdx) > 1; k++ {
-		j := rng.IntN(len(flushIdx) - 1)
-		if full {
-			j = k % (len(flushIdx) - 1)
+		j := k
+		if !full {
+			j = rng.IntN(len(flushIdx) - 1)
 		}
 		lo, hi := flushIdx[j], flushIdx[j+1]
 		p := Point{Kind: "torn", Upto: lo + 1, LastF: lastF[lo+1], LastE: lastE[lo+1], TornSectors: -1}

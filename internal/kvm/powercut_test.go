@@ -73,13 +73,13 @@ run_mode() { # NAME DATA LOG MODE ORDER
 	# The new file system written back, so that from the mark on the backing
 	# device alone holds a file system at every flushed prefix.
 	sync && $TC flush fs --admin $adm >/dev/null || return 1
-	dmsetup message $lw 0 mark fsready
+	dash /host/lwmark.sh $lw fsready
 	/host/kvmload -dev /dev/nbd0 -blocks @BLOCKS@ -writes @WRITES@ -seed @SEED@ -events /host/$name.events \
-		-mark "dmsetup message $lw 0 mark" &
+		-mark "dash /host/lwmark.sh $lw" &
 	lpid=$!
 	for i in $(seq 1 @FILES@); do
 		yes "tiercache file $i" | head -c $((1000 + i * 3001 % 60000)) >/mnt/f$i
-		xfs_io -c fsync /mnt/f$i && xfs_io -c fsync /mnt && dmsetup message $lw 0 mark e$i || return 1
+		xfs_io -c fsync /mnt/f$i && xfs_io -c fsync /mnt && dash /host/lwmark.sh $lw e$i || return 1
 	done
 	wait $lpid || { echo "kvmload failed"; return 1; }
 	umount /mnt && nbd-client -d /dev/nbd0 >/dev/null && nbd-client -d /dev/nbd1 >/dev/null
@@ -204,6 +204,9 @@ func pcKeepFailed(t *testing.T, dir string, modes []pcMode, seed uint64) {
 // NAME.log (the dm-log-writes log device) and NAME.events in dir.
 func pcGuest(t *testing.T, img *Image, dir string, modes []pcMode, writes, files int, seed uint64) {
 	guestBinary(t, dir)
+	if err := os.WriteFile(filepath.Join(dir, "lwmark.sh"), []byte(lwmarkScript), 0o755); err != nil {
+		t.Fatal(err)
+	}
 	cmd := exec.Command("go", "build", "-o", filepath.Join(dir, "kvmload"), "github.com/tiercache/tiercache/internal/kvm/kvmload")
 	cmd.Env = append(os.Environ(), "CGO_ENABLED=0")
 	if out, err := cmd.CombinedOutput(); err != nil {
@@ -293,12 +296,13 @@ func (pc *powerCut) run(logPath, evPath string, full bool, perKind int, seed uin
 
 	base := pc.newImages(filepath.Join(pc.dir, "base"))
 	defer base.close()
+	rp := pc.lg.NewReplayer(base)
 	at := 0
 	start := time.Now()
 	var checked, failures int
 	for _, p := range points {
 		for ; at < p.Upto; at++ {
-			if err := pc.lg.Apply(base, pc.lg.Entries[at], -1); err != nil {
+			if err := rp.Apply(pc.lg.Entries[at], -1); err != nil {
 				t.Fatal(err)
 			}
 		}
@@ -314,9 +318,9 @@ func (pc *powerCut) run(logPath, evPath string, full bool, perKind int, seed uin
 	for _, p := range points {
 		kinds[p.Kind]++
 	}
-	t.Logf("%s: %d points replayed (%d marks, %d FLUSH/FUA, %d torn), %d blocks checked (%d durable writes found, %d unflushed writes found, %d torn), %d failures, %v per replay",
+	t.Logf("%s: %d points replayed (%d marks, %d FLUSH/FUA, %d torn), %d blocks checked (%d durable writes found, %d unflushed writes found, %d torn), %d failures, %v per replay; %d sectors of plain writes kept from overwriting a FUA write of their FLUSH interval",
 		pc.mode.name, len(points), kinds["mark"], kinds["flush"], kinds["torn"], checked, pc.durable, pc.maybe, pc.tornRead, failures,
-		(el / time.Duration(max(1, len(points)))).Round(time.Millisecond))
+		(el / time.Duration(max(1, len(points)))).Round(time.Millisecond), rp.Kept)
 }
 
 // images are the three device images of a replay, addressed as the one
@@ -420,12 +424,14 @@ func (pc *powerCut) check(base *images, p Point) (int, error) {
 				return 0, err
 			}
 		}
+		// A torn point starts right after a FLUSH entry.
+		tr := pc.lg.NewReplayer(im)
 		for i, idx := range p.Keep {
 			sectors := int64(-1)
 			if i == len(p.Keep)-1 {
 				sectors = p.TornSectors
 			}
-			if err := pc.lg.Apply(im, pc.lg.Entries[idx], sectors); err != nil {
+			if err := tr.Apply(pc.lg.Entries[idx], sectors); err != nil {
 				im.close()
 				return 0, err
 			}

@@ -103,12 +103,13 @@ func (r *replay) run(logPath, events, basePath, work string, size int64, seed ui
 		return err
 	}
 	kinds := map[string]int{}
+	rp := r.lg.NewReplayer(base)
 	at := 0
 	start := time.Now()
 	endOK := false
 	for _, p := range points {
 		for ; at < p.Upto; at++ {
-			if err := r.lg.Apply(base, r.lg.Entries[at], -1); err != nil {
+			if err := rp.Apply(r.lg.Entries[at], -1); err != nil {
 				return err
 			}
 		}
@@ -134,9 +135,9 @@ func (r *replay) run(logPath, events, basePath, work string, size int64, seed ui
 		nf += r.fails[k]
 		fk = append(fk, fmt.Sprintf("%s=%d", k, r.fails[k]))
 	}
-	fmt.Printf("SUMMARY name=%s entries=%d points=%d mark=%d flush=%d torn=%d end=%d blocks=%d durable=%d maybe=%d tornread=%d failures=%d %s endok=%t per=%.1fs\n",
+	fmt.Printf("SUMMARY name=%s entries=%d points=%d mark=%d flush=%d torn=%d end=%d blocks=%d durable=%d maybe=%d tornread=%d failures=%d %s endok=%t per=%.1fs fuakept=%d\n",
 		r.name, len(r.lg.Entries), len(points), kinds["mark"], kinds["flush"], kinds["torn"], kinds["end"], r.blocks, r.durable, r.maybe, r.tornRead,
-		nf, strings.Join(fk, " "), endOK, time.Since(start).Seconds()/float64(len(points)))
+		nf, strings.Join(fk, " "), endOK, time.Since(start).Seconds()/float64(len(points)), rp.Kept)
 	return nil
 }
 
@@ -151,12 +152,14 @@ func (r *replay) write(base *os.File, work string, p kvm.Point) error {
 	if _, err := io.Copy(io.NewOffsetWriter(w, 0), io.NewSectionReader(base, 0, 1<<62)); err != nil {
 		return err
 	}
+	// A torn point starts right after a FLUSH entry.
+	tr := r.lg.NewReplayer(w)
 	for i, idx := range p.Keep {
 		sectors := int64(-1)
 		if i == len(p.Keep)-1 {
 			sectors = p.TornSectors
 		}
-		if err := r.lg.Apply(w, r.lg.Entries[idx], sectors); err != nil {
+		if err := tr.Apply(r.lg.Entries[idx], sectors); err != nil {
 			return err
 		}
 	}

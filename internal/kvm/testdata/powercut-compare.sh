@@ -12,13 +12,13 @@ run_sys() { # SYSTEM DATA LOG
 	dash $S up $sys /dev/mapper/$lw format || return 1
 	mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 /dev/mapper/$sys-fs && mount -t ext4 /dev/mapper/$sys-fs /mnt || return 1
 	sync
-	dmsetup message $lw 0 mark fsready
+	dash /host/lwmark.sh $lw fsready
 	/host/kvmload -dev /dev/mapper/$sys-disk -blocks @BLOCKS@ -writes @WRITES@ -seed @SEED@ -events /host/$sys.events \
-		-mark "dmsetup message $lw 0 mark" &
+		-mark "dash /host/lwmark.sh $lw" &
 	lpid=$!
 	for i in $(seq 1 @FILES@); do
 		yes "tiercache file $i" | head -c $((1000 + i * 3001 % 60000)) >/mnt/f$i
-		xfs_io -c fsync /mnt/f$i && xfs_io -c fsync /mnt && dmsetup message $lw 0 mark e$i || return 1
+		xfs_io -c fsync /mnt/f$i && xfs_io -c fsync /mnt && dash /host/lwmark.sh $lw e$i || return 1
 	done
 	wait $lpid || { echo "kvmload failed"; return 1; }
 	umount /mnt && dash $S down $sys || return 1
