@@ -5,7 +5,7 @@ GO ?= go
 GOBIN := $(shell $(GO) env GOPATH)/bin
 PKGS := ./...
 
-.PHONY: all build install test deps lint unit race interop kernel kernel-sweep bench bench-guest bench-deps bench-quick bench-nbd bench-remote fuzz stress clean
+.PHONY: all build install test deps lint unit race interop kernel kernel-sweep bench bench-guest bench-deps bench-quick bench-nbd bench-remote bench-objstore fuzz stress clean
 
 all: build
 
@@ -139,6 +139,13 @@ bench-quick:
 # misses, writes); docs/BENCHMARKS.md "Remote backing device".
 bench-remote: build
 	./scripts/bench-remote.sh bin/tiercache
+
+# Cold 1 MiB sequential reads of an object-store image through a fresh
+# cache set vs a plain ranged-GET loop of the same segments (versitygw on
+# loopback; interleaved rounds, medians, loadavg); docs/BENCHMARKS.md
+# "Object-store backing".
+bench-objstore:
+	TIERCACHE_MEASURE=1 $(GO) test ./internal/interop -run 'TestMeasureObjStoreColdRead$$' -count=1 -v
 
 # tiercache's NBD server vs qemu-nbd and nbdkit on a plain file.
 bench-nbd:
