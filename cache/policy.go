@@ -47,7 +47,9 @@ package cache
 // dirty data) bypasses streams at sequential_cutoff, as bcache does. The
 // room shrinks as the stream itself fills the cache, so a stream takes at
 // most half of it and a stream of any length never drives the cache to
-// the throttle point; the streams of several writers share it.
+// the throttle point; the streams of several writers share it. While a
+// write stream bypasses, the volume's background writeback waits for it
+// (streamBypassing).
 //
 // Promotion: "always" promotes every read miss; "never" promotes none
 // (NBD_CMD_CACHE still does: the client asked for it); "after:N" promotes a
@@ -60,6 +62,7 @@ package cache
 import (
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/writeback"
@@ -176,6 +179,11 @@ func (st *stream) dense() bool { return st.next-st.start <= 2*st.seen }
 
 // policy is a volume's run-time policy state.
 type policy struct {
+	// streamAt is when a write last bypassed the cache as part of a
+	// stream (unix nanos; 0: never): background writeback waits while a
+	// stream bypasses (streamBypassing).
+	streamAt atomic.Int64
+
 	mu      sync.Mutex // guards everything below; never held with Set.mu
 	clock   uint64
 	streams [seqStreams]stream
@@ -241,10 +249,20 @@ func (v *Volume) seqWrite(off, n int64) bool {
 	if !seqBypass(run, cutoff, 0) {
 		return false
 	}
-	if v.Mode() != Writeback {
-		return true // writethrough gains nothing from caching a stream
+	// Writethrough gains nothing from caching a stream.
+	if v.Mode() == Writeback && !seqBypass(run, cutoff, v.streamRoom()) {
+		return false
 	}
-	return seqBypass(run, cutoff, v.streamRoom())
+	v.pol.streamAt.Store(nowNanos())
+	return true
+}
+
+// streamBypassing reports whether a write stream of v bypassed the cache
+// within writeback.IdleAfter: background writeback waits for it
+// (writeback.RateIn.Stream).
+func (v *Volume) streamBypassing() bool {
+	at := v.pol.streamAt.Load()
+	return at != 0 && nowNanos()-at < int64(writeback.IdleAfter)
 }
 
 // streamRoom is the room the cache has for a write stream of v, in bytes:

@@ -578,3 +578,57 @@ func TestStreamRoomShortFree(t *testing.T) {
 		t.Fatalf("free buckets short, %d blocks dirty: room %d bytes, want 0 dirty and no room", vs.DirtyBlocks, v.streamRoom())
 	}
 }
+
+// TestStreamYieldRecorded: random writes and the part of a write stream
+// that goes to the cache (room for it) do not make writeback yield; once
+// the stream bypasses, the set tells the rate decision so
+// (writeback.RateIn.Stream, whose rule writeback's TestRate holds), and
+// wbRate writes nothing back although the volume is above its writeback
+// target and busy.
+// Regression test: a 512 MiB sequential write after 256 MiB of 4 KiB
+// random overwrites of 32 MiB (S8, 256 MiB cache) ran at 0.81 (epoch) and
+// 0.90 (lba) of the plain HDD model, with 25-44 MiB of the history's dirty
+// data written back while the stream bypassed to the same disk.
+func TestStreamYieldRecorded(t *testing.T) {
+	s, _, _ := newTestSetKnobs(t, testingKnobs{noBackground: true}, 64, 16*blockSize, 4096*blockSize)
+	v := s.vols[0]
+	st := v.Settings()
+	st.SequentialCutoff = 16 << 10
+	st.WritebackOrder = OrderLBA
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	// Dirty data above the target (10 % of 1024 blocks), scattered.
+	for i := int64(0); i < 200; i++ {
+		if err := v.WriteAt(make([]byte, blockSize), (2048+i*7)*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if v.streamBypassing() {
+		t.Fatal("random writes recorded as a bypassing stream")
+	}
+	if r := s.wbRate(v); r == 0 {
+		t.Fatalf("wbRate %d above the target with no stream, want writeback", r)
+	}
+	// A stream: the first part goes to the cache, the rest bypasses.
+	for lba := int64(0); lba < 1024; lba += 4 {
+		if err := v.WriteAt(make([]byte, 4*blockSize), lba*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	vs := v.Stats()
+	if vs.BypassSequentialBytes == 0 || v.pol.streamAt.Load() == 0 {
+		t.Fatalf("%d bytes bypassed as sequential, stream recorded at %d: want both", vs.BypassSequentialBytes, v.pol.streamAt.Load())
+	}
+	// Bypassing within writeback.IdleAfter (200 ms) of the last write:
+	// asked again right after a write of the stream.
+	if err := v.WriteAt(make([]byte, 4*blockSize), 1024*blockSize, false); err != nil {
+		t.Fatal(err)
+	}
+	if !v.streamBypassing() {
+		t.Skip("the machine took longer than writeback.IdleAfter between two statements")
+	}
+	if r := s.wbRate(v); r != 0 {
+		t.Errorf("wbRate %d while a stream bypasses, want 0 (yield)", r)
+	}
+}

@@ -428,6 +428,7 @@ func (s *Set) wbRate(v *Volume) int64 {
 		in.Urgent = len(s.mu.free) < s.lowWater() || v.Mode() != Writeback || nowNanos()-v.lastIO.Load() > int64(writeback.IdleAfter) ||
 			v.ord.cut.Load() != 0 // catching up with epoch order (order.go): the sooner the better
 		in.CacheBlocks, in.Percent, in.Degraded = s.mu.CacheBlocks(), v.cfg.Load().WritebackPercent, v.ord.degraded.Load()
+		in.Stream = v.streamBypassing()
 	}
 	rate, wake := writeback.Rate(in)
 	v.wb.SetWake(wake)
@@ -448,15 +449,23 @@ func (h *wbHost) RateMax() int64 { return h.cfg.Load().WritebackRateMax }
 func (h *wbHost) LastIO() int64 { return h.lastIO.Load() }
 
 // Short reports whether free buckets are short, and returns a channel
-// closed when an allocation next finds them short (allocLocked).
+// closed when an allocation next finds them short (allocLocked); none
+// while a write stream of the volume bypasses the cache: the rate does
+// not depend on free buckets then (RateIn.Stream), and the loop looks
+// again within IdleAfter.
 func (h *wbHost) Short() (bool, <-chan struct{}) {
 	s := h.s
+	stream := h.vol().streamBypassing()
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	short := len(s.mu.free) < s.lowWater()
+	if stream {
+		return short, nil
+	}
 	if s.mu.short == nil {
 		s.mu.short = make(chan struct{})
 	}
-	return len(s.mu.free) < s.lowWater(), s.mu.short
+	return short, s.mu.short
 }
 
 func (h *wbHost) Draining() bool { return h.s.draining.Load() > 0 }

@@ -24,7 +24,11 @@ package writeback
 //     is cleared in about wbHorizon under constant load; at half way
 //     between the target and a full cache, full speed;
 //   - writeback_rate_max, when set, caps every background pass (eviction,
-//     which must free buckets, and Drain are not capped).
+//     which must free buckets, and Drain are not capped);
+//   - nothing, whatever else holds, while a write stream of the volume
+//     bypasses the cache to the backing device (until it pauses for
+//     wbIdle) and dirty data is below the full-speed level: the stream and
+//     writeback share the disk's head.
 //
 // Epoch order (writeback_order=epoch, the default): the loop (and every
 // other writeback of the volume: eviction, Help, Drain) takes the next
@@ -46,6 +50,9 @@ type RateIn struct {
 	Draining    bool // a Drain runs (it sweeps the disk itself)
 	Urgent      bool // free buckets short, not in writeback mode, client idle, or catching up with epoch order
 	Degraded    bool // degraded from epoch order: drain to come back
+	// Stream: a write stream of the volume is going around the cache to
+	// the backing device (it bypassed within IdleAfter).
+	Stream bool
 }
 
 // Rate decides a volume's background rate in blocks per second: -1 full
@@ -60,17 +67,26 @@ func Rate(in RateIn) (rate, wake int64) {
 	if in.Draining {
 		return 0, never // Drain sweeps the disk itself (and kicks when done); a second sweep would fight it
 	}
-	if in.Urgent {
-		return -1, never
-	}
 	target := in.CacheBlocks * int64(in.Percent) / 100
 	if in.Degraded {
 		target = 0
 	}
+	full := (target + in.CacheBlocks) / 2
+	if in.Stream && in.Dirty < full {
+		// Yield to the stream: every batch would move the disk's head
+		// off it and back. Below full the rest of the cache is free or
+		// clean, which eviction frees without writing anything back, so
+		// nothing waits for writeback meanwhile (free buckets short
+		// included).
+		return 0, full
+	}
+	if in.Urgent {
+		return -1, never
+	}
 	if in.Dirty <= target {
 		return 0, target + 1
 	}
-	if in.Dirty >= (target+in.CacheBlocks)/2 {
+	if in.Dirty >= full {
 		return -1, never
 	}
 	return max((in.Dirty-target)/wbHorizon, wbMinRate), never

@@ -41,6 +41,30 @@ func TestRate(t *testing.T) {
 	if got, _ := Rate(RateIn{Dirty: 1, CacheBlocks: total, Percent: 10, Degraded: true}); got != wbMinRate {
 		t.Errorf("degraded, 1 dirty: rate %d, want %d (target 0)", got, wbMinRate)
 	}
+	// A write stream bypassing to the backing device: nothing below the
+	// full-speed level, however urgent otherwise (free buckets short, a
+	// catch-up), and a kick at that level; full speed from it on.
+	full := (target + total) / 2
+	for _, tc := range []struct {
+		dirty  int64
+		urgent bool
+		want   int64
+	}{
+		{1, false, 0},
+		{target + 400*wbHorizon, false, 0},
+		{target + 400*wbHorizon, true, 0},
+		{full - 1, true, 0},
+		{full, false, -1},
+		{total, false, -1},
+	} {
+		got, wake := Rate(RateIn{Dirty: tc.dirty, CacheBlocks: total, Percent: 10, Urgent: tc.urgent, Stream: true})
+		if got != tc.want {
+			t.Errorf("stream, dirty %d urgent %t: rate %d, want %d", tc.dirty, tc.urgent, got, tc.want)
+		}
+		if got == 0 && wake != full {
+			t.Errorf("stream, dirty %d: wake level %d, want %d", tc.dirty, wake, full)
+		}
+	}
 }
 
 // TestThrottleAccrues: throttle delays accrue per volume and are slept in
