@@ -533,6 +533,9 @@ func (c *cacheRunner) s7Fillrandom(ctx context.Context) (cliffCase, error) {
 	ceiling := ""
 	if terr == nil {
 		dir := filepath.Join(c.workdir, "s7-rocks-ceiling")
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			return cc, err
+		}
 		r, err := c.fillrandom(ctx, t, nil, filepath.Join(dir, "rocks"), 0)
 		if rerr := os.RemoveAll(dir); err == nil {
 			err = rerr
