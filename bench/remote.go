@@ -274,7 +274,7 @@ func (r *remoteRun) randwrite(ctx context.Context) error {
 		return err
 	}
 	iops, err := r.fio(ctx, rem.uri, job)
-	r.discard(rem.p)
+	r.release(rem)
 	if err != nil {
 		return err
 	}
@@ -283,12 +283,12 @@ func (r *remoteRun) randwrite(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	defer r.discard(rem.p)
+	defer r.release(rem)
 	tc, err := r.startCache(ctx, "rw-cache", rem.uri, false)
 	if err != nil {
 		return err
 	}
-	defer r.discard(tc.p)
+	defer r.release(tc)
 	iops, err = r.fio(ctx, tc.uri, job)
 	if err != nil {
 		return err
@@ -305,7 +305,7 @@ func (r *remoteRun) seqread(ctx context.Context) error {
 		return err
 	}
 	bw, err := r.fioBW(ctx, rem.uri, job)
-	r.discard(rem.p)
+	r.release(rem)
 	if err != nil {
 		return err
 	}
@@ -314,12 +314,12 @@ func (r *remoteRun) seqread(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	defer r.discard(rem.p)
+	defer r.release(rem)
 	tc, err := r.startCache(ctx, "rd-cache", rem.uri, false)
 	if err != nil {
 		return err
 	}
-	defer r.discard(tc.p)
+	defer r.release(tc)
 	bw, err = r.fioBW(ctx, tc.uri, job)
 	if err != nil {
 		return err
@@ -344,7 +344,7 @@ func (r *remoteRun) drain(ctx context.Context) error {
 			lbas = slices.Sorted(slices.Values(lbas))
 		}
 		d, err := writeNBD(ctx, "tcp", rem.addr, "hdd", lbas, c.qd)
-		r.discard(rem.p)
+		r.release(rem)
 		if err != nil {
 			return err
 		}
@@ -354,7 +354,7 @@ func (r *remoteRun) drain(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	defer r.discard(rem.p)
+	defer r.release(rem)
 	return r.cacheDrain(ctx, "drain", rem.uri, false, fDrainFill, fDrain)
 }
 
@@ -365,7 +365,7 @@ func (r *remoteRun) cacheDrain(ctx context.Context, tag, backing string, trust b
 	if err != nil {
 		return err
 	}
-	defer r.discard(tc.p)
+	defer r.release(tc)
 	if err := r.tc(ctx, tc.dir, "set", "vm", "writeback_percent=100"); err != nil {
 		return err
 	}
@@ -408,8 +408,8 @@ func (r *remoteRun) link(ctx context.Context) error {
 			lbas = slices.Sorted(slices.Values(lbas))
 		}
 		d, err := writeNBD(ctx, "tcp", proxy.addr, "", lbas, c.qd)
-		r.discard(proxy.p)
-		r.discard(rem.p)
+		r.release(proxy)
+		r.release(rem)
 		if err != nil {
 			return err
 		}
@@ -419,8 +419,8 @@ func (r *remoteRun) link(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	defer r.discard(rem.p)
-	defer r.discard(proxy.p)
+	defer r.release(rem)
+	defer r.release(proxy)
 	return r.cacheDrain(ctx, "link", proxy.uri, true, fLinkFill, fLinkDrain)
 }
 
@@ -433,7 +433,7 @@ func (r *remoteRun) startLinked(ctx context.Context, tag string) (rem, proxy *se
 	}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		r.discard(rem.p)
+		r.release(rem)
 		return nil, nil, err
 	}
 	addr := l.Addr().String()
@@ -444,7 +444,7 @@ func (r *remoteRun) startLinked(ctx context.Context, tag string) (rem, proxy *se
 		"nbd", "uri=" + rem.uri, "delay-read=" + ms, "delay-write=" + ms}
 	p, err := startProcess("nbdkit", argv, filepath.Join(rem.dir, "nbdkit.log"))
 	if err != nil {
-		r.discard(rem.p)
+		r.release(rem)
 		return nil, nil, err
 	}
 	r.procs = append(r.procs, p)
@@ -456,7 +456,7 @@ func (r *remoteRun) startLinked(ctx context.Context, tag string) (rem, proxy *se
 		}
 		if p.exited() || time.Now().After(deadline) {
 			r.discard(p)
-			r.discard(rem.p)
+			r.release(rem)
 			return nil, nil, fmt.Errorf("nbdkit in front of %s: %v: %s", rem.uri, err, p.logTail())
 		}
 		time.Sleep(20 * time.Millisecond)
@@ -477,7 +477,7 @@ func (r *remoteRun) fuse(ctx context.Context) error {
 		}
 		file, unmount, err := r.nbdfuse(ctx, tag, rem.uri)
 		if err != nil {
-			r.discard(rem.p)
+			r.release(rem)
 			return err
 		}
 		if cache {
@@ -489,7 +489,7 @@ func (r *remoteRun) fuse(ctx context.Context) error {
 			}
 		}
 		unmount()
-		r.discard(rem.p)
+		r.release(rem)
 		if err != nil {
 			return err
 		}
@@ -584,6 +584,15 @@ func (r *remoteRun) discard(p *process) {
 	}
 }
 
+// release discards a server and removes its directory (a case's cache
+// image holds up to its whole size).
+func (r *remoteRun) release(s *served) {
+	r.discard(s.p)
+	if s.dir != "" {
+		_ = os.RemoveAll(s.dir)
+	}
+}
+
 func (r *remoteRun) stopAll() {
 	for _, p := range r.procs {
 		r.discard(p)
@@ -624,6 +633,7 @@ func (r *remoteRun) nbdfuse(ctx context.Context, tag, uri string) (string, func(
 			_ = exec.Command("fusermount3", "-uz", mnt).Run()
 			r.discard(p)
 		}
+		_ = os.RemoveAll(dir)
 	}
 	for deadline := time.Now().Add(30 * time.Second); ; {
 		if _, err := os.Stat(pidf); err == nil {
