@@ -102,6 +102,9 @@ func (s *store) checkBucket() error {
 	ctx, cancel := s.ctx()
 	defer cancel()
 	ok, err := s.c.BucketExists(ctx, s.loc.Bucket)
+	if credentialsRefused(err) {
+		return fmt.Errorf("objstore: reaching bucket %q at %s: %w: %v", s.loc.Bucket, endpointName(s.loc), ErrCredentials, err)
+	}
 	if err != nil {
 		return fmt.Errorf("objstore: reaching bucket %q at %s: %w", s.loc.Bucket, endpointName(s.loc), err)
 	}

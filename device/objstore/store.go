@@ -28,6 +28,19 @@ type store struct {
 // changed (HTTP 412) or already there.
 var errPrecondition = errors.New("objstore: precondition failed")
 
+// ErrCredentials is wrapped when the store refused the request's
+// credentials or signature.
+var ErrCredentials = errors.New("objstore: the store refused the credentials or what they may do (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN, or the shared credentials file)")
+
+// credentialsRefused reports whether err is the store refusing who asked.
+func credentialsRefused(err error) bool {
+	switch minio.ToErrorResponse(err).Code {
+	case "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken":
+		return true
+	}
+	return false
+}
+
 // errNoObject is wrapped when an object does not exist.
 var errNoObject = errors.New("objstore: no such object")
 
@@ -45,6 +58,8 @@ func (s *store) wrap(op, name string, err error) error {
 		err = fmt.Errorf("%w (%v)", errPrecondition, err)
 	case r.StatusCode == http.StatusNotFound || r.Code == "NoSuchKey":
 		err = fmt.Errorf("%w (%v)", errNoObject, err)
+	case credentialsRefused(err):
+		err = fmt.Errorf("%w: %v", ErrCredentials, err)
 	}
 	return fmt.Errorf("%s s3://%s/%s: %w", op, s.loc.Bucket, s.loc.key(name), err)
 }

@@ -59,6 +59,12 @@ func TestObjImage(t *testing.T) {
 	if err := os.Truncate(cachePath, 64<<20); err != nil {
 		t.Fatal(err)
 	}
+	// Wrong credentials: one clear error at create and at format, not a
+	// failed writeback later.
+	t.Setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+	fail("the store refused the credentials", "image", "create", "s3://images/other", "--size", "16M")
+	fail("the store refused the credentials", "format", "--cache", cachePath, "--backing", "default="+uri, "--bucket-size", "256K")
+	t.Setenv("AWS_SECRET_ACCESS_KEY", s3test.SecretKey)
 	run("cache set", "format", "--cache", cachePath, "--backing", "default="+uri, "--bucket-size", "256K")
 	sock := filepath.Join(dir, "admin.sock")
 	s := startServe(t, sock, "--data-dir", dir, "--cache", cachePath)
