@@ -28,6 +28,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"sort"
 	"strconv"
 	"strings"
 	"time"
@@ -121,8 +122,13 @@ func run(rounds, runtime int, region, bin, keep string) error {
 		img.KernelVersion, region, runtime, res.Elapsed.Round(time.Second), strings.Join(strings.Fields(string(load0))[:3], " "), strings.Join(strings.Fields(string(load1))[:3], " "))
 	fmt.Println("| round | job | bcache IOPS | dm-cache IOPS | tiercache IOPS | tiercache / bcache | tiercache / dm-cache |")
 	fmt.Println("|---|---|---|---|---|---|---|")
+	jobs := []string{"randread", "randwrite", "fsync"}
+	name := map[string]string{"randread": "4K random reads (cache hits)", "randwrite": "4K random writes",
+		"fsync": "ext4: 4K random writes, fsync each, QD1"}
+	type fig struct{ b, d, t float64 }
+	all := map[string][]fig{}
 	for r := 1; r <= rounds; r++ {
-		for _, j := range []string{"randread", "randwrite", "fsync"} {
+		for _, j := range jobs {
 			b, err := iops(filepath.Join(dir, fmt.Sprintf("bcache-%s-%d.json", j, r)))
 			if err != nil {
 				return err
@@ -135,12 +141,31 @@ func run(rounds, runtime int, region, bin, keep string) error {
 			if err != nil {
 				return err
 			}
-			name := map[string]string{"randread": "4K random reads (cache hits)", "randwrite": "4K random writes",
-				"fsync": "ext4: 4K random writes, fsync each, QD1"}[j]
-			fmt.Printf("| %d | %s | %.0f | %.0f | %.0f | %.2fx | %.2fx |\n", r, name, b, d, t, t/b, t/d)
+			all[j] = append(all[j], fig{b, d, t})
+			fmt.Printf("| %d | %s | %.0f | %.0f | %.0f | %.2fx | %.2fx |\n", r, name[j], b, d, t, t/b, t/d)
+		}
+	}
+	if rounds > 1 {
+		// Medians of each system's IOPS and of the ratios of each round
+		// (the systems of one round ran back to back under the same load).
+		for _, j := range jobs {
+			var bs, ds, ts, tb, td []float64
+			for _, f := range all[j] {
+				bs, ds, ts, tb, td = append(bs, f.b), append(ds, f.d), append(ts, f.t), append(tb, f.t/f.b), append(td, f.t/f.d)
+			}
+			fmt.Printf("| median of %d | %s | %.0f | %.0f | %.0f | %.2fx | %.2fx |\n", rounds, name[j], median(bs), median(ds), median(ts), median(tb), median(td))
 		}
 	}
 	return nil
+}
+
+func median(v []float64) float64 {
+	s := append([]float64(nil), v...)
+	sort.Float64s(s)
+	if len(s)%2 == 1 {
+		return s[len(s)/2]
+	}
+	return (s[len(s)/2-1] + s[len(s)/2]) / 2
 }
 
 // iops returns the read plus write IOPS of fio's JSON output.
