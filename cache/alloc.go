@@ -2,6 +2,7 @@ package cache
 
 import (
 	"errors"
+	"fmt"
 	"time"
 )
 
@@ -167,3 +168,48 @@ func (s *Set) unpinLocked(loc uint32) {
 }
 
 func (s *Set) cacheOff(loc uint32) int64 { return s.lay.BucketsOff + int64(loc)*blockSize }
+
+// allocWaitWriteback finds space for a write in epoch order that found no
+// free bucket (a write may not go around the cache while older epochs of
+// its volume are dirty in it). The writer helps: it writes back a small
+// batch of its volume's oldest epoch itself, and kicks GC. If that frees
+// no bucket, writeback in epoch order is behind the workload: the volume
+// degrades to lba order (order.go), which drops its superseded versions,
+// and the write goes around the cache (errNoSpace) or finds the space
+// that frees. It fails, rather than wait, when writeback to the backing
+// device is failing: the client gets an I/O error and the server keeps
+// running. Once the volume has no dirty data left it returns errNoSpace,
+// and the write goes around the cache: other volumes' dirty data can fill
+// the cache while their backing device is dead.
+func (v *Volume) allocWaitWriteback(n int) (run, error) {
+	s := v.s
+	for helped := false; ; helped = true {
+		r, err := s.alloc(n, allocNoWait)
+		if !errors.Is(err, errNoSpace) {
+			return r, err
+		}
+		if berr := v.wb.BackingErr(); berr != nil {
+			return run{}, fmt.Errorf("no free cache bucket, and writeback to the backing device is failing: %w", berr)
+		}
+		if !v.hasDirty() || !s.keepSuperseded(v.vi) {
+			return run{}, err
+		}
+		if helped {
+			v.degrade(degradeSpace)
+			r, err := s.alloc(n, allocNoWait)
+			if errors.Is(err, errNoSpace) {
+				s.kick()
+			}
+			return r, err
+		}
+		s.kick()
+		if _, werr := v.wb.Help(wbHelpBatch); werr != nil {
+			return run{}, fmt.Errorf("no free cache bucket, and writeback failed: %w", werr)
+		}
+	}
+}
+
+// wbHelpBatch is how many blocks a write waiting for space writes back
+// itself before the volume degrades (a few hundred milliseconds of random
+// writes on a disk at most).
+const wbHelpBatch = 64

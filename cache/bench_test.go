@@ -228,6 +228,28 @@ func flagBool(name string, def bool, usage string) *bool {
 
 var _ = fmt.Sprint
 
+// cpuPerOp locks the benchmark's goroutine to its thread and returns a
+// function that reports the CPU time per op of that thread (the request
+// path itself; a goroutine locked to a thread runs alone on it) and of the
+// whole process (background writeback, eviction and commits too), wall
+// time being a poor measure on a shared machine. Linux (RUSAGE_THREAD).
+func cpuPerOp(b *testing.B) func() {
+	const rusageThread = 1
+	cpu := func(who int) int64 {
+		var ru syscall.Rusage
+		_ = syscall.Getrusage(who, &ru)
+		return ru.Utime.Nano() + ru.Stime.Nano()
+	}
+	runtime.LockOSThread()
+	t0, p0 := cpu(rusageThread), cpu(syscall.RUSAGE_SELF)
+	return func() {
+		t1, p1 := cpu(rusageThread), cpu(syscall.RUSAGE_SELF)
+		runtime.UnlockOSThread()
+		b.ReportMetric(float64(t1-t0)/float64(b.N), "thread-cpu-ns/op")
+		b.ReportMetric(float64(p1-p0)/float64(b.N), "proc-cpu-ns/op")
+	}
+}
+
 // BenchmarkWrite4K: random 4 KiB writes (no flush) into a 64 MiB cache over
 // a 1 GiB volume, per mode; eviction and writeback included.
 func BenchmarkWrite4K(b *testing.B) {
@@ -242,6 +264,7 @@ func BenchmarkWrite4K(b *testing.B) {
 			p := make([]byte, blockSize)
 			b.SetBytes(blockSize)
 			b.ResetTimer()
+			defer cpuPerOp(b)()
 			for i := 0; i < b.N; i++ {
 				if err := v.WriteAt(p, rng.Int64N(1<<18)*blockSize, false); err != nil {
 					b.Fatal(err)
@@ -265,6 +288,7 @@ func BenchmarkReadHit4K(b *testing.B) {
 	rng := rand.New(rand.NewPCG(1, 1))
 	b.SetBytes(blockSize)
 	b.ResetTimer()
+	defer cpuPerOp(b)()
 	for i := 0; i < b.N; i++ {
 		if err := v.ReadAt(p, rng.Int64N(n)*blockSize); err != nil {
 			b.Fatal(err)

@@ -193,10 +193,9 @@ func (s *Set) failLocked(cause error) error {
 	// lost records: appendLocked (under mu) sees it set or puts its record
 	// among those counted here, and a Flush or FUA that sees the set
 	// failed and then reads a volume's lost count under mu sees every lost
-	// write. With the flag set before mu was taken, a Flush in between
-	// found the set failed with nothing lost yet and succeeded, claiming
-	// writes durable that the failover then counted lost
-	// (TestDeviceFailureModel/seq seed 11588).
+	// write. Were the flag set before mu is taken, a Flush in between
+	// could find the set failed with nothing lost yet and succeed,
+	// claiming writes durable that the failover then counts lost.
 	s.mu.Lock()
 	first := s.failed.CompareAndSwap(nil, &fe)
 	if first {
@@ -466,80 +465,6 @@ func (v *Volume) lostCount() int64 {
 	defer v.s.mu.Unlock()
 	return v.fo.lost
 }
-
-// readAroundCache fills dst with the blocks of hs (a run of cached entries
-// whose cache read failed): clean ones from the backing device (which holds
-// the same data), dirty ones by reading the cache once more, block by
-// block; a dirty block that still cannot be read fails the read. It
-// returns the LBAs read from the backing device (not to be verified against
-// the cache checksum).
-func (v *Volume) readAroundCache(dst []byte, hs []index.Ent) (fromBacking []uint64, err error) {
-	s := v.s
-	for i, e := range hs {
-		p := dst[i*blockSize : (i+1)*blockSize]
-		if !e.Dirty() {
-			if err := v.readBacking(p, e.LBA); err != nil {
-				return fromBacking, fmt.Errorf("volume %s: %w", v.name, err)
-			}
-			fromBacking = append(fromBacking, e.LBA)
-			continue
-		}
-		if _, err := s.dev.ReadAt(p, s.cacheOff(e.Block())); err != nil {
-			s.cacheIOError("read retry", err)
-			v.st.unreachableReads.Add(1)
-			s.log.Error("dirty block cannot be read from the cache device: I/O error to the client",
-				"volume", v.name, "offset", int64(e.LBA)*blockSize, "err", err)
-			return fromBacking, fmt.Errorf("volume %s: reading dirty block at %d: %w: %w", v.name, int64(e.LBA)*blockSize, ErrDirtyUnreachable, err)
-		}
-		s.cacheIOOK()
-	}
-	return fromBacking, nil
-}
-
-// allocWaitWriteback finds space for a write in epoch order that found no
-// free bucket (a write may not go around the cache while older epochs of
-// its volume are dirty in it). The writer helps: it writes back a small
-// batch of its volume's oldest epoch itself, and kicks GC. If that frees
-// no bucket, writeback in epoch order is behind the workload: the volume
-// degrades to lba order (order.go), which drops its superseded versions,
-// and the write goes around the cache (errNoSpace) or finds the space
-// that frees. It fails, rather than wait, when writeback to the backing
-// device is failing: the client gets an I/O error and the server keeps
-// running. Once the volume has no dirty data left it returns errNoSpace,
-// and the write goes around the cache: other volumes' dirty data can fill
-// the cache while their backing device is dead.
-func (v *Volume) allocWaitWriteback(n int) (run, error) {
-	s := v.s
-	for helped := false; ; helped = true {
-		r, err := s.alloc(n, allocNoWait)
-		if !errors.Is(err, errNoSpace) {
-			return r, err
-		}
-		if berr := v.wb.BackingErr(); berr != nil {
-			return run{}, fmt.Errorf("no free cache bucket, and writeback to the backing device is failing: %w", berr)
-		}
-		if !v.hasDirty() || !s.keepSuperseded(v.vi) {
-			return run{}, err
-		}
-		if helped {
-			v.degrade(degradeSpace)
-			r, err := s.alloc(n, allocNoWait)
-			if errors.Is(err, errNoSpace) {
-				s.kick()
-			}
-			return r, err
-		}
-		s.kick()
-		if _, werr := v.wb.Help(wbHelpBatch); werr != nil {
-			return run{}, fmt.Errorf("no free cache bucket, and writeback failed: %w", werr)
-		}
-	}
-}
-
-// wbHelpBatch is how many blocks a write waiting for space writes back
-// itself before the volume degrades (a few hundred milliseconds of random
-// writes on a disk at most).
-const wbHelpBatch = 64
 
 // noteInvalidateLocked remembers, until they are durable, that the records
 // appended after sequence number from (an invalidation, or the clean

@@ -329,6 +329,13 @@ func (v *Volume) SetSettings(st Settings) error {
 	if err := st.Validate(); err != nil {
 		return err
 	}
+	return v.updateSettings("settings of", func(Settings) Settings { return st })
+}
+
+// updateSettings persists change(the current settings) in the superblock
+// and applies it: SetSettings and SetMode. Writes in flight are excluded
+// (rmw) so that none straddles the change.
+func (v *Volume) updateSettings(what string, change func(Settings) Settings) error {
 	if err := v.enter(); err != nil {
 		return err
 	}
@@ -340,6 +347,7 @@ func (v *Volume) SetSettings(st Settings) error {
 	defer v.ord.mu.Unlock()
 	s.sbMu.Lock()
 	defer s.sbMu.Unlock()
+	st := change(*v.cfg.Load())
 	// Into epoch order with dirty data written back in lba order: the
 	// backing device is not a flushed image until the next full drain.
 	wasEpoch := v.cfg.Load().WritebackOrder == OrderEpoch
@@ -357,7 +365,7 @@ func (v *Volume) SetSettings(st Settings) error {
 		return nil
 	})
 	if err != nil {
-		return fmt.Errorf("settings of %s: %w", v.name, err)
+		return fmt.Errorf("%s %s: %w", what, v.name, err)
 	}
 	switch {
 	case intoEpoch:

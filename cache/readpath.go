@@ -22,8 +22,7 @@ import (
 // is also why a clean block failing its checksum is re-read from there.
 // On an HDD a short skip costs as much rotation as reading through it, and
 // one command instead of several keeps the drive streaming; on an SSD the
-// extra bytes are cheap (TestMeasurePartlyCachedRead measures it against
-// the plain disk).
+// extra bytes are cheap.
 
 // coalesceGap is the largest run of cached bytes a backing read reads
 // through (and discards) to join the gaps on either side of it. 128 KiB is
@@ -273,4 +272,33 @@ func (v *Volume) ReadAtTier(p []byte, off int64) (Tier, error) {
 		return TierCache, nil
 	}
 	return TierBacking, nil
+}
+
+// readAroundCache fills dst with the blocks of hs (a run of cached entries
+// whose cache read failed): clean ones from the backing device (which holds
+// the same data), dirty ones by reading the cache once more, block by
+// block; a dirty block that still cannot be read fails the read. It
+// returns the LBAs read from the backing device (not to be verified against
+// the cache checksum).
+func (v *Volume) readAroundCache(dst []byte, hs []index.Ent) (fromBacking []uint64, err error) {
+	s := v.s
+	for i, e := range hs {
+		p := dst[i*blockSize : (i+1)*blockSize]
+		if !e.Dirty() {
+			if err := v.readBacking(p, e.LBA); err != nil {
+				return fromBacking, fmt.Errorf("volume %s: %w", v.name, err)
+			}
+			fromBacking = append(fromBacking, e.LBA)
+			continue
+		}
+		if _, err := s.dev.ReadAt(p, s.cacheOff(e.Block())); err != nil {
+			s.cacheIOError("read retry", err)
+			v.st.unreachableReads.Add(1)
+			s.log.Error("dirty block cannot be read from the cache device: I/O error to the client",
+				"volume", v.name, "offset", int64(e.LBA)*blockSize, "err", err)
+			return fromBacking, fmt.Errorf("volume %s: reading dirty block at %d: %w: %w", v.name, int64(e.LBA)*blockSize, ErrDirtyUnreachable, err)
+		}
+		s.cacheIOOK()
+	}
+	return fromBacking, nil
 }

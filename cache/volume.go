@@ -188,33 +188,12 @@ func (v *Volume) Mode() Mode { return v.cfg.Load().Mode }
 
 // SetMode switches the cache mode at run time and records it in the
 // superblock. Leaving writeback keeps dirty data readable (reads consult the
-// index in every mode); the gc goroutine writes it back in the background.
+// index in every mode); the writeback loop writes it back in the background.
 func (v *Volume) SetMode(m Mode) error {
 	if !m.Valid() {
 		return fmt.Errorf("%w: mode %d", ErrInvalid, int(m))
 	}
-	if err := v.enter(); err != nil {
-		return err
-	}
-	defer v.exit()
-	// Exclude writes in flight so that none straddles the switch.
-	v.rmw.Lock()
-	defer v.rmw.Unlock()
-	s := v.s
-	s.sbMu.Lock()
-	defer s.sbMu.Unlock()
-	err := s.updateSuperblockLocked(func(nsb *Superblock) error {
-		nsb.Backings[v.vi].Settings.Mode = m
-		return nil
-	})
-	if err != nil {
-		return fmt.Errorf("set mode of %s: %w", v.name, err)
-	}
-	st := *v.cfg.Load()
-	st.Mode = m
-	v.cfg.Store(&st)
-	v.kickWB()
-	return nil
+	return v.updateSettings("set mode of", func(st Settings) Settings { st.Mode = m; return st })
 }
 
 // Stats returns the volume's counters.
@@ -807,8 +786,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) (Tier, error) {
 		// durable dirty version that a reopen of the repaired device
 		// replays over this write. The insert's record is lost too, so the
 		// write counts as lost, as a passthrough write in the same race
-		// does (TestWritethroughRacingFailoverCountsLost; found by
-		// TestDeviceFailureModel/seq seed 1786).
+		// does.
 		dropsDirty := !dirty && (v.dirtyInLocked(at, uint64(r.n)) ||
 			s.isFailed() && v.fenceOverlapsLocked(at, uint64(r.n)))
 		from := s.mu.seq
@@ -931,9 +909,7 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 				// so the cache device may still hold a durable dirty
 				// version that a reopen of the repaired device would
 				// replay over this write. It counts as lost, as a
-				// lost invalidation of dirty data does
-				// (TestPassthroughRacingFailoverCountsLost; found by
-				// TestDeviceFailureModel/seq seed 11588).
+				// lost invalidation of dirty data does.
 				dropsDirty = true
 			}
 			// Journaled even if nothing is cached now (replay may

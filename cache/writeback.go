@@ -479,8 +479,6 @@ func nowNanos() int64 { return time.Now().UnixNano() }
 // REQUIRES: s.mu
 func (v *Volume) noteDirtyLocked() { v.wb.NoteDirty(v.idx.Dirty + v.idx.NSup) }
 
-func (v *Volume) kickWB() { v.wb.Kick() }
-
 // kickWB wakes every volume's writeback loop.
 func (s *Set) kickWB() {
 	for _, v := range s.volList() {
