@@ -37,7 +37,18 @@ func newStore(loc Location, tries int) (*store, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &store{c: c, loc: loc, timeout: DefaultTimeout}, nil
+	// PUTs are retried here, each attempt with its own reader: minio-go
+	// retries a PUT by seeking the one reader while the transport may
+	// still be reading it for the attempt before (a data race when a
+	// store answers 503 before reading the body).
+	putc, err := loc.client(1)
+	if err != nil {
+		return nil, err
+	}
+	if tries <= 0 {
+		tries = defaultTries
+	}
+	return &store{c: c, putc: putc, tries: tries, loc: loc, timeout: DefaultTimeout}, nil
 }
 
 func newUUID() layout.UUID {

@@ -93,8 +93,8 @@ type Options struct {
 	// GCRate bounds the live data the background loop reads and rewrites,
 	// in bytes per second; 0 means DefaultGCRate, negative unbounded.
 	GCRate int64
-	// Tries bounds the attempts of one store call (minio-go retries 5xx,
-	// throttling and network errors with backoff); 0 means its default, 10.
+	// Tries bounds the attempts of one store call (5xx, throttling and
+	// network errors are retried with backoff); 0 means 10.
 	Tries int
 	// Timeout bounds one store call, its retries included: a store that
 	// stops answering (a dead peer) fails the call after it; 0 means

@@ -14,12 +14,15 @@ import (
 )
 
 // store is the image's objects on one bucket: the few S3 calls the device
-// makes, each wrapped with the object's name. minio-go retries 5xx,
-// throttling and network errors with backoff itself; what comes out of it
-// is final.
+// makes, each wrapped with the object's name. 5xx, throttling and network
+// errors are retried with backoff: by minio-go for reads, by put for
+// PUTs (a fresh body reader per attempt); what comes out is final.
 type store struct {
-	c   *minio.Client
-	loc Location
+	c *minio.Client
+	// putc makes one attempt per call; put retries with tries attempts.
+	putc  *minio.Client
+	tries int
+	loc   Location
 	// timeout bounds one call (its retries included).
 	timeout time.Duration
 }
@@ -87,11 +90,40 @@ func (s *store) put(name string, data []byte, cond putCond, etag string) (string
 	case putIfMatch:
 		o.SetMatchETag(etag)
 	}
-	info, err := s.c.PutObject(ctx, s.loc.Bucket, s.loc.key(name), bytes.NewReader(data), int64(len(data)), o)
-	if err != nil {
-		return "", s.wrap("put", name, err)
+	for try, delay := 1, 200*time.Millisecond; ; try, delay = try+1, min(2*delay, time.Second) {
+		info, err := s.putc.PutObject(ctx, s.loc.Bucket, s.loc.key(name), bytes.NewReader(data), int64(len(data)), o)
+		if err == nil {
+			return info.ETag, nil
+		}
+		if try >= s.tries || !retryable(err) {
+			return "", s.wrap("put", name, err)
+		}
+		t := time.NewTimer(delay)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return "", s.wrap("put", name, err)
+		case <-t.C:
+		}
 	}
-	return info.ETag, nil
+}
+
+// defaultTries is minio-go's own number of attempts, used for PUTs too.
+const defaultTries = 10
+
+// retryable reports whether a failed request may succeed when tried
+// again: no answer (network errors, timeouts), throttling and 5xx.
+func retryable(err error) bool {
+	r := minio.ToErrorResponse(err)
+	switch {
+	case r.StatusCode == 0, r.StatusCode == http.StatusTooManyRequests, r.StatusCode >= 500:
+		return true
+	}
+	switch r.Code {
+	case "SlowDown", "RequestTimeout", "InternalError", "ServiceUnavailable":
+		return true
+	}
+	return false
 }
 
 // get reads n bytes at off of an object (n < 0: all of it from off).
