@@ -60,6 +60,31 @@ type SetInfo struct {
 	// device (the list is then only in its memory).
 	LostWrites           []string `json:"lost_writes,omitempty"`
 	LostWritesUnrecorded string   `json:"lost_writes_unrecorded,omitempty"`
+	// Mirror: a mirrored set's two cache devices (State is then
+	// "degraded" while one of them is failed).
+	Mirror *MirrorInfo `json:"mirror,omitempty"`
+}
+
+// MirrorInfo is the state of a mirrored set's cache devices: member A
+// (the cache device, --cache) and member B (--cache-mirror), which holds
+// the metadata and a copy of every dirty block in its slots.
+type MirrorInfo struct {
+	Path string `json:"path"` // member B's
+	// State is "ok" (both members in sync) or "degraded" (Failed, "A" or
+	// "B", failed: the set runs on the other alone, and a second failure
+	// fails it over).
+	State  string `json:"state"`
+	Failed string `json:"failed,omitempty"`
+	Slots  int64  `json:"slots"`
+	// SlotsUsed: B's slots holding a copy of a bucket with dirty data.
+	SlotsUsed int64 `json:"slots_used"`
+	// ReadRetries: reads that failed on one member and were served by the
+	// other; Repairs: copies rewritten from the other member.
+	ReadRetries uint64 `json:"read_retries"`
+	Repairs     uint64 `json:"repairs"`
+	// WritethroughBytes: writeback writes sent to the backing device too
+	// because B had no free slot.
+	WritethroughBytes uint64 `json:"writethrough_bytes"`
 }
 
 // LostWritesAck is the body of POST /v1/lost-writes/ack: the failovers

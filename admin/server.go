@@ -47,6 +47,7 @@ type Config struct {
 	Version     string
 	Set         *cache.Set // nil when only plain exports are served
 	CachePath   string
+	MirrorPath  string // a mirrored set's second cache device
 	Exports     []Export
 	NBD         ExportControl
 	Metrics     *Metrics // nil: no /metrics and no latency
@@ -379,6 +380,14 @@ func (s *Server) status() Status {
 		st.Set = &SetInfo{UUID: fmtUUID(sb.SetUUID), CachePath: s.cfg.CachePath, CacheSize: sb.NBuckets * sb.BucketSize,
 			DeviceSize: deviceSize(s.cfg.CachePath), BucketSize: sb.BucketSize, Buckets: sb.NBuckets, State: "ok",
 			CachedBytes: ss.CachedBlocks * blockBytes, DirtyBytes: ss.DirtyBlocks * blockBytes}
+		if m := ss.Mirror; m != nil {
+			mi := &MirrorInfo{Path: s.cfg.MirrorPath, State: "ok", Failed: m.Failed, Slots: m.Slots, SlotsUsed: m.SlotsUsed,
+				ReadRetries: m.ReadRetries, Repairs: m.Repairs, WritethroughBytes: m.WritethroughBlocks * blockBytes}
+			if m.Degraded {
+				mi.State, st.Set.State = "degraded", "degraded"
+			}
+			st.Set.Mirror = mi
+		}
 		if ss.Failed {
 			st.Set.State, st.Set.FailCause = "failed", ss.Cause
 		}

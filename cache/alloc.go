@@ -126,6 +126,9 @@ func (s *Set) allocLocked(n int, how allocHow) (run, error) {
 		}
 		if s.mu.open >= 0 {
 			b := &s.mu.alloc[s.mu.open]
+			if s.mir != nil {
+				s.mirrorRetryLocked(s.mu.open, b.fill)
+			}
 			if int64(b.fill) < s.bpb {
 				k := min(n, int(s.bpb)-int(b.fill))
 				r := run{loc: uint32(s.mu.open*s.bpb) + b.fill, n: k}
@@ -154,6 +157,10 @@ func (s *Set) allocLocked(n int, how allocHow) (run, error) {
 			continue
 		}
 		bi := s.mu.free[0]
+		if !s.mirrorOpenLocked(int64(bi)) {
+			// Only the mirror's B is live and it has no slot free.
+			return run{}, errNoSpace
+		}
 		s.mu.free = s.mu.free[1:]
 		b := &s.mu.alloc[bi]
 		b.state, b.fill = bucketOpen, 0

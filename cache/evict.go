@@ -298,6 +298,14 @@ func (s *Set) gcMove(bi int64, found []located) {
 		if err != nil {
 			return
 		}
+		if !s.mirrorHolds(r.loc) {
+			// A mirrored set's B has no slot for the open bucket: the
+			// rest is left for writeback (mirror.go).
+			s.mu.Lock()
+			s.unpinLocked(r.loc)
+			s.mu.Unlock()
+			return
+		}
 		_, werr := s.dev.WriteAt(buf, s.cacheOff(r.loc))
 		if werr != nil {
 			s.cacheIOError("GC move write", werr)

@@ -69,6 +69,7 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/mirror"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
@@ -162,6 +163,11 @@ func (s *Set) cacheWriteOK() {
 // caller sends the data around the cache as it does when the cache is full,
 // and the set goes on. REQUIRES: not commitMu, not s.mu.
 func (s *Set) cacheIOError(what string, err error) {
+	if errors.Is(err, mirror.ErrNoCopy) {
+		// A mirrored set running on B alone: the block was clean and
+		// only on the failed A; not a device error (mirror.go).
+		return
+	}
 	if errors.Is(err, syscall.ENOSPC) && s.noSpace != nil {
 		s.stats.cacheNoSpace.Add(1)
 		s.noSpace.Failed(err) // logs the first one and a summary a minute
@@ -673,6 +679,9 @@ var ErrNoSuchLostEvent = errors.New("cache: no such unacknowledged failover")
 func AckLostWrites(dev device.Device, ids []uint64) (LostWrites, error) {
 	sb, _, err := ondisk.ReadSuperblock(dev)
 	if err != nil {
+		return LostWrites{}, err
+	}
+	if err := refuseMirrored(sb, "acknowledging lost writes"); err != nil {
 		return LostWrites{}, err
 	}
 	rec, err := ondisk.ReadLostWrites(dev, sb)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/mirror"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
@@ -57,10 +58,24 @@ func ParseSetting(s *Settings, key, value string) error { return ondisk.ParseSet
 
 // ReadSuperblock returns the newest valid superblock copy of cacheDev. It
 // returns ErrNotFormatted (wrapped) when neither copy has the magic, and a
-// corruption error when a copy has the magic but no copy is valid.
+// corruption error when a copy has the magic but no copy is valid. On
+// member B of a mirrored set (smaller than the layout it holds) it reads
+// B's copy of the set's superblock.
 func ReadSuperblock(cacheDev device.Device) (*Superblock, error) {
+	if MirrorMember(cacheDev) == "B" {
+		cacheDev = layoutSized{cacheDev}
+	}
 	sb, _, err := ondisk.ReadSuperblock(cacheDev)
 	return sb, err
+}
+
+// MirrorMember returns "A" or "B" when dev is that member of a mirrored
+// set (by its mirror label), else "".
+func MirrorMember(dev device.Device) string {
+	if l, ok, _ := mirror.ReadLabel(dev); ok {
+		return l.Role.String()
+	}
+	return ""
 }
 
 // BackingSpec names a backing device supplied to Format or Open.
@@ -92,6 +107,12 @@ type FormatOptions struct {
 	// superblock it would write, writing nothing: a caller that records
 	// identities on the devices first checks that the format goes ahead.
 	DryRun bool
+	// Mirror, when set, is the set's second cache device (B): every
+	// metadata write and every dirty block is written to both, clean data
+	// to the first only, so Mirror may be smaller (it needs the metadata
+	// region and room for the dirty data: docs/OPERATIONS.md, "Mirrored
+	// cache devices").
+	Mirror device.Device
 	// markShift, if not 0, is the mark region size (log2 of blocks)
 	// instead of ondisk.DefaultMarkShift: tests use small regions.
 	markShift uint8
@@ -209,6 +230,12 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	if err := sb.Validate(devSize); err != nil {
 		return nil, fmt.Errorf("format: computed layout invalid: %w", err)
 	}
+	if opts.Mirror != nil {
+		if err := mirror.CheckSize(mirrorLayout(sb), opts.Mirror.Size()); err != nil {
+			return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
+		}
+		sb.Features |= ondisk.FeatureMirror
+	}
 	if opts.DryRun {
 		if _, err := sb.Encode(); err != nil {
 			return nil, fmt.Errorf("format: %w", err)
@@ -226,13 +253,26 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	// from an older checkpoint, or none, and serve stale data). A crash from
 	// here on leaves a device with no set, which Format accepts again.
 	zero := make([]byte, blockSize)
-	for _, off := range []int64{0, ondisk.SBCopySize, ondisk.JournalHeadOff(0), ondisk.JournalHeadOff(1), ondisk.LostWritesOff(0), ondisk.LostWritesOff(1)} {
-		if _, err := cacheDev.WriteAt(zero, off); err != nil {
-			return nil, fmt.Errorf("format: erasing superblock copy at %d: %w", off, err)
+	for _, dev := range []device.Device{cacheDev, opts.Mirror} {
+		if dev == nil {
+			continue
+		}
+		for _, off := range []int64{0, ondisk.SBCopySize, ondisk.JournalHeadOff(0), ondisk.JournalHeadOff(1), ondisk.LostWritesOff(0), ondisk.LostWritesOff(1), mirror.LabelOff(0), mirror.LabelOff(1)} {
+			if _, err := dev.WriteAt(zero, off); err != nil {
+				return nil, fmt.Errorf("format: erasing superblock copy at %d: %w", off, err)
+			}
+		}
+		if err := dev.Sync(); err != nil {
+			return nil, fmt.Errorf("format: %w", err)
 		}
 	}
-	if err := cacheDev.Sync(); err != nil {
-		return nil, fmt.Errorf("format: %w", err)
+	if opts.Mirror != nil {
+		// From here on the metadata goes to both members.
+		m, err := formatMirror(cacheDev, opts.Mirror, sb)
+		if err != nil {
+			return nil, fmt.Errorf("format: %w", err)
+		}
+		cacheDev = m
 	}
 	// Invalidate the other slot so a stale checkpoint of an earlier set on
 	// this device is never considered (the nonce would reject it too).

@@ -21,6 +21,9 @@ func RecordIdentity(dev device.Device, name, id, path string) (*Superblock, erro
 	if err != nil {
 		return nil, err
 	}
+	if err := refuseMirrored(sb, "recording an identity"); err != nil {
+		return nil, err
+	}
 	nsb := sb.Clone()
 	if name == "" {
 		nsb.CacheID = id

@@ -52,6 +52,7 @@ import (
 
 	"github.com/tiercache/tiercache/cache/internal/backoff"
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/mirror"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/invariants"
@@ -826,8 +827,14 @@ type OpenOptions struct {
 	// failed over and could not record it (the log of that failover says
 	// so): writes that went around it may have made its clean data stale.
 	ColdClean bool
-	Logger    *slog.Logger
-	testing   testingKnobs // tests only
+	// Mirror is the second cache device of a mirrored set (the first is
+	// Open's cacheDev, which may then be nil when missing). A mirrored
+	// set refuses to open without both unless one is marked failed in the
+	// other's label, or MirrorMissing accepts a missing one.
+	Mirror        device.Device
+	MirrorMissing bool
+	Logger        *slog.Logger
+	testing       testingKnobs // tests only
 }
 
 // Open recovers a cache set: newest valid checkpoint plus journal replay.
@@ -835,19 +842,48 @@ type OpenOptions struct {
 // never be replayed later), clears the clean flag and starts the background
 // writeback/eviction and commit goroutines.
 func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Set, error) {
-	sb, _, err := ondisk.ReadSuperblock(cacheDev)
-	if err != nil {
-		return nil, err
-	}
 	log := opts.Logger
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
+	}
+	var mir *mirror.Mirror
+	var sb *Superblock
+	var err error
+	var label mirror.Label
+	var labelled bool
+	if cacheDev != nil && opts.Mirror == nil {
+		label, labelled, _ = mirror.ReadLabel(cacheDev)
+	}
+	switch {
+	case opts.Mirror != nil || cacheDev == nil:
+		mir, sb, err = openMirror(cacheDev, opts.Mirror, opts.MirrorMissing, log)
+	case labelled:
+		// One member of a mirrored set alone (openMirror checks the
+		// superblock says so). It may be stale: its label must say the
+		// other failed, or MirrorMissing accept it.
+		a, b := cacheDev, device.Device(nil)
+		if label.Role == mirror.B {
+			a, b = nil, cacheDev
+		}
+		mir, sb, err = openMirror(a, b, opts.MirrorMissing, log)
+	default:
+		sb, _, err = ondisk.ReadSuperblock(cacheDev)
+		if err == nil && sb.HasFeature(ondisk.FeatureMirror) {
+			err = fmt.Errorf("open: %w: a mirrored set's member without a mirror label", ErrInvalid)
+		}
+	}
+	if err != nil {
+		return nil, err
+	}
+	if mir != nil {
+		cacheDev = mir
 	}
 	byName := map[string]BackingSpec{}
 	for _, b := range backings {
 		byName[b.Name] = b
 	}
 	s := newSet(cacheDev, sb, log)
+	s.mir = mir
 	if err := s.loadLostWrites(); err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}
@@ -918,6 +954,11 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if opts.ColdClean && policy != cleanKeep {
 		policy = cleanDrop
 	}
+	if mir != nil && mir.Primary() == mirror.B && policy != cleanKeep {
+		// B holds no copy of most clean data: verifying it would read
+		// the backing device for nothing.
+		policy = cleanDrop
+	}
 	dropped, verified, err := s.recoverIndex(sb.NBuckets, d.cd, c, policy, true)
 	if err != nil {
 		return nil, fmt.Errorf("open: replaying journal: %w", err)
@@ -930,9 +971,23 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	// The reverse map served the replay; serving does without it.
 	s.mu.Owner = nil
+	if mir != nil {
+		if err := s.mirrorLoadLocked(); err != nil {
+			return nil, fmt.Errorf("open: %w", err)
+		}
+	}
 	// New generation: the next journal block follows the replayed end, so
 	// any torn leftovers of the old generation are foreign from now on.
 	s.jr.gen, s.jr.pos = hdr.Gen, ondisk.JournalPos{Blk: end.Blk}
+	if mir != nil {
+		n, err := s.mirrorResync(!sb.Clean)
+		if err != nil {
+			return nil, fmt.Errorf("open: resyncing the mirror: %w", err)
+		}
+		if n > 0 {
+			log.Warn("mirror resynced after an unclean shutdown", "dirty_blocks_copied_to_B", n)
+		}
+	}
 	replayed := time.Now()
 	s.commitMu.Lock()
 	err = s.checkpointLocked(0)

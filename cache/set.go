@@ -9,6 +9,7 @@ import (
 
 	"github.com/tiercache/tiercache/cache/internal/backoff"
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/mirror"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
@@ -19,7 +20,10 @@ import (
 // Volume.rmw, then Set.commitMu, then Set.sbMu, then Set.mu. No device I/O
 // is done while holding Set.mu.
 type Set struct {
-	dev   device.Device
+	dev device.Device
+	// mir is dev when the set is mirrored (FeatureMirror), else nil
+	// (mirror.go).
+	mir   *mirror.Mirror
 	lay   *Superblock // layout; immutable after Open (modes live in sb)
 	nonce uint64
 	bpb   int64
@@ -96,6 +100,11 @@ type Set struct {
 		// an allocation finds free buckets short (shortChan). Channels,
 		// not cond: their waiters also wait for a stop or a deadline.
 		released, short chan struct{}
+		// mirTried: s.durable at the last try to map the open bucket on
+		// the mirror; mirClean: mapped buckets seen with nothing dirty,
+		// and s.mu.seq then (mirror.go).
+		mirTried uint64
+		mirClean map[int64]uint64
 	}
 
 	kickGC     chan struct{}
@@ -135,6 +144,7 @@ type setStats struct {
 	commits, journalBlocks, checkpoints, evictions, writebackBlocks, gcMoves atomic.Uint64
 	cacheErrors                                                              atomic.Uint64
 	cacheNoSpace                                                             atomic.Uint64
+	mirrorThrough                                                            atomic.Uint64 // blocks (mirror.go)
 }
 
 // newSet builds the Set of the superblock sb read from dev: no volume, an
@@ -340,6 +350,9 @@ type SetStats struct {
 	Failed                 bool
 	Cause                  string `json:",omitempty"`
 	UnreachableDirtyBlocks int64
+	// Mirror is the state of a mirrored set's two cache devices (nil for
+	// a set on one).
+	Mirror *MirrorStats `json:",omitempty"`
 }
 
 // Stats returns whole-set counters.
@@ -367,6 +380,7 @@ func (s *Set) Stats() SetStats {
 	if err := s.err(); err != nil {
 		st.Failed, st.Cause, st.UnreachableDirtyBlocks = true, err.Error(), st.DirtyBlocks
 	}
+	st.Mirror = s.mirrorStats()
 	return st
 }
 

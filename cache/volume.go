@@ -398,6 +398,10 @@ func (v *Volume) readBlocksHit(buf []byte, lba uint64, n int, pm promoteMode) (h
 			continue
 		}
 		v.st.checksumErrors.Add(1)
+		if s.mir != nil && s.mir.RepairFrom(p, s.cacheOff(e.Block()), func(q []byte) bool { return ondisk.CRC32C(q) == e.CRC }) {
+			v.st.checksumRepairs.Add(1)
+			continue
+		}
 		cerr := &CorruptionError{Err: ErrChecksum, Device: "cache", What: fmt.Sprintf("data block of %s lba %d", v.name, e.LBA),
 			Offset: s.cacheOff(e.Block()), Length: blockSize, Expected: e.CRC, Actual: got, HaveSums: true}
 		if e.Dirty() {
@@ -705,8 +709,12 @@ func (v *Volume) routeBlocks(op routeOp, buf []byte, lba, n uint64, seq bool) (T
 // writethrough, to the backing device too and clean. A write larger than the
 // open bucket goes in pieces; NBD does not promise atomic writes. It
 // returns TierBacking when any of it went to the backing device.
-func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) (Tier, error) {
+func (v *Volume) writeCache(buf []byte, lba uint64, writeback bool) (Tier, error) {
 	s := v.s
+	dirty, tier := writeback, TierCache
+	if !writeback {
+		tier = TierBacking
+	}
 	n := len(buf) / blockSize
 	if dirty {
 		v.throttle()
@@ -737,6 +745,15 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) (Tier, error) {
 		}
 		if err != nil {
 			return TierCache, fmt.Errorf("volume %s: %w", v.name, err)
+		}
+		// A mirrored set with B out of slots: the piece goes to the
+		// backing device too (mirror.go).
+		dirty = writeback && s.mirrorHolds(r.loc)
+		if !dirty {
+			tier = TierBacking
+			if writeback {
+				s.stats.mirrorThrough.Add(uint64(r.n))
+			}
 		}
 		p := buf[done*blockSize : (done+r.n)*blockSize]
 		at := lba + uint64(done)
@@ -804,10 +821,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, dirty bool) (Tier, error) {
 		s.mu.Unlock()
 		done += r.n
 	}
-	if !dirty {
-		return TierBacking, nil
-	}
-	return TierCache, nil
+	return tier, nil
 }
 
 // writeAround writes whole blocks to the backing device and invalidates

@@ -19,6 +19,7 @@ import (
 
 type formatOptions struct {
 	cache      string
+	mirror     string
 	backings   []string
 	mode       string
 	bucketSize string
@@ -58,6 +59,7 @@ in full (fallocate): a sparse one the file system cannot hold is refused.`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.cache, "cache", "", "cache device: a file or block device (required)")
+	f.StringVar(&o.mirror, "cache-mirror", "", "second cache device `PATH` holding a copy of the metadata and dirty data (may be smaller than --cache: the metadata region and room for the dirty data)")
 	f.StringArrayVar(&o.backings, "backing", nil, "backing device `NAME=PATH`, exported as NAME; repeatable (or none: attach them later)")
 	f.StringVar(&o.mode, "mode", "writeback", "cache mode: writeback, writethrough, writearound or none")
 	f.StringVar(&o.bucketSize, "bucket-size", "1M", "bucket size (a multiple of 4K, e.g. 512K, 1M, 4M)")
@@ -185,6 +187,32 @@ func runFormat(g *globals, o *formatOptions) error {
 		return fmt.Errorf("cache device: %w", err)
 	}
 	defer cdev.Close()
+	var mdev device.Device
+	if o.mirror != "" {
+		if same, _ := sameFile(devicePath(o.mirror), devicePath(o.cache)); same {
+			return fmt.Errorf("--cache-mirror %s is the cache device", o.mirror)
+		}
+		for _, b := range bks {
+			if same, _ := sameFile(devicePath(o.mirror), devicePath(b.path)); same {
+				return fmt.Errorf("--cache-mirror %s is backing device %q", o.mirror, b.name)
+			}
+		}
+		release, err := lockDevice(devicePath(o.mirror), "mirror cache device", lockServe)
+		if err != nil {
+			return fmt.Errorf("format: %w", err)
+		}
+		defer release()
+		if mdev, err = openDevice(o.mirror, device.FileOptions{Direct: direct}); err != nil {
+			return fmt.Errorf("mirror cache device: %w", err)
+		}
+		defer mdev.Close()
+		if sb, err := cache.ReadSuperblock(mdev); err == nil && !o.force {
+			return fmt.Errorf("%s already holds cache set %s with %d backing device(s); use --force to overwrite it (its cached data, dirty data included, is lost)", o.mirror, fmtUUID(sb.SetUUID), sb.LiveBackings())
+		}
+		if err := allocateCache(devicePath(o.mirror), mdev.Size()); err != nil {
+			return fmt.Errorf("format: %w", err)
+		}
+	}
 	if sb, err := cache.ReadSuperblock(cdev); err == nil && !o.force {
 		return fmt.Errorf("%s already holds cache set %s with %d backing device(s); use --force to overwrite it (its cached data, dirty data included, is lost)", o.cache, fmtUUID(sb.SetUUID), sb.LiveBackings())
 	}
@@ -216,7 +244,7 @@ func runFormat(g *globals, o *formatOptions) error {
 		}
 		specs[i] = cache.BackingSpec{Name: bks[i].name, Dev: bks[i].dev, ID: id, Path: absSpec(bks[i].path)}
 	}
-	if _, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: bs, Mode: mode, Force: o.force, CacheID: placeholderID, DryRun: true}); err != nil {
+	if _, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: bs, Mode: mode, Force: o.force, CacheID: placeholderID, DryRun: true, Mirror: mdev}); err != nil {
 		return fmt.Errorf("format %s: %w", o.cache, err)
 	}
 	for i := range bks {
@@ -247,13 +275,18 @@ func runFormat(g *globals, o *formatOptions) error {
 		if done > 0 {
 			pr.set(done, total)
 		}
-	}, CacheID: cacheID.ID})
+	}, CacheID: cacheID.ID, Mirror: mdev})
 	pr.finish()
 	if err != nil {
 		return fmt.Errorf("format %s: %w", o.cache, err)
 	}
 	if err := cdev.Sync(); err != nil {
 		return fmt.Errorf("format %s: sync: %w", o.cache, err)
+	}
+	if mdev != nil {
+		if err := mdev.Sync(); err != nil {
+			return fmt.Errorf("format %s: sync: %w", o.mirror, err)
+		}
 	}
 	setUUID := fmtUUID(sb.SetUUID)
 	for _, b := range bks {
@@ -271,11 +304,14 @@ func runFormat(g *globals, o *formatOptions) error {
 			backings = append(backings, map[string]any{"name": b.name, "path": b.path, "size": b.dev.Size(), "id": b.id.ID})
 		}
 		return writeJSON(g.stdout, map[string]any{"set_uuid": setUUID, "cache_device": o.cache, "device_size": cdev.Size(),
-			"buckets": sb.NBuckets, "bucket_size": sb.BucketSize, "journal_size": sb.JournalLen, "mode": mode.String(), "backings": backings})
+			"mirror_device": o.mirror, "buckets": sb.NBuckets, "bucket_size": sb.BucketSize, "journal_size": sb.JournalLen, "mode": mode.String(), "backings": backings})
 	}
 	w := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(w, "cache set\t%s\n", setUUID)
 	fmt.Fprintf(w, "cache device\t%s (%s)\n", o.cache, human(cdev.Size()))
+	if mdev != nil {
+		fmt.Fprintf(w, "mirror device\t%s (%s): metadata and dirty data on both\n", o.mirror, human(mdev.Size()))
+	}
 	fmt.Fprintf(w, "buckets\t%d x %s = %s\n", sb.NBuckets, human(sb.BucketSize), human(sb.NBuckets*sb.BucketSize))
 	fmt.Fprintf(w, "journal\t%s\n", human(sb.JournalLen))
 	fmt.Fprintf(w, "mode\t%s\n", mode)

@@ -42,6 +42,10 @@ type serveOptions struct {
 	// config file's [s3]).
 	s3         s3Defaults
 	cache      string
+	mirror     string
+	// mirrorMissing: open a mirrored set with one member missing (gone for
+	// good, the other not run alone since).
+	mirrorMissing bool
 	backings   []string
 	force      bool
 	coldClean  bool
@@ -122,6 +126,8 @@ purpose (a repaired cache device replays its journal).`,
 	}
 	f := cmd.Flags()
 	f.StringVar(&o.cache, "cache", "", "serve the cache set on this cache device")
+	f.StringVar(&o.mirror, "cache-mirror", "", "the second cache device `PATH` of a mirrored cache set (see 'tiercache format --cache-mirror')")
+	f.BoolVar(&o.mirrorMissing, "mirror-missing", false, "serve a mirrored cache set on the one member given, although its label says the other is in sync (the other is gone for good and this one was not served alone since)")
 	f.StringArrayVar(&o.backings, "backing", nil, "path of a cache set's backing device `NAME=PATH`, overriding the recorded one; repeatable")
 	f.BoolVar(&o.force, "force", false, "serve despite identity mismatches or a backing device that belongs to a cache set (may serve stale data)")
 	f.BoolVar(&o.coldClean, "cold-clean", false, "recover the cache set with no clean cached data, as after a crash of a set without region marks (a restart on a cache device that failed over; see the log of the failover)")
@@ -285,7 +291,7 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 		}
 	}()
 	metrics := admin.NewMetrics()
-	adminCfg := admin.Config{NBD: srv, Metrics: metrics, CachePath: cachePath}
+	adminCfg := admin.Config{NBD: srv, Metrics: metrics, CachePath: cachePath, MirrorPath: o.mirror}
 	if cachePath != "" {
 		h, err := openSet(log, cachePath, o, direct)
 		if err != nil {
@@ -494,6 +500,8 @@ type openedSet struct {
 	set       *cache.Set
 	cachePath string
 	cdev      device.Device
+	mdev      device.Device // mirror member B, nil unless mirrored
+	munlock   func()        // its lock's release
 	unlock    func()
 	mu        sync.Mutex
 	devs      map[string]device.Device // backing devices by volume name
@@ -531,6 +539,10 @@ func (h *openedSet) closeDevices() {
 	}
 	h.mu.Unlock()
 	h.cdev.Close()
+	if h.mdev != nil {
+		h.mdev.Close()
+		h.munlock()
+	}
 	h.unlock()
 }
 
@@ -562,6 +574,20 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		return nil, fmt.Errorf("cache device: %w", err)
 	}
 	h := &openedSet{cachePath: cachePath, cdev: cdev, unlock: unlock, devs: map[string]device.Device{}, locks: map[string]func(){}, log: log, remote: o.remote, s3: o.s3}
+	if o.mirror != "" {
+		release, err := lockDevice(devicePath(o.mirror), "mirror cache device", lockServe)
+		if err != nil {
+			h.closeDevices()
+			return nil, err
+		}
+		mdev, err := openDevice(o.mirror, device.FileOptions{Direct: direct})
+		if err != nil {
+			release()
+			h.closeDevices()
+			return nil, fmt.Errorf("mirror cache device: %w", err)
+		}
+		h.mdev, h.munlock = mdev, release
+	}
 	sb, err := cache.ReadSuperblock(cdev)
 	if errors.Is(err, cache.ErrNotFormatted) {
 		h.closeDevices()
@@ -573,7 +599,9 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 	}
 	setUUID := fmtUUID(sb.SetUUID)
 	closeDevs := h.closeDevices
-	if sb.CacheID != "" {
+	// The identity recorded is member A's: member B of a mirrored set
+	// served alone (A failed) is recognised by its mirror label.
+	if sb.CacheID != "" && cache.MirrorMember(cdev) != "B" {
 		if err := backingid.Check(sb.CacheID, devicePath(cachePath)); err != nil {
 			if !o.force {
 				closeDevs()
@@ -684,7 +712,8 @@ func openSet(log *slog.Logger, cachePath string, o *serveOptions, direct device.
 		return nil, fmt.Errorf("--backing %s: cache set %s has no backing device of that name", name, setUUID)
 	}
 	start := time.Now()
-	set, err := cache.Open(cdev, specs, cache.OpenOptions{Force: o.force, AcceptJournalLoss: o.force, ColdClean: o.coldClean, Logger: log})
+	set, err := cache.Open(cdev, specs, cache.OpenOptions{Force: o.force, AcceptJournalLoss: o.force, ColdClean: o.coldClean, Logger: log,
+		Mirror: h.mdev, MirrorMissing: o.mirrorMissing})
 	if err != nil {
 		closeDevs()
 		return nil, fmt.Errorf("opening cache set %s on %s: %w%s", setUUID, cachePath, err, openHint(err))

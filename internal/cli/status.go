@@ -70,8 +70,19 @@ func printStatus(out io.Writer, s *session) error {
 	if c := st.Set; c != nil {
 		fmt.Fprintf(w, "cache set\t%s\n", c.UUID)
 		fmt.Fprintf(w, "cache device\t%s (%s: %d buckets of %s, the rest metadata)\n", c.CachePath, human(max(c.DeviceSize, c.CacheSize)), c.Buckets, human(c.BucketSize))
+		if m := c.Mirror; m != nil {
+			fmt.Fprintf(w, "mirror device\t%s (metadata and dirty data on both; %d of %d slots in use)\n", m.Path, m.SlotsUsed, m.Slots)
+		}
 		state := "ok"
-		if c.State != "ok" {
+		switch c.State {
+		case "ok":
+		case "degraded":
+			failed, survivor := "B, the mirror device", "the cache device"
+			if c.Mirror.Failed == "A" {
+				failed, survivor = "A, the cache device", "the mirror device"
+			}
+			state = fmt.Sprintf("DEGRADED: member %s failed; serving in writeback on %s alone, whose failure would fail the set over (replace the failed device)", failed, survivor)
+		default:
 			state = strings.ToUpper(c.State) + ": " + c.FailCause + " (every export is served from its backing device)"
 		}
 		fmt.Fprintf(w, "state\t%s; %s cached, %s dirty\n", state, human(c.CachedBytes), human(c.DirtyBytes))

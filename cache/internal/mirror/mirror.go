@@ -20,7 +20,9 @@
 // Failure: a write or sync error on one member fails it (its flag in a new
 // label, written and synced on the survivor before the failing call
 // returns); the mirror then runs on the survivor alone. A read error on
-// one member is served from the other and the bad copy rewritten.
+// one member is served from the other and the bad copy rewritten; when
+// the other holds no copy (a clean block only on A), or the rewrite
+// fails, the member is failed too.
 // Concurrency: as device.Device; Map, Release and Mapped may be called
 // under the caller's locks (they do no I/O).
 package mirror
@@ -222,17 +224,18 @@ func Assemble(a, b device.Device, allowMissing bool, log *slog.Logger) (*Mirror,
 	return m, nil
 }
 
-// Init sets the layout (from the superblock read through Primary) and
-// loads B's slot headers: a slot whose header names bucket k at
-// generation gens[k] is k's mapping. It returns the buckets that were
-// mapped.
-func (m *Mirror) Init(lay Layout, gens []uint32) error {
+// Init sets the layout (from the superblock read through Primary), with
+// every slot free: what Format needs, and what Open needs until recovery
+// has found the buckets' generations (LoadSlots).
+func (m *Mirror) Init(lay Layout) error {
 	if lay.Nonce != m.label.Nonce {
 		return fmt.Errorf("mirror: the superblock's set (nonce %#x) is not the mirror label's (%#x)", lay.Nonce, m.label.Nonce)
 	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
 	m.lay = lay
 	var n int64
-	if m.live(B) {
+	if m.dev[B] != nil {
 		n = Slots(lay, m.dev[B].Size())
 	}
 	m.slots = make([]slot, n)
@@ -240,37 +243,60 @@ func (m *Mirror) Init(lay Layout, gens []uint32) error {
 	for i := range m.slotOf {
 		m.slotOf[i] = -1
 	}
-	buf := make([]byte, blockSize)
-	for i := int64(n) - 1; i >= 0; i-- {
-		sl := &m.slots[i]
-		sl.bucket = -1
-		if gens == nil {
+	m.free = m.free[:0]
+	for i := n - 1; i >= 0; i-- {
+		m.slots[i].bucket = -1
+		if m.live(B) {
 			m.free = append(m.free, int32(i))
-			continue
 		}
-		if _, err := m.dev[B].ReadAt(buf, m.slotOff(int32(i))); err != nil {
-			if ferr := m.fail(B, fmt.Errorf("reading slot header %d: %w", i, err)); ferr != nil {
-				return ferr
-			}
+	}
+	return nil
+}
+
+// LoadSlots reads B's slot headers: a slot whose header names bucket k at
+// generation gens[k] is k's mapping; every other slot is free. A read
+// error fails B.
+func (m *Mirror) LoadSlots(gens []uint32) error {
+	if err := m.Init(m.lay); err != nil || !m.live(B) {
+		return err
+	}
+	buf := make([]byte, blockSize)
+	var slots []slot
+	var rerr error
+	for i := range int32(len(m.slots)) {
+		sl := slot{bucket: -1}
+		if _, err := m.dev[B].ReadAt(buf, m.slotOff(i)); err != nil {
+			rerr = fmt.Errorf("reading slot header %d: %w", i, err)
 			break
 		}
 		h, ok := decodeSlot(buf)
-		if ok && h.nonce == lay.Nonce && h.bucket < uint64(lay.NBuckets) && h.gen == gens[h.bucket] && int64(h.from) < lay.BucketSize/blockSize {
-			if j := m.slotOf[h.bucket]; j < 0 || m.slots[j].from > h.from {
+		if ok && h.nonce == m.lay.Nonce && h.bucket < uint64(len(gens)) && h.gen == gens[h.bucket] && int64(h.from) < m.lay.BucketSize/blockSize {
+			sl = slot{bucket: int64(h.bucket), gen: h.gen, from: h.from, hdr: closedChan}
+		}
+		slots = append(slots, sl)
+	}
+	if rerr != nil {
+		return m.fail(B, rerr)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.free = m.free[:0]
+	for i := int32(len(slots)) - 1; i >= 0; i-- {
+		sl := slots[i]
+		if sl.bucket >= 0 {
+			j := m.slotOf[sl.bucket]
+			if j < 0 || m.slots[j].from > sl.from {
 				if j >= 0 {
-					m.slots[j].bucket = -1
+					m.slots[j] = slot{bucket: -1}
 					m.free = append(m.free, j)
 				}
-				sl.bucket, sl.gen, sl.from = int64(h.bucket), h.gen, h.from
-				sl.hdr = closedChan
-				m.slotOf[h.bucket] = int32(i)
+				m.slots[i] = sl
+				m.slotOf[sl.bucket] = i
 				continue
 			}
 		}
-		m.free = append(m.free, int32(i))
-	}
-	if !m.live(B) {
-		m.free = nil
+		m.slots[i] = slot{bucket: -1}
+		m.free = append(m.free, i)
 	}
 	return nil
 }
@@ -356,6 +382,17 @@ func (m *Mirror) Mapped(bucket int64) bool {
 	return m.slotOf[bucket] >= 0
 }
 
+// Covers reports whether B holds a copy of the block at off (in the
+// bucket region: its bucket is mapped, from the slot's first block on).
+func (m *Mirror) Covers(off int64) bool {
+	for _, e := range m.split(make([]byte, blockSize), off) {
+		if e.bOff < 0 {
+			return false
+		}
+	}
+	return true
+}
+
 // MappedBuckets calls f for each mapped bucket (under the mirror's lock:
 // f must not call the mirror).
 func (m *Mirror) MappedBuckets(f func(bucket int64)) {
@@ -390,7 +427,12 @@ func (m *Mirror) releaseLocked(bucket int64) {
 // Stats returns the mirror's counters.
 func (m *Mirror) Stats() Stats {
 	m.mu.Lock()
-	st := Stats{Slots: int64(len(m.slots)), SlotsUsed: int64(len(m.slots) - len(m.free))}
+	st := Stats{Slots: int64(len(m.slots))}
+	for _, sl := range m.slots {
+		if sl.bucket >= 0 && m.live(B) {
+			st.SlotsUsed++
+		}
+	}
 	m.mu.Unlock()
 	m.lmu.Lock()
 	st.Gen = m.label.Gen
@@ -556,8 +598,17 @@ func (m *Mirror) readExtent(e extent) error {
 		return nil
 	}
 	o := r.other()
-	if !m.live(o) || (o == B && e.bOff < 0) {
+	if !m.live(o) {
 		return err
+	}
+	if o == B && e.bOff < 0 {
+		// No copy to serve it from or to repair A with: A is failed, as
+		// for a write error, and the caller reads the (clean) block
+		// elsewhere.
+		if ferr := m.fail(r, err); ferr != nil {
+			return ferr
+		}
+		return ErrNoCopy
 	}
 	if _, oerr := m.dev[o].ReadAt(e.p, m.memberOff(o, e)); oerr != nil {
 		return err

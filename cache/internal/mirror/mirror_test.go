@@ -60,8 +60,13 @@ func assemble(t *testing.T, a, b device.Device, gens []uint32) *Mirror {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := m.Init(testLayout, gens); err != nil {
+	if err := m.Init(testLayout); err != nil {
 		t.Fatal(err)
+	}
+	if gens != nil {
+		if err := m.LoadSlots(gens); err != nil {
+			t.Fatal(err)
+		}
 	}
 	return m
 }

@@ -64,8 +64,12 @@ const (
 	// recovery after an unclean shutdown keeps the clean entries of the
 	// regions not marked since the checkpoint (docs/CACHE.md, "Recovery").
 	FeatureWarmClean = 1 << 0
+	// FeatureMirror: the set's metadata and dirty data are mirrored on two
+	// devices, whose mirror labels (cache/internal/mirror) say which is
+	// current. A binary without it must not open either alone.
+	FeatureMirror = 1 << 1
 	// KnownFeatures are the features this binary reads and writes.
-	KnownFeatures = FeatureWarmClean
+	KnownFeatures = FeatureWarmClean | FeatureMirror
 )
 
 // Mark regions: DefaultMarkShift (2^18 blocks, 1 GiB) unless Format was
@@ -121,10 +125,11 @@ const (
 	BlockSize  = 4096
 	BlockShift = 12
 	SBCopySize = 64 << 10
-	// SBMaxEncoded: the last two blocks of each copy hold a lost-writes
+	// SBMaxEncoded: the last three blocks of each copy hold a mirror
+	// label slot (cache/internal/mirror, FeatureMirror), a lost-writes
 	// record slot (lostwrites.go) and a journal head record slot
 	// (journalhead.go).
-	SBMaxEncoded  = SBCopySize - 2*BlockSize
+	SBMaxEncoded  = SBCopySize - 3*BlockSize
 	SBHeaderSize  = 24
 	SBMagic       = "TIERCSB\x01"
 	FormatVersion = 2
