@@ -40,22 +40,22 @@ const (
 type serveOptions struct {
 	// s3 is where the store of image URIs is that do not say (the
 	// config file's [s3]).
-	s3         s3Defaults
-	cache      string
-	mirror     string
+	s3     s3Defaults
+	cache  string
+	mirror string
 	// mirrorMissing: open a mirrored set with one member missing (gone for
 	// good, the other not run alone since).
 	mirrorMissing bool
-	backings   []string
-	force      bool
-	coldClean  bool
-	exports    []string
-	listens    []string
-	readOnly   bool
-	direct     string
-	socketMode string
-	drainWait  time.Duration
-	adminTCP   string
+	backings      []string
+	force         bool
+	coldClean     bool
+	exports       []string
+	listens       []string
+	readOnly      bool
+	direct        string
+	socketMode    string
+	drainWait     time.Duration
+	adminTCP      string
 	// metricsNoAuth: GET /metrics over --admin-tcp needs no token.
 	metricsNoAuth bool
 	maxConns      int
