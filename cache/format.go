@@ -62,10 +62,10 @@ func ParseSetting(s *Settings, key, value string) error { return ondisk.ParseSet
 // member B of a mirrored set (smaller than the layout it holds) it reads
 // B's copy of the set's superblock.
 func ReadSuperblock(cacheDev device.Device) (*Superblock, error) {
-	if MirrorMember(cacheDev) == "B" {
-		cacheDev = layoutSized{cacheDev}
-	}
 	sb, _, err := ondisk.ReadSuperblock(cacheDev)
+	if err != nil && IsCorruption(err) && MirrorMember(cacheDev) == "B" {
+		sb, _, err = ondisk.ReadSuperblock(layoutSized{cacheDev})
+	}
 	return sb, err
 }
 

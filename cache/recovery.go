@@ -851,8 +851,10 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	var err error
 	var label mirror.Label
 	var labelled bool
-	if cacheDev != nil && opts.Mirror == nil {
-		label, labelled, _ = mirror.ReadLabel(cacheDev)
+	if cacheDev != nil && opts.Mirror == nil && cacheDev.Size() >= 2*ondisk.SBCopySize {
+		if label, labelled, err = mirror.ReadLabel(cacheDev); err != nil {
+			return nil, fmt.Errorf("open: %w", err)
+		}
 	}
 	switch {
 	case opts.Mirror != nil || cacheDev == nil:
