@@ -10,6 +10,13 @@
 # and passes): the cache recovery targets carry their own watchdog, which
 # turns a hang into a crash.
 #
+# Minimizing a new interesting input may take FUZZMINIMIZETIME (default 5s;
+# Go's own default is 60s). The executions a worker spends minimizing are not
+# counted, and with inputs of a few KiB (a page, a segment) minimization used
+# the whole FUZZTIME: such a target ran a handful of inputs and passed. A
+# target that runs fewer than FUZZMINEXECS (default 1000) inputs in its
+# FUZZTIME therefore fails: it was not fuzzing.
+#
 # Usage: scripts/fuzz.sh [package...]   (default: every package with a target)
 # Prints, per target, the executions and the new corpus entries, and the
 # wall time of the whole run.
@@ -19,6 +26,8 @@ cd "$(dirname "$0")/.."
 GO=${GO:-go}
 FUZZTIME=${FUZZTIME:-60s}
 FUZZJOBS=${FUZZJOBS:-2}
+FUZZMINIMIZETIME=${FUZZMINIMIZETIME:-5s}
+FUZZMINEXECS=${FUZZMINEXECS:-1000}
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
@@ -61,7 +70,7 @@ crashers() { ls "$1/testdata/fuzz/$2/" 2>/dev/null | sort; }
 run() { # pkg:target -> log in $out, status in $out/<target>.rc
   local p=${1%%:*} t=${1#*:}
   crashers "$p" "$t" >"$out/$t.before"
-  $GO test -run '^$' -fuzz "^${t}\$" -fuzztime "$FUZZTIME" -parallel 1 "$p" >"$out/$t.log" 2>&1
+  $GO test -run '^$' -fuzz "^${t}\$" -fuzztime "$FUZZTIME" -fuzzminimizetime "$FUZZMINIMIZETIME" -parallel 1 "$p" >"$out/$t.log" 2>&1
   echo $? >"$out/$t.rc"
   crashers "$p" "$t" | comm -13 "$out/$t.before" - >"$out/$t.new"
 }
@@ -82,7 +91,11 @@ for tt in "${targets[@]}"; do
   p=${tt%%:*} t=${tt#*:}
   rc=$(cat "$out/$t.rc" 2>/dev/null || echo 1)
   last=$(grep -E 'execs: [0-9]+' "$out/$t.log" | tail -1 | sed -E 's/.*(execs: [0-9]+).*(new interesting: [0-9]+).*/\1, \2/')
-  if [ "$rc" = 0 ]; then
+  execs=$(sed -nE 's/^execs: ([0-9]+),.*/\1/p' <<<"$last")
+  if [ "$rc" = 0 ] && [ -n "$execs" ] && [ "$execs" -lt "$FUZZMINEXECS" ]; then
+    failed=1
+    echo "fuzz: FAIL $p $t ($last): fewer than $FUZZMINEXECS inputs in $FUZZTIME, so it was not fuzzing (a slow target, or an input that takes long: profile it with 'go test -run ^\$ -fuzz ^$t\$ -fuzztime 20s $p')"
+  elif [ "$rc" = 0 ]; then
     echo "fuzz: ok   $p $t ($last)"
   elif [ ! -s "$out/$t.new" ] && grep -q '^    context deadline exceeded$' "$out/$t.log" &&
     ! grep -qE '^--- FAIL: .*/|panic:|Failing input' "$out/$t.log"; then
