@@ -5,7 +5,7 @@ GO ?= go
 GOBIN := $(shell $(GO) env GOPATH)/bin
 PKGS := ./...
 
-.PHONY: all build install test deps lint unit race interop kernel kernel-sweep bench bench-guest bench-deps bench-quick bench-nbd bench-remote bench-objstore fuzz stress clean
+.PHONY: all build install test deps lint unit race interop kernel kernel-sweep bench bench-guest bench-deps bench-quick bench-nbd bench-remote bench-objstore fuzz fuzz-quick stress clean
 
 all: build
 
@@ -42,9 +42,9 @@ deps:
 	./scripts/install-deps.sh
 
 # Everything: lint, unit tests with the race detector and invariant checks,
-# every fuzz target for a minute, then the interop tests with real clients
+# every fuzz target for 30 seconds, then the interop tests with real clients
 # against the built binary.
-test: deps lint race bench-quick fuzz interop kernel
+test: deps lint race bench-quick fuzz-quick interop kernel
 
 lint:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -62,8 +62,11 @@ unit:
 
 # Real clients (nbdinfo, qemu-io, qemu-img, nbdcopy, fio, nbdfuse + loop +
 # ext4) against a race-enabled tiercache binary. Needs root for the kernel path.
+# The long self-contained tests (own files, sockets, processes, tmpfs) call
+# t.Parallel and run four at a time after the others; a test that swaps loop
+# devices or sets the environment stays serial.
 interop:
-	$(GO) test -count=1 -timeout 20m ./internal/interop/
+	$(GO) test -count=1 -parallel 4 -timeout 20m ./internal/interop/
 
 # A real kernel (Debian's, under qemu TCG; internal/kvm, docs/TESTING.md):
 # the kernel NBD client against tiercache served inside the guest, and power
@@ -91,6 +94,10 @@ kernel-sweep:
 # in the package's testdata/fuzz/ (scripts/fuzz.sh).
 fuzz:
 	GO=$(GO) ./scripts/fuzz.sh
+
+# The same for 30s per target, as part of make test.
+fuzz-quick:
+	FUZZTIME=30s GO=$(GO) ./scripts/fuzz.sh
 
 # Many more SIGKILL cycles of the process-crash test (make interop runs 50),
 # the crash-point and error-point enumeration over 40 workload seeds (make

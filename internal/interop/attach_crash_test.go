@@ -22,6 +22,7 @@ import (
 // claimed; a stale claim left by a killed attach is accepted by the next
 // attach to the same set.
 func TestKillDuringAttachDetach(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	need(t, "qemu-io", "nbdcopy")
 	seed, _ := crashConfig(t)
 	t.Logf("seed %d (rerun: -seed %d)", seed, seed)

@@ -22,6 +22,7 @@ import (
 // order, interleaved with ext4's journal writes (issue 14: through this path
 // on a cache holding dirty data, 0 B were bypassed).
 func TestKernelSequentialBypass(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	needRoot(t)
 	need(t, "nbdfuse", "losetup", "mkfs.ext4", "mount", "umount", "fusermount3", "dd", "fio")
 	const fileSize = 512 * mib

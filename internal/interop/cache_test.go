@@ -45,6 +45,7 @@ func (cs *cacheSet) serve(t *testing.T, extra ...string) *server {
 // with a working set three times the cache, so eviction and writeback run
 // while fio checks every block it wrote.
 func TestCacheFioVerifyModes(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	need(t, "fio")
 	for _, mode := range []string{"writeback", "writethrough", "writearound", "none"} {
 		t.Run(mode, func(t *testing.T) {

@@ -287,6 +287,7 @@ func (s *killableServer) dial(export string) func(context.Context) (*nbd.Client,
 //
 //	go test ./internal/interop -run 'TestKillCycles/writeback' -seed N -v
 func TestKillCycles(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	seed, cycles := crashConfig(t)
 	// Exploration knobs (defaults are the CI set-up).
 	areaMiB := envInt(t, "TIERCACHE_CRASH_AREA_MIB", 24)

@@ -99,6 +99,7 @@ func punchBuckets(t *testing.T, path string) {
 // area deallocated again (what a copy-on-write file system or a sparse copy
 // leaves) and the file system filled; the backing file is elsewhere.
 func TestTrustCacheENOSPC(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	need(t, "qemu-io")
 	dir := t.TempDir()
 	mnt := smallFS(t, dir, 24*mib)
@@ -275,6 +276,7 @@ func punchJournal(t *testing.T, path string) {
 // FLUSHes again. On main the loss was only a log line of the failed
 // server: after the restart check exited 0 and nothing said it.
 func TestTrustJournalENOSPC(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	need(t, "qemu-io")
 	dir := t.TempDir()
 	mnt := smallFS(t, dir, 24*mib)

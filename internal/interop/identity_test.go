@@ -305,6 +305,7 @@ func overwrite(t *testing.T, path string, off int64, b []byte) {
 // refuses and says how to proceed, and serve --force recovers the rest,
 // saying so in its log.
 func TestTrustJournalTailDamage(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	need(t, "qemu-io")
 	for _, kind := range []string{"random-last", "zeros-last", "random-all"} {
 		t.Run(kind, func(t *testing.T) {

@@ -18,6 +18,7 @@ import (
 // label is older, so it is not used) and then on the survivor alone, with
 // every flushed block intact (stamped blocks, three-state oracle).
 func TestMirrorMemberFailsThroughBinary(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	for _, lost := range []string{"A", "B"} {
 		t.Run("lost="+lost, func(t *testing.T) { mirrorMemberFails(t, lost) })
 	}

@@ -177,6 +177,7 @@ func (s *remoteKillServer) Kill() error {
 //
 //	go test ./internal/interop -run 'TestKillCyclesRemote/writeback' -seed N -v
 func TestKillCyclesRemote(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	need(t, "nbdkit")
 	seed, cycles := crashConfig(t)
 	cycles = max(cycles/5, 2)

@@ -467,6 +467,7 @@ func firstDifference(a, b []byte) int {
 // an offline detach, straight against the remote: what was written through
 // the cache is on the remote.
 func TestRemoteFioVerifyModes(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	need(t, "fio", "qemu-nbd")
 	for _, mode := range []string{"writeback", "writethrough", "writearound", "none"} {
 		t.Run(mode, func(t *testing.T) {
@@ -492,6 +493,7 @@ func TestRemoteFioVerifyModes(t *testing.T) {
 // another tiercache's cache set (it gives its export no description, so
 // the set identifies it by its URI, --trust-path).
 func TestRemoteChain(t *testing.T) {
+	t.Parallel() // self-contained: its own files, sockets and processes
 	need(t, "fio")
 	dir := shortDir(t)
 	disk := sparseFile(t, dir, "disk.img", 128*mib)
