@@ -376,10 +376,7 @@ func (h *openedSet) objectStore(export string) *admin.ObjectStore {
 
 // objStoreRows are the rows stats prints for the image of each export
 // with an object-store backing device ("-" for the others), in order.
-var objStoreRows = []struct {
-	name string
-	f    func(o *admin.ObjectStore) string
-}{
+var objStoreRows = []statRow[admin.ObjectStore]{
 	{"objstore_image", func(o *admin.ObjectStore) string { return o.Image }},
 	{"objstore_generation", func(o *admin.ObjectStore) string { return fmt.Sprint(o.Generation) }},
 	{"objstore_epoch", func(o *admin.ObjectStore) string { return objEpochText(o) }},

@@ -212,10 +212,7 @@ func (h *openedSet) remoteLink(export string) *admin.RemoteLink {
 
 // remoteRows are the rows stats prints for the remote link of each export
 // with a remote backing device ("-" for the others), in order.
-var remoteRows = []struct {
-	name string
-	f    func(r *admin.RemoteLink) string
-}{
+var remoteRows = []statRow[admin.RemoteLink]{
 	{"remote_link", func(r *admin.RemoteLink) string { return r.State }},
 	{"remote_since", func(r *admin.RemoteLink) string {
 		if r.Since.IsZero() {

@@ -273,6 +273,38 @@ func latencyCell(l admin.LatencySummary) string {
 	return fmt.Sprintf("n=%d mean %.0f p50 %.0f p99 %.0f p99.9 %.0f µs", l.Count, l.MeanMicros, l.P50Micros, l.P99Micros, l.P999Micros)
 }
 
+// statRow is one row of derived values: its name and the text of a cell.
+type statRow[T any] struct {
+	name string
+	f    func(*T) string
+}
+
+// printRows prints rows with a column per export: a row's text of the
+// part of the export that part returns, or "-" where it returns nil.
+// Nothing is printed when no export has the part.
+func printRows[T any](w io.Writer, exports []admin.ExportStats, rows []statRow[T], part func(*admin.ExportStats) *T) {
+	parts := make([]*T, len(exports))
+	present := false
+	for i := range exports {
+		parts[i] = part(&exports[i])
+		present = present || parts[i] != nil
+	}
+	if !present {
+		return
+	}
+	for _, r := range rows {
+		row := "  " + r.name
+		for _, p := range parts {
+			if p == nil {
+				row += "\t-"
+			} else {
+				row += "\t" + r.f(p)
+			}
+		}
+		fmt.Fprintln(w, row)
+	}
+}
+
 func printStats(out io.Writer, st admin.Stats) error {
 	w := newTable(out, 0)
 	fmt.Fprintf(w, "counters since %s (up %s)\n", st.Started.Local().Format(time.DateTime), humanDur(st.Time.Sub(st.Started).Seconds()))
@@ -293,20 +325,17 @@ func printStats(out io.Writer, st admin.Stats) error {
 	}
 	if anyVolume {
 		structRows(w, vals)
-		derived := []struct {
-			name string
-			f    func(admin.ExportStats) string
-		}{
-			{"backing_consistent", func(e admin.ExportStats) string {
+		derived := []statRow[admin.ExportStats]{
+			{"backing_consistent", func(e *admin.ExportStats) string {
 				c := admin.Consistency{WritebackOrder: e.WritebackOrder, BackingConsistent: e.Volume.BackingConsistent, CatchingUp: e.Volume.CatchingUp}
 				if t := e.Volume.InconsistentSince; !t.IsZero() {
 					c.InconsistentSince = &t
 				}
 				return consistencyText(c)
 			}},
-			{"hit_ratio", func(e admin.ExportStats) string { return fmt.Sprintf("%.1f%%", 100*e.HitRatio) }},
-			{"writeback_rate", func(e admin.ExportStats) string { return humanRate(e.WritebackRate) }},
-			{"writeback_eta", func(e admin.ExportStats) string {
+			{"hit_ratio", func(e *admin.ExportStats) string { return fmt.Sprintf("%.1f%%", 100*e.HitRatio) }},
+			{"writeback_rate", func(e *admin.ExportStats) string { return humanRate(e.WritebackRate) }},
+			{"writeback_eta", func(e *admin.ExportStats) string {
 				switch {
 				case e.WritebackETASeconds == 0:
 					return "-"
@@ -316,54 +345,15 @@ func printStats(out io.Writer, st admin.Stats) error {
 				return humanDur(e.WritebackETASeconds)
 			}},
 		}
-		for _, d := range derived {
-			row := "  " + d.name
-			for _, e := range st.Exports {
-				if e.Volume == nil {
-					row += "\t-"
-				} else {
-					row += "\t" + d.f(e)
-				}
+		printRows(w, st.Exports, derived, func(e *admin.ExportStats) *admin.ExportStats {
+			if e.Volume == nil {
+				return nil
 			}
-			fmt.Fprintln(w, row)
-		}
+			return e
+		})
 	}
-	anyRemote := false
-	for _, e := range st.Exports {
-		anyRemote = anyRemote || e.Remote != nil
-	}
-	for _, r := range remoteRows {
-		if !anyRemote {
-			break
-		}
-		row := "  " + r.name
-		for _, e := range st.Exports {
-			if e.Remote == nil {
-				row += "\t-"
-			} else {
-				row += "\t" + r.f(e.Remote)
-			}
-		}
-		fmt.Fprintln(w, row)
-	}
-	anyObj := false
-	for _, e := range st.Exports {
-		anyObj = anyObj || e.ObjectStore != nil
-	}
-	for _, r := range objStoreRows {
-		if !anyObj {
-			break
-		}
-		row := "  " + r.name
-		for _, e := range st.Exports {
-			if e.ObjectStore == nil {
-				row += "\t-"
-			} else {
-				row += "\t" + r.f(e.ObjectStore)
-			}
-		}
-		fmt.Fprintln(w, row)
-	}
+	printRows(w, st.Exports, remoteRows, func(e *admin.ExportStats) *admin.RemoteLink { return e.Remote })
+	printRows(w, st.Exports, objStoreRows, func(e *admin.ExportStats) *admin.ObjectStore { return e.ObjectStore })
 	for _, op := range latencyRows {
 		name, tier, _ := strings.Cut(op, "/")
 		row := "  latency_" + strings.ReplaceAll(op, "/", "_")
