@@ -7,6 +7,7 @@ import (
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
 
@@ -311,6 +312,11 @@ func (s *Set) Flush() error {
 // returns it, so its client learns that acknowledged writes may be lost;
 // reads and writes go on.
 //
+// A device that keeps what a failed sync did not make durable
+// (device.SyncKeeper, an object-store image) fails only the commits made
+// while its sync fails: nothing is remembered, and once a sync succeeds
+// flushes succeed again.
+//
 // Callers are serialized (syncMu): a caller that finds a flag clear
 // returns only after the sync that cleared it has finished, so a failure
 // of that sync is in backSyncErr (durableErr) by then.
@@ -323,7 +329,12 @@ func (s *Set) syncBackings() error {
 		if v.backingUnsynced.Swap(false) {
 			if err := v.back.Sync(); err != nil {
 				err = fmt.Errorf("syncing backing %s: %w", v.name, err)
-				if v.backSyncErr.CompareAndSwap(nil, &err) {
+				if k, ok := v.back.(device.SyncKeeper); ok && k.KeepsUnsynced() {
+					// Nothing was dropped: this commit fails, and the
+					// next sync that succeeds covers the same writes.
+					s.log.Warn("backing device sync failed; the writes stay with the device and the next sync retries them",
+						"volume", v.name, "err", err)
+				} else if v.backSyncErr.CompareAndSwap(nil, &err) {
 					s.log.Error("backing device sync failed: writes to it since its last sync may be lost; every later flush of this volume returns an I/O error until the server restarts",
 						"volume", v.name, "err", err)
 				} else {

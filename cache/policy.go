@@ -249,8 +249,12 @@ func (v *Volume) seqWrite(off, n int64) bool {
 	if !seqBypass(run, cutoff, 0) {
 		return false
 	}
-	// Writethrough gains nothing from caching a stream.
-	if v.Mode() == Writeback && !seqBypass(run, cutoff, v.streamRoom()) {
+	// Writethrough gains nothing from caching a stream. In writeback mode
+	// the cache takes a stream while it has room for it, and while
+	// writeback keeps failing: the backing device is away, a write around
+	// the cache would fail or a flush could not make it durable, so the
+	// stream is absorbed like any other write (until the cache is full).
+	if v.Mode() == Writeback && (!seqBypass(run, cutoff, v.streamRoom()) || v.wb.Stats().Failing) {
 		return false
 	}
 	v.pol.streamAt.Store(nowNanos())

@@ -69,6 +69,16 @@ type Zeroer interface {
 	WriteZeroes(off, length int64) error
 }
 
+// SyncKeeper is implemented by devices whose failed Sync loses nothing:
+// the writes it could not make durable stay with the device, and a later
+// Sync that succeeds makes them durable (an object-store image keeps the
+// blocks it could not store in memory). KeepsUnsynced reports whether that
+// holds. A file or block device does not promise it: after a failed fsync
+// the kernel may have dropped the pages it could not write.
+type SyncKeeper interface {
+	KeepsUnsynced() bool
+}
+
 // ErrOutOfRange is returned for I/O that does not lie inside the device.
 var ErrOutOfRange = errors.New("device: I/O out of range")
 

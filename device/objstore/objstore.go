@@ -623,6 +623,11 @@ func allZero(p []byte) bool {
 // returns nil, recovery from the bucket alone sees them.
 func (d *Device) Sync() error { return d.flush(true) }
 
+// KeepsUnsynced is true (device.SyncKeeper): a failed Sync puts the blocks
+// it did not store back among the pending ones, and the next Sync that
+// succeeds stores them.
+func (d *Device) KeepsUnsynced() bool { return true }
+
 // flush stores the pending blocks as segments; final marks the last one as
 // the end of an epoch and then checks the head and lease (invariant 2).
 func (d *Device) flush(final bool) error {

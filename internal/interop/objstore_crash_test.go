@@ -13,8 +13,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/device/objstore"
 	"github.com/tiercache/tiercache/internal/crashtest"
 	"github.com/tiercache/tiercache/internal/s3test"
+	"github.com/tiercache/tiercache/nbd"
 )
 
 // TestKillCyclesObjStore runs the SIGKILL harness over a writeback set whose
@@ -248,5 +250,79 @@ func TestObjStoreFioVerifyModes(t *testing.T) {
 			fioVerify(t, s2.uri("vol"), 2, "6m", "--verify_only=1")
 			s2.stop()
 		})
+	}
+}
+
+// TestObjStoreOutageAbsorbed cuts the link to the store (every request
+// answered 503 by s3test.Proxy) under a served writeback set: writes and
+// flushes go on, acknowledged by the cache; once the store is back, detach
+// writes everything back and the image alone holds what was written.
+func TestObjStoreOutageAbsorbed(t *testing.T) {
+	srv := s3test.Start(t)
+	srv.Bucket("images")
+	proxy := s3test.NewProxy(t, srv)
+	for _, kv := range srv.Env() {
+		k, v, _ := strings.Cut(kv, "=")
+		t.Setenv(k, v)
+	}
+	t.Setenv("AWS_ENDPOINT_URL", proxy.Endpoint())
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	const uri = "s3://images/outage"
+	run(t, time.Minute, bin, "image", "create", uri, "--size", "64M")
+	dir := shortDir(t)
+	cachePath := sparseFile(t, dir, "cache.img", 32*mib)
+	run(t, time.Minute, bin, "format", "--cache", cachePath, "--backing", "vol="+uri, "--mode", "writeback", "--bucket-size", "256K")
+	s := startServer(t, "--cache", cachePath, "--data-dir", dir)
+	admin := filepath.Join(dir, "admin.sock")
+	run(t, time.Minute, bin, "set", "--admin", admin, "vol", "writeback_percent=0")
+	proxy.CutAfter(0)
+	ctx := context.Background()
+	c, err := nbd.Dial(ctx, "unix", s.sock, "vol", nbd.ClientOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := make([]byte, 4<<20)
+	for i := range want {
+		want[i] = byte(i*7) ^ byte(i>>12)
+	}
+	for off := 0; off < len(want); off += 256 << 10 {
+		if err := c.WriteAt(want[off:off+256<<10], int64(off), false); err != nil {
+			t.Fatalf("write during the outage: %v", err)
+		}
+		if err := c.Flush(); err != nil {
+			t.Fatalf("flush during the outage: %v\n%s", err, s.log)
+		}
+		if off == 0 {
+			// From here on the server knows the store is away: the rest
+			// of the stream (sequential, past sequential_cutoff with
+			// writeback_percent=0) is absorbed instead of bypassing.
+			waitFor(t, 2*time.Minute, func() bool {
+				return strings.Contains(s.log.String(), "writeback to the backing device failing")
+			}, "writeback failing during the outage")
+		}
+	}
+	got := make([]byte, len(want))
+	if err := c.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("read during the outage: %v (equal %v)", err, bytes.Equal(got, want))
+	}
+	c.Close()
+	t.Logf("during the outage: %v", proxy.Counts())
+	proxy.CutAfter(-1)
+	out := run(t, 5*time.Minute, bin, "detach", "--admin", admin, "vol")
+	if !strings.Contains(out, "is detached") {
+		t.Fatalf("detach after the outage:\n%s", out)
+	}
+	s.stop()
+	l, err := objstore.ParseURI(uri)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, err := objstore.Open(l.WithEnv(), objstore.Options{ReadOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	if _, err := d.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("the image after the outage: %v (equal %v)", err, bytes.Equal(got, want))
 	}
 }
