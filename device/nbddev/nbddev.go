@@ -51,10 +51,13 @@ package nbddev
 
 import (
 	"context"
+	"crypto/tls"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"net"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -105,6 +108,11 @@ var (
 	// ErrRefused is wrapped by request errors while the server that
 	// answers is not the export the device was opened on.
 	ErrRefused = errors.New("nbddev: remote export changed")
+	// ErrClientCertificate is wrapped by the error of Open when a TLS
+	// server dropped the connection just after the TLS handshake and no
+	// client certificate was given: the server almost certainly requires
+	// one (nbdkit --tls-verify-peer, qemu-nbd's verify-peer=on).
+	ErrClientCertificate = errors.New("nbddev: the TLS server closed the connection after the handshake; it requires a client certificate and none was given")
 	// ErrRequestTimeout is why a generation ended when a request got no
 	// reply within Options.RequestTimeout (it is in Stats.LastError and
 	// in the errors of requests that then outlive the outage timeout).
@@ -254,6 +262,9 @@ func OpenTarget(ctx context.Context, t Target, opts Options) (*Device, error) {
 	d.co = nbd.ClientOptions{StructuredReplies: true, TLSConfig: tc}
 	conns, ncs, err := d.dial(ctx)
 	if err != nil {
+		if noClientCert(tc, err) {
+			return nil, fmt.Errorf("%s: %w (the connection failed with: %v); %s", t, ErrClientCertificate, err, t.clientCertHint())
+		}
 		return nil, fmt.Errorf("%s: %w", t, err)
 	}
 	c := conns[0]
@@ -273,6 +284,21 @@ func OpenTarget(ctx context.Context, t Target, opts Options) (*Device, error) {
 	d.mu.up = make(chan struct{})
 	close(d.mu.up)
 	return d, nil
+}
+
+// noClientCert reports whether err, from connecting with TLS configuration
+// tc, is what a server requiring a client certificate does to a client
+// without one: TLS 1.3 completes the client's side of the handshake before
+// the server checks the client, so the server's refusal reaches the client
+// as a connection reset or closed under the next NBD option (or, from
+// servers that send it, the alert "certificate required").
+func noClientCert(tc *tls.Config, err error) bool {
+	if tc == nil || len(tc.Certificates) > 0 {
+		return false
+	}
+	return errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		strings.Contains(err.Error(), "certificate required")
 }
 
 // dial opens the connections of one generation (one, and more when the

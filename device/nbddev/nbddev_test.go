@@ -760,3 +760,30 @@ func TestHungHandshake(t *testing.T) {
 	}
 	held = append(held, <-accepted)
 }
+
+// TestTLSClientCertificateMissing: a server that requires a client
+// certificate (nbdkit --tls-verify-peer), reached with tls-certificates
+// holding only the CA, is refused with ErrClientCertificate, whose message
+// names the files to add, instead of the broken pipe the TLS layer
+// reports once the server has dropped the connection.
+func TestTLSClientCertificateMissing(t *testing.T) {
+	needTool(t, "nbdkit")
+	dir := writeCerts(t)
+	sock := sockIn(t, "tls.sock")
+	startPeer(t, sock, "nbdkit", "-f", "--exit-with-parent", "-U", sock,
+		"--tls=require", "--tls-verify-peer", "--tls-certificates="+dir, "memory", "1M")
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	d, err := Open(ctx, "nbds+unix:///?socket="+sock+"&tls-certificates="+dir+"&tls-hostname=localhost", Options{})
+	if err == nil {
+		d.Close()
+		t.Fatal("connected to a server that requires a client certificate without one")
+	}
+	t.Logf("error: %v", err)
+	if !errors.Is(err, ErrClientCertificate) {
+		t.Fatalf("error %v does not wrap ErrClientCertificate", err)
+	}
+	if !strings.Contains(err.Error(), filepath.Join(dir, "client-cert.pem")) {
+		t.Fatalf("error %q does not say which file to add", err)
+	}
+}

@@ -183,6 +183,15 @@ func (t Target) url(q url.Values) string {
 	return u.String()
 }
 
+// clientCertHint says where a client certificate goes for t.
+func (t Target) clientCertHint() string {
+	if t.TLSCertDir == "" {
+		return "give tls-certificates=DIR in the URI, DIR holding ca-cert.pem, client-cert.pem and client-key.pem, as libnbd and qemu take them"
+	}
+	return fmt.Sprintf("put the client's certificate and key in %s and %s, as libnbd and qemu take them",
+		filepath.Join(t.TLSCertDir, "client-cert.pem"), filepath.Join(t.TLSCertDir, "client-key.pem"))
+}
+
 // tlsConfig builds the client TLS configuration: the CA in
 // TLSCertDir/ca-cert.pem (else the system roots) verifies the server, and
 // TLSCertDir/client-cert.pem with client-key.pem, when present, is the
