@@ -4,12 +4,15 @@ import (
 	"bytes"
 	"context"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -324,5 +327,70 @@ func TestObjStoreOutageAbsorbed(t *testing.T) {
 	defer d.Close()
 	if _, err := d.ReadAt(got, 0); err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("the image after the outage: %v (equal %v)", err, bytes.Equal(got, want))
+	}
+}
+
+// TestObjStoreServeRace starts two servers at once, each with its own cache
+// set formatted over the same image: exactly one takes the image's lease and
+// serves; the other exits with an error naming the winner's host and pid.
+func TestObjStoreServeRace(t *testing.T) {
+	srv := s3test.Start(t)
+	srv.Bucket("images")
+	for _, kv := range srv.Env() {
+		k, v, _ := strings.Cut(kv, "=")
+		t.Setenv(k, v)
+	}
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	const uri = "s3://images/race"
+	run(t, time.Minute, bin, "image", "create", uri, "--size", "64M")
+	type contender struct {
+		cmd  *exec.Cmd
+		out  *syncBuffer
+		done <-chan error
+	}
+	var cs [2]contender
+	for i := range cs {
+		dir := shortDir(t)
+		cachePath := sparseFile(t, dir, "cache.img", 16*mib)
+		run(t, time.Minute, bin, "format", "--cache", cachePath, "--backing", "vol="+uri, "--mode", "writeback", "--bucket-size", "256K")
+		cs[i].cmd, cs[i].out, cs[i].done = background(t, bin, "serve", "--cache", cachePath, "--data-dir", dir,
+			"--listen", "unix:"+filepath.Join(dir, "nbd.sock"))
+	}
+	// Each one either serves or exits.
+	exited := [2]error{}
+	serving := 0
+	for i := range cs {
+		waitFor(t, time.Minute, func() bool {
+			select {
+			case err := <-cs[i].done:
+				exited[i] = err
+				if err == nil {
+					exited[i] = errors.New("exit status 0")
+				}
+				return true
+			default:
+				return strings.Contains(cs[i].out.String(), "msg=serving")
+			}
+		}, "a contender to serve or exit")
+		if exited[i] == nil {
+			serving++
+		}
+	}
+	if serving != 1 {
+		t.Fatalf("%d of 2 servers serve the image, want exactly 1:\n%s\n---\n%s", serving, cs[0].out, cs[1].out)
+	}
+	for i := range cs {
+		if exited[i] == nil {
+			if want := fmt.Sprintf("%s is owned by ", uri); !strings.Contains(cs[1-i].out.String(), want) ||
+				!strings.Contains(cs[1-i].out.String(), fmt.Sprintf(" pid %d ", cs[i].cmd.Process.Pid)) {
+				t.Errorf("the loser does not name the winner (pid %d):\n%s", cs[i].cmd.Process.Pid, cs[1-i].out)
+			}
+			cs[i].cmd.Process.Signal(syscall.SIGTERM)
+			if err := <-cs[i].done; err != nil {
+				t.Errorf("the winner exited with %v:\n%s", err, cs[i].out)
+			}
+			continue
+		}
+		t.Logf("the loser: %v: %s", exited[i], strings.TrimSpace(cs[i].out.String()))
 	}
 }
