@@ -152,7 +152,7 @@ bench-remote: build
 # loopback; interleaved rounds, medians, loadavg); docs/BENCHMARKS.md
 # "Object-store backing".
 bench-objstore:
-	TIERCACHE_MEASURE=1 $(GO) test ./internal/interop -run 'TestMeasureObjStoreColdRead$$' -count=1 -v
+	TIERCACHE_INTEROP_NORACE=1 TIERCACHE_MEASURE=1 $(GO) test ./internal/interop -run 'TestMeasureObjStoreColdRead$$' -count=1 -v
 
 # tiercache's NBD server vs qemu-nbd and nbdkit on a plain file.
 bench-nbd:
