@@ -64,8 +64,9 @@ type conn struct {
 	nworkers int            // reader-owned
 	wg       sync.WaitGroup // running workers
 	hdr      [requestHeaderSize]byte
-	running  atomic.Int64 // requests dispatched and not yet replied to
-	draining atomic.Bool  // Shutdown began: refuse what is already buffered
+	running  atomic.Int64  // requests dispatched and not yet replied to
+	lastTurn chan struct{} // reader-owned: the last dispatched write's turn
+	draining atomic.Bool   // Shutdown began: refuse what is already buffered
 	// replyDead is set with werr: no reply can reach the client any more,
 	// so the reader stops instead of executing what the client left
 	// buffered (a client that vanished with thousands of pipelined
@@ -89,6 +90,10 @@ type request struct {
 	hdr    [32]byte
 	bufArr [2][]byte
 	bufs   net.Buffers
+	// turn is closed when this write starts in the backend; prev is the
+	// turn of the write dispatched before it on the connection (nil for
+	// the first). See handle.
+	turn, prev chan struct{}
 }
 
 // minCharge is the least a request counts against Config.MaxInFlightBytes.
@@ -263,6 +268,10 @@ func (c *conn) dispatch(h requestHeader) bool {
 			}
 		}
 	}
+	if h.Type == cmdWrite {
+		r.prev, r.turn = c.lastTurn, make(chan struct{})
+		c.lastTurn = r.turn
+	}
 	c.running.Add(1)
 	select {
 	case c.work <- r:
@@ -385,6 +394,17 @@ func (c *conn) handle(r *request) {
 			return
 		}
 	case cmdWrite:
+		// Writes start in the backend in the order they arrived: the
+		// workers that take them run in no fixed order, and a disk
+		// behind the backend turns a write that arrives after the head
+		// has passed its place into a seek back (a client's sorted
+		// sweep, writeback's, reached an HDD model with 60 % of its
+		// writes behind an earlier one without this).
+		if r.prev != nil {
+			<-r.prev
+		}
+		close(r.turn)
+		r.prev, r.turn = nil, nil
 		if n > 0 {
 			err = x.Backend.WriteAt(*r.buf, off, fua)
 		} else if fua {
