@@ -163,7 +163,7 @@ func (d *Device) gcRound(threshold float64, maxBytes, rate int64, stop <-chan st
 	blocks := make(map[uint64]*blk, len(moving))
 	start, read := time.Now(), int64(0)
 	for _, r := range runs {
-		p, err := d.fetch(r.si, r.ls)
+		p, err := d.fetch(r.si, r.ls, false)
 		if err != nil {
 			return res, false, fmt.Errorf("garbage collection: %w", err)
 		}

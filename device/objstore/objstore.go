@@ -152,6 +152,8 @@ type Device struct {
 	gcDone  chan struct{}
 	stats   Stats
 	statsMu sync.Mutex
+	// ra: segment ranges fetched ahead of a sequential reader.
+	ra readahead
 }
 
 // Stats counts the device's traffic to the store (since Open) and
@@ -441,21 +443,30 @@ func (d *Device) blockLocked(lba uint64) ([]byte, error) {
 	if !ok {
 		return nil, nil
 	}
-	return d.fetch(d.mu.st.segs[l.seg], []loc{l})
+	return d.fetch(d.mu.st.segs[l.seg], []loc{l}, false)
 }
 
 // fetch reads consecutive data blocks ls (of one segment, consecutive
-// offsets) with one ranged GET and checks each block's CRC.
-func (d *Device) fetch(si segInfo, ls []loc) ([]byte, error) {
+// offsets) with one ranged GET, or from what readahead fetched when ahead
+// is set (a client read; garbage collection reads without), and checks
+// each block's CRC.
+func (d *Device) fetch(si segInfo, ls []loc, ahead bool) ([]byte, error) {
 	name := layout.SegName(si.ref.Seq, si.ref.Gen)
 	off := si.hlen + int64(ls[0].off)*d.bs
-	p, err := d.s.get(name, off, int64(len(ls))*d.bs)
-	d.statsMu.Lock()
-	d.stats.Gets++
-	d.stats.BytesGot += int64(len(p))
-	d.statsMu.Unlock()
-	if err != nil {
-		return nil, err
+	var p []byte
+	if ahead {
+		p = d.take(si, int64(ls[0].off), int64(len(ls)))
+	}
+	if p == nil {
+		var err error
+		p, err = d.s.get(name, off, int64(len(ls))*d.bs)
+		d.statsMu.Lock()
+		d.stats.Gets++
+		d.stats.BytesGot += int64(len(p))
+		d.statsMu.Unlock()
+		if err != nil {
+			return nil, err
+		}
 	}
 	for i, l := range ls {
 		if got := layout.CRC(p[int64(i)*d.bs : int64(i+1)*d.bs]); got != l.crc {
@@ -533,7 +544,7 @@ func (d *Device) readAt(p []byte, off int64) (int, error) {
 	}
 	d.mu.Unlock()
 	for _, r := range runs {
-		q, err := d.fetch(r.si, r.ls)
+		q, err := d.fetch(r.si, r.ls, true)
 		if err != nil {
 			return 0, d.ioErr("read", off, int64(len(p)), err)
 		}

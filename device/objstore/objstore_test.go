@@ -318,3 +318,51 @@ func TestLeaseOfDeadProcess(t *testing.T) {
 	d := mustOpen(t, l, Options{})
 	d.Close()
 }
+
+// TestReadahead reads an image sequentially (readahead fetching the next
+// ranges of each segment), overwrites part of it, syncs, and reads it
+// again: every read returns the newest data, and readahead saved GETs.
+func TestReadahead(t *testing.T) {
+	_, base := testEnv(t)
+	l := newImage(t, base, 32<<20, 4096)
+	d := mustOpen(t, l, Options{GCThreshold: -1})
+	const chunk = 256 << 10
+	want := make([]byte, 16<<20)
+	for i := range want {
+		want[i] = byte(i/4096) ^ byte(i)
+	}
+	if _, err := d.WriteAt(want, 0); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	check := func(what string) int64 {
+		t.Helper()
+		g0 := d.Stats().Gets
+		got := make([]byte, chunk)
+		for off := 0; off < len(want); off += chunk {
+			if _, err := d.ReadAt(got, int64(off)); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, want[off:off+chunk]) {
+				t.Fatalf("%s: the read at %d returns other data", what, off)
+			}
+		}
+		return d.Stats().Gets - g0
+	}
+	if gets := check("first pass"); gets >= int64(len(want)/chunk) {
+		t.Errorf("first pass: %d GETs for %d sequential reads: readahead saved none", gets, len(want)/chunk)
+	}
+	for off := 3 << 20; off < 5<<20; off++ {
+		want[off] ^= 0x5a
+	}
+	if _, err := d.WriteAt(want[3<<20:5<<20], 3<<20); err != nil {
+		t.Fatal(err)
+	}
+	check("before the Sync")
+	if err := d.Sync(); err != nil {
+		t.Fatal(err)
+	}
+	check("after the Sync")
+}
