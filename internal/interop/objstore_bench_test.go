@@ -14,7 +14,6 @@ import (
 	"github.com/minio/minio-go/v7"
 
 	"github.com/tiercache/tiercache/device/objstore"
-	"github.com/tiercache/tiercache/internal/s3test"
 	"github.com/tiercache/tiercache/nbd"
 )
 
@@ -32,13 +31,7 @@ func TestMeasureObjStoreColdRead(t *testing.T) {
 	const data = 64 << 20
 	const chunk = 1 << 20
 	rounds := 5
-	srv := s3test.Start(t)
-	srv.Bucket("images")
-	for _, kv := range srv.Env() {
-		k, v, _ := strings.Cut(kv, "=")
-		t.Setenv(k, v)
-	}
-	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	srv := startObjStore(t)
 	const uri = "s3://images/cold"
 	run(t, time.Minute, bin, "image", "create", uri, "--size", "128M")
 	l, err := objstore.ParseURI(uri)

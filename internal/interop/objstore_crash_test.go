@@ -22,6 +22,21 @@ import (
 	"github.com/tiercache/tiercache/nbd"
 )
 
+// startObjStore starts a versitygw with a bucket "images" and points the
+// test's environment (and so every tiercache it runs) at it, with its
+// credentials from the environment alone.
+func startObjStore(t *testing.T) *s3test.Server {
+	t.Helper()
+	srv := s3test.Start(t)
+	srv.Bucket("images")
+	for _, kv := range srv.Env() {
+		k, v, _ := strings.Cut(kv, "=")
+		t.Setenv(k, v)
+	}
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	return srv
+}
+
 // TestKillCyclesObjStore runs the SIGKILL harness over a writeback set whose
 // backing device is an object-store image on a real versitygw: tiercache
 // is killed at random points (writeback to the image in flight among them)
@@ -30,13 +45,7 @@ import (
 func TestKillCyclesObjStore(t *testing.T) {
 	seed, cycles := crashConfig(t)
 	cycles = max(cycles/10, 2)
-	srv := s3test.Start(t)
-	srv.Bucket("images")
-	for _, kv := range srv.Env() {
-		k, v, _ := strings.Cut(kv, "=")
-		t.Setenv(k, v)
-	}
-	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	startObjStore(t)
 	const uri = "s3://images/crash"
 	run(t, time.Minute, bin, "image", "create", uri, "--size", "64M")
 	dir := shortDir(t)
@@ -83,13 +92,7 @@ func TestKillCyclesObjStore(t *testing.T) {
 // and never a state no flush produced.
 func TestCacheLossObjStore(t *testing.T) {
 	seed, _ := crashConfig(t)
-	srv := s3test.Start(t)
-	srv.Bucket("images")
-	for _, kv := range srv.Env() {
-		k, v, _ := strings.Cut(kv, "=")
-		t.Setenv(k, v)
-	}
-	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	startObjStore(t)
 	const uri = "s3://images/lost"
 	const blocks = 2048 // 8 MiB touched
 	run(t, time.Minute, bin, "image", "create", uri, "--size", "64M")
@@ -232,13 +235,7 @@ func allZero(p []byte) bool {
 // again.
 func TestObjStoreFioVerifyModes(t *testing.T) {
 	need(t, "fio")
-	srv := s3test.Start(t)
-	srv.Bucket("images")
-	for _, kv := range srv.Env() {
-		k, v, _ := strings.Cut(kv, "=")
-		t.Setenv(k, v)
-	}
-	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	startObjStore(t)
 	for _, mode := range []string{"writeback", "writethrough", "writearound", "none"} {
 		t.Run(mode, func(t *testing.T) {
 			uri := "s3://images/fio-" + mode
@@ -261,15 +258,9 @@ func TestObjStoreFioVerifyModes(t *testing.T) {
 // flushes go on, acknowledged by the cache; once the store is back, detach
 // writes everything back and the image alone holds what was written.
 func TestObjStoreOutageAbsorbed(t *testing.T) {
-	srv := s3test.Start(t)
-	srv.Bucket("images")
+	srv := startObjStore(t)
 	proxy := s3test.NewProxy(t, srv)
-	for _, kv := range srv.Env() {
-		k, v, _ := strings.Cut(kv, "=")
-		t.Setenv(k, v)
-	}
 	t.Setenv("AWS_ENDPOINT_URL", proxy.Endpoint())
-	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
 	const uri = "s3://images/outage"
 	run(t, time.Minute, bin, "image", "create", uri, "--size", "64M")
 	dir := shortDir(t)
@@ -334,13 +325,7 @@ func TestObjStoreOutageAbsorbed(t *testing.T) {
 // set formatted over the same image: exactly one takes the image's lease and
 // serves; the other exits with an error naming the winner's host and pid.
 func TestObjStoreServeRace(t *testing.T) {
-	srv := s3test.Start(t)
-	srv.Bucket("images")
-	for _, kv := range srv.Env() {
-		k, v, _ := strings.Cut(kv, "=")
-		t.Setenv(k, v)
-	}
-	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	startObjStore(t)
 	const uri = "s3://images/race"
 	run(t, time.Minute, bin, "image", "create", uri, "--size", "64M")
 	type contender struct {
