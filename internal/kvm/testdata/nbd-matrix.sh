@@ -21,8 +21,10 @@ check() {
 		echo "CHECK $name FAIL"
 		tail -25 /tmp/check.out
 	fi
-	umount $MNT 2>/dev/null
+	# Disconnect first: a request pending on a dead connection would hold
+	# the umount forever (see restart_mounted).
 	for d in nbd0 nbd1 nbd2; do [ "$(cat /sys/block/$d/size)" = 0 ] || nbd-client -d /dev/$d >/dev/null 2>&1; done
+	umount $MNT 2>/dev/null
 }
 
 serve() {
@@ -175,22 +177,28 @@ inflight() {
 check disconnect-inflight inflight
 
 # tiercache restarted (SIGKILL, then start) under a mounted ext4: what the
-# kernel client does (the dead connection fails I/O; nbd-client -d and a
-# new connection bring the device back), and nothing flushed is lost: the
-# file written and fsynced before the kill reads back, the file system
-# fscks clean after its journal replay.
+# kernel client does, and nothing flushed is lost: the file written and
+# fsynced before the kill reads back, the file system fscks clean after its
+# journal replay. A writer is busy at the kill, so requests are in flight:
+# the kernel fails new I/O on the dead connection at once, but a request
+# that was in flight stays pending (no -t timeout) until nbd-client -d
+# clears the queue, so the device is disconnected before the umount, which
+# would otherwise wait for it forever.
 restart_mounted() {
 	connect nbd1 4096 1 || return 1
 	mkfs.ext4 -q -F /dev/nbd1 && mount -t ext4 /dev/nbd1 $MNT || return 1
 	dd if=/dev/urandom of=$MNT/kept bs=1M count=3 conv=fsync 2>/dev/null || return 1
 	sum=$(md5sum <$MNT/kept)
-	dd if=/dev/urandom of=$MNT/unflushed bs=1M count=1 2>/dev/null
+	dd if=/dev/zero of=$MNT/busy bs=64k count=2000 oflag=direct 2>/dev/null &
+	bpid=$!
+	sleep 1
 	kill9
 	serve || return 1
 	echo 3 >/proc/sys/vm/drop_caches
 	if md5sum <$MNT/kept >/dev/null 2>&1; then echo "read after restart on the old connection: ok"; else echo "read after restart on the old connection: I/O error"; fi
-	umount $MNT || umount -l $MNT
 	disconnect nbd1
+	if wait $bpid; then echo "writer busy at the kill: finished"; else echo "writer busy at the kill: I/O error"; fi
+	umount $MNT || umount -l $MNT
 	connect nbd1 4096 1 || return 1
 	mount -t ext4 /dev/nbd1 $MNT || return 1
 	[ "$(md5sum <$MNT/kept)" = "$sum" ] || { echo "fsynced file changed across the restart"; return 1; }
