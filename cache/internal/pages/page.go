@@ -9,9 +9,8 @@
 // page area's allocation (alloc.go), the copy-on-write tree of one
 // volume's entries or superseded versions and the root that names every
 // tree (tree.go, store.go, root.go). Not built: the per-bucket summaries
-// and owner lists, a checkpoint outside the caller's lock, merging inner
-// nodes, and any use by the engine (package cache still keeps its index
-// wholly in memory).
+// and owner lists, a checkpoint outside the caller's lock, and any use by
+// the engine (package cache still keeps its index wholly in memory).
 //
 // # Page format
 //

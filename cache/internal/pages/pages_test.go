@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
@@ -896,10 +897,179 @@ func TestSupTreeOracle(t *testing.T) {
 	}
 }
 
-// TestLeafMerge: removing 90 % of a tree's slots at random leaves its
-// leaves on average at least an eighth full (small leaves merge with a
-// sibling), the content equal to the oracle's, and the pages the root
-// names in proportion to what is left.
+// treeShape counts a tree's leaves and inner nodes and the fewest slots
+// of a leaf.
+func treeShape(t *testing.T, tr *Tree) (leaves, inner, minSlots int) {
+	t.Helper()
+	minSlots = math.MaxInt
+	var walk func(n *node)
+	walk = func(n *node) {
+		inner++
+		for i := range n.kids {
+			if n.level > 1 {
+				walk(n.kids[i].node)
+				continue
+			}
+			leaves++
+			p, err := tr.leaf(&n.kids[i])
+			if err != nil {
+				t.Fatal(err)
+			}
+			minSlots = min(minSlots, p.Count())
+		}
+	}
+	if tr.root != nil {
+		walk(tr.root)
+	}
+	return leaves, inner, minSlots
+}
+
+// checkFill checks the fill bound through Check and counts: a tree of n
+// slots has at most max(1, n/minLeaf) leaves and each inner level at most
+// max(1, below/minInner) nodes, so at most pageBound(n) pages.
+func checkFill(t *testing.T, tr *Tree) {
+	t.Helper()
+	if err := tr.Check(); err != nil {
+		t.Fatal(err)
+	}
+	leaves, inner, _ := treeShape(t, tr)
+	if n := tr.Len(); leaves+inner > pageBound(n) || leaves > max(1, n/minLeaf) {
+		t.Fatalf("%d slots in %d leaves and %d inner pages, bound %d pages", n, leaves, inner, pageBound(n))
+	}
+}
+
+// pageBound is the most pages a tree of n slots takes under the fill
+// bounds.
+func pageBound(n int) int {
+	if n == 0 {
+		return 0
+	}
+	total, level := 0, max(1, n/minLeaf)
+	for {
+		total += level
+		if level == 1 && total > 1 {
+			return total
+		}
+		level = max(1, level/minInner)
+	}
+}
+
+// TestFillBound: whatever the order of inserts and removals, every leaf
+// but a lone root leaf holds at least minLeaf (70 of 176) slots and every
+// inner node but the root minInner (44 of 112) children, so the pages a
+// tree takes are bounded by its slots (pageBound). Each pattern is one
+// that a merge with a single neighbour left with leaves of a slot or
+// two: removals from the right, from the left, keeping one slot in 176
+// (one a former leaf), keeping the first and last of each run of 300,
+// random, and churn of inserts and removals at random. Check (which
+// verifies the bound) runs every 401 operations (3001 with -race) and at
+// the end, after a checkpoint and a re-open.
+func TestFillBound(t *testing.T) {
+	const n = 40000 // 3 inner nodes under the root: inner merges too
+	every, churn := 401, 8000
+	if raceEnabled {
+		every, churn = 3001, 3000
+	}
+	patterns := []struct {
+		name string
+		keep func(i int) bool // slots the removals leave
+		perm bool             // remove in random order
+	}{
+		{"from the right", func(i int) bool { return i < 100 }, false},
+		{"from the left", func(i int) bool { return i >= n-100 }, false},
+		{"one in 176", func(i int) bool { return i%LeafCap == 0 }, false},
+		{"ends of runs", func(i int) bool { return i%300 == 0 || i%300 == 299 }, false},
+		{"one in 176 random order", func(i int) bool { return i%LeafCap == 0 }, true},
+		{"random half", nil, true},
+	}
+	for _, pt := range patterns {
+		t.Run(pt.name, func(t *testing.T) {
+			lay := testLayout(4096)
+			dev := device.NewMem(lay.Off + lay.Len())
+			st := newTestStore(t, dev, lay, 16)
+			tr := st.Tree(0)
+			o := newOracle()
+			rng := rand.New(rand.NewPCG(13, 14))
+			for i := range n {
+				s := Slot{LBA: uint64(i), Loc: uint32(i)}
+				if _, _, err := tr.Put(s); err != nil {
+					t.Fatal(err)
+				}
+				o.put(s)
+			}
+			if err := st.Checkpoint(nil); err != nil {
+				t.Fatal(err)
+			}
+			if tr.root.level < 2 || len(tr.root.kids) < 3 {
+				t.Fatalf("%v: no inner nodes below the root", tr)
+			}
+			order := make([]int, n)
+			for i := range order {
+				order[i] = n - 1 - i
+			}
+			if pt.perm {
+				order = rng.Perm(n)
+			} else if pt.name == "from the left" {
+				slices.Reverse(order)
+			}
+			ops := 0
+			for _, i := range order {
+				if pt.keep == nil && rng.IntN(2) == 0 || pt.keep != nil && pt.keep(i) {
+					continue
+				}
+				if _, ok, err := tr.Delete(uint64(i)); !ok || err != nil {
+					t.Fatalf("Delete(%d): %t %v", i, ok, err)
+				}
+				o.del(uint64(i))
+				if ops++; ops%every == 0 {
+					checkFill(t, tr)
+				}
+			}
+			checkFill(t, tr)
+			// Churn: inserts and removals at random.
+			for range churn {
+				i := rng.Uint64N(n)
+				if rng.IntN(2) == 0 {
+					s := Slot{LBA: i, Loc: uint32(i) + 1}
+					if _, _, err := tr.Put(s); err != nil {
+						t.Fatal(err)
+					}
+					o.put(s)
+				} else {
+					if _, ok, err := tr.Delete(i); err != nil || ok != o.del(i) {
+						t.Fatalf("Delete(%d): %t %v", i, ok, err)
+					}
+				}
+				if ops++; ops%every == 0 {
+					checkFill(t, tr)
+				}
+			}
+			if err := st.Checkpoint(nil); err != nil {
+				t.Fatal(err)
+			}
+			st, _, err := Open(dev, lay, 16)
+			if err != nil {
+				t.Fatal(err)
+			}
+			tr = st.Tree(0)
+			checkFill(t, tr)
+			if err := o.same(tr); err != nil {
+				t.Fatal(err)
+			}
+			if used := st.alloc.Used(); used > pageBound(tr.Len()) {
+				t.Fatalf("%d pages in use for %d slots, bound %d", used, tr.Len(), pageBound(tr.Len()))
+			}
+			leaves, inner, least := treeShape(t, tr)
+			t.Logf("%d slots: %d leaves (%.1f slots a leaf, fewest %d), %d inner pages; bound %d pages",
+				tr.Len(), leaves, float64(tr.Len())/float64(leaves), least, inner, pageBound(tr.Len()))
+		})
+	}
+}
+
+// TestLeafMerge: removing 90 % of a tree's slots at random leaves every
+// leaf at least minLeaf full (small leaves merge with a sibling or take
+// slots from one), the content equal to the oracle's, and the pages the
+// root names in proportion to what is left.
 func TestLeafMerge(t *testing.T) {
 	lay := testLayout(2048)
 	dev := device.NewMem(lay.Off + lay.Len())
@@ -928,28 +1098,12 @@ func TestLeafMerge(t *testing.T) {
 	if err := st.Checkpoint(nil); err != nil {
 		t.Fatal(err)
 	}
-	if err := tr.Check(); err != nil {
-		t.Fatal(err)
-	}
+	checkFill(t, tr)
 	if err := o.same(tr); err != nil {
 		t.Fatal(err)
 	}
-	leaves := 0
-	var walk func(n *node)
-	walk = func(n *node) {
-		for _, k := range n.kids {
-			if n.level > 1 {
-				walk(k.node)
-			} else {
-				leaves++
-			}
-		}
-	}
-	walk(tr.root)
+	leaves, _, least := treeShape(t, tr)
 	left := tr.Len()
-	if leaves > left/(LeafCap/8) {
-		t.Fatalf("%d slots left in %d leaves (%.1f a leaf)", left, leaves, float64(left)/float64(leaves))
-	}
-	t.Logf("%d pages before, %d after removing 90 %%: %d slots in %d leaves (%.1f a leaf)",
-		before, st.alloc.Used(), left, leaves, float64(left)/float64(leaves))
+	t.Logf("%d pages before, %d after removing 90 %%: %d slots in %d leaves (%.1f a leaf, fewest %d)",
+		before, st.alloc.Used(), left, leaves, float64(left)/float64(leaves), least)
 }

@@ -22,10 +22,11 @@ import (
 // every node holds 1..cap children; a leaf 1..LeafCap slots in strictly
 // increasing LBA order; every key under child i of a node is >= its key
 // and < the key of child i+1; kid.agg <= the oldest dirty epoch under it;
-// length counts the slots. A removal that leaves a leaf under a quarter
-// full merges it with a sibling of the same parent when the two fit in
-// three quarters of a leaf; inner nodes are not merged (a node is dropped
-// when empty).
+// length counts the slots; every node but the root holds at least 2/5 of
+// its capacity (minFill: a leaf 70 slots, an inner node 44 children), a
+// root of a level above 1 at least two children, so a tree of n slots
+// takes at most n/70 leaves (a single leaf below that). Removals restore
+// the bound with a sibling on either side (rebalance).
 //
 // A Tree is guarded by the caller's lock; every method requires it. Page
 // reads happen inside the call (the engine would drop its lock around
@@ -306,76 +307,192 @@ func (t *Tree) DeleteKey(k Key) (Slot, bool, error) {
 	old := p.Slot(i)
 	p.RemoveSlot(i)
 	t.length--
-	if p.Count() > 0 {
-		if p.Count() < mergeBelow {
-			if err := t.mergeLeaf(last.n, last.i); err != nil {
-				return Slot{}, false, err
-			}
-		}
-		return old, true, nil
-	}
-	// The leaf is empty: drop it, and every node it empties.
-	t.ndirty--
-	for level := len(path) - 1; level >= 0; level-- {
-		st := path[level]
-		st.n.kids = slices.Delete(st.n.kids, st.i, st.i+1)
-		if len(st.n.kids) > 0 {
-			break
-		}
-		if level == 0 {
-			t.root = nil
-		}
-	}
-	for t.root != nil && t.root.level > 1 && len(t.root.kids) == 1 {
-		t.touch(t.root) // releases its page
-		t.root = t.root.kids[0].node
+	if err := t.rebalance(path); err != nil {
+		return Slot{}, false, err
 	}
 	return old, true, nil
 }
 
-// A leaf that a removal leaves with fewer than mergeBelow slots is merged
-// with a sibling when the two fit in mergeInto slots (so the merged leaf
-// still has room for inserts before it splits again).
-const (
-	mergeBelow = LeafCap / 4
-	mergeInto  = LeafCap * 3 / 4
+// Fill bounds. Every node but the root holds at least minFill(cap) of its
+// cap entries (leaf slots, or inner children), so the pages a tree of n
+// slots takes are bounded: at most n/minFill(LeafCap) leaves, each inner
+// level at most 1/minFill(InnerCap) of the one below. A node a removal
+// leaves below the bound is merged with its left or right sibling (the
+// same parent's) when the two fit in mergeInto(cap), else it takes
+// entries from the fuller of the two so both hold half of their sum
+// (which is then more than mergeInto(cap) >= 2*minFill(cap)). Splits make
+// halves of cap/2 (cap+1 entries) >= minFill(cap). The merged node keeps
+// cap/8 free, so the next inserts do not split it at once.
+func minFill(cap int) int   { return cap * 2 / 5 }
+func mergeInto(cap int) int { return cap - cap/8 }
+
+var (
+	minLeaf  = minFill(LeafCap)  // 70
+	minInner = minFill(InnerCap) // 44
 )
 
-// mergeLeaf merges leaf child i of n (changed, and small) with its right
-// sibling, else its left one, when both fit in mergeInto slots: the
-// slots go to the left of the two and the right one is dropped. A sibling
-// that is too full is only read.
-func (t *Tree) mergeLeaf(n *node, i int) error {
-	j := i + 1
-	if j == len(n.kids) {
-		j = i - 1
+// rebalance restores the fill bounds along path after a removal from its
+// leaf: an underfull node is merged with or refilled from a sibling, level
+// by level up to the root; a root with one inner child is replaced by it,
+// and a root leaf left empty empties the tree. The nodes on path are
+// touched (changed) already.
+func (t *Tree) rebalance(path []step) error {
+	for level := len(path) - 1; level >= 0; level-- {
+		st := path[level]
+		n := st.n
+		if level == len(path)-1 {
+			p := n.kids[st.i].dirty // the leaf just changed
+			switch {
+			case p.Count() == 0 && len(n.kids) == 1:
+				// Only a root can have a single child (and only a
+				// tree read from a device that breaks the bound an
+				// inner one): drop it, and the node it empties.
+				n.kids = n.kids[:0]
+				t.ndirty--
+			case p.Count() < minLeaf && len(n.kids) > 1:
+				if err := t.fixLeaf(n, st.i); err != nil {
+					return err
+				}
+			default:
+				return t.shrinkRoot()
+			}
+		} else {
+			c := n.kids[st.i].node
+			switch {
+			case len(c.kids) == 0:
+				n.kids = slices.Delete(n.kids, st.i, st.i+1)
+			case len(c.kids) < minInner && len(n.kids) > 1:
+				t.fixInner(n, st.i)
+			default:
+				return t.shrinkRoot()
+			}
+		}
 	}
-	if j < 0 {
-		return nil
+	return t.shrinkRoot()
+}
+
+// shrinkRoot drops an empty root and replaces a root with a single inner
+// child by that child.
+func (t *Tree) shrinkRoot() error {
+	for t.root != nil && t.root.level > 1 && len(t.root.kids) == 1 {
+		t.touch(t.root) // releases its page
+		t.root = t.root.kids[0].node
 	}
-	sp, err := t.leaf(&n.kids[j])
+	if t.root != nil && len(t.root.kids) == 0 {
+		t.touch(t.root)
+		t.root = nil
+	}
+	return nil
+}
+
+// sibling picks the sibling of child i of n to rebalance with: the one
+// that fits a merge (the smaller, if both do), else the fuller one. size
+// returns a child's entry count.
+func sibling(n *node, i, cnt, cap int, size func(j int) (int, error)) (j int, merge bool, err error) {
+	fits := func(m int) bool { return cnt+m <= mergeInto(cap) }
+	best, bestN := -1, 0
+	for _, c := range [2]int{i - 1, i + 1} {
+		if c < 0 || c >= len(n.kids) {
+			continue
+		}
+		m, err := size(c)
+		if err != nil {
+			return 0, false, err
+		}
+		switch {
+		case best < 0,
+			fits(m) && !fits(bestN),
+			fits(m) && fits(bestN) && m < bestN,
+			!fits(m) && !fits(bestN) && m > bestN:
+			best, bestN = c, m
+		}
+	}
+	return best, fits(bestN), nil
+}
+
+// fixLeaf merges or refills leaf child i of n (changed, underfull) with a
+// sibling.
+func (t *Tree) fixLeaf(n *node, i int) error {
+	cnt := n.kids[i].dirty.Count()
+	j, merge, err := sibling(n, i, cnt, LeafCap, func(j int) (int, error) {
+		p, err := t.leaf(&n.kids[j])
+		if err != nil {
+			return 0, err
+		}
+		return p.Count(), nil
+	})
 	if err != nil {
 		return err
-	}
-	if n.kids[i].dirty.Count()+sp.Count() > mergeInto {
-		return nil
 	}
 	l, r := min(i, j), max(i, j)
 	lp, err := t.mutLeaf(&n.kids[l])
 	if err != nil {
 		return err
 	}
+	if merge {
+		rp, err := t.leaf(&n.kids[r])
+		if err != nil {
+			return err
+		}
+		for k := range rp.Count() {
+			lp.InsertSlot(lp.Count(), rp.Slot(k))
+		}
+		n.kids[l].agg = min(n.kids[l].agg, n.kids[r].agg)
+		t.dropLeaf(&n.kids[r])
+		n.kids = slices.Delete(n.kids, r, r+1)
+		return nil
+	}
 	rp, err := t.mutLeaf(&n.kids[r])
 	if err != nil {
 		return err
 	}
-	for k := range rp.Count() {
-		lp.InsertSlot(lp.Count(), rp.Slot(k))
+	half := (lp.Count() + rp.Count()) / 2
+	for lp.Count() < half { // right to left
+		lp.InsertSlot(lp.Count(), rp.Slot(0))
+		rp.RemoveSlot(0)
 	}
-	n.kids[l].agg = min(n.kids[l].agg, n.kids[r].agg)
-	n.kids = slices.Delete(n.kids, r, r+1)
-	t.ndirty--
+	for lp.Count() > half { // left to right
+		rp.InsertSlot(0, lp.Slot(lp.Count()-1))
+		lp.RemoveSlot(lp.Count() - 1)
+	}
+	n.kids[l].agg, n.kids[r].agg = lp.MinEpoch(), rp.MinEpoch()
+	n.kids[r].key = rp.SlotKey(0, t.sup())
 	return nil
+}
+
+// dropLeaf forgets leaf kid k, merged into its sibling: a held leaf is
+// discarded, a written one's page released.
+func (t *Tree) dropLeaf(k *kid) {
+	if k.dirty != nil {
+		k.dirty = nil
+		t.ndirty--
+		return
+	}
+	t.st.cache.Drop(k.ptr.Page)
+	t.st.alloc.Release(k.ptr.Page)
+	k.ptr = Ptr{}
+}
+
+// fixInner merges or refills inner child i of n (touched, underfull) with
+// a sibling.
+func (t *Tree) fixInner(n *node, i int) {
+	c := n.kids[i].node
+	j, merge, _ := sibling(n, i, len(c.kids), InnerCap, func(j int) (int, error) { return len(n.kids[j].node.kids), nil })
+	l, r := min(i, j), max(i, j)
+	ln, rn := n.kids[l].node, n.kids[r].node
+	t.touch(ln)
+	t.touch(rn) // released: merged away, or changed
+	if merge {
+		ln.kids = append(ln.kids, rn.kids...)
+		n.kids[l].agg = min(n.kids[l].agg, n.kids[r].agg)
+		n.kids = slices.Delete(n.kids, r, r+1)
+		return
+	}
+	all := append(slices.Clip(ln.kids), rn.kids...)
+	half := len(all) / 2
+	ln.kids, rn.kids = slices.Clip(all[:half]), slices.Clone(all[half:])
+	n.kids[l].agg, n.kids[r].agg = minAgg(ln.kids), minAgg(rn.kids)
+	n.kids[r].key = rn.kids[0].key
 }
 
 // Ascend calls fn for each slot with LBA >= from, in order, until fn
@@ -490,9 +607,13 @@ func (t *Tree) Check() error {
 	var count, dirty int
 	var prev *Key
 	var walk func(n *node, lo Key, hasLo bool, hi Key, hasHi bool) error
+	oneLeaf := t.root.level == 1 && len(t.root.kids) == 1
 	walk = func(n *node, lo Key, hasLo bool, hi Key, hasHi bool) error {
 		if len(n.kids) == 0 || len(n.kids) > InnerCap {
 			return errorf("tree %d: node of level %d with %d children", t.id, n.level, len(n.kids))
+		}
+		if n != t.root && len(n.kids) < minInner || n == t.root && n.level > 1 && len(n.kids) < 2 {
+			return errorf("tree %d: node of level %d with %d children, under the fill bound", t.id, n.level, len(n.kids))
 		}
 		if !n.dirty && !n.written {
 			return errorf("tree %d: clean node of level %d without a page", t.id, n.level)
@@ -530,8 +651,11 @@ func (t *Tree) Check() error {
 				if err != nil {
 					return err
 				}
-				if p.Count() == 0 || p.Count() > LeafCap {
-					return errorf("tree %d: leaf with %d slots", t.id, p.Count())
+				if p.Count() == 0 || p.Count() > LeafCap || !oneLeaf && p.Count() < minLeaf {
+					return errorf("tree %d: leaf with %d slots (fill bound %d)", t.id, p.Count(), minLeaf)
+				}
+				if keyLess(p.SlotKey(0, t.sup()), k.key) {
+					return errorf("tree %d: leaf child %d key %+v above its first slot", t.id, i, k.key)
 				}
 				for j := range p.Count() {
 					l := p.SlotKey(j, t.sup())
