@@ -212,15 +212,10 @@ func (s *Set) removeVolume(v *Volume) error {
 }
 
 // startWritebackLocked starts v's writeback goroutine, unless the set is
-// closed or runs without background goroutines (testingKnobs.noBackground),
-// where nothing waits for one.
+// closed (Close waits for no goroutine started after it).
 // REQUIRES: s.mu
 func (s *Set) startWritebackLocked(v *Volume) {
-	switch {
-	case s.mu.closed:
-	case s.knobs.noBackground:
-		v.wb.NoLoop()
-	default:
+	if !s.mu.closed {
 		s.runWriteback(v)
 	}
 }

@@ -270,7 +270,6 @@ func (s *Set) checkpointLocked(taken uint64) error {
 // commitLoop commits periodically and when enough records are pending, so
 // that unflushed work lost in a crash is bounded even without FLUSH.
 func (s *Set) commitLoop() {
-	defer s.wg.Done()
 	t := time.NewTicker(commitInterval)
 	defer t.Stop()
 	for {

@@ -28,21 +28,15 @@
 //	nbackings u16 | { name str16 | id str16 | size u64 | mode u8 | path str16 } ...
 //	"SETT" u32 | { cutoff u64 | writeback % u8 | order str16 | promote str16 | rate max u64 |
 //	               inconsistent since u64 } ... |
-//	[ "CAID" u32 | cache device id str16 ] | [ "FEAT" u32 | features u64 | flags u64 ]
+//	[ "CAID" u32 | cache device id str16 ] | [ "FEAT" u32 | features u64 | flags u64 | mark shift u8 ]
 //
-// The format version is 2 (ondisk.FormatVersion) in each checkpoint header
-// and in a superblock without features; a superblock with features (the
-// FEAT trailer: bit 0 warm-clean, see docs/CACHE.md "Recovery"; flag bit 0
-// clean entries untrusted) is version 3 (ondisk.FormatVersionFeatures), so
-// a binary that knows only version 2 refuses it. Open refuses any other
-// version and any feature bit it does not know. The crc32c covers header
-// (crc field zeroed) and payload. Updates write the
-// copy seq%2 with seq+1, so the other copy always holds the previous
-// version; Open takes the valid copy with the highest seq (bbolt's meta
-// pages). The superblock changes only on Format, Open, SetMode, SetSettings,
-// Attach, Detach and Close. A backing record's index is its volume's slot;
-// a free slot (left by Detach) is a record with an empty name, empty id and
-// path, size 0; the last record is never free (see attach.go).
+// The version is 2 (ondisk.FormatVersion), or 3 (ondisk.FormatVersionFeatures)
+// in a superblock with the FEAT trailer (features: bit 0 warm-clean; flags:
+// bit 0 clean entries untrusted; mark shift: log2 of a mark region's
+// blocks). The crc32c covers header (crc field zeroed) and payload. A
+// backing record's index is its volume's slot; a free slot (left by Detach)
+// is a record with an empty name, empty id and path, size 0. Which copy an
+// update writes, and which versions Open accepts: docs/CACHE.md, "Layout".
 //
 // The last two 4 KiB blocks of each 64 KiB copy are not the superblock's:
 // the second-to-last holds a lost-writes record slot (what a failover lost,
@@ -59,10 +53,8 @@
 //	              { flush epoch u64 | count u64 | { lba u64 | loc u32 (bit 31: dirty) | crc32c u32 } ... } ... |
 //	              "EPCH" u32 | { n u64 | { loc u32 | epoch u64 } × n | m u64 | { lba u64 | loc u32 | crc32c u32 | epoch u64 } × m } ...
 //
-// The body is written and synced before the header that vouches for it, so a
-// valid header with a bad body is corruption, never a crash. A torn header
-// makes Open use the other slot, whose journal is still intact: nothing of
-// generation g is written to the journal before checkpoint g is durable.
+// The header's version is ondisk.FormatVersion. In what order a checkpoint
+// is written and how Open chooses a slot: docs/CACHE.md, "Recovery".
 //
 // # Journal framing
 //
@@ -81,26 +73,13 @@
 //	  clean:      vol u16 | lba u64 | loc u32
 //	  invalidate: vol u16 | lba u64 | n u64
 //	  reuse:      bucket u32 | new generation u32
-//	  mark:       vol u16 | region u64 (1 GiB: lba >> 18; format feature warm-clean only)
+//	  mark:       vol u16 | region u64 (lba >> mark shift; format feature warm-clean only)
 //
 // The crc32c covers the block after the crc field. The nonce (from the set
-// UUID) and the generation (the checkpoint the journal follows) reject
-// blocks of an earlier Format or an earlier journal generation. Replay
-// starts at the checkpoint's journal position and stops at the first block
-// that is not the expected next one:
-//
-//   - all zeroes, or a valid frame of another set/generation: the end of
-//     the log (a zeroed or stale tail);
-//   - a bad checksum: a torn tail, dropped, unless a block of a later batch
-//     of this generation lies within ondisk.MaxBatchBlocks beyond it; since a batch
-//     is written only after the previous one is synced, that later block
-//     proves the damaged one was durable, and Open fails with ErrCorrupt
-//     naming the offset and both checksums;
-//   - a valid frame with the wrong sequence number or malformed records:
-//     corruption.
-//
-// After replay Open writes a new checkpoint (a new generation) right away,
-// so leftovers of a torn tail can never be replayed later.
+// UUID) and the generation (the checkpoint the journal follows) tell a
+// block of this journal from one of an earlier Format or an earlier
+// journal generation. Where replay finds the end of the log, and what it
+// calls corruption: docs/CACHE.md, "Recovery".
 //
 // # Where things are
 //

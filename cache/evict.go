@@ -1,13 +1,14 @@
 package cache
 
 // Eviction. When fewer than lowWater buckets are free, the gc goroutine
-// takes the oldest sealed bucket (FIFO), writes its dirty blocks back to
-// the backing devices (sorted by LBA, then synced: invariant 3), drops its
-// clean entries, bumps its generation, journals the bump (a reuse record)
-// and commits, and only then puts it on the free list. So a bucket is
-// reused only after no live entry points into it (invariant 5), and after
-// a crash the replayed reuse record drops any entry of the old generation
-// that eviction dropped only in memory.
+// frees sealed buckets, cheapest first (pickVictimsLocked): it writes their
+// dirty blocks back to the backing devices (sorted by LBA, then synced:
+// invariant 3) or moves them (gcMove), drops their clean entries, bumps
+// their generation, journals the bump (a reuse record) and commits, and
+// only then puts them on the free list. So a bucket is reused only after
+// no live entry points into it (invariant 5), and after a crash the
+// replayed reuse record drops any entry of the old generation that
+// eviction dropped only in memory.
 
 import (
 	"cmp"
@@ -19,24 +20,39 @@ import (
 	"github.com/tiercache/tiercache/internal/invariants"
 )
 
+// gcLoop frees buckets while free ones are short (needSpace). It is
+// signalled (kick) by the allocations that take the free list under the
+// low-water mark. A pass that stops short of it because nothing could be
+// freed yet (reads pinning the only victims, writeback failing) tries
+// again after gcRetry, or at the next signal if that comes first.
 func (s *Set) gcLoop() {
-	defer s.wg.Done()
-	t := time.NewTicker(100 * time.Millisecond)
-	defer t.Stop()
+	retry := time.NewTimer(gcRetry)
+	retry.Stop()
+	defer retry.Stop()
 	for {
-		select {
-		case <-s.stop:
-			return
-		case <-s.kickGC:
-		case <-t.C:
-		}
 		for s.needSpace() {
 			if !s.evictOne() {
 				break
 			}
 		}
+		var again <-chan time.Time
+		if s.needSpace() {
+			retry.Reset(gcRetry)
+			again = retry.C
+		}
+		select {
+		case <-s.stop:
+			return
+		case <-s.kickGC:
+		case <-again:
+		}
+		retry.Stop()
 	}
 }
+
+// gcRetry is how long gcLoop waits, unless signalled, before another pass
+// after one that freed nothing while free buckets are still short.
+const gcRetry = 100 * time.Millisecond
 
 func (s *Set) needSpace() bool {
 	s.mu.Lock()

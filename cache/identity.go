@@ -24,10 +24,11 @@ func RecordIdentity(dev device.Device, name, id, path string) (*Superblock, erro
 	if err := refuseMirrored(sb, "recording an identity"); err != nil {
 		return nil, err
 	}
-	nsb := sb.Clone()
-	if name == "" {
-		nsb.CacheID = id
-	} else {
+	return updateSuperblock(dev, sb, func(nsb *Superblock) error {
+		if name == "" {
+			nsb.CacheID = id
+			return nil
+		}
 		i := -1
 		for j, b := range nsb.Backings {
 			if !b.Free() && b.Name == name {
@@ -35,16 +36,12 @@ func RecordIdentity(dev device.Device, name, id, path string) (*Superblock, erro
 			}
 		}
 		if i < 0 {
-			return nil, fmt.Errorf("%w: the cache set has no volume %q", ErrInvalid, name)
+			return fmt.Errorf("%w: the cache set has no volume %q", ErrInvalid, name)
 		}
 		nsb.Backings[i].ID = id
 		if path != "" {
 			nsb.Backings[i].Path = path
 		}
-	}
-	nsb.Seq++
-	if err := ondisk.WriteSuperblock(dev, nsb); err != nil {
-		return nil, err
-	}
-	return nsb, nil
+		return nil
+	})
 }

@@ -1009,15 +1009,8 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}
-	if s.knobs.noBackground {
-		for _, v := range s.vols {
-			v.wb.NoLoop() // nothing to wait for at detach
-		}
-		return s, nil
-	}
-	s.wg.Add(2)
-	go s.gcLoop()
-	go s.commitLoop()
+	s.spawn(s.gcLoop)
+	s.spawn(s.commitLoop)
 	for _, v := range s.vols {
 		if !v.free {
 			s.runWriteback(v)

@@ -3,7 +3,7 @@ package cache
 // Routing: where a write, write-zeroes or trim of whole blocks goes.
 //
 // route is the one decision, a pure function of the volume's state at the
-// request (routeIn) to a destination (routeOut); TestRoute holds its whole
+// request (routeIn) to a destination (routeOut), tested over its whole
 // table. Volume.write, WriteZeroes and Trim compute the inputs, carry out
 // what it says (routeBlocks), and do nothing else to decide.
 

@@ -158,6 +158,22 @@ func newSet(dev device.Device, sb *Superblock, log *slog.Logger) *Set {
 	return s
 }
 
+// spawn runs f in a background goroutine of the set (Close waits for it)
+// and reports whether it did: a set opened with testingKnobs.noBackground
+// runs none, its tests driving commit, writeback and eviction themselves.
+// This is the one place that knob is read.
+func (s *Set) spawn(f func()) bool {
+	if s.knobs.noBackground {
+		return false
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		f()
+	}()
+	return true
+}
+
 // newVolume builds the in-memory volume of slot vi. For a free slot
 // (bi.Free()) it builds the empty placeholder that code indexing s.vols by
 // slot finds there: no device, no blocks (so no journal record or
@@ -285,26 +301,36 @@ func (s *Set) Close() error {
 	return nil
 }
 
-// updateSuperblockLocked applies change to a copy of the superblock and
-// writes the copy, with the next sequence number, over the older of the
-// two copies on disk. The copy becomes the set's superblock only once it is
-// durable: after a failed write (or a refused change) the set still has the
-// superblock the newest copy on disk holds.
+// updateSuperblockLocked applies change to the set's superblock through
+// updateSuperblock: the copy becomes the set's superblock only once it is
+// durable.
 // REQUIRES: s.sbMu
 func (s *Set) updateSuperblockLocked(change func(nsb *Superblock) error) error {
-	nsb := s.sb.Clone()
-	if err := change(nsb); err != nil {
-		return err
-	}
-	nsb.Seq = s.sb.Seq + 1
-	if err := nsb.Validate(-1); err != nil {
-		return err
-	}
-	if err := ondisk.WriteSuperblock(s.dev, nsb); err != nil {
+	nsb, err := updateSuperblock(s.dev, s.sb, change)
+	if err != nil {
 		return err
 	}
 	s.sb = nsb
 	return nil
+}
+
+// updateSuperblock applies change to a copy of sb and writes the copy, with
+// the next sequence number, over the older of the two copies on dev, and
+// returns it. sb is not changed: after a failed write (or a refused change)
+// it is still what the newest copy on disk holds.
+func updateSuperblock(dev device.Device, sb *Superblock, change func(nsb *Superblock) error) (*Superblock, error) {
+	nsb := sb.Clone()
+	if err := change(nsb); err != nil {
+		return nil, err
+	}
+	nsb.Seq = sb.Seq + 1
+	if err := nsb.Validate(-1); err != nil {
+		return nil, err
+	}
+	if err := ondisk.WriteSuperblock(dev, nsb); err != nil {
+		return nil, err
+	}
+	return nsb, nil
 }
 
 // crashStop stops the background goroutines without writing anything, as if

@@ -269,10 +269,9 @@ func (v *Volume) writeBacking(p []byte, lba uint64) error {
 
 // writeBackingNoMark is writeBacking for writeback, which syncs the backing
 // device itself before it marks anything clean (invariant 3). Marking
-// would make every client FLUSH during writeback wait for the HDD to
-// destage writeback's writes, which no record of the flush depends on:
-// fsync'd 4 KiB writes ran at ~130 IOPS with writeback running against
-// ~370 with it held (docs/BENCHMARKS.md, S1 and S4).
+// would make every client FLUSH during writeback wait for the backing
+// device to destage writeback's writes, which no record of the flush
+// depends on.
 func (v *Volume) writeBackingNoMark(p []byte, lba uint64) error {
 	off := int64(lba) << blockShift
 	n := min(int64(len(p)), v.size-off)
@@ -929,11 +928,11 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 			// Journaled even if nothing is cached now (replay may
 			// resurrect entries that eviction dropped only in memory),
 			// unless no recovery could find any entry of the volume
-			// (idx.replayable): then the record would cancel nothing,
+			// (idx.Replayable): then the record would cancel nothing,
 			// and a FLUSH in none mode needs no journal commit, only
-			// the backing device's sync (docs/BENCHMARKS.md, S6 point
-			// 6). (Failing over meanwhile fences the range: journaled
-			// then, as before.)
+			// the backing device's sync. After a failover the record
+			// still goes to appendLocked, which fences the range
+			// (lostLocked).
 			if v.idx.Replayable || s.isFailed() {
 				s.appendLocked(&ondisk.Rec{Type: ondisk.RecInvalidate, Vol: uint16(v.vi), LBA: lba, N: n})
 				s.noteInvalidateLocked(v, s.mu.seq-1, lba, n, dropsDirty)

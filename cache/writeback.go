@@ -51,13 +51,12 @@ func (s *Set) initWriteback(v *Volume) {
 	v.wb.Init((*wbHost)(v), s.log, v.name, s.stop, writeback.Knobs{NoYield: s.knobs.noYield, FixedDepth: s.knobs.fixedDepth})
 }
 
-// runWriteback runs v's writeback loop in a goroutine of the set.
+// runWriteback runs v's writeback loop in a goroutine of the set (spawn);
+// where the set runs none, Stop then waits for no loop.
 func (s *Set) runWriteback(v *Volume) {
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		v.wb.Run()
-	}()
+	if !s.spawn(v.wb.Run) {
+		v.wb.NoLoop()
+	}
 }
 
 func (h *wbHost) Name() string { return h.name }
