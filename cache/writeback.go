@@ -447,6 +447,8 @@ func (h *wbHost) RateMax() int64 { return h.cfg.Load().WritebackRateMax }
 
 func (h *wbHost) LastIO() int64 { return h.lastIO.Load() }
 
+func (h *wbHost) Streaming() bool { return h.vol().streamBypassing() }
+
 // Short reports whether free buckets are short, and returns a channel
 // closed when an allocation next finds them short (allocLocked); none
 // while a write stream of the volume bypasses the cache: the rate does

@@ -16,6 +16,10 @@ import (
 // report collects what batches could not write.
 type report struct {
 	corrupt []Item // versions whose cached copy failed its checksum
+	// cut: the batch stopped issuing backing writes because its stop
+	// said so; resume is the LBA of the first run it did not issue.
+	cut    bool
+	resume uint64
 }
 
 // bufs holds run buffers (wbMaxRun blocks each) for write. Reusing them
@@ -63,7 +67,16 @@ func cutRuns(items []Item) []blockRange {
 // that changed meanwhile is left alone (Claim's valid; MarkClean checks
 // again). Buckets are pinned only while their blocks are read, so a long
 // batch never holds buckets back from eviction.
-func (w *Writer) write(items []Item, rep *report) (int, error) {
+//
+// stop, if set, is asked before each run starts and again just before it
+// issues its backing write (runs issue in LBA order): once it says true
+// the batch issues nothing more. The runs already issued complete, are
+// synced and marked clean as in any batch; the others stay dirty (in epoch
+// order they are of the oldest epoch still, so the order holds), and rep
+// (if set) records the cut and where the batch stopped. The background
+// loop stops a batch so when a write stream starts bypassing the cache to
+// the same disk (Run).
+func (w *Writer) write(items []Item, rep *report, stop func() bool) (int, error) {
 	if len(items) == 0 {
 		return 0, nil
 	}
@@ -93,7 +106,23 @@ func (w *Writer) write(items []Item, rep *report) (int, error) {
 	for i := range issued {
 		issued[i] = make(chan struct{})
 	}
-	werr := parallel(len(runs), qd, func(k int) error {
+	// cut is the index of the first run not issued once stop said so
+	// (len(runs): not cut). Runs decide in LBA order (after turn), so
+	// every run before it was issued and none after it is.
+	var cut atomic.Int64
+	cut.Store(int64(len(runs)))
+	stopped := func(k int) bool {
+		if int64(k) >= cut.Load() {
+			return true
+		}
+		if stop == nil || !stop() {
+			return false
+		}
+		for c := cut.Load(); int64(k) < c && !cut.CompareAndSwap(c, int64(k)); c = cut.Load() {
+		}
+		return true
+	}
+	werr := parallel(len(runs), qd, func() bool { return cut.Load() < int64(len(runs)) }, func(k int) error {
 		r := runs[k]
 		// Backing writes are issued in LBA order: each run issues its
 		// write only after the previous run has issued its own.
@@ -106,6 +135,10 @@ func (w *Writer) write(items []Item, rep *report) (int, error) {
 		issue := func() { once.Do(func() { close(issued[k]) }) }
 		defer func() { turn(); issue() }()
 		its := items[r.at : r.at+r.n]
+		if int64(k) >= cut.Load() {
+			// Cut before this run: not worth reading the cache for it.
+			return nil
+		}
 		valid := make([]bool, r.n)
 		if c.Claim(its, valid) {
 			defer c.Unclaim(its)
@@ -150,6 +183,12 @@ func (w *Writer) write(items []Item, rep *report) (int, error) {
 			}
 			turn()
 			w.yieldToReads()
+			if stopped(k) {
+				for x := i; x < len(its); x++ {
+					its[x].ok = false
+				}
+				break
+			}
 			issue()
 			t0 := time.Now()
 			if err := c.WriteBacking(buf[i*blockSize:j*blockSize], its[i].LBA); err == nil {
@@ -172,6 +211,9 @@ func (w *Writer) write(items []Item, rep *report) (int, error) {
 				rep.corrupt = append(rep.corrupt, it)
 			}
 		}
+		if k := cut.Load(); k < int64(len(runs)) {
+			rep.cut, rep.resume = true, items[runs[k].at].LBA
+		}
 	}
 	if werr != nil {
 		return 0, werr
@@ -190,11 +232,12 @@ func (w *Writer) write(items []Item, rep *report) (int, error) {
 
 // parallel runs f(0..n-1) with at most qd() calls in flight (asked again
 // before each call starts: the depth adapts while a batch runs), started
-// in order; after a call fails no new one starts. It returns every error
+// in order; after a call fails, or once done (if set) says true, no new one
+// starts. It returns every error
 // of the calls that ran (errors.Join): two runs of a batch can fail on the
 // backing device at once, and each failure must reach the caller's log,
 // not only the first.
-func parallel(n int, qd func() int, f func(i int) error) error {
+func parallel(n int, qd func() int, done func() bool, f func(i int) error) error {
 	if n == 1 {
 		return f(0)
 	}
@@ -208,7 +251,7 @@ func parallel(n int, qd func() int, f func(i int) error) error {
 		for inflight >= qd() && len(errs) == 0 {
 			cond.Wait()
 		}
-		if len(errs) > 0 {
+		if len(errs) > 0 || (done != nil && done()) {
 			mu.Unlock()
 			break
 		}

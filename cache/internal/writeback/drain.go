@@ -80,7 +80,7 @@ func Drain(ctx context.Context, set Set, ws []*Writer, first int, progress func(
 				}
 				if len(lbas) > 0 {
 					var rep report
-					n, err := w.blocks(lbas, &rep)
+					n, err := w.blocks(lbas, &rep, nil)
 					for _, it := range rep.corrupt {
 						bad = append(bad, Version{wi, it.LBA, it.Loc, it.CRC})
 					}

@@ -28,7 +28,8 @@ package writeback
 //   - nothing, whatever else holds, while a write stream of the volume
 //     bypasses the cache to the backing device (until it pauses for
 //     wbIdle) and dirty data is below the full-speed level: the stream and
-//     writeback share the disk's head.
+//     writeback share the disk's head. A batch already running when the
+//     stream starts stops issuing at its next run (yieldToStream).
 //
 // Epoch order (writeback_order=epoch, the default): the loop (and every
 // other writeback of the volume: eviction, Help, Drain) takes the next
@@ -181,7 +182,7 @@ func (w *Writer) Run() {
 		}
 		start := time.Now()
 		before := c.DirtyVersions()
-		done, err := w.Sweep(n)
+		done, err := w.sweep(n, w.yieldToStream)
 		if err != nil {
 			// A failing or full backing device: retry with backoff.
 			if !sleep(w.retry.Failed(err), false, nil) {
@@ -216,6 +217,16 @@ func (w *Writer) Run() {
 			}
 		}
 	}
+}
+
+// yieldToStream is a background batch's stop (Writer.write): true once a
+// write stream of the volume bypasses the cache and the rate decision,
+// asked again then, says to wait for it (RateIn.Stream). A batch started
+// at full speed while the volume was idle is up to wbBatch blocks, seconds
+// of the disk; without this it would go on moving the disk's head off the
+// stream and back until its end.
+func (w *Writer) yieldToStream() bool {
+	return w.c.Streaming() && w.c.Rate() == 0
 }
 
 func nowNanos() int64 { return time.Now().UnixNano() }

@@ -163,6 +163,10 @@ type Volume interface {
 	RateMax() int64
 	// LastIO is when the client's last request came (unix nanos).
 	LastIO() int64
+	// Streaming reports whether a write stream of the volume is
+	// bypassing the cache to the backing device now (RateIn.Stream).
+	// Cheap (no lock): a running batch asks it before each run.
+	Streaming() bool
 	// Short reports whether free buckets are short, and returns a channel
 	// closed when an allocation next finds them short.
 	Short() (bool, <-chan struct{})
@@ -315,28 +319,40 @@ func (w *Writer) Stats() Stats {
 // those of the oldest epoch; when none is, a batch of the oldest epoch
 // instead, so the caller always sees progress. It returns how many it
 // marked clean.
-func (w *Writer) Evict(lbas []uint64) (int, error) { return w.blocks(lbas, nil) }
+func (w *Writer) Evict(lbas []uint64) (int, error) { return w.blocks(lbas, nil, nil) }
 
-// blocks is Evict that adds to rep (if set) what it could not write.
-func (w *Writer) blocks(lbas []uint64, rep *report) (int, error) {
+// blocks is Evict that adds to rep (if set) what it could not write, and
+// stops issuing once stop (if set) says so (Writer.write).
+func (w *Writer) blocks(lbas []uint64, rep *report, stop func() bool) (int, error) {
 	items, epoch := w.c.TakeLBAs(lbas)
 	if epoch && len(items) == 0 {
 		items = w.c.TakeEpoch(max(len(lbas), 1), &w.cursor)
 	}
-	return w.write(items, rep)
+	return w.write(items, rep, stop)
 }
 
 // Help writes back up to n versions of the volume's oldest epoch: a write
 // in epoch order that found no free bucket helps free one.
-func (w *Writer) Help(n int) (int, error) { return w.write(w.c.TakeEpoch(n, &w.cursor), nil) }
+func (w *Writer) Help(n int) (int, error) { return w.write(w.c.TakeEpoch(n, &w.cursor), nil, nil) }
 
 // Sweep is one batch of the background loop: up to n dirty blocks from
 // the cursor, wrapping at the end of the volume (in epoch order, of the
 // oldest epoch). It returns how many it marked clean, and the error of a
 // batch that failed.
-func (w *Writer) Sweep(n int) (int, error) {
+func (w *Writer) Sweep(n int) (int, error) { return w.sweep(n, nil) }
+
+// sweep is Sweep that stops issuing once stop (if set) says so; the cursor
+// then points at the first block it did not issue, so the next batch
+// resumes there.
+func (w *Writer) sweep(n int, stop func() bool) (int, error) {
+	var rep report
+	defer func() {
+		if rep.cut {
+			w.cursor.Store(rep.resume)
+		}
+	}()
 	if w.c.EpochOrder() {
-		return w.Help(n)
+		return w.write(w.c.TakeEpoch(n, &w.cursor), &rep, stop)
 	}
 	for range 2 {
 		start := w.cursor.Load()
@@ -356,7 +372,7 @@ func (w *Writer) Sweep(n int) (int, error) {
 			}
 		}
 		if len(lbas) > 0 {
-			return w.Evict(lbas)
+			return w.blocks(lbas, &rep, stop)
 		}
 		if start == 0 {
 			break
