@@ -2,9 +2,10 @@ package bench
 
 // S7–S9: when the data outgrows the cache.
 //
-// S7 writes 3x the cache on a fresh cache: a sequential stream and
-// mixed-size random writes with fsyncs (fio through NBD), and RocksDB
-// db_bench fillrandom of a database 2x the cache on ext4 through the kernel.
+// S7 writes 3x and 5x the cache on a fresh cache: sequential streams,
+// mixed-size random writes with fsyncs and a random read/write mix with
+// fsyncs (fio through NBD), and RocksDB db_bench fillrandom of a database
+// 2x the cache on ext4 through the kernel.
 // S8 is the shared server's history on ext4 through the kernel: 4 KiB random
 // overwrites of a small region at QD16 with an fsync every 32 writes (small
 // flush epochs, superseded versions), then a large sequential write, then
@@ -47,7 +48,9 @@ import (
 type cliffSizes struct {
 	Cache       int64         // every tiercache target's SSD model cache
 	SeqWrite    int64         // S7 sequential write, 1 MiB QD4
+	SeqWrite5   int64         // S7 sequential write of 5x the cache (0: not run; --quick)
 	MixWrite    int64         // S7 mixed-size random writes with fsyncs
+	MixRW       int64         // S7 bytes written by the random read/write mix with fsyncs (0: not run)
 	MixRegion   int64         // the region they cover
 	FS          int64         // S7/S8 ext4, at the start of the HDD model's disk
 	RocksKeys   int           // fillrandom keys (4 KiB values)
@@ -69,22 +72,22 @@ type cliffSizes struct {
 }
 
 func fullCliffSizes() cliffSizes {
-	return cliffSizes{Cache: 256 << 20, SeqWrite: 768 << 20, MixWrite: 768 << 20, MixRegion: 1 << 30, DrainFill: 192 << 20, RandDrain: 64 << 20, FS: 2 << 30, RocksKeys: 131072,
+	return cliffSizes{Cache: 256 << 20, SeqWrite: 768 << 20, SeqWrite5: 1280 << 20, MixWrite: 768 << 20, MixRW: 768 << 20, MixRegion: 1 << 30, DrainFill: 192 << 20, RandDrain: 64 << 20, FS: 2 << 30, RocksKeys: 131072,
 		HistRegion: 32 << 20, HistWrites: 256 << 20, HistHDDTime: 10 * time.Second, HistSeq: 512 << 20,
 		CapMin: 20 * time.Second, CapFactor: 4, Grace: 15 * time.Second, ConsistentWait: time.Minute,
 		WarmRegion: 32 << 20, WarmTime: 20 * time.Second, WarmSample: 2 * time.Second}
 }
 
 func quickCliffSizes() cliffSizes {
-	return cliffSizes{Cache: 64 << 20, SeqWrite: 96 << 20, MixWrite: 16 << 20, MixRegion: 64 << 20, DrainFill: 32 << 20, RandDrain: 1 << 20, FS: 256 << 20, RocksKeys: 4000,
+	return cliffSizes{Cache: 64 << 20, SeqWrite: 96 << 20, MixWrite: 16 << 20, MixRW: 8 << 20, MixRegion: 64 << 20, DrainFill: 32 << 20, RandDrain: 1 << 20, FS: 256 << 20, RocksKeys: 4000,
 		HistRegion: 4 << 20, HistWrites: 8 << 20, HistHDDTime: 2 * time.Second, HistSeq: 32 << 20,
 		CapMin: 10 * time.Second, CapFactor: 4, Grace: 10 * time.Second, ConsistentWait: 10 * time.Second,
 		WarmRegion: 4 << 20, WarmTime: 2 * time.Second, WarmSample: 500 * time.Millisecond}
 }
 
 func (z cliffSizes) line() string {
-	return fmt.Sprintf("S7-S9 cache %d MiB; S7 sequential write %d MiB, mixed random writes %d MiB over %d MiB, drain of %d MiB sequential and of %d MiB random 4K dirty data, fillrandom %d keys x 4 KiB on ext4 %d MiB; S8 %d MiB of 4K overwrites of %d MiB (plain HDD capped at %v), then %d MiB sequential, then fillrandom; tiercache runs cut at max(%v, %.0fx the plain HDD's time); S9 %d MiB working set, %v per job",
-		z.Cache>>20, z.SeqWrite>>20, z.MixWrite>>20, z.MixRegion>>20, z.DrainFill>>20, z.RandDrain>>20, z.RocksKeys, z.FS>>20, z.HistWrites>>20, z.HistRegion>>20, z.HistHDDTime, z.HistSeq>>20,
+	return fmt.Sprintf("S7-S9 cache %d MiB; S7 sequential write %d MiB and %d MiB, mixed random writes %d MiB over %d MiB, random read/write mix writing %d MiB, drain of %d MiB sequential and of %d MiB random 4K dirty data, fillrandom %d keys x 4 KiB on ext4 %d MiB; S8 %d MiB of 4K overwrites of %d MiB (plain HDD capped at %v), then %d MiB sequential, then fillrandom; tiercache runs cut at max(%v, %.0fx the plain HDD's time); S9 %d MiB working set, %v per job",
+		z.Cache>>20, z.SeqWrite>>20, z.SeqWrite5>>20, z.MixWrite>>20, z.MixRegion>>20, z.MixRW>>20, z.DrainFill>>20, z.RandDrain>>20, z.RocksKeys, z.FS>>20, z.HistWrites>>20, z.HistRegion>>20, z.HistHDDTime, z.HistSeq>>20,
 		z.CapMin, z.CapFactor, z.WarmRegion>>20, z.WarmTime)
 }
 
@@ -197,7 +200,7 @@ func (c *cacheRunner) cliffFio(ctx context.Context, srv *server, j job, tag stri
 		return r, err
 	}
 	r.value = fr.res.BW / 1e6
-	r.p999Ms, r.maxMs = fr.res.LatP999Us/1000, fr.res.LatMaxUs/1000
+	r.p999Ms, r.maxMs = fr.res.WriteP999Us/1000, fr.res.WriteMaxUs/1000
 	want := j.IOSize
 	if fr.res.Bytes < want {
 		r.cut = true
@@ -349,11 +352,16 @@ func (c *cacheRunner) s7(ctx context.Context) error {
 			RW: "write", BS: 1 << 20, QD: 4, Size: z.SeqWrite, IOSize: z.SeqWrite, EndSync: true, Metric: MetricMiBps},
 		{Name: "s7-mixwrite-fsync32", Title: fmt.Sprintf("fio random writes %d MiB (%.3gx the cache) over %d MiB, 4K/64K/1M (1/4, 1/4, 1/2), QD16, fsync every 32", z.MixWrite>>20, x(z.MixWrite), z.MixRegion>>20),
 			RW: "randwrite", BS: 4096, BSSplit: "4k/25:64k/25:1m/50", QD: 16, Size: z.MixRegion, IOSize: z.MixWrite, FsyncN: 32, EndSync: true, Seed: 14, Metric: MetricMiBps},
+		{Name: "s7-seqwrite5x-1m-qd4", Title: fmt.Sprintf("fio sequential write %d MiB (%.3gx the cache), 1 MiB QD4", z.SeqWrite5>>20, x(z.SeqWrite5)),
+			RW: "write", BS: 1 << 20, QD: 4, Size: z.SeqWrite5, IOSize: z.SeqWrite5, EndSync: true, Metric: MetricMiBps},
+		// 30 % reads: of the bytes moved (io_size) 70 % are the writes.
+		{Name: "s7-mixrw-fsync32", Title: fmt.Sprintf("fio random read/write mix, 30 %% reads: %d MiB written (%.3gx the cache) and %d MiB read over %d MiB, 4K/64K/1M (1/4, 1/4, 1/2), QD16, fsync every 32 writes", z.MixRW>>20, x(z.MixRW), z.MixRW*3/7>>20, z.MixRegion>>20),
+			RW: "randrw", MixRead: 30, BS: 4096, BSSplit: "4k/25:64k/25:1m/50", QD: 16, Size: z.MixRegion, IOSize: z.MixRW * 10 / 7 / (1 << 20) << 20, FsyncN: 32, EndSync: true, Seed: 15, Metric: MetricMiBps},
 	}
 	var cases []cliffCase
 	var seqRef *cliffRun
 	for ji, j := range jobs {
-		if !c.s7Runs(s7JobNames[ji]) && (ji != 0 || !c.s7Runs("drain")) {
+		if !c.s7Runs(s7JobNames[ji]) && (ji != 0 || !c.s7Runs("drain")) || !c.s7Sized(s7JobNames[ji]) {
 			continue
 		}
 		cc := cliffCase{title: j.Title}
@@ -411,13 +419,25 @@ func (c *cacheRunner) s7(ctx context.Context) error {
 		[]string{"fio through NBD; fillrandom on ext4 via nbdfuse + loop (as S6). Tiercache runs are cut at the cap shown (a multiple of the plain HDD model's time), so a ratio below 1/cap-factor means \"did not finish\"."})
 }
 
-// s7JobNames name S7's cases for --s7 (seqwrite and mixwrite in the
-// order of s7's fio jobs).
-var s7JobNames = []string{"seqwrite", "mixwrite", "drain", "randdrain", "fillrandom"}
+// s7JobNames name S7's cases for --s7 (the first four in the order of s7's
+// fio jobs).
+var s7JobNames = []string{"seqwrite", "mixwrite", "seqwrite5x", "mixrw", "drain", "randdrain", "fillrandom"}
 
 // s7Runs reports whether S7 runs the case named (all when --s7 is empty).
 func (c *cacheRunner) s7Runs(name string) bool {
 	return len(c.s7jobs) == 0 || slices.Contains(c.s7jobs, name)
+}
+
+// s7Sized reports whether the sizes have the case named: the quick run
+// (make test) leaves out the 5x sequential write.
+func (c *cacheRunner) s7Sized(name string) bool {
+	switch name {
+	case "seqwrite5x":
+		return c.sz.Cliff.SeqWrite5 > 0
+	case "mixrw":
+		return c.sz.Cliff.MixRW > 0
+	}
+	return true
 }
 
 // s7RandDrain fills the cache with random 4 KiB dirty data (background
@@ -1080,7 +1100,7 @@ func chartLines(path, title, xlabel, ylabel string, ss []series) error {
 func (c *cacheRunner) s7Steps() int {
 	n := 0
 	for _, j := range s7JobNames {
-		if c.s7Runs(j) || j == "seqwrite" && c.s7Runs("drain") {
+		if (c.s7Runs(j) || j == "seqwrite" && c.s7Runs("drain")) && c.s7Sized(j) {
 			n += len(c.cliffTargets())
 		}
 	}

@@ -64,10 +64,10 @@ Percentiles: P50: 9.23 P75: 13.52 P99: 145.23 P99.9: 7920.00 P99.99: 110000.00
 
 func TestCachePlannedSteps(t *testing.T) {
 	c := &cacheRunner{sz: fullSizes()}
-	// S1 5+2*3, S2 16, S3 9, S4 6, S5 1+2*2*3, S6 1+4+2*3, S7 5*3+1 (fillrandom
+	// S1 5+2*3, S2 16, S3 9, S4 6, S5 1+2*2*3, S6 1+4+2*3, S7 7*3+1 (fillrandom
 	// with no device), S8 3*3, S9 2, S10 1+3*(3*3+3+2).
-	if n := c.plannedSteps(scenarioNames); n != 136 {
-		t.Errorf("full suite steps = %d, want 136", n)
+	if n := c.plannedSteps(scenarioNames); n != 142 {
+		t.Errorf("full suite steps = %d, want 142", n)
 	}
 	c.s7jobs = []string{"drain"} // and seqwrite, its reference
 	if n := c.plannedSteps([]string{"S7"}); n != 2*3 {
@@ -75,8 +75,8 @@ func TestCachePlannedSteps(t *testing.T) {
 	}
 	c.s7jobs = nil
 	c.abBin = "other" // S8 and S7 run two more targets
-	if n := c.plannedSteps([]string{"S7", "S8"}); n != 5*5+1+3*5 {
-		t.Errorf("S7, S8 steps with --ab = %d, want %d", n, 5*5+1+3*5)
+	if n := c.plannedSteps([]string{"S7", "S8"}); n != 7*5+1+3*5 {
+		t.Errorf("S7, S8 steps with --ab = %d, want %d", n, 7*5+1+3*5)
 	}
 	c.abBin = ""
 	c.s6lba = true // S6 1+5+2*3
@@ -89,6 +89,10 @@ func TestCachePlannedSteps(t *testing.T) {
 	}
 	if n := c.plannedSteps([]string{"S10"}); n != 1+14 {
 		t.Errorf("quick S10 steps = %d, want 15", n)
+	}
+	// The quick run has no 5x sequential write: S7 6*3+1.
+	if n := c.plannedSteps([]string{"S7"}); n != 6*3+1 {
+		t.Errorf("quick S7 steps = %d, want %d", n, 6*3+1)
 	}
 }
 

@@ -9,16 +9,20 @@ import (
 
 // fioResult is what the harness keeps of one fio run.
 type fioResult struct {
-	Bytes      int64   // bytes read plus written in the measured time
-	IOPS       float64 // read plus write
-	BW         float64 // bytes per second, read plus write
-	LatMeanUs  float64 // mean completion latency of the busier direction
-	LatP50Us   float64 // median completion latency, same direction
-	LatP99Us   float64 // 99th percentile completion latency, same direction
-	LatP999Us  float64 // 99.9th percentile, same direction
-	LatMaxUs   float64 // the slowest request, same direction
-	ClientCPU  float64 // fio's own usr+sys CPU, percent of one CPU
-	RuntimeSec float64 // measured time fio reports
+	Bytes     int64   // bytes read plus written in the measured time
+	IOPS      float64 // read plus write
+	BW        float64 // bytes per second, read plus write
+	LatMeanUs float64 // mean completion latency of the busier direction
+	LatP50Us  float64 // median completion latency, same direction
+	LatP99Us  float64 // 99th percentile completion latency, same direction
+	LatP999Us float64 // 99.9th percentile, same direction
+	LatMaxUs  float64 // the slowest request, same direction
+	// WriteP999Us and WriteMaxUs are the writes' 99.9th percentile and
+	// slowest completion latency (0 when nothing was written).
+	WriteP999Us float64
+	WriteMaxUs  float64
+	ClientCPU   float64 // fio's own usr+sys CPU, percent of one CPU
+	RuntimeSec  float64 // measured time fio reports
 }
 
 type fioOutput struct {
@@ -78,6 +82,11 @@ func parseFioJSON(data []byte) (fioResult, error) {
 			}
 		}
 		r.ClientCPU += j.UsrCPU + j.SysCPU
+		if j.Write.TotalIOs > 0 {
+			// Of several jobs, the worst.
+			r.WriteP999Us = max(r.WriteP999Us, j.Write.ClatNs.Percentile["99.900000"]/1000)
+			r.WriteMaxUs = max(r.WriteMaxUs, j.Write.ClatNs.Max/1000)
+		}
 	}
 	if r.Bytes == 0 || runtimeMs == 0 {
 		return fioResult{}, errors.New("fio output: no I/O was measured")

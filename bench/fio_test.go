@@ -48,6 +48,15 @@ func TestParseFioJSON(t *testing.T) {
 			if !near(r.LatP999Us, tt.latP999) || !near(r.LatMaxUs, tt.latMax) {
 				t.Errorf("latency p99.9, max = %v, %v µs; want %v, %v", r.LatP999Us, r.LatMaxUs, tt.latP999, tt.latMax)
 			}
+			// The writes' own latencies: those of the write job, none of
+			// the read job.
+			wantW, wantWMax := 0.0, 0.0
+			if strings.Contains(tt.file, "write") {
+				wantW, wantWMax = tt.latP999, tt.latMax
+			}
+			if !near(r.WriteP999Us, wantW) || !near(r.WriteMaxUs, wantWMax) {
+				t.Errorf("write latency p99.9, max = %v, %v µs; want %v, %v", r.WriteP999Us, r.WriteMaxUs, wantW, wantWMax)
+			}
 			if r.ClientCPU <= 0 {
 				t.Errorf("client cpu = %v, want > 0", r.ClientCPU)
 			}
