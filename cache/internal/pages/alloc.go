@@ -11,17 +11,27 @@ var ErrFull = errors.New("pages: page area full")
 func errorf(format string, args ...any) error { return fmt.Errorf("pages: "+format, args...) }
 
 // Alloc hands out the page numbers of the page area. A page is free, in
-// use (named by the durable root or written since for the next one), or
-// released: named by the durable root but no longer by the trees in
-// memory. A released page becomes free only when a root that does not
-// name it is durable (Durable): until then a crash recovers the durable
-// root, which needs it. So the page area holds the pages of two roots at
-// most, the durable one and the one being built. Open rebuilds it from the
-// pages the durable root names (MarkUsed); nothing about it is stored.
+// use (named by the durable root or written since for the next one),
+// released (named by the durable root but no longer by the trees in
+// memory) or kept (named by the previous root, in the other root slot, and
+// by neither the durable root nor the trees).
+//
+// The rule: a page is free only when no root either slot can hold names
+// it. A page released while root g+1 is built (named by root g) is kept
+// when g+1 is durable and free when g+2 is durable, which overwrites g's
+// slot (Durable). So whatever a crash interrupts, and whichever root's
+// slot is later found damaged, the root in the other slot has every page
+// it names intact: Open may fall back to it, and can never fall back
+// further (there are two slots). The page area holds the pages of the
+// durable root, those the previous root alone names (the pages changed in
+// the interval before the durable root) and those written for the next
+// root (the pages changed since). Open rebuilds the allocation from the
+// pages both roots name (MarkUsed, MarkKept); nothing about it is stored.
 type Alloc struct {
 	n        uint32
-	used     []uint64 // bit per page: in use or released
+	used     []uint64 // bit per page: in use, released or kept
 	released []uint32
+	kept     []uint32
 	cursor   uint32
 	nused    int
 }
@@ -71,20 +81,43 @@ func (a *Alloc) Alloc() (uint32, error) {
 // the next root is durable.
 func (a *Alloc) Release(p uint32) { a.released = append(a.released, p) }
 
-// Durable frees the pages released before the root just made durable
-// was built (they are named by no root a recovery could use).
+// MarkKept records that the previous root names page p (Open, after the
+// durable root's pages are marked): a page not in use is kept until the
+// next root is durable. It reports whether p was marked (false: the
+// durable root names it too, or another page of the previous root did).
+func (a *Alloc) MarkKept(p uint32) (bool, error) {
+	if p >= a.n {
+		return false, fmt.Errorf("%w: page %d beyond the page area (%d pages)", ErrCorrupt, p, a.n)
+	}
+	if a.isUsed(p) {
+		return false, nil
+	}
+	a.used[p/64] |= 1 << (p % 64)
+	a.nused++
+	a.kept = append(a.kept, p)
+	return true, nil
+}
+
+// Durable records that a new root is durable: the pages kept for the
+// root its slot held are free, and the pages released before the new
+// root was built (upto, counted when it was) are kept for it, now the
+// previous root.
 func (a *Alloc) Durable(upto int) {
-	for _, p := range a.released[:upto] {
+	for _, p := range a.kept {
 		a.used[p/64] &^= 1 << (p % 64)
 		a.nused--
 	}
+	a.kept = append(a.kept[:0], a.released[:upto]...)
 	a.released = append(a.released[:0], a.released[upto:]...)
 }
+
+// Kept returns how many pages only the previous root names.
+func (a *Alloc) Kept() int { return len(a.kept) }
 
 // Released returns how many pages wait for a durable root.
 func (a *Alloc) Released() int { return len(a.released) }
 
-// Used returns the pages in use or released.
+// Used returns the pages in use, released or kept.
 func (a *Alloc) Used() int { return a.nused }
 
 // Pages returns the size of the page area in pages.

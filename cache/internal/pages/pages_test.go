@@ -194,8 +194,12 @@ func TestRootSlots(t *testing.T) {
 		}
 	}
 	// Generation 4 (slot 0) is the newest: a torn slot 0 falls back to 3.
-	if _, p, err := Open(dev, lay, 4); err != nil || !bytes.Equal(p, []byte{2}) {
+	st1, p, err := Open(dev, lay, 4)
+	if err != nil || !bytes.Equal(p, []byte{2}) {
 		t.Fatalf("open: %q %v", p, err)
+	}
+	if g, err := st1.Previous(); g != 3 || err != nil {
+		t.Fatalf("previous root %d (%v), want 3", g, err)
 	}
 	if err := dev.Corrupt(lay.Off+100, 1); err != nil {
 		t.Fatal(err)
@@ -203,6 +207,9 @@ func TestRootSlots(t *testing.T) {
 	st2, p, err := Open(dev, lay, 4)
 	if err != nil || !bytes.Equal(p, []byte{1}) || st2.Gen() != 3 {
 		t.Fatalf("open with slot 0 damaged: %q %v", p, err)
+	}
+	if g, err := st2.Previous(); g != 0 || !IsCorruption(err) {
+		t.Fatalf("previous root with slot 0 damaged: %d (%v)", g, err)
 	}
 	if err := dev.Corrupt(lay.Off+PageSize+100, 1); err != nil {
 		t.Fatal(err)
@@ -379,8 +386,8 @@ func reachable(t *testing.T, dev device.Device, lay Layout) int {
 // index, with checkpoints and re-opens (from the device, with a page
 // cache of 4 pages) in between: every lookup, scan and the whole content
 // agree with the oracle, Check holds, the page cache stays within its
-// bound, and after each checkpoint exactly the pages the root names are
-// in use (nothing leaks, nothing named is free).
+// bound, and after each checkpoint exactly the pages the two roots name
+// are in use (nothing leaks, nothing named is free).
 func TestTreeOracle(t *testing.T) {
 	seeds, rounds := uint64(3), 9
 	if raceEnabled {
@@ -452,11 +459,15 @@ func TestTreeOracle(t *testing.T) {
 					t.Fatalf("%v: %v", tr, err)
 				}
 			}
-			if err := st.Checkpoint(nil); err != nil {
-				t.Fatal(err)
-			}
-			if st.alloc.Used() != 0 {
-				t.Fatalf("%d pages in use with empty trees", st.alloc.Used())
+			// The first root naming no page keeps the previous root's,
+			// the second frees them.
+			for i := range 2 {
+				if err := st.Checkpoint(nil); err != nil {
+					t.Fatal(err)
+				}
+				if st.alloc.Used() != st.alloc.Kept() || (i == 1) != (st.alloc.Used() == 0) {
+					t.Fatalf("checkpoint %d: %d pages in use with empty trees, %d kept", i, st.alloc.Used(), st.alloc.Kept())
+				}
 			}
 		})
 	}
@@ -580,11 +591,17 @@ func TestCheckpointWritesWhatChanged(t *testing.T) {
 
 // TestCrashAtEveryWrite: a crash at any write or sync of a checkpoint
 // (unsynced blocks kept, lost or torn at random) reopens either the
-// previous root's trees or the new one's, exactly.
+// previous root's trees or the new one's, exactly; and the root in the
+// other slot is then always the one before (Previous), intact: with the
+// newest root's slot damaged on top of the crash, Open falls back to it
+// and finds its trees exactly, every page verified (Check reads every
+// leaf). The page area is small, so pages are reused within the run
+// (asserted), and the store is re-opened after the second checkpoint (the
+// previous root's pages are kept across an Open too).
 func TestCrashAtEveryWrite(t *testing.T) {
-	lay := testLayout(1024)
+	lay := testLayout(48)
 	// One run without a crash counts the operations.
-	run := func(cut int, seed uint64) (*countDev, []*oracle, int) {
+	run := func(cut int, seed uint64) (*countDev, []*oracle, int, uint64) {
 		rng := rand.New(rand.NewPCG(seed, 9))
 		dev := &countDev{Mem: device.NewMem(lay.Off + lay.Len()), cut: cut, rng: rand.New(rand.NewPCG(seed, uint64(cut)))}
 		st := newTestStore(t, dev, lay, 8)
@@ -592,23 +609,36 @@ func TestCrashAtEveryWrite(t *testing.T) {
 		snaps := []*oracle{o.clone()} // the trees as of each root, from generation 1
 		tr := st.Tree(1)
 		start := dev.ops
-		for range 5 {
-			workload(t, rng, tr, o, 250, 3000)
+		var written uint64
+		for c := range 12 {
+			workload(t, rng, tr, o, 400, 3000)
 			if err := st.Checkpoint(nil); err != nil {
 				t.Fatal(err)
 			}
 			snaps = append(snaps, o.clone())
+			if c == 1 {
+				written += st.PagesWritten
+				var err error
+				if st, _, err = Open(dev, lay, 8); err != nil {
+					t.Fatal(err)
+				}
+				tr = st.Tree(1)
+			}
 		}
-		return dev, snaps, dev.ops - start
+		return dev, snaps, dev.ops - start, written + st.PagesWritten
 	}
-	seeds := uint64(2)
+	seeds, stride := uint64(2), 1
 	if raceEnabled {
-		seeds = 1
+		seeds, stride = 1, 3 // every third crash point: -race is 10x slower
 	}
 	for seed := range seeds {
-		_, _, nops := run(-1, seed)
-		for cut := 0; cut < nops; cut++ {
-			dev, snaps, _ := run(cut+3, seed) // after Format's two writes and a sync
+		_, _, nops, written := run(-1, seed)
+		if written <= uint64(lay.Pages) {
+			t.Fatalf("seed %d: %d pages written to an area of %d: none reused", seed, written, lay.Pages)
+		}
+		fallbacks := 0
+		for cut := 0; cut < nops; cut += stride {
+			dev, snaps, _, _ := run(cut+3, seed) // after Format's two writes and a sync
 			if dev.crashed == nil {
 				t.Fatalf("seed %d cut %d: no crash image", seed, cut)
 			}
@@ -626,9 +656,93 @@ func TestCrashAtEveryWrite(t *testing.T) {
 			if err := st.Tree(1).Check(); err != nil {
 				t.Fatalf("seed %d cut %d: %v", seed, cut, err)
 			}
+			prev, perr := st.Previous()
+			if st.Gen() == 1 {
+				continue // the other slot was never written
+			}
+			if prev != st.Gen()-1 {
+				t.Fatalf("seed %d cut %d: generation %d, previous root %d (%v)", seed, cut, st.Gen(), prev, perr)
+			}
+			// The newest root's slot damaged: the previous root, whole.
+			if err := dev.crashed.Corrupt(lay.Off+int64(st.Gen()%2)*PageSize+64, 8); err != nil {
+				t.Fatal(err)
+			}
+			st, _, err = Open(dev.crashed, lay, 8)
+			if err != nil || st.Gen() != prev {
+				t.Fatalf("seed %d cut %d: open with the newest root damaged: generation %d, %v", seed, cut, st.Gen(), err)
+			}
+			if err := snaps[prev-1].same(st.Tree(1)); err != nil {
+				t.Fatalf("seed %d cut %d: fallback to generation %d: %v", seed, cut, prev, err)
+			}
+			if err := st.Tree(1).Check(); err != nil {
+				t.Fatalf("seed %d cut %d: fallback to generation %d: %v", seed, cut, prev, err)
+			}
+			fallbacks++
 		}
-		t.Logf("seed %d: %d crash points", seed, nops)
+		t.Logf("seed %d: %d crash points (one in %d run), %d fallbacks checked, %d pages written to an area of %d", seed, nops, stride, fallbacks, written, lay.Pages)
 	}
+}
+
+// TestAllocKeepsTwoRoots: the allocation's rule as a property. A model
+// names, for each root, the pages it names; a checkpoint releases some of
+// the durable root's pages (a changed page is copied), allocates its new
+// pages until the area is full or it has enough (so free pages are
+// reused at once), and makes the new root durable. Alloc never hands out
+// a page the durable root or the previous one names (the two roots the
+// slots hold), fails only when the area is full, and Used counts exactly
+// the pages the two roots and the one being built name.
+func TestAllocKeepsTwoRoots(t *testing.T) {
+	const n = 64
+	rng := rand.New(rand.NewPCG(21, 22))
+	a := NewAlloc(n)
+	var durable, prev map[uint32]bool // pages the two roots in the slots name
+	durable, prev = map[uint32]bool{}, map[uint32]bool{}
+	full := 0
+	for round := range 2000 {
+		cur := map[uint32]bool{} // the root being built
+		released := 0
+		for p := range durable {
+			if rng.IntN(3) == 0 {
+				a.Release(p)
+				released++
+			} else {
+				cur[p] = true
+			}
+		}
+		want := released + rng.IntN(8)
+		if len(durable) > n/2 {
+			want = rng.IntN(released + 1) // removals: the tree shrinks
+		}
+		for range want {
+			p, err := a.Alloc()
+			if err != nil {
+				if !errors.Is(err, ErrFull) || a.Used() != n {
+					t.Fatalf("round %d: %v with %d of %d pages used", round, err, a.Used(), n)
+				}
+				full++
+				break
+			}
+			if durable[p] || prev[p] || cur[p] {
+				t.Fatalf("round %d: page %d handed out; durable root names it %t, the previous one %t", round, p, durable[p], prev[p])
+			}
+			cur[p] = true
+		}
+		union := map[uint32]bool{}
+		for _, m := range []map[uint32]bool{durable, prev, cur} {
+			for p := range m {
+				union[p] = true
+			}
+		}
+		if a.Used() != len(union) {
+			t.Fatalf("round %d: %d pages used, the roots name %d", round, a.Used(), len(union))
+		}
+		a.Durable(released)
+		prev, durable = durable, cur
+	}
+	if full == 0 {
+		t.Fatal("the area was never full: no test of reuse")
+	}
+	t.Logf("2000 checkpoints in an area of %d pages, full at %d of them", n, full)
 }
 
 // TestCorruptLeaf: a damaged leaf is an error naming it, never a panic or
@@ -1056,7 +1170,7 @@ func TestFillBound(t *testing.T) {
 			if err := o.same(tr); err != nil {
 				t.Fatal(err)
 			}
-			if used := st.alloc.Used(); used > pageBound(tr.Len()) {
+			if used := st.alloc.Used() - st.alloc.Kept(); used > pageBound(tr.Len()) {
 				t.Fatalf("%d pages in use for %d slots, bound %d", used, tr.Len(), pageBound(tr.Len()))
 			}
 			leaves, inner, least := treeShape(t, tr)

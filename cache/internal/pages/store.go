@@ -44,6 +44,10 @@ type Store struct {
 	// err is sticky: after a failed write or sync nothing more is written
 	// (a page the device may not hold could otherwise be named by a root).
 	err error
+	// prevGen is the generation of the root in the other slot, intact (0:
+	// none); prevErr why there is none.
+	prevGen uint64
+	prevErr error
 
 	// PagesWritten and BytesWritten count the checkpoints' writes (pages
 	// and roots).
@@ -71,10 +75,14 @@ func Format(dev device.Device, lay Layout, payload []byte) error {
 
 // Open reads the newest valid root and every inner page of its trees (the
 // leaves are read when needed), with a page cache of cachePages leaves.
-// It returns the root's payload.
+// It returns the root's payload. The pages the root in the other slot
+// names are kept until the next root is durable (Alloc), found from its
+// inner pages that differ from the newest root's; Previous says whether
+// that root is intact.
 func Open(dev device.Device, lay Layout, cachePages int) (*Store, []byte, error) {
-	var best *Root
+	var roots [2]*Root
 	var errs [2]error
+	var zero [2]bool
 	for i := range 2 {
 		b := make([]byte, PageSize)
 		off := lay.Off + int64(i)*PageSize
@@ -87,21 +95,29 @@ func Open(dev device.Device, lay Layout, cachePages int) (*Store, []byte, error)
 			err = ondisk.Corruptf("index root", off, PageSize, "generation %d in slot %d", r.Gen, i)
 		}
 		if err != nil {
-			errs[i] = err
+			errs[i], zero[i] = err, ondisk.IsZero(b)
 			continue
 		}
-		if best == nil || r.Gen > best.Gen {
-			best = &r
-		}
+		roots[i] = &r
 	}
+	bi := 0
+	if roots[0] == nil || roots[1] != nil && roots[1].Gen > roots[0].Gen {
+		bi = 1
+	}
+	best, other := roots[bi], roots[1-bi]
 	if best == nil {
 		return nil, nil, fmt.Errorf("pages: no valid root: slot 0: %v; slot 1: %w", errs[0], errs[1])
 	}
-	st := &Store{dev: dev, lay: lay, cache: NewCache(cachePages), alloc: NewAlloc(lay.Pages), gen: best.Gen, trees: map[uint16]*Tree{}}
+	st := &Store{dev: dev, lay: lay, cache: NewCache(cachePages), alloc: NewAlloc(lay.Pages), gen: best.Gen,
+		trees: map[uint16]*Tree{}}
+	if !zero[1-bi] {
+		st.prevErr = errs[1-bi] // a slot never written is no root
+	}
+	inner := map[uint32]uint64{} // the newest root's inner pages: generation
 	for _, tr := range best.Trees {
 		t := &Tree{id: tr.ID, st: st, length: int(tr.Count)}
 		if tr.Level > 0 {
-			n, err := st.loadNode(tr.Root, tr.Level, tr.ID)
+			n, err := st.loadNode(tr.Root, tr.Level, tr.ID, inner)
 			if err != nil {
 				return nil, nil, err
 			}
@@ -109,12 +125,35 @@ func Open(dev device.Device, lay Layout, cachePages int) (*Store, []byte, error)
 		}
 		st.trees[tr.ID] = t
 	}
+	if other != nil {
+		st.prevGen = other.Gen
+		for _, tr := range other.Trees {
+			if tr.Level == 0 {
+				continue
+			}
+			if err := st.keepNode(tr.Root, tr.Level, tr.ID, inner); err != nil {
+				if !IsCorruption(err) {
+					return nil, nil, err
+				}
+				// The previous root is damaged; what it names that is
+				// marked stays kept until the next root.
+				st.prevGen, st.prevErr = 0, err
+				break
+			}
+		}
+	}
 	return st, best.Payload, nil
 }
 
+// Previous returns the generation of the root in the other slot, whose
+// pages are intact (kept until the next root is durable), or 0 and why
+// there is none (nil: the slot was never written).
+func (st *Store) Previous() (uint64, error) { return st.prevGen, st.prevErr }
+
 // loadNode reads the inner page at ptr and, below it, every inner page,
-// marking every page named (leaves included) as in use.
-func (st *Store) loadNode(ptr Ptr, level uint8, tree uint16) (*node, error) {
+// marking every page named (leaves included) as in use and recording the
+// inner pages' generations in inner.
+func (st *Store) loadNode(ptr Ptr, level uint8, tree uint16, inner map[uint32]uint64) (*node, error) {
 	if err := st.alloc.MarkUsed(ptr.Page); err != nil {
 		return nil, err
 	}
@@ -122,12 +161,13 @@ func (st *Store) loadNode(ptr Ptr, level uint8, tree uint16) (*node, error) {
 	if err != nil {
 		return nil, err
 	}
+	inner[ptr.Page] = ptr.Gen
 	n := &node{level: int(level), written: true, ptr: ptr, kids: make([]kid, p.Count())}
 	for i := range n.kids {
 		c := p.Child(i)
 		n.kids[i] = kid{key: c.Key, agg: c.Agg, ptr: c.Ptr}
 		if level > 1 {
-			if n.kids[i].node, err = st.loadNode(c.Ptr, level-1, tree); err != nil {
+			if n.kids[i].node, err = st.loadNode(c.Ptr, level-1, tree, inner); err != nil {
 				return nil, err
 			}
 		} else if err := st.alloc.MarkUsed(c.Ptr.Page); err != nil {
@@ -135,6 +175,34 @@ func (st *Store) loadNode(ptr Ptr, level uint8, tree uint16) (*node, error) {
 		}
 	}
 	return n, nil
+}
+
+// keepNode marks the pages of the previous root's subtree at ptr that the
+// newest root does not name as kept. An inner page the newest root names
+// with the same generation is the same subtree (a page is written once a
+// generation and never changed while a root names it): it is not read.
+func (st *Store) keepNode(ptr Ptr, level uint8, tree uint16, inner map[uint32]uint64) error {
+	if g, ok := inner[ptr.Page]; ok && g == ptr.Gen {
+		return nil
+	}
+	if _, err := st.alloc.MarkKept(ptr.Page); err != nil {
+		return err
+	}
+	p, err := st.readPage(ptr, KindInner, level, tree)
+	if err != nil {
+		return err
+	}
+	for i := range p.Count() {
+		c := p.Child(i)
+		if level > 1 {
+			if err := st.keepNode(c.Ptr, level-1, tree, inner); err != nil {
+				return err
+			}
+		} else if _, err := st.alloc.MarkKept(c.Ptr.Page); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // readPage reads and verifies the page at ptr.
@@ -178,8 +246,9 @@ func (st *Store) Err() error { return st.err }
 // Checkpoint writes every page changed since the last checkpoint (leaves,
 // then the inner nodes above them), syncs, writes the next root with
 // payload into its slot and syncs again. When it returns nil the new root
-// is durable and the pages only the old one named are free. An error is
-// sticky (Err): the store writes nothing more.
+// is durable, the pages only the previous root named are free and those
+// only the old one names are kept (Alloc). An error is sticky (Err): the
+// store writes nothing more.
 func (st *Store) Checkpoint(payload []byte) error {
 	if st.err != nil {
 		return st.err
@@ -222,6 +291,7 @@ func (st *Store) Checkpoint(payload []byte) error {
 		return st.fail(fmt.Errorf("pages: syncing root: %w", err))
 	}
 	st.BytesWritten += PageSize
+	st.prevGen, st.prevErr = st.gen, nil
 	st.gen = gen
 	st.alloc.Durable(released)
 	return nil
