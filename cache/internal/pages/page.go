@@ -7,10 +7,10 @@
 // Built so far, and tested against the in-memory index (index.Ptree) as
 // the oracle: the page codec (this file), the page cache (cache.go), the
 // page area's allocation (alloc.go), the copy-on-write tree of one
-// volume's entries or superseded versions and the root that names every
-// tree (tree.go, store.go, root.go). Not built: the per-bucket summaries
-// and owner lists, a checkpoint outside the caller's lock, and any use by
-// the engine (package cache still keeps its index wholly in memory).
+// volume's entries or superseded versions, the bucket table, and the root
+// that names them (tree.go, table.go, store.go, root.go). Not built: the
+// owner lists, a checkpoint outside the caller's lock, and any use by the
+// engine (package cache still keeps its index wholly in memory).
 //
 // # Page format
 //
@@ -19,10 +19,10 @@
 //	off  len
 //	0    4    magic "TCPG"
 //	4    4    crc32c of the whole page with this field zero
-//	8    1    kind: 1 leaf, 2 inner
+//	8    1    kind: 1 leaf, 2 inner, 3 bucket table (table.go)
 //	9    1    level: 0 for a leaf, the height above the leaves for an inner page
 //	10   2    slot count
-//	12   2    tree: the volume slot the page belongs to (| SupTree: its superseded versions)
+//	12   2    tree: the volume slot the page belongs to (| SupTree: its superseded versions; TableTree: the bucket table)
 //	14   2    0
 //	16   8    the page's own number in the page area (a page read from another address is misdirected)
 //	24   8    the checkpoint generation that wrote it
@@ -183,7 +183,7 @@ func (p *Page) Verify(at Ptr, off int64, kind, level uint8, tree uint16, nonce u
 		return bad("page %d read at page %d (a misdirected write)", h.Page, at.Page)
 	case at.Gen != 0 && h.Gen != at.Gen:
 		return bad("page %d of generation %d, its parent names generation %d (a lost write)", at.Page, h.Gen, at.Gen)
-	case h.Kind != kind || (kind == KindLeaf && h.Level != 0) || (kind == KindInner && (h.Level == 0 || (level != 0 && h.Level != level))):
+	case h.Kind != kind || (kind != KindInner && h.Level != 0) || (kind == KindInner && (h.Level == 0 || (level != 0 && h.Level != level))):
 		return bad("page %d is kind %d level %d, expected kind %d level %d", at.Page, h.Kind, h.Level, kind, level)
 	case h.Tree != tree:
 		return bad("page %d belongs to tree %d, expected %d", at.Page, h.Tree, tree)
@@ -199,6 +199,15 @@ func (p *Page) Verify(at Ptr, off int64, kind, level uint8, tree uint16, nonce u
 		for i := 1; i < int(h.Count); i++ {
 			if !keyLess(p.SlotKey(i-1, sup), p.SlotKey(i, sup)) {
 				return bad("leaf page %d: slot %d (lba %d) out of order", at.Page, i, p.LBA(i))
+			}
+		}
+	case KindTable:
+		if h.Count == 0 || int(h.Count) > TableCap {
+			return bad("table page %d holds %d buckets (1..%d)", at.Page, h.Count, TableCap)
+		}
+		for i := range int(h.Count) {
+			if le.Uint16(p[recOff(i)+10:]) != 0 {
+				return bad("table page %d: bucket %d: reserved bytes set", at.Page, i)
 			}
 		}
 	case KindInner:

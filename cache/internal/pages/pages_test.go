@@ -129,16 +129,28 @@ func FuzzPages(f *testing.F) {
 	q.AppendChild(Child{Key: Key{LBA: 9}, Ptr: Ptr{Page: 2, Gen: 1, CRC: 6}, Agg: math.MaxUint64})
 	q.Seal(0, 1, testNonce)
 	f.Add(q[:])
+	var tp Page
+	tp.Init(KindTable, 0, TableTree)
+	tp.setRec(0, Bucket{Gen: 1, Live: 2, Dirty: 1, Fill: 3, Atime: 4, Oldest: 5})
+	tp.setRec(1, Bucket{Gen: math.MaxUint32})
+	tp.setCount(2)
+	tp.Seal(0, 1, testNonce)
+	f.Add(tp[:])
 	lay := testLayout(64)
 	r, _ := encodeRoot(Root{Gen: 3, Nonce: testNonce, Pages: 64, Payload: []byte("x"),
-		Trees: []RootTree{{ID: 0, Level: 1, Root: Ptr{Page: 5, Gen: 3, CRC: 1}, Count: 4, Agg: 2}, {ID: 4}}})
+		Trees: []RootTree{{ID: 0, Level: 1, Root: Ptr{Page: 5, Gen: 3, CRC: 1}, Count: 4, Agg: 2}, {ID: 4},
+			{ID: TableTree, Level: 1, Root: Ptr{Page: 6, Gen: 2, CRC: 7}, Count: 100, Agg: math.MaxUint64}}})
 	f.Add(r)
 	f.Fuzz(func(t *testing.T, b []byte) {
 		var p Page
 		copy(p[:], b)
-		for _, kind := range []uint8{KindLeaf, KindInner} {
+		for _, kind := range []uint8{KindLeaf, KindInner, KindTable} {
 			orig := p
-			if err := p.Verify(Ptr{Page: 0}, 0, kind, 0, 0, testNonce); err != nil {
+			tree := uint16(0)
+			if kind == KindTable {
+				tree = TableTree
+			}
+			if err := p.Verify(Ptr{Page: 0}, 0, kind, 0, tree, testNonce); err != nil {
 				if !IsCorruption(err) {
 					t.Fatalf("not a corruption error: %v", err)
 				}
@@ -148,10 +160,14 @@ func FuzzPages(f *testing.F) {
 			h := p.Hdr()
 			r.Init(h.Kind, h.Level, h.Tree)
 			for i := range p.Count() {
-				if kind == KindLeaf {
+				switch kind {
+				case KindLeaf:
 					r.InsertSlot(i, p.Slot(i))
-				} else {
+				case KindInner:
 					r.AppendChild(p.Child(i))
+				case KindTable:
+					r.setRec(i, p.rec(i))
+					r.setCount(i + 1)
 				}
 			}
 			r.Seal(h.Page, h.Gen, h.Nonce)
@@ -591,7 +607,7 @@ func TestCheckpointWritesWhatChanged(t *testing.T) {
 
 // TestCrashAtEveryWrite: a crash at any write or sync of a checkpoint
 // (unsynced blocks kept, lost or torn at random) reopens either the
-// previous root's trees or the new one's, exactly; and the root in the
+// previous root's trees and bucket table or the new one's, exactly; and the root in the
 // other slot is then always the one before (Previous), intact: with the
 // newest root's slot damaged on top of the crash, Open falls back to it
 // and finds its trees exactly, every page verified (Check reads every
@@ -599,23 +615,36 @@ func TestCheckpointWritesWhatChanged(t *testing.T) {
 // (asserted), and the store is re-opened after the second checkpoint (the
 // previous root's pages are kept across an Open too).
 func TestCrashAtEveryWrite(t *testing.T) {
-	lay := testLayout(48)
+	const crashBuckets = 2000 // 12 table pages under one directory page
+	lay := testLayout(80)
 	// One run without a crash counts the operations.
-	run := func(cut int, seed uint64) (*countDev, []*oracle, int, uint64) {
+	run := func(cut int, seed uint64) (*countDev, []*oracle, [][]Bucket, int, uint64) {
 		rng := rand.New(rand.NewPCG(seed, 9))
 		dev := &countDev{Mem: device.NewMem(lay.Off + lay.Len()), cut: cut, rng: rand.New(rand.NewPCG(seed, uint64(cut)))}
 		st := newTestStore(t, dev, lay, 8)
 		o := newOracle()
 		snaps := []*oracle{o.clone()} // the trees as of each root, from generation 1
+		tabs := [][]Bucket{nil}       // the bucket table as of each root
 		tr := st.Tree(1)
+		tab := make([]Bucket, crashBuckets)
 		start := dev.ops
 		var written uint64
 		for c := range 12 {
 			workload(t, rng, tr, o, 400, 3000)
+			tb, err := st.Table(crashBuckets)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for range 20 {
+				i := rng.IntN(crashBuckets)
+				tab[i] = randBucket(rng)
+				tb.Set(i, tab[i])
+			}
 			if err := st.Checkpoint(nil); err != nil {
 				t.Fatal(err)
 			}
 			snaps = append(snaps, o.clone())
+			tabs = append(tabs, slices.Clone(tab))
 			if c == 1 {
 				written += st.PagesWritten
 				var err error
@@ -625,20 +654,35 @@ func TestCrashAtEveryWrite(t *testing.T) {
 				tr = st.Tree(1)
 			}
 		}
-		return dev, snaps, dev.ops - start, written + st.PagesWritten
+		return dev, snaps, tabs, dev.ops - start, written + st.PagesWritten
+	}
+	sameTable := func(st *Store, want []Bucket) error {
+		if want == nil {
+			if st.table != nil {
+				return fmt.Errorf("a bucket table at generation %d", st.Gen())
+			}
+			return nil
+		}
+		if st.table == nil {
+			return fmt.Errorf("no bucket table at generation %d", st.Gen())
+		}
+		if !slices.Equal(st.table.recs, want) {
+			return fmt.Errorf("bucket table at generation %d differs", st.Gen())
+		}
+		return nil
 	}
 	seeds, stride := uint64(2), 1
 	if raceEnabled {
 		seeds, stride = 1, 3 // every third crash point: -race is 10x slower
 	}
 	for seed := range seeds {
-		_, _, nops, written := run(-1, seed)
+		_, _, _, nops, written := run(-1, seed)
 		if written <= uint64(lay.Pages) {
 			t.Fatalf("seed %d: %d pages written to an area of %d: none reused", seed, written, lay.Pages)
 		}
 		fallbacks := 0
 		for cut := 0; cut < nops; cut += stride {
-			dev, snaps, _, _ := run(cut+3, seed) // after Format's two writes and a sync
+			dev, snaps, tabs, _, _ := run(cut+3, seed) // after Format's two writes and a sync
 			if dev.crashed == nil {
 				t.Fatalf("seed %d cut %d: no crash image", seed, cut)
 			}
@@ -652,6 +696,9 @@ func TestCrashAtEveryWrite(t *testing.T) {
 			}
 			if err := snaps[g].same(st.Tree(1)); err != nil {
 				t.Fatalf("seed %d cut %d: generation %d: %v", seed, cut, st.Gen(), err)
+			}
+			if err := sameTable(st, tabs[g]); err != nil {
+				t.Fatalf("seed %d cut %d: %v", seed, cut, err)
 			}
 			if err := st.Tree(1).Check(); err != nil {
 				t.Fatalf("seed %d cut %d: %v", seed, cut, err)
@@ -673,6 +720,9 @@ func TestCrashAtEveryWrite(t *testing.T) {
 			}
 			if err := snaps[prev-1].same(st.Tree(1)); err != nil {
 				t.Fatalf("seed %d cut %d: fallback to generation %d: %v", seed, cut, prev, err)
+			}
+			if err := sameTable(st, tabs[prev-1]); err != nil {
+				t.Fatalf("seed %d cut %d: fallback: %v", seed, cut, err)
 			}
 			if err := st.Tree(1).Check(); err != nil {
 				t.Fatalf("seed %d cut %d: fallback to generation %d: %v", seed, cut, prev, err)
@@ -743,6 +793,123 @@ func TestAllocKeepsTwoRoots(t *testing.T) {
 		t.Fatal("the area was never full: no test of reuse")
 	}
 	t.Logf("2000 checkpoints in an area of %d pages, full at %d of them", n, full)
+}
+
+func randBucket(rng *rand.Rand) Bucket {
+	b := Bucket{Gen: rng.Uint32(), Live: uint16(rng.IntN(257)), Fill: uint16(rng.IntN(257)), Atime: rng.Uint32()}
+	if rng.IntN(2) == 0 {
+		b.Dirty, b.Oldest = uint16(1+rng.IntN(256)), 1+rng.Uint64N(1<<40)
+	}
+	return b
+}
+
+// TestTableWritesWhatChanged: the bucket table of 100,000 buckets (596
+// table pages under 6 directory pages and a root) against a resident
+// model, beside a tree in the same store: after k summaries changed at
+// random, a checkpoint writes exactly the table pages holding them, the
+// directory pages above those and the top one (and the tree's changes),
+// never the table; every re-open finds the model's table, and the pages
+// in use are those the two roots name.
+func TestTableWritesWhatChanged(t *testing.T) {
+	const n = 100000
+	lay := testLayout(4096)
+	dev := device.NewMem(lay.Off + lay.Len())
+	st := newTestStore(t, dev, lay, 4)
+	tb, err := st.Table(n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	model := make([]Bucket, n)
+	if err := st.Checkpoint(nil); err != nil {
+		t.Fatal(err)
+	}
+	if got, want := st.PagesWritten, uint64(596+6+1); got != want {
+		t.Fatalf("the first checkpoint wrote %d pages, want %d (the whole table)", got, want)
+	}
+	rng := rand.New(rand.NewPCG(31, 32))
+	for round, k := range []int{1, 10, 100, 1000, 10000, 1, 0} {
+		pagesChanged, dirsChanged := map[int]bool{}, map[int]bool{}
+		for range k {
+			i := rng.IntN(n)
+			b := randBucket(rng)
+			if b != model[i] {
+				pagesChanged[i/TableCap] = true
+				dirsChanged[i/TableCap/InnerCap] = true
+			}
+			model[i] = b
+			tb.Set(i, b)
+		}
+		tr := st.Tree(0)
+		if _, _, err := tr.Put(Slot{LBA: uint64(round), Loc: uint32(round)}); err != nil {
+			t.Fatal(err)
+		}
+		if tb.Dirty() != len(pagesChanged) {
+			t.Fatalf("%d changes: %d table pages dirty, %d changed", k, tb.Dirty(), len(pagesChanged))
+		}
+		w0 := st.PagesWritten
+		if err := st.Checkpoint(nil); err != nil {
+			t.Fatal(err)
+		}
+		w := int(st.PagesWritten - w0)
+		want := len(pagesChanged) + len(dirsChanged) + 1 + 2 // + the tree's leaf and inner page
+		if k == 0 {
+			want = 2 // the table is not written at all
+		}
+		if w != want {
+			t.Fatalf("%d changes (%d table pages, %d directory pages): %d pages written, want %d", k, len(pagesChanged), len(dirsChanged), w, want)
+		}
+		t.Logf("%d bucket changes: %d pages written (table pages %d, directory pages %d, the tree's 2; the table is 603 pages)", k, w, len(pagesChanged), len(dirsChanged))
+		if round%2 == 1 {
+			if st, _, err = Open(dev, lay, 4); err != nil {
+				t.Fatal(err)
+			}
+			if tb, err = st.Table(n); err != nil {
+				t.Fatal(err)
+			}
+			if n := reachable(t, dev, lay); n != st.alloc.Used() {
+				t.Fatalf("%d pages in use, the roots name %d", st.alloc.Used(), n)
+			}
+		}
+		if !slices.Equal(tb.recs, model) {
+			t.Fatalf("round %d: the table differs from the model", round)
+		}
+	}
+	if _, err := st.Table(n + 1); err == nil {
+		t.Fatal("a table of another size")
+	}
+}
+
+// TestTableCorrupt: a damaged table or directory page fails Open as
+// corruption, never a panic or a wrong table.
+func TestTableCorrupt(t *testing.T) {
+	lay := testLayout(256)
+	dev := device.NewMem(lay.Off + lay.Len())
+	st := newTestStore(t, dev, lay, 4)
+	tb, err := st.Table(30000) // 179 table pages, 2 directory pages, a root
+	if err != nil {
+		t.Fatal(err)
+	}
+	tb.Set(7, Bucket{Gen: 9})
+	if err := st.Checkpoint(nil); err != nil {
+		t.Fatal(err)
+	}
+	pages := []uint32{tb.levels[0][0].ptr.Page, tb.levels[0][178].ptr.Page, tb.levels[1][1].ptr.Page, tb.levels[2][0].ptr.Page}
+	for _, p := range pages {
+		img := dev.CrashClone(device.CrashConfig{UnsyncedKeep: 1})
+		if err := img.Corrupt(lay.pageOff(p)+100, 1); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := Open(img, lay, 4); !IsCorruption(err) {
+			t.Fatalf("page %d damaged: Open %v", p, err)
+		}
+	}
+	st, _, err = Open(dev, lay, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tb, err = st.Table(30000); err != nil || tb.Get(7) != (Bucket{Gen: 9}) {
+		t.Fatalf("%+v %v", tb.Get(7), err)
+	}
 }
 
 // TestCorruptLeaf: a damaged leaf is an error naming it, never a panic or

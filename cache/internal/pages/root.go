@@ -19,7 +19,9 @@ import (
 //	40        trees: { id u16 | level u8 | 0 u8 | page u32 | gen u64 | crc u32 | 0 u32 | count u64 | agg u64 } (40 bytes each)
 //	          then the payload
 //
-// A tree of level 0 is empty (its pointer is zero).
+// A tree of level 0 is empty (its pointer is zero). The tree numbered
+// TableTree is the bucket table (table.go): its count is the number of
+// buckets, its level that of its directory's top page.
 const (
 	rootMagic   = 0x54524354 // "TCRT"
 	rootVersion = 1

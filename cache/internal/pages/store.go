@@ -41,6 +41,7 @@ type Store struct {
 	alloc *Alloc
 	gen   uint64 // the durable root's generation
 	trees map[uint16]*Tree
+	table *Table // nil: none
 	// err is sticky: after a failed write or sync nothing more is written
 	// (a page the device may not hold could otherwise be named by a root).
 	err error
@@ -115,6 +116,13 @@ func Open(dev device.Device, lay Layout, cachePages int) (*Store, []byte, error)
 	}
 	inner := map[uint32]uint64{} // the newest root's inner pages: generation
 	for _, tr := range best.Trees {
+		if tr.ID == TableTree {
+			var err error
+			if st.table, err = st.loadTable(tr, inner); err != nil {
+				return nil, nil, err
+			}
+			continue
+		}
 		t := &Tree{id: tr.ID, st: st, length: int(tr.Count)}
 		if tr.Level > 0 {
 			n, err := st.loadNode(tr.Root, tr.Level, tr.ID, inner)
@@ -221,8 +229,12 @@ func (st *Store) readPage(ptr Ptr, kind, level uint8, tree uint16) (*Page, error
 	return p, nil
 }
 
-// Tree returns the tree id, creating an empty one.
+// Tree returns the tree id, creating an empty one. TableTree is not a
+// tree (Table).
 func (st *Store) Tree(id uint16) *Tree {
+	if id == TableTree {
+		panic("pages: tree number TableTree is the bucket table's")
+	}
 	t, ok := st.trees[id]
 	if !ok {
 		t = &Tree{id: id, st: st}
@@ -271,6 +283,13 @@ func (st *Store) Checkpoint(payload []byte) error {
 				return st.fail(err)
 			}
 			rt.Level, rt.Root, rt.Agg = uint8(t.root.level), t.root.ptr, agg
+		}
+		root.Trees = append(root.Trees, rt)
+	}
+	if st.table != nil {
+		rt, err := st.table.flush(w)
+		if err != nil {
+			return st.fail(err)
 		}
 		root.Trees = append(root.Trees, rt)
 	}
