@@ -216,6 +216,7 @@ type cacheRunner struct {
 	r      *runner // fio runs, process registry, command log
 	sz     cacheSizes
 	quick  bool
+	keep   bool // --keep: the workdir stays, every server's directory in it
 	s6lba  bool
 	s7jobs []string
 	tcBin  string
@@ -295,7 +296,7 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	if err := checkTools([]string{"qemu-nbd"}); err != nil {
 		return err
 	}
-	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout, s6lba: o.S6LBA, s7jobs: o.S7Jobs, abBin: o.AB, abRev: o.ABRev}
+	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout, keep: o.Keep, s6lba: o.S6LBA, s7jobs: o.S7Jobs, abBin: o.AB, abRev: o.ABRev}
 	if o.Quick {
 		c.sz = quickSizes()
 	}

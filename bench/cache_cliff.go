@@ -331,6 +331,17 @@ func (c *cacheRunner) cliffServer(ctx context.Context, tag string, t cliffTarget
 	return srv, nil
 }
 
+// cliffDiscard stops srv and, unless --keep, removes its directory: an
+// S7 target's images hold what its job wrote (up to 5x the cache on top of
+// the data, in RAM), and a round has some twenty of them.
+func (c *cacheRunner) cliffDiscard(srv *server) error {
+	err := c.discard(srv)
+	if !c.keep && srv.dataDir != "" {
+		err = errors.Join(err, os.RemoveAll(srv.dataDir))
+	}
+	return err
+}
+
 // cliffCase is one job on every target.
 type cliffCase struct {
 	title string
@@ -383,7 +394,7 @@ func (c *cacheRunner) s7(ctx context.Context) error {
 				v1, s1 := c.quickStats(ctx, srv)
 				r.tc = tcCounters(v0, v1, s1)
 			}
-			if err := c.discard(srv); err != nil && !r.stalled {
+			if err := c.cliffDiscard(srv); err != nil && !r.stalled {
 				return err
 			}
 			c.cliffFigure("S7", t, j.Title, r)
@@ -472,7 +483,7 @@ func (c *cacheRunner) s7RandDrain(ctx context.Context) (cliffCase, error) {
 			}
 			return c.fillAndDrain(ctx, srv, fill, fmt.Sprintf("s7-randdrain-%d", ti), &r, "writeback_rate_max=1")
 		}()
-		if derr := c.discard(srv); err == nil {
+		if derr := c.cliffDiscard(srv); err == nil {
 			err = derr
 		}
 		if err != nil {
@@ -505,7 +516,7 @@ func (c *cacheRunner) s7Drain(ctx context.Context, seq cliffRun) (cliffCase, err
 		}
 		r := cliffRun{unit: "MB/s", p999Ms: math.NaN(), maxMs: math.NaN()}
 		err = c.fillAndDrain(ctx, srv, fill, fmt.Sprintf("s7-drain-%d", ti), &r, "sequential_cutoff=0", "writeback_rate_max=1")
-		if derr := c.discard(srv); err == nil {
+		if derr := c.cliffDiscard(srv); err == nil {
 			err = derr
 		}
 		if err != nil {
