@@ -162,6 +162,9 @@ func (s *Set) allocLocked(n int, how allocHow) (run, error) {
 			return run{}, errNoSpace
 		}
 		s.mu.free = s.mu.free[1:]
+		if len(s.mu.free) < s.lowWater() {
+			s.kick() // this allocation took the free list below the mark
+		}
 		b := &s.mu.alloc[bi]
 		b.state, b.fill = bucketOpen, 0
 		s.mu.open = int64(bi)

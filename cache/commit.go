@@ -34,6 +34,7 @@ func (s *Set) appendLocked(r *ondisk.Rec) {
 	}
 	s.mu.pending = ondisk.AppendRec(s.mu.pending, r)
 	s.mu.seq++
+	s.noteCommitDue()
 	if len(s.mu.pending) >= pendingKick {
 		select {
 		case s.kickCommit <- struct{}{}:
@@ -267,23 +268,92 @@ func (s *Set) checkpointLocked(taken uint64) error {
 	return nil
 }
 
-// commitLoop commits periodically and when enough records are pending, so
-// that unflushed work lost in a crash is bounded even without FLUSH.
+// commitLoop commits commitInterval after records are appended or a
+// backing device is written (a crash loses at most that much unflushed
+// work even without FLUSH), at once when enough records are pending
+// (kickCommit), and waits for a signal (noteCommitDue) while nothing is.
 func (s *Set) commitLoop() {
-	t := time.NewTicker(commitInterval)
+	t := time.NewTimer(commitInterval)
 	defer t.Stop()
 	for {
-		select {
-		case <-s.stop:
+		now, ok := s.waitCommitDue()
+		if !ok {
 			return
-		case <-t.C:
-		case <-s.kickCommit:
+		}
+		if !now {
+			t.Reset(commitInterval)
+			select {
+			case <-s.stop:
+				return
+			case <-t.C:
+			case <-s.kickCommit:
+			}
+			t.Stop()
 		}
 		s.mu.Lock()
 		s.lapseMarksLocked(nowNanos())
 		target := s.mu.seq
 		s.mu.Unlock()
 		_ = s.commit(target) // a failure is sticky and reported to clients
+	}
+}
+
+// waitCommitDue returns once something waits for commitLoop (commitDue):
+// at once if something does, else at the signal of noteCommitDue or a
+// kick (now: commit without waiting). ok is false if the set stops first.
+func (s *Set) waitCommitDue() (now, ok bool) {
+	if s.commitDueNow() {
+		return false, true
+	}
+	s.commitIdle.Store(true)
+	// Checked again after announcing idle: a change made before the
+	// store is seen here, one made after it signals.
+	if s.commitDueNow() {
+		s.commitIdle.Store(false)
+		return false, true
+	}
+	select {
+	case <-s.stop:
+		return false, false
+	case <-s.commitDue:
+		return false, true
+	case <-s.kickCommit:
+		s.commitIdle.Store(false)
+		return true, true
+	}
+}
+
+// commitDueNow reports whether commitLoop has work: records not yet
+// durable, a backing device written since its last sync, or marked regions
+// to lapse (lapseMarksLocked). After a failover only backing syncs remain.
+func (s *Set) commitDueNow() bool {
+	if s.backingsUnsynced() {
+		return true
+	}
+	if s.isFailed() {
+		return false
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.mu.seq > s.durable.Load() {
+		return true
+	}
+	for _, v := range s.vols {
+		if len(v.idx.marks) > 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// noteCommitDue wakes commitLoop if it waits for work (waitCommitDue):
+// called after appending a record or writing a backing device.
+func (s *Set) noteCommitDue() {
+	if s.commitIdle.Load() && s.commitIdle.CompareAndSwap(true, false) {
+		select {
+		case s.commitDue <- struct{}{}:
+		default:
+		}
 	}
 }
 
@@ -345,7 +415,7 @@ func (s *Set) syncBackings() error {
 						"failures", v.st.backingSyncErrors.Load()+1)
 				}
 				v.st.backingSyncErrors.Add(1)
-				v.backingUnsynced.Store(true)
+				v.markBackingUnsynced()
 				if first == nil {
 					first = err
 				}

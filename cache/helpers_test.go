@@ -99,3 +99,18 @@ func (s *Set) writebackSweep(v *Volume, n int) (int, error) { return v.wb.Sweep(
 func (s *Set) takeEpochBatch(vi, n int) []writeback.Item {
 	return s.takeEpochBatchFrom(vi, n, s.vol(vi).wb.Cursor())
 }
+
+// crashStop stops the background goroutines without writing anything, as if
+// the process died. Tests use it after cloning the devices for a crash.
+func (s *Set) crashStop() {
+	s.mu.Lock()
+	if s.mu.closed {
+		s.mu.Unlock()
+		return
+	}
+	s.mu.closed = true
+	s.wakeLocked()
+	s.mu.Unlock()
+	close(s.stop)
+	s.wg.Wait()
+}

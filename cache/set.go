@@ -109,6 +109,10 @@ type Set struct {
 
 	kickGC     chan struct{}
 	kickCommit chan struct{}
+	// commitIdle is set while commitLoop waits for something to commit;
+	// commitDue wakes it (noteCommitDue).
+	commitIdle atomic.Bool
+	commitDue  chan struct{}
 	stop       chan struct{}
 	wg         sync.WaitGroup
 	stats      setStats
@@ -151,7 +155,8 @@ type setStats struct {
 // empty index, nothing started.
 func newSet(dev device.Device, sb *Superblock, log *slog.Logger) *Set {
 	s := &Set{dev: dev, lay: sb.Clone(), sb: sb, nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(), log: log,
-		kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1), stop: make(chan struct{})}
+		kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1),
+		commitDue: make(chan struct{}, 1), stop: make(chan struct{})}
 	s.mu.cond = sync.NewCond(&s.mu.Mutex)
 	s.mu.BPB = s.bpb
 	s.initWarm(sb)
@@ -331,21 +336,6 @@ func updateSuperblock(dev device.Device, sb *Superblock, change func(nsb *Superb
 		return nil, err
 	}
 	return nsb, nil
-}
-
-// crashStop stops the background goroutines without writing anything, as if
-// the process died. Tests use it after cloning the devices for a crash.
-func (s *Set) crashStop() {
-	s.mu.Lock()
-	if s.mu.closed {
-		s.mu.Unlock()
-		return
-	}
-	s.mu.closed = true
-	s.wakeLocked()
-	s.mu.Unlock()
-	close(s.stop)
-	s.wg.Wait()
 }
 
 // SetStats are whole-set counters.

@@ -257,13 +257,20 @@ func (v *Volume) readBacking(p []byte, lba uint64) error {
 	return nil
 }
 
+// markBackingUnsynced notes a write to the backing device that commit
+// must sync (backingUnsynced) and tells commitLoop.
+func (v *Volume) markBackingUnsynced() {
+	v.backingUnsynced.Store(true)
+	v.s.noteCommitDue()
+}
+
 // writeBacking writes whole blocks, clipped at the device's end, and marks
 // the backing device for commit's sync.
 func (v *Volume) writeBacking(p []byte, lba uint64) error {
 	if err := v.writeBackingNoMark(p, lba); err != nil {
 		return err
 	}
-	v.backingUnsynced.Store(true)
+	v.markBackingUnsynced()
 	return nil
 }
 
@@ -608,29 +615,51 @@ func (t Tier) String() string { return [...]string{"cache", "backing"}[t] }
 // WriteAtTier is WriteAt, and says which device the write went to (the
 // latency histograms split writes by it, as reads by hit and miss).
 func (v *Volume) WriteAtTier(p []byte, off int64, fua bool) (Tier, error) {
+	tier := TierCache
+	err := v.modify(off, int64(len(p)), fua, func() (err error) {
+		if len(p) > 0 {
+			v.st.writeOps.Add(1)
+			v.st.writeBytes.Add(uint64(len(p)))
+			v.touch()
+			tier, err = v.write(p, off, v.seqWrite(off, int64(len(p))))
+		}
+		return err
+	})
+	return tier, err
+}
+
+// modify runs op, a request that changes [off, off+n) (write, trim,
+// write-zeroes), inside the volume's gate, after refusing a range outside
+// the volume; with fua it then makes the volume's completed writes durable
+// (commitFUA), failing with ErrLostWrites if the cache device failed
+// meanwhile with writes only in it.
+func (v *Volume) modify(off, n int64, fua bool, op func() error) error {
 	if err := v.enter(); err != nil {
-		return TierCache, err
+		return err
 	}
 	defer v.exit()
 	lost0 := v.lostCount()
-	if err := v.checkIO(off, int64(len(p))); err != nil {
-		return TierCache, err
+	if err := v.checkIO(off, n); err != nil {
+		return err
 	}
-	tier := TierCache
-	if len(p) > 0 {
-		v.st.writeOps.Add(1)
-		v.st.writeBytes.Add(uint64(len(p)))
-		v.touch()
-		t, err := v.write(p, off, v.seqWrite(off, int64(len(p))))
-		if err != nil {
-			return t, err
-		}
-		tier = t
+	if err := op(); err != nil {
+		return err
 	}
 	if fua {
-		return tier, v.commitFUA(lost0)
+		return v.commitFUA(lost0)
 	}
-	return tier, nil
+	return nil
+}
+
+// wholeBlocks returns the blocks [a, b) wholly inside [off, off+n), the
+// volume's last block counting as whole as far as the volume goes; a >= b
+// when there is none.
+func (v *Volume) wholeBlocks(off, n int64) (a, b uint64) {
+	a = uint64((off + blockSize - 1) / blockSize)
+	if off+n == v.size {
+		return a, v.nblocks
+	}
+	return a, uint64((off + n) / blockSize)
 }
 
 func (s *Set) appended() uint64 {
@@ -848,7 +877,7 @@ func (v *Volume) zeroAround(lba, n uint64) error {
 			if err := z.WriteZeroes(a, b-a); err != nil {
 				return fmt.Errorf("zeroing %s at %d: %w", v.name, a, err)
 			}
-			v.backingUnsynced.Store(true)
+			v.markBackingUnsynced()
 			return nil
 		}
 		zero := make([]byte, min(b-a, 1<<20))
@@ -857,7 +886,7 @@ func (v *Volume) zeroAround(lba, n uint64) error {
 			if _, err := v.back.WriteAt(zero[:k], at); err != nil {
 				return fmt.Errorf("zeroing %s at %d: %w", v.name, at, err)
 			}
-			v.backingUnsynced.Store(true)
+			v.markBackingUnsynced()
 		}
 		return nil
 	})
@@ -881,7 +910,7 @@ func (v *Volume) discardAround(lba, n uint64) error {
 		if err := d.Discard(start, end-start); err != nil {
 			return fmt.Errorf("discarding %s at %d: %w", v.name, start, err)
 		}
-		v.backingUnsynced.Store(true)
+		v.markBackingUnsynced()
 		return nil
 	})
 }
@@ -1002,82 +1031,52 @@ func (v *Volume) Flush() error {
 // zeroes or old data. Partial blocks at the edges are left alone. When the
 // backing device cannot discard, Trim does nothing (allowed by NBD).
 func (v *Volume) Trim(off, length int64, fua bool) error {
-	if err := v.enter(); err != nil {
-		return err
-	}
-	defer v.exit()
-	lost0 := v.lostCount()
-	if err := v.checkIO(off, length); err != nil {
-		return err
-	}
-	v.st.trimOps.Add(1)
-	_, ok := v.back.(device.Discarder)
-	a := (off + blockSize - 1) / blockSize
-	b := (off + length) / blockSize
-	if (off+length) == v.size && v.size%blockSize != 0 {
-		b = int64(v.nblocks)
-	}
-	if ok && a < b {
-		v.rmw.RLock()
-		_, err := v.routeBlocks(opTrim, nil, uint64(a), uint64(b-a), false)
-		v.rmw.RUnlock()
-		if err != nil {
-			return err
+	return v.modify(off, length, fua, func() error {
+		v.st.trimOps.Add(1)
+		a, b := v.wholeBlocks(off, length)
+		if _, ok := v.back.(device.Discarder); !ok || a >= b {
+			return nil
 		}
-	}
-	if fua {
-		return v.commitFUA(lost0)
-	}
-	return nil
+		v.rmw.RLock()
+		defer v.rmw.RUnlock()
+		_, err := v.routeBlocks(opTrim, nil, a, b-a, false)
+		return err
+	})
 }
 
 // WriteZeroes zeroes [off, off+length). Whole blocks are zeroed on the
 // backing device (its Zeroer, or zero buffers) and dropped from the cache,
 // in every mode; partial edge blocks go through the normal write path.
 func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) error {
-	if err := v.enter(); err != nil {
-		return err
-	}
-	defer v.exit()
-	lost0 := v.lostCount()
-	if err := v.checkIO(off, length); err != nil {
-		return err
-	}
-	if _, isZeroer := v.back.(device.Zeroer); fastOnly && !isZeroer {
-		return fmt.Errorf("volume %s: fast zero: %w", v.name, errors.ErrUnsupported)
-	}
-	v.st.zeroOps.Add(1)
-	end := off + length
-	a := (off + blockSize - 1) / blockSize * blockSize
-	b := end / blockSize * blockSize
-	if end == v.size {
-		b = end // the tail block is whole as far as the volume goes
-	}
-	if a >= b {
-		a, b = end, end // no whole block: all of it is edge
-	}
-	if a > off {
-		if _, err := v.write(make([]byte, min(a, end)-off), off, false); err != nil {
-			return err
+	return v.modify(off, length, fua, func() error {
+		if _, isZeroer := v.back.(device.Zeroer); fastOnly && !isZeroer {
+			return fmt.Errorf("volume %s: fast zero: %w", v.name, errors.ErrUnsupported)
 		}
-	}
-	if b < end && b >= a {
-		if _, err := v.write(make([]byte, end-b), b, false); err != nil {
-			return err
+		v.st.zeroOps.Add(1)
+		end := off + length
+		a, b := v.wholeBlocks(off, length)
+		head, tail := end, end // no whole block: all of it is edge
+		if a < b {
+			head, tail = int64(a)*blockSize, min(int64(b)*blockSize, end)
 		}
-	}
-	if a < b {
+		if head > off {
+			if _, err := v.write(make([]byte, head-off), off, false); err != nil {
+				return err
+			}
+		}
+		if tail < end {
+			if _, err := v.write(make([]byte, end-tail), tail, false); err != nil {
+				return err
+			}
+		}
+		if a >= b {
+			return nil
+		}
 		v.rmw.RLock()
-		_, err := v.routeBlocks(opZeroes, nil, uint64(a/blockSize), uint64((b-a+blockSize-1)/blockSize), false)
-		v.rmw.RUnlock()
-		if err != nil {
-			return err
-		}
-	}
-	if fua {
-		return v.commitFUA(lost0)
-	}
-	return nil
+		defer v.rmw.RUnlock()
+		_, err := v.routeBlocks(opZeroes, nil, a, b-a, false)
+		return err
+	})
 }
 
 // Prefetch brings [off, off+length) into the cache (NBD_CMD_CACHE).
