@@ -81,6 +81,30 @@ type layoutSized struct{ device.Device }
 
 func (layoutSized) Size() int64 { return 1 << 62 }
 
+// mirrorDegraded reports whether the set is mirrored and runs on one
+// member: its dirty data has one copy, so writeback runs at full speed
+// to shrink what a second failure would lose (wbRate).
+func (s *Set) mirrorDegraded() bool { return s.mir != nil && !s.mir.Redundant() }
+
+// mirrorWatch has a member failure wake every volume's writeback loop, so
+// that the full speed of a degraded set starts at once rather than at the
+// loop's next decision. The kick runs on its own goroutine: the failure
+// may be noticed under the set's locks.
+func (s *Set) mirrorWatch() {
+	if s.mir == nil {
+		return
+	}
+	s.mir.OnFail(func(mirror.Member) {
+		go func() {
+			if vols := s.volSnap.Load(); vols != nil {
+				for _, v := range *vols {
+					v.wb.Kick()
+				}
+			}
+		}()
+	})
+}
+
 // mirrorHolds reports whether a dirty block may go to cache block loc:
 // with both members live, only into a bucket mapped on B. REQUIRES: not
 // s.mu (the mirror's own lock is taken).

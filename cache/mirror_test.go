@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/mirror"
@@ -351,4 +352,43 @@ func TestMirrorMemberAlone(t *testing.T) {
 	if st := r.set.Stats().Mirror; st == nil || !st.Degraded || st.Failed != "A" {
 		t.Fatalf("mirror stats %+v", st)
 	}
+}
+
+// TestMirrorDegradedWritebackFullSpeed: a mirrored set that loses a
+// member writes its dirty data back at full speed at once, though the
+// client is busy and the dirty data is under the writeback target (where
+// a redundant set writes nothing back): a second failure would lose it.
+func TestMirrorDegradedWritebackFullSpeed(t *testing.T) {
+	r := newMirrorRig(t, 16, 64<<10, 16, 1024)
+	busy := func() { r.vol.lastIO.Store(nowNanos() + int64(time.Hour)) } // never idle
+	for lba := range uint64(8) {
+		r.write(lba, lba+1)
+	}
+	if err := r.vol.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	busy()
+	if rate := r.set.wbRate(r.vol); rate != 0 {
+		t.Fatalf("redundant set, busy client, dirty under the target: writeback rate %d, want 0 (the test shows nothing)", rate)
+	}
+	if d := r.set.Stats().DirtyBlocks; d == 0 {
+		t.Fatal("no dirty data before the failure")
+	}
+	r.b.pulled.Store(true)
+	r.write(100, 1)
+	if err := r.vol.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	busy()
+	if st := r.set.Stats().Mirror; st == nil || !st.Degraded {
+		t.Fatalf("not degraded after pulling B: %+v", st)
+	}
+	deadline := time.Now().Add(60 * time.Second) // a hang guard, not a timing assertion
+	for r.set.Stats().DirtyBlocks > 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("degraded set, busy client: %d dirty blocks still not written back after 60 s", r.set.Stats().DirtyBlocks)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	r.verify(map[uint64]uint64{0: 1, 1: 2, 2: 3, 3: 4, 4: 5, 5: 6, 6: 7, 7: 8, 100: 1})
 }

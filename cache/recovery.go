@@ -886,6 +886,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	s := newSet(cacheDev, sb, log)
 	s.mir = mir
+	s.mirrorWatch()
 	if err := s.loadLostWrites(); err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}

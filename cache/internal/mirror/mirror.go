@@ -133,6 +133,10 @@ type Mirror struct {
 	// counters of the newest label slot written on each member
 	counter [2]uint64
 
+	// onFail, if set (OnFail), is called once a member failure is
+	// durable in the survivor's label.
+	onFail atomic.Pointer[func(Member)]
+
 	mu        sync.Mutex
 	labelWait chan struct{}
 	slots     []slot
@@ -479,8 +483,16 @@ func (m *Mirror) fail(r Member, cause error) error {
 		m.free = nil // no slot is handed out on a failed B
 		m.mu.Unlock()
 	}
+	if f := m.onFail.Load(); f != nil {
+		(*f)(r)
+	}
 	return nil
 }
+
+// OnFail sets f to be called after a member failure is durable in the
+// survivor's label (under the mirror's label lock: f must not call the
+// mirror, nor wait for anything that does).
+func (m *Mirror) OnFail(f func(failed Member)) { m.onFail.Store(&f) }
 
 // survivorErr is nil while the other member of r is live.
 func (m *Mirror) survivorErr(r Member) error {
