@@ -123,7 +123,7 @@ func TestPowerCut(t *testing.T) {
 	}
 	t.Logf("seed %d (TIERCACHE_KVM_SEED=%d: the same workload and sample of points; the log also depends on the guest's timing)", seed, seed)
 	modes := pcModes
-	writes, files := 300, 6
+	writes, files := 150, 3
 	if full {
 		writes, files = 2000, 30
 	}
