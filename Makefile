@@ -92,7 +92,8 @@ kernel:
 # TIERCACHE_KVM_SEED=N repeats a run's workload and points;
 # TIERCACHE_KVM_KEEP=DIR keeps (and replays) its logs.
 kernel-sweep:
-	TIERCACHE_KVM_FULL=1 $(GO) test -count=1 -timeout 6h -v -run 'TestPowerCut$$|TestPowerCutCompare$$' ./internal/kvm/
+	TIERCACHE_KVM_FULL=1 $(GO) test -count=1 -timeout 3h -v -run 'TestPowerCut$$' ./internal/kvm/
+	TIERCACHE_KVM_FULL=1 $(GO) test -count=1 -timeout 4h -v -run 'TestPowerCutCompare$$' ./internal/kvm/
 
 # Every fuzz target (NBD parsers, on-disk decoders, recovery of forged
 # metadata) for FUZZTIME each (60s), two at a time; a crasher fails and stays

@@ -65,7 +65,7 @@ func TestPowerCutCompare(t *testing.T) {
 		seed, _ = strconv.ParseUint(s, 10, 64)
 	}
 	t.Logf("seed %d (TIERCACHE_KVM_SEED=%d: the same workload and sample of points)", seed, seed)
-	writes, files := 300, 6
+	writes, files := 150, 3
 	fullFlag := ""
 	if full {
 		writes, files, fullFlag = 2000, 30, "-full"
