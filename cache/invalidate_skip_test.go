@@ -14,7 +14,7 @@ import (
 // invalidation record when no recovery could find an entry of the volume
 // (idx.Replayable), and keep it when one could. These tests pin both
 // sides: the skip must save the journal commit of a FLUSH in none mode on
-// an empty cache (docs/BENCHMARKS.md, S6 point 6), and the record must stay
+// an empty cache (docs/BENCHMARKS.md, "Reading the results", S6), and the record must stay
 // when a durable insert of the range could otherwise come back on replay.
 
 // openQuietSet formats and opens a set with one volume, no background

@@ -14,7 +14,7 @@ import (
 )
 
 // TestMeasureMirrorCost measures what a mirror costs the write path
-// (docs/BENCHMARKS.md, "Mirrored cache devices"): 4 KiB random writes in
+// (docs/BENCHMARKS.md, "Engine measurements"): 4 KiB random writes in
 // writeback mode at queue depth 8 for 2 s (IOPS), then 300 writes each
 // followed by a FLUSH at queue depth 1 (FLUSH latency), on a set whose
 // cache is one file and on the same set mirrored on a second file (B a

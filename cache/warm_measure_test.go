@@ -11,7 +11,7 @@ import (
 )
 
 // TestMeasureWarmWritePath measures what region marks cost the write path
-// (docs/BENCHMARKS.md, "Warm after a crash"): 4 KiB writes at random over
+// (docs/BENCHMARKS.md, "Engine measurements"): 4 KiB writes at random over
 // an 8 GiB volume (8 mark regions) on the HDD model, each followed by a
 // FLUSH, in writethrough and writearound mode, on a set with the
 // warm-clean feature and on the same set rewritten as format version 2
