@@ -22,7 +22,10 @@ import (
 // every time (a thread switch per request on each side). With AIO a
 // request costs a share of one io_submit (requests queued meanwhile are
 // submitted together) and a share of one non-blocking io_getevents in the
-// reaper goroutine, which wakes the waiting goroutine through a channel.
+// reaper goroutine, which wakes the waiting goroutine through a channel,
+// or, for a read started with File.StartReadAt, calls its completion
+// function itself (no goroutine waits for it: a cache hit served from
+// the NBD reader costs no thread hand-off to a waiter).
 // The kernel signals completions on an eventfd (IOCB_FLAG_RESFD) that the
 // reaper reads through the Go netpoller, so no thread blocks in the
 // kernel waiting for the device: the threads stay few and the device sees
@@ -52,6 +55,11 @@ import (
 //     caller does the I/O with pread/pwrite itself. A short completion
 //     is finished the same way, so the result is exactly that of
 //     preadFull/pwriteFull.
+//  6. An async request (start) has no waiting goroutine: its r.async is
+//     called once, on the reaper (or, refused, on the submitter) without
+//     a.mu held, after its buffer is unpinned and its slot is free; the
+//     function must not block (File.StartReadAt hands the synchronous
+//     finish of a short or refused read to a new goroutine).
 
 // aioDepth bounds the requests of one File queued or in the kernel.
 const aioDepth = 256
@@ -108,7 +116,10 @@ type aioReq struct {
 	cb   iocb
 	slot int
 	res  int64
-	done chan struct{} // receives the completion (capacity 1)
+	done chan struct{} // receives the completion (capacity 1); unused by async requests
+	// async, if set, is called with the result instead of a send on done
+	// (aio.start): on the reaper, after the slot is free again.
+	async func(res int64)
 	// pin holds the buffer in place while the kernel has its address: a
 	// buffer on the caller's stack would otherwise move if the stack were
 	// grown or shrunk while the caller waits (Pin also makes it escape, so
@@ -228,24 +239,7 @@ func (a *aio) do(cmd uint16, fd int, p []byte, off int64) (int, error) {
 	slot := <-a.slots
 	r := a.reqs[slot]
 	r.pin.Pin(unsafe.SliceData(p))
-	r.cb = iocb{data: uint64(slot), opcode: cmd, fildes: uint32(fd),
-		buf: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(p)))), nbytes: uint64(len(p)), offset: off,
-		flags: iocbFlagResfd, resfd: uint32(a.efdN)}
-	a.mu.Lock()
-	a.pending = append(a.pending, r)
-	if !a.submitting {
-		a.submitting = true
-		if a.inflight > 0 {
-			// The device is busy with other requests, whose callers are
-			// likely to issue more: let those that are runnable queue
-			// theirs first, so that one io_submit takes them all.
-			a.mu.Unlock()
-			runtime.Gosched()
-			a.mu.Lock()
-		}
-		a.submitLocked()
-	}
-	a.mu.Unlock()
+	a.queue(r, cmd, fd, p, off)
 	<-r.done
 	r.pin.Unpin()
 	res := r.res
@@ -268,6 +262,55 @@ func (a *aio) do(cmd uint16, fd int, p []byte, off int64) (int, error) {
 		n, err = pwriteFull(fd, p[done:], off+int64(done))
 	}
 	return done + n, err
+}
+
+// start queues a read (cmd iocbCmdPread) or write of p at off on fd, as
+// do does, without waiting: done is called with the kernel's result (or
+// aioFallback) as invariant 6 says. It returns false, having done
+// nothing, when every slot is taken: the caller then uses do, which
+// waits for one.
+func (a *aio) start(cmd uint16, fd int, p []byte, off int64, done func(res int64)) bool {
+	var slot int
+	select {
+	case slot = <-a.slots:
+	default:
+		return false
+	}
+	r := a.reqs[slot]
+	r.pin.Pin(unsafe.SliceData(p))
+	r.async = done
+	a.queue(r, cmd, fd, p, off)
+	return true
+}
+
+// queue fills r's iocb and submits it with whatever else is pending.
+func (a *aio) queue(r *aioReq, cmd uint16, fd int, p []byte, off int64) {
+	r.cb = iocb{data: uint64(r.slot), opcode: cmd, fildes: uint32(fd),
+		buf: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(p)))), nbytes: uint64(len(p)), offset: off,
+		flags: iocbFlagResfd, resfd: uint32(a.efdN)}
+	a.mu.Lock()
+	a.pending = append(a.pending, r)
+	if !a.submitting {
+		a.submitting = true
+		if a.inflight > 0 {
+			// The device is busy with other requests, whose callers are
+			// likely to issue more: let those that are runnable queue
+			// theirs first, so that one io_submit takes them all.
+			a.mu.Unlock()
+			runtime.Gosched()
+			a.mu.Lock()
+		}
+		a.submitLocked()
+	}
+	a.mu.Unlock()
+}
+
+// complete delivers the async request r's result (invariant 6).
+// REQUIRES: not a.mu; r.async set and read by the caller into cb.
+func (a *aio) complete(r *aioReq, res int64, cb func(int64)) {
+	r.pin.Unpin()
+	a.slots <- r.slot
+	cb(res)
 }
 
 // submitLocked submits everything pending until nothing is. It drops a.mu
@@ -297,8 +340,13 @@ func (a *aio) submitLocked() {
 				// The kernel took none of them from i on: the first is
 				// refused (its caller does it synchronously), and the
 				// rest are retried.
-				batch[i].res = aioFallback
-				batch[i].done <- struct{}{}
+				if cb := batch[i].async; cb != nil {
+					batch[i].async = nil
+					a.complete(batch[i], aioFallback, cb)
+				} else {
+					batch[i].res = aioFallback
+					batch[i].done <- struct{}{}
+				}
 				refused++
 				i++
 				continue
@@ -331,6 +379,12 @@ func (a *aio) kickLocked() {
 func (a *aio) reaper() {
 	defer a.reap.Done()
 	var evs [64]ioEvent
+	type asyncDone struct {
+		r   *aioReq
+		res int64
+		cb  func(int64)
+	}
+	var async []asyncDone
 	var cnt [8]byte
 	for {
 		// Wait in the netpoller for the eventfd; reading it resets the
@@ -348,16 +402,28 @@ func (a *aio) reaper() {
 			a.mu.Lock()
 			for _, ev := range evs[:n] {
 				r := a.reqs[ev.data%aioDepth]
+				if cb := r.async; cb != nil {
+					r.async = nil
+					async = append(async, asyncDone{r, ev.res, cb})
+					continue
+				}
 				r.res = ev.res
 				r.done <- struct{}{}
 			}
 			a.inflight -= n
-			if a.inflight == 0 {
+			last := a.inflight == 0
+			if last {
 				a.reaping = false
-				a.mu.Unlock()
-				return
 			}
 			a.mu.Unlock()
+			for i, d := range async {
+				a.complete(d.r, d.res, d.cb)
+				async[i] = asyncDone{}
+			}
+			async = async[:0]
+			if last {
+				return
+			}
 			if n < len(evs) {
 				break // the ring is empty for now: wait for the eventfd
 			}

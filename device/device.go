@@ -69,6 +69,16 @@ type Zeroer interface {
 	WriteZeroes(off, length int64) error
 }
 
+// AsyncReader is implemented by devices that can start a read without a
+// goroutine waiting for it (File: through Linux AIO). StartReadAt returns
+// false, having done nothing, when it cannot start this read so (the
+// caller then uses ReadAt); else it calls done exactly once with what
+// ReadAt would have returned, on a goroutine the device owns: done must
+// not block. p belongs to the read until done is called.
+type AsyncReader interface {
+	StartReadAt(p []byte, off int64, done func(n int, err error)) bool
+}
+
 // SyncKeeper is implemented by devices whose failed Sync loses nothing:
 // the writes it could not make durable stay with the device, and a later
 // Sync that succeeds makes them durable (an object-store image keeps the

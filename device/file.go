@@ -116,9 +116,10 @@ type File struct {
 }
 
 var (
-	_ Device    = (*File)(nil)
-	_ Discarder = (*File)(nil)
-	_ Zeroer    = (*File)(nil)
+	_ Device      = (*File)(nil)
+	_ Discarder   = (*File)(nil)
+	_ Zeroer      = (*File)(nil)
+	_ AsyncReader = (*File)(nil)
 )
 
 // pageSize is the granularity of the page cache; see the file comment for why
@@ -402,6 +403,68 @@ func (f *File) preadDirect(p []byte, off int64) (int, error) {
 		return f.aio.do(iocbCmdPread, f.fd, p, off)
 	}
 	return preadFull(f.fd, p, off)
+}
+
+// StartReadAt starts reading len(p) bytes at off and returns true; done is
+// then called once with what ReadAt would have returned. It returns false,
+// having done nothing, when the read cannot be started without waiting:
+// the File has no AIO, the request is not aligned for the direct path
+// (offset, length, buffer), every AIO slot is taken, or the File is
+// closed. The caller then uses ReadAt.
+//
+// done runs on the goroutine that reaps completions, which serves every
+// request of the File: it must not block, nor call the File's methods
+// itself (it holds the File's read lock). p belongs to the read until done
+// is called. Close waits for every started read's done to return.
+func (f *File) StartReadAt(p []byte, off int64, done func(n int, err error)) bool {
+	if len(p) == 0 || !f.isAligned(off, len(p)) || !f.bufAligned(p) {
+		return false
+	}
+	if !f.mu.TryRLock() {
+		return false // Close is running or waiting
+	}
+	if f.closed || f.aio == nil || CheckRange(off, int64(len(p)), f.size) != nil {
+		f.mu.RUnlock()
+		return false
+	}
+	fd := f.fd
+	ok := f.aio.start(iocbCmdPread, fd, p, off, func(res int64) { f.finishRead(fd, p, off, res, done) })
+	if !ok {
+		f.mu.RUnlock()
+	}
+	return ok
+}
+
+// finishRead completes a read StartReadAt started, whose AIO result is res
+// (bytes, -errno or aioFallback): it calls done, then releases the read
+// lock the read held (so Close returns after every done), at once if the read is complete or failed, else (refused,
+// or short) from a new goroutine that reads the rest with pread, which
+// blocks, so not on the reaper.
+func (f *File) finishRead(fd int, p []byte, off int64, res int64, done func(int, error)) {
+	if res == int64(len(p)) {
+		done(len(p), nil)
+		f.mu.RUnlock()
+		return
+	}
+	if res < 0 && res != aioFallback || res > int64(len(p)) {
+		err := error(unix.EIO)
+		if res < 0 {
+			err = unix.Errno(-res)
+		}
+		done(0, f.ioErr("read", off, int64(len(p)), err))
+		f.mu.RUnlock()
+		return
+	}
+	got := max(res, 0)
+	go func() {
+		defer f.mu.RUnlock()
+		n, err := preadFull(fd, p[got:], off+got)
+		if err != nil {
+			done(int(got)+n, f.ioErr("read", off, int64(len(p)), err))
+			return
+		}
+		done(int(got)+n, nil)
+	}()
 }
 
 // pwriteDirect is pwriteFull on the direct fd, like preadDirect.

@@ -1,0 +1,200 @@
+package device
+
+import (
+	"errors"
+	"io"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+)
+
+// openDirectAIO opens a direct File with AIO over a new file of size bytes
+// stamped with stamp, or skips where the file system has no O_DIRECT.
+func openDirectAIO(t *testing.T, size int) (*File, string) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "start.img")
+	data := make([]byte, size)
+	for i := range data {
+		data[i] = stamp(i)
+	}
+	if err := os.WriteFile(path, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	f, err := OpenFile(path, FileOptions{Direct: DirectAuto})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !f.Direct() {
+		f.Close()
+		t.Skipf("%s: no O_DIRECT on this file system; the AIO path is not used", path)
+	}
+	if f.aio == nil {
+		f.Close()
+		t.Fatal("direct File without AIO (io_setup failed)")
+	}
+	return f, path
+}
+
+func stamp(i int) byte { return byte(i/4096*7 + i%251) }
+
+func checkStamp(p []byte, off int64) bool {
+	for i, b := range p {
+		if b != stamp(int(off)+i) {
+			return false
+		}
+	}
+	return true
+}
+
+// TestStartReadAt starts more reads than the File has AIO slots, from one
+// goroutine without waiting: those StartReadAt refuses (every slot taken)
+// report false and are done with ReadAt, the others complete through done
+// exactly once with the right bytes. Requests the direct path does not take
+// (unaligned, empty, out of range) are refused without calling done.
+func TestStartReadAt(t *testing.T) {
+	const bs, n = 4096, 2 * aioDepth
+	f, _ := openDirectAIO(t, n*bs)
+	defer f.Close()
+	var wg sync.WaitGroup
+	var calls [n]atomic.Int32
+	var bad atomic.Int32
+	started := 0
+	for i := range n {
+		p := alignedBuf(bs)
+		off := int64((i * 37 % n) * bs)
+		wg.Add(1)
+		ok := f.StartReadAt(p, off, func(got int, err error) {
+			defer wg.Done()
+			calls[i].Add(1)
+			if got != bs || err != nil || !checkStamp(p, off) {
+				bad.Add(1)
+			}
+		})
+		if ok {
+			started++
+			continue
+		}
+		wg.Done()
+		if _, err := f.ReadAt(p, off); err != nil || !checkStamp(p, off) {
+			t.Fatalf("ReadAt after a refused start: %v", err)
+		}
+	}
+	wg.Wait()
+	if started == 0 {
+		t.Fatal("no read started")
+	}
+	for i := range calls {
+		if c := calls[i].Load(); c > 1 {
+			t.Fatalf("read %d: done called %d times", i, c)
+		}
+	}
+	if bad.Load() != 0 {
+		t.Fatalf("%d reads completed with wrong data or an error", bad.Load())
+	}
+	never := func(int, error) { t.Error("done called for a refused start") }
+	for _, c := range []struct {
+		name string
+		p    []byte
+		off  int64
+	}{
+		{"unaligned offset", alignedBuf(bs), 512},
+		{"unaligned length", alignedBuf(bs)[:bs-512], 0},
+		{"unaligned buffer", alignedBuf(2 * bs)[1 : bs+1], 0},
+		{"empty", nil, 0},
+		{"past the end", alignedBuf(bs), n * bs},
+	} {
+		if f.StartReadAt(c.p, c.off, never) {
+			t.Errorf("%s: started", c.name)
+		}
+	}
+}
+
+// TestStartReadAtShort reads across the end of a file truncated under the
+// open File: the kernel's short completion is finished with pread, which
+// reports io.EOF and the bytes that were there, as ReadAt does.
+func TestStartReadAtShort(t *testing.T) {
+	const bs = 4096
+	f, path := openDirectAIO(t, 4*bs)
+	defer f.Close()
+	if err := os.Truncate(path, 2*bs+bs/2); err != nil {
+		t.Fatal(err)
+	}
+	for _, off := range []int64{2 * bs, 3 * bs} {
+		p := alignedBuf(bs)
+		res := make(chan error, 1)
+		var got int
+		if !f.StartReadAt(p, off, func(n int, err error) { got = n; res <- err }) {
+			t.Fatal("not started")
+		}
+		err := <-res
+		wantN, wantErr := f.ReadAt(alignedBuf(bs), off)
+		if !errors.Is(err, io.EOF) || got != wantN || !errors.Is(wantErr, io.EOF) {
+			t.Fatalf("off %d: StartReadAt %d, %v; ReadAt %d, %v", off, got, err, wantN, wantErr)
+		}
+		if !checkStamp(p[:got], off) {
+			t.Fatalf("off %d: wrong bytes before the end", off)
+		}
+	}
+}
+
+// TestStartReadAtErrors covers the results other than a whole read: a
+// kernel error is an *IOError wrapping the errno; a request io_submit
+// refuses (here: a bad descriptor) is finished with pread, whose error
+// done reports.
+func TestStartReadAtErrors(t *testing.T) {
+	const bs = 4096
+	f, _ := openDirectAIO(t, 4*bs)
+	defer f.Close()
+	p := alignedBuf(bs)
+	f.mu.RLock() // what StartReadAt holds for finishRead to release
+	var err error
+	f.finishRead(f.fd, p, 0, -int64(syscall.EIO), func(_ int, e error) { err = e })
+	var ioe *IOError
+	if !errors.As(err, &ioe) || !errors.Is(err, syscall.EIO) {
+		t.Fatalf("kernel error: %v", err)
+	}
+	res := make(chan error, 1)
+	f.mu.RLock()
+	if !f.aio.start(iocbCmdPread, -1, p, 0, func(r int64) { f.finishRead(-1, p, 0, r, func(_ int, e error) { res <- e }) }) {
+		t.Fatal("not started")
+	}
+	if err := <-res; !errors.Is(err, syscall.EBADF) {
+		t.Fatalf("refused request: %v", err)
+	}
+	// The File still works, and Close is not held up by either.
+	if _, err := f.ReadAt(p, bs); err != nil || !checkStamp(p, bs) {
+		t.Fatal(err)
+	}
+}
+
+// TestStartReadAtClose closes the File with reads in flight: Close waits
+// for every started read's done, and after it StartReadAt refuses.
+func TestStartReadAtClose(t *testing.T) {
+	const bs, n = 4096, aioDepth / 2
+	f, _ := openDirectAIO(t, n*bs)
+	var completed atomic.Int32
+	started := int32(0)
+	for i := range n {
+		p := alignedBuf(bs)
+		if f.StartReadAt(p, int64(i*bs), func(got int, err error) {
+			if got != bs || err != nil {
+				t.Errorf("read %d: %d, %v", i, got, err)
+			}
+			completed.Add(1)
+		}) {
+			started++
+		}
+	}
+	if err := f.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if c := completed.Load(); c != started {
+		t.Fatalf("Close returned with %d of %d started reads done", c, started)
+	}
+	if f.StartReadAt(alignedBuf(bs), 0, func(int, error) { t.Error("done after Close") }) {
+		t.Fatal("started on a closed File")
+	}
+}
