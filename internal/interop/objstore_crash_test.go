@@ -324,22 +324,33 @@ func TestObjStoreOutageAbsorbed(t *testing.T) {
 // TestObjStoreServeRace starts two servers at once, each with its own cache
 // set formatted over the same image: exactly one takes the image's lease and
 // serves; the other exits with an error naming the winner's host and pid.
+// A third cache set formatted over the image while the winner serves is
+// formatted (format opens the image read-only and takes no lease).
+//
+// The second set used to be formatted while the first server was
+// starting: 2 runs of 20 failed in format with "get .../head: objstore:
+// precondition failed", the head read as a HEAD then a GET with If-Match
+// while the server fenced it in between (device/objstore
+// TestReadDuringUpdate has that interleaving deterministically).
 func TestObjStoreServeRace(t *testing.T) {
 	startObjStore(t)
 	const uri = "s3://images/race"
 	run(t, time.Minute, bin, "image", "create", uri, "--size", "64M")
 	type contender struct {
-		cmd  *exec.Cmd
-		out  *syncBuffer
-		done <-chan error
+		dir, cache string
+		cmd        *exec.Cmd
+		out        *syncBuffer
+		done       <-chan error
 	}
 	var cs [2]contender
 	for i := range cs {
-		dir := shortDir(t)
-		cachePath := sparseFile(t, dir, "cache.img", 16*mib)
-		run(t, time.Minute, bin, "format", "--cache", cachePath, "--backing", "vol="+uri, "--mode", "writeback", "--bucket-size", "256K")
-		cs[i].cmd, cs[i].out, cs[i].done = background(t, bin, "serve", "--cache", cachePath, "--data-dir", dir,
-			"--listen", "unix:"+filepath.Join(dir, "nbd.sock"))
+		cs[i].dir = shortDir(t)
+		cs[i].cache = sparseFile(t, cs[i].dir, "cache.img", 16*mib)
+		run(t, time.Minute, bin, "format", "--cache", cs[i].cache, "--backing", "vol="+uri, "--mode", "writeback", "--bucket-size", "256K")
+	}
+	for i := range cs {
+		cs[i].cmd, cs[i].out, cs[i].done = background(t, bin, "serve", "--cache", cs[i].cache, "--data-dir", cs[i].dir,
+			"--listen", "unix:"+filepath.Join(cs[i].dir, "nbd.sock"))
 	}
 	// Each one either serves or exits.
 	exited := [2]error{}
@@ -364,6 +375,8 @@ func TestObjStoreServeRace(t *testing.T) {
 	if serving != 1 {
 		t.Fatalf("%d of 2 servers serve the image, want exactly 1:\n%s\n---\n%s", serving, cs[0].out, cs[1].out)
 	}
+	third := sparseFile(t, shortDir(t), "cache.img", 16*mib)
+	run(t, time.Minute, bin, "format", "--cache", third, "--backing", "vol="+uri, "--mode", "writeback", "--bucket-size", "256K")
 	for i := range cs {
 		if exited[i] == nil {
 			if want := fmt.Sprintf("%s is owned by ", uri); !strings.Contains(cs[1-i].out.String(), want) ||
