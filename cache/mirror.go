@@ -106,10 +106,11 @@ func (s *Set) mirrorWatch() {
 }
 
 // mirrorHolds reports whether a dirty block may go to cache block loc:
-// with both members live, only into a bucket mapped on B. REQUIRES: not
-// s.mu (the mirror's own lock is taken).
+// while writes reach both members (both live, or one being resilvered),
+// only into a bucket mapped on B. REQUIRES: not s.mu (the mirror's own
+// lock is taken).
 func (s *Set) mirrorHolds(loc uint32) bool {
-	if s.mir == nil || !s.mir.Redundant() {
+	if s.mir == nil || !s.mir.WritesBoth() {
 		return true
 	}
 	return s.mir.Covers(s.cacheOff(loc))
@@ -296,8 +297,11 @@ type MirrorStats struct {
 	// the other; Repairs: copies rewritten from the other member (after a
 	// read error or a checksum failure).
 	ReadRetries, Repairs uint64
-	// Gen is the mirror generation (bumped at each member failure).
+	// Gen is the mirror generation (bumped at each member failure and
+	// twice per resilver).
 	Gen uint64
+	// Resilver is the progress of the resilver running (nil when none).
+	Resilver *ResilverProgress `json:",omitempty"`
 	// WritethroughBlocks: writeback writes that went to the backing
 	// device too because B had no slot free (B smaller than the dirty
 	// data).
@@ -310,7 +314,7 @@ func (s *Set) mirrorStats() *MirrorStats {
 	}
 	st := s.mir.Stats()
 	out := &MirrorStats{Slots: st.Slots, SlotsUsed: st.SlotsUsed, ReadRetries: st.ReadRetries, Repairs: st.Repairs, Gen: st.Gen,
-		WritethroughBlocks: s.stats.mirrorThrough.Load()}
+		WritethroughBlocks: s.stats.mirrorThrough.Load(), Resilver: resilverProgress(st.Resilver)}
 	for r, f := range st.Failed {
 		if f {
 			out.Degraded = true

@@ -21,11 +21,16 @@ type member struct {
 	*faultdev.Device
 	mem    *device.Mem
 	pulled atomic.Bool
+	// hook, if set, sees every operation first.
+	hook atomic.Pointer[func(faultdev.Op)]
 }
 
 func newMember(mem *device.Mem) *member {
 	m := &member{mem: mem}
-	m.Device = faultdev.Wrap(mem, faultdev.InjectorFunc(func(faultdev.Op) faultdev.Fault {
+	m.Device = faultdev.Wrap(mem, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+		if h := m.hook.Load(); h != nil {
+			(*h)(op)
+		}
 		if m.pulled.Load() {
 			return faultdev.Error(nil)
 		}

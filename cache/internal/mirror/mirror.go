@@ -112,13 +112,14 @@ type Stats struct {
 	Gen         uint64
 	Slots       int64 // B's slots
 	SlotsUsed   int64
-	ReadRetries uint64 // reads that failed on one member and were served by the other
-	Repairs     uint64 // copies rewritten from the other member
+	ReadRetries uint64         // reads that failed on one member and were served by the other
+	Repairs     uint64         // copies rewritten from the other member
+	Resilver    *ResilverStats // nil when no resilver runs
 }
 
 // Mirror is the two-member device. See the package comment.
 type Mirror struct {
-	dev [2]device.Device
+	dev [2]atomic.Pointer[devRef] // nil: missing
 	lay Layout
 	log *slog.Logger
 
@@ -136,6 +137,12 @@ type Mirror struct {
 	// onFail, if set (OnFail), is called once a member failure is
 	// durable in the survivor's label.
 	onFail atomic.Pointer[func(Member)]
+
+	// rs is the resilver in progress (resilver.go); copyMu orders it
+	// against writes: every write holds the read side from placing its
+	// pieces to their completion, a resilver's copy chunk the write side.
+	rs     resilverState
+	copyMu sync.RWMutex
 
 	mu        sync.Mutex
 	labelWait chan struct{}
@@ -159,10 +166,12 @@ func Assemble(a, b device.Device, allowMissing bool, log *slog.Logger) (*Mirror,
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	m := &Mirror{dev: [2]device.Device{a, b}, log: log}
+	m := &Mirror{log: log}
+	m.setDev(A, a)
+	m.setDev(B, b)
 	var labels [2]Label
 	var have [2]bool
-	for r, dev := range m.dev {
+	for r, dev := range []device.Device{a, b} {
 		if dev == nil {
 			continue
 		}
@@ -182,16 +191,28 @@ func Assemble(a, b device.Device, allowMissing bool, log *slog.Logger) (*Mirror,
 	switch {
 	case have[A] && have[B]:
 		la, lb := labels[A], labels[B]
-		if la.Nonce != lb.Nonce || la.IDs != lb.IDs {
+		if la.Nonce != lb.Nonce {
 			return nil, fmt.Errorf("mirror: members A and B belong to different mirrored sets")
 		}
-		cur := la
-		if lb.Gen > la.Gen {
+		// A member whose own label marks it failed is one a resilver
+		// was bringing in when it stopped (resilver.go): never current,
+		// whatever its generation; the other's label is.
+		selfA, selfB := la.Failed[A], lb.Failed[B]
+		var cur Label
+		switch {
+		case selfA && selfB:
+			return nil, fmt.Errorf("mirror: both members are marked failed")
+		case selfB || (!selfA && la.Gen >= lb.Gen):
+			cur = la
+		default:
 			cur = lb
+		}
+		if !selfA && !selfB && la.IDs != lb.IDs {
+			return nil, fmt.Errorf("mirror: members A and B belong to different mirrored sets (or one was replaced since: give the current members)")
 		}
 		m.label = cur
 		for r := range 2 {
-			if cur.Failed[r] || labels[r].Gen < cur.Gen {
+			if cur.Failed[r] || labels[r].Gen < cur.Gen || labels[r].Failed[r] {
 				m.failed[r].Store(true)
 				m.label.Failed[r] = true
 			}
@@ -239,8 +260,8 @@ func (m *Mirror) Init(lay Layout) error {
 	defer m.mu.Unlock()
 	m.lay = lay
 	var n int64
-	if m.dev[B] != nil {
-		n = Slots(lay, m.dev[B].Size())
+	if m.d(B) != nil {
+		n = Slots(lay, m.d(B).Size())
 	}
 	m.slots = make([]slot, n)
 	m.slotOf = make([]int32, lay.NBuckets)
@@ -269,7 +290,7 @@ func (m *Mirror) LoadSlots(gens []uint32) error {
 	var rerr error
 	for i := range int32(len(m.slots)) {
 		sl := slot{bucket: -1}
-		if _, err := m.dev[B].ReadAt(buf, m.slotOff(i)); err != nil {
+		if _, err := m.d(B).ReadAt(buf, m.slotOff(i)); err != nil {
 			rerr = fmt.Errorf("reading slot header %d: %w", i, err)
 			break
 		}
@@ -335,10 +356,29 @@ func decodeSlot(b []byte) (h slotHdr, ok bool) {
 
 func (m *Mirror) slotOff(i int32) int64 { return m.lay.BucketsOff + int64(i)*m.lay.slotLen() }
 
-func (m *Mirror) live(r Member) bool { return m.dev[r] != nil && !m.failed[r].Load() }
+func (m *Mirror) live(r Member) bool { return m.d(r) != nil && !m.failed[r].Load() }
 
 // Redundant reports whether both members are live.
 func (m *Mirror) Redundant() bool { return m.live(A) && m.live(B) }
+
+// devRef holds a member's device (a resilver puts a new one in place).
+type devRef struct{ device.Device }
+
+// d returns member r's device, nil when missing.
+func (m *Mirror) d(r Member) device.Device {
+	if p := m.dev[r].Load(); p != nil {
+		return p.Device
+	}
+	return nil
+}
+
+func (m *Mirror) setDev(r Member, dev device.Device) {
+	if dev == nil {
+		m.dev[r].Store(nil)
+		return
+	}
+	m.dev[r].Store(&devRef{dev})
+}
 
 // Primary returns the member reads go to: A unless A failed.
 func (m *Mirror) Primary() Member {
@@ -349,7 +389,7 @@ func (m *Mirror) Primary() Member {
 }
 
 // Device returns member r's device (nil when missing).
-func (m *Mirror) Device(r Member) device.Device { return m.dev[r] }
+func (m *Mirror) Device(r Member) device.Device { return m.d(r) }
 
 // Failed reports whether member r failed (or is missing or stale).
 func (m *Mirror) Failed(r Member) bool { return !m.live(r) }
@@ -360,7 +400,7 @@ func (m *Mirror) Failed(r Member) bool { return !m.live(r) }
 func (m *Mirror) Map(bucket int64, gen uint32, from uint32) bool {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	if !m.live(B) {
+	if !m.live(B) && !m.rs.syncing[B].Load() {
 		return false
 	}
 	if j := m.slotOf[bucket]; j >= 0 {
@@ -443,6 +483,7 @@ func (m *Mirror) Stats() Stats {
 	m.lmu.Unlock()
 	st.Failed = [2]bool{!m.live(A), !m.live(B)}
 	st.ReadRetries, st.Repairs = m.retries.Load(), m.repairs.Load()
+	st.Resilver = m.resilverStats()
 	return st
 }
 
@@ -505,7 +546,7 @@ func (m *Mirror) survivorErr(r Member) error {
 // writeLabelLocked writes m.label to member r. REQUIRES: lmu (or no
 // concurrency: Assemble).
 func (m *Mirror) writeLabelLocked(r Member) error {
-	if err := writeLabel(m.dev[r], m.label, r, m.counter[r]); err != nil {
+	if err := writeLabel(m.d(r), m.label, r, m.counter[r]); err != nil {
 		return fmt.Errorf("mirror: writing the label of member %v: %w", r, err)
 	}
 	m.counter[r]++
@@ -578,7 +619,7 @@ func (m *Mirror) slotHeader(j int32) error {
 	sl.hdr = ch
 	h := slotHdr{nonce: m.lay.Nonce, bucket: uint64(sl.bucket), gen: sl.gen, from: sl.from}
 	m.mu.Unlock()
-	_, err := m.dev[B].WriteAt(h.encode(), m.slotOff(j))
+	_, err := m.d(B).WriteAt(h.encode(), m.slotOff(j))
 	m.mu.Lock()
 	m.slots[j].hdrErr = err
 	m.mu.Unlock()
@@ -605,7 +646,7 @@ func (m *Mirror) readExtent(e extent) error {
 	if r == B && e.bOff < 0 {
 		return ErrNoCopy
 	}
-	_, err := m.dev[r].ReadAt(e.p, m.memberOff(r, e))
+	_, err := m.d(r).ReadAt(e.p, m.memberOff(r, e))
 	if err == nil {
 		return nil
 	}
@@ -622,12 +663,12 @@ func (m *Mirror) readExtent(e extent) error {
 		}
 		return ErrNoCopy
 	}
-	if _, oerr := m.dev[o].ReadAt(e.p, m.memberOff(o, e)); oerr != nil {
+	if _, oerr := m.d(o).ReadAt(e.p, m.memberOff(o, e)); oerr != nil {
 		return err
 	}
 	m.retries.Add(1)
 	m.log.Warn("mirror: read failed on one member, served by the other", "failed_on", r.String(), "offset", e.off, "len", len(e.p), "err", err)
-	if _, werr := m.dev[r].WriteAt(e.p, m.memberOff(r, e)); werr != nil {
+	if _, werr := m.d(r).WriteAt(e.p, m.memberOff(r, e)); werr != nil {
 		if ferr := m.fail(r, werr); ferr != nil {
 			return ferr
 		}
@@ -659,7 +700,7 @@ func (m *Mirror) RepairFrom(p []byte, off int64, good func([]byte) bool) bool {
 		if o == B && e.bOff < 0 {
 			return false
 		}
-		if _, err := m.dev[o].ReadAt(e.p, m.memberOff(o, e)); err != nil {
+		if _, err := m.d(o).ReadAt(e.p, m.memberOff(o, e)); err != nil {
 			return false
 		}
 	}
@@ -667,7 +708,7 @@ func (m *Mirror) RepairFrom(p []byte, off int64, good func([]byte) bool) bool {
 		return false
 	}
 	for _, e := range exts {
-		if _, err := m.dev[r].WriteAt(e.p, m.memberOff(r, e)); err != nil {
+		if _, err := m.d(r).WriteAt(e.p, m.memberOff(r, e)); err != nil {
 			_ = m.fail(r, err)
 			return true // p is good; the primary is failed now
 		}
@@ -687,7 +728,7 @@ func (m *Mirror) ReadMember(r Member, p []byte, off int64) error {
 		if r == B && e.bOff < 0 {
 			return ErrNoCopy
 		}
-		if _, err := m.dev[r].ReadAt(e.p, m.memberOff(r, e)); err != nil {
+		if _, err := m.d(r).ReadAt(e.p, m.memberOff(r, e)); err != nil {
 			return err
 		}
 	}
@@ -700,6 +741,8 @@ func (m *Mirror) WriteMember(r Member, p []byte, off int64) error {
 	if !m.live(r) {
 		return ErrNoCopy
 	}
+	m.copyMu.RLock()
+	defer m.copyMu.RUnlock()
 	for _, e := range m.split(p, off) {
 		if r == B && e.bOff < 0 {
 			return ErrNoCopy
@@ -712,7 +755,7 @@ func (m *Mirror) WriteMember(r Member, p []byte, off int64) error {
 				return err
 			}
 		}
-		if _, err := m.dev[r].WriteAt(e.p, m.memberOff(r, e)); err != nil {
+		if _, err := m.d(r).WriteAt(e.p, m.memberOff(r, e)); err != nil {
 			if ferr := m.fail(r, err); ferr != nil {
 				return ferr
 			}
@@ -730,6 +773,8 @@ func (m *Mirror) WriteAt(p []byte, off int64) (int, error) {
 	if err := device.CheckRange(off, int64(len(p)), m.Size()); err != nil {
 		return 0, device.RangeError("write", off, int64(len(p)), m.Size())
 	}
+	m.copyMu.RLock()
+	defer m.copyMu.RUnlock()
 	for _, e := range m.split(p, off) {
 		if err := m.writeExtent(e); err != nil {
 			return 0, err
@@ -746,9 +791,12 @@ func (m *Mirror) writeExtent(e extent) error {
 		}
 		return ErrBothFailed
 	}
+	// A member being resilvered takes every write too (its errors end
+	// the resilver, not the write).
+	rsA, rsB := m.rs.syncing[A].Load(), m.rs.syncing[B].Load() && e.bOff >= 0
 	var errB error
 	var wg sync.WaitGroup
-	if toB {
+	if toB || rsB {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -757,14 +805,15 @@ func (m *Mirror) writeExtent(e extent) error {
 					return
 				}
 			}
-			_, errB = m.dev[B].WriteAt(e.p, e.bOff)
+			_, errB = m.d(B).WriteAt(e.p, e.bOff)
 		}()
 	}
 	var errA error
-	if toA {
-		_, errA = m.dev[A].WriteAt(e.p, e.off)
+	if toA || rsA {
+		_, errA = m.d(A).WriteAt(e.p, e.off)
 	}
 	wg.Wait()
+	errA, errB = m.rsSettle(rsA, errA, rsB, errB)
 	return m.settle(toA, errA, toB, errB)
 }
 
@@ -805,17 +854,19 @@ func (m *Mirror) settle(didA bool, errA error, didB bool, errB error) error {
 // earlier call saw is durable in the survivor's label.
 func (m *Mirror) Sync() error {
 	doA, doB := m.live(A), m.live(B)
+	rsA, rsB := m.rs.syncing[A].Load(), m.rs.syncing[B].Load()
 	var errB error
 	var wg sync.WaitGroup
-	if doB {
+	if doB || rsB {
 		wg.Add(1)
-		go func() { defer wg.Done(); errB = m.dev[B].Sync() }()
+		go func() { defer wg.Done(); errB = m.d(B).Sync() }()
 	}
 	var errA error
-	if doA {
-		errA = m.dev[A].Sync()
+	if doA || rsA {
+		errA = m.d(A).Sync()
 	}
 	wg.Wait()
+	errA, errB = m.rsSettle(rsA, errA, rsB, errB)
 	if !doA && !doB {
 		return ErrBothFailed
 	}
@@ -837,11 +888,11 @@ func (m *Mirror) Sync() error {
 // Size is A's size: the mirror presents A's address space. With A
 // missing it is B's size until Init and the end of the set's layout after.
 func (m *Mirror) Size() int64 {
-	if m.dev[A] != nil {
-		return m.dev[A].Size()
+	if m.d(A) != nil {
+		return m.d(A).Size()
 	}
 	if m.lay.BucketSize == 0 {
-		return m.dev[B].Size()
+		return m.d(B).Size()
 	}
 	return m.lay.BucketsOff + m.lay.NBuckets*m.lay.BucketSize
 }

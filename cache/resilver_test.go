@@ -1,0 +1,354 @@
+package cache
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/tiercache/tiercache/cache/internal/mirror"
+	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/device/faultdev"
+)
+
+// replacement returns a new empty device the size of the member lost.
+func (r *mirrorRig) replacement(lost mirror.Member) *member {
+	if lost == mirror.A {
+		return newMember(device.NewMem(r.a.mem.Size()))
+	}
+	return newMember(device.NewMem(r.b.mem.Size()))
+}
+
+// TestResilverUnderWrites: a set that lost a member takes a new one while
+// a writer keeps writing (dirty data in writeback mode, some flushed);
+// then the old survivor is pulled and every block reads back from the new
+// member alone, in the running set and after reopening it alone.
+func TestResilverUnderWrites(t *testing.T) {
+	for _, lost := range []mirror.Member{mirror.A, mirror.B} {
+		t.Run("lost="+lost.String(), func(t *testing.T) {
+			r := newMirrorRig(t, 32, 64<<10, 32, 2048)
+			rng := rand.New(rand.NewPCG(5, uint64(lost)))
+			want := map[uint64]uint64{}
+			id := uint64(0)
+			for range 300 {
+				id++
+				lba := rng.Uint64N(2048)
+				r.write(lba, id)
+				want[lba] = id
+			}
+			if err := r.vol.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			old, survivor := r.a, r.b
+			if lost == mirror.B {
+				old, survivor = r.b, r.a
+			}
+			old.pulled.Store(true)
+			for range 100 { // degraded: dirty data on the survivor only
+				id++
+				lba := rng.Uint64N(2048)
+				r.write(lba, id)
+				want[lba] = id
+			}
+			nw := r.replacement(lost)
+			var mu sync.Mutex
+			stop := make(chan struct{})
+			var wg sync.WaitGroup
+			var written atomic.Int64
+			wrote := make(chan struct{}) // each write done, when the resilver waits for one
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				wrng := rand.New(rand.NewPCG(6, uint64(lost)))
+				for i := 0; ; i++ {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					mu.Lock()
+					id++
+					myID := id
+					mu.Unlock()
+					lba := wrng.Uint64N(2048)
+					if err := r.vol.WriteAt(mstamp(lba, myID), int64(lba)*blockSize, false); err != nil {
+						t.Errorf("write during the resilver: %v", err)
+						return
+					}
+					mu.Lock()
+					if want[lba] < myID {
+						want[lba] = myID
+					}
+					mu.Unlock()
+					written.Add(1)
+					select {
+					case wrote <- struct{}{}:
+					default:
+					}
+					if i%50 == 49 {
+						if err := r.vol.Flush(); err != nil {
+							t.Errorf("flush during the resilver: %v", err)
+							return
+						}
+					}
+				}
+			}()
+			var progress []ResilverProgress
+			// Each progress report waits for a write to complete, so
+			// that writes interleave with every step of the copy.
+			got, err := r.set.ReplaceMirrorMember(context.Background(), nw, ResilverOptions{Progress: func(p ResilverProgress) {
+				progress = append(progress, p)
+				<-wrote
+			}})
+			close(stop)
+			wg.Wait()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got != lost.String() {
+				t.Fatalf("replaced member %s, want %v", got, lost)
+			}
+			if st := r.set.Stats().Mirror; st.Degraded || st.Resilver != nil {
+				t.Fatalf("after the resilver: %+v", st)
+			}
+			if len(progress) == 0 || progress[len(progress)-1].Done != progress[len(progress)-1].Total || progress[0].Total == 0 {
+				t.Fatalf("progress reports %+v", progress)
+			}
+			t.Logf("%d writes during the resilver, %d progress reports, total %d bytes", written.Load(), len(progress), progress[len(progress)-1].Total)
+			for range 50 { // after: redundant again
+				id++
+				lba := rng.Uint64N(2048)
+				r.write(lba, id)
+				want[lba] = id
+			}
+			if err := r.vol.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			if d := r.set.Stats().DirtyBlocks; d == 0 {
+				t.Log("no dirty data left at the survivor's failure (writeback caught up)")
+			}
+			survivor.pulled.Store(true)
+			r.verify(want)
+			id++
+			r.write(2047, id) // a write notices the survivor gone
+			want[2047] = id
+			if err := r.vol.Flush(); err != nil {
+				t.Fatal(err)
+			}
+			r.verify(want)
+			if st := r.set.Stats().Mirror; !st.Degraded || st.Failed == lost.String() {
+				t.Fatalf("after pulling the old survivor: %+v", st)
+			}
+			if err := r.set.Close(); err != nil {
+				t.Fatal(err)
+			}
+			if lost == mirror.A {
+				r.open(nw, nil, false)
+			} else {
+				r.open(nil, nw, false)
+			}
+			r.verify(want)
+		})
+	}
+}
+
+// TestResilverCrash: a crash before each label write of a resilver, in the
+// metadata copy and in the bucket copy, and after its end: the set opens
+// on both members with nothing flushed lost, the new member failed (not
+// trusted) until its in-sync label is durable, and the new member alone
+// refuses to open until then.
+func TestResilverCrash(t *testing.T) {
+	for _, lost := range []mirror.Member{mirror.A, mirror.B} {
+		t.Run("lost="+lost.String(), func(t *testing.T) { resilverCrash(t, lost) })
+	}
+}
+
+func resilverCrash(t *testing.T, lost mirror.Member) {
+	r := newMirrorRig(t, 16, 64<<10, 12, 1024)
+	rng := rand.New(rand.NewPCG(9, uint64(lost)))
+	want := map[uint64]uint64{}
+	id := uint64(0)
+	write := func(k int) {
+		for range k {
+			id++
+			lba := rng.Uint64N(1024)
+			r.write(lba, id)
+			want[lba] = id
+		}
+		if err := r.vol.Flush(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write(200)
+	old, survivor := r.a, r.b
+	if lost == mirror.B {
+		old, survivor = r.b, r.a
+	}
+	old.pulled.Store(true)
+	write(100)
+	type point struct {
+		name string
+		devs []*device.Mem // survivor, new member, backing
+	}
+	var points []point
+	var nwMem *device.Mem
+	labels, inMeta, inBuckets := 0, false, false
+	bucketsOff := r.set.lay.BucketsOff
+	clone := func(name string) {
+		c := device.CrashCloneAll(device.CrashConfig{UnsyncedKeep: 0.5, TornProb: 0.1, Rand: rand.New(rand.NewPCG(uint64(len(points)), 10))}, survivor.mem, nwMem, r.back)
+		points = append(points, point{name, c})
+	}
+	isLabel := func(op faultdev.Op) bool {
+		return op.Kind == faultdev.Write && op.Len == blockSize && (op.Offset == mirror.LabelOff(0) || op.Offset == mirror.LabelOff(1))
+	}
+	var hmu sync.Mutex
+	hook := func(who string) *func(faultdev.Op) {
+		f := func(op faultdev.Op) {
+			hmu.Lock()
+			defer hmu.Unlock()
+			switch {
+			case isLabel(op):
+				labels++
+				clone(fmt.Sprintf("before label write %d (%s)", labels, who))
+			case who == "new" && op.Kind == faultdev.Write && labels == 2 && !inMeta && op.Offset < bucketsOff:
+				inMeta = true
+				clone("in the metadata copy")
+			case who == "new" && op.Kind == faultdev.Write && labels == 2 && inMeta && !inBuckets && op.Offset >= bucketsOff && op.Len > blockSize:
+				inBuckets = true
+				clone("in the bucket copy")
+			}
+		}
+		return &f
+	}
+	nw := r.replacement(lost)
+	nwMem = nw.mem
+	nw.hook.Store(hook("new"))
+	survivor.hook.Store(hook("survivor"))
+	if _, err := r.set.ReplaceMirrorMember(context.Background(), nw, ResilverOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	hmu.Lock()
+	clone("after the resilver")
+	hmu.Unlock()
+	if labels != 4 || !inMeta || !inBuckets || len(points) != 7 {
+		t.Fatalf("%d label writes, metadata copy seen %v, bucket copy seen %v, %d crash points: the test misses steps", labels, inMeta, inBuckets, len(points))
+	}
+	survivor.hook.Store(nil)
+	r.set.crashStop()
+	for i, p := range points {
+		t.Run(fmt.Sprintf("%d", i), func(t *testing.T) {
+			trusted := i == len(points)-1
+			sv, nm := newMember(p.devs[0]), newMember(p.devs[1])
+			r.specs = []BackingSpec{{Name: "a", Dev: p.devs[2]}}
+			a, b := device.Device(sv), device.Device(nm)
+			if lost == mirror.A {
+				a, b = nm, sv
+			}
+			if i == 0 {
+				// The new device holds no label yet: it is refused as
+				// a member, and the survivor opens alone.
+				if _, err := Open(a, r.specs, OpenOptions{Mirror: b}); err == nil || !strings.Contains(err.Error(), "no mirror label") {
+					t.Fatalf("%s: opened on both: %v, want a refusal of the unlabelled new member", p.name, err)
+				}
+				if lost == mirror.A {
+					r.open(nil, sv, false)
+				} else {
+					r.open(sv, nil, false)
+				}
+				r.verify(want)
+				r.set.crashStop()
+				return
+			}
+			r.open(a, b, false)
+			st := r.set.Stats().Mirror
+			if st.Degraded == trusted || (!trusted && st.Failed != lost.String()) {
+				t.Fatalf("%s: opened on both: mirror %+v, want the new member %v trusted: %v", p.name, st, lost, trusted)
+			}
+			r.verify(want)
+			if trusted {
+				// The new member holds it all: the survivor pulled.
+				sv.pulled.Store(true)
+				r.verify(want)
+			}
+			r.set.crashStop()
+			// The new member alone opens only once trusted.
+			na, nb := device.Device(nil), device.Device(nil)
+			if lost == mirror.A {
+				na = nm
+			} else {
+				nb = nm
+			}
+			s, err := Open(na, r.specs, OpenOptions{Mirror: nb, MirrorMissing: true})
+			if trusted != (err == nil) {
+				t.Fatalf("%s: the new member alone: open error %v, want an error: %v", p.name, err, !trusted)
+			}
+			if err == nil {
+				s.crashStop()
+			} else {
+				t.Logf("%s: the new member alone: %v", p.name, err)
+			}
+		})
+	}
+}
+
+// TestResilverRefusals: replace refuses, saying what it expected and
+// found, a set that is not mirrored, a mirror that is not degraded, a
+// device too small, the survivor itself or a copy of it, another set's
+// member and a device holding data (the last two are taken with Force).
+func TestResilverRefusals(t *testing.T) {
+	ctx := context.Background()
+	refused := func(t *testing.T, s *Set, dev device.Device, force bool, want string) {
+		t.Helper()
+		_, err := s.ReplaceMirrorMember(ctx, dev, ResilverOptions{Force: force})
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), want) {
+			t.Fatalf("replace: %v; want a refusal (ErrInvalid) saying %q", err, want)
+		}
+		t.Logf("refused: %v", err)
+	}
+	t.Run("not mirrored", func(t *testing.T) {
+		s, _, _ := newFaultSet(t, func(faultdev.Op) faultdev.Fault { return faultdev.Fault{} })
+		refused(t, s, device.NewMem(64<<20), false, "not mirrored")
+	})
+	r := newMirrorRig(t, 16, 64<<10, 8, 1024)
+	r.write(1, 1)
+	if err := r.vol.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	refused(t, r.set, r.replacement(mirror.B), false, "not degraded")
+	r.b.pulled.Store(true)
+	r.write(2, 2)
+	refused(t, r.set, device.NewMem(r.set.lay.BucketsOff+2*(64<<10+blockSize)), false, "at least")
+	refused(t, r.set, r.a, false, "survivor")
+	cp := device.NewMem(r.b.mem.Size())
+	buf := make([]byte, 2*64<<10)
+	if _, err := r.a.mem.ReadAt(buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := cp.WriteAt(buf, 0); err != nil {
+		t.Fatal(err)
+	}
+	refused(t, r.set, cp, false, "label of the survivor")
+	other := newMirrorRig(t, 16, 64<<10, 8, 1024)
+	refused(t, r.set, other.b.mem, false, "another mirrored cache set")
+	junk := device.NewMem(r.b.mem.Size())
+	if _, err := junk.WriteAt(bytes.Repeat([]byte{0xab}, blockSize), 8192); err != nil {
+		t.Fatal(err)
+	}
+	refused(t, r.set, junk, false, "force to overwrite")
+	if st := r.set.Stats().Mirror; !st.Degraded || st.Resilver != nil {
+		t.Fatalf("after the refusals: %+v", st)
+	}
+	if _, err := r.set.ReplaceMirrorMember(ctx, junk, ResilverOptions{Force: true}); err != nil {
+		t.Fatalf("forced over a device holding data: %v", err)
+	}
+	if st := r.set.Stats().Mirror; st.Degraded {
+		t.Fatalf("after the forced replace: %+v", st)
+	}
+	r.a.pulled.Store(true)
+	r.verify(map[uint64]uint64{1: 1, 2: 2})
+}
