@@ -209,7 +209,9 @@ func (s *Set) setDurable(upto uint64) {
 // commit took (0: none): it snapshots the index (B-tree clones are
 // copy-on-write, so this is cheap under mu), makes every dependency
 // durable, writes the checkpoint into the other slot and starts a new
-// journal generation at the current journal position.
+// journal generation at the current journal position. A paged set
+// (FeaturePagedIndex) writes the index pages that changed since the
+// durable root, then the next root, instead (pagedckpt.go).
 // REQUIRES: s.commitMu, not s.mu
 func (s *Set) checkpointLocked(taken uint64) error {
 	s.mu.Lock()
@@ -247,7 +249,13 @@ func (s *Set) checkpointLocked(taken uint64) error {
 		return s.failLocked(fmt.Errorf("syncing cache device: %w", err))
 	}
 	h := ondisk.CkptHeader{Nonce: s.nonce, Gen: s.jr.gen + 1, JPos: ondisk.JournalPos{Blk: s.jr.pos.Blk}}
-	if err := ondisk.WriteCheckpoint(s.dev, s.lay, h, gens, epochs, trees, vers); err != nil {
+	var err error
+	if s.pg != nil {
+		err = s.writePagedCheckpoint(h, gens, epochs, trees, vers)
+	} else {
+		err = ondisk.WriteCheckpoint(s.dev, s.lay, h, gens, epochs, trees, vers)
+	}
+	if err != nil {
 		return s.failLocked(err)
 	}
 	s.jr.gen, s.jr.pos, s.jr.used = h.Gen, h.JPos, 0

@@ -198,10 +198,10 @@ func runCrashConcurrent(t *testing.T, seed uint64) {
 	)
 	bs := int64(blockSize) * int64(2+rng.IntN(3))
 	nb := int64(minBuckets + rng.IntN(4))
-	cache := device.NewMem(cacheSizeFor(nb, bs, minJournalLen, 1))
+	cache := device.NewMem(cacheSizeForPaged(nb, bs, minJournalLen, 1, testIndexPages(seed)))
 	back := device.NewMem(nworkers * region)
 	specs := func() []BackingSpec { return []BackingSpec{{Name: "a", Dev: back}} }
-	if _, err := Format(cache, specs(), FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Mode(rng.IntN(4)), markShift: testMarkShift(seed)}); err != nil {
+	if _, err := Format(cache, specs(), FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: Mode(rng.IntN(4)), markShift: testMarkShift(seed), IndexPages: testIndexPages(seed)}); err != nil {
 		t.Fatal(err)
 	}
 	workers := make([]*ccWorker, nworkers)

@@ -112,7 +112,7 @@ func (r *crashRun) run(nops int) {
 	nvols := 1 + rng.IntN(2)
 	r.hide = rng.IntN(4) == 0
 	jl := int64(minJournalLen)
-	r.cache = device.NewMem(cacheSizeFor(nb, bs, jl, nvols))
+	r.cache = device.NewMem(cacheSizeForPaged(nb, bs, jl, nvols, testIndexPages(r.seed)))
 	for i := 0; i < nvols; i++ {
 		size := int64(16+rng.IntN(48)) * blockSize
 		if rng.IntN(4) == 0 {
@@ -124,8 +124,8 @@ func (r *crashRun) run(nops int) {
 	}
 	r.specs = r.makeSpecs()
 	mode := Mode(rng.IntN(4))
-	r.logf("format: %d buckets of %d, %d volumes, mode %v, hide caps %t", nb, bs, nvols, mode, r.hide)
-	if _, err := Format(r.cache, r.specs, FormatOptions{BucketSize: bs, JournalSize: jl, Mode: mode, markShift: testMarkShift(r.seed)}); err != nil {
+	r.logf("format: %d buckets of %d, %d volumes, mode %v, hide caps %t, index pages %t", nb, bs, nvols, mode, r.hide, testIndexPages(r.seed))
+	if _, err := Format(r.cache, r.specs, FormatOptions{BucketSize: bs, JournalSize: jl, Mode: mode, markShift: testMarkShift(r.seed), IndexPages: testIndexPages(r.seed)}); err != nil {
 		r.fatalf("format: %v", err)
 	}
 	r.open()

@@ -142,11 +142,11 @@ func runCPC(t *testing.T, seed uint64, at int) cpcResult {
 	w := newWorld(cpCrash, at, rand.New(rand.NewPCG(seed, uint64(at+1))))
 	bs := int64(blockSize) * int64(2+rng.IntN(3))
 	nb := int64(minBuckets + rng.IntN(4))
-	cache := w.add("cache", device.NewMem(cacheSizeFor(nb, bs, minJournalLen, 1)))
+	cache := w.add("cache", device.NewMem(cacheSizeForPaged(nb, bs, minJournalLen, 1, testIndexPages(seed))))
 	back := w.add("back0", device.NewMem(nworkers*region))
 	specs := []BackingSpec{{Name: "vol0", Dev: back}}
 	mode := Mode(rng.IntN(4))
-	if _, err := Format(cache, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode, markShift: testMarkShift(seed)}); err != nil {
+	if _, err := Format(cache, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode, markShift: testMarkShift(seed), IndexPages: testIndexPages(seed)}); err != nil {
 		t.Fatal(err)
 	}
 	log := &cpLog{}

@@ -376,7 +376,7 @@ func (r *cpRun) geometry() {
 	// cycles (the workload switches modes too).
 	r.initMode = []Mode{Writeback, Writeback, Writethrough, Writeback, Writearound, None}[r.seed%6]
 	r.order = []WritebackOrder{OrderEpoch, OrderLBA}[r.seed%2]
-	r.cache = r.w.add("cache", device.NewMem(cacheSizeFor(r.nb, r.bs, minJournalLen, r.nvols)))
+	r.cache = r.w.add("cache", device.NewMem(cacheSizeForPaged(r.nb, r.bs, minJournalLen, r.nvols, testIndexPages(r.seed))))
 	for i := 0; i < r.nvols; i++ {
 		d, m := r.newBacking(i)
 		r.backs = append(r.backs, d)
@@ -433,7 +433,7 @@ func (r *cpRun) liveSpecs() []BackingSpec {
 }
 
 func (r *cpRun) format(force bool) error {
-	_, err := Format(r.cache, r.liveSpecs(), FormatOptions{BucketSize: r.bs, JournalSize: minJournalLen, Mode: r.initMode, Force: force, markShift: testMarkShift(r.seed)})
+	_, err := Format(r.cache, r.liveSpecs(), FormatOptions{BucketSize: r.bs, JournalSize: minJournalLen, Mode: r.initMode, Force: force, markShift: testMarkShift(r.seed), IndexPages: testIndexPages(r.seed)})
 	return err
 }
 
@@ -833,7 +833,7 @@ func (r *cpRun) checkFormatImage(mems []*device.Mem, devs []device.Device, s *Se
 			r.fatalf("%s: reopen after a crash in format: untyped error %v", what, err)
 		}
 		force := r.oldModel != nil
-		if _, ferr := Format(mems[0], r.specs(devs), FormatOptions{BucketSize: r.bs, JournalSize: minJournalLen, Force: force}); ferr != nil {
+		if _, ferr := Format(mems[0], r.specs(devs), FormatOptions{BucketSize: r.bs, JournalSize: minJournalLen, Force: force, IndexPages: testIndexPages(r.seed)}); ferr != nil {
 			r.fatalf("%s: format after a crash in format (force %t): %v (open said %v)", what, force, ferr, err)
 		}
 		if s, err = Open(mems[0], r.specs(devs), OpenOptions{testing: testingKnobs{noBackground: true}}); err != nil {

@@ -113,6 +113,12 @@ type FormatOptions struct {
 	// region and room for the dirty data: docs/OPERATIONS.md, "Mirrored
 	// cache devices").
 	Mirror device.Device
+	// IndexPages formats the set with its index as pages on the cache
+	// device (ondisk.FeaturePagedIndex): a checkpoint writes the index
+	// pages that changed, then a root. Its metadata region is larger
+	// (docs/CACHE.md, "Index pages on the cache device"), and the set
+	// holds at most 40 volume slots.
+	IndexPages bool
 	// markShift, if not 0, is the mark region size (log2 of blocks)
 	// instead of ondisk.DefaultMarkShift: tests use small regions.
 	markShift uint8
@@ -207,11 +213,21 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	// that attach never needs a larger slot.
 	fixed := sb.JournalOff + jl + 2*ondisk.CkptSlotLen(0, bpb, ondisk.MaxBackings) + bs
 	per := bs + 2*(4+bpb*(ondisk.CkptEntrySize+ondisk.CkptEpochExtra))
+	slotLen := func(n int64) int64 { return ondisk.CkptSlotLen(n, bpb, ondisk.MaxBackings) }
+	if opts.IndexPages {
+		if len(backings) > maxPagedVolumes {
+			return nil, fmt.Errorf("%w: %d backing devices (a set with index pages holds at most %d)", ErrInvalid, len(backings), maxPagedVolumes)
+		}
+		sb.Features |= ondisk.FeaturePagedIndex
+		slotLen = func(n int64) int64 { return pagedSlotLen(n, bpb) }
+		fixed = sb.JournalOff + jl + 2*pagedSlotLen(0, bpb) + bs
+		per = bs + (2*(pagedSlotLen(1024, bpb)-pagedSlotLen(0, bpb))+1023)/1024
+	}
 	n := (devSize - fixed) / per
 	for ; n >= minBuckets; n-- {
 		sb.NBuckets = n
 		sb.CkptOff[0] = sb.JournalOff + jl
-		sb.CkptLen = ondisk.CkptSlotLen(n, bpb, ondisk.MaxBackings)
+		sb.CkptLen = slotLen(n)
 		sb.CkptOff[1] = sb.CkptOff[0] + sb.CkptLen
 		align := min(bs, 1<<20)
 		sb.BucketsOff = (sb.CkptOff[1] + sb.CkptLen + align - 1) / align * align
@@ -280,7 +296,11 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		return nil, fmt.Errorf("format: %w", err)
 	}
 	h := ondisk.CkptHeader{Nonce: sb.Nonce(), Gen: 1}
-	if err := ondisk.WriteCheckpoint(cacheDev, sb, h, make([]uint32, n), make([]uint64, len(backings)), trees, nil); err != nil {
+	if sb.HasFeature(ondisk.FeaturePagedIndex) {
+		if err := formatPaged(cacheDev, sb, len(backings)); err != nil {
+			return nil, fmt.Errorf("format: %w", err)
+		}
+	} else if err := ondisk.WriteCheckpoint(cacheDev, sb, h, make([]uint32, n), make([]uint64, len(backings)), trees, nil); err != nil {
 		return nil, fmt.Errorf("format: %w", err)
 	}
 	progress(1)

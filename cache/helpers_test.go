@@ -11,13 +11,27 @@ import (
 
 // cacheSizeFor returns a cache device size that formats to n buckets of bs.
 func cacheSizeFor(n, bs, journal int64, nvols int) int64 {
+	return cacheSizeForPaged(n, bs, journal, nvols, false)
+}
+
+// cacheSizeForPaged is cacheSizeFor for a set formatted with IndexPages
+// (paged) or without.
+func cacheSizeForPaged(n, bs, journal int64, nvols int, paged bool) int64 {
 	bpb := bs / blockSize
 	ckpt := ondisk.CkptSlotLen(n, bpb, ondisk.MaxBackings) // Format sizes slots for every slot; nvols kept for callers
+	if paged {
+		ckpt = pagedSlotLen(n, bpb)
+	}
 	off := 2*ondisk.SBCopySize + journal + 2*ckpt
 	align := min(bs, 1<<20)
 	off = (off + align - 1) / align * align
 	return off + n*bs + 2*bs
 }
+
+// testIndexPages says whether the crash models' seed formats its set with
+// index pages (FormatOptions.IndexPages): seeds 2, 3, 6, 7, ... do, so
+// that any four consecutive seeds cover both with either writeback order.
+func testIndexPages(seed uint64) bool { return seed/2%2 == 1 }
 
 // checkAfter runs Set.Check when the test ends (bbolt's btesting pattern).
 func checkAfter(t testing.TB, s *Set) {

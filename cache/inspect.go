@@ -147,7 +147,7 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 		vols = append(vols, v)
 	}
 	s.setVols(vols)
-	hdr, cd, warn, err := ondisk.ReadCheckpoint(dev, sb, volBlocks)
+	hdr, cd, _, warn, err := readCheckpoint(dev, sb, volBlocks)
 	if err != nil {
 		return im, err
 	}

@@ -919,25 +919,43 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	s.setVols(vols)
 	start := time.Now()
-	hdr, body, warn, err := ondisk.ReadCheckpointBody(cacheDev, sb)
-	if err != nil {
-		return nil, fmt.Errorf("open: %w", err)
-	}
-	if warn != "" {
-		log.Warn("recovering from an older checkpoint", "why", warn)
-	}
-	// The checkpoint body is verified and decoded on another core while
-	// the journal is read, decoded and collected. The device sees the
-	// reads in the same order as a sequential recovery would do them.
 	type decoded struct {
 		cd  *ondisk.CkptData
 		err error
 	}
 	dch := make(chan decoded, 1)
-	go func() {
-		cd, err := ondisk.DecodeCheckpoint(sb, hdr, body, volBlocks)
-		dch <- decoded{cd, err}
-	}()
+	var hdr ondisk.CkptHeader
+	if sb.HasFeature(ondisk.FeaturePagedIndex) {
+		// The root and every page of its trees (pagedckpt.go).
+		var cd *ondisk.CkptData
+		var warn string
+		hdr, cd, s.pg, warn, err = readPagedCheckpoint(cacheDev, sb, volBlocks)
+		if err != nil {
+			return nil, fmt.Errorf("open: %w", err)
+		}
+		if warn != "" {
+			log.Warn("recovering without the previous index root", "why", warn)
+		}
+		dch <- decoded{cd, nil}
+	} else {
+		var body []byte
+		var warn string
+		hdr, body, warn, err = ondisk.ReadCheckpointBody(cacheDev, sb)
+		if err != nil {
+			return nil, fmt.Errorf("open: %w", err)
+		}
+		if warn != "" {
+			log.Warn("recovering from an older checkpoint", "why", warn)
+		}
+		// The checkpoint body is verified and decoded on another core
+		// while the journal is read, decoded and collected. The device
+		// sees the reads in the same order as a sequential recovery
+		// would do them.
+		go func() {
+			cd, err := ondisk.DecodeCheckpoint(sb, hdr, body, volBlocks)
+			dch <- decoded{cd, err}
+		}()
+	}
 	c := newCollector(s, sb.NBuckets)
 	jr := readJournal(cacheDev, sb, hdr, c, nil)
 	d := <-dch

@@ -23,8 +23,11 @@ type Set struct {
 	dev device.Device
 	// mir is dev when the set is mirrored (FeatureMirror), else nil
 	// (mirror.go).
-	mir   *mirror.Mirror
-	lay   *Superblock // layout; immutable after Open (modes live in sb)
+	mir *mirror.Mirror
+	lay *Superblock // layout; immutable after Open (modes live in sb)
+	// pg is the page store of a paged set (FeaturePagedIndex; nil
+	// otherwise), guarded by commitMu (pagedckpt.go).
+	pg    *pagedIndex
 	nonce uint64
 	bpb   int64
 	log   *slog.Logger

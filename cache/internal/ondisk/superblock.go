@@ -68,8 +68,13 @@ const (
 	// devices, whose mirror labels (cache/internal/mirror) say which is
 	// current. A binary without it must not open either alone.
 	FeatureMirror = 1 << 1
+	// FeaturePagedIndex: the two checkpoint slots together are one page
+	// area (cache/internal/pages) holding the index as copy-on-write
+	// pages under a root; a checkpoint writes the pages that changed,
+	// then the root (docs/CACHE.md, "Index pages on the cache device").
+	FeaturePagedIndex = 1 << 2
 	// KnownFeatures are the features this binary reads and writes.
-	KnownFeatures = FeatureWarmClean | FeatureMirror
+	KnownFeatures = FeatureWarmClean | FeatureMirror | FeaturePagedIndex
 )
 
 // Mark regions: DefaultMarkShift (2^18 blocks, 1 GiB) unless Format was

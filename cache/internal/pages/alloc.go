@@ -3,6 +3,7 @@ package pages
 import (
 	"errors"
 	"fmt"
+	"slices"
 )
 
 // ErrFull is returned when the page area has no free page.
@@ -122,3 +123,30 @@ func (a *Alloc) Used() int { return a.nused }
 
 // Pages returns the size of the page area in pages.
 func (a *Alloc) Pages() uint32 { return a.n }
+
+// AreaPages is the page area a set of blocks cache blocks in buckets
+// buckets needs, with trees trees (a volume slot's live entries and its
+// superseded versions are two): whatever the order of changes, every page
+// fits. The trees hold at most blocks slots together (a cache block is
+// named once), in leaves at least minFill(LeafCap) full but one a tree,
+// under inner pages at least minFill(InnerCap) full; the table is fixed.
+// A checkpoint writes at most every page anew while the pages the durable
+// root names and those the previous one named stay (Alloc): three times
+// the pages in use.
+func AreaPages(blocks, buckets int64, trees int) int64 {
+	leaves := blocks/int64(minFill(LeafCap)) + int64(trees)
+	inner := leaves/int64(minFill(InnerCap)) + int64(trees)*4
+	table := buckets/TableCap + 1
+	table += table/InnerCap + 3
+	return 3*(leaves+inner+table) + 16
+}
+
+// TreeIDs returns the numbers of the trees the store holds, in order.
+func (st *Store) TreeIDs() []uint16 {
+	ids := make([]uint16, 0, len(st.trees))
+	for id := range st.trees {
+		ids = append(ids, id)
+	}
+	slices.Sort(ids)
+	return ids
+}

@@ -1,0 +1,145 @@
+package index
+
+// Diff calls fn for every element in which two trees differ, in order:
+// (old, new, true, true) for an element of the same key whose fields
+// changed, (old, _, true, false) for one only in old, (_, new, false,
+// true) for one only in new. Subtrees the two trees share (the same node
+// or leaf: copy-on-write never changes a node a clone can reach) are
+// skipped whole, so comparing a checkpoint's snapshot with the previous
+// one costs about the leaves changed between them, not the tree's size.
+// Either tree may be nil (empty). Neither may change during the call.
+func Diff(old, new *Ptree, fn func(o, n Ent, inOld, inNew bool)) { _ = diffTrees(old, new, fn) }
+
+// DiffSup is Diff for trees of superseded versions.
+func DiffSup(old, new *Stree, fn func(o, n Ent, inOld, inNew bool)) { _ = diffTrees(old, new, fn) }
+
+// diffTrees returns the number of elements it stepped over one by one.
+func diffTrees[L any, PL leafPtr[L, Ent]](a, b *bptree[Ent, L, PL], fn func(o, n Ent, inOld, inNew bool)) (steps int) {
+	var ca, cb dcur[L, PL]
+	if a != nil {
+		ca.init(a.root)
+	}
+	if b != nil {
+		cb.init(b.root)
+	}
+	var pl PL
+	var sa, sb []any
+	for ca.leaf != nil || cb.leaf != nil {
+		if ca.leaf != nil && cb.leaf != nil {
+			// The largest subtree starting here in both.
+			sa, sb = ca.starts(sa[:0]), cb.starts(sb[:0])
+			ia, ib := -1, -1
+			for i := len(sa) - 1; i >= 0 && ia < 0; i-- {
+				for j := len(sb) - 1; j >= 0; j-- {
+					if sa[i] == sb[j] {
+						ia, ib = i, j
+						break
+					}
+				}
+			}
+			if ia >= 0 {
+				ca.skip(ia)
+				cb.skip(ib)
+				continue
+			}
+		}
+		steps++
+		switch {
+		case cb.leaf == nil || (ca.leaf != nil && pl.less(ca.cur(), cb.cur())):
+			fn(ca.cur(), Ent{}, true, false)
+			ca.next()
+		case ca.leaf == nil || pl.less(cb.cur(), ca.cur()):
+			fn(Ent{}, cb.cur(), false, true)
+			cb.next()
+		default:
+			if x, y := ca.cur(), cb.cur(); x != y {
+				fn(x, y, true, true)
+			}
+			ca.next()
+			cb.next()
+		}
+	}
+	return steps
+}
+
+// dcur is Diff's cursor: a position in a tree, the inner nodes above it
+// (root first) with the child taken in each.
+type dcur[L any, PL leafPtr[L, Ent]] struct {
+	stack []dframe[L, PL]
+	leaf  PL // nil: past the end
+	j     int
+}
+
+type dframe[L any, PL leafPtr[L, Ent]] struct {
+	nd *bnode[Ent, L, PL]
+	i  int
+}
+
+func (c *dcur[L, PL]) init(root *bnode[Ent, L, PL]) {
+	if root == nil || root.n == 0 {
+		return
+	}
+	c.descend(root)
+}
+
+// descend goes down the leftmost path of nd to its first leaf.
+func (c *dcur[L, PL]) descend(nd *bnode[Ent, L, PL]) {
+	for {
+		c.stack = append(c.stack, dframe[L, PL]{nd, 0})
+		if nd.leaves {
+			c.leaf, c.j = nd.lvs[0], 0
+			return
+		}
+		nd = nd.kids[0]
+	}
+}
+
+func (c *dcur[L, PL]) cur() Ent { return c.leaf.get(c.j) }
+
+func (c *dcur[L, PL]) next() {
+	c.j++
+	if c.j >= c.leaf.count() {
+		c.nextChild(len(c.stack) - 1)
+	}
+}
+
+// nextChild moves to the first leaf after the subtree of child stack[k].i
+// of stack[k].nd.
+func (c *dcur[L, PL]) nextChild(k int) {
+	c.stack = c.stack[:k+1]
+	for len(c.stack) > 0 {
+		f := &c.stack[len(c.stack)-1]
+		f.i++
+		if f.i < f.nd.n {
+			nd := f.nd
+			if nd.leaves {
+				c.leaf, c.j = nd.lvs[f.i], 0
+				return
+			}
+			c.descend(nd.kids[f.i])
+			return
+		}
+		c.stack = c.stack[:len(c.stack)-1]
+	}
+	c.leaf = nil
+}
+
+// starts appends the subtrees that begin at the cursor, smallest first:
+// the leaf, then each inner node whose first leaf it is.
+func (c *dcur[L, PL]) starts(out []any) []any {
+	if c.j != 0 {
+		return out
+	}
+	out = append(out, c.leaf)
+	for k := len(c.stack) - 1; k >= 0 && c.stack[k].i == 0; k-- {
+		out = append(out, c.stack[k].nd)
+	}
+	return out
+}
+
+// skip moves past the subtree starts returned at index i.
+func (c *dcur[L, PL]) skip(i int) {
+	// Index 0 is the leaf, child stack[top].i of the bottom node; index
+	// i > 0 is stack[top-i+1].nd, the child of stack[top-i].
+	c.nextChild(len(c.stack) - 1 - i)
+}
