@@ -14,6 +14,7 @@
 //	POST /v1/attach                   add a backing device as a new volume and export: AttachRequest -> ExportInfo
 //	POST /v1/check                    verify index and every cached block; streams Progress
 //	POST /v1/lost-writes/ack          acknowledge failovers' lost writes: LostWritesAck -> LostWritesReply
+//	POST /v1/mirror/replace           resilver a new device as a degraded mirror's failed member: ReplaceRequest; streams Progress
 //	GET  /metrics                     Prometheus text exposition
 //
 // Errors are JSON {"error": "...", "key": "..."} with a 4xx/5xx status.
@@ -85,6 +86,25 @@ type MirrorInfo struct {
 	// WritethroughBytes: writeback writes sent to the backing device too
 	// because B had no free slot.
 	WritethroughBytes uint64 `json:"writethrough_bytes"`
+	// Resilver is the progress of a replace running (nil when none).
+	Resilver *ResilverInfo `json:"resilver,omitempty"`
+}
+
+// ResilverInfo is the progress of a resilver ('tiercache replace'): the
+// member being brought in and the bytes copied of those to copy.
+type ResilverInfo struct {
+	Member     string  `json:"member"`
+	Done       int64   `json:"done"`
+	Total      int64   `json:"total"`
+	ETASeconds float64 `json:"eta_seconds,omitempty"`
+}
+
+// ReplaceRequest is the body of POST /v1/mirror/replace: the device that
+// replaces the failed member of the degraded mirrored set. Force accepts
+// a device that holds data or another set's mirror label.
+type ReplaceRequest struct {
+	Path  string `json:"path"`
+	Force bool   `json:"force,omitempty"`
 }
 
 // LostWritesAck is the body of POST /v1/lost-writes/ack: the failovers

@@ -147,7 +147,12 @@ func (c *Client) SetSettings(ctx context.Context, export string, kv map[string]s
 // stream runs a streaming operation, calling fn for each Progress line,
 // and returns the final one.
 func (c *Client) stream(ctx context.Context, path string, fn func(Progress)) (Progress, error) {
-	resp, err := c.do(ctx, "POST", path, struct{}{})
+	return c.streamBody(ctx, path, struct{}{}, fn)
+}
+
+// streamBody is stream with a request body.
+func (c *Client) streamBody(ctx context.Context, path string, body any, fn func(Progress)) (Progress, error) {
+	resp, err := c.do(ctx, "POST", path, body)
 	if err != nil {
 		return Progress{}, err
 	}
@@ -188,6 +193,12 @@ func (c *Client) Detach(ctx context.Context, export string, fn func(Progress)) (
 // Check verifies the served cache set.
 func (c *Client) Check(ctx context.Context, fn func(Progress)) (Progress, error) {
 	return c.stream(ctx, "/v1/check", fn)
+}
+
+// Replace resilvers the device at req.Path into the served degraded
+// mirrored set as its failed member.
+func (c *Client) Replace(ctx context.Context, req ReplaceRequest, fn func(Progress)) (Progress, error) {
+	return c.streamBody(ctx, "/v1/mirror/replace", req, fn)
 }
 
 // Attach asks the server to add a backing device to its cache set as a new

@@ -52,6 +52,12 @@ type Config struct {
 	NBD         ExportControl
 	Metrics     *Metrics // nil: no /metrics and no latency
 	Logger      *slog.Logger
+	// ReplaceMember opens the device at path, brings it into the
+	// degraded mirrored set as its failed member while the set serves
+	// (cache.Set.ReplaceMirrorMember, progress reported to fn) and
+	// returns the member replaced ("A" or "B") and the device's path. The
+	// serve command supplies it; nil refuses replace.
+	ReplaceMember func(ctx context.Context, req ReplaceRequest, fn func(cache.ResilverProgress)) (member, path string, err error)
 	// Release forgets the cache set's claim on a backing device during
 	// detach (before the superblock drops it); nil uses backingid.Release.
 	Release func(path string) error
@@ -101,6 +107,9 @@ type Server struct {
 		detached   map[string]bool   // detached since start (for messages)
 		busy       map[string]string // export -> operation running (flush, detach)
 		rate       map[string]*rateSample
+		// paths of the mirrored set's members A (the cache device) and
+		// B (cfg.CachePath, cfg.MirrorPath until a replace)
+		paths [2]string
 	}
 }
 
@@ -126,6 +135,7 @@ func New(cfg Config) *Server {
 	s.mu.detached = map[string]bool{}
 	s.mu.busy = map[string]string{}
 	s.mu.rate = map[string]*rateSample{}
+	s.mu.paths = [2]string{cfg.CachePath, cfg.MirrorPath}
 	if cfg.Metrics != nil {
 		cfg.Metrics.reg.MustRegister(statsCollector{s})
 	}
@@ -248,6 +258,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/attach", s.handleAttach)
 	mux.HandleFunc("POST /v1/check", s.handleCheck)
 	mux.HandleFunc("POST /v1/lost-writes/ack", s.handleAckLostWrites)
+	mux.HandleFunc("POST /v1/mirror/replace", s.handleReplace)
 	if s.cfg.Metrics != nil {
 		mux.Handle("GET /metrics", s.cfg.Metrics.Handler())
 	}
@@ -377,15 +388,17 @@ func (s *Server) status() Status {
 	if s.cfg.Set != nil {
 		sb := s.cfg.Set.Superblock()
 		ss := s.cfg.Set.Stats()
-		st.Set = &SetInfo{UUID: fmtUUID(sb.SetUUID), CachePath: s.cfg.CachePath, CacheSize: sb.NBuckets * sb.BucketSize,
-			DeviceSize: deviceSize(s.cfg.CachePath), BucketSize: sb.BucketSize, Buckets: sb.NBuckets, State: "ok",
+		paths := s.memberPaths()
+		st.Set = &SetInfo{UUID: fmtUUID(sb.SetUUID), CachePath: paths[0], CacheSize: sb.NBuckets * sb.BucketSize,
+			DeviceSize: deviceSize(paths[0]), BucketSize: sb.BucketSize, Buckets: sb.NBuckets, State: "ok",
 			CachedBytes: ss.CachedBlocks * blockBytes, DirtyBytes: ss.DirtyBlocks * blockBytes}
 		if m := ss.Mirror; m != nil {
-			mi := &MirrorInfo{Path: s.cfg.MirrorPath, State: "ok", Failed: m.Failed, Slots: m.Slots, SlotsUsed: m.SlotsUsed,
+			mi := &MirrorInfo{Path: paths[1], State: "ok", Failed: m.Failed, Slots: m.Slots, SlotsUsed: m.SlotsUsed,
 				ReadRetries: m.ReadRetries, Repairs: m.Repairs, WritethroughBytes: m.WritethroughBlocks * blockBytes}
 			if m.Degraded {
 				mi.State, st.Set.State = "degraded", "degraded"
 			}
+			mi.Resilver = resilverInfo(m.Resilver)
 			st.Set.Mirror = mi
 		}
 		if ss.Failed {
@@ -472,7 +485,7 @@ func (s *Server) usage() Usage {
 	if s.cfg.Set != nil {
 		sb := s.cfg.Set.Superblock()
 		ss := s.cfg.Set.Stats()
-		u.Cache = &CacheUsage{Path: s.cfg.CachePath, Size: sb.NBuckets * sb.BucketSize, Buckets: ss.Buckets, FreeBuckets: ss.FreeBuckets, EmptyBuckets: ss.EmptyBuckets,
+		u.Cache = &CacheUsage{Path: s.memberPaths()[0], Size: sb.NBuckets * sb.BucketSize, Buckets: ss.Buckets, FreeBuckets: ss.FreeBuckets, EmptyBuckets: ss.EmptyBuckets,
 			UsedBytes: (ss.Buckets - ss.FreeBuckets) * sb.BucketSize, CachedBytes: ss.CachedBlocks * blockBytes, DirtyBytes: ss.DirtyBlocks * blockBytes,
 			Failed: ss.Failed, FailCause: ss.Cause, UnreachableDirtyBytes: ss.UnreachableDirtyBlocks * blockBytes}
 	}

@@ -95,7 +95,7 @@ See which server the other commands talk to, and what it serves:
 
 	root.AddCommand(newServeCmd(g), newFormatCmd(g))
 	root.AddCommand(newStatusCmd(g), newListCmd(g), newUsageCmd(g), newStatsCmd(g), newSetCmd(g), newFlushCmd(g), newDetachCmd(g), newAttachCmd(g),
-		newCheckCmd(g), newInspectCmd(g), newShowCmd(g), newLostWritesCmd(g), newIdentityCmd(g), newImageCmd(g))
+		newCheckCmd(g), newInspectCmd(g), newShowCmd(g), newLostWritesCmd(g), newIdentityCmd(g), newImageCmd(g), newReplaceCmd(g))
 	root.AddCommand(newManCmd(root))
 	return root
 }

@@ -311,6 +311,9 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 			return h.attach(req, direct)
 		}
 		adminCfg.Detached = h.closeBacking
+		adminCfg.ReplaceMember = func(ctx context.Context, req admin.ReplaceRequest, fn func(cache.ResilverProgress)) (string, string, error) {
+			return h.replaceMember(ctx, req, fn, direct)
+		}
 		adminCfg.RemoteLink = h.remoteLink
 		adminCfg.ObjectStore = h.objectStore
 		recorded := map[string]string{}
@@ -509,6 +512,7 @@ type openedSet struct {
 	log       *slog.Logger             // for remote backings attached later
 	remote    remoteTimeouts           // serveOptions.remote
 	s3        s3Defaults               // serveOptions.s3
+	replaced  []func()                 // close and release devices brought in by replace (replace.go)
 }
 
 // closeBacking closes the backing device of a volume that left the set.
@@ -537,6 +541,10 @@ func (h *openedSet) closeDevices() {
 		release()
 		delete(h.locks, n)
 	}
+	for _, c := range h.replaced {
+		c()
+	}
+	h.replaced = nil
 	h.mu.Unlock()
 	h.cdev.Close()
 	if h.mdev != nil {

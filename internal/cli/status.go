@@ -86,6 +86,10 @@ func printStatus(out io.Writer, s *session) error {
 			state = strings.ToUpper(c.State) + ": " + c.FailCause + " (every export is served from its backing device)"
 		}
 		fmt.Fprintf(w, "state\t%s; %s cached, %s dirty\n", state, human(c.CachedBytes), human(c.DirtyBytes))
+		if m := c.Mirror; m != nil && m.Resilver != nil && m.Resilver.Total > 0 {
+			rs := m.Resilver
+			fmt.Fprintf(w, "resilver\tmember %s: %s of %s copied (%.0f%%), ETA %s\n", rs.Member, human(rs.Done), human(rs.Total), 100*float64(rs.Done)/float64(rs.Total), humanDur(rs.ETASeconds))
+		}
 		for _, l := range c.LostWrites {
 			fmt.Fprintf(w, "LOST WRITES\t%s\n", l)
 		}

@@ -1,0 +1,83 @@
+package admin
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/tiercache/tiercache/cache"
+)
+
+// memberPaths returns the paths of the mirrored set's members A and B
+// (for a set on one device: the cache device's and "").
+func (s *Server) memberPaths() [2]string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.mu.paths
+}
+
+func resilverInfo(p *cache.ResilverProgress) *ResilverInfo {
+	if p == nil {
+		return nil
+	}
+	return &ResilverInfo{Member: p.Member, Done: p.Done, Total: p.Total, ETASeconds: p.ETA.Seconds()}
+}
+
+func (s *Server) handleReplace(w http.ResponseWriter, r *http.Request) {
+	var req ReplaceRequest
+	if !decodeBody(w, r, &req, `{"path": ..., "force": ...}`, true) {
+		return
+	}
+	switch {
+	case s.cfg.Set == nil:
+		writeError(w, http.StatusConflict, "", "this server serves no cache set: there is no mirror to replace a member of")
+		return
+	case s.cfg.ReplaceMember == nil:
+		writeError(w, http.StatusNotImplemented, "", "this server cannot replace mirror members")
+		return
+	case s.cfg.ReadOnly:
+		writeError(w, http.StatusConflict, "", "the server runs with --read-only: replace writes to the cache set")
+		return
+	case req.Path == "":
+		writeError(w, http.StatusBadRequest, "", "replace needs the path of the new device")
+		return
+	}
+	for i, p := range s.memberPaths() {
+		if p != "" && p == req.Path {
+			writeError(w, http.StatusConflict, "", fmt.Sprintf("%s is member %c of the set already: give the new device that replaces the failed member", req.Path, 'A'+i))
+			return
+		}
+	}
+	// A second replace is refused by the mirror (one resilver at a time).
+	st := newStreamer(w)
+	var last cache.ResilverProgress
+	member, path, err := s.cfg.ReplaceMember(r.Context(), req, func(p cache.ResilverProgress) {
+		last = p
+		pr := Progress{Op: "replace", Done: p.Done, Total: p.Total, ETASeconds: p.ETA.Seconds()}
+		if el := time.Since(p.Started).Seconds(); el > 0 && p.Done > 0 {
+			pr.Rate = float64(p.Done) / el
+		}
+		st.send(pr, false)
+	})
+	final := Progress{Op: "replace", Finished: true, Done: last.Done, Total: last.Total}
+	if err != nil {
+		final.Error = interrupted(r.Context(), err).Error()
+		if errors.Is(err, cache.ErrInvalid) {
+			final.Message = "refused"
+		}
+		s.log.Warn("replace failed", "path", req.Path, "err", err)
+		st.send(final, true)
+		return
+	}
+	i := 1
+	if member == "A" {
+		i = 0
+	}
+	s.mu.Lock()
+	s.mu.paths[i] = path
+	s.mu.Unlock()
+	final.Message = fmt.Sprintf("member %s is now %s: the mirror is in sync again", member, path)
+	s.log.Info("replace", "member", member, "path", path)
+	st.send(final, true)
+}
