@@ -84,6 +84,8 @@ type killableServer struct {
 	log  *syncBuffer
 	done chan struct{}
 	err  error // Wait's result, valid after done is closed
+	// env is added to the environment of every start.
+	env []string
 
 	// From each start's "cache set open" log line: evidence that kills
 	// left dirty data for recovery and writeback.
@@ -177,7 +179,7 @@ func (s *killableServer) spawn() (*exec.Cmd, chan struct{}, error) {
 	s.done = done
 	cmd := exec.Command(bin, append([]string{"serve", "--listen", "unix:" + s.sock}, s.args...)...)
 	cmd.Stdout, cmd.Stderr = s.log, s.log
-	cmd.Env = append(os.Environ(), "GORACE=halt_on_error=1")
+	cmd.Env = append(append(os.Environ(), s.env...), "GORACE=halt_on_error=1")
 	if err := cmd.Start(); err != nil {
 		return nil, nil, err
 	}
