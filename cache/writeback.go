@@ -427,7 +427,7 @@ func (s *Set) wbRate(v *Volume) int64 {
 		in.Urgent = len(s.mu.free) < s.lowWater() || v.Mode() != Writeback || nowNanos()-v.lastIO.Load() > int64(writeback.IdleAfter) ||
 			v.ord.cut.Load() != 0 || // catching up with epoch order (order.go): the sooner the better
 			s.mirrorDegraded() // one copy of the dirty data left (mirror.go)
-		in.CacheBlocks, in.Percent, in.Degraded = s.mu.CacheBlocks(), v.cfg.Load().WritebackPercent, v.ord.degraded.Load()
+		in.CacheBlocks, in.Percent = s.mu.CacheBlocks(), v.cfg.Load().WritebackPercent
 		in.Stream = v.streamBypassing()
 	}
 	rate, wake := writeback.Rate(in)

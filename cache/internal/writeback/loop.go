@@ -50,7 +50,6 @@ type RateIn struct {
 	Percent     int  // writeback_percent: the dirty target
 	Draining    bool // a Drain runs (it sweeps the disk itself)
 	Urgent      bool // free buckets short, not in writeback mode, client idle, or catching up with epoch order
-	Degraded    bool // degraded from epoch order: drain to come back
 	// Stream: a write stream of the volume is going around the cache to
 	// the backing device (it bypassed within IdleAfter).
 	Stream bool
@@ -68,10 +67,12 @@ func Rate(in RateIn) (rate, wake int64) {
 	if in.Draining {
 		return 0, never // Drain sweeps the disk itself (and kicks when done); a second sweep would fight it
 	}
+	// A volume degraded from epoch order has this target too, as in lba
+	// order: it returns to epoch order by a catch-up or, once its client
+	// is idle, a full drain (both Urgent). Writing all of its dirty data
+	// back under load would only move the disk's head off the client's
+	// requests.
 	target := in.CacheBlocks * int64(in.Percent) / 100
-	if in.Degraded {
-		target = 0
-	}
 	full := (target + in.CacheBlocks) / 2
 	if in.Stream && in.Dirty < full {
 		// Yield to the stream: every batch would move the disk's head

@@ -38,9 +38,6 @@ func TestRate(t *testing.T) {
 	if got, _ := Rate(RateIn{Dirty: target + 1, CacheBlocks: total, Percent: 10, Draining: true}); got != 0 {
 		t.Errorf("draining: rate %d, want 0 (Drain sweeps itself)", got)
 	}
-	if got, _ := Rate(RateIn{Dirty: 1, CacheBlocks: total, Percent: 10, Degraded: true}); got != wbMinRate {
-		t.Errorf("degraded, 1 dirty: rate %d, want %d (target 0)", got, wbMinRate)
-	}
 	// A write stream bypassing to the backing device: nothing below the
 	// full-speed level, however urgent otherwise (free buckets short, a
 	// catch-up), and a kick at that level; full speed from it on.
