@@ -21,6 +21,7 @@ import (
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/pages"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -79,11 +80,20 @@ type CheckpointSlot struct {
 	BodyLen      uint64
 	BodyCRC      uint32
 	Err          error // header invalid (never written, torn, or foreign)
+	// IndexRoot: the set is formatted with index pages, and this is root
+	// slot Index of its page area (JournalBlock from the root's payload,
+	// no body, JournalSeq 0), naming Trees trees.
+	IndexRoot bool
+	Trees     int
 }
 
-// ReadCheckpointSlots decodes both checkpoint headers (not the bodies).
+// ReadCheckpointSlots decodes both checkpoint headers (not the bodies),
+// or for a set formatted with index pages both roots.
 func ReadCheckpointSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
 	var out [2]CheckpointSlot
+	if sb.HasFeature(ondisk.FeaturePagedIndex) {
+		return readRootSlots(dev, sb)
+	}
 	for i := range out {
 		out[i] = CheckpointSlot{Index: i, Offset: sb.CkptOff[i]}
 		buf := make([]byte, blockSize)
@@ -105,6 +115,80 @@ func ReadCheckpointSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
 	return out
 }
 
+func readRootSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
+	var out [2]CheckpointSlot
+	lay := pagedLayout(sb)
+	rs, err := pages.ReadRoots(dev, lay)
+	for i := range out {
+		out[i] = CheckpointSlot{Index: i, Offset: lay.Off + int64(i)*pages.PageSize, IndexRoot: true}
+		if err != nil {
+			out[i].Err = err
+			continue
+		}
+		r := rs[i]
+		if r.Err == nil {
+			out[i].JournalBlock, _, r.Err = decodePagedPayload(r.Root.Payload, sb)
+		}
+		if r.Err != nil {
+			out[i].Err = r.Err
+			continue
+		}
+		out[i].Generation = r.Root.Gen
+		for _, t := range r.Root.Trees {
+			if t.ID != pages.TableTree {
+				out[i].Trees++
+			}
+		}
+	}
+	return out
+}
+
+// IndexPages describes the page area of a set formatted with index pages
+// (ondisk.FeaturePagedIndex) as its newest valid root names it.
+type IndexPages struct {
+	AreaPages  uint32 // pages in the area, after the two root slots
+	Generation uint64 // the newest valid root's
+	Trees      int    // trees it names: a volume slot's entries, its superseded versions
+	Inner      int64  // inner pages of the trees
+	Leaves     int64  // leaf pages
+	Table      int64  // bucket table pages and their directory
+	Slots      int64  // leaf slots: entries and superseded versions
+	// Kept: pages only the root before it names (kept until the next
+	// root is durable); Free: the others.
+	Kept, Free int64
+	// Previous is the generation of the root in the other slot, 0 if there
+	// is none intact (PreviousErr says why; nil: never written).
+	Previous    uint64
+	PreviousErr error
+}
+
+// Pages returns the pages the newest root names.
+func (ip *IndexPages) Pages() int64 { return ip.Inner + ip.Leaves + ip.Table }
+
+func (p *pagedIndex) describe() *IndexPages {
+	c := p.st.Counts()
+	a := p.st.Alloc()
+	ip := &IndexPages{AreaPages: a.Pages(), Generation: p.st.Gen(), Trees: c.Trees, Inner: c.Inner, Leaves: c.Leaves,
+		Table: c.Table, Slots: c.Slots, Kept: int64(a.Kept())}
+	ip.Free = int64(a.Pages()) - int64(a.Used())
+	ip.Previous, ip.PreviousErr = p.st.Previous()
+	return ip
+}
+
+// ReadIndexPages reads the newest root of a set formatted with index pages
+// and the inner pages of its trees (not the leaves) and counts what it
+// names. nil, nil for a set without index pages.
+func ReadIndexPages(dev device.Device, sb *Superblock) (*IndexPages, error) {
+	if !sb.HasFeature(ondisk.FeaturePagedIndex) {
+		return nil, nil
+	}
+	st, _, err := pages.Open(dev, pagedLayout(sb), 1)
+	if err != nil {
+		return nil, err
+	}
+	return (&pagedIndex{st: st}).describe(), nil
+}
+
 // Image is a cache set rebuilt read-only from a cache device.
 type Image struct {
 	SB            *Superblock
@@ -118,7 +202,11 @@ type Image struct {
 	// Warnings: what recovery would pass over without failing (a
 	// checkpoint slot skipped for an invalid header).
 	Warnings []string
-	s        *Set
+	// Pages: the page area, for a set formatted with index pages (nil
+	// otherwise), as Open found it (VerifyPages reads every page).
+	Pages *IndexPages
+	s     *Set
+	pg    *pagedIndex
 }
 
 // ImageOptions configure OpenImage.
@@ -147,9 +235,12 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 		vols = append(vols, v)
 	}
 	s.setVols(vols)
-	hdr, cd, _, warn, err := readCheckpoint(dev, sb, volBlocks)
+	hdr, cd, pg, warn, err := readCheckpoint(dev, sb, volBlocks)
 	if err != nil {
 		return im, err
+	}
+	if pg != nil {
+		im.pg, im.Pages = pg, pg.describe()
 	}
 	im.Generation = hdr.Gen
 	if warn != "" {
@@ -179,6 +270,20 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 		return im, fmt.Errorf("recovered index inconsistent: %w", err)
 	}
 	return im, nil
+}
+
+// VerifyPages reads back every page the newest root names (a set with
+// index pages; nothing to do otherwise) and verifies each: its checksum
+// and its parent's pointer, kind, tree, order and key range, the trees'
+// slot counts, the bucket table's shape (pages.Store.Verify). progress,
+// if not nil, sees the pages verified and the total. A damaged page is a
+// corruption error naming it (IsCorruption).
+func (im *Image) VerifyPages(progress func(done, total int64)) error {
+	if im.pg == nil {
+		return nil
+	}
+	_, err := im.pg.st.Verify(progress)
+	return err
 }
 
 // IndexEntry is one cached 4 KiB block.

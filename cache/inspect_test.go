@@ -93,7 +93,7 @@ func TestImageMatchesLiveIndex(t *testing.T) {
 		}
 	}
 	t.Logf("image %d entries, live %d, %d clean extras matching the backing devices", len(got), len(live), extra)
-	rep, err := CheckOffline(context.Background(), cdev, nil)
+	rep, err := CheckOffline(context.Background(), cdev, CheckOptions{})
 	if err != nil || !rep.OK() {
 		t.Fatalf("offline check after a workload: %v %v %+v", err, rep.Problems, rep.Scrub)
 	}

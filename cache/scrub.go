@@ -194,13 +194,23 @@ type CheckReport struct {
 // OK reports whether the check found nothing wrong.
 func (r *CheckReport) OK() bool { return len(r.Problems) == 0 && r.Scrub.OK() }
 
+// CheckOptions: what CheckOffline reports while it runs.
+type CheckOptions struct {
+	// Progress sees the cached blocks verified and their total.
+	Progress func(done, total int64)
+	// PageProgress sees the index pages verified and their total (a set
+	// formatted with index pages).
+	PageProgress func(done, total int64)
+}
+
 // CheckOffline verifies a cache device that is not being served: both
-// superblock copies, both checkpoint slots, the journal (replayed into a
-// rebuilt index, whose invariants are checked) and the checksum of every
-// cached block. It writes nothing. An error is returned only when the check
+// superblock copies, both checkpoint slots (with index pages: the newest
+// root and every page it names, Image.VerifyPages), the journal (replayed
+// into a rebuilt index, whose invariants are checked) and the checksum of
+// every cached block. It writes nothing. An error is returned only when the check
 // could not run at all (the device is not a cache set, or ctx ended);
 // everything found is in the report.
-func CheckOffline(ctx context.Context, dev device.Device, progress func(done, total int64)) (*CheckReport, error) {
+func CheckOffline(ctx context.Context, dev device.Device, opts CheckOptions) (*CheckReport, error) {
 	rep := &CheckReport{}
 	im, err := OpenImage(dev, ImageOptions{})
 	rep.Image = im
@@ -230,7 +240,10 @@ func CheckOffline(ctx context.Context, dev device.Device, progress func(done, to
 		rep.Problems = append(rep.Problems, err.Error())
 		return rep, nil
 	}
-	sr, err := im.s.Scrub(ctx, progress)
+	if err := im.VerifyPages(opts.PageProgress); err != nil {
+		rep.Problems = append(rep.Problems, fmt.Sprintf("index pages of root generation %d: %v", im.Generation, err))
+	}
+	sr, err := im.s.Scrub(ctx, opts.Progress)
 	rep.Scrub = sr
 	if err != nil {
 		return rep, err

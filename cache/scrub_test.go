@@ -80,7 +80,7 @@ func TestCheckOfflineAndImage(t *testing.T) {
 	if len(ents) != 7 || ents[1].LBA != 2 || !ents[1].Dirty {
 		t.Errorf("index: %+v", ents)
 	}
-	rep, err := CheckOffline(context.Background(), cdev, nil)
+	rep, err := CheckOffline(context.Background(), cdev, CheckOptions{})
 	if err != nil || !rep.OK() || rep.Scrub.Blocks != 7 {
 		t.Fatalf("check: %+v %+v err %v", rep, rep.Scrub, err)
 	}
@@ -88,7 +88,7 @@ func TestCheckOfflineAndImage(t *testing.T) {
 	if _, err := cdev.WriteAt([]byte("XXXX"), 40); err != nil {
 		t.Fatal(err)
 	}
-	rep, err = CheckOffline(context.Background(), cdev, nil)
+	rep, err = CheckOffline(context.Background(), cdev, CheckOptions{})
 	if err != nil || rep.OK() || len(rep.Problems) != 1 || !strings.Contains(rep.Problems[0], "superblock copy 0") {
 		t.Fatalf("check after damage: %q err %v", rep.Problems, err)
 	}
@@ -97,7 +97,7 @@ func TestCheckOfflineAndImage(t *testing.T) {
 func TestCheckOfflineNotFormatted(t *testing.T) {
 	s, _, backs := newTestSet(t, 8, 64<<10, 4<<20)
 	_ = s
-	if _, err := CheckOffline(context.Background(), backs[0], nil); err == nil {
+	if _, err := CheckOffline(context.Background(), backs[0], CheckOptions{}); err == nil {
 		t.Fatal("check of a device without a cache set succeeded")
 	}
 }
@@ -166,7 +166,7 @@ func TestCheckOfflineReadError(t *testing.T) {
 		}
 		return faultdev.Fault{}
 	}))
-	rep, err := CheckOffline(context.Background(), dev, nil)
+	rep, err := CheckOffline(context.Background(), dev, CheckOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -27,6 +27,7 @@ type formatOptions struct {
 	trustPath  bool
 	direct     string
 	asJSON     bool
+	indexPages bool
 }
 
 func newFormatCmd(g *globals) *cobra.Command {
@@ -67,6 +68,7 @@ in full (fallocate): a sparse one the file system cannot hold is refused.`,
 	f.BoolVar(&o.force, "force", false, "overwrite an existing cache set / take over backing devices of another set")
 	f.BoolVar(&o.trustPath, "trust-path", false, "identify backing devices that nothing else identifies by their path (a different disk at that path is not caught)")
 	f.StringVar(&o.direct, "direct", "auto", "O_DIRECT for the cache device: auto, on, off")
+	f.BoolVar(&o.indexPages, "index-pages", false, "keep the index on the cache device as pages: a checkpoint writes the index pages that changed, then a root, not the whole index (a larger metadata region; at most 40 backing devices; docs/CACHE.md, \"Index pages\")")
 	return cmd
 }
 
@@ -244,7 +246,7 @@ func runFormat(g *globals, o *formatOptions) error {
 		}
 		specs[i] = cache.BackingSpec{Name: bks[i].name, Dev: bks[i].dev, ID: id, Path: absSpec(bks[i].path)}
 	}
-	if _, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: bs, Mode: mode, Force: o.force, CacheID: placeholderID, DryRun: true, Mirror: mdev}); err != nil {
+	if _, err := cache.Format(cdev, specs, cache.FormatOptions{BucketSize: bs, Mode: mode, Force: o.force, CacheID: placeholderID, DryRun: true, Mirror: mdev, IndexPages: o.indexPages}); err != nil {
 		return fmt.Errorf("format %s: %w", o.cache, err)
 	}
 	for i := range bks {
@@ -275,7 +277,7 @@ func runFormat(g *globals, o *formatOptions) error {
 		if done > 0 {
 			pr.set(done, total)
 		}
-	}, CacheID: cacheID.ID, Mirror: mdev})
+	}, CacheID: cacheID.ID, Mirror: mdev, IndexPages: o.indexPages})
 	pr.finish()
 	if err != nil {
 		return fmt.Errorf("format %s: %w", o.cache, err)
@@ -304,7 +306,7 @@ func runFormat(g *globals, o *formatOptions) error {
 			backings = append(backings, map[string]any{"name": b.name, "path": b.path, "size": b.dev.Size(), "id": b.id.ID})
 		}
 		return writeJSON(g.stdout, map[string]any{"set_uuid": setUUID, "cache_device": o.cache, "device_size": cdev.Size(),
-			"mirror_device": o.mirror, "buckets": sb.NBuckets, "bucket_size": sb.BucketSize, "journal_size": sb.JournalLen, "mode": mode.String(), "backings": backings})
+			"mirror_device": o.mirror, "buckets": sb.NBuckets, "bucket_size": sb.BucketSize, "journal_size": sb.JournalLen, "mode": mode.String(), "backings": backings, "index_pages": o.indexPages})
 	}
 	w := tabwriter.NewWriter(g.stdout, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(w, "cache set\t%s\n", setUUID)
@@ -314,6 +316,9 @@ func runFormat(g *globals, o *formatOptions) error {
 	}
 	fmt.Fprintf(w, "buckets\t%d x %s = %s\n", sb.NBuckets, human(sb.BucketSize), human(sb.NBuckets*sb.BucketSize))
 	fmt.Fprintf(w, "journal\t%s\n", human(sb.JournalLen))
+	if o.indexPages {
+		fmt.Fprintf(w, "index\tpages on the cache device (2 x %s of page area; checkpoints write what changed)\n", human(sb.CkptLen))
+	}
 	fmt.Fprintf(w, "mode\t%s\n", mode)
 	if len(bks) == 0 {
 		fmt.Fprintf(w, "backing devices\tnone yet: add them with 'tiercache attach'\n")

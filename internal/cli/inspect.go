@@ -23,7 +23,9 @@ opened read-only and nothing is written. Inspect a device that is not being
 served (stop the server, or inspect a copy): a served device changes under
 the reader, and the result may look inconsistent.
 
-  superblock  both superblock copies and both checkpoint slots
+  superblock  both superblock copies and both checkpoint slots (a set
+              formatted with --index-pages: both index roots and the pages
+              the newest one names, counted from its inner pages)
   journal     every journal record replayed after the newest checkpoint
   index       the rebuilt index: per export counts, then one line per
               cached 4 KiB block (--limit N lines)`,
@@ -67,6 +69,13 @@ the reader, and the result may look inconsistent.
 						return inspectErr(cachePath, copies[0].Err)
 					}
 					out["checkpoint_slots"] = plainJSON(cache.ReadCheckpointSlots(dev, best))
+					if best.HasIndexPages() {
+						ip, err := cache.ReadIndexPages(dev, best)
+						if err != nil {
+							return inspectErr(cachePath, err)
+						}
+						out["index_pages"] = plainJSON(ip)
+					}
 					return writeJSON(g.stdout, out)
 				}
 				return inspectSuperblock(g, dev, cachePath)
@@ -178,8 +187,32 @@ func inspectSuperblock(g *globals, dev device.Device, path string) error {
 	fmt.Fprintf(w, "block size\t%d\n", sb.BlockSize)
 	fmt.Fprintf(w, "buckets\t%d x %s at offset %d\n", sb.NBuckets, human(sb.BucketSize), sb.BucketsOff)
 	fmt.Fprintf(w, "journal\t%s at offset %d\n", human(sb.JournalLen), sb.JournalOff)
-	fmt.Fprintf(w, "checkpoint slots\t2 x %s at offsets %d, %d\n", human(sb.CkptLen), sb.CkptOff[0], sb.CkptOff[1])
+	ip, ierr := cache.ReadIndexPages(dev, sb)
+	if sb.HasIndexPages() {
+		fmt.Fprintf(w, "index pages\t%s at offset %d: two root slots, then the pages\n", human(2*sb.CkptLen), sb.CkptOff[0])
+		switch {
+		case ierr != nil:
+			fmt.Fprintf(w, "  pages\tINVALID: %v\n", ierr)
+		default:
+			fmt.Fprintf(w, "  pages\t%d in the area: the newest root (generation %d) names %d (%d inner, %d leaves, %d bucket table), %d kept for the root before it, %d free\n",
+				ip.AreaPages, ip.Generation, ip.Pages(), ip.Inner, ip.Leaves, ip.Table, ip.Kept, ip.Free)
+			fmt.Fprintf(w, "  entries\t%d in %d trees\n", ip.Slots, ip.Trees)
+			if ip.Previous == 0 && ip.PreviousErr != nil {
+				fmt.Fprintf(w, "  previous root\tnot intact: %v\n", ip.PreviousErr)
+			}
+		}
+	} else {
+		fmt.Fprintf(w, "checkpoint slots\t2 x %s at offsets %d, %d\n", human(sb.CkptLen), sb.CkptOff[0], sb.CkptOff[1])
+	}
 	for _, sl := range cache.ReadCheckpointSlots(dev, sb) {
+		if sl.IndexRoot {
+			if sl.Err != nil {
+				fmt.Fprintf(w, "  root slot %d\tempty or invalid: %v\n", sl.Index, sl.Err)
+				continue
+			}
+			fmt.Fprintf(w, "  root slot %d\tgeneration %d, %d trees, journal from block %d\n", sl.Index, sl.Generation, sl.Trees, sl.JournalBlock)
+			continue
+		}
 		if sl.Err != nil {
 			fmt.Fprintf(w, "  slot %d\tempty or invalid: %v\n", sl.Index, sl.Err)
 			continue

@@ -87,6 +87,10 @@ const (
 // HasFeature reports whether the set uses feature f.
 func (sb *Superblock) HasFeature(f uint64) bool { return sb.Features&f != 0 }
 
+// HasIndexPages reports whether the set keeps its index as pages
+// (FeaturePagedIndex).
+func (sb *Superblock) HasIndexPages() bool { return sb.HasFeature(FeaturePagedIndex) }
+
 // BackingInfo identifies one backing device of the set (invariant 6).
 //
 // Its index in Superblock.Backings is the volume's slot: journal records,

@@ -40,6 +40,7 @@ type Store struct {
 	cache *Cache
 	alloc *Alloc
 	gen   uint64 // the durable root's generation
+	root  Root   // the durable root (Verify)
 	trees map[uint16]*Tree
 	table *Table // nil: none
 	// err is sticky: after a failed write or sync nothing more is written
@@ -110,7 +111,7 @@ func Open(dev device.Device, lay Layout, cachePages int) (*Store, []byte, error)
 		return nil, nil, fmt.Errorf("pages: no valid root: slot 0: %v; slot 1: %w", errs[0], errs[1])
 	}
 	st := &Store{dev: dev, lay: lay, cache: NewCache(cachePages), alloc: NewAlloc(lay.Pages), gen: best.Gen,
-		trees: map[uint16]*Tree{}}
+		root: *best, trees: map[uint16]*Tree{}}
 	if !zero[1-bi] {
 		st.prevErr = errs[1-bi] // a slot never written is no root
 	}
@@ -311,7 +312,7 @@ func (st *Store) Checkpoint(payload []byte) error {
 	}
 	st.BytesWritten += PageSize
 	st.prevGen, st.prevErr = st.gen, nil
-	st.gen = gen
+	st.gen, st.root = gen, root
 	st.alloc.Durable(released)
 	return nil
 }
