@@ -1,8 +1,10 @@
 package cache
 
 import (
+	"cmp"
 	"encoding/binary"
 	"fmt"
+	"slices"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
@@ -251,10 +253,12 @@ func (p *pagedIndex) check(gens []uint32) error {
 }
 
 // readPagedCheckpoint is ReadCheckpoint for a paged set: the newest valid
-// root and every page of its trees, as the checkpoint they stand for (cd
-// passes the same checks as a checkpoint slot's body: it is encoded and
-// decoded as one), with the store for the next checkpoint. Damage is a
-// corruption error (IsCorruption), never a panic.
+// root and every page of its trees, as the checkpoint they stand for, with
+// the store for the next checkpoint. The leaves are read in page order
+// with few large reads (pages.Tree.ReadLeaves) and decoded straight into
+// the checkpoint's entries, which pass the checks a checkpoint slot's
+// body passes (checkPagedData). Damage is a corruption error
+// (IsCorruption), never a panic.
 func readPagedCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (ondisk.CkptHeader, *ondisk.CkptData, *pagedIndex, string, error) {
 	fail := func(err error) (ondisk.CkptHeader, *ondisk.CkptData, *pagedIndex, string, error) {
 		return ondisk.CkptHeader{}, nil, nil, "", err
@@ -271,74 +275,88 @@ func readPagedCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) 
 	if err != nil {
 		return fail(ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "%v", err))
 	}
-	gens := make([]uint32, sb.NBuckets)
-	for i := range gens {
-		gens[i] = tab.Get(i).Gen
-	}
 	nv := len(epochs)
-	bpb := sb.BlocksPerBucket()
-	total := uint32(sb.NBuckets * bpb)
+	total := uint32(sb.NBuckets * sb.BlocksPerBucket())
+	cd := &ondisk.CkptData{Gens: make([]uint32, sb.NBuckets), Vols: make([]ondisk.CkptVol, nv)}
+	for i := range cd.Gens {
+		cd.Gens[i] = tab.Get(i).Gen
+	}
+	epochOf := make([]uint64, total)
 	p := &pagedIndex{st: st, trees: make([]*index.Ptree, nv), sups: make([]*index.Stree, nv)}
-	vers := make([]ondisk.VerSnap, nv)
-	epochOf := map[uint32]uint64{}
-	at := func(id uint16, sl pages.Slot) error {
-		b := sl.Loc &^ index.DirtyBit
-		if b >= total || sl.BGen != 0 {
-			return ondisk.Corruptf("index page", -1, pages.PageSize, "tree %#x: slot %+v names cache block %d of %d, or a bucket generation", id, sl, b, total)
-		}
-		if sl.Loc&index.DirtyBit != 0 {
-			epochOf[b] = sl.Epoch
-		}
-		return nil
+	for vi := range cd.Vols {
+		cd.Vols[vi].Epoch, cd.Vols[vi].EpochOf = epochs[vi], epochOf
 	}
 	for _, id := range st.TreeIDs() {
 		vi := int(id &^ pages.SupTree)
 		if vi >= nv {
 			return fail(ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "tree %#x beyond the root's %d volume slots", id, nv))
 		}
-		var ents []index.Ent
-		var bad error
-		err := st.Tree(id).Ascend(0, func(sl pages.Slot) bool {
-			if bad = at(id, sl); bad != nil {
-				return false
-			}
-			e := index.Ent{LBA: sl.LBA, Loc: sl.Loc, CRC: sl.CRC}
-			if id&pages.SupTree != 0 {
-				e.Loc &^= index.DirtyBit
-			}
-			ents = append(ents, e)
-			return true
-		})
-		if err == nil {
-			err = bad
+		sup := id&pages.SupTree != 0
+		t := st.Tree(id)
+		leaves := make([][]index.Ent, t.Leaves())
+		var eps [][]uint64 // superseded versions' epochs, by leaf
+		if sup {
+			eps = make([][]uint64, len(leaves))
 		}
+		err := t.ReadLeaves(func(i int, pg *pages.Page) error {
+			es := make([]index.Ent, pg.Count())
+			for j := range es {
+				sl := pg.Slot(j)
+				b := sl.Loc &^ index.DirtyBit
+				if b >= total || sl.BGen != 0 || (sup && sl.Loc&index.DirtyBit == 0) || (sl.Loc&index.DirtyBit == 0 && sl.Epoch != 0) {
+					return ondisk.Corruptf("index page", -1, pages.PageSize, "tree %#x: slot %+v names cache block %d of %d, a bucket generation, or an epoch for a clean block", id, sl, b, total)
+				}
+				es[j] = index.Ent{LBA: sl.LBA, Loc: sl.Loc, CRC: sl.CRC}
+				if sup {
+					es[j].Loc = b
+					if j == 0 {
+						eps[i] = make([]uint64, len(es))
+					}
+					eps[i][j] = sl.Epoch
+				} else if sl.Loc&index.DirtyBit != 0 {
+					epochOf[b] = sl.Epoch
+				}
+			}
+			leaves[i] = es
+			return nil
+		})
 		if err != nil {
 			return fail(err)
 		}
-		if id&pages.SupTree == 0 {
+		n := 0
+		for _, l := range leaves {
+			n += len(l)
+		}
+		if n != t.Len() {
+			return fail(ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "tree %#x: the root says %d slots, its leaves hold %d", id, t.Len(), n))
+		}
+		ents := make([]index.Ent, 0, n)
+		for i, l := range leaves {
+			ents = append(ents, l...)
+			leaves[i] = nil
+		}
+		cv := &cd.Vols[vi]
+		if !sup {
+			cv.Ents = ents
 			p.trees[vi] = index.BuildPtree(ents, nil)
-		} else {
-			t := index.NewStree()
-			for _, e := range ents {
-				t.ReplaceOrInsert(e)
+			continue
+		}
+		sp := index.NewStree()
+		var vers []index.Ver
+		k := 0
+		for _, ep := range eps {
+			for _, e := range ep {
+				x := ents[k]
+				vers = append(vers, index.Ver{Epoch: e, LBA: x.LBA, Loc: x.Loc, CRC: x.CRC})
+				sp.ReplaceOrInsert(x)
+				k++
 			}
-			p.sups[vi] = t
 		}
+		slices.SortFunc(vers, index.CmpVer)
+		cv.Sup = vers
+		p.sups[vi] = sp
 	}
-	trees := make([]*index.Ptree, nv)
-	for vi := range nv {
-		trees[vi] = p.trees[vi]
-		if trees[vi] == nil {
-			trees[vi] = index.NewPtree()
-		}
-		vers[vi] = ondisk.VerSnap{EpochOf: func(loc uint32) uint64 { return epochOf[loc] }, Sup: p.sups[vi]}
-	}
-	var body []byte
-	if err := ondisk.EncodeCkptBody(gens, epochs, trees, vers, func(b []byte) error { body = append(body, b...); return nil }); err != nil {
-		return fail(err)
-	}
-	cd, err := ondisk.DecodeCkptBody(body, sb.NBuckets, bpb, volBlocks)
-	if err != nil {
+	if err := checkPagedData(cd, sb, volBlocks); err != nil {
 		return fail(ondisk.Placed(err, sb.CkptOff[0], 2*sb.CkptLen))
 	}
 	warn := ""
@@ -347,6 +365,50 @@ func readPagedCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) 
 	}
 	h := ondisk.CkptHeader{Nonce: sb.Nonce(), Gen: st.Gen(), JPos: ondisk.JournalPos{Blk: jblk}}
 	return h, cd, p, warn, nil
+}
+
+// checkPagedData checks the checkpoint read from pages as
+// ondisk.DecodeCkptBody checks a checkpoint slot's body: every entry of
+// a volume slot the superblock lists, in strictly increasing LBA order,
+// naming a cache block of the set that nothing else names; a dirty
+// entry's epoch at most its volume's; superseded versions in (epoch, lba)
+// order, each of a block nothing else names and older than the dirty
+// live entry of its LBA (invariant 13).
+func checkPagedData(cd *ondisk.CkptData, sb *Superblock, volBlocks []uint64) error {
+	total := uint64(sb.NBuckets * sb.BlocksPerBucket())
+	seen := index.NewBitset(int(total))
+	blocksOf := func(v int) uint64 {
+		if v < len(volBlocks) {
+			return volBlocks[v]
+		}
+		return 0
+	}
+	for vi := range cd.Vols {
+		cv := &cd.Vols[vi]
+		for i, x := range cv.Ents {
+			if x.LBA >= blocksOf(vi) || uint64(x.Block()) >= total || (i > 0 && x.LBA <= cv.Ents[i-1].LBA) || seen.Get(int(x.Block())) {
+				return ondisk.Badf("index pages", "volume %d entry %d (lba %d loc %d) out of order or out of range", vi, i, x.LBA, x.Block())
+			}
+			if x.Dirty() && cv.EpochOf[x.Block()] > cv.Epoch {
+				return ondisk.Badf("index pages", "volume %d: epoch %d for cache block %d beyond the volume's epoch %d", vi, cv.EpochOf[x.Block()], x.Block(), cv.Epoch)
+			}
+			seen.Set(int(x.Block()))
+		}
+	}
+	for vi := range cd.Vols {
+		cv := &cd.Vols[vi]
+		for i, x := range cv.Sup {
+			if x.LBA >= blocksOf(vi) || uint64(x.Loc) >= total || seen.Get(int(x.Loc)) || x.Epoch > cv.Epoch {
+				return ondisk.Badf("index pages", "volume %d: superseded version %+v out of range or owned twice", vi, x)
+			}
+			j, found := slices.BinarySearchFunc(cv.Ents, x.LBA, func(e index.Ent, lba uint64) int { return cmp.Compare(e.LBA, lba) })
+			if (i > 0 && !index.VerLess(cv.Sup[i-1], x)) || !found || !cv.Ents[j].Dirty() || cv.EpochOf[cv.Ents[j].Block()] <= x.Epoch {
+				return ondisk.Badf("index pages", "volume %d: superseded version %+v out of order or not older than a dirty entry", vi, x)
+			}
+			seen.Set(int(x.Loc))
+		}
+	}
+	return nil
 }
 
 // readCheckpoint reads the set's newest checkpoint: a checkpoint slot, or

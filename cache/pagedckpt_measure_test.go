@@ -5,6 +5,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime/pprof"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -19,6 +20,7 @@ var (
 	flagPagedLoad    = flag.Duration("pagedload", 20*time.Second, "TestMeasurePagedCheckpoint: length of the 4 KiB random write load")
 	flagPagedJournal = flag.String("pagedjournal", "8M", "TestMeasurePagedCheckpoint: journal size (a checkpoint is written when it fills)")
 	flagPagedDir     = flag.String("pageddir", "", "TestMeasurePagedCheckpoint: directory for the sparse files (default: a test temp dir)")
+	flagPagedProfile = flag.String("pagedprofile", "", "TestMeasurePagedCheckpoint: write a CPU profile of the paged sets' clean Opens to this file")
 )
 
 // countingWrites is a device that counts the bytes written into [lo, hi).
@@ -160,12 +162,25 @@ func measurePaged(t *testing.T, dir string, n int64, paged bool) {
 	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
+	if *flagPagedProfile != "" && paged {
+		f, err := os.Create(*flagPagedProfile)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			t.Fatal(err)
+		}
+	}
 	t0 := time.Now()
 	s, err = Open(cf, specs, OpenOptions{})
 	if err != nil {
 		t.Fatal(err)
 	}
 	clean := time.Since(t0)
+	if *flagPagedProfile != "" && paged {
+		pprof.StopCPUProfile()
+	}
 	// Overwrites since the Open's checkpoint, then a crash.
 	v, _ = s.Volume("a")
 	r := rand.New(rand.NewPCG(7, 7))

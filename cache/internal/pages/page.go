@@ -8,9 +8,12 @@
 // the oracle: the page codec (this file), the page cache (cache.go), the
 // page area's allocation (alloc.go), the copy-on-write tree of one
 // volume's entries or superseded versions, the bucket table, and the root
-// that names them (tree.go, table.go, store.go, root.go). Not built: the
-// owner lists, a checkpoint outside the caller's lock, and any use by the
-// engine (package cache still keeps its index wholly in memory).
+// that names them (tree.go, table.go, store.go, root.go), reading every
+// leaf in runs (readall.go) and verifying every page (verify.go). The
+// engine (package cache) writes its checkpoints through a Store and reads
+// them back at Open, and keeps its index wholly in memory. Not built: the
+// owner lists, a checkpoint outside the caller's lock, lookups by the
+// engine through the page cache.
 //
 // # Page format
 //

@@ -134,3 +134,112 @@ func TestVerify(t *testing.T) {
 	}
 	t.Logf("%d damaged pages refused", len(pick))
 }
+
+// TestReadLeaves: ReadLeaves hands over every leaf once, at its place in
+// key order, the same slots Ascend reads, with leaves held changed, cached
+// and on the device (scattered by churn over several checkpoints), in
+// fewer reads than leaves; a damaged leaf is a corruption error.
+func TestReadLeaves(t *testing.T) {
+	lay := testLayout(4096)
+	mem := device.NewMem(lay.Off + lay.Len())
+	dev := &countReads{Device: mem}
+	st := newTestStore(t, dev, lay, 8)
+	tr := st.Tree(2)
+	rng := rand.New(rand.NewPCG(8, 9))
+	for round := range 4 {
+		for range 20000 {
+			l := rng.Uint64N(60000)
+			if rng.IntN(4) == 0 && round > 0 {
+				if _, _, err := tr.Delete(l); err != nil {
+					t.Fatal(err)
+				}
+				continue
+			}
+			if _, _, err := tr.Put(Slot{LBA: l, Loc: uint32(l), CRC: uint32(round), Epoch: uint64(round)}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := st.Checkpoint(nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	st, _, err := Open(dev, lay, 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr = st.Tree(2)
+	for range 30 { // some leaves held changed, some cached
+		if _, _, err := tr.Put(Slot{LBA: rng.Uint64N(60000), Loc: 1}); err != nil {
+			t.Fatal(err)
+		}
+		if _, _, err := tr.Get(rng.Uint64N(60000)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var want []Slot
+	if err := tr.Ascend(0, func(s Slot) bool { want = append(want, s); return true }); err != nil {
+		t.Fatal(err)
+	}
+	n := tr.Leaves()
+	got := make([][]Slot, n)
+	r0 := dev.n
+	err = tr.ReadLeaves(func(i int, p *Page) error {
+		if got[i] != nil {
+			t.Fatalf("leaf %d twice", i)
+		}
+		got[i] = []Slot{}
+		for j := range p.Count() {
+			got[i] = append(got[i], p.Slot(j))
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	reads := dev.n - r0
+	var all []Slot
+	for i, g := range got {
+		if g == nil {
+			t.Fatalf("leaf %d of %d not read", i, n)
+		}
+		all = append(all, g...)
+	}
+	if len(all) != len(want) {
+		t.Fatalf("%d slots, Ascend %d", len(all), len(want))
+	}
+	for i := range all {
+		if all[i] != want[i] {
+			t.Fatalf("slot %d: %+v, Ascend %+v", i, all[i], want[i])
+		}
+	}
+	if reads*4 > int64(n) {
+		t.Fatalf("%d reads for %d leaves", reads, n)
+	}
+	t.Logf("%d leaves, %d slots, %d reads", n, len(all), reads)
+
+	st, _, err = Open(dev, lay, 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr = st.Tree(2)
+	k := tr.root.kids[len(tr.root.kids)/2]
+	if k.node != nil {
+		k = k.node.kids[0]
+	}
+	if err := mem.Corrupt(lay.pageOff(k.ptr.Page)+300, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.ReadLeaves(func(int, *Page) error { return nil }); !IsCorruption(err) {
+		t.Fatalf("a damaged leaf: %v", err)
+	}
+}
+
+type countReads struct {
+	device.Device
+	n int64
+}
+
+func (c *countReads) ReadAt(p []byte, off int64) (int, error) {
+	c.n++
+	return c.Device.ReadAt(p, off)
+}
