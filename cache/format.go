@@ -218,6 +218,9 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		if len(backings) > maxPagedVolumes {
 			return nil, fmt.Errorf("%w: %d backing devices (a set with index pages holds at most %d)", ErrInvalid, len(backings), maxPagedVolumes)
 		}
+		if bpb > maxPagedBucketBlocks {
+			return nil, fmt.Errorf("%w: bucket size %d (a set with index pages takes buckets of at most %d bytes: the bucket table counts blocks in 16 bits)", ErrInvalid, bs, maxPagedBucketBlocks*blockSize)
+		}
 		sb.Features |= ondisk.FeaturePagedIndex
 		slotLen = func(n int64) int64 { return pagedSlotLen(n, bpb) }
 		fixed = sb.JournalOff + jl + 2*pagedSlotLen(0, bpb) + bs

@@ -127,7 +127,7 @@ func readRootSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
 		}
 		r := rs[i]
 		if r.Err == nil {
-			out[i].JournalBlock, _, r.Err = decodePagedPayload(r.Root.Payload, sb)
+			out[i].JournalBlock, _, _, r.Err = decodePagedPayload(r.Root.Payload, sb)
 		}
 		if r.Err != nil {
 			out[i].Err = r.Err

@@ -38,6 +38,10 @@ const pagedCachePages = 256
 // two trees a slot and carries each slot's flush epoch in one 4 KiB block.
 const maxPagedVolumes = 40
 
+// maxPagedBucketBlocks bounds the blocks of a paged set's bucket: the
+// bucket table counts a bucket's live and dirty blocks in 16 bits.
+const maxPagedBucketBlocks = 1<<16 - 1
+
 // pagedIndex is a paged set's page store and the snapshot its durable
 // root holds. Guarded by commitMu (checkpointLocked), like the slots.
 type pagedIndex struct {
@@ -62,43 +66,59 @@ func pagedSlotLen(nbuckets, bpb int64) int64 {
 	return max(half, ondisk.CkptSlotLen(nbuckets, bpb, ondisk.MaxBackings))
 }
 
-// The root's payload: the journal block the generation starts at, then
-// each volume slot's flush epoch.
+// The root's payload: the journal block the generation starts at, each
+// volume slot's flush epoch, then flags (a root written before them has
+// none: no flag set).
 //
-//	jblk u64 | nvols u16 | epoch u64 × nvols
-func encodePagedPayload(jblk int64, epochs []uint64) []byte {
-	b := make([]byte, 10+8*len(epochs))
+//	jblk u64 | nvols u16 | epoch u64 × nvols | flags u64
+const (
+	// pagedCounts: the bucket table's live and dirty counts are the
+	// root's trees' (each bucket's entries and superseded versions, and
+	// the dirty ones among them).
+	pagedCounts = 1 << 0
+	pagedFlags  = pagedCounts
+)
+
+func encodePagedPayload(jblk int64, epochs []uint64, flags uint64) []byte {
+	b := make([]byte, 18+8*len(epochs))
 	binary.LittleEndian.PutUint64(b, uint64(jblk))
 	binary.LittleEndian.PutUint16(b[8:], uint16(len(epochs)))
 	for i, e := range epochs {
 		binary.LittleEndian.PutUint64(b[10+8*i:], e)
 	}
+	binary.LittleEndian.PutUint64(b[10+8*len(epochs):], flags)
 	return b
 }
 
-func decodePagedPayload(b []byte, sb *Superblock) (jblk int64, epochs []uint64, err error) {
-	bad := func(format string, args ...any) (int64, []uint64, error) {
-		return 0, nil, ondisk.Corruptf("index root payload", sb.CkptOff[0], 2*pages.PageSize, format, args...)
+func decodePagedPayload(b []byte, sb *Superblock) (jblk int64, epochs []uint64, flags uint64, err error) {
+	bad := func(format string, args ...any) (int64, []uint64, uint64, error) {
+		return 0, nil, 0, ondisk.Corruptf("index root payload", sb.CkptOff[0], 2*pages.PageSize, format, args...)
 	}
 	if len(b) < 10 {
 		return bad("%d bytes", len(b))
 	}
 	j := binary.LittleEndian.Uint64(b)
 	n := int(binary.LittleEndian.Uint16(b[8:]))
-	if j >= uint64(sb.JournalLen/blockSize) || n > maxPagedVolumes || len(b) != 10+8*n {
+	if j >= uint64(sb.JournalLen/blockSize) || n > maxPagedVolumes || (len(b) != 10+8*n && len(b) != 18+8*n) {
 		return bad("journal block %d, %d volume slots in %d bytes", j, n, len(b))
 	}
 	epochs = make([]uint64, n)
 	for i := range epochs {
 		epochs[i] = binary.LittleEndian.Uint64(b[10+8*i:])
 	}
-	return int64(j), epochs, nil
+	if len(b) == 18+8*n {
+		flags = binary.LittleEndian.Uint64(b[10+8*n:])
+	}
+	if flags&^pagedFlags != 0 {
+		return bad("unknown flags %#x", flags)
+	}
+	return int64(j), epochs, flags, nil
 }
 
 // formatPaged writes the first root (generation 1: no entries, the
 // journal from block 0) of a paged set.
 func formatPaged(dev device.Device, sb *Superblock, nvols int) error {
-	return pages.Format(dev, pagedLayout(sb), encodePagedPayload(0, make([]uint64, nvols)))
+	return pages.Format(dev, pagedLayout(sb), encodePagedPayload(0, make([]uint64, nvols), pagedCounts))
 }
 
 // writePagedCheckpoint is checkpointLocked's write for a paged set: the
@@ -123,7 +143,20 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 		return err
 	}
 	for i, g := range gens {
-		tab.Set(i, pages.Bucket{Gen: g}) // an unchanged record changes no page
+		r := tab.Get(i)
+		r.Gen = g
+		tab.Set(i, r) // an unchanged record changes no page
+	}
+	// The live and dirty counts follow the differences: the durable
+	// root's counts are its trees' (pagedCounts).
+	count := func(e index.Ent, dirty bool, d int) {
+		b := int(int64(e.Block()) / s.bpb)
+		r := tab.Get(b)
+		r.Live = uint16(int(r.Live) + d)
+		if dirty {
+			r.Dirty = uint16(int(r.Dirty) + d)
+		}
+		tab.Set(b, r)
 	}
 	sups := make([]*index.Stree, len(trees))
 	for vi := range max(len(trees), len(p.trees)) {
@@ -137,20 +170,20 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 			newT, newS, epochOf = trees[vi], vers[vi].Sup, vers[vi].EpochOf
 			sups[vi] = newS
 		}
-		if err := s.applyDiff(st, uint16(vi), oldT, newT, epochOf); err != nil {
+		if err := s.applyDiff(st, uint16(vi), oldT, newT, epochOf, count); err != nil {
 			return err
 		}
-		if err := s.applySupDiff(st, uint16(vi)|pages.SupTree, oldS, newS, epochOf); err != nil {
+		if err := s.applySupDiff(st, uint16(vi)|pages.SupTree, oldS, newS, epochOf, count); err != nil {
 			return err
 		}
 	}
-	if err := st.Checkpoint(encodePagedPayload(h.JPos.Blk, epochs)); err != nil {
+	if err := st.Checkpoint(encodePagedPayload(h.JPos.Blk, epochs, pagedCounts)); err != nil {
 		return err
 	}
 	p.trees, p.sups = trees, sups
 	p.lastPages, p.lastBytes = st.PagesWritten-p0, st.BytesWritten-b0
 	if invariants.Enabled {
-		if err := p.check(gens); err != nil {
+		if err := p.check(gens, s.bpb); err != nil {
 			return fmt.Errorf("paged checkpoint %d differs from its snapshot: %w", h.Gen, err)
 		}
 	}
@@ -174,7 +207,7 @@ func (s *Set) slotOf(e index.Ent, sup bool, epochOf func(uint32) uint64) pages.S
 	return sl
 }
 
-func (s *Set) applyDiff(st *pages.Store, id uint16, oldT, newT *index.Ptree, epochOf func(uint32) uint64) error {
+func (s *Set) applyDiff(st *pages.Store, id uint16, oldT, newT *index.Ptree, epochOf func(uint32) uint64, count func(index.Ent, bool, int)) error {
 	var err error
 	var t *pages.Tree
 	index.Diff(oldT, newT, func(o, n index.Ent, inOld, inNew bool) {
@@ -184,7 +217,11 @@ func (s *Set) applyDiff(st *pages.Store, id uint16, oldT, newT *index.Ptree, epo
 		if t == nil {
 			t = st.Tree(id)
 		}
+		if inOld {
+			count(o, o.Dirty(), -1)
+		}
 		if inNew {
+			count(n, n.Dirty(), +1)
 			_, _, err = t.Put(s.slotOf(n, false, epochOf))
 		} else {
 			_, _, err = t.Delete(o.LBA)
@@ -193,7 +230,7 @@ func (s *Set) applyDiff(st *pages.Store, id uint16, oldT, newT *index.Ptree, epo
 	return err
 }
 
-func (s *Set) applySupDiff(st *pages.Store, id uint16, oldS, newS *index.Stree, epochOf func(uint32) uint64) error {
+func (s *Set) applySupDiff(st *pages.Store, id uint16, oldS, newS *index.Stree, epochOf func(uint32) uint64, count func(index.Ent, bool, int)) error {
 	var err error
 	var t *pages.Tree
 	index.DiffSup(oldS, newS, func(o, n index.Ent, inOld, inNew bool) {
@@ -203,7 +240,11 @@ func (s *Set) applySupDiff(st *pages.Store, id uint16, oldS, newS *index.Stree, 
 		if t == nil {
 			t = st.Tree(id)
 		}
+		if inOld {
+			count(o, true, -1)
+		}
 		if inNew {
+			count(n, true, +1)
 			_, _, err = t.Put(s.slotOf(n, true, epochOf))
 		} else {
 			_, _, err = t.DeleteKey(pages.Key{LBA: o.LBA, Sub: o.Block()})
@@ -214,7 +255,7 @@ func (s *Set) applySupDiff(st *pages.Store, id uint16, oldS, newS *index.Stree, 
 
 // check verifies (invariants builds) that the page trees hold exactly the
 // snapshot the durable root is said to hold.
-func (p *pagedIndex) check(gens []uint32) error {
+func (p *pagedIndex) check(gens []uint32, bpb int64) error {
 	for _, id := range p.st.TreeIDs() {
 		vi := int(id &^ pages.SupTree)
 		var want []index.Ent
@@ -249,7 +290,20 @@ func (p *pagedIndex) check(gens []uint32) error {
 			return fmt.Errorf("tree %#x holds %d slots, the snapshot %d", id, i, len(want))
 		}
 	}
-	return nil
+	tab, err := p.st.Table(len(gens))
+	if err != nil {
+		return err
+	}
+	cd := &ondisk.CkptData{Vols: make([]ondisk.CkptVol, len(p.trees))}
+	for vi := range p.trees {
+		if p.trees[vi] != nil {
+			p.trees[vi].Ascend(func(e index.Ent) bool { cd.Vols[vi].Ents = append(cd.Vols[vi].Ents, e); return true })
+		}
+		if p.sups[vi] != nil {
+			p.sups[vi].Ascend(func(e index.Ent) bool { cd.Vols[vi].Sup = append(cd.Vols[vi].Sup, index.Ver{Loc: e.Loc}); return true })
+		}
+	}
+	return pagedCountsOf(cd, bpb, tab, true)
 }
 
 // readPagedCheckpoint is ReadCheckpoint for a paged set: the newest valid
@@ -267,7 +321,7 @@ func readPagedCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) 
 	if err != nil {
 		return fail(err)
 	}
-	jblk, epochs, err := decodePagedPayload(payload, sb)
+	jblk, epochs, flags, err := decodePagedPayload(payload, sb)
 	if err != nil {
 		return fail(err)
 	}
@@ -359,12 +413,51 @@ func readPagedCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) 
 	if err := checkPagedData(cd, sb, volBlocks); err != nil {
 		return fail(ondisk.Placed(err, sb.CkptOff[0], 2*sb.CkptLen))
 	}
+	if err := pagedCountsOf(cd, sb.BlocksPerBucket(), tab, flags&pagedCounts != 0); err != nil {
+		return fail(err)
+	}
 	warn := ""
 	if _, perr := st.Previous(); perr != nil {
 		warn = fmt.Sprintf("the other index root is not intact (%v): recovered from root generation %d", perr, st.Gen())
 	}
 	h := ondisk.CkptHeader{Nonce: sb.Nonce(), Gen: st.Gen(), JPos: ondisk.JournalPos{Blk: jblk}}
 	return h, cd, p, warn, nil
+}
+
+// pagedCountsOf counts each bucket's live blocks (entries and superseded
+// versions) and dirty ones in cd. With check (the root says the table
+// holds them: pagedCounts) a table that says otherwise is corruption;
+// without, the counts are put into the table (a root written before
+// the table held them), to be written by the next checkpoint.
+func pagedCountsOf(cd *ondisk.CkptData, bpb int64, tab *pages.Table, check bool) error {
+	live := make([]uint16, tab.Len())
+	dirty := make([]uint16, tab.Len())
+	for _, cv := range cd.Vols {
+		for _, e := range cv.Ents {
+			b := int64(e.Block()) / bpb
+			live[b]++
+			if e.Dirty() {
+				dirty[b]++
+			}
+		}
+		for _, x := range cv.Sup {
+			b := int64(x.Loc) / bpb
+			live[b]++
+			dirty[b]++
+		}
+	}
+	for i := range live {
+		r := tab.Get(i)
+		if !check {
+			r.Live, r.Dirty = live[i], dirty[i]
+			tab.Set(i, r)
+			continue
+		}
+		if r.Live != live[i] || r.Dirty != dirty[i] {
+			return ondisk.Corruptf("index page", -1, pages.PageSize, "bucket table: bucket %d counts %d live and %d dirty blocks, the trees name %d and %d", i, r.Live, r.Dirty, live[i], dirty[i])
+		}
+	}
+	return nil
 }
 
 // checkPagedData checks the checkpoint read from pages as

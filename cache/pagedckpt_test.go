@@ -5,6 +5,9 @@ import (
 	"math/rand/v2"
 	"testing"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/pages"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -229,5 +232,53 @@ func TestPagedCorruptRoot(t *testing.T) {
 	t.Logf("200 damaged images (%d written pages): %d refused as corrupt", len(written), refused)
 	if refused <= 100 {
 		t.Fatal("no damaged page was refused")
+	}
+}
+
+// TestPagedPayloadCounts: a root's payload without flags (written before
+// the bucket table held counts) decodes with none, unknown flags are
+// corruption; without pagedCounts Open puts the trees' counts into the
+// table, with it a table that differs is corruption.
+func TestPagedPayloadCounts(t *testing.T) {
+	sb := &Superblock{JournalLen: 1 << 20}
+	old := encodePagedPayload(5, []uint64{7, 8}, 0)[:10+16]
+	j, eps, flags, err := decodePagedPayload(old, sb)
+	if err != nil || j != 5 || len(eps) != 2 || eps[1] != 8 || flags != 0 {
+		t.Fatalf("old payload: %d %v %d %v", j, eps, flags, err)
+	}
+	if _, _, flags, err := decodePagedPayload(encodePagedPayload(5, []uint64{7, 8}, pagedCounts), sb); err != nil || flags != pagedCounts {
+		t.Fatalf("payload with counts: %d %v", flags, err)
+	}
+	if _, _, _, err := decodePagedPayload(encodePagedPayload(5, nil, 1<<9), sb); !IsCorruption(err) {
+		t.Fatalf("unknown flags: %v", err)
+	}
+	lay := pages.Layout{Off: 0, Pages: 64, Nonce: 1}
+	dev := device.NewMem(lay.Len())
+	if err := pages.Format(dev, lay, nil); err != nil {
+		t.Fatal(err)
+	}
+	st, _, err := pages.Open(dev, lay, 4)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tab, err := st.Table(3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cd := &ondisk.CkptData{Vols: []ondisk.CkptVol{
+		{Ents: []index.Ent{{LBA: 1, Loc: 0}, {LBA: 2, Loc: 5 | index.DirtyBit}}, Sup: []index.Ver{{Loc: 6}}},
+		{Ents: []index.Ent{{LBA: 1, Loc: 9 | index.DirtyBit}}},
+	}}
+	if err := pagedCountsOf(cd, 4, tab, true); !IsCorruption(err) {
+		t.Fatalf("a table of zeroes checked against entries: %v", err)
+	}
+	if err := pagedCountsOf(cd, 4, tab, false); err != nil {
+		t.Fatal(err)
+	}
+	if b0, b1, b2 := tab.Get(0), tab.Get(1), tab.Get(2); b0.Live != 1 || b0.Dirty != 0 || b1.Live != 2 || b1.Dirty != 2 || b2.Live != 1 || b2.Dirty != 1 {
+		t.Fatalf("counts %+v %+v %+v", b0, b1, b2)
+	}
+	if err := pagedCountsOf(cd, 4, tab, true); err != nil {
+		t.Fatal(err)
 	}
 }
