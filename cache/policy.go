@@ -66,6 +66,7 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/writeback"
+	"github.com/tiercache/tiercache/device"
 )
 
 const (
@@ -254,11 +255,24 @@ func (v *Volume) seqWrite(off, n int64) bool {
 	// writeback keeps failing: the backing device is away, a write around
 	// the cache would fail or a flush could not make it durable, so the
 	// stream is absorbed like any other write (until the cache is full).
-	if v.Mode() == Writeback && (!seqBypass(run, cutoff, v.streamRoom()) || v.wb.Stats().Failing) {
+	// A backing that keeps unsynced writes (device.SyncKeeper, an
+	// object-store image) holds a write around the cache in memory until a
+	// sync stores it, and that sync needs the store: in writeback mode its
+	// streams are always absorbed, so a FLUSH or FUA needs only the cache
+	// device, whether or not the store answers.
+	if v.Mode() == Writeback && (!seqBypass(run, cutoff, v.streamRoom()) || v.wb.Stats().Failing || v.backingKeepsUnsynced()) {
 		return false
 	}
 	v.pol.streamAt.Store(nowNanos())
 	return true
+}
+
+// backingKeepsUnsynced reports whether v's backing device keeps the writes
+// a failed sync could not make durable (device.SyncKeeper): an object-store
+// image, whose writes are durable only once a sync has stored them.
+func (v *Volume) backingKeepsUnsynced() bool {
+	k, ok := v.back.(device.SyncKeeper)
+	return ok && k.KeepsUnsynced()
 }
 
 // streamBypassing reports whether a write stream of v bypassed the cache
