@@ -21,6 +21,7 @@ import (
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/pages"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/backingid"
 	"github.com/tiercache/tiercache/nbd"
@@ -30,6 +31,7 @@ var (
 	flagMetaSizes = flag.String("metasizes", "1M,16M", "TestMeasureMetadataScale: cached block counts to measure (K, M suffixes)")
 	flagMetaDir   = flag.String("metadir", "", "TestMeasureMetadataScale: directory for the sparse cache and backing files (default: a test temp dir)")
 	flagMetaLoad  = flag.Duration("metaload", 30*time.Second, "TestMeasureMetadataScale: length of the 4 KiB random write load")
+	flagMetaPaged = flag.Bool("metapaged", false, "TestMeasureMetadataScale: format the sets with index pages (FormatOptions.IndexPages)")
 )
 
 // TestMeasureMetadataScale measures what the engine's metadata costs a
@@ -115,6 +117,9 @@ func metaSet(t *testing.T, dir string, n, cacheBlocks int64) (cachePath string, 
 	nb := (cacheBlocks + bpb - 1) / bpb
 	size := nb*(defaultBucketSize+2*(4+bpb*(ondisk.CkptEntrySize+ondisk.CkptEpochExtra))) +
 		2*ondisk.SBCopySize + (64 << 20) + 2*ondisk.CkptSlotLen(0, bpb, ondisk.MaxBackings) + 2*defaultBucketSize
+	if *flagMetaPaged {
+		size = cacheSizeForPaged(nb, defaultBucketSize, 64<<20, 1, true) + 2*ondisk.SBCopySize
+	}
 	backBlocks := max(8*n, 8*cacheBlocks/2)
 	if err := device.CreateSparse(cachePath, size); err != nil {
 		t.Fatal(err)
@@ -136,7 +141,7 @@ func metaSet(t *testing.T, dir string, n, cacheBlocks int64) (cachePath string, 
 		t.Fatal(err)
 	}
 	defer bdev.Close()
-	sb, err := Format(cdev, []BackingSpec{{Name: "hdd", Dev: bdev, ID: id.ID, Path: backPath}}, FormatOptions{Mode: Writeback})
+	sb, err := Format(cdev, []BackingSpec{{Name: "hdd", Dev: bdev, ID: id.ID, Path: backPath}}, FormatOptions{Mode: Writeback, IndexPages: *flagMetaPaged})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,7 +177,36 @@ func metaSet(t *testing.T, dir string, n, cacheBlocks int64) (cachePath string, 
 	volEpoch := uint64(2 + total/bpb)
 	h := ondisk.CkptHeader{Nonce: sb.Nonce(), Gen: 2}
 	vers := []ondisk.VerSnap{{EpochOf: epochOf, Dirty: int(n)}}
-	if err := ondisk.WriteCheckpoint(cdev, sb, h, make([]uint32, sb.NBuckets), []uint64{volEpoch}, []*index.Ptree{tree}, vers); err != nil {
+	if sb.HasIndexPages() {
+		// Root 2 naming the entries, as a paged checkpoint writes it.
+		st, _, err := pages.Open(cdev, pagedLayout(sb), pagedCachePages)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tab, err := st.Table(int(sb.NBuckets))
+		if err != nil {
+			t.Fatal(err)
+		}
+		tr := st.Tree(0)
+		var perr error
+		tree.Ascend(func(e index.Ent) bool {
+			if _, _, perr = tr.Put(pages.Slot{LBA: e.LBA, Loc: e.Loc, CRC: e.CRC, Epoch: epochOf(e.Block())}); perr != nil {
+				return false
+			}
+			b := int(int64(e.Block()) / bpb)
+			r := tab.Get(b)
+			r.Live++
+			r.Dirty++
+			tab.Set(b, r)
+			return true
+		})
+		if perr != nil {
+			t.Fatal(perr)
+		}
+		if err := st.Checkpoint(encodePagedPayload(0, []uint64{volEpoch}, pagedCounts)); err != nil {
+			t.Fatal(err)
+		}
+	} else if err := ondisk.WriteCheckpoint(cdev, sb, h, make([]uint32, sb.NBuckets), []uint64{volEpoch}, []*index.Ptree{tree}, vers); err != nil {
 		t.Fatal(err)
 	}
 	sb.Backings[0].Settings.WritebackRateMax = blockSize
