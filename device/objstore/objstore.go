@@ -224,7 +224,12 @@ func Open(loc Location, opts Options) (*Device, error) {
 	d := &Device{s: s, loc: loc, opts: opts}
 	if !opts.ReadOnly {
 		if d.ls, err = acquireLease(s, opts.LeaseTTL, opts.Force); err != nil {
-			return nil, err
+			if errors.Is(err, ErrOwned) {
+				return nil, err
+			}
+			// Without the lease this server cannot know that no other
+			// host has taken the image, so it does not serve at all.
+			return nil, fmt.Errorf("objstore: %s: expected to take the image's lease (one writer per image), but the store did not grant it: %w; nothing was written and the cache keeps its data: start again once the store answers", loc, err)
 		}
 	}
 	if err := d.open(); err != nil {

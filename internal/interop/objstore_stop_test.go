@@ -62,7 +62,14 @@ func TestObjStoreStopDuringOutage(t *testing.T) {
 	if l := ks.log.String(); !strings.Contains(l, "stopped cleanly; dirty data stays in the cache") || strings.Contains(l, "dirty_bytes=0") {
 		t.Fatalf("stop during the outage did not keep the dirty data:\n%s", l)
 	}
-	// The link back (a start needs the store: it takes the lease), the
+	// A start while the store is still away is refused: taking the lease
+	// needs the store.
+	if err := ks.Start(ctx); err == nil {
+		t.Fatal("a start during the outage served")
+	} else if l := ks.log.String(); !strings.Contains(l, "expected to take the image's lease") || !strings.Contains(l, "start again once the store answers") {
+		t.Fatalf("start during the outage: %v, without the lease refusal:\n%s", err, l)
+	}
+	// The link back, the
 	// next start recovers the dirty data and detach writes it to the
 	// image.
 	proxy.CutAfter(-1)
