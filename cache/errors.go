@@ -21,6 +21,10 @@ var (
 // It wraps ErrCorrupt (metadata) or ErrChecksum (cached data).
 type CorruptionError = ondisk.CorruptionError
 
+// FormatVersionError: Open refuses a set of another format version
+// (a pre-release build's) and writes nothing.
+type FormatVersionError = ondisk.FormatVersionError
+
 // ErrAlreadyFormatted is returned by Format when the cache device already
 // holds a valid superblock and FormatOptions.Force is not set.
 var ErrAlreadyFormatted = errors.New("cache: device already holds a cache set")

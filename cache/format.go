@@ -189,7 +189,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		return nil, fmt.Errorf("%w: journal size %d (at least %d)", ErrInvalid, jl, minJournalLen)
 	}
 	// New sets keep their clean cache warm across crashes (region marks).
-	sb := &Superblock{Version: ondisk.FormatVersionFeatures, Seq: 1, BlockSize: blockSize, BucketSize: bs,
+	sb := &Superblock{Version: ondisk.FormatVersion, Seq: 1, BlockSize: blockSize, BucketSize: bs,
 		JournalOff: 2 * ondisk.SBCopySize, JournalLen: jl, CacheID: opts.CacheID,
 		Features: ondisk.FeatureWarmClean, MarkShift: ondisk.DefaultMarkShift}
 	if opts.markShift != 0 {

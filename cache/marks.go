@@ -72,7 +72,6 @@ type regionMark struct {
 
 // warmState is the set's side of the marks.
 type warmState struct {
-	on    bool  // the set has FeatureWarmClean
 	shift uint8 // log2 of a region's blocks
 	// untrusted: the superblock says clean entries are untrusted (after a
 	// failover); untrustErr: setting it failed. REQUIRES: sbMu
@@ -81,7 +80,6 @@ type warmState struct {
 }
 
 func (s *Set) initWarm(sb *Superblock) {
-	s.wm.on = sb.HasFeature(ondisk.FeatureWarmClean)
 	s.wm.shift = sb.MarkShift
 	s.wm.untrusted = sb.CleanUntrusted
 }
@@ -94,7 +92,7 @@ func (v *Volume) claimBacking(lba, n uint64) error {
 	s := v.s
 	s.mu.Lock()
 	v.claimLocked(lba, n)
-	if !s.wm.on || n == 0 {
+	if n == 0 {
 		s.mu.Unlock()
 		return nil
 	}
@@ -195,7 +193,7 @@ func (s *Set) resetMarksLocked() {
 // left out (rule 2). t is a clone and may be changed.
 // REQUIRES: s.mu
 func (s *Set) snapshotCleanExcluding(v *Volume, t *index.Ptree) *index.Ptree {
-	if !s.wm.on || len(v.idx.busy) == 0 {
+	if len(v.idx.busy) == 0 {
 		return t
 	}
 	var drop []index.Ent
@@ -217,7 +215,7 @@ func (s *Set) snapshotCleanExcluding(v *Volume, t *index.Ptree) *index.Ptree {
 // in flight and none started for markIdle (rule 3).
 // REQUIRES: s.mu
 func (s *Set) lapseMarksLocked(now int64) {
-	if !s.wm.on || s.isFailed() {
+	if s.isFailed() {
 		return
 	}
 	for _, v := range s.vols {
@@ -242,7 +240,7 @@ func (v *Volume) busyRegionLocked(r uint64) bool {
 // writeback batch is about to write durable (rule 4): target is Set.mu.seq
 // when the batch collected them.
 func (s *Set) commitBeforeWriteback(target uint64) error {
-	if !s.wm.on || s.durable.Load() >= target {
+	if s.durable.Load() >= target {
 		return nil
 	}
 	err := s.commit(target)

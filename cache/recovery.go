@@ -342,7 +342,7 @@ func recoveryPolicy(sb *Superblock) cleanPolicy {
 	switch {
 	case sb.Clean:
 		return cleanKeep
-	case sb.HasFeature(ondisk.FeatureWarmClean) && !sb.CleanUntrusted:
+	case !sb.CleanUntrusted:
 		return cleanKeepUnmarked
 	}
 	return cleanDrop

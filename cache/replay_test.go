@@ -27,7 +27,7 @@ type replayCfg struct {
 func newReplaySet(cfg replayCfg, gens []uint32) *Set {
 	s := &Set{bpb: cfg.bpb, log: slog.New(slog.DiscardHandler)}
 	s.mu.BPB = s.bpb
-	s.wm.on, s.wm.shift = true, cfg.shift
+	s.wm.shift = cfg.shift
 	var vols []*Volume
 	for i, o := range cfg.orders {
 		st := DefaultSettings()

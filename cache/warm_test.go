@@ -3,6 +3,7 @@ package cache
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -314,42 +315,52 @@ func TestWarmFailoverUntrusts(t *testing.T) {
 	r.checkCachedExcept("the next crash", func(int) bool { return false })
 }
 
-// TestWarmOldFormat: a set of format version 2 (no features: formatted
-// before region marks) opens, journals no mark, recovers cold after a
-// crash and stays version 2, so the binary it came from can still open it.
-func TestWarmOldFormat(t *testing.T) {
-	r := newWarmRig(t, Writearound, 64, 3)
+// TestOpenRefusesVersion2: a set whose superblock is format version 2 (a
+// pre-release build's) is refused with a FormatVersionError that says
+// what was found, what this build reads and what to do, and Open writes
+// nothing: the cache device is byte for byte what it was.
+func TestOpenRefusesVersion2(t *testing.T) {
+	r := newWarmRig(t, Writeback, 64, 3)
+	r.fill()
 	r.s.crashStop()
-	sb, err := ReadSuperblock(r.cache)
-	if err != nil {
-		t.Fatal(err)
-	}
-	sb.Features, sb.MarkShift, sb.Version = 0, 0, ondisk.FormatVersion
-	sb.Seq++
-	if err := ondisk.WriteSuperblock(r.cache, sb); err != nil {
-		t.Fatal(err)
-	}
-	r.open()
-	r.fill()
-	r.crash(1)
-	r.checkCachedExcept("a version 2 set after a crash", func(int) bool { return true })
-	r.fill()
-	r.write(3)
-	r.flush()
-	var recs []string
-	if _, err := OpenImage(r.cache, ImageOptions{OnRecord: func(s string) { recs = append(recs, s) }}); err != nil {
-		t.Fatal(err)
-	}
-	for _, x := range recs {
-		if strings.HasPrefix(x, "mark") || strings.HasPrefix(x, "unmark") {
-			t.Fatalf("a version 2 set journaled %q", x)
+	for i := 0; i < 2; i++ {
+		// Both copies to version 2, each with a valid checksum.
+		off := int64(i) * ondisk.SBCopySize
+		b := make([]byte, ondisk.BlockSize)
+		if _, err := r.cache.ReadAt(b, off); err != nil {
+			t.Fatal(err)
+		}
+		n := ondisk.SBHeaderSize + int(binary.LittleEndian.Uint32(b[12:]))
+		b = make([]byte, (n+ondisk.BlockSize-1)/ondisk.BlockSize*ondisk.BlockSize)
+		if _, err := r.cache.ReadAt(b, off); err != nil {
+			t.Fatal(err)
+		}
+		binary.LittleEndian.PutUint32(b[8:], 2)
+		binary.LittleEndian.PutUint32(b[16:], 0)
+		binary.LittleEndian.PutUint32(b[16:], ondisk.CRC32C(b[:n]))
+		if _, err := r.cache.WriteAt(b, off); err != nil {
+			t.Fatal(err)
 		}
 	}
-	if len(recs) == 0 {
-		t.Fatal("no journal records to look at")
+	before := make([]byte, r.cache.Size())
+	if _, err := r.cache.ReadAt(before, 0); err != nil {
+		t.Fatal(err)
 	}
-	sb2, err := ReadSuperblock(r.cache)
-	if err != nil || sb2.Version != ondisk.FormatVersion || sb2.Features != 0 {
-		t.Fatalf("superblock after use: %+v, %v", sb2, err)
+	_, err := Open(r.cache, []BackingSpec{{Name: "a", Dev: r.back}}, OpenOptions{})
+	var ve *FormatVersionError
+	if !errors.As(err, &ve) || ve.Found != 2 {
+		t.Fatalf("Open of a version 2 set: %v, want a FormatVersionError", err)
+	}
+	for _, w := range []string{"format version 2", "reads only version 3", "pre-release build", "format the device again"} {
+		if !strings.Contains(err.Error(), w) {
+			t.Errorf("error %q does not say %q", err, w)
+		}
+	}
+	after := make([]byte, r.cache.Size())
+	if _, err := r.cache.ReadAt(after, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(before, after) {
+		t.Fatal("Open of a version 2 set wrote to the cache device")
 	}
 }

@@ -18,6 +18,7 @@ import (
 
 const (
 	ckptMagic     = "TIERCCK\x01"
+	ckptVersion   = 2 // the checkpoint header's version, unchanged since the first format
 	CkptHdrLen    = 64
 	CkptEntrySize = 16
 	ckptVolHdr    = 2 + 8 + 8
@@ -50,7 +51,7 @@ type CkptHeader struct {
 func (h *CkptHeader) Encode() []byte {
 	b := make([]byte, BlockSize)
 	copy(b, ckptMagic)
-	le.PutUint32(b[8:], FormatVersion)
+	le.PutUint32(b[8:], ckptVersion)
 	le.PutUint64(b[16:], h.Nonce)
 	le.PutUint64(b[24:], h.Gen)
 	le.PutUint64(b[32:], uint64(h.JPos.Blk))
@@ -75,7 +76,7 @@ func DecodeCkptHeader(b []byte, off int64) (h CkptHeader, err error) {
 		return h, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "checkpoint header", Offset: off,
 			Length: CkptHdrLen, Expected: want, Actual: got, HaveSums: true}
 	}
-	if v := le.Uint32(b[8:]); v != FormatVersion {
+	if v := le.Uint32(b[8:]); v != ckptVersion {
 		return h, Corruptf("checkpoint header", off, BlockSize, "version %d", v)
 	}
 	h.Nonce = le.Uint64(b[16:])

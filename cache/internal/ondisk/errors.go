@@ -74,3 +74,21 @@ func Placed(err error, off, length int64) error {
 	}
 	return err
 }
+
+// FormatVersionError is returned by Open (and ReadSuperblock) for an intact
+// superblock of a format version this binary does not read: a set made by
+// a pre-release build (version 2) or by a newer one. Nothing is written.
+type FormatVersionError struct {
+	Found  uint32 // the superblock's version
+	Offset int64  // the copy's offset
+}
+
+func (e *FormatVersionError) Error() string {
+	if e.Found < FormatVersion {
+		return fmt.Sprintf("cache: superblock at %d is format version %d, this build reads only version %d: "+
+			"the set was made by a pre-release build; write its dirty data back with that build "+
+			"(tiercache flush, then stop), then format the device again with this one", e.Offset, e.Found, FormatVersion)
+	}
+	return fmt.Sprintf("cache: superblock at %d is format version %d, this build reads only version %d: "+
+		"the set was made by a newer build; open it with that build", e.Offset, e.Found, FormatVersion)
+}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
+	"strings"
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
@@ -119,11 +120,11 @@ func sampleRecs() []*Rec {
 	}
 }
 
-// TestSuperblockFeatures: features round-trip in a version 3 superblock
-// (a binary that knows only version 2 refuses it); a version 2 superblock
-// has no features section; unknown feature bits and flags, a features
-// section in a version 2 superblock and a version 3 one without it are
-// refused as corruption.
+// TestSuperblockFeatures: features round-trip in the features section,
+// which every superblock has; unknown feature bits and flags, a region
+// too large and a superblock without the section are refused as
+// corruption; another version (2: a pre-release build's, 4) is refused
+// with a FormatVersionError that names both versions.
 func TestSuperblockFeatures(t *testing.T) {
 	sb := testSuperblock()
 	b, got := encodeDecode(t, sb)
@@ -134,7 +135,7 @@ func TestSuperblockFeatures(t *testing.T) {
 		sb.CacheID = "cache-1"
 		sb.Features, sb.CleanUntrusted, sb.MarkShift = FeatureWarmClean, untrusted, DefaultMarkShift
 		b, got = encodeDecode(t, sb)
-		if v := le.Uint32(b[8:]); v != FormatVersionFeatures || got.Features != FeatureWarmClean || got.CleanUntrusted != untrusted || got.MarkShift != DefaultMarkShift ||
+		if v := le.Uint32(b[8:]); v != FormatVersion || got.Features != FeatureWarmClean || got.CleanUntrusted != untrusted || got.MarkShift != DefaultMarkShift ||
 			!got.HasFeature(FeatureWarmClean) || got.CacheID != "cache-1" {
 			t.Fatalf("features: version %d, %+v", v, got)
 		}
@@ -151,37 +152,39 @@ func TestSuperblockFeatures(t *testing.T) {
 		le.PutUint32(c[16:], CRC32C(c))
 		return c
 	}
-	if _, err := DecodeSuperblock(forge(FormatVersionFeatures, FeatureWarmClean, 1, 5), 0); err != nil {
+	if _, err := DecodeSuperblock(forge(FormatVersion, FeatureWarmClean, 1, 5), 0); err != nil {
 		t.Fatalf("forge: %v", err)
 	}
 	for what, c := range map[string][]byte{
-		"version 2 with features": forge(FormatVersion, FeatureWarmClean, 0, 18),
-		"unknown feature":         forge(FormatVersionFeatures, FeatureWarmClean|1<<7, 0, 18),
-		"no feature bit":          forge(FormatVersionFeatures, 0, 0, 18),
-		"unknown flag":            forge(FormatVersionFeatures, FeatureWarmClean, 1<<5, 18),
-		"region too large":        forge(FormatVersionFeatures, FeatureWarmClean, 0, MaxMarkShift+1),
-		"version 4":               forge(4, FeatureWarmClean, 0, 18),
+		"unknown feature":  forge(FormatVersion, FeatureWarmClean|1<<7, 0, 18),
+		"unknown flag":     forge(FormatVersion, FeatureWarmClean, 1<<5, 18),
+		"region too large": forge(FormatVersion, FeatureWarmClean, 0, MaxMarkShift+1),
 	} {
 		if _, err := DecodeSuperblock(c, 0); !errors.Is(err, ErrCorrupt) {
 			t.Errorf("%s: %v, want a corruption error", what, err)
+		}
+	}
+	for _, v := range []uint32{2, 4} {
+		_, err := DecodeSuperblock(forge(v, FeatureWarmClean, 0, 18), 0)
+		var ve *FormatVersionError
+		if !errors.As(err, &ve) || ve.Found != v || errors.Is(err, ErrCorrupt) ||
+			!strings.Contains(err.Error(), fmt.Sprintf("version %d, this build reads only version %d", v, FormatVersion)) {
+			t.Errorf("version %d: %v, want a FormatVersionError", v, err)
 		}
 	}
 	sb.Features = 1 << 9
 	if _, err := sb.Encode(); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("unknown feature encoded: %v", err)
 	}
-	sb.Features, sb.CleanUntrusted = 0, true
-	if _, err := sb.Encode(); !errors.Is(err, ErrInvalid) {
-		t.Fatalf("untrusted flag without features encoded: %v", err)
-	}
-	// A version 3 superblock without its features section.
+	// A superblock without its features section (cut off, checksum fixed).
 	sb.Features, sb.CleanUntrusted = 0, false
 	c, _ := sb.Encode()
-	le.PutUint32(c[8:], FormatVersionFeatures)
+	c = c[:len(c)-(4+8+8+1)]
+	le.PutUint32(c[12:], uint32(len(c)-SBHeaderSize))
 	le.PutUint32(c[16:], 0)
 	le.PutUint32(c[16:], CRC32C(c))
 	if _, err := DecodeSuperblock(c, 0); !errors.Is(err, ErrCorrupt) {
-		t.Fatalf("version 3 without features: %v", err)
+		t.Fatalf("no features section: %v", err)
 	}
 }
 

@@ -41,28 +41,26 @@ type Superblock struct {
 	// identity, or the set predates the field). Kept in an optional
 	// trailer after the settings trailer.
 	CacheID string
-	// Features are the format features the set uses (Feature*). A set
-	// with any is written as format version FormatVersionFeatures with a
-	// features trailer, so a binary that knows only FormatVersion refuses
-	// it ("unsupported format version") instead of misreading it; a
-	// feature bit this binary does not know is refused the same way.
+	// Features are the format features the set uses (Feature*), in the
+	// features trailer; a feature bit this binary does not know is
+	// refused as corruption.
 	Features uint64
 	// CleanUntrusted says that the backing devices may have been written
 	// where the journal does not show it (a failover wrote around a dead
-	// cache device): the next recovery drops every clean entry even with
-	// FeatureWarmClean. Open clears it once it has recovered cold.
+	// cache device): the next recovery drops every clean entry, marks or
+	// not. Open clears it once it has recovered cold.
 	CleanUntrusted bool
 	// MarkShift is the size of a mark region, log2 of its blocks
-	// (FeatureWarmClean; DefaultMarkShift: 1 GiB).
+	// (DefaultMarkShift: 1 GiB).
 	MarkShift uint8
 }
 
 // Format features (Superblock.Features).
 const (
-	// FeatureWarmClean: the journal holds region marks (RecMark) before
-	// every backing write that could make a clean entry stale, so
-	// recovery after an unclean shutdown keeps the clean entries of the
-	// regions not marked since the checkpoint (docs/CACHE.md, "Recovery").
+	// FeatureWarmClean is set by Format on every set and read by no one:
+	// region marks (RecMark) are part of the format's definition
+	// (docs/CACHE.md, "Recovery"). It stays known so that the sets
+	// formatted with it open.
 	FeatureWarmClean = 1 << 0
 	// FeatureMirror: the set's metadata and dirty data are mirrored on two
 	// devices, whose mirror labels (cache/internal/mirror) say which is
@@ -138,10 +136,12 @@ const (
 	// label slot (cache/internal/mirror, FeatureMirror), a lost-writes
 	// record slot (lostwrites.go) and a journal head record slot
 	// (journalhead.go).
-	SBMaxEncoded  = SBCopySize - 3*BlockSize
-	SBHeaderSize  = 24
-	SBMagic       = "TIERCSB\x01"
-	FormatVersion = 2
+	SBMaxEncoded = SBCopySize - 3*BlockSize
+	SBHeaderSize = 24
+	SBMagic      = "TIERCSB\x01"
+	// FormatVersion is the only superblock version this binary reads or
+	// writes; no earlier format was released (FormatVersionError).
+	FormatVersion = 3
 	MaxBackings   = 64
 	sbSettingsTag = 0x53455454 // "SETT": the per-backing settings section
 	sbCacheIDTag  = 0x44494143 // "CAID": the cache device identity section
@@ -160,12 +160,8 @@ const (
 
 // The features section.
 const (
-	// FormatVersionFeatures is the version of a superblock with a
-	// features trailer (Superblock.Features not zero); checkpoints and
-	// journal framing stay at FormatVersion.
-	FormatVersionFeatures = 3
-	sbFeatureTag          = 0x54414546 // "FEAT": the features section (version 3 only)
-	sbFlagCleanUntrusted  = 1 << 0     // flag: Superblock.CleanUntrusted
+	sbFeatureTag         = 0x54414546 // "FEAT": the features section (always present)
+	sbFlagCleanUntrusted = 1 << 0     // flag: Superblock.CleanUntrusted
 )
 
 // Nonce derives the 64-bit value that tags journal blocks and checkpoints
@@ -228,32 +224,26 @@ func (sb *Superblock) Encode() ([]byte, error) {
 		e.u32(sbCacheIDTag)
 		e.str(sb.CacheID)
 	}
-	version := uint32(FormatVersion)
-	if sb.Features != 0 {
-		if sb.Features&^KnownFeatures != 0 {
-			return nil, fmt.Errorf("%w: unknown format features %#x", ErrInvalid, sb.Features&^KnownFeatures)
-		}
-		version = FormatVersionFeatures
-		e.u32(sbFeatureTag)
-		e.u64(sb.Features)
-		flags := uint64(0)
-		if sb.CleanUntrusted {
-			flags |= sbFlagCleanUntrusted
-		}
-		e.u64(flags)
-		if sb.MarkShift > MaxMarkShift {
-			return nil, fmt.Errorf("%w: mark region shift %d", ErrInvalid, sb.MarkShift)
-		}
-		e.u8(sb.MarkShift)
-	} else if sb.CleanUntrusted {
-		return nil, fmt.Errorf("%w: clean-untrusted flag without format features", ErrInvalid)
+	if sb.Features&^KnownFeatures != 0 {
+		return nil, fmt.Errorf("%w: unknown format features %#x", ErrInvalid, sb.Features&^KnownFeatures)
 	}
+	e.u32(sbFeatureTag)
+	e.u64(sb.Features)
+	flags := uint64(0)
+	if sb.CleanUntrusted {
+		flags |= sbFlagCleanUntrusted
+	}
+	e.u64(flags)
+	if sb.MarkShift > MaxMarkShift {
+		return nil, fmt.Errorf("%w: mark region shift %d", ErrInvalid, sb.MarkShift)
+	}
+	e.u8(sb.MarkShift)
 	b := e.b
 	if len(b) > SBMaxEncoded {
 		return nil, fmt.Errorf("%w: superblock of %d bytes exceeds its %d-byte slot (too many backings or long paths)", ErrInvalid, len(b), SBMaxEncoded)
 	}
 	copy(b[0:8], SBMagic)
-	le.PutUint32(b[8:], version)
+	le.PutUint32(b[8:], FormatVersion)
 	le.PutUint32(b[12:], uint32(len(b)-SBHeaderSize))
 	le.PutUint32(b[16:], 0)
 	le.PutUint32(b[16:], CRC32C(b))
@@ -279,8 +269,8 @@ func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
 		return nil, &CorruptionError{Err: ErrCorrupt, Device: "cache", What: "superblock", Offset: off,
 			Length: int64(SBHeaderSize + plen), Expected: want, Actual: got, HaveSums: true}
 	}
-	if version != FormatVersion && version != FormatVersionFeatures {
-		return nil, Corruptf("superblock", off, SBCopySize, "unsupported format version %d", version)
+	if version != FormatVersion {
+		return nil, &FormatVersionError{Found: version, Offset: off}
 	}
 	d := dec{b: b[SBHeaderSize : SBHeaderSize+plen]}
 	sb := &Superblock{Version: version}
@@ -338,15 +328,14 @@ func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
 			tag = d.u32()
 		}
 	}
-	if tag == sbFeatureTag {
+	haveFeatures := tag == sbFeatureTag
+	if haveFeatures {
 		sb.Features = d.u64()
 		flags := d.u64()
 		sb.CleanUntrusted = flags&sbFlagCleanUntrusted != 0
 		sb.MarkShift = d.u8()
 		switch {
 		case d.bad:
-		case version != FormatVersionFeatures || sb.Features == 0:
-			return nil, Corruptf("superblock", off, SBCopySize, "features section %#x in a version %d superblock", sb.Features, version)
 		case sb.Features&^KnownFeatures != 0:
 			return nil, Corruptf("superblock", off, SBCopySize, "unsupported format features %#x", sb.Features&^KnownFeatures)
 		case flags&^sbFlagCleanUntrusted != 0:
@@ -359,8 +348,8 @@ func DecodeSuperblock(b []byte, off int64) (*Superblock, error) {
 	if tag != 0 {
 		return nil, Corruptf("superblock", off, SBCopySize, "unknown trailer %#x", tag)
 	}
-	if !d.bad && version == FormatVersionFeatures && sb.Features == 0 {
-		return nil, Corruptf("superblock", off, SBCopySize, "version %d superblock without a features section", version)
+	if !d.bad && !haveFeatures {
+		return nil, Corruptf("superblock", off, SBCopySize, "no features section")
 	}
 	for i := range sb.Backings {
 		if err := sb.Backings[i].Settings.Validate(); err != nil && !d.bad {
@@ -471,6 +460,12 @@ func ReadSuperblock(dev device.Device) (*Superblock, int, error) {
 	}
 	if errors.Is(errs[0], ErrNotFormatted) && errors.Is(errs[1], ErrNotFormatted) {
 		return nil, 0, ErrNotFormatted
+	}
+	for _, err := range errs {
+		var ve *FormatVersionError
+		if errors.As(err, &ve) {
+			return nil, 0, ve
+		}
 	}
 	return nil, 0, fmt.Errorf("no valid superblock: copy 0: %v; copy 1: %w", errs[0], errs[1])
 }
