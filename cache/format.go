@@ -161,6 +161,14 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 			u := sb.SetUUID
 			return nil, fmt.Errorf("%w (set %x-%x-%x-%x-%x, %d backing devices); use force to overwrite", ErrAlreadyFormatted, u[0:4], u[4:6], u[6:8], u[8:10], u[10:16], sb.LiveBackings())
 		}
+		var ve *FormatVersionError
+		if errors.As(err, &ve) {
+			// A set this build cannot read may still hold the only copy
+			// of dirty data: overwrite it only on purpose.
+			return nil, fmt.Errorf("%w of format version %d, which this build does not read (it reads only %d): "+
+				"write its dirty data back with the build that made it (tiercache flush, then stop), then use force to overwrite it",
+				ErrAlreadyFormatted, ve.Found, ondisk.FormatVersion)
+		}
 		if !errors.Is(err, ErrNotFormatted) && !IsCorruption(err) {
 			// The device could not be read: it may hold a set.
 			return nil, fmt.Errorf("format: checking for an existing cache set: %w", err)

@@ -363,4 +363,15 @@ func TestOpenRefusesVersion2(t *testing.T) {
 	if !bytes.Equal(before, after) {
 		t.Fatal("Open of a version 2 set wrote to the cache device")
 	}
+	// Format without force refuses too: the set may hold dirty data.
+	_, err = Format(r.cache, []BackingSpec{{Name: "a", Dev: r.back}}, FormatOptions{Mode: Writeback})
+	if !errors.Is(err, ErrAlreadyFormatted) || !strings.Contains(err.Error(), "format version 2") || !strings.Contains(err.Error(), "use force") {
+		t.Fatalf("Format over a version 2 set without force: %v, want ErrAlreadyFormatted naming version 2 and force", err)
+	}
+	if _, err := r.cache.ReadAt(after, 0); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(before, after) {
+		t.Fatal("refused Format over a version 2 set wrote to the cache device")
+	}
 }
