@@ -63,6 +63,15 @@ type routeOut struct {
 	deferred bool
 }
 
+// olderDirtyMatters reports whether route's decision for in can depend
+// on olderDirty: a random write in writeback mode goes into the cache
+// dirty whatever older epochs hold, and a failed set sends everything
+// around. Routing skips the index walk (and the set lock) olderDirty costs
+// where it cannot change the answer, which is every hot-path write.
+func (in routeIn) olderDirtyMatters() bool {
+	return !in.failed && !(in.op == opWrite && in.mode == Writeback && !in.seq)
+}
+
 // route decides where a request goes. After failover everything goes
 // around the cache (fenced blocks are refused there: passthrough). In
 // epoch order with older epochs dirty, nothing may reach the backing

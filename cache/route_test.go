@@ -70,6 +70,23 @@ func TestRoute(t *testing.T) {
 			t.Errorf("route(%s): %s, want %s", fmtRouteIn(r.in), fmtRouteOut(got), fmtRouteOut(r.want))
 		}
 	}
+	// Where olderDirtyMatters says no, olderDirty must not change the
+	// decision (routeBlocks does not compute it there).
+	skipped := 0
+	for _, r := range rows {
+		if r.in.olderDirtyMatters() {
+			continue
+		}
+		skipped++
+		a, b := r.in, r.in
+		a.olderDirty, b.olderDirty = false, true
+		if ga, gb := route(a), route(b); ga != gb {
+			t.Errorf("route(%s) depends on olderDirty (%s vs %s) but olderDirtyMatters is false", fmtRouteIn(r.in), fmtRouteOut(ga), fmtRouteOut(gb))
+		}
+	}
+	if skipped == 0 {
+		t.Error("olderDirtyMatters is true for every input")
+	}
 	// A few rows by hand, as an operator would read them.
 	for _, r := range []row{
 		{routeIn{mode: Writeback, op: opWrite}, dirty},

@@ -706,8 +706,11 @@ func (v *Volume) write(p []byte, off int64, seq bool) (Tier, error) {
 // It returns the tier the blocks went to (TierBacking when any did).
 // REQUIRES: v.rmw (shared or exclusive)
 func (v *Volume) routeBlocks(op routeOp, buf []byte, lba, n uint64, seq bool) (Tier, error) {
-	out := route(routeIn{mode: v.Mode(), op: op, seq: seq, failed: v.s.isFailed(),
-		olderDirty: v.olderEpochsDirty(), small: n*blockSize <= epochZeroInCache})
+	in := routeIn{mode: v.Mode(), op: op, seq: seq, failed: v.s.isFailed(), small: n*blockSize <= epochZeroInCache}
+	if in.olderDirtyMatters() {
+		in.olderDirty = v.olderEpochsDirty()
+	}
+	out := route(in)
 	if out.degrade != "" {
 		v.degrade(out.degrade)
 	}
