@@ -1,9 +1,11 @@
 package device
 
 import (
+	"cmp"
 	"encoding/binary"
 	"os"
 	"runtime"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"unsafe"
@@ -55,6 +57,17 @@ import (
 //     caller does the I/O with pread/pwrite itself. A short completion
 //     is finished the same way, so the result is exactly that of
 //     preadFull/pwriteFull.
+//  7. Synchronous writes of one batch that are contiguous on one fd are
+//     submitted as one IOCB_CMD_PWRITEV carried by the run's first request
+//     (its vcb; the others are its merged followers, in offset order, with
+//     their own slots). The kernel copies the iovecs in io_submit, so
+//     a.iov is only the submitter's. The run's completion gives each
+//     member the part of the result that covers it, followers first and
+//     the first request last (its slot, and so its merged list, may be
+//     reused once it is delivered); a member the kernel did not reach is
+//     finished synchronously by its caller, as a short completion is. A
+//     cache appending many writers' blocks to one bucket turns them into
+//     one device request.
 //  6. An async request (start) has no waiting goroutine: its r.async is
 //     called once, on the reaper (or, refused, on the submitter) without
 //     a.mu held, after its buffer is unpinned and its slot is free; the
@@ -65,8 +78,16 @@ import (
 const aioDepth = 256
 
 const (
-	iocbCmdPread  = 0
-	iocbCmdPwrite = 1
+	iocbCmdPread   = 0
+	iocbCmdPwrite  = 1
+	iocbCmdPwritev = 8
+)
+
+// A run of contiguous writes of one io_submit batch is submitted as one
+// vectored write of at most aioMergeMax requests and aioMergeBytes bytes.
+const (
+	aioMergeMax   = 64
+	aioMergeBytes = 1 << 20
 )
 
 // iocb is struct iocb of linux/aio_abi.h (little- and big-endian layouts
@@ -120,6 +141,13 @@ type aioReq struct {
 	// async, if set, is called with the result instead of a send on done
 	// (aio.start): on the reaper, after the slot is free again.
 	async func(res int64)
+	// vcb is the vectored write submitted for this request and its
+	// merged followers (invariant 7); merged is empty unless it heads a
+	// run. Both belong to the submitter until the run's completion,
+	// then to the reaper until this request is delivered.
+	vcb    iocb
+	merged []*aioReq
+	base   *byte // the buffer's first byte (cb.buf as a pointer, for iovecs)
 	// pin holds the buffer in place while the kernel has its address: a
 	// buffer on the caller's stack would otherwise move if the stack were
 	// grown or shrunk while the caller waits (Pin also makes it escape, so
@@ -143,6 +171,9 @@ type aio struct {
 	inflight   int        // submitted, completion not yet delivered
 	reaping    bool       // the reaper goroutine runs
 	cbs        []*iocb    // the submitter's io_submit argument
+	heads      []*aioReq  // the submitter's: the request each of cbs stands for
+	iov        []unix.Iovec
+	followers  uint64 // requests submitted as followers of a run (invariant 7)
 }
 
 // newAIO sets up an AIO context, or returns nil if the kernel refuses
@@ -159,7 +190,9 @@ func newAIO() *aio {
 		return nil
 	}
 	// A non-blocking descriptor: os.NewFile registers it with the netpoller.
-	a := &aio{ctx: ctx, ring: mappedRing(&ctx), efd: os.NewFile(uintptr(efd), "aio-eventfd"), efdN: efd, slots: make(chan int, aioDepth)}
+	a := &aio{ctx: ctx, ring: mappedRing(&ctx), efd: os.NewFile(uintptr(efd), "aio-eventfd"), efdN: efd, slots: make(chan int, aioDepth),
+		// Never grown: the iocbs of one batch point into it.
+		iov: make([]unix.Iovec, 0, aioDepth)}
 	for i := range aioDepth {
 		a.reqs[i] = &aioReq{slot: i, done: make(chan struct{}, 1)}
 		a.slots <- i
@@ -288,6 +321,7 @@ func (a *aio) queue(r *aioReq, cmd uint16, fd int, p []byte, off int64) {
 	r.cb = iocb{data: uint64(r.slot), opcode: cmd, fildes: uint32(fd),
 		buf: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(p)))), nbytes: uint64(len(p)), offset: off,
 		flags: iocbFlagResfd, resfd: uint32(a.efdN)}
+	r.base = unsafe.SliceData(p)
 	a.mu.Lock()
 	a.pending = append(a.pending, r)
 	if !a.submitting {
@@ -325,11 +359,11 @@ func (a *aio) submitLocked() {
 			a.reap.Add(1)
 			go a.reaper()
 		}
+		// Grouped under a.mu: the reaper, which reads what group wrote,
+		// takes it before it delivers (the race detector cannot see that
+		// the kernel completes a request after io_submit took it).
+		heads := a.group(batch)
 		a.mu.Unlock()
-		a.cbs = a.cbs[:0]
-		for _, r := range batch {
-			a.cbs = append(a.cbs, &r.cb)
-		}
 		refused := 0
 		for i := 0; i < len(a.cbs); {
 			n, _, e := unix.Syscall(unix.SYS_IO_SUBMIT, a.ctx, uintptr(len(a.cbs)-i), uintptr(unsafe.Pointer(&a.cbs[i])))
@@ -340,20 +374,21 @@ func (a *aio) submitLocked() {
 				// The kernel took none of them from i on: the first is
 				// refused (its caller does it synchronously), and the
 				// rest are retried.
-				if cb := batch[i].async; cb != nil {
-					batch[i].async = nil
-					a.complete(batch[i], aioFallback, cb)
+				if cb := heads[i].async; cb != nil {
+					heads[i].async = nil
+					a.complete(heads[i], aioFallback, cb)
+					refused++
 				} else {
-					batch[i].res = aioFallback
-					batch[i].done <- struct{}{}
+					refused += a.deliver(heads[i], aioFallback)
 				}
-				refused++
 				i++
 				continue
 			}
 			i += int(n)
 		}
 		clear(a.cbs)
+		clear(heads)
+		a.heads = heads[:0]
 		clear(batch)
 		a.mu.Lock()
 		a.inflight -= refused
@@ -363,6 +398,92 @@ func (a *aio) submitLocked() {
 		}
 	}
 	a.submitting = false
+}
+
+// group fills a.cbs with batch's iocbs, one per run of contiguous
+// synchronous writes (invariant 7), and returns the request each stands
+// for. It sorts batch by fd and offset: the requests of one batch are
+// concurrent, so the kernel owes them no order.
+func (a *aio) group(batch []*aioReq) []*aioReq {
+	a.cbs, a.iov = a.cbs[:0], a.iov[:0]
+	heads := a.heads[:0]
+	mergeable := func(r *aioReq) bool { return r.async == nil && r.cb.opcode == iocbCmdPwrite }
+	if len(batch) > 1 {
+		slices.SortFunc(batch, func(x, y *aioReq) int {
+			if c := cmp.Compare(x.cb.fildes, y.cb.fildes); c != 0 {
+				return c
+			}
+			return cmp.Compare(x.cb.offset, y.cb.offset)
+		})
+	}
+	for i := 0; i < len(batch); {
+		r := batch[i]
+		i++
+		heads = append(heads, r)
+		if !mergeable(r) {
+			a.cbs = append(a.cbs, &r.cb)
+			continue
+		}
+		end, total := r.cb.offset+int64(r.cb.nbytes), r.cb.nbytes
+		for i < len(batch) && len(r.merged)+1 < aioMergeMax {
+			n := batch[i]
+			if !mergeable(n) || n.cb.fildes != r.cb.fildes || n.cb.offset != end || total+n.cb.nbytes > aioMergeBytes {
+				break
+			}
+			r.merged = append(r.merged, n)
+			end += int64(n.cb.nbytes)
+			total += n.cb.nbytes
+			i++
+		}
+		if len(r.merged) == 0 {
+			a.cbs = append(a.cbs, &r.cb)
+			continue
+		}
+		first := len(a.iov)
+		a.iov = append(a.iov, unix.Iovec{Base: r.base, Len: r.cb.nbytes})
+		for _, m := range r.merged {
+			a.iov = append(a.iov, unix.Iovec{Base: m.base, Len: m.cb.nbytes})
+		}
+		a.followers += uint64(len(r.merged))
+		r.vcb = r.cb
+		r.vcb.opcode = iocbCmdPwritev
+		r.vcb.buf = uint64(uintptr(unsafe.Pointer(&a.iov[first])))
+		r.vcb.nbytes = uint64(len(a.iov) - first)
+		a.cbs = append(a.cbs, &r.vcb)
+	}
+	return heads
+}
+
+// deliver completes the synchronous request r, and the followers of a run
+// it heads, with the run's result res (invariant 7), and returns how many
+// requests that was. REQUIRES: a.mu or the submitter's refusal path.
+func (a *aio) deliver(r *aioReq, res int64) int {
+	if len(r.merged) == 0 {
+		r.res = res
+		r.done <- struct{}{}
+		return 1
+	}
+	share := func(m *aioReq) {
+		switch {
+		case res < 0: // an error, or not submitted: each member's own
+			m.res = res
+		default:
+			m.res = min(res, int64(m.cb.nbytes))
+			res -= m.res
+		}
+	}
+	share(r)
+	own := r.res
+	for _, m := range r.merged {
+		share(m)
+		m.done <- struct{}{}
+	}
+	n := 1 + len(r.merged)
+	clear(r.merged)
+	r.merged = r.merged[:0]
+	r.res = own
+	r.done <- struct{}{}
+	return n
 }
 
 // kickLocked makes the reaper look at a.inflight again.
@@ -400,17 +521,18 @@ func (a *aio) reaper() {
 			// it after the slot's previous use. r.done has room: one
 			// completion per submission.
 			a.mu.Lock()
+			delivered := 0
 			for _, ev := range evs[:n] {
 				r := a.reqs[ev.data%aioDepth]
 				if cb := r.async; cb != nil {
 					r.async = nil
 					async = append(async, asyncDone{r, ev.res, cb})
+					delivered++
 					continue
 				}
-				r.res = ev.res
-				r.done <- struct{}{}
+				delivered += a.deliver(r, ev.res)
 			}
-			a.inflight -= n
+			a.inflight -= delivered
 			last := a.inflight == 0
 			if last {
 				a.reaping = false

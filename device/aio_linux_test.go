@@ -230,3 +230,110 @@ func deep(n int) byte {
 	}
 	return deep(n-1) + pad[n%512]
 }
+
+// TestAIOMergedWrites: goroutines that write neighbouring blocks at once,
+// as a cache's writers appending to one bucket do, have their writes
+// submitted as vectored runs (invariant 7), and every block reads back
+// as its own writer's last round wrote it: a share of a run's result
+// given to the wrong member, or an iovec naming the wrong buffer, shows
+// as a wrong stamp.
+func TestAIOMergedWrites(t *testing.T) {
+	const (
+		workers = 128
+		rounds  = 40
+		bs      = 4096
+	)
+	path := filepath.Join(t.TempDir(), "aio.img")
+	if err := CreateSparse(path, workers*bs); err != nil {
+		t.Fatal(err)
+	}
+	f, err := OpenFile(path, FileOptions{Direct: DirectAuto})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if !f.Direct() {
+		t.Skipf("%s: no O_DIRECT on this file system; the AIO path is not used", path)
+	}
+	if f.aio == nil {
+		t.Fatal("direct File without AIO (io_setup failed)")
+	}
+	stamp := func(b []byte, w, r int) {
+		for i := 0; i < len(b); i += 8 {
+			binary.LittleEndian.PutUint32(b[i:], uint32(w))
+			binary.LittleEndian.PutUint32(b[i+4:], uint32(r))
+		}
+	}
+	for r := range rounds {
+		var wg sync.WaitGroup
+		for w := range workers {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				b := alignedBuf(bs)
+				stamp(b, w, r)
+				if _, err := f.WriteAt(b, int64(w)*bs); err != nil {
+					t.Error(err)
+				}
+			}()
+		}
+		wg.Wait()
+	}
+	got := alignedBuf(workers * bs)
+	if _, err := f.ReadAt(got, 0); err != nil {
+		t.Fatal(err)
+	}
+	want := make([]byte, bs)
+	for w := range workers {
+		stamp(want, w, rounds-1)
+		if !bytes.Equal(got[w*bs:(w+1)*bs], want) {
+			t.Errorf("block %d: %x..., want %x...", w, got[w*bs:w*bs+8], want[:8])
+		}
+	}
+	f.aio.mu.Lock()
+	followers := f.aio.followers
+	f.aio.mu.Unlock()
+	t.Logf("%d of %d writes went as followers of a vectored run", followers, workers*rounds)
+	if followers == 0 {
+		t.Errorf("no write of %d concurrent neighbouring writes was merged", workers*rounds)
+	}
+}
+
+// TestAIODeliverShares: a run's result is shared out in offset order: all
+// of it, a short one (the member it stops in gets its part, later members
+// nothing, and their callers finish synchronously), an error and a
+// refusal (every member's own).
+func TestAIODeliverShares(t *testing.T) {
+	mk := func(n uint64) *aioReq {
+		return &aioReq{cb: iocb{nbytes: n}, done: make(chan struct{}, 1)}
+	}
+	for _, c := range []struct {
+		res  int64
+		want []int64
+	}{
+		{4096 + 8192 + 4096, []int64{4096, 8192, 4096}},
+		{4096 + 4096, []int64{4096, 4096, 0}},
+		{0, []int64{0, 0, 0}},
+		{-5, []int64{-5, -5, -5}},
+		{aioFallback, []int64{aioFallback, aioFallback, aioFallback}},
+	} {
+		head, f1, f2 := mk(4096), mk(8192), mk(4096)
+		head.merged = append(head.merged, f1, f2)
+		if n := (&aio{}).deliver(head, c.res); n != 3 {
+			t.Errorf("res %d: deliver returned %d, want 3", c.res, n)
+		}
+		for i, m := range []*aioReq{head, f1, f2} {
+			select {
+			case <-m.done:
+			default:
+				t.Errorf("res %d: member %d not delivered", c.res, i)
+			}
+			if m.res != c.want[i] {
+				t.Errorf("res %d: member %d got %d, want %d", c.res, i, m.res, c.want[i])
+			}
+		}
+		if len(head.merged) != 0 {
+			t.Errorf("res %d: head still lists %d followers", c.res, len(head.merged))
+		}
+	}
+}
