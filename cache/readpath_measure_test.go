@@ -4,9 +4,6 @@ import (
 	"context"
 	"testing"
 	"time"
-
-	"github.com/tiercache/tiercache/device"
-	"github.com/tiercache/tiercache/device/model"
 )
 
 // TestMeasurePartlyCachedRead is S1 of docs/BENCHMARKS.md in miniature, for
@@ -38,12 +35,7 @@ func TestMeasurePartlyCachedRead(t *testing.T) {
 	base := readAll(func(p []byte, off int64) error { _, err := plain.ReadAt(p, off); return err })
 	t.Logf("plain HDD model: %v (%.1f MB/s)", base.Round(time.Millisecond), region/1e6/base.Seconds())
 	hdd := measureHDD(t, region, scale)
-	cdev, err := model.Wrap(model.KindSSD, device.NewMem(measureCacheSize(64)), model.Params{TimeScale: scale})
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := measureSetOn(t, cdev, hdd, DefaultSettings(), testingKnobs{})
-	v, _ := s.Volume("hdd")
+	s, v := measureModelSet(t, hdd, scale)
 	p := make([]byte, blockSize)
 	for _, l := range lbas {
 		if err := v.WriteAt(p, int64(l)*blockSize, false); err != nil {

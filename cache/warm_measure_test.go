@@ -4,9 +4,6 @@ import (
 	"slices"
 	"testing"
 	"time"
-
-	"github.com/tiercache/tiercache/device"
-	"github.com/tiercache/tiercache/device/model"
 )
 
 // TestMeasureWarmWritePath measures what region marks cost the write path
@@ -33,12 +30,7 @@ func TestMeasureWarmWritePath(t *testing.T) {
 	for rep := range 3 {
 		for _, mode := range []Mode{Writethrough, Writearound} {
 			hdd := measureHDD(t, size, scale)
-			cdev, err := model.Wrap(model.KindSSD, device.NewMem(measureCacheSize(64)), model.Params{TimeScale: scale})
-			if err != nil {
-				t.Fatal(err)
-			}
-			s := measureSetOn(t, cdev, hdd, DefaultSettings(), testingKnobs{})
-			v, _ := s.Volume("hdd")
+			s, v := measureModelSet(t, hdd, scale)
 			p := make([]byte, blockSize)
 			// Something cached clean (16 writethrough blocks, not at
 			// the LBAs written below), so the volume's passthrough

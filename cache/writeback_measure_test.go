@@ -85,6 +85,20 @@ func measureSetOn(t *testing.T, cache device.Device, back device.Device, st Sett
 	return s
 }
 
+// measureModelSet is measureSetOn with a 64-bucket cache device behind the
+// SSD model (TimeScale scale) in front of hdd, default settings; it
+// returns the set and its volume.
+func measureModelSet(t *testing.T, hdd device.Device, scale float64) (*Set, *Volume) {
+	t.Helper()
+	cdev, err := model.Wrap(model.KindSSD, device.NewMem(measureCacheSize(64)), model.Params{TimeScale: scale})
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := measureSetOn(t, cdev, hdd, DefaultSettings(), testingKnobs{})
+	v, _ := s.Volume("hdd")
+	return s, v
+}
+
 func modelTime(d time.Duration, scale float64) time.Duration {
 	return time.Duration(float64(d) / scale)
 }
