@@ -386,7 +386,10 @@ func (a *aio) submitLocked() {
 			}
 			i += int(n)
 		}
+		// The kernel has copied the iovecs: they must not keep the
+		// callers' buffers reachable.
 		clear(a.cbs)
+		clear(a.iov)
 		clear(heads)
 		a.heads = heads[:0]
 		clear(batch)
@@ -450,6 +453,10 @@ func (a *aio) group(batch []*aioReq) []*aioReq {
 		r.vcb.buf = uint64(uintptr(unsafe.Pointer(&a.iov[first])))
 		r.vcb.nbytes = uint64(len(a.iov) - first)
 		a.cbs = append(a.cbs, &r.vcb)
+	}
+	// An idle slot must not keep its last caller's buffer reachable.
+	for _, r := range batch {
+		r.base = nil
 	}
 	return heads
 }

@@ -9,6 +9,7 @@ import (
 	"sync"
 	"testing"
 	"unsafe"
+	"weak"
 )
 
 // TestAIOConcurrent drives a direct File's AIO path from more goroutines
@@ -296,6 +297,60 @@ func TestAIOMergedWrites(t *testing.T) {
 	t.Logf("%d of %d writes went as followers of a vectored run", followers, workers*rounds)
 	if followers == 0 {
 		t.Errorf("no write of %d concurrent neighbouring writes was merged", workers*rounds)
+	}
+}
+
+// TestAIOKeepsNoBuffer: once a write has returned, nothing of the AIO
+// context (its slots, the submitter's iovecs) keeps the caller's buffer
+// reachable. A slot that held the first byte of its last buffer kept up
+// to 256 buffers alive after their connections were gone, so the server's
+// memory never went back to the OS (TestHostileClientsMemory: 72 MiB
+// after the load, against 16 MiB before the writes were merged).
+func TestAIOKeepsNoBuffer(t *testing.T) {
+	const (
+		workers = 64
+		bs      = 4096
+	)
+	path := filepath.Join(t.TempDir(), "aio.img")
+	if err := CreateSparse(path, workers*bs); err != nil {
+		t.Fatal(err)
+	}
+	f, err := OpenFile(path, FileOptions{Direct: DirectAuto})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if !f.Direct() {
+		t.Skipf("%s: no O_DIRECT on this file system; the AIO path is not used", path)
+	}
+	if f.aio == nil {
+		t.Fatal("direct File without AIO (io_setup failed)")
+	}
+	// Concurrent neighbouring writes, so that runs are merged too.
+	gone := make([]weak.Pointer[byte], workers)
+	var wg sync.WaitGroup
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			b := alignedBuf(bs)
+			gone[w] = weak.Make(&b[0])
+			if _, err := f.WriteAt(b, int64(w)*bs); err != nil {
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	runtime.GC()
+	runtime.GC()
+	kept := 0
+	for _, p := range gone {
+		if p.Value() != nil {
+			kept++
+		}
+	}
+	if kept > 0 {
+		t.Errorf("%d of %d buffers still reachable after their writes returned", kept, workers)
 	}
 }
 
