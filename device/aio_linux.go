@@ -45,10 +45,13 @@ import (
 //     a.pending until it is empty. At most aioDepth requests are queued or
 //     in the kernel (a.slots), so io_submit never fails for a full ring.
 //  3. a.inflight counts requests from just before io_submit until their
-//     completion is delivered (or io_submit refused them). The reaper
-//     runs while a.inflight > 0 and exits when it reaches 0, so
-//     an idle File has no goroutine and Close (which runs with no I/O in
-//     flight) can destroy the context once the reaper is gone.
+//     completion is delivered (or io_submit refused them). The reaper is
+//     started by the first submission and runs until close (which runs
+//     with no I/O in flight) sets a.closing: it exits once a.closing is
+//     set and a.inflight is 0, and close destroys the context after it.
+//     Between bursts it waits, parked in the netpoller, for the eventfd;
+//     a reaper started per burst would cost a goroutine and an OS thread
+//     woken (newproc's wakep) every time the device fell idle.
 //  5. Every completion, and every refusal, adds to the eventfd after its
 //     event is reapable (refusals: after inflight dropped), so a reaper
 //     reading the eventfd never sleeps through work; a count left over
@@ -170,6 +173,7 @@ type aio struct {
 	submitting bool       // a goroutine is draining pending
 	inflight   int        // submitted, completion not yet delivered
 	reaping    bool       // the reaper goroutine runs
+	closing    bool       // close waits for the reaper to exit
 	cbs        []*iocb    // the submitter's io_submit argument
 	heads      []*aioReq  // the submitter's: the request each of cbs stands for
 	iov        []unix.Iovec
@@ -260,6 +264,12 @@ func (a *aio) getEvents(evs []ioEvent) int {
 
 // close destroys the context. REQUIRES: no request in flight.
 func (a *aio) close() {
+	a.mu.Lock()
+	a.closing = true
+	if a.reaping {
+		a.kickLocked()
+	}
+	a.mu.Unlock()
 	a.reap.Wait()
 	unix.Syscall(unix.SYS_IO_DESTROY, a.ctx, 0, 0)
 	a.efd.Close()
@@ -503,7 +513,7 @@ func (a *aio) kickLocked() {
 	unix.Write(a.efdN, one[:])
 }
 
-// reaper delivers completions until nothing is in flight.
+// reaper delivers completions until close (invariant 3).
 func (a *aio) reaper() {
 	defer a.reap.Done()
 	var evs [64]ioEvent
@@ -540,7 +550,7 @@ func (a *aio) reaper() {
 				delivered += a.deliver(r, ev.res)
 			}
 			a.inflight -= delivered
-			last := a.inflight == 0
+			last := a.closing && a.inflight == 0
 			if last {
 				a.reaping = false
 			}
