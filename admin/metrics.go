@@ -333,6 +333,7 @@ type tierWriter interface {
 // instrumented wraps an nbd.Backend and records each request's latency.
 type instrumented struct {
 	b      nbd.Backend
+	async  nbd.AsyncReader        // b's, or nil
 	tiers  tierReader             // nil: reads are not split by tier
 	tier   [2]prometheus.Observer // read latency: backing, cache
 	wtiers tierWriter             // nil: writes are not split by tier
@@ -379,6 +380,25 @@ func (w *instrumented) ReadAt(p []byte, off int64) error {
 		w.tierLat[i].observe(d)
 	}
 	return err
+}
+
+// StartReadAt passes a read on to the wrapped backend's StartReadAt, if it
+// has one (else it starts nothing): such a read is a cache hit
+// (cache.Volume starts only those), timed until its completion.
+func (w *instrumented) StartReadAt(p []byte, off int64, done func(error)) bool {
+	if w.async == nil {
+		return false
+	}
+	t := time.Now()
+	return w.async.StartReadAt(p, off, func(err error) {
+		d := time.Since(t)
+		err = w.observeDur(opRead, d, err)
+		if err == nil && w.tiers != nil {
+			w.tier[1].Observe(d.Seconds()) // tier[] is backing, cache
+			w.tierLat[1].observe(d)
+		}
+		done(err)
+	})
 }
 
 func (w *instrumented) WriteAt(p []byte, off int64, fua bool) error {
@@ -486,6 +506,7 @@ type base struct{ *instrumented }
 // Prefetcher).
 func (m *Metrics) Wrap(export string, b nbd.Backend) nbd.Backend {
 	w := &instrumented{b: b}
+	w.async, _ = b.(nbd.AsyncReader)
 	if h, ok := b.(tierReader); ok {
 		w.tiers = h
 		w.tier[0] = m.reads.WithLabelValues(export, "backing")

@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/device"
 )
 
 // The device reads of one client read (readBlocks).
@@ -57,22 +59,9 @@ func (v *Volume) readPieces(buf []byte, lba uint64, n int, hits []index.Ent) (mi
 		// A cache hit stored in one run on the cache device (every 4 KiB
 		// hit): one device read, as the general path below makes of it,
 		// without building pieces.
-		if _, err := s.dev.ReadAt(buf, s.cacheOff(hits[0].Block())); err != nil {
-			s.cacheIOError("read", err)
-			backed, err := v.readAroundCache(buf, hits)
-			if err != nil {
-				return nil, nil, err
-			}
-			if len(backed) > 0 {
-				fromBacking = make(map[uint64]bool, len(backed))
-				for _, l := range backed {
-					fromBacking[l] = true
-				}
-			}
-			return nil, fromBacking, nil
-		}
-		s.cacheIOOK()
-		return nil, nil, nil
+		_, err := s.dev.ReadAt(buf, s.cacheOff(hits[0].Block()))
+		fromBacking, err = v.runRead(buf, hits, err)
+		return nil, fromBacking, err
 	}
 	next := lba
 	for k := 0; k <= len(hits); k++ {
@@ -301,4 +290,213 @@ func (v *Volume) readAroundCache(dst []byte, hs []index.Ent) (fromBacking []uint
 		s.cacheIOOK()
 	}
 	return fromBacking, nil
+}
+
+// runRead records the outcome err of reading the cached run hits (one run
+// on the cache device) into buf, and on a failure reads around the cache
+// (readAroundCache). It returns the LBAs then served from the backing
+// device.
+func (v *Volume) runRead(buf []byte, hits []index.Ent, err error) (fromBacking map[uint64]bool, _ error) {
+	s := v.s
+	if err == nil {
+		s.cacheIOOK()
+		return nil, nil
+	}
+	s.cacheIOError("read", err)
+	backed, err := v.readAroundCache(buf, hits)
+	if err != nil {
+		return nil, err
+	}
+	if len(backed) > 0 {
+		fromBacking = make(map[uint64]bool, len(backed))
+		for _, l := range backed {
+			fromBacking[l] = true
+		}
+	}
+	return fromBacking, nil
+}
+
+// verifyHits checks every block of hits read from the cache into buf
+// (buf's first block is lba; those in fromBacking came from the backing
+// device) against its checksum (invariant 4). A mismatch is repaired from
+// the mirror's other copy, else a clean block is re-read from the backing
+// device and returned in drop (its cache copy is to be dropped: the caller
+// does it with releaseHitsLocked, also when err is set), and a dirty one
+// fails the read with a *CorruptionError.
+func (v *Volume) verifyHits(buf []byte, lba uint64, hits []index.Ent, fromBacking map[uint64]bool) (drop []index.Ent, err error) {
+	s := v.s
+	for _, e := range hits {
+		if fromBacking[e.LBA] {
+			continue
+		}
+		at := int(e.LBA-lba) * blockSize
+		p := buf[at : at+blockSize]
+		got := ondisk.CRC32C(p)
+		if got == e.CRC {
+			continue
+		}
+		v.st.checksumErrors.Add(1)
+		if s.mir != nil && s.mir.RepairFrom(p, s.cacheOff(e.Block()), func(q []byte) bool { return ondisk.CRC32C(q) == e.CRC }) {
+			v.st.checksumRepairs.Add(1)
+			continue
+		}
+		cerr := &CorruptionError{Err: ErrChecksum, Device: "cache", What: fmt.Sprintf("data block of %s lba %d", v.name, e.LBA),
+			Offset: s.cacheOff(e.Block()), Length: blockSize, Expected: e.CRC, Actual: got, HaveSums: true}
+		if e.Dirty() {
+			s.log.Error("dirty cached block fails its checksum", "err", cerr)
+			return drop, cerr
+		}
+		s.log.Warn("clean cached block fails its checksum; re-reading backing device", "err", cerr)
+		if err := v.readBacking(p, e.LBA); err != nil {
+			return drop, fmt.Errorf("volume %s: %w", v.name, err)
+		}
+		v.st.checksumRepairs.Add(1)
+		drop = append(drop, e)
+	}
+	return drop, nil
+}
+
+// releaseHitsLocked unpins the entries a read pinned, and removes from the
+// index those of drop that are still current (clean copies that failed
+// their checksum).
+// REQUIRES: s.mu
+func (v *Volume) releaseHitsLocked(hits, drop []index.Ent) {
+	s := v.s
+	for _, e := range hits {
+		s.unpinLocked(e.Block())
+	}
+	for _, e := range drop {
+		if cur, ok := v.idx.Tree.Get(e); ok && cur == e {
+			v.idx.Tree.Delete(e)
+			s.mu.Unaccount(v.vi, e)
+		}
+	}
+}
+
+// A whole-block read that the cache holds in one run on the cache device
+// (every 4 KiB hit) can be served without a goroutine waiting for it
+// (StartReadAt): the lookup and pin run on the caller's goroutine, the
+// device read is started asynchronously (device.AsyncReader), and its
+// completion, on the device's reaping goroutine, verifies the checksums,
+// unpins and calls the caller's done. Everything that may block (a device
+// error and the read around the cache, a checksum mismatch and its repair,
+// a contended set mutex) moves to a new goroutine, which finishes exactly
+// as readBlocksHit does: the reaper serves every read of the device and
+// must not wait, least of all for s.mu, whose holders may wait for a
+// device I/O the reaper delivers.
+
+// maxAsyncHit is the longest read StartReadAt serves: its checksums are
+// computed on the reaper, which delays every other completion meanwhile
+// (128 KiB: about 10 µs of crc32c).
+const maxAsyncHit = 128 << 10
+
+// StartReadAt starts reading len(p) bytes at off if they are wholly cached
+// in one run on the cache device, and reports whether it did. done is then
+// called exactly once with what ReadAt would have returned (a nil error
+// means p is filled and verified), from a goroutine other than the
+// caller's; it must not block. It returns false, having changed nothing
+// but the blocks' recency, when the read is not such a hit, is not
+// block-aligned, is longer than maxAsyncHit, or the cache device cannot
+// start reads asynchronously: the caller then uses ReadAt. The volume
+// stays entered (a detach waits) until done returns.
+func (v *Volume) StartReadAt(p []byte, off int64, done func(error)) bool {
+	s := v.s
+	ar, ok := s.dev.(device.AsyncReader)
+	if !ok || len(p) == 0 || len(p) > maxAsyncHit || off%blockSize != 0 || len(p)%blockSize != 0 || s.isFailed() {
+		return false
+	}
+	if v.enter() != nil {
+		return false // ReadAt reports it
+	}
+	if v.checkIO(off, int64(len(p))) != nil {
+		v.exit()
+		return false
+	}
+	lba, n := uint64(off>>blockShift), len(p)/blockSize
+	hits := make([]index.Ent, 0, n)
+	s.mu.Lock()
+	s.mu.tick++
+	v.idx.Tree.AscendRange(index.Ent{LBA: lba}, index.Ent{LBA: lba + uint64(n)}, func(e index.Ent) bool {
+		if e.LBA != lba+uint64(len(hits)) || len(hits) > 0 && e.Block() != hits[len(hits)-1].Block()+1 {
+			return false
+		}
+		hits = append(hits, e)
+		return true
+	})
+	if len(hits) != n {
+		s.mu.Unlock()
+		v.exit()
+		return false
+	}
+	for _, e := range hits {
+		a := &s.mu.alloc[int64(e.Block())/s.bpb]
+		a.pins++
+		a.atime = s.mu.tick // recency for eviction
+	}
+	s.mu.Unlock()
+	v.st.readOps.Add(1)
+	v.st.readBytes.Add(uint64(len(p)))
+	v.touch()
+	v.seqRead(off, int64(len(p))) // the stream detector sees every read
+	coff := s.cacheOff(hits[0].Block())
+	finish := func(_ int, err error) { v.finishHit(p, lba, hits, err, done) }
+	if !ar.StartReadAt(p, coff, finish) {
+		// The device has no room for it now: read on a goroutine of its
+		// own rather than unwind (the pins and counters are taken).
+		go func() {
+			_, err := s.dev.ReadAt(p, coff)
+			finish(0, err)
+		}()
+	}
+	return true
+}
+
+// finishHit completes a read StartReadAt started, whose device read ended
+// with readErr: it verifies and releases here when the read succeeded,
+// every checksum matches and s.mu is free, else it finishes on a new
+// goroutine (see above).
+func (v *Volume) finishHit(p []byte, lba uint64, hits []index.Ent, readErr error, done func(error)) {
+	s := v.s
+	ok := readErr == nil
+	for i := 0; ok && i < len(hits); i++ {
+		e := hits[i]
+		at := int(e.LBA-lba) * blockSize
+		ok = ondisk.CRC32C(p[at:at+blockSize]) == e.CRC
+	}
+	if !ok || !s.mu.TryLock() {
+		go v.finishHitSlow(p, lba, hits, readErr, done)
+		return
+	}
+	s.cacheIOOK()
+	v.releaseHitsLocked(hits, nil)
+	s.mu.Unlock()
+	v.countHit(len(hits))
+	v.exit()
+	done(nil)
+}
+
+// finishHitSlow is finishHit's path for what may block; it ends the read
+// as readBlocksHit does: after a device error (readErr) it reads around
+// the cache, then verifies and repairs every block read from the cache.
+func (v *Volume) finishHitSlow(p []byte, lba uint64, hits []index.Ent, readErr error, done func(error)) {
+	s := v.s
+	fromBacking, err := v.runRead(p, hits, readErr)
+	var drop []index.Ent
+	if err == nil {
+		drop, err = v.verifyHits(p, lba, hits, fromBacking)
+	}
+	s.mu.Lock()
+	v.releaseHitsLocked(hits, drop)
+	s.mu.Unlock()
+	if err == nil {
+		v.countHit(len(hits))
+	}
+	v.exit()
+	done(err)
+}
+
+// countHit counts a client read of n blocks served wholly by the cache.
+func (v *Volume) countHit(n int) {
+	v.st.hitBytes.Add(uint64(n) * blockSize)
+	v.st.readHitOps.Add(1)
 }

@@ -375,15 +375,7 @@ func (v *Volume) readBlocksHit(buf []byte, lba uint64, n int, pm promoteMode) (h
 	var drop []index.Ent
 	defer func() {
 		s.mu.Lock()
-		for _, e := range hits {
-			s.unpinLocked(e.Block())
-		}
-		for _, e := range drop {
-			if cur, ok := v.idx.Tree.Get(e); ok && cur == e {
-				v.idx.Tree.Delete(e)
-				s.mu.Unaccount(v.vi, e)
-			}
-		}
+		v.releaseHitsLocked(hits, drop)
 		s.mu.Unlock()
 	}()
 	// Cached and backing pieces, all in flight at once (readpath.go).
@@ -393,33 +385,9 @@ func (v *Volume) readBlocksHit(buf []byte, lba uint64, n int, pm promoteMode) (h
 	}
 	hit = len(misses) == 0
 	// Verify every block read from the cache.
-	for _, e := range hits {
-		if fromBacking[e.LBA] {
-			continue
-		}
-		at := int(e.LBA-lba) * blockSize
-		p := buf[at : at+blockSize]
-		got := ondisk.CRC32C(p)
-		if got == e.CRC {
-			continue
-		}
-		v.st.checksumErrors.Add(1)
-		if s.mir != nil && s.mir.RepairFrom(p, s.cacheOff(e.Block()), func(q []byte) bool { return ondisk.CRC32C(q) == e.CRC }) {
-			v.st.checksumRepairs.Add(1)
-			continue
-		}
-		cerr := &CorruptionError{Err: ErrChecksum, Device: "cache", What: fmt.Sprintf("data block of %s lba %d", v.name, e.LBA),
-			Offset: s.cacheOff(e.Block()), Length: blockSize, Expected: e.CRC, Actual: got, HaveSums: true}
-		if e.Dirty() {
-			s.log.Error("dirty cached block fails its checksum", "err", cerr)
-			return false, cerr
-		}
-		s.log.Warn("clean cached block fails its checksum; re-reading backing device", "err", cerr)
-		if err := v.readBacking(p, e.LBA); err != nil {
-			return false, fmt.Errorf("volume %s: %w", v.name, err)
-		}
-		v.st.checksumRepairs.Add(1)
-		drop = append(drop, e)
+	drop, err = v.verifyHits(buf, lba, hits, fromBacking)
+	if err != nil {
+		return false, err
 	}
 	if pm == promoteNo {
 		return hit, nil

@@ -20,6 +20,17 @@ type Backend interface {
 	Flush() error
 }
 
+// AsyncReader is implemented by backends that can serve some reads without
+// a goroutine waiting for them (the cache engine's whole-block hits). The
+// connection's reader offers every READ to StartReadAt first; when it
+// returns true, done is called exactly once with what ReadAt would have
+// returned (the same contract: p is filled entirely, or an error), from
+// another goroutine, and must not block; when it returns false nothing
+// was done, and the READ goes to a worker's ReadAt.
+type AsyncReader interface {
+	StartReadAt(p []byte, off int64, done func(err error)) bool
+}
+
 // Trimmer is implemented by backends that support NBD_CMD_TRIM. After a
 // successful Trim the range may read as zeroes or as the old data.
 type Trimmer interface {

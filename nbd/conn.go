@@ -3,10 +3,16 @@ package nbd
 // Invariants of a connection in the transmission phase:
 //
 //  1. Only the reader goroutine (serve/transmit) reads from c.br and sends
-//     on c.work; it alone closes c.work, after which it waits for workers.
+//     on c.work; it alone closes c.work, after which it waits for workers
+//     (c.wg, which also counts READs started with the backend's
+//     StartReadAt until their reply is queued, and a writer goroutine
+//     writeRest started for them).
 //  2. Replies are queued on c.wq and written by one goroutine at a time
-//     (the worker that found the writer idle), whole replies in one writev,
-//     so replies never interleave and a burst of replies costs one syscall.
+//     (the worker or completion that found the writer idle), whole replies
+//     in one writev, so replies never interleave and a burst of replies
+//     costs one syscall. A completion of StartReadAt (on the backend's
+//     goroutine, which must not block) only tries a non-blocking writev;
+//     what the socket does not take goes to a new writer goroutine.
 //  3. A success reply is written only after the backend call returned nil;
 //     a READ's data is complete before its header is sent.
 //  4. Every request dispatched to a worker, and every error reply sent by
@@ -27,6 +33,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 )
 
@@ -80,6 +87,9 @@ type conn struct {
 	werr    error       // first write error; later replies are dropped
 	iov     [][]byte    // owned by the goroutine with writing set
 	wbufs   net.Buffers // likewise; a field so that WriteTo does not allocate
+	// rc is the raw socket for non-blocking writes (tryWrite); nil with
+	// TLS or a net.Conn without a descriptor. Set before transmission.
+	rc syscall.RawConn
 }
 
 // request is one command being executed by a worker. Requests are pooled.
@@ -169,6 +179,11 @@ func (c *conn) serve() {
 // transmit is the reader loop of the transmission phase.
 func (c *conn) transmit() {
 	c.work = make(chan *request)
+	if sc, ok := c.nc.(syscall.Conn); ok && c.bw == nil {
+		if rc, err := sc.SyscallConn(); err == nil {
+			c.rc = rc
+		}
+	}
 	disc := false
 	for {
 		if c.draining.Load() && c.br.Buffered() < requestHeaderSize {
@@ -273,6 +288,15 @@ func (c *conn) dispatch(h requestHeader) bool {
 		c.lastTurn = r.turn
 	}
 	c.running.Add(1)
+	if h.Type == cmdRead && h.Length > 0 && c.x.asyncReader != nil {
+		// A read the backend serves without a goroutine (a cache hit)
+		// costs no hand-off to a worker and back.
+		c.wg.Add(1)
+		if c.x.asyncReader.StartReadAt(*r.buf, int64(h.Offset), func(err error) { c.readDone(r, err) }) {
+			return true
+		}
+		c.wg.Done()
+	}
 	select {
 	case c.work <- r:
 	default:
@@ -375,6 +399,21 @@ func (c *conn) worker(r *request) {
 	for r := range c.work {
 		c.handle(r)
 	}
+}
+
+// readDone replies to a READ started with StartReadAt, on the goroutine
+// that completed it.
+func (c *conn) readDone(r *request, err error) {
+	defer c.wg.Done()
+	if err != nil {
+		h := &r.h
+		errno := errnoFor(err)
+		c.log.Error("nbd: backend error", "cmd", cmdName(h.Type), "offset", h.Offset, "length", h.Length, "errno", errno, "err", err)
+		c.prepError(r, errno, errnoString(errno))
+	} else {
+		c.prepRead(r)
+	}
+	c.queueReplyNoWait(r)
 }
 
 // handle executes one request and replies.
@@ -489,6 +528,12 @@ func (c *conn) finish(r *request) {
 }
 
 func (c *conn) sendRead(r *request) {
+	c.prepRead(r)
+	c.queueReply(r)
+}
+
+// prepRead sets r.bufs to READ's success reply.
+func (c *conn) prepRead(r *request) {
 	h := &r.h
 	if !c.structured {
 		putSimpleReply(r.hdr[:], 0, h.Handle)
@@ -506,7 +551,6 @@ func (c *conn) sendRead(r *request) {
 		r.bufArr[1] = *r.buf
 		r.bufs = r.bufArr[:2]
 	}
-	c.queueReply(r)
 }
 
 // sendBlockStatus reports the whole range as allocated data: one extent
@@ -526,6 +570,12 @@ func (c *conn) sendBlockStatus(r *request) {
 // chunk carrying msg when structured replies were negotiated, else a simple
 // reply (with no payload, also for READ).
 func (c *conn) sendError(r *request, errno uint32, msg string) {
+	c.prepError(r, errno, msg)
+	c.queueReply(r)
+}
+
+// prepError sets r.bufs to an error reply (sendError).
+func (c *conn) prepError(r *request, errno uint32, msg string) {
 	h := &r.h
 	if c.structured {
 		msg = msg[:min(len(msg), maxStringLen)]
@@ -540,7 +590,6 @@ func (c *conn) sendError(r *request, errno uint32, msg string) {
 		r.bufArr[0] = r.hdr[:simpleReplySize]
 		r.bufs = r.bufArr[:1]
 	}
-	c.queueReply(r)
 }
 
 // queueReply hands r, with r.bufs ready, to the writer, which finishes r
@@ -566,6 +615,13 @@ func (c *conn) queueReply(r *request) {
 		runtime.Gosched()
 		c.wmu.Lock()
 	}
+	c.drainLocked()
+}
+
+// drainLocked writes everything queued until the queue is empty, then
+// clears c.writing. REQUIRES: c.wmu, c.writing set by the caller; it
+// returns with c.wmu released.
+func (c *conn) drainLocked() {
 	for len(c.wq) > 0 {
 		batch := c.wq
 		c.wq = c.wspare[:0]
@@ -584,23 +640,100 @@ func (c *conn) queueReply(r *request) {
 			}
 			clear(c.iov[:cap(c.iov)])
 		}
-		for i, r := range batch {
-			c.finish(r)
-			batch[i] = nil
-		}
 		c.wmu.Lock()
-		if err != nil && c.werr == nil {
-			c.werr = err
-			c.replyDead.Store(true)
-			c.raw.Close() // stops the reader too
-			if !errors.Is(err, net.ErrClosed) {
-				c.log.Debug("nbd: write reply", "err", err)
-			}
-		}
-		c.wspare = batch[:0]
+		c.wroteLocked(batch, err)
 	}
 	c.writing = false
 	c.wmu.Unlock()
+}
+
+// wroteLocked finishes the requests of a batch written with outcome err,
+// and records a write error.
+// REQUIRES: c.wmu, c.writing
+func (c *conn) wroteLocked(batch []*request, err error) {
+	for i, r := range batch {
+		c.finish(r)
+		batch[i] = nil
+	}
+	if err != nil && c.werr == nil {
+		c.werr = err
+		c.replyDead.Store(true)
+		c.raw.Close() // stops the reader too
+		if !errors.Is(err, net.ErrClosed) {
+			c.log.Debug("nbd: write reply", "err", err)
+		}
+	}
+	c.wspare = batch[:0]
+}
+
+// queueReplyNoWait is queueReply for a goroutine that must not block (a
+// StartReadAt completion): as the writer it writes only what the socket
+// takes at once (tryWrite), in batches of what is queued, and hands the
+// rest and the writer's role to a new goroutine (writeRest). Replies
+// completed together on that goroutine are mostly written together: each
+// finds the writer busy while the socket is full, or joins the next
+// batch.
+func (c *conn) queueReplyNoWait(r *request) {
+	c.running.Add(-1)
+	c.wmu.Lock()
+	c.wq = append(c.wq, r)
+	if c.writing {
+		c.wmu.Unlock()
+		return
+	}
+	c.writing = true
+	for len(c.wq) > 0 {
+		batch := c.wq
+		c.wq = c.wspare[:0]
+		err := c.werr
+		c.wmu.Unlock()
+		if err == nil {
+			c.iov = c.iov[:0]
+			total := 0
+			for _, r := range batch {
+				c.iov = append(c.iov, r.bufs...)
+				for _, b := range r.bufs {
+					total += len(b)
+				}
+			}
+			var n int
+			n, err = c.tryWrite(c.iov)
+			if err == nil && n < total {
+				c.wg.Add(1)
+				go c.writeRest(batch, n)
+				return
+			}
+			clear(c.iov[:cap(c.iov)])
+		}
+		c.wmu.Lock()
+		c.wroteLocked(batch, err)
+	}
+	c.writing = false
+	c.wmu.Unlock()
+}
+
+// writeRest writes what tryWrite left of batch (c.iov, of which n bytes
+// are written), blocking, then goes on as the writer (drainLocked).
+func (c *conn) writeRest(batch []*request, n int) {
+	defer c.wg.Done()
+	c.wbufs = skipBytes(c.iov, n)
+	_, err := c.wbufs.WriteTo(c.nc)
+	clear(c.iov[:cap(c.iov)])
+	c.wmu.Lock()
+	c.wroteLocked(batch, err)
+	c.drainLocked()
+}
+
+// skipBytes drops the first n bytes of bufs (in place).
+func skipBytes(bufs [][]byte, n int) [][]byte {
+	for len(bufs) > 0 && n >= len(bufs[0]) {
+		n -= len(bufs[0])
+		bufs = bufs[1:]
+	}
+	if len(bufs) > 0 {
+		bufs[0] = bufs[0][n:]
+	}
+	return bufs
 }
 
 // writeAllBuffered writes bufs through bw and flushes: over TLS,

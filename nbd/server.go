@@ -100,9 +100,10 @@ type Server struct {
 // resolved once.
 type export struct {
 	Export
-	trimmer    Trimmer
-	zeroWriter ZeroWriter
-	prefetcher Prefetcher
+	trimmer     Trimmer
+	zeroWriter  ZeroWriter
+	prefetcher  Prefetcher
+	asyncReader AsyncReader
 }
 
 // NewServer returns a Server with cfg's defaults applied.
@@ -184,6 +185,7 @@ func (s *Server) AddExport(e Export) error {
 	x.trimmer, _ = e.Backend.(Trimmer)
 	x.zeroWriter, _ = e.Backend.(ZeroWriter)
 	x.prefetcher, _ = e.Backend.(Prefetcher)
+	x.asyncReader, _ = e.Backend.(AsyncReader)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, dup := s.mu.exports[e.Name]; dup {

@@ -1,0 +1,157 @@
+package nbd
+
+import (
+	"bytes"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+)
+
+// asyncBackend is a memBackend that also starts reads asynchronously
+// (AsyncReader), each completed on a goroutine of its own, except those
+// at offsets refuse reports (started false: the worker path) and, while
+// holding, those it keeps until release.
+type asyncBackend struct {
+	*memBackend
+	refuse  func(off int64) bool
+	started atomic.Int64
+
+	mu      sync.Mutex
+	holding bool
+	held    []func()
+	onHold  chan struct{} // if set, receives a token per read held
+}
+
+func (a *asyncBackend) StartReadAt(p []byte, off int64, done func(error)) bool {
+	if a.refuse != nil && a.refuse(off) {
+		return false
+	}
+	a.started.Add(1)
+	run := func() { done(a.memBackend.ReadAt(p, off)) }
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.holding {
+		a.held = append(a.held, run)
+		if a.onHold != nil {
+			a.onHold <- struct{}{}
+		}
+		return true
+	}
+	go run()
+	return true
+}
+
+// TestAsyncReads: READs the backend starts itself are answered with the
+// right data, as are those it refuses (done by a worker), concurrently
+// with writes; a 4 MiB reply, more than the socket takes at once, is
+// finished by a writer goroutine after the non-blocking write.
+func TestAsyncReads(t *testing.T) {
+	bothModes(t, func(t *testing.T, opts ClientOptions) {
+		mem := newMem(8 << 20)
+		rng := rand.New(rand.NewPCG(5, 6))
+		for i := range mem.data {
+			mem.data[i] = byte(rng.Uint32())
+		}
+		want := append([]byte(nil), mem.data...)
+		ab := &asyncBackend{memBackend: mem, refuse: func(off int64) bool { return off%(3<<12) == 0 }}
+		ts := startServer(t, Config{}, Export{Name: "d", Backend: ab})
+		c := ts.dial(t, "d", opts)
+		var wg sync.WaitGroup
+		for g := range 8 {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				got := make([]byte, 64<<10)
+				for i := range 50 {
+					n := 4096 * (1 + (g*7+i)%16)
+					off := int64(g)<<20 + int64(i*4096)
+					if err := c.ReadAt(got[:n], off); err != nil {
+						t.Error(err)
+						return
+					}
+					if !bytes.Equal(got[:n], want[off:off+int64(n)]) {
+						t.Errorf("g%d i%d: %d at %d: wrong data", g, i, n, off)
+						return
+					}
+				}
+			}()
+		}
+		big := make([]byte, 4<<20)
+		if err := c.ReadAt(big, 4096); err != nil || !bytes.Equal(big, want[4096:4096+len(big)]) {
+			t.Fatalf("4 MiB read: %v or wrong data", err)
+		}
+		wg.Wait()
+		if ab.started.Load() == 0 {
+			t.Fatal("no read was started asynchronously")
+		}
+	})
+}
+
+// TestAsyncReadErrors: a started read that fails is answered with the
+// error's errno; the connection goes on.
+func TestAsyncReadErrors(t *testing.T) {
+	bothModes(t, func(t *testing.T, opts ClientOptions) {
+		mem := newMem(1 << 20)
+		mem.readHook = func(off int64, n int) error {
+			if off == 0 {
+				return fmt.Errorf("disk on fire: %w", syscall.EIO)
+			}
+			return nil
+		}
+		ab := &asyncBackend{memBackend: mem}
+		ts := startServer(t, Config{}, Export{Name: "d", Backend: ab})
+		c := ts.dial(t, "d", opts)
+		buf := make([]byte, 4096)
+		wantErrno(t, "read", c.ReadAt(buf, 0), EIO)
+		if err := c.ReadAt(buf, 4096); err != nil {
+			t.Fatal(err)
+		}
+		if ab.started.Load() != 2 {
+			t.Fatalf("%d reads started, want 2", ab.started.Load())
+		}
+	})
+}
+
+// TestAsyncReadBeforeDisc: a client sends READs and DISC at once; the
+// server answers the READs and flushes only after they are complete (the
+// reader waits for started reads as for workers).
+func TestAsyncReadBeforeDisc(t *testing.T) {
+	mem := newMem(1 << 20)
+	ab := &asyncBackend{memBackend: mem, holding: true, onHold: make(chan struct{}, 4)}
+	var completed atomic.Int64
+	flushedEarly := make(chan bool, 1)
+	mem.flushHook = func() { flushedEarly <- completed.Load() != 4 }
+	ts := startServer(t, Config{}, Export{Name: "d", Backend: ab})
+	r := ts.raw(t)
+	r.greet(flagCFixedNewstyle | flagCNoZeroes)
+	r.goExport("d")
+	for i := range 4 {
+		r.request(requestHeader{Type: cmdRead, Handle: uint64(i), Offset: uint64(i) * 4096, Length: 4096}, nil)
+	}
+	r.request(requestHeader{Type: cmdDisc}, nil)
+	// The reader starts all four before it reads DISC; complete them.
+	for range 4 {
+		<-ab.onHold
+	}
+	ab.mu.Lock()
+	held := ab.held
+	ab.held = nil
+	ab.mu.Unlock()
+	for _, f := range held {
+		completed.Add(1) // before: the server may flush as soon as f returns
+		f()
+	}
+	for range 4 {
+		errno, _ := r.simpleReply()
+		if errno != 0 {
+			t.Fatalf("errno %d", errno)
+		}
+		r.read(make([]byte, 4096))
+	}
+	if <-flushedEarly {
+		t.Fatal("DISC's flush ran before the started reads completed")
+	}
+}
