@@ -146,10 +146,15 @@ func wrapsBackingFault(err error) bool {
 	return false
 }
 
-// noteErr keeps an error the run got back, for the surfacing check.
+// noteErr keeps an error the run got back, for the surfacing check. On
+// the mirror target no request may fail: one member lost loses nothing.
 func (r *failRun) noteErr(err error) {
+	r.t.Helper()
 	if err != nil {
 		r.errs = append(r.errs, err.Error())
+		if r.target == "mirror" {
+			r.fatalf("mirror: a request failed with one member lost: %v", err)
+		}
 	}
 }
 

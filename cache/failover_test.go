@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/tiercache/tiercache/cache/internal/mirror"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/faultdev"
 )
@@ -31,7 +32,11 @@ var flagFailSeed = flag.Int64("fail-seed", -1, "run TestDeviceFailureModel for t
 //     to passthrough (at once or after cacheErrLimit data errors);
 //   - backing: scattered errors, or the backing device dead from a random
 //     operation on; the cache set must never fail over because of it, and
-//     after the device heals everything must read back.
+//     after the device heals everything must read back;
+//   - mirror: the set is mirrored and one member fails (failover_mirror_test.go
+//     has the fault and the properties added): no request may fail, the set
+//     serves on in writeback mode on the survivor, and whichever way it
+//     reopens nothing flushed is lost.
 //
 // Per block the model keeps the contents a read may return now (one, or
 // several after a failed write, which may or may not have landed; a read
@@ -59,19 +64,22 @@ func TestDeviceFailureModel(t *testing.T) {
 		def = 80
 	}
 	first, seeds := stressSeeds(t, "FAILMODEL", def)
-	for _, target := range []string{"cache", "backing", "seq"} {
+	for _, target := range []string{"cache", "backing", "seq", "mirror"} {
 		t.Run(target, func(t *testing.T) {
 			if *flagFailSeed >= 0 {
 				runFailSeed(t, target, uint64(*flagFailSeed))
 				return
 			}
-			var failovers, unreachable, fenced, lostFlush, injected, seqInjected atomic.Int64
+			var failovers, unreachable, fenced, lostFlush, injected, seqInjected, degraded atomic.Int64
 			var failed seedFailures
 			for seed := first; seed < first+seeds; seed++ {
 				ok := t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
 					r := runFailSeed(t, target, seed)
 					if r.failedOver {
 						failovers.Add(1)
+					}
+					if r.degraded {
+						degraded.Add(1)
 					}
 					unreachable.Add(r.unreachableReads)
 					fenced.Add(r.fencedWrites)
@@ -91,6 +99,12 @@ func TestDeviceFailureModel(t *testing.T) {
 				first, first+seeds-1, injected.Load(), failovers.Load(), unreachable.Load(), fenced.Load(), lostFlush.Load())
 			if target == "seq" {
 				t.Logf("seq: %d scheduled faults fired (run and reopen), every one returned or logged", seqInjected.Load())
+			}
+			if target == "mirror" {
+				t.Logf("mirror: %d sets ran degraded on the survivor", degraded.Load())
+				if degraded.Load() < int64(seeds/4) {
+					t.Errorf("only %d of %d seeds lost a member: the workload does not exercise a degraded mirror", degraded.Load(), seeds)
+				}
 			}
 			if target == "cache" && failovers.Load() < int64(seeds/4) {
 				t.Errorf("only %d of %d seeds failed over: the workload does not exercise passthrough", failovers.Load(), seeds)
@@ -114,6 +128,7 @@ type failRun struct {
 	vols       []*failVol
 	wid        uint64
 	failedOver bool
+	degraded   bool // mirror: a member failed
 	// counted for the summary
 	unreachableReads, fencedWrites, lostFlushes int64
 	injected                                    int64 // faults fired
@@ -201,6 +216,10 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	var fdBack *faultdev.Device
 	var cacheDev device.Device = cacheMem
 	var seqC, seqB *seqSched
+	var mf *mirrorFault
+	if target == "mirror" {
+		deadAt = uint64(rng.IntN(620)) // from the first operation: in Open too
+	}
 	if target == "cache" {
 		fdCache = faultdev.Wrap(cacheMem, inj)
 		cacheDev = fdCache
@@ -235,10 +254,21 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	}
 	mode := []Mode{Writeback, Writeback, Writethrough, Writearound}[rng.IntN(4)]
 	r.logf("format: %d buckets of %d, %d volumes, mode %v; %s dies at op %d (%s), transient p=%.2f", nb, bs, nvols, mode, target, deadAt, kinds, pTransient)
-	if _, err := Format(cacheMem, specs, FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode, markShift: testMarkShift(seed)}); err != nil {
+	fopts := FormatOptions{BucketSize: bs, JournalSize: minJournalLen, Mode: mode, markShift: testMarkShift(seed)}
+	oopts := OpenOptions{Logger: slog.New(r.logs)}
+	if target == "mirror" {
+		mf = newMirrorFault(r, cacheMem, specs, fopts, nb, inj)
+		fopts.Mirror, cacheDev, oopts.Mirror = mf.mem[mirror.B], mf.dev[mirror.A], mf.dev[mirror.B]
+	}
+	if _, err := Format(cacheMem, specs, fopts); err != nil {
 		t.Fatal(err)
 	}
-	s, err := Open(cacheDev, faultSpecs, OpenOptions{Logger: slog.New(r.logs)})
+	s, err := Open(cacheDev, faultSpecs, oopts)
+	if err != nil {
+		if mf != nil {
+			s, err = mf.openMissing(r, faultSpecs, oopts, err)
+		}
+	}
 	if err != nil {
 		r.logf("open failed under the fault: %v", err)
 		if target == "seq" {
@@ -274,6 +304,9 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 		}
 	}
 	st := s.Stats()
+	if mf != nil {
+		mf.checkRun(r, st)
+	}
 	if target == "backing" && st.Failed {
 		r.fatalf("backing device errors failed the cache set over: %s", st.Cause)
 	}
@@ -328,6 +361,10 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	if fdCache != nil {
 		r.injected += int64(fdCache.Injected())
 	}
+	if mf != nil {
+		r.injected += int64(mf.fd.Injected())
+		r.degraded = s.Stats().Mirror.Degraded
+	}
 	s.crashStop()
 	if target == "seq" {
 		r.reopenWithFault(cacheMem, specs, rand.New(rand.NewPCG(seed, 0x5ea)))
@@ -336,10 +373,15 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	// Heal: reopen on the bare devices (a repaired cache device, a
 	// restarted process).
 	healed.Store(true)
-	r.logf("heal + reopen")
-	s2, err := Open(cacheMem, specs, OpenOptions{ColdClean: r.coldClean()})
-	if err != nil {
-		r.fatalf("reopen on the healed devices: %v", err)
+	var s2 *Set
+	if mf != nil {
+		s2 = mf.reopen(r, specs, r.degraded)
+	} else {
+		r.logf("heal + reopen")
+		s2, err = Open(cacheMem, specs, OpenOptions{ColdClean: r.coldClean()})
+		if err != nil {
+			r.fatalf("reopen on the healed devices: %v", err)
+		}
 	}
 	r.set = s2
 	defer func() { s2.crashStop() }()

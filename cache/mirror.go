@@ -48,10 +48,12 @@ func openMirror(a, b device.Device, allowMissing bool, log *slog.Logger) (*mirro
 	if err != nil {
 		return nil, nil, fmt.Errorf("open: %w", err)
 	}
-	var sbDev device.Device = m.Device(m.Primary())
+	// Through the mirror, so that a read error on A is served from B's
+	// copy (and A repaired or failed) rather than failing the open.
+	var sbDev device.Device = m
 	if m.Primary() == mirror.B {
 		// B is smaller than the layout its superblock describes (A's).
-		sbDev = layoutSized{sbDev}
+		sbDev = layoutSized{m.Device(mirror.B)}
 	}
 	sb, _, err := ondisk.ReadSuperblock(sbDev)
 	if err != nil {
