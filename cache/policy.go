@@ -21,7 +21,10 @@ package cache
 //   - starts where the stream ends;
 //   - starts a little ahead of its end (at most seqWindow(n) bytes, and no
 //     more than the stream holds): the gap becomes a hole;
-//   - or fills (part of) a hole: a request that arrived late.
+//   - or fills (part of) a hole, however far behind the end: a request
+//     that arrived late. Two writers that write one file in alternate
+//     pieces, each on its own CPU and so on its own NBD connection, drift
+//     apart by many MiB; the one behind fills the holes the other left.
 //
 // A request a little behind the end that fills no hole rewrites what the
 // stream just wrote (a log's last block, a database page): it belongs to
@@ -121,13 +124,15 @@ func (st *stream) relate(off, n int64) int {
 		if gap := off - st.next; gap <= seqWindow(n) && gap <= st.seen {
 			return seqNext
 		}
-	case off >= st.start && st.next-off <= seqWindow(n):
+	case off >= st.start && off < st.next:
 		for _, h := range st.holes {
 			if off < h.hi && h.lo < off+n {
 				return seqFill
 			}
 		}
-		return seqRewrite
+		if st.next-off <= seqWindow(n) {
+			return seqRewrite
+		}
 	}
 	return seqOther
 }

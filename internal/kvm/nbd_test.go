@@ -41,7 +41,7 @@ func sparse(t *testing.T, path string, size int64) string {
 
 // nbdMatrixChecks are the checks testdata/nbd-matrix.sh prints, in order.
 var nbdMatrixChecks = []string{
-	"c1-bs512-ext4", "c1-bs4096-xfs", "c4-bs512-xfs", "c4-bs4096-ext4",
+	"c1-bs512-ext4", "c1-bs4096-xfs", "c4-bs512-xfs", "c4-bs4096-ext4", "c4-seq-bypass",
 	"blkdiscard", "blkdiscard-z", "fallocate-z", "fsync-flush", "o_dsync-fua",
 	"kill9-flushed-kept", "disconnect-inflight", "restart-under-mounted-fs",
 	"slower-than-timeout", "online-check", "clean-stop", "offline-check",

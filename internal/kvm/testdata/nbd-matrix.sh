@@ -95,6 +95,55 @@ check c1-bs4096-xfs fs_round 1 4096 xfs
 check c4-bs512-xfs fs_round 4 512 xfs
 check c4-bs4096-ext4 fs_round 4 4096 ext4
 
+# A sequential stream through the kernel client with 4 connections is still
+# a stream when it arrives over several of them, interleaved with other
+# writes. ext4 on /dev/nbd0; the cache holds dirty data from 512 4 KiB random
+# overwrites with an fsync every 32 (background writeback held, so it stays
+# dirty); then two fio writers, one pinned to each CPU, write one 64 MiB
+# file in alternate 1 MiB pieces (O_DIRECT, QD4 each, into unwritten
+# extents, so ext4's journal writes interleave). blk-mq has one hardware
+# queue per connection but no more than there are CPUs (2 here), and a
+# request goes to its submitting CPU's queue: the two writers' requests
+# arrive over two connections, slightly reordered against each other.
+# The kernel's block tracepoint counts each CPU's data requests (>= 64 KiB)
+# to nbd0, so the check sees that both queues carried the file. The cache's
+# room for streams is at most writeback_percent (10 %: 6.4 MiB of this
+# 64 MiB cache) less its dirty data, and a stream's first
+# sequential_cutoff (4 MiB) may go to the cache: at least 40 MiB of the
+# file must bypass it. (A buffered dd of the file is submitted by one
+# flusher on one CPU, one connection: TestKernelSequentialBypass covers
+# that path over loop.)
+T=/sys/kernel/tracing
+issued_per_cpu() { # CPU: data write requests issued to nbd0 on CPU since the trace was cleared
+	grep -v '^#' $T/per_cpu/cpu$1/trace | grep -c 'block_rq_issue: 43,0 W'
+}
+seq_stream() {
+	connect nbd0 4096 4 || return 1
+	for q in 0 1; do [ "$(cat /sys/block/nbd0/mq/$q/cpu_list)" = $q ] || { echo "queue $q serves CPUs $(cat /sys/block/nbd0/mq/$q/cpu_list), want $q"; return 1; }; done
+	[ -d $T/events ] || mount -t tracefs tracefs $T || return 1
+	mkfs.ext4 -q -F -E lazy_itable_init=0,lazy_journal_init=0 /dev/nbd0 && mount -t ext4 -o noatime /dev/nbd0 $MNT || return 1
+	$TC set disk writeback_rate_max=1 >/dev/null || return 1
+	fio --name=history --filename=$MNT/history --ioengine=psync --direct=1 --rw=randwrite --bs=4k --size=2m \
+		--fsync=32 --randseed=14 --output-format=terse >/tmp/fio.out 2>&1 || { cat /tmp/fio.out; return 1; }
+	dirty=$(counter dirty_blocks) b=$(counter bypass_sequential_bytes)
+	echo "dev == $((43 << 20)) && nr_sector >= 128" >$T/events/block/block_rq_issue/filter || return 1
+	echo 1 >$T/events/block/block_rq_issue/enable && echo >$T/trace && echo 1 >$T/tracing_on || return 1
+	fio --filename=$MNT/stream --ioengine=libaio --direct=1 --bs=1M --iodepth=4 --rw=write:1M --output-format=terse \
+		--io_size=32M --name=even --cpus_allowed=0 --size=64M --name=odd --cpus_allowed=1 --offset=1M --size=63M >/tmp/fio.out 2>&1; r=$?
+	echo 0 >$T/tracing_on; echo 0 >$T/events/block/block_rq_issue/enable
+	[ $r = 0 ] || { cat /tmp/fio.out; return 1; }
+	q0=$(issued_per_cpu 0) q1=$(issued_per_cpu 1)
+	mib=$((($(counter bypass_sequential_bytes) - b) >> 20))
+	echo "64 MiB file from two writers: $mib MiB bypassed as sequential, $dirty dirty blocks before; data requests over queue 0: $q0, queue 1: $q1"
+	umount $MNT || return 1
+	[ "$dirty" -ge 448 ] || { echo "want at least 448 dirty blocks (most of the 512 overwritten) before the file"; return 1; }
+	[ $q0 -ge 100 ] && [ $q1 -ge 100 ] || { echo "want at least 100 of the file's requests over each queue (connection)"; return 1; }
+	[ $mib -ge 40 ] || { echo "want at least 40 MiB bypassed"; return 1; }
+	disconnect nbd0
+}
+seq_bypass() { seq_stream; r=$?; $TC set disk writeback_rate_max=0 >/dev/null; return $r; }
+check c4-seq-bypass seq_bypass
+
 dd if=/dev/zero of=/tmp/zero1m bs=1M count=1 2>/dev/null
 is_zero() { # DEV OFFSET_MIB
 	dd if=$1 bs=1M skip=$2 count=1 iflag=direct 2>/dev/null | cmp - /tmp/zero1m
