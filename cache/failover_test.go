@@ -361,11 +361,15 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	if fdCache != nil {
 		r.injected += int64(fdCache.Injected())
 	}
-	if mf != nil {
-		r.injected += int64(mf.fd.Injected())
-		r.degraded = s.Stats().Mirror.Degraded
-	}
 	s.crashStop()
+	if mf != nil {
+		// After the stop: a background write (writeback, a checkpoint)
+		// may fail the member until then.
+		r.injected += int64(mf.fd.Injected())
+		st := s.Stats()
+		mf.checkStopped(r, st)
+		r.degraded = st.Mirror.Degraded
+	}
 	if target == "seq" {
 		r.reopenWithFault(cacheMem, specs, rand.New(rand.NewPCG(seed, 0x5ea)))
 		r.checkSurfaced(seqC, seqB)
