@@ -147,17 +147,7 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 		r.Gen = g
 		tab.Set(i, r) // an unchanged record changes no page
 	}
-	// The live and dirty counts follow the differences: the durable
-	// root's counts are its trees' (pagedCounts).
-	count := func(e index.Ent, dirty bool, d int) {
-		b := int(int64(e.Block()) / s.bpb)
-		r := tab.Get(b)
-		r.Live = uint16(int(r.Live) + d)
-		if dirty {
-			r.Dirty = uint16(int(r.Dirty) + d)
-		}
-		tab.Set(b, r)
-	}
+	count := pagedCounter(tab, s.bpb)
 	sups := make([]*index.Stree, len(trees))
 	for vi := range max(len(trees), len(p.trees)) {
 		var oldT, newT *index.Ptree
@@ -190,6 +180,21 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 	return nil
 }
 
+// pagedCounter moves the bucket table's live and dirty counts by one
+// difference applied to the page trees: the durable root's counts are its
+// trees' (pagedCounts), so they follow the differences.
+func pagedCounter(tab *pages.Table, bpb int64) func(e index.Ent, dirty bool, d int) {
+	return func(e index.Ent, dirty bool, d int) {
+		b := int(int64(e.Block()) / bpb)
+		r := tab.Get(b)
+		r.Live = uint16(int(r.Live) + d)
+		if dirty {
+			r.Dirty = uint16(int(r.Dirty) + d)
+		}
+		tab.Set(b, r)
+	}
+}
+
 // slotOf is the leaf slot of entry e (live, or a superseded version).
 // The slot's bucket generation is written 0: the engine drops a reused
 // bucket's entries from the index itself, and an entry the same after
@@ -207,50 +212,108 @@ func (s *Set) slotOf(e index.Ent, sup bool, epochOf func(uint32) uint64) pages.S
 	return sl
 }
 
+// diffBatch is the most differences applyDiff collects before applying
+// them: the leaves they touch are read first, together (pages.Tree.Hold),
+// rather than one read per leaf as Put and Delete would; the batch
+// bounds what that costs in memory (~50 B a difference).
+const diffBatch = 1 << 14
+
+// change is one difference Diff reported.
+type change struct {
+	o, n         index.Ent
+	inOld, inNew bool
+}
+
+// applyDiff applies the differences between the snapshots oldT (the
+// durable root's) and newT to page tree id, in batches of diffBatch whose
+// leaves are read together first, and counts them (count).
 func (s *Set) applyDiff(st *pages.Store, id uint16, oldT, newT *index.Ptree, epochOf func(uint32) uint64, count func(index.Ent, bool, int)) error {
-	var err error
-	var t *pages.Tree
-	index.Diff(oldT, newT, func(o, n index.Ent, inOld, inNew bool) {
-		if err != nil {
-			return
-		}
-		if t == nil {
-			t = st.Tree(id)
-		}
-		if inOld {
-			count(o, o.Dirty(), -1)
-		}
-		if inNew {
-			count(n, n.Dirty(), +1)
-			_, _, err = t.Put(s.slotOf(n, false, epochOf))
-		} else {
-			_, _, err = t.Delete(o.LBA)
-		}
-	})
-	return err
+	b := s.newDiffApplier(st, id, false, epochOf, count)
+	index.Diff(oldT, newT, b.add)
+	return b.flush()
 }
 
 func (s *Set) applySupDiff(st *pages.Store, id uint16, oldS, newS *index.Stree, epochOf func(uint32) uint64, count func(index.Ent, bool, int)) error {
-	var err error
-	var t *pages.Tree
-	index.DiffSup(oldS, newS, func(o, n index.Ent, inOld, inNew bool) {
+	b := s.newDiffApplier(st, id, true, epochOf, count)
+	index.DiffSup(oldS, newS, b.add)
+	return b.flush()
+}
+
+type diffApplier struct {
+	s       *Set
+	st      *pages.Store
+	id      uint16
+	sup     bool
+	epochOf func(uint32) uint64
+	count   func(index.Ent, bool, int)
+	t       *pages.Tree
+	batch   []change
+	keys    []pages.Key
+	err     error
+}
+
+func (s *Set) newDiffApplier(st *pages.Store, id uint16, sup bool, epochOf func(uint32) uint64, count func(index.Ent, bool, int)) *diffApplier {
+	return &diffApplier{s: s, st: st, id: id, sup: sup, epochOf: epochOf, count: count}
+}
+
+func (b *diffApplier) key(e index.Ent) pages.Key {
+	if b.sup {
+		return pages.Key{LBA: e.LBA, Sub: e.Block()}
+	}
+	return pages.Key{LBA: e.LBA}
+}
+
+func (b *diffApplier) add(o, n index.Ent, inOld, inNew bool) {
+	if b.err != nil {
+		return
+	}
+	b.batch = append(b.batch, change{o, n, inOld, inNew})
+	if len(b.batch) == diffBatch {
+		b.err = b.flush()
+	}
+}
+
+// flush applies the batch: its leaves are held (read together), then
+// each difference is put or deleted.
+func (b *diffApplier) flush() error {
+	if b.err != nil || len(b.batch) == 0 {
+		return b.err
+	}
+	if b.t == nil {
+		b.t = b.st.Tree(b.id)
+	}
+	b.keys = b.keys[:0]
+	for _, c := range b.batch {
+		if c.inOld {
+			b.keys = append(b.keys, b.key(c.o))
+		}
+		if c.inNew {
+			b.keys = append(b.keys, b.key(c.n))
+		}
+	}
+	if err := b.t.Hold(b.keys); err != nil {
+		return err
+	}
+	for _, c := range b.batch {
+		if c.inOld {
+			b.count(c.o, b.sup || c.o.Dirty(), -1)
+		}
+		var err error
+		switch {
+		case c.inNew:
+			b.count(c.n, b.sup || c.n.Dirty(), +1)
+			_, _, err = b.t.Put(b.s.slotOf(c.n, b.sup, b.epochOf))
+		case b.sup:
+			_, _, err = b.t.DeleteKey(b.key(c.o))
+		default:
+			_, _, err = b.t.Delete(c.o.LBA)
+		}
 		if err != nil {
-			return
+			return err
 		}
-		if t == nil {
-			t = st.Tree(id)
-		}
-		if inOld {
-			count(o, true, -1)
-		}
-		if inNew {
-			count(n, true, +1)
-			_, _, err = t.Put(s.slotOf(n, true, epochOf))
-		} else {
-			_, _, err = t.DeleteKey(pages.Key{LBA: o.LBA, Sub: o.Block()})
-		}
-	})
-	return err
+	}
+	b.batch = b.batch[:0]
+	return nil
 }
 
 // check verifies (invariants builds) that the page trees hold exactly the

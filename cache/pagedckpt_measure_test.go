@@ -2,6 +2,7 @@ package cache
 
 import (
 	"flag"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -20,7 +21,8 @@ var (
 	flagPagedLoad    = flag.Duration("pagedload", 20*time.Second, "TestMeasurePagedCheckpoint: length of the 4 KiB random write load")
 	flagPagedJournal = flag.String("pagedjournal", "8M", "TestMeasurePagedCheckpoint: journal size (a checkpoint is written when it fills)")
 	flagPagedDir     = flag.String("pageddir", "", "TestMeasurePagedCheckpoint: directory for the sparse files (default: a test temp dir)")
-	flagPagedProfile = flag.String("pagedprofile", "", "TestMeasurePagedCheckpoint: write a CPU profile of the paged sets' clean Opens to this file")
+	flagPagedProfile = flag.String("pagedprofile", "", "TestMeasurePagedCheckpoint: write CPU profiles of the paged sets' Opens to this file (clean) and this file.crash (after the crash)")
+	flagPagedOnly    = flag.Bool("pagedonly", false, "TestMeasurePagedCheckpoint: measure only sets with index pages (two rounds)")
 )
 
 // countingWrites is a device that counts the bytes written into [lo, hi).
@@ -61,7 +63,11 @@ func TestMeasurePagedCheckpoint(t *testing.T) {
 	if dir == "" {
 		dir = t.TempDir()
 	}
-	for _, paged := range []bool{false, true, false, true} {
+	variants := []bool{false, true, false, true}
+	if *flagPagedOnly {
+		variants = []bool{true, true}
+	}
+	for _, paged := range variants {
 		load, _ := os.ReadFile("/proc/loadavg")
 		t.Logf("index pages %t, %d blocks; loadavg %s", paged, n, strings.TrimSpace(string(load)))
 		measurePaged(t, dir, n, paged)
@@ -194,12 +200,25 @@ func measurePaged(t *testing.T, dir string, n int64, paged bool) {
 		t.Fatal(err)
 	}
 	s.crashStop()
+	if *flagPagedProfile != "" && paged {
+		f, err := os.Create(*flagPagedProfile + ".crash")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			t.Fatal(err)
+		}
+	}
 	t0 = time.Now()
-	s, err = Open(cf, specs, OpenOptions{})
+	s, err = Open(cf, specs, OpenOptions{Logger: slog.New(slog.NewTextHandler(os.Stderr, nil))})
 	if err != nil {
 		t.Fatal(err)
 	}
 	crashed := time.Since(t0)
+	if *flagPagedProfile != "" && paged {
+		pprof.StopCPUProfile()
+	}
 	t.Logf("  open: %v after a clean close, %v after a crash (20,000 writes since the checkpoint)", clean.Round(time.Millisecond), crashed.Round(time.Millisecond))
 	_ = s.Close()
 }

@@ -72,40 +72,112 @@ func (t *Tree) ReadLeaves(fn func(i int, p *Page) error) error {
 	if err != nil {
 		return err
 	}
-	slices.SortFunc(todo, func(a, b ref) int { return int(a.k.ptr.Page) - int(b.k.ptr.Page) })
-	buf := make([]byte, readRun*PageSize)
-	for a := 0; a < len(todo); {
-		first := todo[a].k.ptr.Page
+	kids := make([]*kid, len(todo))
+	for j, r := range todo {
+		kids[j] = r.k
+	}
+	return t.readRuns(kids, func(j int, p *Page) error { return fn(todo[j].i, p) })
+}
+
+// readRuns reads the leaves of kids (none held) in the order of their
+// pages on the device, with few large reads (runs of up to readRun
+// pages, reading through gaps of up to readGap pages), verifies each
+// against its parent as a single read would (Verify), and calls fn with
+// each leaf's index in kids and its page, which fn must not keep or
+// change. The first error, a corruption error for damage, ends it.
+func (t *Tree) readRuns(kids []*kid, fn func(j int, p *Page) error) error {
+	order := make([]int, len(kids))
+	for j := range order {
+		order[j] = j
+	}
+	slices.SortFunc(order, func(a, b int) int { return int(kids[a].ptr.Page) - int(kids[b].ptr.Page) })
+	page := func(j int) uint32 { return kids[order[j]].ptr.Page }
+	buf := make([]byte, min(len(kids), readRun)*PageSize)
+	for a := 0; a < len(order); {
+		first := page(a)
 		if first >= t.st.lay.Pages {
-			return t.st.readPageErr(todo[a].k.ptr)
+			return t.st.readPageErr(kids[order[a]].ptr)
 		}
 		b := a + 1
-		for b < len(todo) {
-			p := todo[b].k.ptr.Page
-			if p >= t.st.lay.Pages || p-first >= readRun || p-todo[b-1].k.ptr.Page > readGap+1 {
+		for b < len(order) {
+			p := page(b)
+			if p >= t.st.lay.Pages || p-first >= readRun || p-page(b-1) > readGap+1 {
 				break
 			}
 			b++
 		}
-		last := todo[b-1].k.ptr.Page
+		last := page(b - 1)
 		off := t.st.lay.pageOff(first)
-		run := buf[:int(last-first+1)*PageSize]
+		n := int(last-first+1) * PageSize
+		if n > len(buf) {
+			buf = make([]byte, readRun*PageSize)
+		}
+		run := buf[:n]
 		if _, err := t.st.dev.ReadAt(run, off); err != nil {
 			return fmt.Errorf("pages: reading %d pages at %d: %w", last-first+1, off, err)
 		}
-		for _, r := range todo[a:b] {
-			o := int(r.k.ptr.Page-first) * PageSize
+		for _, j := range order[a:b] {
+			k := kids[j]
+			o := int(k.ptr.Page-first) * PageSize
 			p := (*Page)(run[o : o+PageSize])
-			if err := p.Verify(r.k.ptr, off+int64(o), KindLeaf, 0, t.id, t.st.lay.Nonce); err != nil {
+			if err := p.Verify(k.ptr, off+int64(o), KindLeaf, 0, t.id, t.st.lay.Nonce); err != nil {
 				return err
 			}
-			if err := fn(r.i, p); err != nil {
+			if err := fn(j, p); err != nil {
 				return err
 			}
 		}
 		a = b
 	}
 	return nil
+}
+
+// Hold makes every leaf that holds or would hold one of keys a changed
+// copy held by the tree (as the first change of it does: its page is
+// released), reading the leaves neither held nor cached as ReadLeaves
+// does, with few large reads in page order. For a caller about to
+// change every such leaf (a checkpoint applying a sorted batch of
+// differences), so that Put and Delete find them without a read each.
+// The nodes above them are touched. keys need not be sorted.
+func (t *Tree) Hold(keys []Key) error {
+	if t.st.err != nil {
+		return t.st.err
+	}
+	if t.root == nil {
+		return nil
+	}
+	var todo []*kid
+	seen := make(map[*kid]bool)
+	var buf [8]step
+	for _, k := range keys {
+		path := t.descend(k, buf[:0])
+		last := path[len(path)-1]
+		lk := &last.n.kids[last.i]
+		if lk.dirty != nil || seen[lk] {
+			continue
+		}
+		seen[lk] = true
+		for _, st := range path {
+			t.touch(st.n)
+		}
+		if _, ok := t.st.cache.Get(lk.ptr.Page); ok {
+			if _, err := t.mutLeaf(lk); err != nil {
+				return err
+			}
+			continue
+		}
+		todo = append(todo, lk)
+	}
+	return t.readRuns(todo, func(j int, p *Page) error {
+		k := todo[j]
+		c := new(Page)
+		*c = *p
+		t.st.alloc.Release(k.ptr.Page)
+		k.dirty = c
+		k.ptr = Ptr{}
+		t.ndirty++
+		return nil
+	})
 }
 
 // readPageErr is readPage's error for a pointer beyond the area.

@@ -243,3 +243,122 @@ func (c *countReads) ReadAt(p []byte, off int64) (int, error) {
 	c.n++
 	return c.Device.ReadAt(p, off)
 }
+
+// TestHold: Hold reads the leaves of a batch of keys in few reads, after
+// which putting the batch reads nothing; the batch's deletes stay
+// correct; the trees after a checkpoint and a re-open are the oracle's;
+// a damaged leaf is corruption.
+func TestHold(t *testing.T) {
+	lay := testLayout(4096)
+	mem := device.NewMem(lay.Off + lay.Len())
+	dev := &countReads{Device: mem}
+	st := newTestStore(t, dev, lay, 8)
+	tr := st.Tree(2)
+	rng := rand.New(rand.NewPCG(3, 4))
+	want := map[uint64]Slot{}
+	put := func(s Slot) {
+		t.Helper()
+		if _, _, err := tr.Put(s); err != nil {
+			t.Fatal(err)
+		}
+		want[s.LBA] = s
+	}
+	for range 30000 {
+		l := rng.Uint64N(60000)
+		put(Slot{LBA: l, Loc: uint32(l), CRC: 1})
+	}
+	if err := st.Checkpoint(nil); err != nil {
+		t.Fatal(err)
+	}
+	for round := range 3 {
+		st, _, err := Open(dev, lay, 8)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tr = st.Tree(2)
+		for range 20 { // some leaves held, some cached
+			put(Slot{LBA: rng.Uint64N(60000), Loc: 2})
+			if _, _, err := tr.Get(rng.Uint64N(60000)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		n := tr.Leaves()
+		keys := make([]Key, 0, 3000)
+		var batch []Slot
+		for range 3000 {
+			l := rng.Uint64N(60000)
+			batch = append(batch, Slot{LBA: l, Loc: uint32(l) + 3, CRC: uint32(round), Epoch: uint64(round)})
+			keys = append(keys, Key{LBA: l})
+		}
+		r0 := dev.n
+		if err := tr.Hold(keys); err != nil {
+			t.Fatal(err)
+		}
+		held := dev.n - r0
+		if held*4 > int64(n) {
+			t.Fatalf("Hold: %d reads for the leaves of %d keys (%d leaves)", held, len(keys), n)
+		}
+		r0 = dev.n
+		for _, s := range batch {
+			put(s)
+		}
+		if d := dev.n - r0; d != 0 {
+			t.Fatalf("putting a held batch read %d pages", d)
+		}
+		// Deletes of a held batch (rebalancing may read siblings).
+		keys = keys[:0]
+		var dels []uint64
+		for l := range want {
+			if rng.IntN(6) == 0 {
+				dels = append(dels, l)
+				keys = append(keys, Key{LBA: l})
+			}
+		}
+		if err := tr.Hold(keys); err != nil {
+			t.Fatal(err)
+		}
+		for _, l := range dels {
+			if _, ok, err := tr.Delete(l); err != nil || !ok {
+				t.Fatalf("delete %d: %t %v", l, ok, err)
+			}
+			delete(want, l)
+		}
+		if err := tr.Check(); err != nil {
+			t.Fatal(err)
+		}
+		if err := st.Checkpoint(nil); err != nil {
+			t.Fatal(err)
+		}
+		t.Logf("round %d: %d leaves, Hold read %d times for 3,000 keys", round, n, held)
+	}
+	st, _, err := Open(dev, lay, 8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr = st.Tree(2)
+	if err := tr.Check(); err != nil {
+		t.Fatal(err)
+	}
+	got := 0
+	err = tr.Ascend(0, func(s Slot) bool {
+		if w, ok := want[s.LBA]; !ok || w != s {
+			t.Fatalf("slot %+v, want %+v (%t)", s, w, ok)
+		}
+		got++
+		return true
+	})
+	if err != nil || got != len(want) {
+		t.Fatalf("%d slots of %d: %v", got, len(want), err)
+	}
+
+	k := tr.root.kids[len(tr.root.kids)/2]
+	if k.node != nil {
+		k = k.node.kids[0]
+	}
+	if err := mem.Corrupt(lay.pageOff(k.ptr.Page)+300, 1); err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.Hold([]Key{k.key}); !IsCorruption(err) {
+		t.Fatalf("Hold of a damaged leaf: %v", err)
+	}
+}
