@@ -195,6 +195,49 @@ func pagedCounter(tab *pages.Table, bpb int64) func(e index.Ent, dirty bool, d i
 	}
 }
 
+// pagedBaseLocked is Open's step between recovery and its first
+// checkpoint for a paged set. The page trees hold the checkpoint cd
+// (read from them); recovery has rebuilt the index from cd and the
+// journal. It applies the differences between cd's entries and the
+// recovered trees to the page trees (their leaves read together,
+// diffApplier) and takes the recovered trees' copy-on-write clones as
+// the snapshot the page trees hold (pagedIndex.trees). So the page trees
+// need no index tree of their own built at Open, and the checkpoint that
+// follows compares trees that share every node recovery did not change.
+// REQUIRES: s.commitMu, exclusive access (Open)
+func (s *Set) pagedBaseLocked(cd *ondisk.CkptData) error {
+	p := s.pg
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	tab, err := p.st.Table(len(s.mu.Buckets))
+	if err != nil {
+		return err
+	}
+	count := pagedCounter(tab, s.bpb)
+	epochOf := s.mu.SnapshotEpochs()
+	p.trees = make([]*index.Ptree, max(len(cd.Vols), len(s.vols)))
+	for len(p.sups) < len(p.trees) {
+		p.sups = append(p.sups, nil)
+	}
+	for vi := range p.trees {
+		var old []index.Ent
+		if vi < len(cd.Vols) {
+			old = cd.Vols[vi].Ents
+		}
+		var cur *index.Ptree
+		if vi < len(s.vols) {
+			cur = s.vols[vi].idx.Tree.Clone()
+		}
+		b := s.newDiffApplier(p.st, uint16(vi), false, epochOf, count)
+		index.DiffSorted(old, cur, b.add)
+		if err := b.flush(); err != nil {
+			return err
+		}
+		p.trees[vi] = cur
+	}
+	return nil
+}
+
 // slotOf is the leaf slot of entry e (live, or a superseded version).
 // The slot's bucket generation is written 0: the engine drops a reused
 // bucket's entries from the index itself, and an entry the same after
@@ -454,8 +497,7 @@ func readPagedCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) 
 		}
 		cv := &cd.Vols[vi]
 		if !sup {
-			cv.Ents = ents
-			p.trees[vi] = index.BuildPtree(ents, nil)
+			cv.Ents = ents // p.trees: pagedBaseLocked
 			continue
 		}
 		sp := index.NewStree()

@@ -1011,7 +1011,12 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	replayed := time.Now()
 	s.commitMu.Lock()
-	err = s.checkpointLocked(0)
+	if s.pg != nil {
+		err = s.pagedBaseLocked(d.cd)
+	}
+	if err == nil {
+		err = s.checkpointLocked(0)
+	}
 	s.commitMu.Unlock()
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)

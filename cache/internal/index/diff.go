@@ -10,6 +10,33 @@ package index
 // Either tree may be nil (empty). Neither may change during the call.
 func Diff(old, new *Ptree, fn func(o, n Ent, inOld, inNew bool)) { _ = diffTrees(old, new, fn) }
 
+// DiffSorted is Diff with old given as its elements in increasing LBA
+// order (a checkpoint's entries as read) instead of a tree. It compares
+// every element of both; new may be nil (empty) and must not change
+// during the call.
+func DiffSorted(old []Ent, new *Ptree, fn func(o, n Ent, inOld, inNew bool)) {
+	i := 0
+	if new != nil {
+		new.Ascend(func(e Ent) bool {
+			for ; i < len(old) && old[i].LBA < e.LBA; i++ {
+				fn(old[i], Ent{}, true, false)
+			}
+			if i < len(old) && old[i].LBA == e.LBA {
+				if old[i] != e {
+					fn(old[i], e, true, true)
+				}
+				i++
+			} else {
+				fn(Ent{}, e, false, true)
+			}
+			return true
+		})
+	}
+	for ; i < len(old); i++ {
+		fn(old[i], Ent{}, true, false)
+	}
+}
+
 // DiffSup is Diff for trees of superseded versions.
 func DiffSup(old, new *Stree, fn func(o, n Ent, inOld, inNew bool)) { _ = diffTrees(old, new, fn) }
 

@@ -70,8 +70,36 @@ func TestDiff(t *testing.T) {
 		if got != len(want) {
 			t.Fatalf("seed %d: %d differences, want %d", seed, got, len(want))
 		}
-		// Against an empty tree, and with nil.
+		// DiffSorted of old's elements reports exactly what Diff does.
+		type rep struct {
+			o, n         Ent
+			inOld, inNew bool
+		}
+		var fromTree, fromSorted []rep
+		Diff(old, a, func(o, n Ent, inOld, inNew bool) { fromTree = append(fromTree, rep{o, n, inOld, inNew}) })
+		var oldEs []Ent
+		old.Ascend(func(e Ent) bool { oldEs = append(oldEs, e); return true })
+		DiffSorted(oldEs, a, func(o, n Ent, inOld, inNew bool) { fromSorted = append(fromSorted, rep{o, n, inOld, inNew}) })
+		if len(fromSorted) != len(fromTree) {
+			t.Fatalf("seed %d: DiffSorted %d differences, Diff %d", seed, len(fromSorted), len(fromTree))
+		}
+		for i := range fromTree {
+			if fromSorted[i] != fromTree[i] {
+				t.Fatalf("seed %d: difference %d: DiffSorted %+v, Diff %+v", seed, i, fromSorted[i], fromTree[i])
+			}
+		}
 		cnt := 0
+		DiffSorted(oldEs, nil, func(_, _ Ent, inOld, inNew bool) {
+			if !inOld || inNew {
+				t.Fatal("DiffSorted against nil: an element not only in old")
+			}
+			cnt++
+		})
+		if cnt != len(oldEs) {
+			t.Fatalf("seed %d: DiffSorted against nil: %d, want %d", seed, cnt, len(oldEs))
+		}
+		// Against an empty tree, and with nil.
+		cnt = 0
 		Diff(nil, a, func(_, _ Ent, inOld, inNew bool) {
 			if inOld || !inNew {
 				t.Fatal("nil old tree: element only in old")
