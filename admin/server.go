@@ -801,7 +801,7 @@ func (s *Server) handleDetach(w http.ResponseWriter, r *http.Request) {
 	final := last()
 	final.Finished = true
 	if err != nil {
-		final.Error = err.Error() + fmt.Sprintf("; the export is served again, in mode %s (tiercache set %s cache_mode=... resumes caching)", v.Mode(), name)
+		final.Error = err.Error() + fmt.Sprintf("; nothing was removed: the export is served again, in mode %s, its dirty data kept in the cache (run detach again once the backing device answers; tiercache set %s cache_mode=... resumes caching)", v.Mode(), name)
 		s.log.Error("detach failed; export served again", "export", name, "mode", v.Mode().String(), "err", err)
 		if aerr := s.cfg.NBD.AddExport(e.Export); aerr != nil {
 			s.log.Error("re-adding export", "export", name, "err", aerr)
