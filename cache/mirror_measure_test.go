@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"flag"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -11,20 +12,30 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/device/model"
+)
+
+var (
+	flagMirrorModel = flag.String("mirrormodel", "", "TestMeasureMirrorCost: put each member on its own device model (ssd or nvme, over memory) instead of an O_DIRECT file")
+	flagMirrorScale = flag.Float64("mirrorscale", 1, "TestMeasureMirrorCost: the models' TimeScale (wall time per model time; 4 runs them 4x slower)")
+	flagMirrorB     = flag.Int64("mirrorbslots", 0, "TestMeasureMirrorCost: B's bucket slots (0: a quarter of A's buckets)")
 )
 
 // TestMeasureMirrorCost measures what a mirror costs the write path
 // (docs/BENCHMARKS.md, "Engine measurements"): 4 KiB random writes in
 // writeback mode at queue depth 8 for 2 s (IOPS), then 300 writes each
 // followed by a FLUSH at queue depth 1 (FLUSH latency), on a set whose
-// cache is one file and on the same set mirrored on a second file (B a
-// quarter of A's size), both O_DIRECT files in TIERCACHE_MEASURE_DIR (or
-// the test's temporary directory). The two configurations alternate, five
+// cache is one device and on the same set mirrored on a second one (B a
+// quarter of A's size unless -mirrorbslots). The devices are O_DIRECT
+// files in TIERCACHE_MEASURE_DIR (or the test's temporary directory), or
+// with -mirrormodel two devices of the same model (device/model), each
+// its own drive: on a machine with one disk that is the only way to give
+// each member its own queue. The two configurations alternate, five
 // rounds each; it prints every round and the medians. The backing device
 // is memory (writeback in the background costs the same in both). Figures
 // only; run with
 //
-//	go test ./cache -run TestMeasureMirrorCost -measure -v
+//	go test ./cache -run TestMeasureMirrorCost -measure -v [-mirrormodel ssd -mirrorbslots 192]
 func TestMeasureMirrorCost(t *testing.T) {
 	if !*flagMeasure {
 		t.Skip("use -measure")
@@ -39,7 +50,17 @@ func TestMeasureMirrorCost(t *testing.T) {
 		qd     = 8
 		span   = 2 * time.Second
 	)
-	open := func(name string, size int64) *device.File {
+	var closeAfter []device.Device
+	open := func(name string, size int64) device.Device {
+		if *flagMirrorModel != "" {
+			d, err := model.Wrap(*flagMirrorModel, device.NewMem(size), model.Params{TimeScale: *flagMirrorScale})
+			if err != nil {
+				t.Fatal(err)
+			}
+			// Closed (and its memory dropped) at the end of the round.
+			closeAfter = append(closeAfter, d)
+			return d
+		}
 		p := filepath.Join(dir, name)
 		os.Remove(p)
 		f, err := os.Create(p)
@@ -77,7 +98,11 @@ func TestMeasureMirrorCost(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				b = open("b.img", sb.BucketsOff+nb/4*(1<<20+blockSize))
+				slots := int64(nb / 4)
+				if *flagMirrorB > 0 {
+					slots = *flagMirrorB
+				}
+				b = open("b.img", sb.BucketsOff+slots*(1<<20+blockSize))
 				opts.Mirror = b
 			}
 			if _, err := Format(a, specs, opts); err != nil {
@@ -133,6 +158,10 @@ func TestMeasureMirrorCost(t *testing.T) {
 			if err := s.Close(); err != nil {
 				t.Fatal(err)
 			}
+			for _, d := range closeAfter {
+				d.Close()
+			}
+			closeAfter = nil
 		}
 	}
 	med := func(rs []result, f func(result) float64) float64 {
