@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/faultdev"
 )
@@ -563,5 +564,73 @@ func TestWritethroughRacingFailoverCountsLost(t *testing.T) {
 	}
 	if err := v.Flush(); !errors.Is(err, ErrLostWrites) {
 		t.Fatalf("flush after the lost write: %v, want ErrLostWrites", err)
+	}
+}
+
+// TestNoWritebackAfterFailover: once the set has failed over, writeback
+// must not write a version whose insert record never became durable. The
+// cache device's sync failed, so a reopen of the repaired device brings
+// back the older clean version; written back, the newer data would sit on
+// the backing device under that clean entry, and reads would return the
+// older data (found by make stress, TestErrorPoints/gc seed 27: "a stale
+// clean entry survived recovery", an eviction writing back after the
+// failover its own commit caused).
+func TestNoWritebackAfterFailover(t *testing.T) {
+	var failSyncs atomic.Bool
+	s, cacheMem, specs := newFaultSet(t, func(op faultdev.Op) faultdev.Fault {
+		if failSyncs.Load() && op.Kind == faultdev.Sync {
+			return faultdev.Error(nil)
+		}
+		return faultdev.Fault{}
+	})
+	v := s.vols[0]
+	setWritebackOrder(t, v, "lba")
+	const lba = 5
+	data := func(wid uint64) []byte {
+		p := make([]byte, blockSize)
+		stamp(p, wid, 0, lba*blockSize)
+		return p
+	}
+	// w1: cached, flushed and written back: a clean entry.
+	if err := v.WriteAt(data(1), lba*blockSize, false); err != nil {
+		t.Fatal(err)
+	}
+	if err := v.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := v.wb.Sweep(writeback.FullBatch); err != nil {
+		t.Fatal(err)
+	}
+	if v.hasDirty() {
+		t.Fatal("w1 still dirty after a sweep")
+	}
+	// w2: dirty, its record not durable when the cache device stops
+	// syncing; the flush fails the set over.
+	if err := v.WriteAt(data(2), lba*blockSize, false); err != nil {
+		t.Fatal(err)
+	}
+	failSyncs.Store(true)
+	if err := v.Flush(); err == nil || !s.isFailed() {
+		t.Fatalf("flush with a failing cache sync: %v, failed over %v; want an error and a failover", err, s.isFailed())
+	}
+	if _, err := v.wb.Evict([]uint64{lba}); !errors.Is(err, ErrCacheFailed) {
+		t.Errorf("writeback after the failover: %v, want ErrCacheFailed", err)
+	}
+	got := make([]byte, blockSize)
+	if _, err := specs[0].Dev.ReadAt(got, lba*blockSize); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got, data(1)) {
+		t.Fatalf("backing device after writeback past the failover holds %s; want w1 (w2's record was never durable)", describeSectors(got))
+	}
+	s.crashStop()
+	failSyncs.Store(false)
+	s2, err := Open(cacheMem, specs, OpenOptions{testing: testingKnobs{noBackground: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s2.crashStop()
+	if err := checkCleanCoherent(s2); err != nil {
+		t.Fatal(err)
 	}
 }

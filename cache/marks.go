@@ -243,6 +243,12 @@ func (s *Set) commitBeforeWriteback(target uint64) error {
 	if s.durable.Load() >= target {
 		return nil
 	}
+	if err := s.err(); err != nil {
+		// Failed over: records not durable by now never will be, and a
+		// version written back without its insert record would lie under
+		// the older clean version recovery brings back.
+		return err
+	}
 	err := s.commit(target)
 	if err != nil && !s.isFailed() {
 		// Another volume's backing device that cannot sync must not stop
