@@ -385,19 +385,19 @@ func (w *instrumented) ReadAt(p []byte, off int64) error {
 // StartReadAt passes a read on to the wrapped backend's StartReadAt, if it
 // has one (else it starts nothing): such a read is a cache hit
 // (cache.Volume starts only those), timed until its completion.
-func (w *instrumented) StartReadAt(p []byte, off int64, done func(error)) bool {
+func (w *instrumented) StartReadAt(p []byte, off int64, done func(error, func(func()))) bool {
 	if w.async == nil {
 		return false
 	}
 	t := time.Now()
-	return w.async.StartReadAt(p, off, func(err error) {
+	return w.async.StartReadAt(p, off, func(err error, later func(func())) {
 		d := time.Since(t)
 		err = w.observeDur(opRead, d, err)
 		if err == nil && w.tiers != nil {
 			w.tier[1].Observe(d.Seconds()) // tier[] is backing, cache
 			w.tierLat[1].observe(d)
 		}
-		done(err)
+		done(err, later)
 	})
 }
 

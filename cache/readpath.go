@@ -398,8 +398,11 @@ const maxAsyncHit = 128 << 10
 // but the blocks' recency, when the read is not such a hit, is not
 // block-aligned, is longer than maxAsyncHit, or the cache device cannot
 // start reads asynchronously: the caller then uses ReadAt. The volume
-// stays entered (a detach waits) until done returns.
-func (v *Volume) StartReadAt(p []byte, off int64, done func(error)) bool {
+// stays entered (a detach waits) until done returns. done's later is
+// device.AsyncReader's: what done gives it runs after the other
+// completions of the device's batch (a completion finished off the
+// device's goroutine is a batch of one).
+func (v *Volume) StartReadAt(p []byte, off int64, done func(err error, later func(func()))) bool {
 	s := v.s
 	ar, ok := s.dev.(device.AsyncReader)
 	if !ok || len(p) == 0 || len(p) > maxAsyncHit || off%blockSize != 0 || len(p)%blockSize != 0 || s.isFailed() {
@@ -439,13 +442,13 @@ func (v *Volume) StartReadAt(p []byte, off int64, done func(error)) bool {
 	v.touch()
 	v.seqRead(off, int64(len(p))) // the stream detector sees every read
 	coff := s.cacheOff(hits[0].Block())
-	finish := func(_ int, err error) { v.finishHit(p, lba, hits, err, done) }
+	finish := func(_ int, err error, later func(func())) { v.finishHit(p, lba, hits, err, later, done) }
 	if !ar.StartReadAt(p, coff, finish) {
 		// The device has no room for it now: read on a goroutine of its
 		// own rather than unwind (the pins and counters are taken).
 		go func() {
 			_, err := s.dev.ReadAt(p, coff)
-			finish(0, err)
+			device.WithLater(func(later func(func())) { finish(0, err, later) })
 		}()
 	}
 	return true
@@ -455,7 +458,7 @@ func (v *Volume) StartReadAt(p []byte, off int64, done func(error)) bool {
 // with readErr: it verifies and releases here when the read succeeded,
 // every checksum matches and s.mu is free, else it finishes on a new
 // goroutine (see above).
-func (v *Volume) finishHit(p []byte, lba uint64, hits []index.Ent, readErr error, done func(error)) {
+func (v *Volume) finishHit(p []byte, lba uint64, hits []index.Ent, readErr error, later func(func()), done func(error, func(func()))) {
 	s := v.s
 	ok := readErr == nil
 	for i := 0; ok && i < len(hits); i++ {
@@ -472,13 +475,13 @@ func (v *Volume) finishHit(p []byte, lba uint64, hits []index.Ent, readErr error
 	s.mu.Unlock()
 	v.countHit(len(hits))
 	v.exit()
-	done(nil)
+	done(nil, later)
 }
 
 // finishHitSlow is finishHit's path for what may block; it ends the read
 // as readBlocksHit does: after a device error (readErr) it reads around
 // the cache, then verifies and repairs every block read from the cache.
-func (v *Volume) finishHitSlow(p []byte, lba uint64, hits []index.Ent, readErr error, done func(error)) {
+func (v *Volume) finishHitSlow(p []byte, lba uint64, hits []index.Ent, readErr error, done func(error, func(func()))) {
 	s := v.s
 	fromBacking, err := v.runRead(p, hits, readErr)
 	var drop []index.Ent
@@ -492,7 +495,7 @@ func (v *Volume) finishHitSlow(p []byte, lba uint64, hits []index.Ent, readErr e
 		v.countHit(len(hits))
 	}
 	v.exit()
-	done(err)
+	device.WithLater(func(later func(func())) { done(err, later) })
 }
 
 // countHit counts a client read of n blocks served wholly by the cache.

@@ -26,7 +26,7 @@ type asyncMem struct {
 	failSync bool
 }
 
-func (d *asyncMem) StartReadAt(p []byte, off int64, done func(int, error)) bool {
+func (d *asyncMem) StartReadAt(p []byte, off int64, done func(int, error, func(func()))) bool {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.refuse {
@@ -36,11 +36,13 @@ func (d *asyncMem) StartReadAt(p []byte, off int64, done func(int, error)) bool 
 	fail := d.fail != nil && d.fail(off)
 	run := func() {
 		if fail {
-			done(0, &device.IOError{Op: "read", Path: "asyncmem", Off: off, Len: int64(len(p)), Err: syscall.EIO})
+			device.WithLater(func(later func(func())) {
+				done(0, &device.IOError{Op: "read", Path: "asyncmem", Off: off, Len: int64(len(p)), Err: syscall.EIO}, later)
+			})
 			return
 		}
 		n, err := d.Mem.ReadAt(p, off)
-		done(n, err)
+		device.WithLater(func(later func(func())) { done(n, err, later) })
 	}
 	if d.hold {
 		d.held = append(d.held, run)
@@ -109,7 +111,7 @@ func newAsyncSet(t *testing.T, nblk int64) (*Set, *Volume, *asyncMem, []byte) {
 // startRead is StartReadAt waiting for done; started false: not started.
 func startRead(v *Volume, p []byte, off int64) (started bool, err error) {
 	res := make(chan error, 1)
-	if !v.StartReadAt(p, off, func(err error) { res <- err }) {
+	if !v.StartReadAt(p, off, func(err error, later func(func())) { later(func() { res <- err }) }) {
 		return false, nil
 	}
 	return true, <-res
@@ -230,7 +232,7 @@ func TestStartReadAtContended(t *testing.T) {
 	cache.mu.Unlock()
 	p := make([]byte, blockSize)
 	res := make(chan error, 1)
-	if !v.StartReadAt(p, 10*blockSize, func(err error) { res <- err }) {
+	if !v.StartReadAt(p, 10*blockSize, func(err error, _ func(func())) { res <- err }) {
 		t.Fatal("not started")
 	}
 	cache.mu.Lock()

@@ -75,7 +75,9 @@ import (
 //     called once, on the reaper (or, refused, on the submitter) without
 //     a.mu held, after its buffer is unpinned and its slot is free; the
 //     function must not block (File.StartReadAt hands the synchronous
-//     finish of a short or refused read to a new goroutine).
+//     finish of a short or refused read to a new goroutine). What the
+//     functions of one reaper pass leave to later runs after the last of
+//     them (AsyncReader's batch).
 
 // aioDepth bounds the requests of one File queued or in the kernel.
 const aioDepth = 256
@@ -143,7 +145,7 @@ type aioReq struct {
 	done chan struct{} // receives the completion (capacity 1); unused by async requests
 	// async, if set, is called with the result instead of a send on done
 	// (aio.start): on the reaper, after the slot is free again.
-	async func(res int64)
+	async func(res int64, later func(func()))
 	// vcb is the vectored write submitted for this request and its
 	// merged followers (invariant 7); merged is empty unless it heads a
 	// run. Both belong to the submitter until the run's completion,
@@ -312,7 +314,7 @@ func (a *aio) do(cmd uint16, fd int, p []byte, off int64) (int, error) {
 // aioFallback) as invariant 6 says. It returns false, having done
 // nothing, when every slot is taken: the caller then uses do, which
 // waits for one.
-func (a *aio) start(cmd uint16, fd int, p []byte, off int64, done func(res int64)) bool {
+func (a *aio) start(cmd uint16, fd int, p []byte, off int64, done func(res int64, later func(func()))) bool {
 	var slot int
 	select {
 	case slot = <-a.slots:
@@ -351,10 +353,10 @@ func (a *aio) queue(r *aioReq, cmd uint16, fd int, p []byte, off int64) {
 
 // complete delivers the async request r's result (invariant 6).
 // REQUIRES: not a.mu; r.async set and read by the caller into cb.
-func (a *aio) complete(r *aioReq, res int64, cb func(int64)) {
+func (a *aio) complete(r *aioReq, res int64, cb func(int64, func(func())), later func(func())) {
 	r.pin.Unpin()
 	a.slots <- r.slot
-	cb(res)
+	cb(res, later)
 }
 
 // submitLocked submits everything pending until nothing is. It drops a.mu
@@ -386,7 +388,8 @@ func (a *aio) submitLocked() {
 				// rest are retried.
 				if cb := heads[i].async; cb != nil {
 					heads[i].async = nil
-					a.complete(heads[i], aioFallback, cb)
+					r := heads[i]
+					WithLater(func(later func(func())) { a.complete(r, aioFallback, cb, later) })
 					refused++
 				} else {
 					refused += a.deliver(heads[i], aioFallback)
@@ -520,9 +523,12 @@ func (a *aio) reaper() {
 	type asyncDone struct {
 		r   *aioReq
 		res int64
-		cb  func(int64)
+		cb  func(int64, func(func()))
 	}
 	var async []asyncDone
+	// What the completions of a pass leave for after the last of them.
+	var pass []func()
+	later := func(f func()) { pass = append(pass, f) }
 	var cnt [8]byte
 	for {
 		// Wait in the netpoller for the eventfd; reading it resets the
@@ -556,10 +562,15 @@ func (a *aio) reaper() {
 			}
 			a.mu.Unlock()
 			for i, d := range async {
-				a.complete(d.r, d.res, d.cb)
+				a.complete(d.r, d.res, d.cb, later)
 				async[i] = asyncDone{}
 			}
 			async = async[:0]
+			for i, f := range pass {
+				f()
+				pass[i] = nil
+			}
+			pass = pass[:0]
 			if last {
 				return
 			}

@@ -52,26 +52,40 @@ func checkStamp(p []byte, off int64) bool {
 // TestStartReadAt starts more reads than the File has AIO slots, from one
 // goroutine without waiting: those StartReadAt refuses (every slot taken)
 // report false and are done with ReadAt, the others complete through done
-// exactly once with the right bytes. Requests the direct path does not take
-// (unaligned, empty, out of range) are refused without calling done.
+// exactly once with the right bytes. What each done leaves to later runs
+// once, after it, and after the other completions of its batch: some run
+// after two or more dones in a row (hundreds of reads complete in passes
+// of up to 64). Requests the direct path does not take (unaligned, empty,
+// out of range) are refused without calling done.
 func TestStartReadAt(t *testing.T) {
 	const bs, n = 4096, 2 * aioDepth
 	f, _ := openDirectAIO(t, n*bs)
 	defer f.Close()
 	var wg sync.WaitGroup
-	var calls [n]atomic.Int32
+	var calls, laters [n]atomic.Int32
 	var bad atomic.Int32
+	// On the reaper only: dones since the last later function ran, and
+	// the most a later function saw.
+	var run, maxRun int
 	started := 0
 	for i := range n {
 		p := alignedBuf(bs)
 		off := int64((i * 37 % n) * bs)
 		wg.Add(1)
-		ok := f.StartReadAt(p, off, func(got int, err error) {
-			defer wg.Done()
+		ok := f.StartReadAt(p, off, func(got int, err error, later func(func())) {
 			calls[i].Add(1)
+			run++
 			if got != bs || err != nil || !checkStamp(p, off) {
 				bad.Add(1)
 			}
+			later(func() {
+				defer wg.Done()
+				if laters[i].Add(1) != 1 || calls[i].Load() != 1 {
+					bad.Add(1)
+				}
+				maxRun = max(maxRun, run)
+				run = 0
+			})
 		})
 		if ok {
 			started++
@@ -92,9 +106,12 @@ func TestStartReadAt(t *testing.T) {
 		}
 	}
 	if bad.Load() != 0 {
-		t.Fatalf("%d reads completed with wrong data or an error", bad.Load())
+		t.Fatalf("%d reads completed with wrong data or an error, or their later function ran twice or before done", bad.Load())
 	}
-	never := func(int, error) { t.Error("done called for a refused start") }
+	if maxRun < 2 {
+		t.Errorf("every later function ran right after one done: no batch of completions shared one")
+	}
+	never := func(int, error, func(func())) { t.Error("done called for a refused start") }
 	for _, c := range []struct {
 		name string
 		p    []byte
@@ -126,7 +143,7 @@ func TestStartReadAtShort(t *testing.T) {
 		p := alignedBuf(bs)
 		res := make(chan error, 1)
 		var got int
-		if !f.StartReadAt(p, off, func(n int, err error) { got = n; res <- err }) {
+		if !f.StartReadAt(p, off, func(n int, err error, _ func(func())) { got = n; res <- err }) {
 			t.Fatal("not started")
 		}
 		err := <-res
@@ -151,14 +168,16 @@ func TestStartReadAtErrors(t *testing.T) {
 	p := alignedBuf(bs)
 	f.mu.RLock() // what StartReadAt holds for finishRead to release
 	var err error
-	f.finishRead(f.fd, p, 0, -int64(syscall.EIO), func(_ int, e error) { err = e })
+	f.finishRead(f.fd, p, 0, -int64(syscall.EIO), func(func()) {}, func(_ int, e error, _ func(func())) { err = e })
 	var ioe *IOError
 	if !errors.As(err, &ioe) || !errors.Is(err, syscall.EIO) {
 		t.Fatalf("kernel error: %v", err)
 	}
 	res := make(chan error, 1)
 	f.mu.RLock()
-	if !f.aio.start(iocbCmdPread, -1, p, 0, func(r int64) { f.finishRead(-1, p, 0, r, func(_ int, e error) { res <- e }) }) {
+	if !f.aio.start(iocbCmdPread, -1, p, 0, func(r int64, later func(func())) {
+		f.finishRead(-1, p, 0, r, later, func(_ int, e error, later func(func())) { later(func() { res <- e }) })
+	}) {
 		t.Fatal("not started")
 	}
 	if err := <-res; !errors.Is(err, syscall.EBADF) {
@@ -179,7 +198,7 @@ func TestStartReadAtClose(t *testing.T) {
 	started := int32(0)
 	for i := range n {
 		p := alignedBuf(bs)
-		if f.StartReadAt(p, int64(i*bs), func(got int, err error) {
+		if f.StartReadAt(p, int64(i*bs), func(got int, err error, _ func(func())) {
 			if got != bs || err != nil {
 				t.Errorf("read %d: %d, %v", i, got, err)
 			}
@@ -194,7 +213,7 @@ func TestStartReadAtClose(t *testing.T) {
 	if c := completed.Load(); c != started {
 		t.Fatalf("Close returned with %d of %d started reads done", c, started)
 	}
-	if f.StartReadAt(alignedBuf(bs), 0, func(int, error) { t.Error("done after Close") }) {
+	if f.StartReadAt(alignedBuf(bs), 0, func(int, error, func(func())) { t.Error("done after Close") }) {
 		t.Fatal("started on a closed File")
 	}
 }

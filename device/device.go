@@ -75,8 +75,26 @@ type Zeroer interface {
 // caller then uses ReadAt); else it calls done exactly once with what
 // ReadAt would have returned, on a goroutine the device owns: done must
 // not block. p belongs to the read until done is called.
+//
+// Completions are delivered in batches (File: those one pass of the
+// reaper takes from the kernel). done may call later(f), any number of
+// times, to have f run once done and every other completion of its batch
+// have returned, on the same goroutine: work that costs the same for one
+// completion as for many (writing their replies in one syscall) is then
+// done once per batch. f must not block either, and must not call later.
 type AsyncReader interface {
-	StartReadAt(p []byte, off int64, done func(n int, err error)) bool
+	StartReadAt(p []byte, off int64, done func(n int, err error, later func(f func()))) bool
+}
+
+// WithLater calls call with a later (as AsyncReader's done gets) that
+// runs what it is given after call returns: for a completion delivered
+// alone, off the device's batch.
+func WithLater(call func(later func(f func()))) {
+	var fs []func()
+	call(func(f func()) { fs = append(fs, f) })
+	for _, f := range fs {
+		f()
+	}
 }
 
 // SyncKeeper is implemented by devices whose failed Sync loses nothing:

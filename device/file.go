@@ -416,7 +416,7 @@ func (f *File) preadDirect(p []byte, off int64) (int, error) {
 // request of the File: it must not block, nor call the File's methods
 // itself (it holds the File's read lock). p belongs to the read until done
 // is called. Close waits for every started read's done to return.
-func (f *File) StartReadAt(p []byte, off int64, done func(n int, err error)) bool {
+func (f *File) StartReadAt(p []byte, off int64, done func(n int, err error, later func(func()))) bool {
 	if len(p) == 0 || !f.isAligned(off, len(p)) || !f.bufAligned(p) {
 		return false
 	}
@@ -428,7 +428,7 @@ func (f *File) StartReadAt(p []byte, off int64, done func(n int, err error)) boo
 		return false
 	}
 	fd := f.fd
-	ok := f.aio.start(iocbCmdPread, fd, p, off, func(res int64) { f.finishRead(fd, p, off, res, done) })
+	ok := f.aio.start(iocbCmdPread, fd, p, off, func(res int64, later func(func())) { f.finishRead(fd, p, off, res, later, done) })
 	if !ok {
 		f.mu.RUnlock()
 	}
@@ -437,12 +437,13 @@ func (f *File) StartReadAt(p []byte, off int64, done func(n int, err error)) boo
 
 // finishRead completes a read StartReadAt started, whose AIO result is res
 // (bytes, -errno or aioFallback): it calls done, then releases the read
-// lock the read held (so Close returns after every done), at once if the read is complete or failed, else (refused,
-// or short) from a new goroutine that reads the rest with pread, which
-// blocks, so not on the reaper.
-func (f *File) finishRead(fd int, p []byte, off int64, res int64, done func(int, error)) {
+// lock the read held (so Close returns after every done), at once if the
+// read is complete or failed (passing later on), else (refused, or short)
+// from a new goroutine that reads the rest with pread, which blocks, so
+// not on the reaper.
+func (f *File) finishRead(fd int, p []byte, off int64, res int64, later func(func()), done func(int, error, func(func()))) {
 	if res == int64(len(p)) {
-		done(len(p), nil)
+		done(len(p), nil, later)
 		f.mu.RUnlock()
 		return
 	}
@@ -451,7 +452,7 @@ func (f *File) finishRead(fd int, p []byte, off int64, res int64, done func(int,
 		if res < 0 {
 			err = unix.Errno(-res)
 		}
-		done(0, f.ioErr("read", off, int64(len(p)), err))
+		done(0, f.ioErr("read", off, int64(len(p)), err), later)
 		f.mu.RUnlock()
 		return
 	}
@@ -460,10 +461,9 @@ func (f *File) finishRead(fd int, p []byte, off int64, res int64, done func(int,
 		defer f.mu.RUnlock()
 		n, err := preadFull(fd, p[got:], off+got)
 		if err != nil {
-			done(int(got)+n, f.ioErr("read", off, int64(len(p)), err))
-			return
+			err = f.ioErr("read", off, int64(len(p)), err)
 		}
-		done(int(got)+n, nil)
+		WithLater(func(later func(func())) { done(int(got)+n, err, later) })
 	}()
 }
 

@@ -21,20 +21,20 @@ type asyncBackend struct {
 
 	mu      sync.Mutex
 	holding bool
-	held    []func()
-	onHold  chan struct{} // if set, receives a token per read held
+	held    []func(later func(func())) // done with the read's result
+	onHold  chan struct{}              // if set, receives a token per read held
 }
 
-func (a *asyncBackend) StartReadAt(p []byte, off int64, done func(error)) bool {
+func (a *asyncBackend) StartReadAt(p []byte, off int64, done func(error, func(func()))) bool {
 	if a.refuse != nil && a.refuse(off) {
 		return false
 	}
 	a.started.Add(1)
-	run := func() { done(a.memBackend.ReadAt(p, off)) }
+	run := func() { runBatch(func(later func(func())) { done(a.memBackend.ReadAt(p, off), later) }) }
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	if a.holding {
-		a.held = append(a.held, run)
+		a.held = append(a.held, func(later func(func())) { done(a.memBackend.ReadAt(p, off), later) })
 		if a.onHold != nil {
 			a.onHold <- struct{}{}
 		}
@@ -42,6 +42,17 @@ func (a *asyncBackend) StartReadAt(p []byte, off int64, done func(error)) bool {
 	}
 	go run()
 	return true
+}
+
+// runBatch delivers completions as a device's batch: call calls their
+// dones, and what those leave to later runs after it returns.
+func runBatch(call func(later func(func()))) (laters int) {
+	var fs []func()
+	call(func(f func()) { fs = append(fs, f) })
+	for _, f := range fs {
+		f()
+	}
+	return len(fs)
 }
 
 // TestAsyncReads: READs the backend starts itself are answered with the
@@ -117,7 +128,8 @@ func TestAsyncReadErrors(t *testing.T) {
 
 // TestAsyncReadBeforeDisc: a client sends READs and DISC at once; the
 // server answers the READs and flushes only after they are complete (the
-// reader waits for started reads as for workers).
+// reader waits for started reads as for workers). The four completions,
+// delivered as one batch, leave one reply flush for after the batch.
 func TestAsyncReadBeforeDisc(t *testing.T) {
 	mem := newMem(1 << 20)
 	ab := &asyncBackend{memBackend: mem, holding: true, onHold: make(chan struct{}, 4)}
@@ -140,9 +152,15 @@ func TestAsyncReadBeforeDisc(t *testing.T) {
 	held := ab.held
 	ab.held = nil
 	ab.mu.Unlock()
-	for _, f := range held {
-		completed.Add(1) // before: the server may flush as soon as f returns
-		f()
+	// One batch: the four replies wait for one flush, after the last.
+	laters := runBatch(func(later func(func())) {
+		for _, f := range held {
+			completed.Add(1) // before: the server may flush as soon as its reply is written
+			f(later)
+		}
+	})
+	if laters != 1 {
+		t.Fatalf("a batch of 4 completions left %d flushes, want 1", laters)
 	}
 	for range 4 {
 		errno, _ := r.simpleReply()

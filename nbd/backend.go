@@ -26,9 +26,13 @@ type Backend interface {
 // returns true, done is called exactly once with what ReadAt would have
 // returned (the same contract: p is filled entirely, or an error), from
 // another goroutine, and must not block; when it returns false nothing
-// was done, and the READ goes to a worker's ReadAt.
+// was done, and the READ goes to a worker's ReadAt. done may call
+// later(f) to have f run on the same goroutine once the completions
+// delivered with this one (the backend's batch) have all returned; f must
+// not block either. The connection writes the replies of a batch then, in
+// one writev.
 type AsyncReader interface {
-	StartReadAt(p []byte, off int64, done func(err error)) bool
+	StartReadAt(p []byte, off int64, done func(err error, later func(func()))) bool
 }
 
 // Trimmer is implemented by backends that support NBD_CMD_TRIM. After a

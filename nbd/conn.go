@@ -5,14 +5,16 @@ package nbd
 //  1. Only the reader goroutine (serve/transmit) reads from c.br and sends
 //     on c.work; it alone closes c.work, after which it waits for workers
 //     (c.wg, which also counts READs started with the backend's
-//     StartReadAt until their reply is queued, and a writer goroutine
-//     writeRest started for them).
+//     StartReadAt until their reply is queued, a flushReplies due for
+//     them, and a writer goroutine writeRest started for them).
 //  2. Replies are queued on c.wq and written by one goroutine at a time
-//     (the worker or completion that found the writer idle), whole replies
-//     in one writev, so replies never interleave and a burst of replies
-//     costs one syscall. A completion of StartReadAt (on the backend's
-//     goroutine, which must not block) only tries a non-blocking writev;
-//     what the socket does not take goes to a new writer goroutine.
+//     (the worker, or the flushReplies, that found the writer idle), whole
+//     replies in one writev, so replies never interleave and a burst of
+//     replies costs one syscall. A completion of StartReadAt (on the
+//     backend's goroutine, which must not block) queues its reply; one
+//     flushReplies after the backend's batch of completions tries a
+//     non-blocking writev of them all, and what the socket does not take
+//     goes to a new writer goroutine.
 //  3. A success reply is written only after the backend call returned nil;
 //     a READ's data is complete before its header is sent.
 //  4. Every request dispatched to a worker, and every error reply sent by
@@ -80,13 +82,16 @@ type conn struct {
 	// requests would otherwise hold budget until all of them had run).
 	replyDead atomic.Bool
 
-	wmu     sync.Mutex  // guards the fields below
-	wq      []*request  // replies waiting for the writer
-	wspare  []*request  // the other queue buffer, swapped with wq
-	writing bool        // a goroutine is writing; it will drain wq
-	werr    error       // first write error; later replies are dropped
-	iov     [][]byte    // owned by the goroutine with writing set
-	wbufs   net.Buffers // likewise; a field so that WriteTo does not allocate
+	wmu     sync.Mutex // guards the fields below
+	wq      []*request // replies waiting for the writer
+	wspare  []*request // the other queue buffer, swapped with wq
+	writing bool       // a goroutine is writing; it will drain wq
+	// flushLater: a flushReplies is due after the backend's current batch
+	// of completions (queueReplyLater); it will drain wq.
+	flushLater bool
+	werr       error       // first write error; later replies are dropped
+	iov        [][]byte    // owned by the goroutine with writing set
+	wbufs      net.Buffers // likewise; a field so that WriteTo does not allocate
 	// rc is the raw socket for non-blocking writes (tryWrite); nil with
 	// TLS or a net.Conn without a descriptor. Set before transmission.
 	rc syscall.RawConn
@@ -292,7 +297,7 @@ func (c *conn) dispatch(h requestHeader) bool {
 		// A read the backend serves without a goroutine (a cache hit)
 		// costs no hand-off to a worker and back.
 		c.wg.Add(1)
-		if c.x.asyncReader.StartReadAt(*r.buf, int64(h.Offset), func(err error) { c.readDone(r, err) }) {
+		if c.x.asyncReader.StartReadAt(*r.buf, int64(h.Offset), func(err error, later func(func())) { c.readDone(r, err, later) }) {
 			return true
 		}
 		c.wg.Done()
@@ -403,7 +408,7 @@ func (c *conn) worker(r *request) {
 
 // readDone replies to a READ started with StartReadAt, on the goroutine
 // that completed it.
-func (c *conn) readDone(r *request, err error) {
+func (c *conn) readDone(r *request, err error, later func(func())) {
 	defer c.wg.Done()
 	if err != nil {
 		h := &r.h
@@ -413,7 +418,7 @@ func (c *conn) readDone(r *request, err error) {
 	} else {
 		c.prepRead(r)
 	}
-	c.queueReplyNoWait(r)
+	c.queueReplyLater(r, later)
 }
 
 // handle executes one request and replies.
@@ -666,17 +671,34 @@ func (c *conn) wroteLocked(batch []*request, err error) {
 	c.wspare = batch[:0]
 }
 
-// queueReplyNoWait is queueReply for a goroutine that must not block (a
-// StartReadAt completion): as the writer it writes only what the socket
-// takes at once (tryWrite), in batches of what is queued, and hands the
-// rest and the writer's role to a new goroutine (writeRest). Replies
-// completed together on that goroutine are mostly written together: each
-// finds the writer busy while the socket is full, or joins the next
-// batch.
-func (c *conn) queueReplyNoWait(r *request) {
+// queueReplyLater is queueReply for a StartReadAt completion, which runs
+// on the backend's goroutine and must not block: it queues r and, unless
+// a writer or an earlier completion's flush will take it, has later run
+// flushReplies once the backend's batch of completions is delivered, so
+// that the replies of one batch leave in one writev.
+func (c *conn) queueReplyLater(r *request, later func(func())) {
 	c.running.Add(-1)
 	c.wmu.Lock()
 	c.wq = append(c.wq, r)
+	flush := !c.writing && !c.flushLater
+	if flush {
+		c.flushLater = true
+		c.wg.Add(1)
+	}
+	c.wmu.Unlock()
+	if flush {
+		later(c.flushReplies)
+	}
+}
+
+// flushReplies writes what is queued, as the writer, if no goroutine is
+// writing (queueReplyLater): it writes only what the socket takes at
+// once (tryWrite), and hands the rest and the writer's role to a new
+// goroutine (writeRest).
+func (c *conn) flushReplies() {
+	defer c.wg.Done()
+	c.wmu.Lock()
+	c.flushLater = false
 	if c.writing {
 		c.wmu.Unlock()
 		return
