@@ -34,6 +34,10 @@ type routeIn struct {
 	// small: at most epochZeroInCache bytes (zeroes and trims written
 	// into the cache as zero blocks instead).
 	small bool
+	// keeps: the backing device keeps unsynced writes (device.SyncKeeper,
+	// an object-store image): whatever goes to it is durable only once a
+	// sync stores it, and that sync needs the store.
+	keeps bool
 }
 
 // dest is where a request goes.
@@ -69,7 +73,16 @@ type routeOut struct {
 // around. Routing skips the index walk (and the set lock) olderDirty costs
 // where it cannot change the answer, which is every hot-path write.
 func (in routeIn) olderDirtyMatters() bool {
-	return !in.failed && !(in.op == opWrite && in.mode == Writeback && !in.seq)
+	return !in.failed && !(in.op == opWrite && in.mode == Writeback && !in.seq) && !in.keepsInCache()
+}
+
+// keepsInCache: a write-zeroes or trim in writeback mode over a backing
+// that keeps unsynced writes. Nothing of it goes to the backing device:
+// there it would wait in memory for a sync, and every later FLUSH or FUA
+// would then need the store (a stream of writes is absorbed for the same
+// reason, seqWrite).
+func (in routeIn) keepsInCache() bool {
+	return in.keeps && in.mode == Writeback && in.op != opWrite
 }
 
 // route decides where a request goes. After failover everything goes
@@ -79,13 +92,22 @@ func (in routeIn) olderDirtyMatters() bool {
 // the current epoch; a sequential stream or a large write-zeroes degrades
 // the volume to lba order instead of waiting; a large trim does nothing.
 // Otherwise the mode decides, and a sequential stream bypasses writeback
-// and writethrough.
+// and writethrough. In writeback mode over a backing that keeps unsynced
+// writes, write-zeroes of any size and small trims go into the cache as
+// dirty zero blocks and a large trim does nothing, whatever older epochs
+// hold: a FLUSH or FUA then needs only the cache device.
 func route(in routeIn) routeOut {
 	if in.failed {
 		if in.op == opWrite {
 			return routeOut{dest: toAround, why: bypassFailed}
 		}
 		return routeOut{dest: toAround, why: bypassMode}
+	}
+	if in.keepsInCache() {
+		if in.op == opZeroes || in.small {
+			return routeOut{dest: toCacheDirty}
+		}
+		return routeOut{dest: toNothing}
 	}
 	if in.olderDirty {
 		switch {

@@ -22,43 +22,51 @@ func TestRoute(t *testing.T) {
 				for _, failed := range []bool{false, true} {
 					for _, older := range []bool{false, true} {
 						for _, small := range []bool{false, true} {
-							in := routeIn{mode: m, op: op, seq: seq, failed: failed, olderDirty: older, small: small}
-							var want routeOut
-							switch {
-							case failed && op == opWrite:
-								want = around(bypassFailed)
-							case failed:
-								want = around(bypassMode)
-							case older && op == opWrite && seq:
-								// Degrade, then as in lba order.
-								switch m {
-								case Writeback, Writethrough:
+							for _, keeps := range []bool{false, true} {
+								in := routeIn{mode: m, op: op, seq: seq, failed: failed, olderDirty: older, small: small, keeps: keeps}
+								var want routeOut
+								switch {
+								case failed && op == opWrite:
+									want = around(bypassFailed)
+								case failed:
+									want = around(bypassMode)
+								case keeps && m == Writeback && (op == opZeroes || op == opTrim && small):
+									// Over an object-store image: nothing
+									// the next flush would need the store for.
+									want = dirty
+								case keeps && m == Writeback && op == opTrim:
+									want = routeOut{dest: toNothing}
+								case older && op == opWrite && seq:
+									// Degrade, then as in lba order.
+									switch m {
+									case Writeback, Writethrough:
+										want = around(bypassSequential)
+									default:
+										want = around(bypassMode)
+									}
+									want.degrade = degradeSequential
+								case older && op == opWrite && m == Writeback:
+									want = dirty
+								case older && (op == opWrite || small):
+									want = deferred
+								case older && op == opZeroes:
+									want = around(bypassMode)
+									want.degrade = degradeLargeZeroes
+								case older:
+									want = routeOut{dest: toNothing}
+								case op != opWrite:
+									want = around(bypassMode)
+								case seq && (m == Writeback || m == Writethrough):
 									want = around(bypassSequential)
+								case m == Writeback:
+									want = dirty
+								case m == Writethrough:
+									want = routeOut{dest: toCacheClean}
 								default:
 									want = around(bypassMode)
 								}
-								want.degrade = degradeSequential
-							case older && op == opWrite && m == Writeback:
-								want = dirty
-							case older && (op == opWrite || small):
-								want = deferred
-							case older && op == opZeroes:
-								want = around(bypassMode)
-								want.degrade = degradeLargeZeroes
-							case older:
-								want = routeOut{dest: toNothing}
-							case op != opWrite:
-								want = around(bypassMode)
-							case seq && (m == Writeback || m == Writethrough):
-								want = around(bypassSequential)
-							case m == Writeback:
-								want = dirty
-							case m == Writethrough:
-								want = routeOut{dest: toCacheClean}
-							default:
-								want = around(bypassMode)
+								rows = append(rows, row{in, want})
 							}
-							rows = append(rows, row{in, want})
 						}
 					}
 				}
@@ -97,6 +105,12 @@ func TestRoute(t *testing.T) {
 		{routeIn{mode: None, op: opZeroes, olderDirty: true, small: true}, deferred},
 		{routeIn{mode: Writeback, op: opTrim, olderDirty: true}, routeOut{dest: toNothing}},
 		{routeIn{mode: Writeback, op: opWrite, failed: true, olderDirty: true}, around(bypassFailed)},
+		{routeIn{mode: Writeback, op: opZeroes, keeps: true}, dirty},
+		{routeIn{mode: Writeback, op: opZeroes, keeps: true, olderDirty: true}, dirty},
+		{routeIn{mode: Writeback, op: opTrim, keeps: true, small: true}, dirty},
+		{routeIn{mode: Writeback, op: opTrim, keeps: true}, routeOut{dest: toNothing}},
+		{routeIn{mode: Writethrough, op: opZeroes, keeps: true}, around(bypassMode)},
+		{routeIn{mode: Writeback, op: opWrite, keeps: true, seq: true}, around(bypassSequential)},
 	} {
 		if got := route(r.in); got != r.want {
 			t.Errorf("route(%s): %s, want %s", fmtRouteIn(r.in), fmtRouteOut(got), fmtRouteOut(r.want))
@@ -105,7 +119,7 @@ func TestRoute(t *testing.T) {
 }
 
 func fmtRouteIn(in routeIn) string {
-	return fmt.Sprintf("%v %v seq=%v failed=%v older=%v small=%v", in.mode, in.op, in.seq, in.failed, in.olderDirty, in.small)
+	return fmt.Sprintf("%v %v seq=%v failed=%v older=%v small=%v keeps=%v", in.mode, in.op, in.seq, in.failed, in.olderDirty, in.small, in.keeps)
 }
 
 func fmtRouteOut(o routeOut) string {

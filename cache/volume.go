@@ -322,8 +322,13 @@ func (v *Volume) olderEpochsDirty() bool {
 }
 
 // epochZeroInCache is the largest write-zeroes or trim written into the
-// cache as zero blocks while older epochs are dirty (route).
+// cache as zero blocks while older epochs are dirty (route), and the
+// largest trim written so over a backing that keeps unsynced writes.
 const epochZeroInCache = 1 << 20
+
+// zeroPieceBlocks is the most zero blocks routeBlocks writes into the
+// cache at once.
+const zeroPieceBlocks = epochZeroInCache / blockSize
 
 // orderBeforeBacking is called before a write to the backing device that
 // route allowed: if a flush made older epochs of what was current since
@@ -674,7 +679,8 @@ func (v *Volume) write(p []byte, off int64, seq bool) (Tier, error) {
 // It returns the tier the blocks went to (TierBacking when any did).
 // REQUIRES: v.rmw (shared or exclusive)
 func (v *Volume) routeBlocks(op routeOp, buf []byte, lba, n uint64, seq bool) (Tier, error) {
-	in := routeIn{mode: v.Mode(), op: op, seq: seq, failed: v.s.isFailed(), small: n*blockSize <= epochZeroInCache}
+	in := routeIn{mode: v.Mode(), op: op, seq: seq, failed: v.s.isFailed(), small: n*blockSize <= epochZeroInCache,
+		keeps: op != opWrite && v.backingKeepsUnsynced()}
 	if in.olderDirtyMatters() {
 		in.olderDirty = v.olderEpochsDirty()
 	}
@@ -684,13 +690,30 @@ func (v *Volume) routeBlocks(op routeOp, buf []byte, lba, n uint64, seq bool) (T
 	}
 	switch out.dest {
 	case toCacheDirty, toCacheClean:
-		if buf == nil {
-			buf = make([]byte, n*blockSize)
+		if buf != nil {
+			if out.deferred {
+				v.st.epochDeferBytes.Add(uint64(len(buf)))
+			}
+			return v.writeCache(buf, lba, out.dest == toCacheDirty)
 		}
-		if out.deferred {
-			v.st.epochDeferBytes.Add(uint64(len(buf)))
+		// Zero blocks, a piece at a time: a write-zeroes may be larger
+		// than any buffer the engine should hold.
+		tier := TierCache
+		for done := uint64(0); done < n; {
+			k := min(n-done, zeroPieceBlocks)
+			if out.deferred {
+				v.st.epochDeferBytes.Add(k * blockSize)
+			}
+			t, err := v.writeCache(make([]byte, k*blockSize), lba+done, out.dest == toCacheDirty)
+			if t == TierBacking {
+				tier = TierBacking
+			}
+			if err != nil {
+				return tier, err
+			}
+			done += k
 		}
-		return v.writeCache(buf, lba, out.dest == toCacheDirty)
+		return tier, nil
 	case toAround:
 		switch op {
 		case opWrite:
@@ -998,9 +1021,11 @@ func (v *Volume) Flush() error {
 }
 
 // Trim discards whole blocks inside [off, off+length): they are dropped from
-// the cache and discarded on the backing device. Afterwards they read as
-// zeroes or old data. Partial blocks at the edges are left alone. When the
-// backing device cannot discard, Trim does nothing (allowed by NBD).
+// the cache and discarded on the backing device (route decides: in epoch
+// order or over an object-store image they may instead be written into the
+// cache as zero blocks, or left alone). Afterwards they read as zeroes or
+// old data. Partial blocks at the edges are left alone. When the backing
+// device cannot discard, Trim does nothing (allowed by NBD).
 func (v *Volume) Trim(off, length int64, fua bool) error {
 	return v.modify(off, length, fua, func() error {
 		v.st.trimOps.Add(1)
@@ -1017,11 +1042,19 @@ func (v *Volume) Trim(off, length int64, fua bool) error {
 
 // WriteZeroes zeroes [off, off+length). Whole blocks are zeroed on the
 // backing device (its Zeroer, or zero buffers) and dropped from the cache,
-// in every mode; partial edge blocks go through the normal write path.
+// unless route writes them into the cache as zero blocks (small ones in
+// epoch order, all of them in writeback mode over an object-store image);
+// partial edge blocks go through the normal write path. A fast zero
+// (fastOnly) is refused where zeroing would cost what writing does: a
+// backing device without a Zeroer, or zero blocks of any size written
+// into the cache.
 func (v *Volume) WriteZeroes(off, length int64, fua, mayTrim, fastOnly bool) error {
 	return v.modify(off, length, fua, func() error {
 		if _, isZeroer := v.back.(device.Zeroer); fastOnly && !isZeroer {
 			return fmt.Errorf("volume %s: fast zero: %w", v.name, errors.ErrUnsupported)
+		}
+		if fastOnly && !v.s.isFailed() && (routeIn{mode: v.Mode(), op: opZeroes, keeps: v.backingKeepsUnsynced()}).keepsInCache() {
+			return fmt.Errorf("volume %s: fast zero: zeroes go into the cache as data over this backing: %w", v.name, errors.ErrUnsupported)
 		}
 		v.st.zeroOps.Add(1)
 		end := off + length
