@@ -28,7 +28,7 @@
 //	nbackings u16 | { name str16 | id str16 | size u64 | mode u8 | path str16 } ...
 //	"SETT" u32 | { cutoff u64 | writeback % u8 | order str16 | promote str16 | rate max u64 |
 //	               inconsistent since u64 } ... |
-//	[ "CAID" u32 | cache device id str16 ] | [ "FEAT" u32 | features u64 | flags u64 | mark shift u8 ]
+//	[ "CAID" u32 | cache device id str16 ] | "FEAT" u32 | features u64 | flags u64 | mark shift u8
 //
 // The version is 3 (ondisk.FormatVersion); every superblock has the FEAT
 // trailer (features: bit 0 warm-clean, set on every set and not read; bit 1
@@ -53,7 +53,8 @@
 //	              { flush epoch u64 | count u64 | { lba u64 | loc u32 (bit 31: dirty) | crc32c u32 } ... } ... |
 //	              "EPCH" u32 | { n u64 | { loc u32 | epoch u64 } × n | m u64 | { lba u64 | loc u32 | crc32c u32 | epoch u64 } × m } ...
 //
-// The header's version is ondisk.FormatVersion. In what order a checkpoint
+// The header's version is 2, its own (not the superblock's FormatVersion;
+// a set's format version is the superblock's). In what order a checkpoint
 // is written and how Open chooses a slot: docs/CACHE.md, "Recovery".
 //
 // # Journal framing
