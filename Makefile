@@ -153,12 +153,19 @@ bench-quick:
 bench-remote: build
 	./scripts/bench-remote.sh bin/tiercache
 
-# Cold 1 MiB sequential reads of an object-store image through a fresh
-# cache set vs a plain ranged-GET loop of the same segments (versitygw on
-# loopback; interleaved rounds, medians, loadavg); docs/BENCHMARKS.md
-# "Object-store backing".
+# Issue 22's figures, each against a local versitygw on loopback
+# (docs/BENCHMARKS.md "Object-store backing"): bytes PUT per byte written
+# back and space and GC write amplification (byte counts); cold 1 MiB
+# sequential reads through a fresh cache set vs a plain ranged-GET loop
+# (interleaved rounds, medians); pgbench on ext4 in writeback over an
+# object-store image beside the HDD model (S6, 3 interleaved rounds, report
+# in bench/out/objstore). uptime before and after.
 bench-objstore:
+	uptime
+	$(GO) test ./device/objstore -run 'TestPutAmplification$$|TestGC$$' -count=1 -v
 	TIERCACHE_INTEROP_NORACE=1 TIERCACHE_MEASURE=1 $(GO) test ./internal/interop -run 'TestMeasureObjStoreColdRead$$' -count=1 -v
+	$(GO) run ./cmd/tcbench cache --only S6 --s6 writeback,writeback-s3 --rounds 3 --out bench/out/objstore $(BENCHFLAGS)
+	uptime
 
 # tiercache's NBD server vs qemu-nbd and nbdkit on a plain file.
 bench-nbd:

@@ -41,6 +41,7 @@ type CacheOptions struct {
 	Only      []string // scenarios to run, e.g. S1, S3; all when empty
 	Rounds    int      // times the whole scenario list runs (medians reported); 0 or 1: once
 	S6LBA     bool     // S6 also runs pgbench in writeback with writeback_order=lba
+	S6        []string // S6's targets (s6Targets), in this order; default the four modes
 	S7Jobs    []string // S7's cases to run (s7JobNames); all when empty
 	// AB, when set, is a second tiercache binary that S7 and S8 also run,
 	// in both writeback orders, beside the first in every round (an A/B
@@ -158,6 +159,8 @@ func cacheMain(args []string) int {
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
 	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S10), in this order; default all")
 	fs.BoolVar(&o.S6LBA, "s6-lba", false, "S6 also runs pgbench in writeback with writeback_order=lba (issue 4: what epoch order costs; ~45 s more a round)")
+	var s6 string
+	fs.StringVar(&s6, "s6", "", "comma-separated S6 targets to run: "+strings.Join(s6Targets, ", ")+" (writeback-s3: writeback over an object-store image on a local versitygw; db_bench runs only with none and writeback both); default the four modes")
 	var s7 string
 	fs.StringVar(&s7, "s7", "", "comma-separated S7 cases to run: "+strings.Join(s7JobNames, ", ")+" (drain also runs seqwrite, its reference); default all")
 	fs.StringVar(&o.AB, "ab", "", "S7 and S8 also run this tiercache binary, in both writeback orders, beside the first in every round (targets named \"B\")")
@@ -188,6 +191,16 @@ func cacheMain(args []string) int {
 		}
 		o.Only = append(o.Only, s)
 	}
+	for _, j := range strings.Split(s6, ",") {
+		if j = strings.TrimSpace(j); j == "" {
+			continue
+		}
+		if !slices.Contains(s6Targets, j) {
+			fmt.Fprintf(os.Stderr, "tcbench cache: --s6: unknown target %q (known: %s)\n", j, strings.Join(s6Targets, ", "))
+			return 2
+		}
+		o.S6 = append(o.S6, j)
+	}
 	for _, j := range strings.Split(s7, ",") {
 		if j = strings.TrimSpace(j); j == "" {
 			continue
@@ -213,13 +226,18 @@ func cacheMain(args []string) int {
 
 // cacheRunner holds the state of one suite run.
 type cacheRunner struct {
-	r      *runner // fio runs, process registry, command log
-	sz     cacheSizes
-	quick  bool
-	keep   bool // --keep: the workdir stays, every server's directory in it
-	s6lba  bool
-	s7jobs []string
-	tcBin  string
+	r         *runner // fio runs, process registry, command log
+	sz        cacheSizes
+	quick     bool
+	keep      bool // --keep: the workdir stays, every server's directory in it
+	s6lba     bool
+	s6targets []string // CacheOptions.S6
+	s7jobs    []string
+	// s3st is S6's object-store (writeback-s3), started on first use;
+	// s3n numbers its images.
+	s3st  *s3Store
+	s3n   int
+	tcBin string
 	// abBin and abRev: CacheOptions.AB and ABRev.
 	abBin, abRev string
 	workdir      string
@@ -296,7 +314,7 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 	if err := checkTools([]string{"qemu-nbd"}); err != nil {
 		return err
 	}
-	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout, keep: o.Keep, s6lba: o.S6LBA, s7jobs: o.S7Jobs, abBin: o.AB, abRev: o.ABRev}
+	c := &cacheRunner{sz: fullSizes(), quick: o.Quick, out: stdout, keep: o.Keep, s6lba: o.S6LBA, s6targets: o.S6, s7jobs: o.S7Jobs, abBin: o.AB, abRev: o.ABRev}
 	if o.Quick {
 		c.sz = quickSizes()
 	}
@@ -717,6 +735,22 @@ func (c *cacheRunner) cachedFromBin(ctx context.Context, bin, tag, cacheKind, ba
 	if err != nil {
 		return nil, err
 	}
+	return c.serveCache(ctx, bin, dir, cacheKind, devSpec(backKind, b), mode, cacheSize)
+}
+
+// devSpec is a device argument: path with its model kind ("ssd", "hdd",
+// ...; "" for none).
+func devSpec(kind, p string) string {
+	if kind == "" {
+		return p
+	}
+	return kind + ":" + p
+}
+
+// serveCache formats a cache set in dir (a new cache file of cacheSize,
+// model cacheKind) over the backing device backing (a device argument of
+// format --backing) and serves it as export vol.
+func (c *cacheRunner) serveCache(ctx context.Context, bin, dir, cacheKind, backing, mode string, cacheSize int64) (*server, error) {
 	cf := filepath.Join(dir, "cache.img")
 	if err := os.WriteFile(cf, nil, 0o644); err != nil {
 		return nil, err
@@ -724,13 +758,8 @@ func (c *cacheRunner) cachedFromBin(ctx context.Context, bin, tag, cacheKind, ba
 	if err := os.Truncate(cf, cacheSize); err != nil {
 		return nil, err
 	}
-	spec := func(kind, p string) string {
-		if kind == "" {
-			return p
-		}
-		return kind + ":" + p
-	}
-	format := []string{bin, "format", "--cache", spec(cacheKind, cf), "--backing", "vol=" + spec(backKind, b), "--mode", mode, "--direct", "off", "--data-dir", dir}
+	spec := devSpec
+	format := []string{bin, "format", "--cache", spec(cacheKind, cf), "--backing", "vol=" + backing, "--mode", mode, "--direct", "off", "--data-dir", dir}
 	c.r.noteCommand(format)
 	if out, err := exec.CommandContext(ctx, format[0], format[1:]...).CombinedOutput(); err != nil {
 		return nil, fmt.Errorf("%s: %v\n%s", shellJoin(format), err, out)

@@ -83,6 +83,11 @@ func TestCachePlannedSteps(t *testing.T) {
 	if n := c.plannedSteps([]string{"S6"}); n != 12 {
 		t.Errorf("S6 steps with --s6-lba = %d, want 12", n)
 	}
+	c.s6lba, c.s6targets = false, []string{"writeback", "writeback-s3"} // S6 1+2, no db_bench
+	if n := c.plannedSteps([]string{"S6"}); n != 3 {
+		t.Errorf("S6 steps with --s6 writeback,writeback-s3 = %d, want 3", n)
+	}
+	c.s6targets = nil
 	c.sz, c.s6lba = quickSizes(), false
 	if n := c.plannedSteps([]string{"S5"}); n != 1+2*3 {
 		t.Errorf("quick S5 steps = %d", n)
