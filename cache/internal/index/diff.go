@@ -44,15 +44,17 @@ func DiffSup(old, new *Stree, fn func(o, n Ent, inOld, inNew bool)) { _ = diffTr
 func diffTrees[L any, PL leafPtr[L, Ent]](a, b *bptree[Ent, L, PL], fn func(o, n Ent, inOld, inNew bool)) (steps int) {
 	var ca, cb dcur[L, PL]
 	if a != nil {
+		ca.t = a
 		ca.init(a.root)
 	}
 	if b != nil {
+		cb.t = b
 		cb.init(b.root)
 	}
 	var pl PL
 	var sa, sb []any
-	for ca.leaf != nil || cb.leaf != nil {
-		if ca.leaf != nil && cb.leaf != nil {
+	for ca.id != nil || cb.id != nil {
+		if ca.id != nil && cb.id != nil {
 			// The largest subtree starting here in both.
 			sa, sb = ca.starts(sa[:0]), cb.starts(sb[:0])
 			ia, ib := -1, -1
@@ -72,10 +74,10 @@ func diffTrees[L any, PL leafPtr[L, Ent]](a, b *bptree[Ent, L, PL], fn func(o, n
 		}
 		steps++
 		switch {
-		case cb.leaf == nil || (ca.leaf != nil && pl.less(ca.cur(), cb.cur())):
+		case cb.id == nil || (ca.id != nil && pl.less(ca.cur(), cb.cur())):
 			fn(ca.cur(), Ent{}, true, false)
 			ca.next()
-		case ca.leaf == nil || pl.less(cb.cur(), ca.cur()):
+		case ca.id == nil || pl.less(cb.cur(), ca.cur()):
 			fn(Ent{}, cb.cur(), false, true)
 			cb.next()
 		default:
@@ -90,10 +92,14 @@ func diffTrees[L any, PL leafPtr[L, Ent]](a, b *bptree[Ent, L, PL], fn func(o, n
 }
 
 // dcur is Diff's cursor: a position in a tree, the inner nodes above it
-// (root first) with the child taken in each.
+// (root first) with the child taken in each. A leaf is known by id (its
+// stub if it has one, else the leaf) and loaded only when an element of
+// it is needed, so a stub both trees share is skipped without a load.
 type dcur[L any, PL leafPtr[L, Ent]] struct {
+	t     *bptree[Ent, L, PL]
 	stack []dframe[L, PL]
-	leaf  PL // nil: past the end
+	id    any // the leaf's identity; nil: past the end
+	leaf  PL  // the leaf, once loaded (nil: not yet)
 	j     int
 }
 
@@ -114,18 +120,36 @@ func (c *dcur[L, PL]) descend(nd *bnode[Ent, L, PL]) {
 	for {
 		c.stack = append(c.stack, dframe[L, PL]{nd, 0})
 		if nd.leaves {
-			c.leaf, c.j = nd.lvs[0], 0
+			c.at(nd, 0)
 			return
 		}
 		nd = nd.kids[0]
 	}
 }
 
-func (c *dcur[L, PL]) cur() Ent { return c.leaf.get(c.j) }
+// at puts the cursor on the first element of leaf child i of nd.
+func (c *dcur[L, PL]) at(nd *bnode[Ent, L, PL], i int) {
+	c.j, c.leaf = 0, nd.lvs[i]
+	if c.leaf != nil {
+		c.id = c.leaf
+	} else {
+		c.id = nd.stubs[i]
+	}
+}
+
+func (c *dcur[L, PL]) load() PL {
+	if c.leaf == nil {
+		f := c.stack[len(c.stack)-1]
+		c.leaf = c.t.leafAt(f.nd, f.i)
+	}
+	return c.leaf
+}
+
+func (c *dcur[L, PL]) cur() Ent { return c.load().get(c.j) }
 
 func (c *dcur[L, PL]) next() {
 	c.j++
-	if c.j >= c.leaf.count() {
+	if c.j >= c.load().count() {
 		c.nextChild(len(c.stack) - 1)
 	}
 }
@@ -140,7 +164,7 @@ func (c *dcur[L, PL]) nextChild(k int) {
 		if f.i < f.nd.n {
 			nd := f.nd
 			if nd.leaves {
-				c.leaf, c.j = nd.lvs[f.i], 0
+				c.at(nd, f.i)
 				return
 			}
 			c.descend(nd.kids[f.i])
@@ -148,7 +172,7 @@ func (c *dcur[L, PL]) nextChild(k int) {
 		}
 		c.stack = c.stack[:len(c.stack)-1]
 	}
-	c.leaf = nil
+	c.id, c.leaf = nil, nil
 }
 
 // starts appends the subtrees that begin at the cursor, smallest first:
@@ -157,7 +181,7 @@ func (c *dcur[L, PL]) starts(out []any) []any {
 	if c.j != 0 {
 		return out
 	}
-	out = append(out, c.leaf)
+	out = append(out, c.id)
 	for k := len(c.stack) - 1; k >= 0 && c.stack[k].i == 0; k-- {
 		out = append(out, c.stack[k].nd)
 	}

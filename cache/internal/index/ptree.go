@@ -240,6 +240,9 @@ type bnode[E, L any, PL leafPtr[L, E]] struct {
 	keys   [fanout]E                // keys[i]: lower bound of child i (keys[0] is not used)
 	kids   [fanout]*bnode[E, L, PL] // inner children
 	lvs    [fanout]PL               // leaf children
+	// stubs[i] is leaf child i when it is not resident (lvs[i] nil):
+	// where the tree's loader finds it (lazy.go).
+	stubs [fanout]*stub[L]
 	// agg[i] is a lower bound of the summary values of the elements under
 	// child i (see "Summaries" above).
 	agg [fanout]uint64
@@ -274,8 +277,9 @@ func (nd *bnode[E, L, PL]) insertChild(j int, key E, kid *bnode[E, L, PL], lf PL
 	copy(nd.keys[j+1:n+1], nd.keys[j:n])
 	copy(nd.kids[j+1:n+1], nd.kids[j:n])
 	copy(nd.lvs[j+1:n+1], nd.lvs[j:n])
+	copy(nd.stubs[j+1:n+1], nd.stubs[j:n])
 	copy(nd.agg[j+1:n+1], nd.agg[j:n])
-	nd.keys[j], nd.kids[j], nd.lvs[j], nd.agg[j] = key, kid, lf, agg
+	nd.keys[j], nd.kids[j], nd.lvs[j], nd.stubs[j], nd.agg[j] = key, kid, lf, nil, agg
 	nd.n++
 }
 
@@ -284,8 +288,9 @@ func (nd *bnode[E, L, PL]) removeChild(j int) {
 	copy(nd.keys[j:n-1], nd.keys[j+1:n])
 	copy(nd.kids[j:n-1], nd.kids[j+1:n])
 	copy(nd.lvs[j:n-1], nd.lvs[j+1:n])
+	copy(nd.stubs[j:n-1], nd.stubs[j+1:n])
 	copy(nd.agg[j:n-1], nd.agg[j+1:n])
-	nd.kids[n-1], nd.lvs[n-1] = nil, nil
+	nd.kids[n-1], nd.lvs[n-1], nd.stubs[n-1] = nil, nil, nil
 	nd.n--
 }
 
@@ -295,6 +300,9 @@ type bptree[E, L any, PL leafPtr[L, E]] struct {
 	length  int
 	cow     *cowCtx
 	scratch []E // overflow's buffer, kept between calls (not shared by clones)
+	// lazy: the loader of the tree's stubs and its counters, shared by
+	// clones (nil: every leaf resident; lazy.go).
+	lazy *lazyState[L]
 }
 
 // Len returns the number of elements.
@@ -302,7 +310,7 @@ func (t *bptree[E, L, PL]) Len() int { return t.length }
 
 // Clone returns a copy of t in O(1); both trees copy shared nodes lazily.
 func (t *bptree[E, L, PL]) Clone() *bptree[E, L, PL] {
-	c := &bptree[E, L, PL]{root: t.root, length: t.length, cow: new(cowCtx)}
+	c := &bptree[E, L, PL]{root: t.root, length: t.length, cow: new(cowCtx), lazy: t.lazy}
 	t.cow = new(cowCtx)
 	return c
 }
@@ -339,7 +347,7 @@ func (t *bptree[E, L, PL]) leafOf(k E) PL {
 	for !nd.leaves {
 		nd = nd.kids[nd.childIndex(k)]
 	}
-	return nd.lvs[nd.childIndex(k)]
+	return t.leafAt(nd, nd.childIndex(k))
 }
 
 // Get returns the element equal to e (in the tree's order).
@@ -365,7 +373,7 @@ func (t *bptree[E, L, PL]) Min() (E, bool) {
 	for !nd.leaves {
 		nd = nd.kids[0]
 	}
-	return nd.lvs[0].get(0), true
+	return t.leafAt(nd, 0).get(0), true
 }
 
 type pathStep[E, L any, PL leafPtr[L, E]] struct {
@@ -382,9 +390,7 @@ func (t *bptree[E, L, PL]) mutPath(k E, path []pathStep[E, L, PL]) ([]pathStep[E
 		i := nd.childIndex(k)
 		path = append(path, pathStep[E, L, PL]{nd, i})
 		if nd.leaves {
-			l := t.mutLeaf(nd.lvs[i])
-			nd.lvs[i] = l
-			return path, l
+			return path, t.mutLeafAt(nd, i)
 		}
 		c := t.mutNode(nd.kids[i])
 		nd.kids[i] = c
@@ -457,18 +463,16 @@ func (t *bptree[E, L, PL]) overflow(path []pathStep[E, L, PL], l PL, p int, e E)
 		return es
 	}
 	switch {
-	case i+1 < parent.n && parent.lvs[i+1].count() < c:
-		r := t.mutLeaf(parent.lvs[i+1])
-		parent.lvs[i+1] = r
+	case i+1 < parent.n && t.leafAt(parent, i+1).count() < c:
+		r := t.mutLeafAt(parent, i+1)
 		es := merged(l, r)
 		h := len(es) / 2
 		fillLeaf(l, es[:h])
 		fillLeaf(r, es[h:])
 		parent.keys[i+1] = r.get(0)
 		parent.agg[i+1] = min(parent.agg[i+1], parent.agg[i])
-	case i > 0 && parent.lvs[i-1].count() < c:
-		lf := t.mutLeaf(parent.lvs[i-1])
-		parent.lvs[i-1] = lf
+	case i > 0 && t.leafAt(parent, i-1).count() < c:
+		lf := t.mutLeafAt(parent, i-1)
 		es := merged(lf, l)
 		h := len(es) / 2
 		fillLeaf(lf, es[:h])
@@ -484,9 +488,8 @@ func (t *bptree[E, L, PL]) overflow(path []pathStep[E, L, PL], l PL, p int, e E)
 		if i+1 == parent.n {
 			a = i - 1
 		}
-		x := t.mutLeaf(parent.lvs[a])
-		y := t.mutLeaf(parent.lvs[a+1])
-		parent.lvs[a], parent.lvs[a+1] = x, y
+		x := t.mutLeafAt(parent, a)
+		y := t.mutLeafAt(parent, a+1)
 		es := merged(x, y)
 		n1 := len(es) / 3
 		n2 := (len(es) - n1) / 2
@@ -521,9 +524,10 @@ func (t *bptree[E, L, PL]) addChild(path []pathStep[E, L, PL], level, j int, key
 	copy(r.keys[:], nd.keys[m:nd.n])
 	copy(r.kids[:], nd.kids[m:nd.n])
 	copy(r.lvs[:], nd.lvs[m:nd.n])
+	copy(r.stubs[:], nd.stubs[m:nd.n])
 	copy(r.agg[:], nd.agg[m:nd.n])
 	for x := m; x < nd.n; x++ {
-		nd.kids[x], nd.lvs[x] = nil, nil
+		nd.kids[x], nd.lvs[x], nd.stubs[x] = nil, nil, nil
 	}
 	nd.n = m
 	if j <= m {
@@ -563,16 +567,15 @@ func (t *bptree[E, L, PL]) Delete(e E) (E, bool) {
 		t.removeChild(path, len(path)-1, i)
 	case l.count() < c/4:
 		// Merge a sparse leaf into a neighbour that has room for it.
-		if i+1 < parent.n && l.count()+parent.lvs[i+1].count() <= c*3/4 {
-			r := parent.lvs[i+1]
+		if i+1 < parent.n && l.count()+t.leafAt(parent, i+1).count() <= c*3/4 {
+			r := t.leafAt(parent, i+1)
 			for x := 0; x < r.count(); x++ {
 				l.insertAt(l.count(), r.get(x))
 			}
 			parent.agg[i] = min(parent.agg[i], parent.agg[i+1])
 			t.removeChild(path, len(path)-1, i+1)
-		} else if i > 0 && l.count()+parent.lvs[i-1].count() <= c*3/4 {
-			lf := t.mutLeaf(parent.lvs[i-1])
-			parent.lvs[i-1] = lf
+		} else if i > 0 && l.count()+t.leafAt(parent, i-1).count() <= c*3/4 {
+			lf := t.mutLeafAt(parent, i-1)
 			for x := 0; x < l.count(); x++ {
 				lf.insertAt(lf.count(), l.get(x))
 			}
@@ -644,7 +647,7 @@ func (t *bptree[E, L, PL]) ascend(from E, hasFrom bool, stop E, hasStop bool, bo
 				}
 				continue
 			}
-			l := nd.lvs[i]
+			l := t.leafAt(nd, i)
 			p := 0
 			if seek {
 				p, _ = l.search(from)
@@ -702,7 +705,7 @@ func (t *bptree[E, L, PL]) bulkLoad(es []E, fill int, aggs []uint64) {
 				cur = &bnode[E, L, PL]{cow: t.cow}
 				up = append(up, cur)
 			}
-			cur.insertChild(cur.n, firstKey(nd), nd, nil, nd.minAgg())
+			cur.insertChild(cur.n, t.firstKey(nd), nd, nil, nd.minAgg())
 		}
 		level = up
 	}
@@ -710,11 +713,11 @@ func (t *bptree[E, L, PL]) bulkLoad(es []E, fill int, aggs []uint64) {
 	t.length = len(es)
 }
 
-func firstKey[E, L any, PL leafPtr[L, E]](nd *bnode[E, L, PL]) E {
+func (t *bptree[E, L, PL]) firstKey(nd *bnode[E, L, PL]) E {
 	for !nd.leaves {
 		nd = nd.kids[0]
 	}
-	return nd.lvs[0].get(0)
+	return t.leafAt(nd, 0).get(0)
 }
 
 // ptreeStats describes a tree's shape (for the memory measurement).
@@ -782,7 +785,10 @@ func (t *bptree[E, L, PL]) Check() error {
 				}
 				continue
 			}
-			l := nd.lvs[i]
+			if (nd.lvs[i] == nil) == (nd.stubs[i] == nil) {
+				return fmt.Errorf("index: leaf child at depth %d is neither resident nor a stub, or both", depth)
+			}
+			l := t.leafAt(nd, i)
 			if l == nil || l.count() < 1 || l.count() > l.capacity() {
 				return fmt.Errorf("index: leaf at depth %d missing or with a bad count", depth)
 			}
@@ -850,7 +856,7 @@ func (t *bptree[E, L, PL]) MinAgg(sum func(E) uint64) (uint64, bool) {
 			nd.kids[i] = c
 			nd = c
 		}
-		l := nd.lvs[path[len(path)-1].i]
+		l := t.leafAt(nd, path[len(path)-1].i)
 		m := uint64(math.MaxUint64)
 		for p := 0; p < l.count(); p++ {
 			m = min(m, sum(l.get(p)))
@@ -887,7 +893,7 @@ func (t *bptree[E, L, PL]) CheckAgg(sum func(E) uint64) error {
 		for i := 0; i < nd.n; i++ {
 			c := uint64(math.MaxUint64)
 			if nd.leaves {
-				l := nd.lvs[i]
+				l := t.leafAt(nd, i)
 				for p := 0; p < l.count(); p++ {
 					c = min(c, sum(l.get(p)))
 				}
@@ -898,7 +904,7 @@ func (t *bptree[E, L, PL]) CheckAgg(sum func(E) uint64) error {
 				}
 			}
 			if nd.agg[i] > c {
-				first := firstKeyOf(nd, i)
+				first := t.firstKeyOf(nd, i)
 				return 0, fmt.Errorf("index: summary %d above the minimum %d of the child from %v", nd.agg[i], c, first)
 			}
 			m = min(m, c)
@@ -909,9 +915,9 @@ func (t *bptree[E, L, PL]) CheckAgg(sum func(E) uint64) error {
 	return err
 }
 
-func firstKeyOf[E, L any, PL leafPtr[L, E]](nd *bnode[E, L, PL], i int) E {
+func (t *bptree[E, L, PL]) firstKeyOf(nd *bnode[E, L, PL], i int) E {
 	if nd.leaves {
-		return nd.lvs[i].get(0)
+		return t.leafAt(nd, i).get(0)
 	}
-	return firstKey(nd.kids[i])
+	return t.firstKey(nd.kids[i])
 }

@@ -1,0 +1,253 @@
+package index
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+)
+
+// Lazy leaves. A tree built by BuildLazyPtree holds its leaves as stubs:
+// a stub names where the leaf is (a StubRef, opaque to the tree: package
+// cache puts an index page's number, generation and checksum in it) and
+// is loaded by the tree's Loader the first time an operation touches it.
+// The inner nodes are built from what the stubs say (each leaf's lower
+// key bound and summary), so building reads no leaf.
+//
+// A stub's loaded leaf is shared by every tree that reaches the stub (a
+// snapshot and the live tree, clones of each other) and never changed:
+// the first change of it, as of any leaf a tree does not own, works on a
+// copy that replaces the stub in the changing tree's (copied) parent. So
+// Diff skips a stub both trees reach without loading it, and a loaded
+// leaf can be dropped again at any time (the stub stays, and loads it
+// anew when touched): the stubs' loaded leaves are a cache, bounded by
+// the tree's cap (CLOCK: a leaf touched since the hand last passed it is
+// kept once more). A changed leaf is the tree's own, resident until the
+// tree is rebuilt; the bound is on the leaves that can be read again.
+//
+// Loading happens inside the operation that needs it, under the caller's
+// lock (Diff, which runs on snapshots outside it, loads too: the stubs'
+// state is atomic and the cache has its own lock). An operation that
+// cannot load a leaf panics with a *FaultError; a caller that must not
+// panic faults the leaf in first (Fault) and handles the error there.
+// What a StubRef names must stay readable while a stub names it: package
+// cache keeps the page until the stub is loaded (its released pages).
+
+// StubRef names a leaf that is not resident, for the tree's Loader.
+type StubRef struct{ A, B uint64 }
+
+// LeafStub describes one leaf of a tree built with stubs.
+type LeafStub struct {
+	// Key is at most the leaf's first element and above every element of
+	// the leaves before it (the separator of the leaf).
+	Key Ent
+	// Agg is a lower bound of the summaries of the leaf's elements.
+	Agg uint64
+	Ref StubRef
+}
+
+// Loader appends the elements of the leaf ref names to dst, in the
+// tree's order, and returns the result. It may be called concurrently.
+type Loader func(ref StubRef, dst []Ent) ([]Ent, error)
+
+// ErrBadLeaf marks a loaded leaf the tree cannot hold: empty, too many
+// elements, out of order or outside its separators.
+var ErrBadLeaf = errors.New("index: loaded leaf does not fit its place in the tree")
+
+// FaultError is the panic of an operation that could not load a leaf.
+type FaultError struct {
+	Ref StubRef
+	Err error
+}
+
+func (e *FaultError) Error() string { return fmt.Sprintf("index: loading leaf %+v: %v", e.Ref, e.Err) }
+func (e *FaultError) Unwrap() error { return e.Err }
+
+type stub[L any] struct {
+	ref  StubRef
+	leaf atomic.Pointer[L]
+	used atomic.Bool // touched since the cache's hand last passed it
+}
+
+// lazyState is a lazy tree's loader and cache of loaded stub leaves,
+// shared by its clones.
+type lazyState[L any] struct {
+	load   Loader
+	faults atomic.Uint64 // leaves loaded
+	mu     sync.Mutex
+	cap    int
+	ring   []*stub[L] // stubs whose leaf is loaded (or being dropped)
+	hand   int
+}
+
+// BuildLazyPtree returns a tree of the leaves described by stubs (in key
+// order), holding length elements in all, none resident: load loads a leaf
+// when an operation first needs it, and at most capLeaves loaded leaves
+// are kept (at least 1).
+func BuildLazyPtree(stubs []LeafStub, length int, load Loader, capLeaves int) *Ptree {
+	t := NewPtree()
+	t.lazy = &lazyState[pleaf]{load: load, cap: max(capLeaves, 1)}
+	if len(stubs) == 0 {
+		return t
+	}
+	type built struct {
+		nd  *bnode[Ent, pleaf, *pleaf]
+		key Ent
+	}
+	var level []built
+	for _, s := range stubs {
+		if len(level) == 0 || level[len(level)-1].nd.n == fanout {
+			level = append(level, built{&bnode[Ent, pleaf, *pleaf]{cow: t.cow, leaves: true}, s.Key})
+		}
+		nd := level[len(level)-1].nd
+		nd.insertChild(nd.n, s.Key, nil, nil, s.Agg)
+		nd.stubs[nd.n-1] = &stub[pleaf]{ref: s.Ref}
+	}
+	for len(level) > 1 {
+		var up []built
+		for _, b := range level {
+			if len(up) == 0 || up[len(up)-1].nd.n == fanout {
+				up = append(up, built{&bnode[Ent, pleaf, *pleaf]{cow: t.cow}, b.key})
+			}
+			nd := up[len(up)-1].nd
+			nd.insertChild(nd.n, b.key, b.nd, nil, b.nd.minAgg())
+		}
+		level = up
+	}
+	t.root = level[0].nd
+	t.length = length
+	return t
+}
+
+// leafAt returns leaf child i of nd, loading it if it is a stub not
+// resident (a failure panics with a *FaultError).
+func (t *bptree[E, L, PL]) leafAt(nd *bnode[E, L, PL], i int) PL {
+	if l := nd.lvs[i]; l != nil {
+		return l
+	}
+	l, err := t.fault(nd, i)
+	if err != nil {
+		panic(&FaultError{Ref: nd.stubs[i].ref, Err: err})
+	}
+	return l
+}
+
+// mutLeafAt returns leaf child i of nd (a node the tree owns) for
+// changing: the tree's own copy, which replaces a stub.
+func (t *bptree[E, L, PL]) mutLeafAt(nd *bnode[E, L, PL], i int) PL {
+	l := t.mutLeaf(t.leafAt(nd, i))
+	nd.lvs[i], nd.stubs[i] = l, nil
+	return l
+}
+
+// fault loads stub child i of nd, or returns its loaded leaf.
+func (t *bptree[E, L, PL]) fault(nd *bnode[E, L, PL], i int) (PL, error) {
+	s := nd.stubs[i]
+	if l := s.leaf.Load(); l != nil {
+		s.used.Store(true)
+		return PL(l), nil
+	}
+	lz := t.lazy
+	if lz == nil {
+		return nil, fmt.Errorf("%w: a stub in a tree without a loader", ErrBadLeaf)
+	}
+	es, err := lz.load(s.ref, nil)
+	if err != nil {
+		return nil, err
+	}
+	var pl PL
+	if len(es) == 0 || len(es) > pl.capacity() {
+		return nil, fmt.Errorf("%w: %d elements", ErrBadLeaf, len(es))
+	}
+	ents := any(es).([]E)
+	for j := 1; j < len(ents); j++ {
+		if !pl.less(ents[j-1], ents[j]) {
+			return nil, fmt.Errorf("%w: elements out of order", ErrBadLeaf)
+		}
+	}
+	if (i > 0 && pl.less(ents[0], nd.keys[i])) || (i+1 < nd.n && !pl.less(ents[len(ents)-1], nd.keys[i+1])) {
+		return nil, fmt.Errorf("%w: elements outside the separators", ErrBadLeaf)
+	}
+	l := PL(new(L)) // no tree's cow context: a change copies it
+	fillLeaf(l, ents)
+	if !s.leaf.CompareAndSwap(nil, (*L)(l)) {
+		return PL(s.leaf.Load()), nil // loaded meanwhile (Diff, concurrently)
+	}
+	lz.faults.Add(1)
+	lz.admit(s)
+	return l, nil
+}
+
+// admit records that s's leaf is loaded, dropping another stub's loaded
+// leaf when the cache is full: the first the hand finds untouched since
+// it last passed.
+func (lz *lazyState[L]) admit(s *stub[L]) {
+	lz.mu.Lock()
+	defer lz.mu.Unlock()
+	if len(lz.ring) < lz.cap {
+		lz.ring = append(lz.ring, s)
+		return
+	}
+	for {
+		v := lz.ring[lz.hand]
+		if v.used.Swap(false) {
+			lz.hand = (lz.hand + 1) % len(lz.ring)
+			continue
+		}
+		v.leaf.Store(nil)
+		lz.ring[lz.hand] = s
+		lz.hand = (lz.hand + 1) % len(lz.ring)
+		return
+	}
+}
+
+// Faults returns how many leaves the tree and its clones have loaded.
+func (t *bptree[E, L, PL]) Faults() uint64 {
+	if t.lazy == nil {
+		return 0
+	}
+	return t.lazy.faults.Load()
+}
+
+// Fault makes the leaf that holds or would hold e resident (loading it if
+// it is a stub), returning the loader's error instead of panicking.
+func (t *bptree[E, L, PL]) Fault(e E) error {
+	if t.root == nil {
+		return nil
+	}
+	nd := t.root
+	for !nd.leaves {
+		nd = nd.kids[nd.childIndex(e)]
+	}
+	i := nd.childIndex(e)
+	if nd.lvs[i] != nil {
+		return nil
+	}
+	_, err := t.fault(nd, i)
+	return err
+}
+
+// LeafCounts returns the tree's leaves: its own (changed since the tree
+// was built, or made since), stubs whose leaf is loaded, and stubs not
+// resident. It loads nothing.
+func (t *bptree[E, L, PL]) LeafCounts() (own, loaded, stubs int) {
+	var walk func(nd *bnode[E, L, PL])
+	walk = func(nd *bnode[E, L, PL]) {
+		for i := range nd.n {
+			switch {
+			case !nd.leaves:
+				walk(nd.kids[i])
+			case nd.lvs[i] != nil:
+				own++
+			case nd.stubs[i].leaf.Load() != nil:
+				loaded++
+			default:
+				stubs++
+			}
+		}
+	}
+	if t.root != nil {
+		walk(t.root)
+	}
+	return own, loaded, stubs
+}

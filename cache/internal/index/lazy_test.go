@@ -1,0 +1,253 @@
+package index
+
+import (
+	"errors"
+	"math"
+	"math/rand/v2"
+	"sync"
+	"testing"
+)
+
+// leafStore is a test's device of leaves: each leaf's elements by
+// StubRef, with the loads counted and a failure to inject.
+type leafStore struct {
+	mu     sync.Mutex
+	leaves map[StubRef][]Ent
+	loads  int
+	fail   StubRef // 0: none
+}
+
+func (ls *leafStore) load(ref StubRef, dst []Ent) ([]Ent, error) {
+	ls.mu.Lock()
+	defer ls.mu.Unlock()
+	ls.loads++
+	if ref == ls.fail {
+		return nil, errors.New("injected read error")
+	}
+	es, ok := ls.leaves[ref]
+	if !ok {
+		return nil, errors.New("no such leaf")
+	}
+	return append(dst, es...), nil
+}
+
+// stubsOf cuts the sorted entries es into leaves of up to per entries,
+// stores them in a new leafStore and returns their stubs (summaries: the
+// oldest epoch of the dirty entries, by epoch).
+func stubsOf(es []Ent, per int, epoch func(Ent) uint64) (*leafStore, []LeafStub) {
+	ls := &leafStore{leaves: map[StubRef][]Ent{}}
+	var stubs []LeafStub
+	for at := 0; at < len(es); at += per {
+		l := es[at:min(at+per, len(es))]
+		ref := StubRef{A: uint64(len(stubs) + 1), B: 7}
+		agg := uint64(math.MaxUint64)
+		for _, e := range l {
+			agg = min(agg, epoch(e))
+		}
+		key := l[0]
+		if at > 0 {
+			// A separator below the first entry, above the previous leaf's.
+			key = Ent{LBA: es[at-1].LBA + 1}
+		}
+		stubs = append(stubs, LeafStub{Key: Ent{LBA: key.LBA}, Agg: agg, Ref: ref})
+		ls.leaves[ref] = l
+	}
+	return ls, stubs
+}
+
+func testEpoch(e Ent) uint64 {
+	if !e.Dirty() {
+		return math.MaxUint64
+	}
+	return uint64(e.CRC % 1000)
+}
+
+// TestLazyPtreeModel builds trees of stubs (leaves of 1 to 176 entries,
+// as index pages hold) and drives them through random inserts, replaces,
+// deletes and clones against a map, with caches of a few leaves and of
+// all: building loads nothing, a lookup loads at most the one leaf it
+// needs, the loaded stub leaves never exceed the cap, and everything else
+// behaves as a tree built in memory (ptreeMatches, summaries).
+func TestLazyPtreeModel(t *testing.T) {
+	for seed := range uint64(12) {
+		r := rand.New(rand.NewPCG(seed, 3))
+		span := uint64(1 + r.IntN(200000))
+		n := r.IntN(int(min(span, 30000)))
+		ref := map[uint64]Ent{}
+		for range n {
+			lba := r.Uint64N(span)
+			e := Ent{LBA: lba, Loc: r.Uint32() | uint32(r.IntN(2))<<31, CRC: r.Uint32()}
+			ref[lba] = e
+		}
+		es := sortedEnts(ref)
+		per := 1 + r.IntN(176)
+		ls, stubs := stubsOf(es, per, testEpoch)
+		capLeaves := 1 + r.IntN(8)
+		if seed%3 == 0 {
+			capLeaves = len(stubs) + 1
+		}
+		tr := BuildLazyPtree(stubs, len(es), ls.load, capLeaves)
+		if ls.loads != 0 || tr.Faults() != 0 {
+			t.Fatalf("seed %d: building loaded %d leaves", seed, ls.loads)
+		}
+		if own, loaded, st := tr.LeafCounts(); own != 0 || loaded != 0 || st != len(stubs) {
+			t.Fatalf("seed %d: built %d own, %d loaded, %d stubs of %d", seed, own, loaded, st, len(stubs))
+		}
+		for range 30 {
+			before := ls.loads
+			k := r.Uint64N(span + 2)
+			e, ok := tr.Get(Ent{LBA: k})
+			if w, wok := ref[k]; ok != wok || e != w {
+				t.Fatalf("seed %d: Get %d: %+v %t, want %+v %t", seed, k, e, ok, w, wok)
+			}
+			if ls.loads-before > 1 {
+				t.Fatalf("seed %d: a lookup loaded %d leaves", seed, ls.loads-before)
+			}
+			if _, loaded, _ := tr.LeafCounts(); loaded > capLeaves {
+				t.Fatalf("seed %d: %d loaded stub leaves, cap %d", seed, loaded, capLeaves)
+			}
+		}
+		if len(stubs) > 1 {
+			if m, ok := tr.MinAgg(testEpoch); ok {
+				want := uint64(math.MaxUint64)
+				for _, e := range ref {
+					want = min(want, testEpoch(e))
+				}
+				if m != want {
+					t.Fatalf("seed %d: MinAgg %d, want %d", seed, m, want)
+				}
+			}
+		}
+		snap := tr.Clone()
+		snapRef := maps(ref)
+		for range r.IntN(3000) {
+			lba := r.Uint64N(span + 10)
+			switch r.IntN(3) {
+			case 0:
+				_, ok := tr.Delete(Ent{LBA: lba})
+				if _, rok := ref[lba]; ok != rok {
+					t.Fatalf("seed %d: Delete %d: %t, want %t", seed, lba, ok, rok)
+				}
+				delete(ref, lba)
+			default:
+				e := Ent{LBA: lba, Loc: r.Uint32() | uint32(r.IntN(2))<<31, CRC: r.Uint32()}
+				tr.ReplaceOrInsertAgg(e, testEpoch(e))
+				ref[lba] = e
+			}
+		}
+		if _, loaded, _ := tr.LeafCounts(); loaded > capLeaves {
+			t.Fatalf("seed %d: %d loaded stub leaves, cap %d", seed, loaded, capLeaves)
+		}
+		// Diff of the snapshot and the tree: exactly the changes.
+		got := map[uint64]bool{}
+		Diff(snap, tr, func(o, nw Ent, inOld, inNew bool) {
+			lba := o.LBA
+			if !inOld {
+				lba = nw.LBA
+			}
+			got[lba] = true
+			if w, ok := snapRef[lba]; ok != inOld || (ok && w != o) {
+				t.Fatalf("seed %d: Diff old side %d: %+v %t, snapshot %+v %t", seed, lba, o, inOld, w, ok)
+			}
+			if w, ok := ref[lba]; ok != inNew || (ok && w != nw) {
+				t.Fatalf("seed %d: Diff new side %d: %+v %t, tree %+v %t", seed, lba, nw, inNew, w, ok)
+			}
+		})
+		for l, e := range ref {
+			if w, ok := snapRef[l]; (!ok || w != e) && !got[l] {
+				t.Fatalf("seed %d: Diff missed %d", seed, l)
+			}
+		}
+		for l := range snapRef {
+			if _, ok := ref[l]; !ok && !got[l] {
+				t.Fatalf("seed %d: Diff missed the removal of %d", seed, l)
+			}
+		}
+		if err := tr.CheckAgg(testEpoch); err != nil {
+			t.Fatalf("seed %d: %v", seed, err)
+		}
+		ptreeMatches(t, tr, ref, r, span+10)
+		ptreeMatches(t, snap, snapRef, r, span+10)
+	}
+}
+
+func sortedEnts(ref map[uint64]Ent) []Ent {
+	tr := NewPtree()
+	for _, e := range ref {
+		tr.ReplaceOrInsert(e)
+	}
+	var es []Ent
+	tr.Ascend(func(e Ent) bool { es = append(es, e); return true })
+	return es
+}
+
+// TestLazyDiffSkipsStubs: a snapshot and a tree that changed a few
+// entries share every other stub, and Diff loads no stub but those of
+// the changed leaves (which the changes loaded already), however many
+// there are.
+func TestLazyDiffSkipsStubs(t *testing.T) {
+	ref := map[uint64]Ent{}
+	for i := range uint64(100000) {
+		ref[2*i] = Ent{LBA: 2 * i, Loc: uint32(i), CRC: uint32(i)}
+	}
+	ls, stubs := stubsOf(sortedEnts(ref), 170, testEpoch)
+	tr := BuildLazyPtree(stubs, len(ref), ls.load, 1<<20)
+	snap := tr.Clone()
+	for _, lba := range []uint64{10, 50001, 123456, 199998} {
+		tr.ReplaceOrInsertAgg(Ent{LBA: lba, Loc: 1 << 30, CRC: 1}, math.MaxUint64)
+	}
+	before := ls.loads
+	n := 0
+	Diff(snap, tr, func(o, nw Ent, inOld, inNew bool) { n++ })
+	if n != 4 || ls.loads != before || before > 4 {
+		t.Fatalf("Diff reported %d differences and loaded %d leaves (the changes %d), want 4, 0 and at most 4", n, ls.loads-before, before)
+	}
+	// And a clone of the snapshot without changes: nothing loaded at all.
+	a := BuildLazyPtree(stubs, len(ref), ls.load, 1<<20)
+	b := a.Clone()
+	before = ls.loads
+	Diff(a, b, func(o, nw Ent, inOld, inNew bool) { t.Fatal("a difference between a tree and its clone") })
+	if ls.loads != before {
+		t.Fatalf("Diff of a tree of stubs and its clone loaded %d leaves", ls.loads-before)
+	}
+}
+
+// TestLazyFaults: a leaf the loader cannot read is an error from Fault
+// and a *FaultError panic from an operation that needs it; a loaded leaf
+// that does not fit its separators or is out of order is ErrBadLeaf.
+func TestLazyFaults(t *testing.T) {
+	ref := map[uint64]Ent{}
+	for i := range uint64(1000) {
+		ref[i] = Ent{LBA: i, Loc: uint32(i), CRC: 1}
+	}
+	ls, stubs := stubsOf(sortedEnts(ref), 100, testEpoch)
+	ls.fail = stubs[3].Ref
+	tr := BuildLazyPtree(stubs, len(ref), ls.load, 4)
+	if err := tr.Fault(Ent{LBA: 50}); err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.Fault(Ent{LBA: 350}); err == nil {
+		t.Fatal("Fault of an unreadable leaf succeeded")
+	}
+	func() {
+		defer func() {
+			var fe *FaultError
+			if p := recover(); p == nil || !errors.As(p.(error), &fe) || fe.Ref != stubs[3].Ref {
+				t.Fatalf("Get of an unreadable leaf: panic %v", p)
+			}
+		}()
+		tr.Get(Ent{LBA: 350})
+	}()
+	// A leaf holding an entry below its separator.
+	ls.fail = StubRef{}
+	ls.leaves[stubs[5].Ref] = append([]Ent{{LBA: 1}}, ls.leaves[stubs[5].Ref][1:]...)
+	if err := tr.Fault(Ent{LBA: 550}); !errors.Is(err, ErrBadLeaf) {
+		t.Fatalf("a leaf outside its separators: %v", err)
+	}
+	// Out of order.
+	l := ls.leaves[stubs[6].Ref]
+	l[3], l[4] = l[4], l[3]
+	if err := tr.Fault(Ent{LBA: 650}); !errors.Is(err, ErrBadLeaf) {
+		t.Fatalf("a leaf out of order: %v", err)
+	}
+}
