@@ -61,6 +61,13 @@ func (s *Set) checkIndexLocked(exact bool) error {
 	if err := s.mu.Check(exact); err != nil {
 		return err
 	}
+	return s.checkListsLocked()
+}
+
+// checkListsLocked is the part of checkIndexLocked that reads no entry:
+// the bucket lists and the allocator's states against the live counts.
+// REQUIRES: s.mu
+func (s *Set) checkListsLocked() error {
 	nb := int64(len(s.mu.Buckets))
 	inFree := make([]bool, nb)
 	for _, bi := range s.mu.free {

@@ -50,6 +50,9 @@ type pagedIndex struct {
 	sups  []*index.Stree
 	// pages and bytes the last checkpoint wrote (for tests and stats).
 	lastPages, lastBytes uint64
+	// lazy: the volumes' trees were built from stubs naming the leaves
+	// of the root Open found (lazyleaves.go); nil: every leaf was read.
+	lazy *lazyLeaves
 }
 
 // pagedLayout is the page area of a paged set: both checkpoint slots.
@@ -68,26 +71,55 @@ func pagedSlotLen(nbuckets, bpb int64) int64 {
 
 // The root's payload: the journal block the generation starts at, each
 // volume slot's flush epoch, then flags (a root written before them has
-// none: no flag set).
+// none: no flag set), then with pagedVolDirty each volume slot's count of
+// dirty live entries.
 //
-//	jblk u64 | nvols u16 | epoch u64 × nvols | flags u64
+//	jblk u64 | nvols u16 | epoch u64 × nvols | flags u64 | dirty u64 × nvols
 const (
 	// pagedCounts: the bucket table's live and dirty counts are the
 	// root's trees' (each bucket's entries and superseded versions, and
 	// the dirty ones among them).
 	pagedCounts = 1 << 0
-	pagedFlags  = pagedCounts
+	// pagedVolDirty: the payload ends with the dirty live entries of each
+	// volume slot's tree, which an Open that loads leaves lazily takes
+	// instead of counting them.
+	pagedVolDirty = 1 << 1
+	pagedFlags    = pagedCounts | pagedVolDirty
 )
 
-func encodePagedPayload(jblk int64, epochs []uint64, flags uint64) []byte {
-	b := make([]byte, 18+8*len(epochs))
+// encodePagedPayload encodes a payload; dirty (one count a volume slot) is
+// written when flags has pagedVolDirty.
+func encodePagedPayload(jblk int64, epochs []uint64, flags uint64, dirty []int64) []byte {
+	n := 18 + 8*len(epochs)
+	if flags&pagedVolDirty != 0 {
+		n += 8 * len(epochs)
+	}
+	b := make([]byte, n)
 	binary.LittleEndian.PutUint64(b, uint64(jblk))
 	binary.LittleEndian.PutUint16(b[8:], uint16(len(epochs)))
 	for i, e := range epochs {
 		binary.LittleEndian.PutUint64(b[10+8*i:], e)
 	}
 	binary.LittleEndian.PutUint64(b[10+8*len(epochs):], flags)
+	if flags&pagedVolDirty != 0 {
+		for i := range epochs {
+			binary.LittleEndian.PutUint64(b[18+8*len(epochs)+8*i:], uint64(dirty[i]))
+		}
+	}
 	return b
+}
+
+// decodePagedDirty returns the volume slots' dirty counts of a payload
+// decodePagedPayload accepted, or nil if it carries none.
+func decodePagedDirty(b []byte, nvols int, flags uint64) []int64 {
+	if flags&pagedVolDirty == 0 {
+		return nil
+	}
+	d := make([]int64, nvols)
+	for i := range d {
+		d[i] = int64(binary.LittleEndian.Uint64(b[18+8*nvols+8*i:]))
+	}
+	return d
 }
 
 func decodePagedPayload(b []byte, sb *Superblock) (jblk int64, epochs []uint64, flags uint64, err error) {
@@ -99,18 +131,21 @@ func decodePagedPayload(b []byte, sb *Superblock) (jblk int64, epochs []uint64, 
 	}
 	j := binary.LittleEndian.Uint64(b)
 	n := int(binary.LittleEndian.Uint16(b[8:]))
-	if j >= uint64(sb.JournalLen/blockSize) || n > maxPagedVolumes || (len(b) != 10+8*n && len(b) != 18+8*n) {
+	if j >= uint64(sb.JournalLen/blockSize) || n > maxPagedVolumes || (len(b) != 10+8*n && len(b) != 18+8*n && len(b) != 18+16*n) {
 		return bad("journal block %d, %d volume slots in %d bytes", j, n, len(b))
 	}
 	epochs = make([]uint64, n)
 	for i := range epochs {
 		epochs[i] = binary.LittleEndian.Uint64(b[10+8*i:])
 	}
-	if len(b) == 18+8*n {
+	if len(b) >= 18+8*n {
 		flags = binary.LittleEndian.Uint64(b[10+8*n:])
 	}
 	if flags&^pagedFlags != 0 {
 		return bad("unknown flags %#x", flags)
+	}
+	if want := 18 + 8*n + 8*n*int(flags&pagedVolDirty>>1); len(b) > 10+8*n && len(b) != want {
+		return bad("flags %#x in %d bytes for %d volume slots", flags, len(b), n)
 	}
 	return int64(j), epochs, flags, nil
 }
@@ -118,7 +153,7 @@ func decodePagedPayload(b []byte, sb *Superblock) (jblk int64, epochs []uint64, 
 // formatPaged writes the first root (generation 1: no entries, the
 // journal from block 0) of a paged set.
 func formatPaged(dev device.Device, sb *Superblock, nvols int) error {
-	return pages.Format(dev, pagedLayout(sb), encodePagedPayload(0, make([]uint64, nvols), pagedCounts))
+	return pages.Format(dev, pagedLayout(sb), encodePagedPayload(0, make([]uint64, nvols), pagedCounts|pagedVolDirty, make([]int64, nvols)))
 }
 
 // writePagedCheckpoint is checkpointLocked's write for a paged set: the
@@ -148,6 +183,9 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 		tab.Set(i, r) // an unchanged record changes no page
 	}
 	count := pagedCounter(tab, s.bpb)
+	released := len(st.Alloc().ReleasedPages())
+	var applied int
+	counted := func(e index.Ent, dirty bool, d int) { applied++; count(e, dirty, d) }
 	sups := make([]*index.Stree, len(trees))
 	for vi := range max(len(trees), len(p.trees)) {
 		var oldT, newT *index.Ptree
@@ -160,20 +198,34 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 			newT, newS, epochOf = trees[vi], vers[vi].Sup, vers[vi].EpochOf
 			sups[vi] = newS
 		}
-		if err := s.applyDiff(st, uint16(vi), oldT, newT, epochOf, count); err != nil {
+		if err := s.applyDiff(st, uint16(vi), oldT, newT, epochOf, counted); err != nil {
 			return err
 		}
-		if err := s.applySupDiff(st, uint16(vi)|pages.SupTree, oldS, newS, epochOf, count); err != nil {
+		if err := s.applySupDiff(st, uint16(vi)|pages.SupTree, oldS, newS, epochOf, counted); err != nil {
 			return err
 		}
 	}
-	if err := st.Checkpoint(encodePagedPayload(h.JPos.Blk, epochs, pagedCounts)); err != nil {
+	if p.lazy != nil {
+		if err := s.pinReleasedStubs(trees, st.Alloc().ReleasedPages()[released:]); err != nil {
+			return err
+		}
+	}
+	dirty := make([]int64, len(trees))
+	for vi := range dirty {
+		dirty[vi] = int64(vers[vi].Dirty)
+	}
+	if err := st.Checkpoint(encodePagedPayload(h.JPos.Blk, epochs, pagedFlags, dirty)); err != nil {
 		return err
 	}
 	p.trees, p.sups = trees, sups
 	p.lastPages, p.lastBytes = st.PagesWritten-p0, st.BytesWritten-b0
-	if invariants.Enabled {
-		if err := p.check(gens, s.bpb); err != nil {
+	if invariants.Enabled && applied > 0 {
+		// (With no difference applied the page trees hold what they
+		// held: checking would load every leaf of a lazy set.)
+		s.mu.Lock()
+		err := p.check(gens, s.bpb)
+		s.mu.Unlock()
+		if err != nil {
 			return fmt.Errorf("paged checkpoint %d differs from its snapshot: %w", h.Gen, err)
 		}
 	}
@@ -209,6 +261,17 @@ func (s *Set) pagedBaseLocked(cd *ondisk.CkptData) error {
 	p := s.pg
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if p.lazy != nil {
+		// The trees are built from the page trees' leaves, unchanged.
+		p.trees = make([]*index.Ptree, len(s.vols))
+		for vi, v := range s.vols {
+			p.trees[vi] = v.idx.Tree.Clone()
+		}
+		for len(p.sups) < len(p.trees) {
+			p.sups = append(p.sups, nil)
+		}
+		return nil
+	}
 	tab, err := p.st.Table(len(s.mu.Buckets))
 	if err != nil {
 		return err
@@ -414,44 +477,88 @@ func (p *pagedIndex) check(gens []uint32, bpb int64) error {
 
 // readPagedCheckpoint is ReadCheckpoint for a paged set: the newest valid
 // root and every page of its trees, as the checkpoint they stand for, with
-// the store for the next checkpoint. The leaves are read in page order
-// with few large reads (pages.Tree.ReadLeaves) and decoded straight into
-// the checkpoint's entries, which pass the checks a checkpoint slot's
-// body passes (checkPagedData). Damage is a corruption error
-// (IsCorruption), never a panic.
+// the store for the next checkpoint (openPagedRoot, then readPagedLeaves).
+// Damage is a corruption error (IsCorruption), never a panic.
 func readPagedCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (ondisk.CkptHeader, *ondisk.CkptData, *pagedIndex, string, error) {
-	fail := func(err error) (ondisk.CkptHeader, *ondisk.CkptData, *pagedIndex, string, error) {
+	pr, err := openPagedRoot(dev, sb)
+	if err != nil {
 		return ondisk.CkptHeader{}, nil, nil, "", err
 	}
+	cd, p, err := readPagedLeaves(pr, sb, volBlocks, false)
+	if err != nil {
+		return ondisk.CkptHeader{}, nil, nil, "", err
+	}
+	return pr.hdr, cd, p, pr.warn, nil
+}
+
+// pagedRoot is what a paged Open reads first: the newest valid root, its
+// inner pages and bucket table (pages.Open), and its payload.
+type pagedRoot struct {
+	st     *pages.Store
+	hdr    ondisk.CkptHeader
+	epochs []uint64 // each volume slot's flush epoch
+	dirty  []int64  // each volume slot's dirty live entries; nil: the root does not say
+	flags  uint64
+	tab    *pages.Table
+	warn   string // the other root is not intact
+}
+
+func openPagedRoot(dev device.Device, sb *Superblock) (*pagedRoot, error) {
 	st, payload, err := pages.Open(dev, pagedLayout(sb), pagedCachePages)
 	if err != nil {
-		return fail(err)
+		return nil, err
 	}
 	jblk, epochs, flags, err := decodePagedPayload(payload, sb)
 	if err != nil {
-		return fail(err)
+		return nil, err
 	}
 	tab, err := st.Table(int(sb.NBuckets))
 	if err != nil {
-		return fail(ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "%v", err))
+		return nil, ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "%v", err)
 	}
+	for _, id := range st.TreeIDs() {
+		if vi := int(id &^ pages.SupTree); vi >= len(epochs) {
+			return nil, ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "tree %#x beyond the root's %d volume slots", id, len(epochs))
+		}
+	}
+	pr := &pagedRoot{st: st, epochs: epochs, dirty: decodePagedDirty(payload, len(epochs), flags), flags: flags, tab: tab,
+		hdr: ondisk.CkptHeader{Nonce: sb.Nonce(), Gen: st.Gen(), JPos: ondisk.JournalPos{Blk: jblk}}}
+	if _, perr := st.Previous(); perr != nil {
+		pr.warn = fmt.Sprintf("the other index root is not intact (%v): recovered from root generation %d", perr, st.Gen())
+	}
+	return pr, nil
+}
+
+// readPagedLeaves reads the leaves of the root pr as the checkpoint they
+// stand for: in page order with few large reads (pages.Tree.ReadLeaves),
+// decoded straight into the checkpoint's entries, which pass the checks a
+// checkpoint slot's body passes (checkPagedData). With supOnly it reads
+// only the trees of superseded versions (a lazy Open: lazyleaves.go), and
+// the checks that need every entry are left to the leaves' loads and to
+// `check`.
+func readPagedLeaves(pr *pagedRoot, sb *Superblock, volBlocks []uint64, supOnly bool) (*ondisk.CkptData, *pagedIndex, error) {
+	fail := func(err error) (*ondisk.CkptData, *pagedIndex, error) { return nil, nil, err }
+	st, tab, epochs := pr.st, pr.tab, pr.epochs
 	nv := len(epochs)
 	total := uint32(sb.NBuckets * sb.BlocksPerBucket())
 	cd := &ondisk.CkptData{Gens: make([]uint32, sb.NBuckets), Vols: make([]ondisk.CkptVol, nv)}
 	for i := range cd.Gens {
 		cd.Gens[i] = tab.Get(i).Gen
 	}
-	epochOf := make([]uint64, total)
+	var epochOf []uint64
+	if !supOnly {
+		epochOf = make([]uint64, total)
+	}
 	p := &pagedIndex{st: st, trees: make([]*index.Ptree, nv), sups: make([]*index.Stree, nv)}
 	for vi := range cd.Vols {
 		cd.Vols[vi].Epoch, cd.Vols[vi].EpochOf = epochs[vi], epochOf
 	}
 	for _, id := range st.TreeIDs() {
 		vi := int(id &^ pages.SupTree)
-		if vi >= nv {
-			return fail(ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "tree %#x beyond the root's %d volume slots", id, nv))
-		}
 		sup := id&pages.SupTree != 0
+		if supOnly && !sup {
+			continue
+		}
 		t := st.Tree(id)
 		leaves := make([][]index.Ent, t.Leaves())
 		var eps [][]uint64 // superseded versions' epochs, by leaf
@@ -515,18 +622,16 @@ func readPagedCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) 
 		cv.Sup = vers
 		p.sups[vi] = sp
 	}
+	if supOnly {
+		return cd, p, nil
+	}
 	if err := checkPagedData(cd, sb, volBlocks); err != nil {
 		return fail(ondisk.Placed(err, sb.CkptOff[0], 2*sb.CkptLen))
 	}
-	if err := pagedCountsOf(cd, sb.BlocksPerBucket(), tab, flags&pagedCounts != 0); err != nil {
+	if err := pagedCountsOf(cd, sb.BlocksPerBucket(), tab, pr.flags&pagedCounts != 0); err != nil {
 		return fail(err)
 	}
-	warn := ""
-	if _, perr := st.Previous(); perr != nil {
-		warn = fmt.Sprintf("the other index root is not intact (%v): recovered from root generation %d", perr, st.Gen())
-	}
-	h := ondisk.CkptHeader{Nonce: sb.Nonce(), Gen: st.Gen(), JPos: ondisk.JournalPos{Blk: jblk}}
-	return h, cd, p, warn, nil
+	return cd, p, nil
 }
 
 // pagedCountsOf counts each bucket's live blocks (entries and superseded

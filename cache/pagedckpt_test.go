@@ -3,6 +3,7 @@ package cache
 import (
 	"errors"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
@@ -241,15 +242,22 @@ func TestPagedCorruptRoot(t *testing.T) {
 // table, with it a table that differs is corruption.
 func TestPagedPayloadCounts(t *testing.T) {
 	sb := &Superblock{JournalLen: 1 << 20}
-	old := encodePagedPayload(5, []uint64{7, 8}, 0)[:10+16]
+	old := encodePagedPayload(5, []uint64{7, 8}, 0, nil)[:10+16]
 	j, eps, flags, err := decodePagedPayload(old, sb)
 	if err != nil || j != 5 || len(eps) != 2 || eps[1] != 8 || flags != 0 {
 		t.Fatalf("old payload: %d %v %d %v", j, eps, flags, err)
 	}
-	if _, _, flags, err := decodePagedPayload(encodePagedPayload(5, []uint64{7, 8}, pagedCounts), sb); err != nil || flags != pagedCounts {
+	if _, _, flags, err := decodePagedPayload(encodePagedPayload(5, []uint64{7, 8}, pagedCounts, nil), sb); err != nil || flags != pagedCounts {
 		t.Fatalf("payload with counts: %d %v", flags, err)
 	}
-	if _, _, _, err := decodePagedPayload(encodePagedPayload(5, nil, 1<<9), sb); !IsCorruption(err) {
+	b := encodePagedPayload(5, []uint64{7, 8}, pagedFlags, []int64{3, 4})
+	if _, eps, flags, err := decodePagedPayload(b, sb); err != nil || flags != pagedFlags || !slices.Equal(decodePagedDirty(b, len(eps), flags), []int64{3, 4}) {
+		t.Fatalf("payload with the volumes' dirty counts: %d %v", flags, err)
+	}
+	if _, _, _, err := decodePagedPayload(b[:len(b)-8], sb); !IsCorruption(err) {
+		t.Fatalf("payload with the dirty counts flag and too few counts: %v", err)
+	}
+	if _, _, _, err := decodePagedPayload(encodePagedPayload(5, nil, 1<<9, nil), sb); !IsCorruption(err) {
 		t.Fatalf("unknown flags: %v", err)
 	}
 	lay := pages.Layout{Off: 0, Pages: 64, Nonce: 1}

@@ -925,18 +925,18 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	dch := make(chan decoded, 1)
 	var hdr ondisk.CkptHeader
+	var pr *pagedRoot
 	if sb.HasFeature(ondisk.FeaturePagedIndex) {
-		// The root and every page of its trees (pagedckpt.go).
-		var cd *ondisk.CkptData
-		var warn string
-		hdr, cd, s.pg, warn, err = readPagedCheckpoint(cacheDev, sb, volBlocks)
-		if err != nil {
+		// The root, its inner pages and bucket table (pagedckpt.go);
+		// the leaves once the journal is read: all of them, or for a
+		// lazy Open those of the superseded versions (lazyleaves.go).
+		if pr, err = openPagedRoot(cacheDev, sb); err != nil {
 			return nil, fmt.Errorf("open: %w", err)
 		}
-		if warn != "" {
-			log.Warn("recovering without the previous index root", "why", warn)
+		hdr = pr.hdr
+		if pr.warn != "" {
+			log.Warn("recovering without the previous index root", "why", pr.warn)
 		}
-		dch <- decoded{cd, nil}
 	} else {
 		var body []byte
 		var warn string
@@ -958,6 +958,21 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	c := newCollector(s, sb.NBuckets)
 	jr := readJournal(cacheDev, sb, hdr, c, nil)
+	policy := recoveryPolicy(sb)
+	if opts.ColdClean && policy != cleanKeep {
+		policy = cleanDrop
+	}
+	if mir != nil && mir.Primary() == mirror.B && policy != cleanKeep {
+		// B holds no copy of most clean data: verifying it would read
+		// the backing device for nothing.
+		policy = cleanDrop
+	}
+	lazy := jr.err == nil && lazyEligible(pr, jr.n, policy, mir != nil)
+	if pr != nil {
+		cd, pg, err := readPagedLeaves(pr, sb, volBlocks, lazy)
+		s.pg = pg
+		dch <- decoded{cd, err}
+	}
 	d := <-dch
 	if d.err != nil {
 		return nil, fmt.Errorf("open: %w", d.err)
@@ -971,23 +986,26 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if jr.err != nil {
 		return nil, fmt.Errorf("open: replaying journal: %w", jr.err)
 	}
-	policy := recoveryPolicy(sb)
-	if opts.ColdClean && policy != cleanKeep {
-		policy = cleanDrop
+	var dropped, verified int
+	if lazy {
+		err = s.openLazyLocked(pr, d.cd)
+	} else {
+		dropped, verified, err = s.recoverIndex(sb.NBuckets, d.cd, c, policy, true)
 	}
-	if mir != nil && mir.Primary() == mirror.B && policy != cleanKeep {
-		// B holds no copy of most clean data: verifying it would read
-		// the backing device for nothing.
-		policy = cleanDrop
-	}
-	dropped, verified, err := s.recoverIndex(sb.NBuckets, d.cd, c, policy, true)
 	if err != nil {
 		return nil, fmt.Errorf("open: replaying journal: %w", err)
 	}
 	end, nrec := jr.end, jr.n
 	s.dropUnkeptSupLocked()
 	s.listBucketsLocked()
-	if err := s.checkIndexLocked(invariants.Enabled); err != nil {
+	if lazy {
+		// Checking the index would load every leaf: the lists only (the
+		// leaves are checked as they load, and by `check`).
+		err = s.checkListsLocked()
+	} else {
+		err = s.checkIndexLocked(invariants.Enabled)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("open: recovered index inconsistent: %w", err)
 	}
 	// The reverse map served the replay; serving does without it.
@@ -1021,7 +1039,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	if err != nil {
 		return nil, fmt.Errorf("open: %w", err)
 	}
-	log.Info("cache set recovered", "checkpoint_gen", hdr.Gen, "journal_records", nrec,
+	log.Info("cache set recovered", "checkpoint_gen", hdr.Gen, "journal_records", nrec, "lazy_leaves", lazy,
 		"entries", s.entries(), "dropped_clean", dropped, "clean_kept", policy.String(), "clean_verified", verified, "took", time.Since(start),
 		"read_checkpoint_and_journal", loaded.Sub(start), "replay_journal", replayed.Sub(loaded), "write_checkpoint", time.Since(replayed))
 	s.sbMu.Lock()

@@ -145,6 +145,9 @@ type testingKnobs struct {
 	// fixedDepth keeps writeback's queue depth at writeback.QueueDepth
 	// instead of adapting it; the remote-drain measurement compares.
 	fixedDepth bool
+	// lazyLeafCap, if not 0, replaces lazyLeafCap (the loaded leaves a
+	// lazily opened paged set keeps): the tests drop leaves often.
+	lazyLeafCap int
 }
 
 type setStats struct {

@@ -64,9 +64,10 @@ func (e *FaultError) Error() string { return fmt.Sprintf("index: loading leaf %+
 func (e *FaultError) Unwrap() error { return e.Err }
 
 type stub[L any] struct {
-	ref  StubRef
-	leaf atomic.Pointer[L]
-	used atomic.Bool // touched since the cache's hand last passed it
+	ref    StubRef
+	leaf   atomic.Pointer[L]
+	used   atomic.Bool // touched since the cache's hand last passed it
+	pinned atomic.Bool // loaded for good (PinStubs): never dropped
 }
 
 // lazyState is a lazy tree's loader and cache of loaded stub leaves,
@@ -190,6 +191,20 @@ func (lz *lazyState[L]) admit(s *stub[L]) {
 	}
 	for {
 		v := lz.ring[lz.hand]
+		if v.pinned.Load() {
+			// Not the cache's any more: out of the ring.
+			last := len(lz.ring) - 1
+			lz.ring[lz.hand] = lz.ring[last]
+			lz.ring = lz.ring[:last]
+			if len(lz.ring) < lz.cap {
+				lz.ring = append(lz.ring, s)
+				return
+			}
+			if lz.hand >= len(lz.ring) {
+				lz.hand = 0
+			}
+			continue
+		}
 		if v.used.Swap(false) {
 			lz.hand = (lz.hand + 1) % len(lz.ring)
 			continue
@@ -224,6 +239,33 @@ func (t *bptree[E, L, PL]) Fault(e E) error {
 		return nil
 	}
 	_, err := t.fault(nd, i)
+	return err
+}
+
+// PinStubs loads, for good, the leaf of every stub of the tree whose
+// reference match accepts: it is never dropped from then on, so what the
+// reference names need not stay readable (package cache: the stub's page
+// was released by the page trees). It loads nothing else.
+func (t *bptree[E, L, PL]) PinStubs(match func(StubRef) bool) error {
+	var err error
+	var walk func(nd *bnode[E, L, PL])
+	walk = func(nd *bnode[E, L, PL]) {
+		for i := 0; i < nd.n && err == nil; i++ {
+			switch {
+			case !nd.leaves:
+				walk(nd.kids[i])
+			case nd.lvs[i] == nil && !nd.stubs[i].pinned.Load() && match(nd.stubs[i].ref):
+				// Pinned first: the cache drops no pinned leaf.
+				nd.stubs[i].pinned.Store(true)
+				if _, err = t.fault(nd, i); err != nil {
+					nd.stubs[i].pinned.Store(false)
+				}
+			}
+		}
+	}
+	if t.root != nil {
+		walk(t.root)
+	}
 	return err
 }
 

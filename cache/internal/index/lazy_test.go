@@ -251,3 +251,26 @@ func TestLazyFaults(t *testing.T) {
 		t.Fatalf("a leaf out of order: %v", err)
 	}
 }
+
+// TestLazyPinStubs: a pinned stub's leaf stays loaded however many other
+// leaves pass through a cache of one, so what its reference named may go.
+func TestLazyPinStubs(t *testing.T) {
+	ref := map[uint64]Ent{}
+	for i := range uint64(2000) {
+		ref[i] = Ent{LBA: i, Loc: uint32(i), CRC: 1}
+	}
+	ls, stubs := stubsOf(sortedEnts(ref), 100, testEpoch)
+	tr := BuildLazyPtree(stubs, len(ref), ls.load, 1)
+	if err := tr.PinStubs(func(r StubRef) bool { return r == stubs[3].Ref }); err != nil {
+		t.Fatal(err)
+	}
+	delete(ls.leaves, stubs[3].Ref)
+	for i := range uint64(2000) {
+		if e, ok := tr.Get(Ent{LBA: (i * 7919) % 2000}); !ok || e != ref[(i*7919)%2000] {
+			t.Fatalf("Get %d: %+v %t", (i*7919)%2000, e, ok)
+		}
+	}
+	if own, loaded, st := tr.LeafCounts(); own != 0 || loaded > 2 || st != len(stubs)-loaded {
+		t.Fatalf("%d own, %d loaded, %d stubs", own, loaded, st)
+	}
+}

@@ -112,6 +112,13 @@ func (a *Alloc) Durable(upto int) {
 	a.released = append(a.released[:0], a.released[upto:]...)
 }
 
+// InUse reports whether page p is in use, released or kept (not free).
+func (a *Alloc) InUse(p uint32) bool { return a.isUsed(p) }
+
+// ReleasedPages returns the pages waiting for a durable root, in the
+// order they were released (the caller must not change it).
+func (a *Alloc) ReleasedPages() []uint32 { return a.released }
+
 // Kept returns how many pages only the previous root names.
 func (a *Alloc) Kept() int { return len(a.kept) }
 

@@ -185,3 +185,31 @@ func (st *Store) readPageErr(ptr Ptr) error {
 	_, err := st.readPage(ptr, KindLeaf, 0, 0)
 	return err
 }
+
+// LeafRef is where one leaf of a tree is, as its parent names it.
+type LeafRef struct {
+	Key Key    // at most the leaf's first key, above the keys of the leaves before it
+	Agg uint64 // a lower bound of the oldest dirty epoch in it (MaxUint64: none)
+	Ptr Ptr
+}
+
+// LeafRefs returns the tree's leaves in key order as the resident inner
+// nodes name them (no reads), for a tree with no leaf held changed (just
+// opened, or just checkpointed): each is on the device, and ReadLeaf reads
+// it.
+func (t *Tree) LeafRefs() ([]LeafRef, error) {
+	if t.ndirty != 0 {
+		return nil, errorf("tree %d: %d leaves held changed", t.id, t.ndirty)
+	}
+	var out []LeafRef
+	t.eachLeaf(func(k *kid) { out = append(out, LeafRef{Key: k.key, Agg: k.agg, Ptr: k.ptr}) })
+	return out, nil
+}
+
+// ReadLeaf reads and verifies the leaf of tree at ptr, bypassing the page
+// cache. It reads only what does not change while the store is used
+// (the device and the layout), so it may run concurrently with the
+// store's other methods, without the caller's lock.
+func (st *Store) ReadLeaf(ptr Ptr, tree uint16) (*Page, error) {
+	return st.readPage(ptr, KindLeaf, 0, tree)
+}

@@ -1,0 +1,252 @@
+package cache
+
+import (
+	"sync"
+	"sync/atomic"
+
+	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/pages"
+)
+
+// Lazy leaves (docs/CACHE.md, "Index pages on the cache device"). A
+// paged set opened after a clean shutdown, with no journal record since
+// its root, reads the root, its inner pages, the bucket table and the
+// trees of superseded versions (normally few), and not the leaves of the
+// volumes' trees: each volume's index tree is built from stubs naming the
+// root's leaves (index.BuildLazyPtree), and a leaf is read from the cache
+// device (one 4 KiB read, verified against its parent as a page always
+// is) the first time an operation touches it. At most lazyLeafCap loaded
+// leaves are kept; the others are dropped and read again when touched.
+// A leaf an operation changes becomes the tree's own and stays resident.
+//
+// What Open took from the root instead of the leaves: the buckets' live
+// and dirty counts (the bucket table, pagedCounts), each volume's dirty
+// count (the root's payload, pagedVolDirty) and entry count (the root).
+// A dirty block's flush epoch is in its leaf slot: it enters the bucket's
+// epoch table when the leaf is loaded the first time (lazyLeaves.first),
+// which happens under Set.mu (every operation that can load a leaf it has
+// not loaded before runs under it; Diff, outside it, only loads leaves
+// that a change under it loaded first, or that were dropped since).
+//
+// A stub names a page of the root Open found, which stays intact while
+// the page trees name it and for two roots after they release it
+// (pages.Alloc). A checkpoint whose page trees release a page a stub of
+// its snapshot names pins that stub's leaf (index.PinStubs: loaded for
+// good) before the root is durable, so no stub outlives its page.
+//
+// Not lazy: an Open after a crash or with journal records since the root
+// (the replay needs every entry), of a mirrored set, with ColdClean, or
+// from a root without the volumes' dirty counts (written before
+// pagedVolDirty): those read every leaf (readPagedLeaves), as before.
+// Known limits of this step: a leaf that cannot be read or fails its
+// checks when an operation needs it panics the operation
+// (index.FaultError) instead of failing the set over; the leaves are read
+// under Set.mu; eviction, GC and Check walk the whole index and so load
+// every leaf (through the bounded cache).
+
+// lazyLeafCap is the most loaded stub leaves kept (about 2 KiB each: 32
+// MiB, the leaves of ~2.8 M cached blocks).
+const lazyLeafCap = 1 << 14
+
+// lazyLeaves is a lazy set's state of its stubs' loads.
+type lazyLeaves struct {
+	mu sync.Mutex
+	// first: the pages (of the root Open found) whose leaf was loaded
+	// once: their dirty blocks' epochs are in the bucket tables.
+	first index.Bitset
+	// reads counts the leaves read (tests: Open reads none).
+	reads atomic.Uint64
+}
+
+func stubRef(p pages.Ptr) index.StubRef {
+	return index.StubRef{A: uint64(p.Page) | uint64(p.CRC)<<32, B: p.Gen}
+}
+
+func stubPtr(r index.StubRef) pages.Ptr {
+	return pages.Ptr{Page: uint32(r.A), CRC: uint32(r.A >> 32), Gen: r.B}
+}
+
+// lazyEligible reports whether Open may build the volumes' trees from
+// stubs: a clean shutdown's root with nothing journaled since, its
+// volumes' dirty counts in its payload, no mirror.
+func lazyEligible(pr *pagedRoot, nrec int, policy cleanPolicy, mirrored bool) bool {
+	return pr != nil && nrec == 0 && policy == cleanKeep && !mirrored && pr.dirty != nil && pr.flags&pagedCounts != 0
+}
+
+// lazyLoader returns the loader of volume slot vi's stubs: it reads and
+// verifies the leaf, checks each slot as readPagedLeaves does (cache
+// block in range, no bucket generation, an epoch exactly on a dirty
+// block and at most the volume's epoch at the root, volEpoch; an LBA of
+// the volume), and on the leaf's first load puts its dirty blocks'
+// epochs into the bucket tables.
+// REQUIRES (of the loads): s.mu for a leaf's first load
+func (s *Set) lazyLoader(vi int, nblocks, volEpoch uint64) index.Loader {
+	p := s.pg
+	lz := p.lazy
+	id := uint16(vi)
+	total := uint32(int64(len(s.mu.Buckets)) * s.bpb)
+	return func(ref index.StubRef, dst []index.Ent) ([]index.Ent, error) {
+		ptr := stubPtr(ref)
+		lz.reads.Add(1)
+		pg, err := p.st.ReadLeaf(ptr, id)
+		if err != nil {
+			return nil, err
+		}
+		lz.mu.Lock()
+		first := !lz.first.Get(int(ptr.Page))
+		lz.mu.Unlock()
+		n := len(dst)
+		for j := range pg.Count() {
+			sl := pg.Slot(j)
+			b := sl.Loc &^ index.DirtyBit
+			dirty := sl.Loc&index.DirtyBit != 0
+			if b >= total || sl.BGen != 0 || sl.LBA >= nblocks || (!dirty && sl.Epoch != 0) || sl.Epoch > volEpoch {
+				return nil, ondisk.Corruptf("index page", -1, pages.PageSize, "tree %#x page %d: slot %+v names cache block %d of %d, lba %d of %d, a bucket generation, or an epoch for a clean block or beyond the volume's %d",
+					id, ptr.Page, sl, b, total, sl.LBA, nblocks, volEpoch)
+			}
+			dst = append(dst, index.Ent{LBA: sl.LBA, Loc: sl.Loc, CRC: sl.CRC})
+		}
+		if first {
+			for j, e := range dst[n:] {
+				if e.Dirty() {
+					s.mu.SetBlockEpoch(e.Block(), pg.Slot(j).Epoch)
+				}
+			}
+			lz.mu.Lock()
+			lz.first.Set(int(ptr.Page))
+			lz.mu.Unlock()
+		}
+		return dst, nil
+	}
+}
+
+// openLazyLocked builds the index of a lazy Open from the root pr and
+// cd, its superseded versions (readPagedLeaves with supOnly): the
+// buckets' generations and counts from the bucket table, each volume's
+// tree of stubs, its counts and epoch, the superseded versions and their
+// epochs. It checks what it can without the leaves: the counts agree with
+// each other, and each superseded version against the live entry of its
+// LBA (loading those leaves: invariant 13).
+// REQUIRES: exclusive access (Open)
+func (s *Set) openLazyLocked(pr *pagedRoot, cd *ondisk.CkptData) error {
+	bad := func(format string, args ...any) error {
+		return ondisk.Corruptf("index root", s.lay.CkptOff[0], 2*pages.PageSize, format, args...)
+	}
+	nb := int64(len(cd.Gens))
+	s.mu.Buckets = make([]index.Bucket, nb)
+	s.mu.alloc = make([]bucketAlloc, nb)
+	s.mu.Owner = nil
+	s.mu.open = -1
+	var live, dirty int64
+	for i := range s.mu.Buckets {
+		r := pr.tab.Get(i)
+		s.mu.Buckets[i] = index.Bucket{Gen: r.Gen, Live: uint32(r.Live), Dirty: uint32(r.Dirty)}
+		live += int64(r.Live)
+		dirty += int64(r.Dirty)
+	}
+	s.pg.lazy = &lazyLeaves{first: index.NewBitset(int(pr.st.Alloc().Pages()))}
+	has := map[uint16]bool{}
+	for _, id := range pr.st.TreeIDs() {
+		has[id] = true
+	}
+	leafCap := lazyLeafCap
+	if s.knobs.lazyLeafCap != 0 {
+		leafCap = s.knobs.lazyLeafCap
+	}
+	vers := make([][]index.Ver, len(s.vols))
+	var nlive, ndirty int64
+	for vi, v := range s.vols {
+		v.idx.Tree, v.idx.Sup = index.NewPtree(), index.NewStree()
+		v.idx.NSup, v.idx.Dirty, v.idx.Cached, v.idx.epoch = 0, 0, 0, 0
+		if vi >= len(cd.Vols) {
+			continue
+		}
+		cv := &cd.Vols[vi]
+		v.idx.epoch = cv.Epoch
+		for _, x := range cv.Sup {
+			v.idx.Sup.ReplaceOrInsertAgg(index.Ent{LBA: x.LBA, Loc: x.Loc, CRC: x.CRC}, x.Epoch)
+		}
+		v.idx.NSup = int64(len(cv.Sup))
+		vers[vi] = cv.Sup
+		nlive += v.idx.NSup
+		ndirty += v.idx.NSup
+		if !has[uint16(vi)] {
+			if pr.dirty[vi] != 0 {
+				return bad("volume slot %d: no tree but %d dirty entries", vi, pr.dirty[vi])
+			}
+			continue
+		}
+		t := pr.st.Tree(uint16(vi))
+		refs, err := t.LeafRefs()
+		if err != nil {
+			return err
+		}
+		stubs := make([]index.LeafStub, len(refs))
+		for i, r := range refs {
+			stubs[i] = index.LeafStub{Key: index.Ent{LBA: r.Key.LBA}, Agg: r.Agg, Ref: stubRef(r.Ptr)}
+		}
+		if d := pr.dirty[vi]; d < 0 || d > int64(t.Len()) || (t.Len() > 0 && v.nblocks == 0) {
+			return bad("volume slot %d (%d blocks): %d entries, %d dirty", vi, v.nblocks, t.Len(), d)
+		}
+		v.idx.Tree = index.BuildLazyPtree(stubs, t.Len(), s.lazyLoader(vi, v.nblocks, cv.Epoch), leafCap)
+		v.idx.Cached = int64(t.Len())
+		v.idx.Dirty = pr.dirty[vi]
+		nlive += v.idx.Cached
+		ndirty += v.idx.Dirty
+	}
+	if nlive != live || ndirty != dirty {
+		return bad("the bucket table counts %d live and %d dirty blocks, the trees and the root %d and %d", live, dirty, nlive, ndirty)
+	}
+	s.mu.BuildEpochTables(vers)
+	// Invariant 13, as checkPagedData checks it: each superseded version
+	// in range, of a block named once, older than the dirty live entry of
+	// its LBA.
+	total := uint64(nb * s.bpb)
+	seen := map[uint32]bool{}
+	for vi := range vers {
+		v := s.vols[vi]
+		for i, x := range vers[vi] {
+			if x.LBA >= v.nblocks || uint64(x.Loc) >= total || seen[x.Loc] || x.Epoch > v.idx.epoch || (i > 0 && !index.VerLess(vers[vi][i-1], x)) {
+				return ondisk.Badf("index pages", "volume %d: superseded version %+v out of range, order, or owned twice", vi, x)
+			}
+			seen[x.Loc] = true
+			if err := v.idx.Tree.Fault(index.Ent{LBA: x.LBA}); err != nil {
+				return err
+			}
+			e, ok := v.idx.Tree.Get(index.Ent{LBA: x.LBA})
+			if !ok || !e.Dirty() || seen[e.Block()] || s.mu.BlockEpoch(e.Block()) <= x.Epoch {
+				return ondisk.Badf("index pages", "volume %d: superseded version %+v not older than a dirty entry", vi, x)
+			}
+		}
+	}
+	return nil
+}
+
+// pinReleasedStubs pins the stubs of the snapshot trees whose page is one
+// of released (released by the page trees in this checkpoint: intact
+// until the root after next is durable), so that no stub outlives its
+// page.
+// REQUIRES: s.commitMu, not s.mu
+func (s *Set) pinReleasedStubs(trees []*index.Ptree, released []uint32) error {
+	if len(released) == 0 {
+		return nil
+	}
+	rel := make(map[uint32]bool, len(released))
+	for _, p := range released {
+		rel[p] = true
+	}
+	// A stub loaded for the first time puts its epochs into the bucket
+	// tables: under mu.
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, t := range trees {
+		if t == nil {
+			continue
+		}
+		if err := t.PinStubs(func(r index.StubRef) bool { return rel[stubPtr(r).Page] }); err != nil {
+			return err
+		}
+	}
+	return nil
+}
