@@ -23,11 +23,15 @@ import (
 // is the checkpoint generation: the journal of generation g+1 starts at
 // the journal block the root's payload names, exactly as after a
 // checkpoint slot. Recovery reads the newest valid root, every page of
-// its trees, and replays the journal since it.
+// its trees, and replays the journal since it; an Open after a clean
+// shutdown reads the root, its inner pages and bucket table and builds
+// the volumes' index trees from stubs of their leaves, loaded when first
+// needed (lazyleaves.go).
 //
 // Trees: volume slot v's live entries are tree v, its superseded versions
 // tree v|pages.SupTree; the bucket table holds the bucket generations.
-// The index stays wholly in RAM: the pages are its durable form only.
+// The index is in RAM (its leaves loaded, after a lazy Open, as they are
+// needed): the pages are its durable form.
 
 // pagedCachePages is the store's page cache: the leaves a checkpoint
 // changes are read through it (a leaf changed since the last checkpoint

@@ -17,7 +17,9 @@
 //
 // The index is one packed B+tree per volume (ptree.go: 13 bytes a cached
 // 4 KiB block, leaves kept over 2/3 full) and a small table per bucket
-// (with 2 bytes of flush epoch per block of a bucket holding dirty data).
+// (with 2 bytes of flush epoch per block of a bucket holding dirty data);
+// a tree may be built from stubs whose leaves a loader reads when an
+// operation first needs them, keeping a bounded number loaded (lazy.go).
 // The dirty blocks are not indexed a second time by epoch: the tree's
 // inner nodes carry, per child, a lower bound of the oldest dirty epoch
 // under it, which is what epoch-ordered writeback searches by.

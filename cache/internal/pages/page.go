@@ -11,9 +11,10 @@
 // that names them (tree.go, table.go, store.go, root.go), reading every
 // leaf in runs (readall.go) and verifying every page (verify.go). The
 // engine (package cache) writes its checkpoints through a Store and reads
-// them back at Open, and keeps its index wholly in memory. Not built: the
-// owner lists, a checkpoint outside the caller's lock, lookups by the
-// engine through the page cache.
+// them back at Open, and keeps its index in memory, its leaves read one
+// by one (ReadLeaf) as operations need them after a clean shutdown's Open
+// (LeafRefs). Not built: the owner lists, a checkpoint outside the
+// caller's lock, lookups by the engine through the page cache.
 //
 // # Page format
 //
