@@ -547,7 +547,17 @@ func (d *Device) readAt(p []byte, off int64) (int, error) {
 		}
 		pos = bstart + hi
 	}
+	var next segInfo
+	var nextFrom int64
+	ahead := false
+	if n := len(runs); n > 0 {
+		r := runs[n-1]
+		next, nextFrom, ahead = d.aheadTarget(uint64(off/d.bs), uint64((off+int64(len(p))+d.bs-1)/d.bs), r.si, int64(r.ls[len(r.ls)-1].off))
+	}
 	d.mu.Unlock()
+	if ahead {
+		d.aheadNext(next, nextFrom)
+	}
 	for _, r := range runs {
 		q, err := d.fetch(r.si, r.ls, true)
 		if err != nil {
