@@ -14,13 +14,14 @@ import (
 // (device.AsyncReader): by default each on a new goroutine; hold makes it
 // keep the completions for the test to deliver, refuse makes it refuse
 // starts, and fail, if set, fails reads (async ones; sync too with
-// failSync) at the device offsets it reports.
+// failSync) at the device offsets it reports. A held completion takes the
+// later of the batch the test delivers it in (runBatch).
 type asyncMem struct {
 	*device.Mem
 	mu       sync.Mutex
 	hold     bool
 	refuse   bool
-	held     []func()
+	held     []func(later func(func()))
 	started  int
 	fail     func(off int64) bool
 	failSync bool
@@ -34,20 +35,18 @@ func (d *asyncMem) StartReadAt(p []byte, off int64, done func(int, error, func(f
 	}
 	d.started++
 	fail := d.fail != nil && d.fail(off)
-	run := func() {
+	run := func(later func(func())) {
 		if fail {
-			device.WithLater(func(later func(func())) {
-				done(0, &device.IOError{Op: "read", Path: "asyncmem", Off: off, Len: int64(len(p)), Err: syscall.EIO}, later)
-			})
+			done(0, &device.IOError{Op: "read", Path: "asyncmem", Off: off, Len: int64(len(p)), Err: syscall.EIO}, later)
 			return
 		}
 		n, err := d.Mem.ReadAt(p, off)
-		device.WithLater(func(later func(func())) { done(n, err, later) })
+		done(n, err, later)
 	}
 	if d.hold {
 		d.held = append(d.held, run)
 	} else {
-		go run()
+		go device.WithLater(run)
 	}
 	return true
 }
@@ -243,9 +242,60 @@ func TestStartReadAtContended(t *testing.T) {
 		t.Fatalf("%d reads held", len(held))
 	}
 	s.mu.Lock()
-	held[0]() // returns although s.mu is taken
+	device.WithLater(held[0]) // returns although s.mu is taken
 	s.mu.Unlock()
 	if err := <-res; err != nil || string(p) != string(want[10*blockSize:11*blockSize]) {
 		t.Fatalf("%v or wrong data", err)
+	}
+}
+
+// TestStartReadAtBatch delivers the completions of three hits as one
+// device batch: each read's done gets the device's later, so what the
+// dones leave to later runs after all three have returned (the NBD server
+// writes the replies of a batch in one writev), not after each.
+func TestStartReadAtBatch(t *testing.T) {
+	_, v, cache, want := newAsyncSet(t, 64)
+	cache.mu.Lock()
+	cache.hold = true
+	cache.mu.Unlock()
+	lbas := []int64{8, 10, 17}
+	ps := make([][]byte, len(lbas))
+	dones, laters := 0, 0
+	for i, lba := range lbas {
+		ps[i] = make([]byte, blockSize)
+		if !v.StartReadAt(ps[i], lba*blockSize, func(err error, later func(func())) {
+			if err != nil {
+				t.Errorf("read of block %d: %v", lba, err)
+			}
+			dones++
+			later(func() {
+				if dones != len(lbas) {
+					t.Errorf("a later function ran after %d of the batch's %d dones", dones, len(lbas))
+				}
+				laters++
+			})
+		}) {
+			t.Fatalf("block %d not started", lba)
+		}
+	}
+	cache.mu.Lock()
+	held := cache.held
+	cache.held = nil
+	cache.mu.Unlock()
+	if len(held) != len(lbas) {
+		t.Fatalf("%d reads held", len(held))
+	}
+	device.WithLater(func(later func(func())) {
+		for _, run := range held {
+			run(later)
+		}
+	})
+	if laters != len(lbas) {
+		t.Fatalf("%d later functions ran, want %d", laters, len(lbas))
+	}
+	for i, lba := range lbas {
+		if string(ps[i]) != string(want[lba*blockSize:(lba+1)*blockSize]) {
+			t.Errorf("block %d: wrong data", lba)
+		}
 	}
 }
