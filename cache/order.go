@@ -28,7 +28,13 @@ package cache
 //
 // Under writes that never stop, a full drain never comes, so the volume
 // also catches up (catchUp): catchUpAfter after it degraded, with free
-// buckets not short, it cuts. Under Set.mu it starts a new epoch (the cut)
+// buckets not short and no write stream gone around the cache for
+// catchUpAfter, it cuts. (A stream would end the catch-up at its next
+// request, see below, and until then the catch-up's writeback at full
+// speed would only take the disk from it: a cut under a stream costs the
+// client disk time and rarely comes to an end; the volume then stays in
+// lba order, with its writeback target, until the streams pause or the
+// client is idle.) Under Set.mu it starts a new epoch (the cut)
 // and keeps superseded versions again from then on; every version of an
 // epoch before the cut is one "catch-up" epoch that writeback takes in one
 // LBA sweep at full speed (no sync between those epochs: while degraded
@@ -81,7 +87,8 @@ const (
 const supShareDegrade = 0.25
 
 // catchUpAfter is how long a degraded volume runs in lba order (since it
-// degraded, or since its last catch-up ended in a degrade) before it cuts
+// degraded, or since its last catch-up ended in a degrade), and how long
+// since a write stream of it last went around the cache, before it cuts
 // to catch up with epoch order under writes that do not stop.
 const catchUpAfter = 5 * time.Second
 
@@ -154,11 +161,12 @@ func (v *Volume) degrade(why degradeReason) {
 }
 
 // catchUp cuts a degraded volume that still has dirty data back to epoch
-// order (see the file comment), catchUpAfter after it degraded and with
-// free buckets not short. It reports whether it cut.
+// order (see the file comment), catchUpAfter after it degraded and after
+// its last write stream went around the cache, with free buckets not
+// short. It reports whether it cut.
 func (v *Volume) catchUp() bool {
 	s := v.s
-	if !v.ord.degraded.Load() || v.ord.cut.Load() != 0 || time.Since(time.Unix(0, v.ord.at.Load())) < catchUpAfter {
+	if !v.ord.degraded.Load() || v.ord.cut.Load() != 0 || time.Since(time.Unix(0, v.ord.at.Load())) < catchUpAfter || v.streamWithin(catchUpAfter) {
 		return false
 	}
 	v.ord.mu.Lock()

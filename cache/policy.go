@@ -283,9 +283,13 @@ func (v *Volume) backingKeepsUnsynced() bool {
 // streamBypassing reports whether a write stream of v bypassed the cache
 // within writeback.IdleAfter: background writeback waits for it
 // (writeback.RateIn.Stream).
-func (v *Volume) streamBypassing() bool {
+func (v *Volume) streamBypassing() bool { return v.streamWithin(writeback.IdleAfter) }
+
+// streamWithin reports whether a write stream of v bypassed the cache
+// within d.
+func (v *Volume) streamWithin(d time.Duration) bool {
 	at := v.pol.streamAt.Load()
-	return at != 0 && nowNanos()-at < int64(writeback.IdleAfter)
+	return at != 0 && nowNanos()-at < int64(d)
 }
 
 // streamRoom is the room the cache has for a write stream of v, in bytes:
