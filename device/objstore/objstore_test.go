@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"net/http"
 	"os"
 	"os/exec"
 	"strings"
@@ -411,5 +412,27 @@ func TestReadaheadAcrossSegments(t *testing.T) {
 		t.Fatalf("%d GETs for 4 segments read sequentially, want at most 6 (3 + 1 a later segment)", gets)
 	} else {
 		t.Logf("%d GETs", gets)
+	}
+}
+
+// TestCreateWithoutConditionalWrites: on a store that does not honour
+// If-None-Match (s3test.Proxy answers its 412s 200), Create refuses with
+// ErrNoConditionalWrites and leaves no image behind; the same store with
+// its conditions honoured creates it.
+func TestCreateWithoutConditionalWrites(t *testing.T) {
+	srv, direct := testEnv(t)
+	proxy := s3test.NewProxy(t, srv)
+	proxy.SetFaults(func(*http.Request) s3test.Fault { return s3test.IgnoreConditions })
+	l := direct
+	l.Endpoint, l.Prefix = proxy.Endpoint(), "nocond"
+	if _, err := Create(l, 1<<20, 4096); !errors.Is(err, ErrNoConditionalWrites) {
+		t.Fatalf("Create on a store without conditional writes: %v, want ErrNoConditionalWrites", err)
+	}
+	if _, err := Open(l, Options{ReadOnly: true}); err == nil {
+		t.Fatal("an image was left behind by the refused Create")
+	}
+	proxy.SetFaults(nil)
+	if _, err := Create(l, 1<<20, 4096); err != nil {
+		t.Fatalf("Create with the store's conditions honoured: %v", err)
 	}
 }

@@ -61,6 +61,11 @@ const (
 	nFaults
 )
 
+// IgnoreConditions forwards the request, and a refusal of a conditional
+// write (412 Precondition Failed) is answered 200 instead: a store that
+// does not honour If-None-Match / If-Match. Not among AllFaults.
+const IgnoreConditions = nFaults
+
 // Pacing of Slow and Delay.
 const (
 	SlowDelay = 20 * time.Millisecond
@@ -69,7 +74,7 @@ const (
 	HangMax = time.Minute
 )
 
-var faultNames = [...]string{"pass", "503", "500", "reset-before", "reset-after", "truncate", "slow", "delay", "hang"}
+var faultNames = [...]string{"pass", "503", "500", "reset-before", "reset-after", "truncate", "slow", "delay", "hang", "ignore-conditions"}
 
 func (f Fault) String() string { return faultNames[f] }
 
@@ -165,6 +170,17 @@ func (p *Proxy) serve(w http.ResponseWriter, r *http.Request) {
 		case <-time.After(DelayTime):
 		}
 		p.rp.ServeHTTP(w, r)
+	case IgnoreConditions:
+		rec := httptest.NewRecorder()
+		p.rp.ServeHTTP(rec, r)
+		if rec.Code == http.StatusPreconditionFailed {
+			w.Header().Set("ETag", `"00000000000000000000000000000000"`)
+			w.WriteHeader(http.StatusOK)
+			return
+		}
+		copyHeader(w.Header(), rec.Header())
+		w.WriteHeader(rec.Code)
+		w.Write(rec.Body.Bytes())
 	case Hang:
 		// The server notices the client closing only once the body is
 		// read.
