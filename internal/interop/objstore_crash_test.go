@@ -37,21 +37,44 @@ func startObjStore(t *testing.T) *s3test.Server {
 	return srv
 }
 
+// storeKiller is a killableServer whose every second Kill first kills the
+// store (versitygw, SIGKILL: a PUT or GET of writeback may be in flight),
+// then tiercache, and restarts the store on the same address and
+// directory: both die together and come back.
+type storeKiller struct {
+	*killableServer
+	srv               *s3test.Server
+	kills, storeKills int
+}
+
+func (k *storeKiller) Kill() error {
+	k.kills++
+	if k.kills%2 == 1 {
+		return k.killableServer.Kill()
+	}
+	k.storeKills++
+	k.srv.Kill()
+	err := k.killableServer.Kill()
+	k.srv.Restart()
+	return err
+}
+
 // TestKillCyclesObjStore runs the SIGKILL harness over a writeback set whose
 // backing device is an object-store image on a real versitygw: tiercache
-// is killed at random points (writeback to the image in flight among them)
-// and restarted, taking the image's lease of its dead predecessor, and
-// every flushed block must read back (the three-state oracle).
+// is killed at random points (writeback to the image in flight among them),
+// at every second kill together with versitygw (storeKiller), and
+// restarted, taking the image's lease of its dead predecessor, and every
+// flushed block must read back (the three-state oracle).
 func TestKillCyclesObjStore(t *testing.T) {
 	seed, cycles := crashConfig(t)
 	cycles = max(cycles/10, 2)
-	startObjStore(t)
+	srv := startObjStore(t)
 	const uri = "s3://images/crash"
 	run(t, time.Minute, bin, "image", "create", uri, "--size", "64M")
 	dir := shortDir(t)
 	cachePath := sparseFile(t, dir, "cache.img", 16*mib)
 	run(t, time.Minute, bin, "format", "--cache", cachePath, "--backing", "vol="+uri, "--mode", "writeback", "--bucket-size", "256K")
-	ks := newKillableServer(t, "--cache", cachePath)
+	ks := &storeKiller{killableServer: newKillableServer(t, "--cache", cachePath), srv: srv}
 	start := time.Now()
 	st, err := crashtest.Run(context.Background(), crashtest.Config{
 		Server:         ks,
@@ -67,7 +90,10 @@ func TestKillCyclesObjStore(t *testing.T) {
 		Replay:         fmt.Sprintf("go test ./internal/interop -run 'TestKillCyclesObjStore$' -seed %d -cycles %d -v", seed, cycles*10),
 		Logf:           t.Logf,
 	})
-	t.Logf("objstore: %v in %v; server: %s", st, time.Since(start).Round(time.Millisecond), ks.recoveryStats())
+	t.Logf("objstore: %v in %v; server: %s; the store killed with it %d of %d times", st, time.Since(start).Round(time.Millisecond), ks.recoveryStats(), ks.storeKills, ks.kills)
+	if ks.storeKills == 0 {
+		t.Error("the store was never killed")
+	}
 	if err != nil {
 		log := ""
 		if ks.log != nil {
