@@ -97,14 +97,18 @@ type ResilverInfo struct {
 	Done       int64   `json:"done"`
 	Total      int64   `json:"total"`
 	ETASeconds float64 `json:"eta_seconds,omitempty"`
+	// Rate is the copy's limit in bytes a second (0: none).
+	Rate int64 `json:"rate,omitempty"`
 }
 
 // ReplaceRequest is the body of POST /v1/mirror/replace: the device that
 // replaces the failed member of the degraded mirrored set. Force accepts
-// a device that holds data or another set's mirror label.
+// a device that holds data or another set's mirror label. Rate limits the
+// copy to that many bytes a second (0: no limit).
 type ReplaceRequest struct {
 	Path  string `json:"path"`
 	Force bool   `json:"force,omitempty"`
+	Rate  int64  `json:"rate,omitempty"`
 }
 
 // LostWritesAck is the body of POST /v1/lost-writes/ack: the failovers

@@ -21,12 +21,12 @@ func resilverInfo(p *cache.ResilverProgress) *ResilverInfo {
 	if p == nil {
 		return nil
 	}
-	return &ResilverInfo{Member: p.Member, Done: p.Done, Total: p.Total, ETASeconds: p.ETA.Seconds()}
+	return &ResilverInfo{Member: p.Member, Done: p.Done, Total: p.Total, ETASeconds: p.ETA.Seconds(), Rate: p.Rate}
 }
 
 func (s *Server) handleReplace(w http.ResponseWriter, r *http.Request) {
 	var req ReplaceRequest
-	if !decodeBody(w, r, &req, `{"path": ..., "force": ...}`, true) {
+	if !decodeBody(w, r, &req, `{"path": ..., "force": ..., "rate": ...}`, true) {
 		return
 	}
 	switch {
@@ -41,6 +41,9 @@ func (s *Server) handleReplace(w http.ResponseWriter, r *http.Request) {
 		return
 	case req.Path == "":
 		writeError(w, http.StatusBadRequest, "", "replace needs the path of the new device")
+		return
+	case req.Rate < 0:
+		writeError(w, http.StatusBadRequest, "", fmt.Sprintf("replace: a rate of %d bytes a second: give a positive rate, or 0 for no limit", req.Rate))
 		return
 	}
 	for i, p := range s.memberPaths() {

@@ -1,32 +1,9 @@
 package cache
 
-// Attach and detach: the set's volume list changes while it serves.
-//
-// A volume is named everywhere (journal records, checkpoints, owner keys)
-// by its slot, the index of its record in Superblock.Backings. A slot never
-// changes while its volume is in the set, so volumes in use are never
-// renumbered: detach leaves a free slot (unless it was the last one) and
-// attach fills the first free slot or appends one. The superblock is the
-// only record of which slots are live, and it changes with one write of its
-// older copy, so attach and detach are atomic with respect to a crash: the
-// newest valid copy either lists the volume or not.
-//
-// Attach: the new volume holds nothing in the cache, so the superblock
-// write is all there is. Crash before it completes: the set is as before
-// (the torn copy is the older one; the other wins). After: the volume is in
-// the set, empty. No journal record names the new slot before the
-// superblock that lists it is durable.
-//
-// Detach (Volume.Detach): mode none (superblock), write back every dirty
-// block and sync, close the volume to I/O, drop every cached block and
-// commit the drop, run the caller's BeforeRemove (the CLI releases the
-// backing device's claim there), then a checkpoint (so that no journal
-// generation replayed later holds records of the slot from before: a later
-// occupant of the slot never sees them), then the superblock without the
-// volume. Crash before the superblock write: the volume is still in the set,
-// in mode none, holding no dirty data (the backing device is complete) and
-// after recovery no clean data either; detach can be run again. Crash after:
-// the volume is gone. Either way the backing device is complete.
+// Attach and detach: the set's volume list changes while it serves. The
+// protocol and its crash atomicity (one write of the superblock's older
+// copy) are described once, in docs/CACHE.md, "Attach and detach (volume
+// slots)".
 
 import (
 	"context"

@@ -9,8 +9,8 @@
 // place, so the backing device keeps its layout and stays a plain image that
 // can be used alone after a clean detach. All metadata lives on the cache
 // device. The index lives in memory and is rebuilt at Open from the newest
-// checkpoint plus the journal, so recovery is bounded by the journal size
-// and dirty state is exact (no "everything is dirty after a crash").
+// checkpoint plus the journal, so dirty state is exact after a crash (no
+// "everything is dirty").
 //
 // # On-disk layout of the cache device
 //
@@ -28,7 +28,7 @@
 //	nbackings u16 | { name str16 | id str16 | size u64 | mode u8 | path str16 } ...
 //	"SETT" u32 | { cutoff u64 | writeback % u8 | order str16 | promote str16 | rate max u64 |
 //	               inconsistent since u64 } ... |
-//	[ "CAID" u32 | cache device id str16 ] | [ "FEAT" u32 | features u64 | flags u64 | mark shift u8 ]
+//	[ "CAID" u32 | cache device id str16 ] | "FEAT" u32 | features u64 | flags u64 | mark shift u8
 //
 // The version is 3 (ondisk.FormatVersion); every superblock has the FEAT
 // trailer (features: bit 0 warm-clean, set on every set and not read; bit 1
@@ -53,7 +53,8 @@
 //	              { flush epoch u64 | count u64 | { lba u64 | loc u32 (bit 31: dirty) | crc32c u32 } ... } ... |
 //	              "EPCH" u32 | { n u64 | { loc u32 | epoch u64 } × n | m u64 | { lba u64 | loc u32 | crc32c u32 | epoch u64 } × m } ...
 //
-// The header's version is ondisk.FormatVersion. In what order a checkpoint
+// The header's version is 2, its own (not the superblock's FormatVersion;
+// a set's format version is the superblock's). In what order a checkpoint
 // is written and how Open chooses a slot: docs/CACHE.md, "Recovery".
 //
 // # Journal framing
@@ -73,7 +74,8 @@
 //	  clean:      vol u16 | lba u64 | loc u32
 //	  invalidate: vol u16 | lba u64 | n u64
 //	  reuse:      bucket u32 | new generation u32
-//	  mark:       vol u16 | region u64 (lba >> mark shift; format feature warm-clean only)
+//	  mark:       vol u16 | region u64 (lba >> mark shift)
+//	  unmark:     vol u16 | region u64
 //
 // The crc32c covers the block after the crc field. The nonce (from the set
 // UUID) and the generation (the checkpoint the journal follows) tell a
@@ -83,19 +85,26 @@
 //
 // # Where things are
 //
-// The protocols (flush, recovery, writeback and epoch order, eviction,
-// attach and detach, failover) are described once, in docs/CACHE.md; the
+// The protocols (flush, recovery, index pages, region marks, writeback and
+// epoch order, eviction, attach and detach, failover) are described once,
+// in docs/CACHE.md; the
 // invariants they keep are numbered in docs/DESIGN.md. The code is split
 // by room:
 //
 //   - internal/ondisk: the formats above and their codecs;
 //   - internal/index: the in-memory index (no I/O), guarded by Set.mu;
-//   - format.go: Format and the on-disk types of the API;
+//     index.go: the engine's per-volume state beside it;
+//   - internal/pages and pagedckpt.go: checkpoints as index pages;
+//   - format.go, identity.go, errors.go, journalhead.go: Format, identity
+//     re-recording, and the on-disk types and errors of the API;
 //   - recovery.go: Open, the checkpoint load and the journal replay;
 //   - commit.go: journal appends, group commit, checkpoints, backing
 //     syncs and FUA;
 //   - set.go: the Set (orchestration: locks, volumes, Close, stats);
-//   - volume.go, readpath.go, policy.go: the client I/O paths;
+//   - volume.go, route.go, readpath.go, policy.go: the client I/O paths
+//     (route.go: where a write, write-zeroes or trim goes);
+//   - order.go: epoch order's degrade, catch-up and return; marks.go:
+//     region marks;
 //   - alloc.go: bucket allocation; evict.go: eviction and GC moves;
 //   - internal/writeback: the writeback mechanism, its loop, its entry
 //     points (eviction, a write waiting for space, Drain), queue depth and
@@ -103,6 +112,7 @@
 //   - internal/backoff: retry pacing of operations failing outside the
 //     cache (writeback, ENOSPC);
 //   - failover.go: fencing and loss accounting after a cache failure;
+//   - internal/mirror, mirror.go, resilver.go: mirrored cache devices;
 //   - attach.go, inspect.go, scrub.go: volume slots, read-only inspection,
 //     checksum scrubs.
 package cache

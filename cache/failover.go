@@ -1,64 +1,13 @@
 package cache
 
-// Cache device failure: passthrough.
-//
-// Policy. Cache device errors fall in two classes:
-//
-//   - metadata: a failed journal write, checkpoint write or cache device
-//     sync. The set can no longer make records durable (and a failed sync
-//     is not retryable: the kernel may have dropped the dirty pages), so
-//     it fails over at once;
-//   - data: a failed read or write of cached data (client reads, writes,
-//     promotions, writeback and GC reads). Each is handled on its own: a
-//     clean block is read from the backing device instead, a dirty block is
-//     read once more and then returns an I/O error, a write that cannot go
-//     into the cache goes around it (to the backing device, invalidating
-//     the cached copy), a promotion is skipped. cacheErrLimit such errors
-//     in a row, with no successful cache I/O in between, fail the set over.
-//
-// After failover ("failed" in Stats) the cache device is never written
-// again and never read again; every volume keeps serving:
-//
-//   - reads of blocks not dirty in the cache come from the backing device;
-//     reads touching a dirty block return an error wrapping
-//     ErrDirtyUnreachable (never zeroes, never the older backing data),
-//     logged and counted (VolumeStats.UnreachableReadErrors);
-//   - writes, write-zeroes and trims go to the backing device and drop any
-//     cached copy from the in-memory index; FUA and FLUSH sync the backing
-//     device. A write to a *fenced* block returns ErrDirtyUnreachable
-//     instead (VolumeStats.FencedWriteErrors): a block dirty in the cache,
-//     or named by a journal record that may not have reached the device (a
-//     clean mark, an invalidation, a dirty insert, or a clean insert that
-//     replaced a dirty block: writethrough over writeback data). The cache
-//     device may still hold a durable dirty version of such a block; if
-//     the device comes back (a reseated cable, a controller reset) and the
-//     set is reopened, that version would be replayed over the newer write.
-//     Fencing keeps the on-disk cache set a valid crash image, so a healed
-//     device recovers every dirty block. For the same reason a writethrough
-//     write whose clean insert replaced a dirty block and was lost counts
-//     as lost (LostWriteBlocks): a reopen replays the dirty version over it;
-//   - FLUSH on a volume that had writes only in the cache whose records
-//     never became durable (VolumeStats.LostWriteBlocks > 0) returns an
-//     error wrapping ErrLostWrites, every time: those writes are gone and a
-//     successful FLUSH would claim they are durable;
-//   - background writeback, GC, promotion and the periodic commit stop;
-//     Drain returns the failure; Close leaves the cache device as it is
-//     (not marked clean, so a reopen drops clean entries, which may be
-//     stale after the passthrough writes).
-//
-// The dirty data that is unreachable is logged at failover (per volume,
-// with its ranges) and shown by Stats (VolumeStats.UnreachableDirtyBlocks)
-// and `tiercache usage`.
-//
-// Acknowledged writes the failover lost (LostWriteBlocks: their records
-// never became durable, so no reopen brings them back) are recorded on the
-// cache device, in the lost-writes record (ondisk/lostwrites.go): the one
-// write to the device after failover, to blocks format allocated, so it
-// succeeds when the device failed for want of space or for a bad region
-// and fails only with the device itself. Close records it again if later
-// requests lost more. Open loads it; Stats (LostWrites), `tiercache check`
-// and `status` report each failover it lists, by volume, bytes and ranges,
-// until an operator acknowledges it (AckLostWrites, offline or online).
+// Cache device failure: the policy (which errors fail the set over), the
+// passthrough service after failover, fencing, lost writes and the
+// lost-writes record, described once in docs/CACHE.md, "Device failures".
+// Here: cacheIOError and cacheErrLimit (the policy), failLocked (the
+// failover: fences, lost counts and the record, in one hold of Set.mu),
+// readFailed and fenceErr (requests after it), recordLostLocked and
+// recordLostAtClose (the lost-writes record), LostWrites and
+// AckLostWrites (reading and acknowledging it).
 
 import (
 	"errors"

@@ -1,54 +1,23 @@
 package cache
 
-// Region marks: what keeps the clean cache warm after a crash
-// (docs/CACHE.md, "Region marks"; format feature warm-clean).
+// Region marks: what keeps the clean cache warm after a crash. The rules
+// are described once, in docs/CACHE.md, "Region marks"; here is where
+// each is kept:
 //
-// A clean entry recovered after an unclean shutdown is stale if a backing
-// write of its block reached the backing device while the record that
-// dropped or replaced the entry (an invalidation, a writethrough's clean
-// insert) was lost. With marks, recovery drops only the clean entries of
-// the regions marked in the journal it replays. What makes that enough:
-//
-//  1. A backing write that can make a clean entry stale (passthrough,
-//     trim, write-zeroes, writethrough) is issued only once its region is
-//     covered: a mark record of the region is durable in the current
-//     journal generation. The check and the write's claim are one hold of
-//     Set.mu (claimBacking), so a checkpoint snapshot sees either the
-//     claim or a covered region.
-//  2. A checkpoint snapshot leaves out the clean entries of every claimed
-//     range (snapshotCleanExcluding): a write in flight at the snapshot
-//     cannot be exposed by a recovery from that checkpoint, whose journal
-//     holds none of the marks written before it. The covered set starts
-//     empty in each generation (resetMarksLocked): marks lapse at every
-//     checkpoint.
-//  3. An unmark record ends a mark once no write is in flight in the
-//     region and none has started for markIdle (lapseMarksLocked). Every
-//     write issued into the region before it appended its record before
-//     the unmark, and the journal is durable in prefix order, so a durable
-//     unmark comes with every record it covers.
-//  4. Writeback writes a dirty version to the backing device only once the
-//     record that inserted it is durable (commitBeforeWriteback): else a
-//     crash could bring back the older clean entry it replaced, over a
-//     backing device that holds the newer data.
-//  5. After failover nothing reaches the journal: a backing write into a
-//     region that is not covered first sets the superblock's clean-untrusted
-//     flag (untrustClean), so the next recovery is cold. A dead device
-//     cannot take that write either; the backing write goes ahead anyway
-//     (failover keeps every export up), the log says so, and a restart on
-//     that device once it works again must recover cold
-//     (OpenOptions.ColdClean, `serve --cold-clean`): nothing on the cache
-//     device can tell such a restart from one after a plain crash.
-//  6. A commit that fails without a failover (a backing device of any
-//     volume cannot sync, and every commit syncs them all) does not fail
-//     a backing write or a writeback of another volume: the region stays
-//     uncovered (the inserts not durable) and
-//     the clean-untrusted flag is set as in rule 5, so a crash before the
-//     next clean start recovers cold. Only if that flag cannot be written
-//     either does the write fail.
-//
-// Bucket reuse stays as it is: a reuse record is durable before new data
-// goes into the bucket (evict.go), so a clean entry of an older generation
-// never points at another block's data.
+//   - a backing write that can make a clean entry stale waits for its
+//     region's mark to be durable, claimed in the same hold of Set.mu
+//     (claimBacking);
+//   - a checkpoint snapshot leaves out the clean entries of claimed
+//     ranges (snapshotCleanExcluding), and marks lapse at every
+//     checkpoint (resetMarksLocked);
+//   - an unmark ends an idle region's mark (lapseMarksLocked, markIdle);
+//   - writeback writes a version back only once its insert is durable
+//     (commitBeforeWriteback);
+//   - after a failover, or a commit that failed without one, a backing
+//     write into an uncovered region first sets the superblock's
+//     clean-untrusted flag (untrustClean), so the next recovery is cold;
+//   - recovery verifies the clean entries of the regions marked at the
+//     journal's end against the backing device (verifyClean, recovery.go).
 
 import (
 	"fmt"

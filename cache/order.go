@@ -1,63 +1,12 @@
 package cache
 
-// Epoch order's escape hatch: degrading to LBA order.
-//
-// In epoch order the backing device alone holds the image after some
-// client flush plus part of the next epoch (invariant 8). That costs the
-// cache room and the disk time: every superseded version of a block is
-// kept until its epoch is written back, and each epoch is written back
-// with a backing sync before the next. A workload of many small epochs
-// overwriting a region fills the cache with superseded versions faster
-// than writeback can retire them; a sequential stream could only bypass
-// the cache after every older epoch was written back. Waiting for either
-// would stall the client, so instead the volume degrades:
-//
-//   - the moment is recorded in the superblock (BackingInfo.InconsistentSince)
-//     before anything else changes, so a restart keeps saying so and
-//     recovery keeps no superseded version;
-//   - the superseded versions are dropped and writeback runs in LBA order
-//     (keepSuperseded is false), sequential streams and writes that find
-//     no free bucket go around the cache as in lba order;
-//   - once the volume has no dirty data left (the next full drain), it
-//     returns to epoch order by itself: in memory under Set.mu at the
-//     moment the last dirty block is marked clean (so every later write
-//     keeps its older versions again), then, after a commit has made the
-//     clean marks durable and synced the backing device, in the
-//     superblock. Stats report the backing device consistent only from
-//     then on.
-//
-// Under writes that never stop, a full drain never comes, so the volume
-// also catches up (catchUp): catchUpAfter after it degraded, with free
-// buckets not short and no write stream gone around the cache for
-// catchUpAfter, it cuts. (A stream would end the catch-up at its next
-// request, see below, and until then the catch-up's writeback at full
-// speed would only take the disk from it: a cut under a stream costs the
-// client disk time and rarely comes to an end; the volume then stays in
-// lba order, with its writeback target, until the streams pause or the
-// client is idle.) Under Set.mu it starts a new epoch (the cut)
-// and keeps superseded versions again from then on; every version of an
-// epoch before the cut is one "catch-up" epoch that writeback takes in one
-// LBA sweep at full speed (no sync between those epochs: while degraded
-// no superseded version was kept, so each LBA has at most one version
-// before the cut, the newest as of the cut). Once none is left, the
-// backing device holds the image at the cut, an older flush plus part of
-// the epoch then current, and from there epoch order proper: the same
-// commit, backing sync and superblock write as after a full drain report
-// it consistent (restoreOrder). A degrade during the catch-up (space,
-// superseded versions, a sequential stream) ends it; the volume stays
-// inconsistent since the first degrade and cuts again catchUpAfter later.
-// A crash during the catch-up reopens degraded (the superblock still says
-// inconsistent), dropping the superseded versions, as after any degrade.
-//
-// The volume degrades when (degradeReason):
-//
-//   - a write in epoch order finds no free bucket after helping
-//     writeback once (allocWaitWriteback);
-//   - a sequential stream longer than sequential_cutoff arrives while
-//     older epochs are dirty;
-//   - free buckets are short and superseded versions hold a quarter of
-//     the cache (writebackLoop): writeback in epoch order cannot free
-//     space fast enough.
+// Epoch order's escape hatch: degrading to LBA order when epoch order's
+// writeback falls behind, and the return by a full drain or a catch-up
+// (docs/CACHE.md, "Epoch order", which describes it once; why:
+// docs/DESIGN.md). Here: degrade (superblock first, then the superseded
+// versions dropped), catchUp (the cut), restoreOrder (the return, in
+// memory, then a commit and backing sync, then the superblock), and
+// degradeReason, the triggers.
 
 import (
 	"fmt"
@@ -122,7 +71,7 @@ func (s *Set) epochSetting(vi int) bool {
 	return cfg != nil && cfg.WritebackOrder == OrderEpoch
 }
 
-// degrade takes volume v out of epoch order (see the file comment). It
+// degrade takes volume v out of epoch order (docs/CACHE.md, "Epoch order"). It
 // does nothing if v is not in epoch order or already degraded. If the
 // superblock cannot be written the set fails over instead.
 func (v *Volume) degrade(why degradeReason) {
@@ -161,9 +110,9 @@ func (v *Volume) degrade(why degradeReason) {
 }
 
 // catchUp cuts a degraded volume that still has dirty data back to epoch
-// order (see the file comment), catchUpAfter after it degraded and after
-// its last write stream went around the cache, with free buckets not
-// short. It reports whether it cut.
+// order (docs/CACHE.md, "Epoch order"), catchUpAfter after it degraded
+// and after its last write stream went around the cache, with free
+// buckets not short. It reports whether it cut.
 func (v *Volume) catchUp() bool {
 	s := v.s
 	if !v.ord.degraded.Load() || v.ord.cut.Load() != 0 || time.Since(time.Unix(0, v.ord.at.Load())) < catchUpAfter || v.streamWithin(catchUpAfter) {
@@ -209,7 +158,7 @@ func (v *Volume) caughtUpLocked() bool {
 
 // restoreOrder returns a degraded volume with no dirty data, or one whose
 // catch-up has written back everything before its cut, to epoch order
-// (see the file comment). It reports whether it did.
+// (docs/CACHE.md, "Epoch order"). It reports whether it did.
 func (v *Volume) restoreOrder() bool {
 	s := v.s
 	if !v.ord.degraded.Load() && v.ord.since.Load() == 0 {

@@ -694,7 +694,7 @@ func (s *Set) install(c *collector, out []resolvedVol) {
 // c in journal order (and to onRec first, if not nil).
 func readJournal(dev device.Device, sb *Superblock, h ondisk.CkptHeader, c *collector, onRec func(*ondisk.Rec)) *jrecs {
 	jr := &jrecs{}
-	jr.end, jr.n, jr.head, jr.err = ondisk.ReplayJournalHead(dev, sb, h.Gen, h.JPos, nil, func(r *ondisk.Rec) error {
+	jr.end, jr.n, jr.head, jr.err = ondisk.ReplayJournal(dev, sb, h.Gen, h.JPos, func(r *ondisk.Rec) error {
 		if onRec != nil {
 			onRec(r)
 		}

@@ -23,6 +23,9 @@ type ResilverOptions struct {
 	Force bool
 	// Progress, if set, is called as the copy advances.
 	Progress func(ResilverProgress)
+	// Rate limits the copy to this many bytes a second (0: no limit),
+	// leaving the rest of the devices' bandwidth to the set's I/O.
+	Rate int64
 }
 
 // ResilverProgress is a resilver's progress (also in SetStats.Mirror
@@ -31,17 +34,24 @@ type ResilverProgress struct {
 	Member      string // "A" or "B": the member being brought in
 	Done, Total int64  // bytes copied, to copy
 	Started     time.Time
-	// ETA is the time left at the rate so far (0 until a rate is known).
+	// ETA is the time left at the rate so far, or at the limit when that
+	// is slower (0 until a rate is known).
 	ETA time.Duration
+	// Rate is the copy's limit in bytes a second (0: none).
+	Rate int64
 }
 
 func resilverProgress(st *mirror.ResilverStats) *ResilverProgress {
 	if st == nil {
 		return nil
 	}
-	p := &ResilverProgress{Member: st.Member.String(), Done: st.Done, Total: st.Total, Started: st.Started}
+	p := &ResilverProgress{Member: st.Member.String(), Done: st.Done, Total: st.Total, Started: st.Started, Rate: st.Rate}
 	if el := time.Since(st.Started); st.Done > 0 && st.Total > st.Done {
 		p.ETA = time.Duration(float64(el) * float64(st.Total-st.Done) / float64(st.Done))
+	}
+	if st.Rate > 0 && st.Total > st.Done {
+		// The rate so far may be above the limit (the first chunks).
+		p.ETA = max(p.ETA, time.Duration(float64(st.Total-st.Done)/float64(st.Rate)*float64(time.Second)))
 	}
 	return p
 }
@@ -58,6 +68,7 @@ func (s *Set) ReplaceMirrorMember(ctx context.Context, dev device.Device, opts R
 	if err := s.err(); err != nil {
 		return "", fmt.Errorf("replace: the cache set has failed over: %w", err)
 	}
+	s.mir.SetResilverRate(opts.Rate)
 	r, err := s.mir.BeginResilver(dev, opts.Force)
 	if err != nil {
 		if errors.Is(err, mirror.ErrRefused) {

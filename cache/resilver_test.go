@@ -352,3 +352,65 @@ func TestResilverRefusals(t *testing.T) {
 	r.a.pulled.Store(true)
 	r.verify(map[uint64]uint64{1: 1, 2: 2})
 }
+
+// TestResilverTooFewSlots: a new B with fewer slots than the buckets
+// holding dirty data is refused (it could not hold a copy of each), says
+// how many it has and needs and what to do, leaves the set degraded and
+// serving, and B's failure not repaired; once the dirty data is written
+// back (Drain, as the refusal says), the same device is taken.
+func TestResilverTooFewSlots(t *testing.T) {
+	ctx := context.Background()
+	r := newMirrorRig(t, 16, 64<<10, 8, 1024)
+	// Writeback fails until the backing device works again: the dirty
+	// data stays.
+	var backFails atomic.Bool
+	backFails.Store(true)
+	if err := r.set.Close(); err != nil {
+		t.Fatal(err)
+	}
+	r.specs = []BackingSpec{{Name: "a", Dev: faultdev.Wrap(r.back, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+		if backFails.Load() && op.Kind == faultdev.Write {
+			return faultdev.Error(nil)
+		}
+		return faultdev.Fault{}
+	}))}}
+	r.open(r.a, r.b, false)
+	r.b.pulled.Store(true)
+	want := map[uint64]uint64{}
+	const blocks = 6 * 16 // six buckets of 16 blocks
+	for lba := range uint64(blocks) {
+		r.write(lba, lba+1)
+		want[lba] = lba + 1
+	}
+	if err := r.vol.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if st := r.set.Stats(); st.DirtyBlocks < blocks || !st.Mirror.Degraded {
+		t.Fatalf("before the replace: %d dirty blocks, mirror %+v; want %d dirty, degraded", st.DirtyBlocks, st.Mirror, blocks)
+	}
+	small := device.NewMem(r.set.lay.BucketsOff + mirror.MinSlots*(64<<10+blockSize))
+	_, err := r.set.ReplaceMirrorMember(ctx, small, ResilverOptions{})
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), fmt.Sprintf("has %d slots, fewer than the", mirror.MinSlots)) || !strings.Contains(err.Error(), "write the dirty data back first") {
+		t.Fatalf("replace with %d slots for 6 dirty buckets: %v; want a refusal naming the slots", mirror.MinSlots, err)
+	}
+	t.Logf("refused: %v", err)
+	if st := r.set.Stats().Mirror; !st.Degraded || st.Failed != "B" || st.Resilver != nil {
+		t.Fatalf("after the refusal: %+v", st)
+	}
+	r.write(blocks, 1000) // still serving, degraded
+	want[blocks] = 1000
+	r.verify(want)
+
+	backFails.Store(false)
+	if err := r.set.Drain(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.set.ReplaceMirrorMember(ctx, small, ResilverOptions{Force: true}); err != nil {
+		t.Fatalf("replace after the dirty data was written back: %v", err)
+	}
+	if st := r.set.Stats().Mirror; st.Degraded {
+		t.Fatalf("after the replace: %+v", st)
+	}
+	r.a.pulled.Store(true)
+	r.verify(want)
+}

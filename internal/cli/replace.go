@@ -26,7 +26,7 @@ func (h *openedSet) replaceMember(ctx context.Context, req admin.ReplaceRequest,
 		release()
 		return "", "", fmt.Errorf("new mirror member: %w", err)
 	}
-	member, err := h.set.ReplaceMirrorMember(ctx, dev, cache.ResilverOptions{Force: req.Force, Progress: fn})
+	member, err := h.set.ReplaceMirrorMember(ctx, dev, cache.ResilverOptions{Force: req.Force, Progress: fn, Rate: req.Rate})
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	// Closed only when the server stops: on an error the mirror may
@@ -37,6 +37,7 @@ func (h *openedSet) replaceMember(ctx context.Context, req admin.ReplaceRequest,
 
 func newReplaceCmd(g *globals) *cobra.Command {
 	var force, asJSON bool
+	var rate string
 	cmd := &cobra.Command{
 		Use:     "replace DEVICE",
 		Aliases: []string{"attach-mirror"},
@@ -57,6 +58,14 @@ data; A the set's whole layout), the survivor itself, and, unless
 --force, a DEVICE that holds data or another set's mirror label.`,
 		Args: cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
+			var bps int64
+			if rate != "" {
+				n, err := parseSize(rate)
+				if err != nil || n < 0 {
+					return fmt.Errorf("replace: --rate %q: give bytes a second (50M, 1G; 0 for no limit)", rate)
+				}
+				bps = n
+			}
 			ctx := cmdContext(cmd)
 			s, err := g.connect(ctx)
 			if err != nil {
@@ -65,7 +74,7 @@ data; A the set's whole layout), the survivor itself, and, unless
 			start := time.Now()
 			pl := newProgressLine(g.stderr, "replace", human)
 			pl.quiet = asJSON
-			fin, err := s.c.Replace(ctx, admin.ReplaceRequest{Path: args[0], Force: force}, pl.update)
+			fin, err := s.c.Replace(ctx, admin.ReplaceRequest{Path: args[0], Force: force, Rate: bps}, pl.update)
 			pl.done()
 			if err != nil {
 				return fmt.Errorf("replace: %w", g.apiErr(err))
@@ -79,5 +88,6 @@ data; A the set's whole layout), the survivor itself, and, unless
 	}
 	cmd.Flags().BoolVar(&force, "force", false, "overwrite a device that holds data or another cache set's mirror label")
 	cmd.Flags().BoolVar(&asJSON, "json", false, "print JSON (the final progress)")
+	cmd.Flags().StringVar(&rate, "rate", "", "limit the copy to RATE bytes a second (50M, 1G), leaving the rest of the devices' bandwidth to the served I/O (writes are never limited); default no limit")
 	return cmd
 }

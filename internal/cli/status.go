@@ -88,7 +88,11 @@ func printStatus(out io.Writer, s *session) error {
 		fmt.Fprintf(w, "state\t%s; %s cached, %s dirty\n", state, human(c.CachedBytes), human(c.DirtyBytes))
 		if m := c.Mirror; m != nil && m.Resilver != nil && m.Resilver.Total > 0 {
 			rs := m.Resilver
-			fmt.Fprintf(w, "resilver\tmember %s: %s of %s copied (%.0f%%), ETA %s\n", rs.Member, human(rs.Done), human(rs.Total), 100*float64(rs.Done)/float64(rs.Total), humanDur(rs.ETASeconds))
+			limit := ""
+			if rs.Rate > 0 {
+				limit = ", limited to " + human(rs.Rate) + "/s"
+			}
+			fmt.Fprintf(w, "resilver\tmember %s: %s of %s copied (%.0f%%)%s, ETA %s\n", rs.Member, human(rs.Done), human(rs.Total), 100*float64(rs.Done)/float64(rs.Total), limit, humanDur(rs.ETASeconds))
 		}
 		for _, l := range c.LostWrites {
 			fmt.Fprintf(w, "LOST WRITES\t%s\n", l)

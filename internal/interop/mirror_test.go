@@ -1,7 +1,10 @@
 package interop
 
 import (
+	"fmt"
+	"math/rand/v2"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -91,4 +94,177 @@ func mirrorMemberFails(t *testing.T, lost string) {
 	}
 	s = startServer(t, "--cache", survivor, "--data-dir", dd)
 	check("restarted on the survivor alone")
+}
+
+// TestMirrorReplaceThroughBinary replaces a pulled member of a mirrored
+// set through the binary while fio writes: member A or B is a faultyDisk,
+// pulled after a first fio region was written and flushed; a second
+// region is written degraded; then `tiercache replace --rate` brings a
+// new file in while fio keeps writing fresh regions (verify=crc32c
+// headers, FLUSHes), the first of them started once `status` shows the
+// resilver running with its limit. After the replace, status is no longer
+// DEGRADED; the server is killed (SIGKILL) during unflushed writes and
+// restarted on the new member alone (--mirror-missing), where every
+// flushed region verifies (fio --verify_only): the new member holds the
+// metadata and the dirty data by itself; killed again and restarted on
+// both, the old survivor is stale (DEGRADED names it) and every flushed
+// region verifies again.
+// The backing device (a faultyDisk too) fails every write throughout, so
+// that every region stays dirty: the degraded set's full-speed writeback
+// would otherwise leave only clean data, which a checksum failure reads
+// from the backing device, and the test would not see a copy missing.
+func TestMirrorReplaceThroughBinary(t *testing.T) {
+	need(t, "fio", "qemu-io")
+	t.Parallel() // self-contained: its own files, sockets and processes
+	for _, lost := range []string{"A", "B"} {
+		t.Run("lost="+lost, func(t *testing.T) { mirrorReplace(t, lost) })
+	}
+}
+
+func mirrorReplace(t *testing.T, lost string) {
+	seed := uint64(time.Now().UnixNano())
+	t.Logf("seed %d", seed)
+	rng := rand.New(rand.NewPCG(seed, 0x5e91))
+	disk := newFaultyDisk(t, 16*mib, false)
+	backDisk := newFaultyDisk(t, 64*mib, false)
+	dir := t.TempDir()
+	a, b := disk.path, sparseFile(t, dir, "b.img", 20*mib)
+	if lost == "B" {
+		a, b = sparseFile(t, dir, "a.img", 48*mib), disk.path
+	}
+	nw := sparseFile(t, dir, "new.img", 16*mib)
+	if lost == "A" {
+		nw = sparseFile(t, dir, "new.img", 20*mib)
+	}
+	run(t, time.Minute, bin, "format", "--cache", a, "--cache-mirror", b, "--backing", "a="+backDisk.path, "--bucket-size", "256K", "--mode", "writeback", "--trust-path")
+	backDisk.set(t, backDisk.writeT, true)
+	dd := filepath.Join(dir, "data")
+	s := startServer(t, "--cache", a, "--cache-mirror", b, "--data-dir", dd)
+	// Every region stays dirty: at most 7 MiB and 2 MiB of noise, within
+	// the 60 buckets of the smaller member.
+	const regionSize = 1 * mib
+	// Regions [0, 7 MiB): up to maxRegions before the replace ends, one
+	// after; the noise writes [7 MiB, 9 MiB).
+	const maxRegions = 6
+	region := func(i int, extra ...string) []string {
+		return append([]string{
+			"--name=flushed", "--ioengine=nbd", "--uri=" + s.uri("a"),
+			"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=8",
+			fmt.Sprintf("--offset=%d", int64(i)*regionSize), fmt.Sprintf("--size=%d", regionSize), fmt.Sprintf("--randseed=%d", 1000+i),
+			"--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json",
+		}, extra...)
+	}
+	regions := 0
+	write := func() {
+		t.Helper()
+		out := run(t, 5*time.Minute, "fio", region(regions, "--do_verify=0", "--fsync=16", "--end_fsync=1")...)
+		checkFio(t, out)
+		// One FLUSH after every write completed (TestKillCyclesFio: fio's
+		// last FLUSH may be sent before its last writes complete).
+		run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "flush", s.uri("a"))
+		regions++
+	}
+	verify := func(how string) {
+		t.Helper()
+		for j := range regions {
+			out, err := runErr(5*time.Minute, "fio", region(j, "--verify_only=1")...)
+			if err != nil {
+				t.Fatalf("%s: flushed fio region %d of %d does not verify: %v\n%s\nserver log:\n%s", how, j, regions, err, out, s.log)
+			}
+			checkFio(t, out)
+		}
+	}
+	status := func() string { return run(t, time.Minute, bin, "status", "--data-dir", dd) }
+
+	write()
+	disk.set(t, disk.readT, true)
+	disk.set(t, disk.writeT, true)
+	write() // notices the pulled member
+	if st := status(); !strings.Contains(st, "DEGRADED: member "+lost) {
+		t.Fatalf("status with %s pulled:\n%s", lost, st)
+	}
+
+	// The replace, limited so that its copy takes seconds.
+	rcmd, rout, rdone := background(t, bin, "replace", "--data-dir", dd, "--rate", "512K", nw)
+	defer rcmd.Process.Kill()
+	var running string
+	for deadline := time.Now().Add(time.Minute); running == ""; {
+		select {
+		case err := <-rdone:
+			t.Fatalf("replace ended before status showed it running: %v\n%s\nserver log:\n%s", err, rout, s.log)
+		default:
+		}
+		if st := status(); regexp.MustCompile(`(?m)^resilver\s+member ` + lost).MatchString(st) {
+			running = st
+		} else if time.Now().After(deadline) {
+			t.Fatalf("status never showed the resilver:\n%s", st)
+		}
+	}
+	t.Logf("status during the replace:\n%s", running)
+	if !strings.Contains(running, "limited to 512 KiB/s") {
+		t.Fatalf("status does not show the resilver's rate limit:\n%s", running)
+	}
+	during := 0
+	var rerr error
+	for replaced := false; !replaced; {
+		write()
+		during++
+		select {
+		case rerr = <-rdone:
+			replaced = true
+		default:
+			if regions == maxRegions {
+				rerr, replaced = <-rdone, true
+			}
+		}
+	}
+	if rerr != nil || !strings.Contains(rout.String(), "in sync again") {
+		t.Fatalf("replace: %v\n%s\nserver log:\n%s", rerr, rout, s.log)
+	}
+	t.Logf("%d fio regions written during the replace: %s", during, strings.TrimSpace(rout.String()))
+	if st := status(); strings.Contains(st, "DEGRADED") || regexp.MustCompile(`(?m)^resilver\s`).MatchString(st) {
+		t.Fatalf("status after the replace:\n%s", st)
+	}
+	write() // redundant again
+	for _, l := range strings.Split(status(), "\n") {
+		if strings.HasPrefix(l, "state") {
+			t.Logf("before the first SIGKILL: %s", l)
+			if strings.Contains(l, " 0 B dirty") {
+				t.Fatalf("no dirty data: the test would prove nothing\n%s", s.log)
+			}
+		}
+	}
+
+	// SIGKILL during unflushed writes.
+	kill := func() {
+		t.Helper()
+		noise, _, ndone := background(t, "fio", "--thread", "--name=noise", "--ioengine=nbd", "--uri="+s.uri("a"),
+			"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", fmt.Sprintf("--offset=%d", int64(maxRegions+1)*regionSize),
+			fmt.Sprintf("--size=%d", 2*mib), "--time_based", "--runtime=60s")
+		time.Sleep(time.Duration(200+rng.IntN(800)) * time.Millisecond)
+		s.cmd.Process.Signal(syscall.SIGKILL)
+		<-s.done
+		s.waited = nil
+		noise.Process.Kill()
+		<-ndone
+	}
+	kill()
+	// The new member alone first: a restart on both would resync B from
+	// A's dirty blocks (after an unclean shutdown) and hide a copy the
+	// resilver missed.
+	s = startServer(t, "--cache", nw, "--mirror-missing", "--data-dir", dd)
+	verify("after SIGKILL, restarted on the new member alone")
+	kill()
+	// Both again: the old survivor is stale now (the new member served
+	// alone since) and must not be used.
+	newA, newB, survivor := a, nw, "A"
+	if lost == "A" {
+		newA, newB, survivor = nw, b, "B"
+	}
+	s = startServer(t, "--cache", newA, "--cache-mirror", newB, "--data-dir", dd)
+	if st := status(); !strings.Contains(st, "DEGRADED: member "+survivor) {
+		t.Fatalf("status after the restart on both, the new member having served alone: the stale %s is used:\n%s", survivor, st)
+	}
+	verify("after SIGKILL, restarted on both, the old survivor stale")
+	backDisk.set(t, backDisk.writeT, false) // the server's cleanup stops it
 }

@@ -28,12 +28,14 @@
 package mirror
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
@@ -143,6 +145,8 @@ type Mirror struct {
 	// pieces to their completion, a resilver's copy chunk the write side.
 	rs     resilverState
 	copyMu sync.RWMutex
+	// sleepHook, if set, replaces the resilver's pacing sleep (tests).
+	sleepHook func(ctx context.Context, d time.Duration) error
 
 	mu        sync.Mutex
 	labelWait chan struct{}

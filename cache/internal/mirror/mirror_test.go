@@ -2,9 +2,11 @@ package mirror
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/faultdev"
@@ -320,5 +322,79 @@ func TestAssembleRefusals(t *testing.T) {
 	}
 	if !m2.Failed(A) || m2.Primary() != B {
 		t.Fatal("stale A used")
+	}
+}
+
+// TestResilverRate: a resilver limited to a rate waits, chunk by chunk,
+// until the bytes copied took at least bytes/rate (in steps of at most
+// paceStep, so that a new limit is seen within one), reports the limit in
+// its stats, and stops waiting when the limit is lifted. The sleeps are
+// counted, not timed.
+func TestResilverRate(t *testing.T) {
+	_, b, m := newPair(t, 4)
+	for i := range int64(2) {
+		m.Map(i, 1, 0)
+		if _, err := m.WriteAt(fill(int(testLayout.BucketSize), 'x'), bucketOff(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	b.dead.Store(true)
+	if _, err := m.WriteAt(fill(blockSize, 'y'), bucketOff(0)); err != nil {
+		t.Fatal(err)
+	}
+	if !m.Failed(B) {
+		t.Fatal("B not failed")
+	}
+	nb := newSwitchable(b.Size())
+	if _, err := m.BeginResilver(nb, false); err != nil {
+		t.Fatal(err)
+	}
+	const rate = 64 << 10 // bytes a second
+	m.SetResilverRate(rate)
+	var slept time.Duration
+	var steps int
+	m.sleepHook = func(_ context.Context, d time.Duration) error {
+		if d > paceStep {
+			t.Errorf("one sleep of %v, more than paceStep", d)
+		}
+		slept += d
+		steps++
+		return nil
+	}
+	if st := m.Stats().Resilver; st == nil || st.Rate != rate {
+		t.Fatalf("resilver stats %+v: want the rate limit %d", st, rate)
+	}
+	start := time.Now()
+	if err := m.CopyMeta(context.Background(), nil); err != nil {
+		t.Fatal(err)
+	}
+	m.Map(0, 1, 0)
+	m.Map(1, 1, 0)
+	if err := m.CopyBuckets(context.Background(), []BucketGen{{0, 1}, {1, 1}}, nil); err != nil {
+		t.Fatal(err)
+	}
+	// Done counts the two label blocks, which are skipped, not copied.
+	copied := m.Stats().Resilver.Done - 2*blockSize
+	want := time.Duration(float64(copied)/rate*float64(time.Second)) - time.Since(start)
+	if slept < want {
+		t.Fatalf("copied %d bytes at a limit of %d B/s sleeping %v; want at least %v", copied, rate, slept, want)
+	}
+	t.Logf("copied %d bytes, slept %v in %d steps", copied, slept, steps)
+
+	// Lifted while copying: no more waiting after the step that saw it.
+	slept, steps = 0, 0
+	m.sleepHook = func(_ context.Context, d time.Duration) error {
+		steps++
+		m.SetResilverRate(0)
+		return nil
+	}
+	if err := m.CopyBuckets(context.Background(), []BucketGen{{0, 1}, {1, 1}}, nil); err != nil {
+		t.Fatal(err)
+	}
+	if steps != 1 {
+		t.Fatalf("%d sleeps after the limit was lifted at the first; want 1", steps)
+	}
+	if err := m.FinishResilver(); err != nil {
+		t.Fatal(err)
 	}
 }

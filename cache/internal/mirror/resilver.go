@@ -49,6 +49,9 @@ type resilverState struct {
 	done    atomic.Int64          // bytes copied
 	total   atomic.Int64          // bytes to copy
 	started atomic.Int64          // unix nanoseconds
+	// rate limits the copy to this many bytes a second (0: as fast as
+	// the members go); it may change while the copy runs.
+	rate atomic.Int64
 }
 
 // ResilverStats is the progress of a resilver (Stats; nil when none runs).
@@ -56,6 +59,7 @@ type ResilverStats struct {
 	Member      Member
 	Done, Total int64 // bytes copied, to copy
 	Started     time.Time
+	Rate        int64 // the copy's limit in bytes a second (0: none)
 }
 
 func (m *Mirror) resilverStats() *ResilverStats {
@@ -63,7 +67,52 @@ func (m *Mirror) resilverStats() *ResilverStats {
 		return nil
 	}
 	return &ResilverStats{Member: Member(m.rs.member.Load()), Done: m.rs.done.Load(), Total: m.rs.total.Load(),
-		Started: time.Unix(0, m.rs.started.Load())}
+		Started: time.Unix(0, m.rs.started.Load()), Rate: m.rs.rate.Load()}
+}
+
+// SetResilverRate limits the copies of the resilver running, or of the
+// next one, to bytesPerSec (0: no limit). Writes are never limited: the
+// limit leaves the members' bandwidth to the set's own I/O.
+func (m *Mirror) SetResilverRate(bytesPerSec int64) { m.rs.rate.Store(max(bytesPerSec, 0)) }
+
+// paceStep is the longest a paced copy sleeps before it looks at the
+// limit again (a limit raised or lifted takes effect within it).
+const paceStep = 100 * time.Millisecond
+
+// pace waits after a chunk of n bytes whose copy took took, until the
+// chunk took n/rate in all. REQUIRES: not copyMu (writes go on meanwhile).
+func (m *Mirror) pace(ctx context.Context, n int64, took time.Duration) error {
+	waited := took
+	for {
+		rate := m.rs.rate.Load()
+		if rate <= 0 {
+			return nil
+		}
+		need := time.Duration(float64(n) / float64(rate) * float64(time.Second))
+		if waited >= need {
+			return nil
+		}
+		step := min(need-waited, paceStep)
+		if err := m.sleep(ctx, step); err != nil {
+			return err
+		}
+		waited += step
+	}
+}
+
+// sleep waits d or until ctx is done (a test replaces it: sleepHook).
+func (m *Mirror) sleep(ctx context.Context, d time.Duration) error {
+	if h := m.sleepHook; h != nil {
+		return h(ctx, d)
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // rsSettle ends the resilver on an error of the member being brought in
@@ -272,6 +321,7 @@ func (m *Mirror) CopyMeta(ctx context.Context, progress func()) error {
 			continue
 		}
 		p := buf[:n]
+		t0 := time.Now()
 		m.copyMu.Lock()
 		_, err := m.d(o).ReadAt(p, off)
 		if err == nil {
@@ -287,6 +337,9 @@ func (m *Mirror) CopyMeta(ctx context.Context, progress func()) error {
 		m.rs.done.Add(n)
 		if progress != nil {
 			progress()
+		}
+		if err := m.pace(ctx, n, time.Since(t0)); err != nil {
+			return err
 		}
 	}
 	return m.copyStop(ctx)
@@ -345,6 +398,7 @@ func (m *Mirror) CopyBuckets(ctx context.Context, buckets []BucketGen, progress 
 				return err
 			}
 			n := min(int64(len(buf)), m.lay.BucketSize-in)
+			t0 := time.Now()
 			m.copyMu.Lock()
 			var (
 				e      extent
@@ -388,6 +442,11 @@ func (m *Mirror) CopyBuckets(ctx context.Context, buckets []BucketGen, progress 
 			m.rs.done.Add(n)
 			if progress != nil {
 				progress()
+			}
+			if ok {
+				if err := m.pace(ctx, n, time.Since(t0)); err != nil {
+					return err
+				}
 			}
 		}
 	}

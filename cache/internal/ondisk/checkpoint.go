@@ -18,7 +18,7 @@ import (
 
 const (
 	ckptMagic     = "TIERCCK\x01"
-	ckptVersion   = 2 // the checkpoint header's version, unchanged since the first format
+	ckptVersion   = 2 // the checkpoint header's own version (the set's format version is the superblock's)
 	CkptHdrLen    = 64
 	CkptEntrySize = 16
 	ckptVolHdr    = 2 + 8 + 8

@@ -16,9 +16,10 @@ const (
 	RecInvalidate = 3 // drop any cached blocks in [lba, lba+n)
 	RecReuse      = 4 // bucket starts generation gen: drop everything in it
 	// RecMark: backing writes into mark region Region of the volume
-	// (LBAs lba>>Superblock.MarkShift == Region) may follow
-	// (FeatureWarmClean): recovery after an unclean shutdown drops the
-	// region's clean entries, unless a later RecUnmark ends the mark.
+	// (LBAs lba>>Superblock.MarkShift == Region) may follow: recovery
+	// after an unclean shutdown verifies the region's clean entries
+	// against the backing device and drops the stale ones, unless a later
+	// RecUnmark ends the mark.
 	RecMark = 5
 	// RecUnmark: every backing write into the region since its mark has
 	// its record before this one; the mark ends.
@@ -276,31 +277,8 @@ type JournalPos struct {
 // the bad block is the torn tail of the last, unacknowledged batch.
 func MaxBatchBlocks(jblocks int64) int64 { return min(64, jblocks/4) }
 
-// ReplayJournal applies the records of generation gen from start until the
-// end of the log. It returns the position after the last applied block.
-//
-// Reading and decoding (frame checksum, record validation) run in a
-// goroutine one step ahead of apply, through a small queue: on a 1M-extent
-// recovery they were a third of the replay's wall time. The reader reads
-// the same blocks in the same order as a sequential replay and stops after
-// the first block that is not BlockOK (or a read error), so the device sees
-// the same operations (crash-point tests count them); the look-ahead past
-// a bad block runs here, after the reader has stopped.
-//
-// block, if not nil, is called with the offset, sequence number and a copy
-// of the record payload of each valid block before its records are applied.
-//
-// The replay must reach the journal head record (journalhead.go): ending
-// before it is a *JournalLossError (acknowledged blocks damaged), as is a
-// head record of a generation newer than gen (a newer checkpoint lost). The
-// returned position and count are those of the replayed prefix then.
-func ReplayJournal(dev device.Device, sb *Superblock, gen uint64, start JournalPos, block func(off int64, seq uint64, payload []byte), apply func(*Rec) error) (JournalPos, int, error) {
-	end, n, _, err := ReplayJournalHead(dev, sb, gen, start, block, apply)
-	return end, n, err
-}
-
 // replayJournalBlocks is ReplayJournal without the head record check.
-func replayJournalBlocks(dev device.Device, sb *Superblock, gen uint64, start JournalPos, block func(off int64, seq uint64, payload []byte), apply func(*Rec) error) (JournalPos, int, error) {
+func replayJournalBlocks(dev device.Device, sb *Superblock, gen uint64, start JournalPos, apply func(*Rec) error) (JournalPos, int, error) {
 	nonce := sb.Nonce()
 	jblocks := sb.JournalLen / BlockSize
 	pos := start
@@ -316,7 +294,6 @@ func replayJournalBlocks(dev device.Device, sb *Superblock, gen uint64, start Jo
 		err       error // read error
 		h         BlockHeader
 		recs      []*Rec
-		payload   []byte // a copy, if block wants it
 		st        BlockStatus
 		want, got uint32
 		derr      error
@@ -333,9 +310,6 @@ func replayJournalBlocks(dev device.Device, sb *Superblock, gen uint64, start Jo
 			d := decoded{off: sb.JournalOff + ((start.Blk+n)%jblocks)*BlockSize}
 			if _, d.err = dev.ReadAt(rbuf, d.off); d.err == nil {
 				d.h, d.recs, d.st, d.want, d.got, d.derr = DecodeJournalBlock(rbuf, nonce, gen)
-				if block != nil && d.st == BlockOK {
-					d.payload = append([]byte(nil), rbuf[JHeaderSize:JHeaderSize+d.h.Used]...)
-				}
 			}
 			select {
 			case blocks <- d:
@@ -364,9 +338,6 @@ func replayJournalBlocks(dev device.Device, sb *Superblock, gen uint64, start Jo
 			return pos, applied, Corruptf("journal", off, BlockSize, "block sequence %d, expected %d", h.Seq, pos.Seq)
 		}
 		if st == BlockOK {
-			if block != nil {
-				block(off, h.Seq, d.payload)
-			}
 			for _, r := range recs {
 				if err := apply(r); err != nil {
 					return pos, applied, fmt.Errorf("journal block at offset %d (seq %d), %v: %w", off, h.Seq, r, err)

@@ -113,14 +113,28 @@ func IsJournalLoss(err error) bool {
 	return errors.As(err, &le)
 }
 
-// ReplayJournalHead is ReplayJournal that also returns the head record
-// (the zero record if there is none).
-func ReplayJournalHead(dev device.Device, sb *Superblock, gen uint64, start JournalPos, block func(off int64, seq uint64, payload []byte), apply func(*Rec) error) (JournalPos, int, JournalHead, error) {
+// ReplayJournal applies the records of generation gen from start until the
+// end of the log. It returns the position after the last applied block,
+// the number of records applied and the journal head record (the zero
+// record if there is none).
+//
+// Reading and decoding (frame checksum, record validation) run in a
+// goroutine one step ahead of apply, through a small queue. The reader
+// reads the same blocks in the same order as a sequential replay and stops
+// after the first block that is not BlockOK (or a read error), so the
+// device sees the same operations (crash-point tests count them); the
+// look-ahead past a bad block runs after the reader has stopped.
+//
+// The replay must reach the journal head record: ending before it is a
+// *JournalLossError (acknowledged blocks damaged), as is a head record of
+// a generation newer than gen (a newer checkpoint lost). The returned
+// position and count are those of the replayed prefix then.
+func ReplayJournal(dev device.Device, sb *Superblock, gen uint64, start JournalPos, apply func(*Rec) error) (JournalPos, int, JournalHead, error) {
 	head, haveHead, err := ReadJournalHead(dev, sb)
 	if err != nil {
 		return start, 0, head, err
 	}
-	end, n, err := replayJournalBlocks(dev, sb, gen, start, block, apply)
+	end, n, err := replayJournalBlocks(dev, sb, gen, start, apply)
 	if err != nil || !haveHead {
 		return end, n, head, err
 	}
