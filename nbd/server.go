@@ -73,6 +73,11 @@ type Config struct {
 	// NBD_OPT_EXPORT_NAME closes the connection). Without TLSConfig nobody
 	// can connect.
 	RequireTLS bool
+	// OnServing, if set, is called with the number of connections serving
+	// an export (past the handshake) each time it changes, in the order of
+	// the changes (under the server's lock: it must be quick and must not
+	// call the Server).
+	OnServing func(n int)
 }
 
 // Server serves exports over NBD (fixed newstyle handshake only). It is
@@ -343,6 +348,7 @@ func (s *Server) startConn(nc net.Conn) {
 			delete(s.mu.conns, c)
 			if c.slot {
 				s.mu.serving--
+				s.servingChangedLocked()
 			}
 			s.mu.Unlock()
 			close(c.done)
@@ -360,7 +366,16 @@ func (s *Server) takeSlot() bool {
 		return false
 	}
 	s.mu.serving++
+	s.servingChangedLocked()
 	return true
+}
+
+// servingChangedLocked reports the number of connections serving to
+// Config.OnServing. REQUIRES: s.mu.
+func (s *Server) servingChangedLocked() {
+	if s.cfg.OnServing != nil {
+		s.cfg.OnServing(s.mu.serving)
+	}
 }
 
 // refusalFull is the message of a client refused by MaxConnections.

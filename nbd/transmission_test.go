@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -998,4 +999,47 @@ func TestCloseExportLive(t *testing.T) {
 		t.Errorf("CloseExport of an unknown export = %d, %v", n, err)
 	}
 	_ = c2
+}
+
+// TestOnServing: Config.OnServing hears the number of connections serving
+// an export each time it changes: 1, 2 as clients connect (past the
+// handshake), then 1, 0 as they close; a client refused at NBD_OPT_GO
+// (MaxConnections) changes nothing.
+func TestOnServing(t *testing.T) {
+	var mu sync.Mutex
+	var got []int
+	ts := startServer(t, Config{MaxConnections: 2, OnServing: func(n int) {
+		mu.Lock()
+		got = append(got, n)
+		mu.Unlock()
+	}}, Export{Name: "d", Backend: newMem(4096)})
+	seen := func() []int {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]int(nil), got...)
+	}
+	var clients []*Client
+	for range 2 {
+		c, err := Dial(t.Context(), "unix", ts.addr, "d", ClientOptions{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		clients = append(clients, c)
+	}
+	if _, err := Dial(t.Context(), "unix", ts.addr, "d", ClientOptions{}); err == nil {
+		t.Fatal("third connection accepted with MaxConnections 2")
+	}
+	if s := seen(); !slices.Equal(s, []int{1, 2}) {
+		t.Fatalf("OnServing heard %v while two clients serve, want [1 2]", s)
+	}
+	for _, c := range clients {
+		c.Close()
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for len(seen()) < 4 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	if s := seen(); !slices.Equal(s, []int{1, 2, 1, 0}) {
+		t.Fatalf("OnServing heard %v, want [1 2 1 0]", s)
+	}
 }

@@ -60,6 +60,7 @@ type serveOptions struct {
 	metricsNoAuth bool
 	maxConns      int
 	maxInFlight   string // a size: payload bytes in flight on all connections
+	procs         string // --procs: auto or N (procs.go)
 	tls           tlsOptions
 	// remote: how long requests to a remote backing device wait for its
 	// link to come back before failing with EIO, and for a reply.
@@ -144,6 +145,7 @@ purpose (a repaired cache device replays its journal).`,
 	f.StringVar(&o.adminTCP, "admin-tcp", "", "also serve the admin API and /metrics on TCP `HOST:PORT` (host defaults to 127.0.0.1); requests need the bearer token of --admin-token-file")
 	f.IntVar(&o.maxConns, "max-connections", 64, "serve at most `N` NBD connections at once; more are refused at NBD_OPT_GO (0: unlimited)")
 	f.StringVar(&o.maxInFlight, "max-inflight", "256M", "bound on READ/WRITE payload `BYTES` in flight on all NBD connections together (each connection keeps max-inflight/(2 x max-connections) of it)")
+	f.StringVar(&o.procs, "procs", "auto", "Go processors (GOMAXPROCS) to serve with: auto (one per connection serving an export, at most the CPUs; all CPUs while none serves) or `N`; GOMAXPROCS in the environment overrides it")
 	f.DurationVar(&o.remote.outage, "remote-timeout", nbddev.DefaultOutageTimeout, "how long requests to a remote (NBD URI) backing device wait for a lost connection to come back, or keep failing on new ones, before failing with EIO (reads of cached data and writeback-mode writes do not wait)")
 	f.DurationVar(&o.remote.request, "remote-request-timeout", nbddev.DefaultRequestTimeout, "how long a request to a remote (NBD URI) backing device waits for its reply before the connection is closed as hung and the request sent again on a new one")
 	f.BoolVar(&o.metricsNoAuth, "metrics-no-auth", false, "let GET /metrics over --admin-tcp in without the bearer token (every other request still needs it)")
@@ -261,8 +263,12 @@ func serve(ctx context.Context, g *globals, o *serveOptions) (err error) {
 	if o.maxConns < 0 {
 		return fmt.Errorf("--max-connections %d: want 0 (unlimited) or more", o.maxConns)
 	}
+	onServing, err := servingProcs(o.procs)
+	if err != nil {
+		return err
+	}
 	srv := nbd.NewServer(nbd.Config{Logger: log, TLSConfig: tlsCfg, RequireTLS: o.tls.required,
-		MaxConnections: o.maxConns, MaxInFlightTotal: maxInFlight})
+		MaxConnections: o.maxConns, MaxInFlightTotal: maxInFlight, OnServing: onServing})
 	// Closed in reverse order: the admin API (waiting for its requests),
 	// then the cache set (final checkpoint, clean flag), then devices. A
 	// failure there is the exit status too: "stopped cleanly" and exit 0
