@@ -1,12 +1,15 @@
 package objstore
 
 import (
+	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
 	"sort"
 	"strings"
 	"time"
+
+	"github.com/minio/minio-go/v7"
 
 	"github.com/tiercache/tiercache/device/objstore/layout"
 )
@@ -120,6 +123,15 @@ func (s *store) checkBucket() error {
 		return fmt.Errorf("objstore: reaching bucket %q at %s: %w", s.loc.Bucket, endpointName(s.loc), err)
 	}
 	if !ok {
+		// The answer to a HEAD has no body to say why: some stores
+		// (versitygw) answer an unknown access key 404. A listing's
+		// error names the cause.
+		lctx, lcancel := context.WithCancel(ctx)
+		o, ok := <-s.c.ListObjects(lctx, s.loc.Bucket, minio.ListObjectsOptions{MaxKeys: 1})
+		lcancel() // ends the listing's goroutine
+		if ok && credentialsRefused(o.Err) {
+			return fmt.Errorf("objstore: reaching bucket %q at %s: %w: %v", s.loc.Bucket, endpointName(s.loc), ErrCredentials, o.Err)
+		}
 		return fmt.Errorf("objstore: bucket %q does not exist at %s", s.loc.Bucket, endpointName(s.loc))
 	}
 	return nil

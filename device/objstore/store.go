@@ -38,7 +38,8 @@ var ErrCredentials = errors.New("objstore: the store refused the credentials or 
 // credentialsRefused reports whether err is the store refusing who asked.
 func credentialsRefused(err error) bool {
 	switch minio.ToErrorResponse(err).Code {
-	case "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken":
+	case "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId", "InvalidToken", "ExpiredToken",
+		"XAdminUserNotFound": // versitygw's answer to an unknown access key (404)
 		return true
 	}
 	return false
