@@ -3,6 +3,7 @@ package cli
 import (
 	"bytes"
 	"context"
+	"net/url"
 	"os"
 	"path/filepath"
 	"strings"
@@ -162,4 +163,48 @@ func TestObjImageConfig(t *testing.T) {
 	mustTC(t, "is detached", "--config", cfg, "detach", "default")
 	s.stop(t)
 	mustTC(t, "stored:       8", "--config", cfg, "image", "info", uri)
+}
+
+// TestObjImageFlags: the image command's --endpoint and --region name the
+// store over the config file's [s3] table and the environment, both of
+// which name a store that is not there, and an endpoint in the URI's query
+// names it over all three (objimage.go's order).
+func TestObjImageFlags(t *testing.T) {
+	srv := s3test.Start(t)
+	srv.Bucket("flg")
+	for _, kv := range srv.Env() {
+		k, v, _ := strings.Cut(kv, "=")
+		t.Setenv(k, v)
+	}
+	const dead1, dead2 = "http://127.0.0.1:1", "http://127.0.0.1:2"
+	t.Setenv("AWS_ENDPOINT_URL", dead1)
+	t.Setenv("AWS_ENDPOINT_URL_S3", dead1)
+	t.Setenv("AWS_REGION", "nowhere-1")
+	t.Setenv("TIERCACHE_CONFIG", "")
+	t.Setenv("AWS_SHARED_CREDENTIALS_FILE", os.DevNull)
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "tiercache.toml")
+	body := "data_dir = \"" + dir + "\"\n\n[s3]\nendpoint = \"" + dead2 + "\"\nregion = \"nowhere-2\"\n"
+	if err := os.WriteFile(cfg, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	out := mustTC(t, "created image s3://flg/vm?endpoint=", "--config", cfg, "image", "create", "s3://flg/vm", "--size", "8M",
+		"--endpoint", srv.Endpoint(), "--region", s3test.Region)
+	if !strings.Contains(out, "endpoint="+url.QueryEscape(srv.Endpoint())) || !strings.Contains(out, "region="+s3test.Region) {
+		t.Fatalf("image create with --endpoint %s printed %q: the image is not on the flag's store", srv.Endpoint(), out)
+	}
+	mustTC(t, "newest epoch: none", "--config", cfg, "image", "info", "s3://flg/vm", "--endpoint", srv.Endpoint(), "--region", s3test.Region)
+
+	// The flags, on the same store, are not asked where the URI says.
+	d := s3Defaults{endpoint: dead2, region: "nowhere-2"}
+	l, err := d.location("s3://flg/vm?endpoint=" + srv.Endpoint() + "&region=" + s3test.Region)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if l.Endpoint != srv.Endpoint() || l.Region != s3test.Region {
+		t.Fatalf("location of a URI naming its store, with flags naming another: %+v, want the URI's endpoint and region", l)
+	}
+	if l, err = d.location("s3://flg/vm"); err != nil || l.Endpoint != dead2 || l.Region != "nowhere-2" || !l.PathStyle {
+		t.Fatalf("location of a bare URI with flags: %+v, %v; want the flags' endpoint and region, path-style", l, err)
+	}
 }
