@@ -195,8 +195,9 @@ func (s *Set) mirrorCheckCovered() error {
 // bucket that B holds no whole copy of: its clean entries point at data
 // only the dead A held (the new A holds what the copy put there: B's
 // copies). The eviction bumps the bucket's generation durably, so no
-// replay brings the entries back. A bucket open or in use is retried; one
-// that stays so fails the resilver.
+// replay brings the entries back. The open bucket is sealed first, with
+// whatever fill it has. A bucket in use is retried; one that stays so
+// fails the resilver.
 func (s *Set) dropUncovered(ctx context.Context) error {
 	m := s.mir
 	covered := func(bi int64) bool { return m.Covers(s.cacheOff(uint32(bi * s.bpb))) }
@@ -212,6 +213,15 @@ func (s *Set) dropUncovered(ctx context.Context) error {
 				continue
 			}
 			left++
+			if a := &s.mu.alloc[bi]; a.state == bucketOpen && bi == s.mu.open {
+				// Sealed now rather than once it fills (an idle set
+				// would never): the blocks B has no copy of are in it
+				// already. The next write opens a bucket B maps (or
+				// goes around the cache: mirrorOpenLocked).
+				a.state = bucketSealed
+				s.mu.sealed = append(s.mu.sealed, uint32(bi))
+				s.mu.open = -1
+			}
 			if s.mu.alloc[bi].state == bucketSealed {
 				victims[bi] = true
 			}

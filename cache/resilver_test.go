@@ -414,3 +414,63 @@ func TestResilverTooFewSlots(t *testing.T) {
 	r.a.pulled.Store(true)
 	r.verify(want)
 }
+
+// TestResilverAOpenBucketUncovered: A fails while the open bucket holds
+// clean blocks B has no copy of (it opened with every slot of B holding
+// dirty data); the set then idles. Replacing A seals that bucket and
+// evicts it (its blocks are on the backing device) instead of failing
+// ("bucket 4 (open) holds entries whose data only the failed A held and
+// cannot be evicted now: retry the replace", for ever on an idle set);
+// then B is pulled and every block reads back from the new A alone.
+func TestResilverAOpenBucketUncovered(t *testing.T) {
+	ctx := context.Background()
+	r := newMirrorRig(t, 16, 64<<10, 4, 4096)
+	var backFails atomic.Bool
+	if err := r.set.Close(); err != nil {
+		t.Fatal(err)
+	}
+	r.specs = []BackingSpec{{Name: "a", Dev: faultdev.Wrap(r.back, faultdev.InjectorFunc(func(op faultdev.Op) faultdev.Fault {
+		if backFails.Load() && op.Kind == faultdev.Write {
+			return faultdev.Error(nil)
+		}
+		return faultdev.Fault{}
+	}))}}
+	for lba := range uint64(4096) {
+		if _, err := r.back.WriteAt(mstamp(lba, 0), int64(lba)*blockSize); err != nil {
+			t.Fatal(err)
+		}
+	}
+	r.open(r.a, r.b, false)
+	backFails.Store(true)
+	want := map[uint64]uint64{}
+	id := uint64(1)
+	for lba := uint64(0); r.set.Stats().Mirror.SlotsUsed < 4 || lba < 64; lba++ {
+		r.write(lba, id)
+		want[lba] = id
+		id++
+	}
+	if err := r.vol.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	// Clean blocks (read misses, promoted) into the open bucket, for
+	// which B has no slot.
+	clean := map[uint64]uint64{}
+	for lba := uint64(1000); lba < 1010; lba++ {
+		clean[lba], want[lba] = 0, 0
+	}
+	r.verify(clean)
+	if st := r.set.Stats(); st.CachedBlocks <= st.DirtyBlocks || st.Mirror.SlotsUsed != st.Mirror.Slots {
+		t.Fatalf("before the failure: %d blocks cached, %d dirty, mirror %+v: want clean blocks cached and every slot used", st.CachedBlocks, st.DirtyBlocks, st.Mirror)
+	}
+	r.a.pulled.Store(true)
+	r.verify(want)
+	if st := r.set.Stats().Mirror; !st.Degraded || st.Failed != "A" {
+		t.Fatalf("after pulling A: %+v", st)
+	}
+	nw := r.replacement(mirror.A)
+	if _, err := r.set.ReplaceMirrorMember(ctx, nw, ResilverOptions{}); err != nil {
+		t.Fatalf("replace A: %v", err)
+	}
+	r.b.pulled.Store(true)
+	r.verify(want)
+}
