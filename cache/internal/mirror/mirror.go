@@ -433,12 +433,18 @@ func (m *Mirror) Mapped(bucket int64) bool {
 // Covers reports whether B holds a copy of the block at off (in the
 // bucket region: its bucket is mapped, from the slot's first block on).
 func (m *Mirror) Covers(off int64) bool {
-	for _, e := range m.split(make([]byte, blockSize), off) {
-		if e.bOff < 0 {
-			return false
-		}
+	if off < m.lay.BucketsOff || m.lay.BucketSize == 0 {
+		return true // the metadata region is on both
 	}
-	return true
+	rel := off - m.lay.BucketsOff
+	bucket, in := rel/m.lay.BucketSize, rel%m.lay.BucketSize
+	if bucket >= m.lay.NBuckets {
+		return false
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	j := m.slotOf[bucket]
+	return j >= 0 && in >= int64(m.slots[j].from)*blockSize
 }
 
 // MappedBuckets calls f for each mapped bucket (under the mirror's lock:
@@ -565,13 +571,13 @@ type extent struct {
 	sl   int32 // slot, -1 for the metadata region
 }
 
-// split cuts [off, off+len(p)) at bucket boundaries and places each piece
-// on B.
-func (m *Mirror) split(p []byte, off int64) []extent {
+// split cuts [off, off+len(p)) at bucket boundaries, places each piece
+// on B and appends the pieces to out (a caller's array, so that a request
+// in one or two pieces allocates nothing).
+func (m *Mirror) split(out []extent, p []byte, off int64) []extent {
 	if off+int64(len(p)) <= m.lay.BucketsOff || m.lay.BucketSize == 0 {
-		return []extent{{off: off, p: p, bOff: off, sl: -1}}
+		return append(out, extent{off: off, p: p, bOff: off, sl: -1})
 	}
-	var out []extent
 	if off < m.lay.BucketsOff {
 		k := m.lay.BucketsOff - off
 		out = append(out, extent{off: off, p: p[:k], bOff: off, sl: -1})
@@ -637,7 +643,7 @@ func (m *Mirror) ReadAt(p []byte, off int64) (int, error) {
 	if err := device.CheckRange(off, int64(len(p)), m.Size()); err != nil {
 		return 0, device.RangeError("read", off, int64(len(p)), m.Size())
 	}
-	for _, e := range m.split(p, off) {
+	for _, e := range m.split(make([]extent, 0, 2), p, off) {
 		if err := m.readExtent(e); err != nil {
 			return 0, err
 		}
@@ -699,7 +705,7 @@ func (m *Mirror) RepairFrom(p []byte, off int64, good func([]byte) bool) bool {
 	if !m.live(o) {
 		return false
 	}
-	exts := m.split(p, off)
+	exts := m.split(make([]extent, 0, 2), p, off)
 	for _, e := range exts {
 		if o == B && e.bOff < 0 {
 			return false
@@ -728,7 +734,7 @@ func (m *Mirror) ReadMember(r Member, p []byte, off int64) error {
 	if !m.live(r) {
 		return ErrNoCopy
 	}
-	for _, e := range m.split(p, off) {
+	for _, e := range m.split(make([]extent, 0, 2), p, off) {
 		if r == B && e.bOff < 0 {
 			return ErrNoCopy
 		}
@@ -747,7 +753,7 @@ func (m *Mirror) WriteMember(r Member, p []byte, off int64) error {
 	}
 	m.copyMu.RLock()
 	defer m.copyMu.RUnlock()
-	for _, e := range m.split(p, off) {
+	for _, e := range m.split(make([]extent, 0, 2), p, off) {
 		if r == B && e.bOff < 0 {
 			return ErrNoCopy
 		}
@@ -779,7 +785,7 @@ func (m *Mirror) WriteAt(p []byte, off int64) (int, error) {
 	}
 	m.copyMu.RLock()
 	defer m.copyMu.RUnlock()
-	for _, e := range m.split(p, off) {
+	for _, e := range m.split(make([]extent, 0, 2), p, off) {
 		if err := m.writeExtent(e); err != nil {
 			return 0, err
 		}
@@ -798,27 +804,37 @@ func (m *Mirror) writeExtent(e extent) error {
 	// A member being resilvered takes every write too (its errors end
 	// the resilver, not the write).
 	rsA, rsB := m.rs.syncing[A].Load(), m.rs.syncing[B].Load() && e.bOff >= 0
-	var errB error
-	var wg sync.WaitGroup
-	if toB || rsB {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			if e.sl >= 0 {
-				if errB = m.slotHeader(e.sl); errB != nil {
-					return
-				}
-			}
-			_, errB = m.d(B).WriteAt(e.p, e.bOff)
-		}()
-	}
-	var errA error
-	if toA || rsA {
+	var errA, errB error
+	switch doA, doB := toA || rsA, toB || rsB; {
+	case doA && doB:
+		errA, errB = m.writeBoth(e)
+	case doA:
 		_, errA = m.d(A).WriteAt(e.p, e.off)
+	default:
+		errB = m.writeB(e)
 	}
-	wg.Wait()
 	errA, errB = m.rsSettle(rsA, errA, rsB, errB)
 	return m.settle(toA, errA, toB, errB)
+}
+
+// writeBoth writes e to A and B at the same time (B's on a goroutine of
+// its own) and returns when both completed.
+func (m *Mirror) writeBoth(e extent) (errA, errB error) {
+	done := make(chan error, 1)
+	go func() { done <- m.writeB(e) }()
+	_, errA = m.d(A).WriteAt(e.p, e.off)
+	return errA, <-done
+}
+
+// writeB writes e to B, its slot's header first if not yet written.
+func (m *Mirror) writeB(e extent) error {
+	if e.sl >= 0 {
+		if err := m.slotHeader(e.sl); err != nil {
+			return err
+		}
+	}
+	_, err := m.d(B).WriteAt(e.p, e.bOff)
+	return err
 }
 
 // settle fails the members whose part of an operation failed and returns

@@ -398,3 +398,33 @@ func TestResilverRate(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestNoAllocs: Covers (asked for every dirty write) and a read or a
+// write on one member allocate nothing: the pieces of a request are
+// placed in the caller's array. (Covers built a 4 KiB buffer each call.)
+func TestNoAllocs(t *testing.T) {
+	_, b, m := newPair(t, 4)
+	m.Map(1, 1, 0)
+	p := fill(blockSize, 'x')
+	if n := testing.AllocsPerRun(100, func() { m.Covers(bucketOff(1)) }); n != 0 {
+		t.Errorf("Covers: %v allocations", n)
+	}
+	if n := testing.AllocsPerRun(100, func() {
+		if _, err := m.ReadAt(p, bucketOff(1)); err != nil {
+			t.Fatal(err)
+		}
+	}); n != 0 {
+		t.Errorf("ReadAt: %v allocations", n)
+	}
+	b.dead.Store(true)
+	if _, err := m.WriteAt(p, bucketOff(1)); err != nil {
+		t.Fatal(err)
+	}
+	if n := testing.AllocsPerRun(100, func() {
+		if _, err := m.WriteAt(p, bucketOff(1)); err != nil {
+			t.Fatal(err)
+		}
+	}); n != 0 {
+		t.Errorf("WriteAt on A alone: %v allocations", n)
+	}
+}
