@@ -15,6 +15,7 @@
 //	POST /v1/check                    verify index and every cached block; streams Progress
 //	POST /v1/lost-writes/ack          acknowledge failovers' lost writes: LostWritesAck -> LostWritesReply
 //	POST /v1/mirror/replace           resilver a new device as a degraded mirror's failed member: ReplaceRequest; streams Progress
+//	POST /v1/mirror/resilver-rate     change the running resilver's rate limit: ResilverRate
 //	GET  /metrics                     Prometheus text exposition
 //
 // Errors are JSON {"error": "...", "key": "..."} with a 4xx/5xx status.
@@ -109,6 +110,12 @@ type ReplaceRequest struct {
 	Path  string `json:"path"`
 	Force bool   `json:"force,omitempty"`
 	Rate  int64  `json:"rate,omitempty"`
+}
+
+// ResilverRate is the body of POST /v1/mirror/resilver-rate: the running
+// resilver's new rate limit in bytes a second (0: no limit).
+type ResilverRate struct {
+	Rate int64 `json:"rate"`
 }
 
 // LostWritesAck is the body of POST /v1/lost-writes/ack: the failovers

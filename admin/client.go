@@ -201,6 +201,13 @@ func (c *Client) Replace(ctx context.Context, req ReplaceRequest, fn func(Progre
 	return c.streamBody(ctx, "/v1/mirror/replace", req, fn)
 }
 
+// SetResilverRate changes the running resilver's rate limit (bytes a
+// second, 0: none).
+func (c *Client) SetResilverRate(ctx context.Context, rate int64) error {
+	var out ResilverRate
+	return c.getJSON(ctx, "POST", "/v1/mirror/resilver-rate", ResilverRate{Rate: rate}, &out)
+}
+
 // Attach asks the server to add a backing device to its cache set as a new
 // volume and export.
 func (c *Client) Attach(ctx context.Context, req AttachRequest) (ExportInfo, error) {

@@ -24,6 +24,23 @@ func resilverInfo(p *cache.ResilverProgress) *ResilverInfo {
 	return &ResilverInfo{Member: p.Member, Done: p.Done, Total: p.Total, ETASeconds: p.ETA.Seconds(), Rate: p.Rate}
 }
 
+func (s *Server) handleResilverRate(w http.ResponseWriter, r *http.Request) {
+	var req ResilverRate
+	if !decodeBody(w, r, &req, `{"rate": ...}`, true) {
+		return
+	}
+	if s.cfg.Set == nil {
+		writeError(w, http.StatusConflict, "", "this server serves no cache set: no resilver runs")
+		return
+	}
+	if err := s.cfg.Set.SetResilverRate(req.Rate); err != nil {
+		writeError(w, http.StatusConflict, "", err.Error())
+		return
+	}
+	s.log.Info("resilver rate limit changed", "rate", req.Rate)
+	writeJSON(w, http.StatusOK, req)
+}
+
 func (s *Server) handleReplace(w http.ResponseWriter, r *http.Request) {
 	var req ReplaceRequest
 	if !decodeBody(w, r, &req, `{"path": ..., "force": ..., "rate": ...}`, true) {

@@ -259,6 +259,7 @@ func (s *Server) Handler() http.Handler {
 	mux.HandleFunc("POST /v1/check", s.handleCheck)
 	mux.HandleFunc("POST /v1/lost-writes/ack", s.handleAckLostWrites)
 	mux.HandleFunc("POST /v1/mirror/replace", s.handleReplace)
+	mux.HandleFunc("POST /v1/mirror/resilver-rate", s.handleResilverRate)
 	if s.cfg.Metrics != nil {
 		mux.Handle("GET /metrics", s.cfg.Metrics.Handler())
 	}

@@ -56,6 +56,22 @@ func resilverProgress(st *mirror.ResilverStats) *ResilverProgress {
 	return p
 }
 
+// SetResilverRate changes the rate limit of the resilver running to
+// bytesPerSec (0: no limit); the copy sees it within 100 ms.
+func (s *Set) SetResilverRate(bytesPerSec int64) error {
+	if s.mir == nil {
+		return fmt.Errorf("%w: this cache set is not mirrored: no resilver runs", ErrInvalid)
+	}
+	if bytesPerSec < 0 {
+		return fmt.Errorf("%w: a rate of %d bytes a second: give a positive rate, or 0 for no limit", ErrInvalid, bytesPerSec)
+	}
+	if _, ok := s.mir.Resilvering(); !ok {
+		return fmt.Errorf("%w: no resilver is running (start one with replace)", ErrInvalid)
+	}
+	s.mir.SetResilverRate(bytesPerSec)
+	return nil
+}
+
 // ReplaceMirrorMember brings dev in as the failed member of the degraded
 // mirrored set while the set serves, and returns that member ("A" or
 // "B") once both are in sync. On an error the set stays degraded on its

@@ -474,3 +474,37 @@ func TestResilverAOpenBucketUncovered(t *testing.T) {
 	r.b.pulled.Store(true)
 	r.verify(want)
 }
+
+// TestResilverRateChange: the rate limit of a running resilver changes
+// (SetResilverRate, what `replace --rate` without a device calls): the
+// progress reports the new limit and the copy goes on at it; with no
+// resilver running, or a negative rate, it is refused.
+func TestResilverRateChange(t *testing.T) {
+	r := newMirrorRig(t, 16, 64<<10, 8, 1024)
+	r.write(1, 1)
+	if err := r.set.SetResilverRate(1 << 20); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "no resilver is running") {
+		t.Fatalf("SetResilverRate with no resilver: %v", err)
+	}
+	r.b.pulled.Store(true)
+	r.write(2, 2)
+	var rates []int64
+	_, err := r.set.ReplaceMirrorMember(context.Background(), r.replacement(mirror.B), ResilverOptions{Rate: 64 << 10, Progress: func(p ResilverProgress) {
+		rates = append(rates, p.Rate)
+		if len(rates) == 1 {
+			if err := r.set.SetResilverRate(-1); !errors.Is(err, ErrInvalid) {
+				t.Errorf("SetResilverRate(-1): %v", err)
+			}
+			if err := r.set.SetResilverRate(0); err != nil {
+				t.Errorf("SetResilverRate(0) while resilvering: %v", err)
+			}
+		}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(rates) < 2 || rates[0] != 64<<10 || rates[len(rates)-1] != 0 {
+		t.Fatalf("progress reported rate limits %v; want 65536 first, then 0", rates)
+	}
+	r.a.pulled.Store(true)
+	r.verify(map[uint64]uint64{1: 1, 2: 2})
+}

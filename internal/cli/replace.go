@@ -39,7 +39,7 @@ func newReplaceCmd(g *globals) *cobra.Command {
 	var force, asJSON bool
 	var rate string
 	cmd := &cobra.Command{
-		Use:     "replace DEVICE",
+		Use:     "replace [DEVICE]",
 		Aliases: []string{"attach-mirror"},
 		Short:   "Bring a new device into a degraded mirrored cache set as its failed member, while it serves",
 		Long: `Resilver DEVICE into the running server's mirrored cache set as the member
@@ -55,8 +55,11 @@ with DEVICE marked not in sync (it is not trusted): run replace again.
 Refused: a set that is not mirrored or not degraded, a DEVICE too small
 for the member (B needs the metadata region and the buckets holding dirty
 data; A the set's whole layout), the survivor itself, and, unless
---force, a DEVICE that holds data or another set's mirror label.`,
-		Args: cobra.ExactArgs(1),
+--force, a DEVICE that holds data or another set's mirror label.
+
+--rate limits the copy (bytes a second); without DEVICE it changes the
+limit of the replace running.`,
+		Args: cobra.MaximumNArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
 			var bps int64
 			if rate != "" {
@@ -67,9 +70,23 @@ data; A the set's whole layout), the survivor itself, and, unless
 				bps = n
 			}
 			ctx := cmdContext(cmd)
+			if len(args) == 0 && rate == "" {
+				return fmt.Errorf("replace: give the new DEVICE, or --rate to change the limit of the replace running")
+			}
 			s, err := g.connect(ctx)
 			if err != nil {
 				return err
+			}
+			if len(args) == 0 {
+				if err := s.c.SetResilverRate(ctx, bps); err != nil {
+					return fmt.Errorf("replace --rate: %w", g.apiErr(err))
+				}
+				limit := "none"
+				if bps > 0 {
+					limit = human(bps) + "/s"
+				}
+				fmt.Fprintf(g.stdout, "the running replace's rate limit is now %s\n", limit)
+				return nil
 			}
 			start := time.Now()
 			pl := newProgressLine(g.stderr, "replace", human)

@@ -102,7 +102,8 @@ func mirrorMemberFails(t *testing.T, lost string) {
 // region is written degraded; then `tiercache replace --rate` brings a
 // new file in while fio keeps writing fresh regions (verify=crc32c
 // headers, FLUSHes), the first of them started once `status` shows the
-// resilver running with its limit. After the replace, status is no longer
+// resilver running with its limit, which `replace --rate` then lowers.
+// After the replace, status is no longer
 // DEGRADED; the server is killed (SIGKILL) during unflushed writes and
 // restarted on the new member alone (--mirror-missing), where every
 // flushed region verifies (fio --verify_only): the new member holds the
@@ -203,6 +204,14 @@ func mirrorReplace(t *testing.T, lost string) {
 	t.Logf("status during the replace:\n%s", running)
 	if !strings.Contains(running, "limited to 512 KiB/s") {
 		t.Fatalf("status does not show the resilver's rate limit:\n%s", running)
+	}
+	// The limit of the replace running changes (lowered: the copy only
+	// takes longer).
+	if out := run(t, time.Minute, bin, "replace", "--data-dir", dd, "--rate", "256K"); !strings.Contains(out, "rate limit is now 256 KiB/s") {
+		t.Fatalf("replace --rate without a device:\n%s", out)
+	}
+	if st := status(); !strings.Contains(st, "limited to 256 KiB/s") {
+		t.Fatalf("status after replace --rate 256K:\n%s\nreplace: %s", st, rout)
 	}
 	during := 0
 	var rerr error
