@@ -85,6 +85,30 @@ func (s *Set) commit(target uint64) error {
 	return s.commitLocked(false)
 }
 
+// commitRecords makes every record appended up to target durable. Unlike
+// commit it does not also wait for the backing writes completed since: a
+// caller that needs only its own records durable (a region's mark before
+// its backing write) returns as soon as a commit has covered them, instead
+// of running one more commit, with its backing sync, for every backing
+// write that other writers completed while it queued on commitMu.
+func (s *Set) commitRecords(target uint64) error {
+	if s.isFailed() {
+		return s.syncBackings()
+	}
+	if s.durable.Load() >= target {
+		return nil
+	}
+	s.commitMu.Lock()
+	defer s.commitMu.Unlock()
+	if s.isFailed() {
+		return s.syncBackings()
+	}
+	if s.durable.Load() >= target {
+		return nil
+	}
+	return s.commitLocked(false)
+}
+
 // backingsSynced reports whether every backing write completed before the
 // call is durable, as far as commit is concerned (a failed sync is left to
 // durableErr). A clear flag may have been taken by a syncBackings whose

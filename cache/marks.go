@@ -95,7 +95,7 @@ func (v *Volume) claimBacking(lba, n uint64) error {
 	failed := s.isFailed()
 	s.mu.Unlock()
 	if target != 0 && !failed {
-		if err := s.commit(target); err != nil && !s.isFailed() {
+		if err := s.commitRecords(target); err != nil && !s.isFailed() {
 			// A backing device that cannot sync (any volume's) fails
 			// every commit. This volume's write must not fail for it
 			// (rule 6): the clean data is marked untrusted instead.
