@@ -16,9 +16,9 @@ import (
 // volumes' trees: each volume's index tree is built from stubs naming the
 // root's leaves (index.BuildLazyPtree), and a leaf is read from the cache
 // device (one 4 KiB read, verified against its parent as a page always
-// is) the first time an operation touches it. At most lazyLeafCap loaded
-// leaves are kept; the others are dropped and read again when touched.
-// A leaf an operation changes becomes the tree's own and stays resident.
+// is) the first time an operation touches it. A loaded leaf stays
+// (lazyLeafCap); a leaf an operation changes becomes the tree's own and
+// stays resident.
 //
 // What Open took from the root instead of the leaves: the buckets' live
 // and dirty counts (the bucket table, pagedCounts), each volume's dirty
@@ -43,11 +43,18 @@ import (
 // checks when an operation needs it panics the operation
 // (index.FaultError) instead of failing the set over; the leaves are read
 // under Set.mu; eviction, GC and Check walk the whole index and so load
-// every leaf (through the bounded cache).
+// every leaf (once: see lazyLeafCap).
 
-// lazyLeafCap is the most loaded stub leaves kept (about 2 KiB each: 32
-// MiB, the leaves of ~2.8 M cached blocks).
-const lazyLeafCap = 1 << 14
+// lazyLeafCap bounds the loaded stub leaves a volume's tree keeps: 0, no
+// bound below its leaves. The trees can drop loaded leaves (index:
+// CLOCK, a dropped one read again when touched; the tests run with a cap
+// of 2), but eviction and GC still walk the whole index for each batch of
+// victims: with fewer leaves kept than the tree has, every batch would
+// read every leaf again. Until they find their victims without the walk
+// (docs/CACHE.md, "Recovery bounded by the journal", step 5) a loaded
+// leaf stays, and the memory a lazy Open saves lasts until the first such
+// walk.
+const lazyLeafCap = 0
 
 // lazyLeaves is a lazy set's state of its stubs' loads.
 type lazyLeaves struct {
@@ -154,6 +161,12 @@ func (s *Set) openLazyLocked(pr *pagedRoot, cd *ondisk.CkptData) error {
 	if s.knobs.lazyLeafCap != 0 {
 		leafCap = s.knobs.lazyLeafCap
 	}
+	capOf := func(leaves int) int {
+		if leafCap == 0 {
+			return leaves
+		}
+		return leafCap
+	}
 	vers := make([][]index.Ver, len(s.vols))
 	var nlive, ndirty int64
 	for vi, v := range s.vols {
@@ -189,7 +202,7 @@ func (s *Set) openLazyLocked(pr *pagedRoot, cd *ondisk.CkptData) error {
 		if d := pr.dirty[vi]; d < 0 || d > int64(t.Len()) || (t.Len() > 0 && v.nblocks == 0) {
 			return bad("volume slot %d (%d blocks): %d entries, %d dirty", vi, v.nblocks, t.Len(), d)
 		}
-		v.idx.Tree = index.BuildLazyPtree(stubs, t.Len(), s.lazyLoader(vi, v.nblocks, cv.Epoch), leafCap)
+		v.idx.Tree = index.BuildLazyPtree(stubs, t.Len(), s.lazyLoader(vi, v.nblocks, cv.Epoch), capOf(len(stubs)))
 		v.idx.Cached = int64(t.Len())
 		v.idx.Dirty = pr.dirty[vi]
 		nlive += v.idx.Cached
