@@ -40,7 +40,8 @@ import (
 // (the replay needs every entry), of a mirrored set, with ColdClean, or
 // from a root without the volumes' dirty counts (written before
 // pagedVolDirty): those read every leaf (readPagedLeaves), as before.
-// Known limits of this step: a leaf that cannot be read or fails its
+// Off in production (testingKnobs.lazyOpen) until leaf faults fail the
+// set over. Known limits of this step: a leaf that cannot be read or fails its
 // checks when an operation needs it panics the operation
 // (index.FaultError) instead of failing the set over; the leaves are read
 // under Set.mu; eviction, GC and Check walk the whole index and so load
@@ -78,8 +79,8 @@ func stubPtr(r index.StubRef) pages.Ptr {
 // lazyEligible reports whether Open may build the volumes' trees from
 // stubs: a clean shutdown's root with nothing journaled since, its
 // volumes' dirty counts in its payload, no mirror.
-func lazyEligible(pr *pagedRoot, nrec int, policy cleanPolicy, mirrored bool) bool {
-	return pr != nil && nrec == 0 && policy == cleanKeep && !mirrored && pr.dirty != nil && pr.flags&pagedCounts != 0
+func lazyEligible(pr *pagedRoot, nrec int, policy cleanPolicy, mirrored bool, knobs testingKnobs) bool {
+	return knobs.lazyOpen && pr != nil && nrec == 0 && policy == cleanKeep && !mirrored && pr.dirty != nil && pr.flags&pagedCounts != 0
 }
 
 // lazyLoader returns the loader of volume slot vi's stubs: it reads and

@@ -967,7 +967,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		// the backing device for nothing.
 		policy = cleanDrop
 	}
-	lazy := jr.err == nil && lazyEligible(pr, jr.n, policy, mir != nil)
+	lazy := jr.err == nil && lazyEligible(pr, jr.n, policy, mir != nil, opts.testing)
 	if pr != nil {
 		cd, pg, err := readPagedLeaves(pr, sb, volBlocks, lazy)
 		s.pg = pg
