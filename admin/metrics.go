@@ -73,7 +73,7 @@ var volumeMetrics = map[string]metricDef{
 	"BackingConsistent":      {name: "tiercache_backing_consistent", help: "1 when the export is in epoch order and its backing device alone holds a flushed image (0 in lba order, or degraded until the next full drain).", kind: gauge},
 	"WritebackDegrades":      {name: "tiercache_writeback_degrades_total", help: "Times epoch-order writeback fell behind and degraded to lba order.", kind: counter},
 	"CatchingUp":             {name: "tiercache_writeback_catching_up", help: "1 while a degraded export catches up with epoch order (writing back everything dirty from before its cut); consistent again when it is done.", kind: gauge},
-	"CatchUps":               {name: "tiercache_writeback_catch_ups_total", help: "Catch-ups to epoch order started (a degraded export under constant writes cuts 5 s after the degrade).", kind: counter},
+	"CatchUps":               {name: "tiercache_writeback_catch_ups_total", help: "Catch-ups to epoch order started (a degraded export under constant writes cuts 5 s after the degrade and after the last write stream around the cache).", kind: counter},
 	"EpochDeferBytes":        {name: "tiercache_epoch_defer_bytes_total", help: "Writethrough/writearound writes and small write-zeroes cached as dirty data because older flush epochs were still dirty (epoch order).", kind: counter},
 	"BackingSyncErrors":      {name: "tiercache_backing_sync_errors_total", help: "Failed syncs of the backing device; after the first, flushes of the export fail.", kind: counter},
 	"WritebackFailures":      {name: "tiercache_writeback_failures_total", help: "Background writeback batches that failed (failing or full backing device); retried with backoff.", kind: counter},

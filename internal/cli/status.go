@@ -172,9 +172,9 @@ func consistencyText(c admin.Consistency) string {
 	case c.InconsistentSince != nil && c.CatchingUp:
 		return "no, since " + c.InconsistentSince.Local().Format(time.DateTime) + "; catching up now: consistent again once the catch-up pass has written back everything dirty from before its cut"
 	case c.InconsistentSince != nil:
-		return "no, since " + c.InconsistentSince.Local().Format(time.DateTime) + "; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)"
+		return "no, since " + c.InconsistentSince.Local().Format(time.DateTime) + "; consistent again once writeback catches up (a full drain, or the catch-up pass that starts once 5 s have passed since the degrade and since the last write stream around the cache)"
 	case c.WritebackOrder == "lba":
 		return "no (writeback_order lba: writeback does not keep the order of flushes)"
 	}
-	return "no; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)"
+	return "no; consistent again once writeback catches up (a full drain, or the catch-up pass that starts once 5 s have passed since the degrade and since the last write stream around the cache)"
 }

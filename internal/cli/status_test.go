@@ -57,7 +57,7 @@ scratch  writeback  1 GiB  64 MiB  8 MiB  50.0%  no (lba order)                 
 wal      writeback  1 GiB  64 MiB  8 MiB  50.0%  no, since 10:02:03, catching up  /srv/wal.img
 iso      plain      1 MiB  -       -      -      -                                /srv/iso.img
 
-logs: backing device consistent: no, since 2026-12-02 10:02:03; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)
+logs: backing device consistent: no, since 2026-12-02 10:02:03; consistent again once writeback catches up (a full drain, or the catch-up pass that starts once 5 s have passed since the degrade and since the last write stream around the cache)
 wal: backing device consistent: no, since 2026-12-02 10:02:03; catching up now: consistent again once the catch-up pass has written back everything dirty from before its cut
 `
 	if got := out.String(); got != want {
@@ -75,7 +75,7 @@ wal: backing device consistent: no, since 2026-12-02 10:02:03; catching up now: 
 	}
 	for _, want := range []string{
 		"  backing device consistent: yes\n",
-		"  backing device consistent: no, since 2026-12-02 10:02:03; consistent again once writeback catches up (a full drain, or the catch-up pass that starts 5 s after the degrade)\n",
+		"  backing device consistent: no, since 2026-12-02 10:02:03; consistent again once writeback catches up (a full drain, or the catch-up pass that starts once 5 s have passed since the degrade and since the last write stream around the cache)\n",
 		"  backing device consistent: no (writeback_order lba: writeback does not keep the order of flushes)\n",
 		"  backing device consistent: no, since 2026-12-02 10:02:03; catching up now: consistent again once the catch-up pass has written back everything dirty from before its cut\n",
 	} {
