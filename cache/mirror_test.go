@@ -3,6 +3,7 @@ package cache
 import (
 	"bytes"
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"sync/atomic"
@@ -396,4 +397,68 @@ func TestMirrorDegradedWritebackFullSpeed(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	r.verify(map[uint64]uint64{0: 1, 1: 2, 2: 3, 3: 4, 4: 5, 5: 6, 6: 7, 7: 8, 100: 1})
+}
+
+// TestMirrorBothLost: losing both members is the single device's
+// failover. With no background writeback every block written stays dirty
+// on the cache devices; A is pulled (the set degrades to B), then B: the
+// set fails over, a read of a dirty block fails as unreachable instead of
+// returning the backing device's older data, a write over one is fenced,
+// Flush reports the writes since the last flush as lost, and blocks never
+// cached go to the backing device and read back.
+func TestMirrorBothLost(t *testing.T) {
+	r := newMirrorRig(t, 16, 64<<10, 16, 1024)
+	if err := r.set.Close(); err != nil {
+		t.Fatal(err)
+	}
+	s, err := Open(r.a, r.specs, OpenOptions{Mirror: r.b, testing: testingKnobs{noBackground: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.crashStop() })
+	r.set = s
+	r.vol, _ = s.Volume("a")
+	for lba := uint64(0); lba < 100; lba++ {
+		r.write(lba, 1)
+	}
+	if err := r.vol.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	for lba := uint64(100); lba < 150; lba++ {
+		r.write(lba, 2)
+	}
+	r.a.pulled.Store(true)
+	want := map[uint64]uint64{}
+	for lba := uint64(0); lba < 150; lba++ {
+		want[lba] = 1 + lba/100
+	}
+	r.verify(want)
+	if st := r.set.Stats(); st.Failed || st.Mirror == nil || !st.Mirror.Degraded {
+		t.Fatalf("after pulling A: failed %v, mirror %+v; want degraded on B", st.Failed, st.Mirror)
+	}
+	r.b.pulled.Store(true)
+	p := make([]byte, blockSize)
+	for lba := uint64(0); lba < 150; lba++ {
+		err := r.vol.ReadAt(p, int64(lba)*blockSize)
+		if !errors.Is(err, ErrDirtyUnreachable) {
+			t.Fatalf("read of dirty lba %d with both members lost: %v, want ErrDirtyUnreachable", lba, err)
+		}
+	}
+	if st := r.set.Stats(); !st.Failed {
+		t.Fatalf("both members lost: the set did not fail over (stats %+v)", st)
+	}
+	if err := r.vol.WriteAt(mstamp(7, 3), 7*blockSize, false); !errors.Is(err, ErrDirtyUnreachable) {
+		t.Fatalf("write over an unreachable dirty block: %v, want it fenced (ErrDirtyUnreachable)", err)
+	}
+	if err := r.vol.Flush(); !errors.Is(err, ErrLostWrites) {
+		t.Fatalf("flush after losing the writes since the last flush: %v, want ErrLostWrites", err)
+	}
+	for lba := uint64(500); lba < 510; lba++ {
+		r.write(lba, 4)
+		want := map[uint64]uint64{lba: 4}
+		r.verify(want)
+	}
+	if _, err := r.back.ReadAt(p, 500*blockSize); err != nil || !bytes.Equal(p, mstamp(500, 4)) {
+		t.Fatalf("a write after failover to a block never cached is not on the backing device (%v)", err)
+	}
 }
