@@ -341,6 +341,9 @@ func TestTrustJournalENOSPC(t *testing.T) {
 	if out, _ := qemu("-c", "read 1m 1m"); !strings.Contains(out, "read failed: Input/output error") {
 		t.Errorf("a read of the block lost with the cache did not fail with EIO:\n%s", out)
 	}
+	// The server logged that READ's errno before replying, but its log
+	// reaches s.log through a goroutine copying its stderr.
+	waitLog(t, s, `msg="nbd: backend error" remote=@ export=vol cmd=READ `)
 
 	// Every request that failed, failed with EIO: the server's log names
 	// the errno sent for each, WRITE, READ and FLUSH.
