@@ -191,12 +191,16 @@ func TestOpsCommands(t *testing.T) {
 	if n := strings.Count(out, " default "); n != 3 {
 		t.Errorf("stats 0.1 3: %d lines for the export, want 3:\n%s", n, out)
 	}
-	var wout, werr bytes.Buffer
-	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
-	code := runCtx(ctx, []string{"stats", "--watch=0.1"}, &wout, &werr)
+	// --watch is interrupted once it has printed two lines (or after a
+	// minute, which fails): how many a fixed wall-clock time allows
+	// depends on the machine's load.
+	var werr bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	wout := &cancelAfter{want: " default ", n: 2, cancel: cancel}
+	code := runCtx(ctx, []string{"stats", "--watch=0.1"}, wout, &werr)
 	cancel()
-	if code != 0 || strings.Count(wout.String(), " default ") < 2 {
-		t.Errorf("stats --watch=0.1: exit %d, %d lines:\n%s%s", code, strings.Count(wout.String(), " default "), wout.String(), werr.String())
+	if got := wout.String(); code != 0 || strings.Count(got, " default ") < 2 {
+		t.Errorf("stats --watch=0.1: exit %d, %d lines:\n%s%s", code, strings.Count(got, " default "), got, werr.String())
 	}
 	failTC(t, "INTERVAL \"fast\"", "stats", "fast")
 
@@ -600,4 +604,31 @@ func TestIndexPagesCLI(t *testing.T) {
 		t.Errorf("check of a set with a damaged index page: exit %d\n%s", code, out)
 	}
 	t.Logf("check of a damaged leaf at offset %d:\n%s", leaf, out)
+}
+
+// cancelAfter is a writer that calls cancel once its output holds n
+// occurrences of want: it interrupts a command that repeats until
+// interrupted after a given amount of output rather than of time.
+type cancelAfter struct {
+	mu     sync.Mutex
+	buf    bytes.Buffer
+	want   string
+	n      int
+	cancel context.CancelFunc
+}
+
+func (w *cancelAfter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	n, err := w.buf.Write(p)
+	if strings.Count(w.buf.String(), w.want) >= w.n {
+		w.cancel()
+	}
+	return n, err
+}
+
+func (w *cancelAfter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.buf.String()
 }
