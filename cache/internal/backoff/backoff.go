@@ -5,6 +5,8 @@ package backoff
 
 import (
 	"log/slog"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,8 +17,10 @@ import (
 // device): the wait doubles from backoffMin with each failure in a row, up
 // to backoffMax, and a success resets it. It logs once per state change
 // (failing, recovered) and a summary every backoffSummary while failing,
-// instead of a line per attempt, and counts attempts for the metrics.
-// Safe for concurrent use.
+// instead of a line per attempt; the summary and the recovered line list
+// the distinct errors of the failing state (up to maxErrs), so that no
+// failure goes unseen. It counts attempts for the metrics. Safe for
+// concurrent use.
 type Retry struct {
 	log  *slog.Logger
 	what string // what is retried, for the log: "writeback"
@@ -31,6 +35,7 @@ type Retry struct {
 	lastLog  time.Time     // last failing or summary line
 	inState  uint64        // failures in this failing state
 	lastErr  error
+	errs     []string      // distinct errors in this failing state, at most maxErrs
 	failures atomic.Uint64 // failed attempts, ever (metric)
 	failing  atomic.Bool   // in a failing state (metric)
 }
@@ -39,6 +44,7 @@ const (
 	backoffMin     = 100 * time.Millisecond
 	backoffMax     = 30 * time.Second
 	backoffSummary = time.Minute
+	maxErrs        = 8
 )
 
 // New returns a Retry for what (named in its log lines with attr).
@@ -55,6 +61,9 @@ func (b *Retry) Failed(err error) time.Duration {
 	now := b.now()
 	b.inState++
 	b.lastErr = err
+	if e := err.Error(); len(b.errs) < maxErrs && !slices.Contains(b.errs, e) {
+		b.errs = append(b.errs, e)
+	}
 	if b.wait == 0 {
 		b.wait, b.since, b.lastLog = backoffMin, now, now
 		b.failing.Store(true)
@@ -64,7 +73,7 @@ func (b *Retry) Failed(err error) time.Duration {
 	b.wait = min(2*b.wait, backoffMax)
 	if now.Sub(b.lastLog) >= backoffSummary {
 		b.lastLog = now
-		b.log.Warn(b.what+" still failing", append(b.attr, "failures", b.inState, "for", now.Sub(b.since).Round(time.Second), "last_err", err, "retry_in", b.wait)...)
+		b.log.Warn(b.what+" still failing", append(b.attr, "failures", b.inState, "for", now.Sub(b.since).Round(time.Second), "last_err", err, "errors", strings.Join(b.errs, "; "), "retry_in", b.wait)...)
 	}
 	return b.wait
 }
@@ -79,8 +88,8 @@ func (b *Retry) OK() {
 	if b.wait == 0 {
 		return
 	}
-	b.log.Info(b.what+" recovered", append(b.attr, "failures", b.inState, "after", b.now().Sub(b.since).Round(time.Millisecond), "last_err", b.lastErr)...)
-	b.wait, b.inState, b.lastErr = 0, 0, nil
+	b.log.Info(b.what+" recovered", append(b.attr, "failures", b.inState, "after", b.now().Sub(b.since).Round(time.Millisecond), "last_err", b.lastErr, "errors", strings.Join(b.errs, "; "))...)
+	b.wait, b.inState, b.lastErr, b.errs = 0, 0, nil, nil
 	b.failing.Store(false)
 }
 

@@ -46,3 +46,29 @@ func TestRetryBackoff(t *testing.T) {
 		t.Fatalf("first failure after recovery waits %v, want %v", d, backoffMin)
 	}
 }
+
+// TestRetryLogsEveryError: a failing state of three distinct errors logs
+// each of them, in two lines (failing, recovered); the same error again
+// is listed once.
+func TestRetryLogsEveryError(t *testing.T) {
+	var logBuf bytes.Buffer
+	b := New(slog.New(slog.NewTextHandler(&logBuf, nil)), "writeback", "volume", "v")
+	now := time.Unix(1000, 0)
+	b.now = func() time.Time { return now }
+	for _, e := range []string{"EIO at 0", "EIO at 8", "EIO at 0", "ENOSPC at 16"} {
+		now = now.Add(b.Failed(errors.New(e)))
+	}
+	b.OK()
+	out := logBuf.String()
+	for _, e := range []string{"EIO at 0", "EIO at 8", "ENOSPC at 16"} {
+		if !strings.Contains(out, e) {
+			t.Errorf("%q is not in the log:\n%s", e, out)
+		}
+	}
+	if n := strings.Count(out, "\n"); n != 2 {
+		t.Errorf("%d log lines for one failing state, want 2:\n%s", n, out)
+	}
+	if n := strings.Count(out, "EIO at 0"); n != 2 {
+		t.Errorf("EIO at 0 in %d places, want 2 (the failing line, once in the recovered line's errors):\n%s", n, out)
+	}
+}
