@@ -158,7 +158,7 @@ func cacheMain(args []string) int {
 	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
 	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S10), in this order; default all")
-	fs.BoolVar(&o.S6LBA, "s6-lba", false, "S6 also runs pgbench in writeback with writeback_order=lba (issue 4: what epoch order costs; ~45 s more a round)")
+	fs.BoolVar(&o.S6LBA, "s6-lba", false, "S6 also runs pgbench in writeback with writeback_order=lba (what epoch order costs; ~45 s more a round)")
 	var s6 string
 	fs.StringVar(&s6, "s6", "", "comma-separated S6 targets to run: "+strings.Join(s6Targets, ", ")+" (writeback-s3: writeback over an object-store image on a local versitygw; db_bench runs only with none and writeback both); default the four modes")
 	var s7 string
