@@ -4,17 +4,19 @@
 // checkpoint writes the pages changed since the last one and then a root
 // (docs/CACHE.md, "Index pages on the cache device"; docs/DESIGN.md).
 //
-// Built so far, and tested against the in-memory index (index.Ptree) as
-// the oracle: the page codec (this file), the page cache (cache.go), the
-// page area's allocation (alloc.go), the copy-on-write tree of one
-// volume's entries or superseded versions, the bucket table, and the root
-// that names them (tree.go, table.go, store.go, root.go), reading every
-// leaf in runs (readall.go) and verifying every page (verify.go). The
-// engine (package cache) writes its checkpoints through a Store and reads
-// them back at Open, and keeps its index in memory, its leaves read one
-// by one (ReadLeaf) as operations need them after a clean shutdown's Open
-// (LeafRefs). Not built: the owner lists, a checkpoint outside the
-// caller's lock, lookups by the engine through the page cache.
+// The package holds the page codec (this file), the page cache
+// (cache.go), the page area's allocation (alloc.go), the copy-on-write
+// tree of one volume's entries or superseded versions (tree.go), the
+// bucket table (table.go), the root that names them and the Store that
+// writes and reads them (root.go, store.go), reading every leaf in runs
+// (readall.go) and verifying every page (verify.go); its tests check it
+// against the in-memory index (index.Ptree) as the oracle. The engine
+// (package cache) writes its checkpoints through a Store, under its own
+// lock, and reads the root back at Open. It keeps its index in memory and
+// looks nothing up through the page cache; the owner map (cache block to
+// entry) is not paged. Reading a leaf only when an operation first needs
+// it (LeafRefs, ReadLeaf) is built and tested, and off in production
+// Opens (the engine's testingKnobs.lazyOpen).
 //
 // # Page format
 //
