@@ -131,6 +131,23 @@ type cliffRun struct {
 	skipped        string // why the job did not run
 	tc             string // what tiercache did during it
 	doneOf, wantOf string // work done of work asked, e.g. "512 of 768 MiB"
+	// fillrandom (db_bench --statistics): bytes RocksDB wrote to its
+	// tables by memtable flushes and by compactions while the job ran, and
+	// the time its writes stalled; 0 when unknown.
+	flushBytes, compactBytes, stallSecs float64
+}
+
+// tableBytes is what RocksDB wrote to its tables during a fillrandom run
+// (0 when unknown).
+func (r cliffRun) tableBytes() float64 { return r.flushBytes + r.compactBytes }
+
+// rocksText says what RocksDB wrote during a fillrandom run ("" when
+// unknown).
+func (r cliffRun) rocksText() string {
+	if r.tableBytes() == 0 {
+		return ""
+	}
+	return fmt.Sprintf("RocksDB wrote %s to its tables (%s by flushes, %s by compactions), its writes stalled %.1f s", mib(r.tableBytes()), mib(r.flushBytes), mib(r.compactBytes), r.stallSecs)
 }
 
 func (r cliffRun) status() string {
@@ -590,12 +607,15 @@ func (c *cacheRunner) s7Fillrandom(ctx context.Context) (cliffCase, error) {
 			v0, _ := c.quickStats(ctx, srv)
 			l0 := c.writeLat(ctx, srv)
 			r, err := c.fillrandom(ctx, t, srv, filepath.Join(mnt, "rocks"), limit)
+			if err == nil && !r.cut {
+				err = c.syncFS(ctx, mnt)
+			}
 			if err == nil && !r.stalled {
 				if tg.order != "" {
 					v1, s1 := c.quickStats(ctx, srv)
 					r.tc = tcCounters(v0, v1, s1)
 				}
-				r.tc = joinNote(r.tc, latText(l0, c.writeLat(ctx, srv)))
+				r.tc = joinNote(r.tc, latText(l0, c.writeLat(ctx, srv)), r.rocksText())
 			}
 			return r, err
 		})
@@ -703,6 +723,9 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 			}
 			l0 := c.writeLat(ctx, srv)
 			r, err = c.fillrandom(ctx, tools, srv, filepath.Join(mnt, "rocks"), limRocks)
+			if err == nil && !r.cut {
+				err = c.syncFS(ctx, mnt)
+			}
 			if err != nil {
 				return r, err
 			}
@@ -719,7 +742,7 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 				}
 			}
 			if !r.stalled {
-				r.tc = joinNote(r.tc, latText(l0, l1))
+				r.tc = joinNote(r.tc, latText(l0, l1), r.rocksText())
 			}
 			runs[2] = r
 			return r, nil
@@ -836,7 +859,7 @@ func (c *cacheRunner) fillrandom(ctx context.Context, t appTools, srv *server, d
 	z := c.sz.Cliff
 	r := cliffRun{unit: "ops/s", p999Ms: math.NaN(), maxMs: math.NaN(), cap: limit}
 	argv := []string{t.dbBench, "--db=" + dir, "--benchmarks=fillrandom", "--num=" + strconv.Itoa(z.RocksKeys), "--value_size=4096", "--key_size=16",
-		"--compression_type=none", "--threads=1", "--seed=1", "--histogram=1", "--stats_interval_seconds=1"}
+		"--compression_type=none", "--threads=1", "--seed=1", "--histogram=1", "--stats_interval_seconds=1", "--statistics=1"}
 	c.r.noteCommand(argv)
 	timeout := limit
 	if timeout <= 0 {
@@ -864,6 +887,8 @@ func (c *cacheRunner) fillrandom(ctx context.Context, t appTools, srv *server, d
 			v, _ := strconv.ParseFloat(string(m[1]), 64)
 			r.maxMs = v / 1000
 		}
+		r.flushBytes, r.compactBytes = dbStat(out, "rocksdb.flush.write.bytes"), dbStat(out, "rocksdb.compact.write.bytes")
+		r.stallSecs = dbStat(out, "rocksdb.stall.micros") / 1e6
 		r.doneOf, r.wantOf = strconv.Itoa(z.RocksKeys), strconv.Itoa(z.RocksKeys)
 		return r, nil
 	}
@@ -879,6 +904,27 @@ func (c *cacheRunner) fillrandom(ctx context.Context, t appTools, srv *server, d
 	r.cut, r.stalled = true, stalled
 	r.doneOf, r.wantOf = fmt.Sprintf("%.0f keys", done), fmt.Sprintf("%d", z.RocksKeys)
 	return r, nil
+}
+
+// syncFS writes out what the file system at mnt still holds dirty, so
+// that the counters read after a job count all of its writes: closing its
+// database, RocksDB truncates its last log file, which makes ext4 start
+// writing that file's data (the memtable's tail, up to a memtable of
+// unsynced log) asynchronously, after db_bench has exited.
+func (c *cacheRunner) syncFS(ctx context.Context, mnt string) error {
+	_, err := c.cmd(ctx, time.Minute, "sync", "-f", mnt)
+	return err
+}
+
+// dbStat is the COUNT of the ticker name in db_bench --statistics output
+// (0 when absent).
+func dbStat(out []byte, name string) float64 {
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + ` COUNT : (\d+)`).FindSubmatch(out)
+	if m == nil {
+		return 0
+	}
+	v, _ := strconv.ParseFloat(string(m[1]), 64)
+	return v
 }
 
 // cliffFigure records one run and reports it.

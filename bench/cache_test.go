@@ -46,6 +46,10 @@ Microseconds per write:
 Count: 20000 Average: 62.7174  StdDev: 1990.51
 Min: 5  Median: 9.2280  Max: 172131
 Percentiles: P50: 9.23 P75: 13.52 P99: 145.23 P99.9: 7920.00 P99.99: 110000.00
+rocksdb.stall.micros COUNT : 88428
+rocksdb.compact.write.bytes COUNT : 210495172
+rocksdb.flush.write.bytes COUNT : 439832016
+rocksdb.remote.compact.write.bytes COUNT : 7
 `)
 	m := dbBenchR.FindSubmatch(out)
 	if m == nil || string(m[1]) != "fillrandom" || string(m[3]) != "15487" {
@@ -56,6 +60,12 @@ Percentiles: P50: 9.23 P75: 13.52 P99: 145.23 P99.9: 7920.00 P99.99: 110000.00
 	}
 	if m := dbMaxRe.FindSubmatch(out); m == nil || string(m[1]) != "172131" {
 		t.Errorf("max: %q", m)
+	}
+	if f, c, st := dbStat(out, "rocksdb.flush.write.bytes"), dbStat(out, "rocksdb.compact.write.bytes"), dbStat(out, "rocksdb.stall.micros"); f != 439832016 || c != 210495172 || st != 88428 {
+		t.Errorf("statistics: flush %v, compaction %v, stall %v", f, c, st)
+	}
+	if v := dbStat(out, "rocksdb.wal.bytes"); v != 0 {
+		t.Errorf("absent ticker: %v", v)
 	}
 	if ms := dbProgressRe.FindAllSubmatch(out, -1); len(ms) != 2 || string(ms[1][2]) != "60000" {
 		t.Errorf("progress lines: %q", ms)
