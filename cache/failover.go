@@ -500,7 +500,7 @@ func (s *Set) loadLostWrites() error {
 		for _, v := range ev.Vols {
 			s.log.Error("ACKNOWLEDGED WRITES LOST in an earlier cache device failover (recorded on the cache device): they are not on the backing device; acknowledge with 'tiercache lost-writes --ack ID' once handled",
 				"failover", ev.ID, "at", time.Unix(0, ev.Time).UTC().Format(time.RFC3339), "volume", v.Name,
-				"lost_bytes", v.Blocks*blockSize, "ranges", FormatLostRanges(v))
+				"lost_bytes", v.Blocks*blockSize, "ranges", v.FormatRanges())
 		}
 	}
 	return nil
@@ -619,7 +619,7 @@ func ReadLostWrites(dev device.Device) (LostWrites, error) {
 
 // ErrNoSuchLostEvent is returned by AckLostWrites for an ID the record
 // does not hold.
-var ErrNoSuchLostEvent = errors.New("cache: no such unacknowledged failover")
+var ErrNoSuchLostEvent = ondisk.ErrNoSuchLostEvent
 
 // AckLostWrites removes the failovers ids from the lost-writes record of a
 // cache device that is not open, after an operator has dealt with what
@@ -643,14 +643,10 @@ func AckLostWrites(dev device.Device, ids []uint64) (LostWrites, error) {
 // ackRecord writes rec without the failovers ids, all of which must be in
 // it (nothing is written otherwise).
 func ackRecord(dev device.Device, rec LostWrites, ids []uint64) (LostWrites, error) {
-	for _, id := range ids {
-		if !slices.ContainsFunc(rec.Events, func(e LostEvent) bool { return e.ID == id }) {
-			return rec, fmt.Errorf("%w: %d", ErrNoSuchLostEvent, id)
-		}
+	next, err := rec.Ack(ids)
+	if err != nil {
+		return rec, err
 	}
-	next := rec
-	next.Events = slices.DeleteFunc(slices.Clone(rec.Events), func(e LostEvent) bool { return slices.Contains(ids, e.ID) })
-	next.N++
 	if err := ondisk.WriteLostWrites(dev, next); err != nil {
 		return rec, err
 	}
@@ -677,30 +673,6 @@ func (s *Set) AckLostWrites(ids []uint64) ([]LostEvent, error) {
 	return slices.Clone(rec.Events), nil
 }
 
-// FormatLostRanges lists a volume's lost ranges in bytes, "[off,+len)".
-func FormatLostRanges(v LostVolume) string {
-	var rs []blockRange
-	for _, r := range v.Ranges {
-		rs = append(rs, blockRange{r.LBA, r.N})
-	}
-	out := fmtRanges(rs)
-	if v.More {
-		out += " ..."
-	}
-	return out
-}
-
 // DescribeLostEvent is one line per volume of a failover's lost writes,
-// for check and status.
-func DescribeLostEvent(ev LostEvent) []string {
-	var out []string
-	at := time.Unix(0, ev.Time).UTC().Format(time.RFC3339)
-	for _, v := range ev.Vols {
-		out = append(out, fmt.Sprintf("cache device failover %d at %s lost %d bytes of acknowledged writes to volume %q (never made durable; not on the backing device): %s",
-			ev.ID, at, v.Blocks*blockSize, v.Name, FormatLostRanges(v)))
-	}
-	if ev.Dropped > 0 {
-		out = append(out, fmt.Sprintf("cache device failover %d at %s lost writes to %d more volume(s) (left out of the record for want of room)", ev.ID, at, ev.Dropped))
-	}
-	return out
-}
+// for check and status (ondisk.LostEvent.Describe).
+func DescribeLostEvent(ev LostEvent) []string { return ev.Describe() }

@@ -1,7 +1,10 @@
 package ondisk
 
 import (
+	"errors"
 	"fmt"
+	"slices"
+	"time"
 
 	"github.com/tiercache/tiercache/device"
 )
@@ -221,4 +224,54 @@ func WriteLostWrites(dev device.Device, l LostWrites) error {
 		return fmt.Errorf("syncing lost-writes record: %w", err)
 	}
 	return nil
+}
+
+// ErrNoSuchLostEvent is returned by Ack for an ID the record does not
+// hold.
+var ErrNoSuchLostEvent = errors.New("cache: no such unacknowledged failover")
+
+// Ack returns l without the failovers ids and with its write counter
+// advanced, to be written with WriteLostWrites. Every id must be in l:
+// otherwise it returns l and ErrNoSuchLostEvent.
+func (l LostWrites) Ack(ids []uint64) (LostWrites, error) {
+	for _, id := range ids {
+		if !slices.ContainsFunc(l.Events, func(e LostEvent) bool { return e.ID == id }) {
+			return l, fmt.Errorf("%w: %d", ErrNoSuchLostEvent, id)
+		}
+	}
+	next := l
+	next.Events = slices.DeleteFunc(slices.Clone(l.Events), func(e LostEvent) bool { return slices.Contains(ids, e.ID) })
+	next.N++
+	return next, nil
+}
+
+// FormatRanges lists the volume's lost ranges in bytes, "[off,+len)",
+// with " ..." when the lost blocks extend beyond them.
+func (v LostVolume) FormatRanges() string {
+	out := ""
+	for i, r := range v.Ranges {
+		if i > 0 {
+			out += " "
+		}
+		out += fmt.Sprintf("[%d,+%d)", r.LBA*BlockSize, r.N*BlockSize)
+	}
+	if v.More {
+		out += " ..."
+	}
+	return out
+}
+
+// Describe is one line per volume of the failover's lost writes, for
+// check and status.
+func (ev LostEvent) Describe() []string {
+	var out []string
+	at := time.Unix(0, ev.Time).UTC().Format(time.RFC3339)
+	for _, v := range ev.Vols {
+		out = append(out, fmt.Sprintf("cache device failover %d at %s lost %d bytes of acknowledged writes to volume %q (never made durable; not on the backing device): %s",
+			ev.ID, at, v.Blocks*BlockSize, v.Name, v.FormatRanges()))
+	}
+	if ev.Dropped > 0 {
+		out = append(out, fmt.Sprintf("cache device failover %d at %s lost writes to %d more volume(s) (left out of the record for want of room)", ev.ID, at, ev.Dropped))
+	}
+	return out
 }

@@ -1,6 +1,7 @@
 package ondisk
 
 import (
+	"errors"
 	"reflect"
 	"strings"
 	"testing"
@@ -94,4 +95,29 @@ func FuzzDecodeLostWrites(f *testing.F) {
 			t.Fatalf("re-encoded record: ok %v, %v\n got %+v\nwant %+v", ok, err, again, l)
 		}
 	})
+}
+
+// TestLostWritesAckDescribe: Ack drops the failovers named and advances
+// the write counter, and refuses (changing nothing) when one is not in
+// the record; Describe names each volume's lost bytes and ranges.
+func TestLostWritesAckDescribe(t *testing.T) {
+	l := LostWrites{N: 4, NextID: 3, Nonce: 7, Events: []LostEvent{
+		{ID: 1, Time: 0, Vols: []LostVolume{{Name: "a", Blocks: 3, Ranges: []LostRange{{0, 1}, {9, 2}}, More: true}}, Dropped: 2},
+		{ID: 2, Time: 0, Vols: []LostVolume{{Name: "b", Blocks: 1, Ranges: []LostRange{{5, 1}}}}},
+	}}
+	if got, err := l.Ack([]uint64{2, 9}); !errors.Is(err, ErrNoSuchLostEvent) || !reflect.DeepEqual(got, l) {
+		t.Fatalf("ack of 2 and 9: %v, %+v; want ErrNoSuchLostEvent and the record unchanged", err, got)
+	}
+	next, err := l.Ack([]uint64{2})
+	if err != nil || next.N != 5 || len(next.Events) != 1 || next.Events[0].ID != 1 || len(l.Events) != 2 {
+		t.Fatalf("ack of 2: %v, %+v (record before: %+v)", err, next, l)
+	}
+	lines := l.Events[0].Describe()
+	want := []string{
+		`cache device failover 1 at 1970-01-01T00:00:00Z lost 12288 bytes of acknowledged writes to volume "a" (never made durable; not on the backing device): [0,+4096) [36864,+8192) ...`,
+		`cache device failover 1 at 1970-01-01T00:00:00Z lost writes to 2 more volume(s) (left out of the record for want of room)`,
+	}
+	if !reflect.DeepEqual(lines, want) {
+		t.Fatalf("Describe:\n%s\nwant\n%s", strings.Join(lines, "\n"), strings.Join(want, "\n"))
+	}
 }
