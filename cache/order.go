@@ -156,6 +156,26 @@ func (v *Volume) caughtUpLocked() bool {
 	return !ok || oldest >= cut
 }
 
+// restoreWait is how long a degraded volume that has written back all of
+// its dirty data (by background writeback, not a catch-up's cut or a
+// Drain) waits before returning to epoch order: until no write stream has
+// gone around the cache for catchUpAfter, as a catch-up does. A stream
+// that pauses (RocksDB's between two table files) finds the volume still
+// in lba order when it resumes; back in epoch order it would find the
+// pause's small epochs dirty and degrade it again, each time with a
+// superblock write on the stream's first request and a commit, backing
+// sync and superblock write to come back.
+func (v *Volume) restoreWait() time.Duration {
+	if !v.ord.degraded.Load() || v.ord.cut.Load() != 0 {
+		return 0
+	}
+	at := v.pol.streamAt.Load()
+	if at == 0 {
+		return 0
+	}
+	return max(time.Duration(at+int64(catchUpAfter)-nowNanos()), 0)
+}
+
 // restoreOrder returns a degraded volume with no dirty data, or one whose
 // catch-up has written back everything before its cut, to epoch order
 // (docs/CACHE.md, "Epoch order"). It reports whether it did.

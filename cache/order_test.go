@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tiercache/tiercache/cache/internal/writeback"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -342,5 +343,81 @@ func TestCatchUpWaitsForStreams(t *testing.T) {
 	}
 	if vs := v.Stats(); !vs.CatchingUp || vs.CatchUps != 1 {
 		t.Fatalf("after the cut: catching up %v, %d catch-ups; want yes, 1", vs.CatchingUp, vs.CatchUps)
+	}
+}
+
+// TestRestoreWaitsForStreams: a volume that degraded on a write stream and
+// then had all of its dirty data written back by background writeback
+// returns to epoch order only once no stream has gone around the cache for
+// catchUpAfter (the catch-up's rule), and then without another write.
+//
+// Regression test: in S8 (256 MiB cache; db_bench fillrandom of 512 MiB on
+// ext4 after 256 MiB of 4 KiB random overwrites of 32 MiB) the epoch-order
+// volume degraded 2-5 times per fillrandom on 6389efa: writeback emptied
+// the cache in each of RocksDB's pauses between table files, the volume
+// went back to epoch order (commit, backing sync, superblock), the pause's
+// ext4 journal commits made small older epochs, and the next table file's
+// first write degraded it again (a superblock write before it). Against
+// lba order in the same round fillrandom ran 0.64-1.32x (median 0.85 over
+// 7 rounds, load 5-11), the slowest rounds those with the most degrades.
+func TestRestoreWaitsForStreams(t *testing.T) {
+	s, _, _ := newTestSetKnobs(t, testingKnobs{noBackground: true}, 64, 16*blockSize, 4096*blockSize)
+	v := s.vols[0]
+	h := (*wbHost)(v)
+	st := v.Settings()
+	st.SequentialCutoff = 16 << 10
+	st.WritebackOrder = OrderEpoch
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	rng := rand.New(rand.NewPCG(14, 9))
+	for e := range 4 {
+		for range 20 {
+			if err := v.WriteAt(make([]byte, blockSize), int64(2048+rng.IntN(1024))*blockSize, false); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := v.Flush(); err != nil {
+			t.Fatalf("flush %d: %v", e, err)
+		}
+	}
+	for lba := int64(0); lba < 256; lba += 4 {
+		if err := v.WriteAt(make([]byte, 4*blockSize), lba*blockSize, false); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if vs := v.Stats(); vs.WritebackDegrades != 1 || vs.BackingConsistent {
+		t.Fatalf("after the stream: %d degrades, consistent %v; want 1, no", vs.WritebackDegrades, vs.BackingConsistent)
+	}
+	// Background writeback (lba order now) writes everything back.
+	for v.hasDirty() {
+		if _, err := v.wb.Sweep(writeback.FullBatch); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// The stream's last bypass just now: no return, and a look again
+	// within catchUpAfter.
+	v.pol.streamAt.Store(time.Now().UnixNano())
+	if d := h.CheckOrder(); d <= 0 || d > catchUpAfter {
+		t.Errorf("clean, stream just now: look again in %v; want in (0, %v]", d, catchUpAfter)
+	}
+	if vs := v.Stats(); vs.BackingConsistent {
+		t.Fatal("back in epoch order while a write stream bypasses the cache")
+	}
+	// A little less than catchUpAfter ago: still no return.
+	v.pol.streamAt.Store(time.Now().Add(-catchUpAfter + time.Second).UnixNano())
+	if d := h.CheckOrder(); d <= 0 || d > time.Second {
+		t.Errorf("clean, stream %v ago: look again in %v; want in (0, 1s]", catchUpAfter-time.Second, d)
+	}
+	if vs := v.Stats(); vs.BackingConsistent {
+		t.Fatal("back in epoch order within catchUpAfter of a stream's bypass")
+	}
+	// No stream for catchUpAfter: it returns, with no write needed.
+	v.pol.streamAt.Store(time.Now().Add(-catchUpAfter).UnixNano())
+	if d := h.CheckOrder(); d != 0 {
+		t.Errorf("returned: look again in %v; want 0", d)
+	}
+	if vs := v.Stats(); !vs.BackingConsistent || vs.WritebackDegrades != 1 {
+		t.Fatalf("catchUpAfter after the stream: consistent %v, %d degrades; want yes, 1", vs.BackingConsistent, vs.WritebackDegrades)
 	}
 }

@@ -397,9 +397,11 @@ func (s *Set) notifyReleasedLocked() {
 func (h *wbHost) RestoreOrder() { h.vol().restoreOrder() }
 
 // CheckOrder degrades the volume when epoch-order writeback is behind,
-// returns it to epoch order once it has no dirty data or has caught up,
+// returns it to epoch order once it has caught up or, with no dirty data
+// left, once no write stream has gone around the cache for catchUpAfter,
 // and starts a catch-up when it has been degraded long enough (order.go).
-func (h *wbHost) CheckOrder() {
+// It returns how soon to look again for a return that waits for streams.
+func (h *wbHost) CheckOrder() time.Duration {
 	s, v := h.s, h.vol()
 	s.mu.Lock()
 	behind := s.keepSuperseded(v.vi) && s.behindLocked(v)
@@ -409,10 +411,14 @@ func (h *wbHost) CheckOrder() {
 	case behind:
 		v.degrade(degradeSuperseded)
 	case caught:
+		if d := v.restoreWait(); d > 0 {
+			return d
+		}
 		v.restoreOrder()
 	default:
 		v.catchUp()
 	}
+	return 0
 }
 
 func (h *wbHost) Rate() int64 { return h.s.wbRate(h.vol()) }

@@ -105,8 +105,8 @@ const forever time.Duration = -1
 // stop channel given to Init) or Stop is called. It sleeps until something
 // changes the decision: a kick (settings, mode, pressure, the end of a
 // Drain, a write reaching the wake level, a claim released), the client
-// going idle (wbIdle after its last request), or the end of a pacing or
-// retry delay.
+// going idle (wbIdle after its last request), the end of a pacing or
+// retry delay, or the time CheckOrder asked to be called again at.
 func (w *Writer) Run() {
 	defer close(w.done)
 	c := w.c
@@ -136,7 +136,7 @@ func (w *Writer) Run() {
 		return true
 	}
 	for {
-		c.CheckOrder()
+		again := c.CheckOrder()
 		rate := c.Rate()
 		limit := int64(0) // blocks/s; 0 none
 		if m := c.RateMax(); m > 0 {
@@ -166,6 +166,9 @@ func (w *Writer) Run() {
 			if c.DirtyVersions() > 0 && !c.Draining() {
 				d = max(time.Duration(c.LastIO()+int64(wbIdle)-nowNanos()), time.Millisecond)
 				_, short = c.Short()
+			}
+			if again > 0 && (d == forever || again < d) {
+				d = again
 			}
 			if !sleep(d, true, short) {
 				return

@@ -31,6 +31,11 @@ type streamVol struct {
 	clean   bool     // MarkClean was called
 	once    sync.Once
 	loopOne sync.Once
+
+	// again is what CheckOrder returns (ns); checks, if set, is sent to on
+	// each CheckOrder.
+	again  atomic.Int64
+	checks chan struct{}
 }
 
 var zeroCRC = ondisk.CRC32C(make([]byte, blockSize))
@@ -168,12 +173,16 @@ func (v *streamVol) RestoreOrder()                     {}
 
 // CheckOrder: the loop's first call of a round, so after a batch's
 // MarkClean it means the batch has returned.
-func (v *streamVol) CheckOrder() {
+func (v *streamVol) CheckOrder() time.Duration {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	if v.clean {
 		v.loopOne.Do(func() { close(v.looped) })
 	}
+	if v.checks != nil {
+		v.checks <- struct{}{}
+	}
+	return time.Duration(v.again.Load())
 }
 
 // Rate: full speed (an idle client) while anything is dirty, nothing while
@@ -276,4 +285,37 @@ func TestBatchYieldsToStream(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestLoopLooksAgain: a loop with nothing to write back sleeps until a
+// kick, except that CheckOrder's d > 0 (a return to epoch order waiting
+// for write streams to pause) has it call CheckOrder again after d with
+// no kick at all: a clean degraded volume returns to epoch order by itself.
+func TestLoopLooksAgain(t *testing.T) {
+	v := &streamVol{dirty: map[uint64]bool{}, inBatch: map[uint64]bool{}, looped: make(chan struct{}), checks: make(chan struct{})}
+	v.again.Store(int64(10 * time.Millisecond))
+	stop := make(chan struct{})
+	var w Writer
+	w.Init(v, slog.New(slog.DiscardHandler), "vol", stop, Knobs{})
+	go w.Run()
+	defer func() {
+		close(stop)
+		go func() {
+			for range v.checks {
+			}
+		}()
+		<-w.done
+	}()
+	<-v.checks // the first round
+	v.again.Store(0)
+	guard := time.NewTimer(time.Minute) // a loop that never looks again would hang here
+	defer guard.Stop()
+	select {
+	case <-v.checks:
+	case <-guard.C:
+		t.Fatal("the loop did not call CheckOrder again after the d it returned")
+	}
+	// With d 0 and nothing dirty it sleeps until a kick.
+	w.Kick()
+	<-v.checks
 }

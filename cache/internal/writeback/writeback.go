@@ -150,8 +150,10 @@ type Volume interface {
 
 	// Loop's view (loop.go).
 
-	// CheckOrder degrades the volume, restores it or starts a catch-up.
-	CheckOrder()
+	// CheckOrder degrades the volume, restores it or starts a catch-up. A
+	// d > 0 asks the loop to call it again within d even if nothing else
+	// happens (a return to epoch order that waits for a quiet moment).
+	CheckOrder() (d time.Duration)
 	// Rate decides the background rate (Rate in loop.go) from the set's
 	// state and, when it is 0, sets the wake level (Writer.SetWake), both
 	// under the set's lock.
