@@ -30,7 +30,7 @@
 //	               inconsistent since u64 } ... |
 //	[ "CAID" u32 | cache device id str16 ] | "FEAT" u32 | features u64 | flags u64 | mark shift u8
 //
-// The version is 3 (ondisk.FormatVersion); every superblock has the FEAT
+// The version is 4 (ondisk.FormatVersion); every superblock has the FEAT
 // trailer (features: bit 0 warm-clean, set on every set and not read; bit 1
 // mirror; bit 2 paged index; flags: bit 0 clean entries untrusted; mark
 // shift: log2 of a mark region's blocks). The crc32c covers header (crc field zeroed) and payload. A

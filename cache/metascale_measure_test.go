@@ -203,7 +203,7 @@ func metaSet(t *testing.T, dir string, n, cacheBlocks int64) (cachePath string, 
 		if perr != nil {
 			t.Fatal(perr)
 		}
-		if err := st.Checkpoint(encodePagedPayload(0, []uint64{volEpoch}, pagedFlags, []int64{n})); err != nil {
+		if err := st.Checkpoint(encodePagedPayload(0, []uint64{volEpoch}, []int64{n})); err != nil {
 			t.Fatal(err)
 		}
 	} else if err := ondisk.WriteCheckpoint(cdev, sb, h, make([]uint32, sb.NBuckets), []uint64{volEpoch}, []*index.Ptree{tree}, vers); err != nil {

@@ -74,9 +74,9 @@ func pagedSlotLen(nbuckets, bpb int64) int64 {
 }
 
 // The root's payload: the journal block the generation starts at, each
-// volume slot's flush epoch, then flags (a root written before them has
-// none: no flag set), then with pagedVolDirty each volume slot's count of
-// dirty live entries.
+// volume slot's flush epoch, the flags (always pagedFlags: a payload with
+// other flags is corruption), then each volume slot's count of dirty live
+// entries.
 //
 //	jblk u64 | nvols u16 | epoch u64 × nvols | flags u64 | dirty u64 × nvols
 const (
@@ -91,34 +91,24 @@ const (
 	pagedFlags    = pagedCounts | pagedVolDirty
 )
 
-// encodePagedPayload encodes a payload; dirty (one count a volume slot) is
-// written when flags has pagedVolDirty.
-func encodePagedPayload(jblk int64, epochs []uint64, flags uint64, dirty []int64) []byte {
-	n := 18 + 8*len(epochs)
-	if flags&pagedVolDirty != 0 {
-		n += 8 * len(epochs)
-	}
-	b := make([]byte, n)
+// encodePagedPayload encodes a payload: dirty has one count a volume slot.
+func encodePagedPayload(jblk int64, epochs []uint64, dirty []int64) []byte {
+	b := make([]byte, 18+16*len(epochs))
 	binary.LittleEndian.PutUint64(b, uint64(jblk))
 	binary.LittleEndian.PutUint16(b[8:], uint16(len(epochs)))
 	for i, e := range epochs {
 		binary.LittleEndian.PutUint64(b[10+8*i:], e)
 	}
-	binary.LittleEndian.PutUint64(b[10+8*len(epochs):], flags)
-	if flags&pagedVolDirty != 0 {
-		for i := range epochs {
-			binary.LittleEndian.PutUint64(b[18+8*len(epochs)+8*i:], uint64(dirty[i]))
-		}
+	binary.LittleEndian.PutUint64(b[10+8*len(epochs):], pagedFlags)
+	for i := range epochs {
+		binary.LittleEndian.PutUint64(b[18+8*len(epochs)+8*i:], uint64(dirty[i]))
 	}
 	return b
 }
 
 // decodePagedDirty returns the volume slots' dirty counts of a payload
-// decodePagedPayload accepted, or nil if it carries none.
-func decodePagedDirty(b []byte, nvols int, flags uint64) []int64 {
-	if flags&pagedVolDirty == 0 {
-		return nil
-	}
+// decodePagedPayload accepted.
+func decodePagedDirty(b []byte, nvols int) []int64 {
 	d := make([]int64, nvols)
 	for i := range d {
 		d[i] = int64(binary.LittleEndian.Uint64(b[18+8*nvols+8*i:]))
@@ -135,21 +125,15 @@ func decodePagedPayload(b []byte, sb *Superblock) (jblk int64, epochs []uint64, 
 	}
 	j := binary.LittleEndian.Uint64(b)
 	n := int(binary.LittleEndian.Uint16(b[8:]))
-	if j >= uint64(sb.JournalLen/blockSize) || n > maxPagedVolumes || (len(b) != 10+8*n && len(b) != 18+8*n && len(b) != 18+16*n) {
+	if j >= uint64(sb.JournalLen/blockSize) || n > maxPagedVolumes || len(b) != 18+16*n {
 		return bad("journal block %d, %d volume slots in %d bytes", j, n, len(b))
 	}
 	epochs = make([]uint64, n)
 	for i := range epochs {
 		epochs[i] = binary.LittleEndian.Uint64(b[10+8*i:])
 	}
-	if len(b) >= 18+8*n {
-		flags = binary.LittleEndian.Uint64(b[10+8*n:])
-	}
-	if flags&^pagedFlags != 0 {
-		return bad("unknown flags %#x", flags)
-	}
-	if want := 18 + 8*n + 8*n*int(flags&pagedVolDirty>>1); len(b) > 10+8*n && len(b) != want {
-		return bad("flags %#x in %d bytes for %d volume slots", flags, len(b), n)
+	if flags = binary.LittleEndian.Uint64(b[10+8*n:]); flags != pagedFlags {
+		return bad("flags %#x, want %#x", flags, pagedFlags)
 	}
 	return int64(j), epochs, flags, nil
 }
@@ -157,7 +141,7 @@ func decodePagedPayload(b []byte, sb *Superblock) (jblk int64, epochs []uint64, 
 // formatPaged writes the first root (generation 1: no entries, the
 // journal from block 0) of a paged set.
 func formatPaged(dev device.Device, sb *Superblock, nvols int) error {
-	return pages.Format(dev, pagedLayout(sb), encodePagedPayload(0, make([]uint64, nvols), pagedCounts|pagedVolDirty, make([]int64, nvols)))
+	return pages.Format(dev, pagedLayout(sb), encodePagedPayload(0, make([]uint64, nvols), make([]int64, nvols)))
 }
 
 // writePagedCheckpoint is checkpointLocked's write for a paged set: the
@@ -218,7 +202,7 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 	for vi := range dirty {
 		dirty[vi] = int64(vers[vi].Dirty)
 	}
-	if err := st.Checkpoint(encodePagedPayload(h.JPos.Blk, epochs, pagedFlags, dirty)); err != nil {
+	if err := st.Checkpoint(encodePagedPayload(h.JPos.Blk, epochs, dirty)); err != nil {
 		return err
 	}
 	p.trees, p.sups = trees, sups
@@ -476,7 +460,7 @@ func (p *pagedIndex) check(gens []uint32, bpb int64) error {
 			p.sups[vi].Ascend(func(e index.Ent) bool { cd.Vols[vi].Sup = append(cd.Vols[vi].Sup, index.Ver{Loc: e.Loc}); return true })
 		}
 	}
-	return pagedCountsOf(cd, bpb, tab, true)
+	return pagedCountsOf(cd, bpb, tab)
 }
 
 // readPagedCheckpoint is ReadCheckpoint for a paged set: the newest valid
@@ -525,7 +509,7 @@ func openPagedRoot(dev device.Device, sb *Superblock) (*pagedRoot, error) {
 			return nil, ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "tree %#x beyond the root's %d volume slots", id, len(epochs))
 		}
 	}
-	pr := &pagedRoot{st: st, epochs: epochs, dirty: decodePagedDirty(payload, len(epochs), flags), flags: flags, tab: tab,
+	pr := &pagedRoot{st: st, epochs: epochs, dirty: decodePagedDirty(payload, len(epochs)), flags: flags, tab: tab,
 		hdr: ondisk.CkptHeader{Nonce: sb.Nonce(), Gen: st.Gen(), JPos: ondisk.JournalPos{Blk: jblk}}}
 	if _, perr := st.Previous(); perr != nil {
 		pr.warn = fmt.Sprintf("the other index root is not intact (%v): recovered from root generation %d", perr, st.Gen())
@@ -632,18 +616,16 @@ func readPagedLeaves(pr *pagedRoot, sb *Superblock, volBlocks []uint64, supOnly 
 	if err := checkPagedData(cd, sb, volBlocks); err != nil {
 		return fail(ondisk.Placed(err, sb.CkptOff[0], 2*sb.CkptLen))
 	}
-	if err := pagedCountsOf(cd, sb.BlocksPerBucket(), tab, pr.flags&pagedCounts != 0); err != nil {
+	if err := pagedCountsOf(cd, sb.BlocksPerBucket(), tab); err != nil {
 		return fail(err)
 	}
 	return cd, p, nil
 }
 
 // pagedCountsOf counts each bucket's live blocks (entries and superseded
-// versions) and dirty ones in cd. With check (the root says the table
-// holds them: pagedCounts) a table that says otherwise is corruption;
-// without, the counts are put into the table (a root written before
-// the table held them), to be written by the next checkpoint.
-func pagedCountsOf(cd *ondisk.CkptData, bpb int64, tab *pages.Table, check bool) error {
+// versions) and dirty ones in cd: a bucket table that says otherwise is
+// corruption.
+func pagedCountsOf(cd *ondisk.CkptData, bpb int64, tab *pages.Table) error {
 	live := make([]uint16, tab.Len())
 	dirty := make([]uint16, tab.Len())
 	for _, cv := range cd.Vols {
@@ -662,11 +644,6 @@ func pagedCountsOf(cd *ondisk.CkptData, bpb int64, tab *pages.Table, check bool)
 	}
 	for i := range live {
 		r := tab.Get(i)
-		if !check {
-			r.Live, r.Dirty = live[i], dirty[i]
-			tab.Set(i, r)
-			continue
-		}
 		if r.Live != live[i] || r.Dirty != dirty[i] {
 			return ondisk.Corruptf("index page", -1, pages.PageSize, "bucket table: bucket %d counts %d live and %d dirty blocks, the trees name %d and %d", i, r.Live, r.Dirty, live[i], dirty[i])
 		}

@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"encoding/binary"
 	"errors"
 	"math/rand/v2"
 	"slices"
@@ -236,29 +237,39 @@ func TestPagedCorruptRoot(t *testing.T) {
 	}
 }
 
-// TestPagedPayloadCounts: a root's payload without flags (written before
-// the bucket table held counts) decodes with none, unknown flags are
-// corruption; without pagedCounts Open puts the trees' counts into the
-// table, with it a table that differs is corruption.
+// TestPagedPayloadCounts: a root's payload decodes with its epochs and
+// the volumes' dirty counts; a payload without the flags or the counts
+// (the layouts of roots written before the bucket table held counts and
+// before the payload held the volumes' dirty counts), with other flags,
+// or cut short, is corruption; a bucket table whose counts differ from
+// the trees' is corruption.
+//
+// Until format version 4 Open read those older payloads and, for a root
+// without pagedCounts, put the trees' counts into the table; no format
+// was ever released, so version 4 dropped that path (issue 15, item 5).
 func TestPagedPayloadCounts(t *testing.T) {
 	sb := &Superblock{JournalLen: 1 << 20}
-	old := encodePagedPayload(5, []uint64{7, 8}, 0, nil)[:10+16]
-	j, eps, flags, err := decodePagedPayload(old, sb)
-	if err != nil || j != 5 || len(eps) != 2 || eps[1] != 8 || flags != 0 {
-		t.Fatalf("old payload: %d %v %d %v", j, eps, flags, err)
+	b := encodePagedPayload(5, []uint64{7, 8}, []int64{3, 4})
+	if j, eps, flags, err := decodePagedPayload(b, sb); err != nil || j != 5 || !slices.Equal(eps, []uint64{7, 8}) || flags != pagedFlags || !slices.Equal(decodePagedDirty(b, len(eps)), []int64{3, 4}) {
+		t.Fatalf("payload: %d %v %#x %v", j, eps, flags, err)
 	}
-	if _, _, flags, err := decodePagedPayload(encodePagedPayload(5, []uint64{7, 8}, pagedCounts, nil), sb); err != nil || flags != pagedCounts {
-		t.Fatalf("payload with counts: %d %v", flags, err)
+	withFlags := func(f uint64) []byte {
+		c := slices.Clone(b)
+		binary.LittleEndian.PutUint64(c[10+16:], f)
+		return c
 	}
-	b := encodePagedPayload(5, []uint64{7, 8}, pagedFlags, []int64{3, 4})
-	if _, eps, flags, err := decodePagedPayload(b, sb); err != nil || flags != pagedFlags || !slices.Equal(decodePagedDirty(b, len(eps), flags), []int64{3, 4}) {
-		t.Fatalf("payload with the volumes' dirty counts: %d %v", flags, err)
-	}
-	if _, _, _, err := decodePagedPayload(b[:len(b)-8], sb); !IsCorruption(err) {
-		t.Fatalf("payload with the dirty counts flag and too few counts: %v", err)
-	}
-	if _, _, _, err := decodePagedPayload(encodePagedPayload(5, nil, 1<<9, nil), sb); !IsCorruption(err) {
-		t.Fatalf("unknown flags: %v", err)
+	for what, p := range map[string][]byte{
+		"without flags":                   b[:10+16],
+		"with pagedCounts and no counts":  withFlags(pagedCounts)[:18+16],
+		"with the flags and no counts":    b[:18+16],
+		"with the flags and too few":      b[:len(b)-8],
+		"with pagedCounts only":           withFlags(pagedCounts),
+		"with an unknown flag":            withFlags(pagedFlags | 1<<9),
+		"with more bytes than the counts": append(slices.Clone(b), 0, 0, 0, 0, 0, 0, 0, 0),
+	} {
+		if _, _, _, err := decodePagedPayload(p, sb); !IsCorruption(err) {
+			t.Errorf("payload %s: %v, want corruption", what, err)
+		}
 	}
 	lay := pages.Layout{Off: 0, Pages: 64, Nonce: 1}
 	dev := device.NewMem(lay.Len())
@@ -277,16 +288,21 @@ func TestPagedPayloadCounts(t *testing.T) {
 		{Ents: []index.Ent{{LBA: 1, Loc: 0}, {LBA: 2, Loc: 5 | index.DirtyBit}}, Sup: []index.Ver{{Loc: 6}}},
 		{Ents: []index.Ent{{LBA: 1, Loc: 9 | index.DirtyBit}}},
 	}}
-	if err := pagedCountsOf(cd, 4, tab, true); !IsCorruption(err) {
+	if err := pagedCountsOf(cd, 4, tab); !IsCorruption(err) {
 		t.Fatalf("a table of zeroes checked against entries: %v", err)
 	}
-	if err := pagedCountsOf(cd, 4, tab, false); err != nil {
+	for i, c := range [][2]uint16{{1, 0}, {2, 2}, {1, 1}} {
+		r := tab.Get(i)
+		r.Live, r.Dirty = c[0], c[1]
+		tab.Set(i, r)
+	}
+	if err := pagedCountsOf(cd, 4, tab); err != nil {
 		t.Fatal(err)
 	}
-	if b0, b1, b2 := tab.Get(0), tab.Get(1), tab.Get(2); b0.Live != 1 || b0.Dirty != 0 || b1.Live != 2 || b1.Dirty != 2 || b2.Live != 1 || b2.Dirty != 1 {
-		t.Fatalf("counts %+v %+v %+v", b0, b1, b2)
-	}
-	if err := pagedCountsOf(cd, 4, tab, true); err != nil {
-		t.Fatal(err)
+	r := tab.Get(1)
+	r.Dirty--
+	tab.Set(1, r)
+	if err := pagedCountsOf(cd, 4, tab); !IsCorruption(err) {
+		t.Fatalf("a table one dirty block short in bucket 1: %v", err)
 	}
 }

@@ -351,7 +351,7 @@ func TestOpenRefusesVersion2(t *testing.T) {
 	if !errors.As(err, &ve) || ve.Found != 2 {
 		t.Fatalf("Open of a version 2 set: %v, want a FormatVersionError", err)
 	}
-	for _, w := range []string{"format version 2", "reads only version 3", "pre-release build", "format the device again"} {
+	for _, w := range []string{"format version 2", "reads only version 4", "pre-release build", "format the device again"} {
 		if !strings.Contains(err.Error(), w) {
 			t.Errorf("error %q does not say %q", err, w)
 		}

@@ -164,7 +164,7 @@ func TestSuperblockFeatures(t *testing.T) {
 			t.Errorf("%s: %v, want a corruption error", what, err)
 		}
 	}
-	for _, v := range []uint32{2, 4} {
+	for _, v := range []uint32{2, 3, 5} {
 		_, err := DecodeSuperblock(forge(v, FeatureWarmClean, 0, 18), 0)
 		var ve *FormatVersionError
 		if !errors.As(err, &ve) || ve.Found != v || errors.Is(err, ErrCorrupt) ||

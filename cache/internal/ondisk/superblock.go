@@ -141,7 +141,7 @@ const (
 	SBMagic      = "TIERCSB\x01"
 	// FormatVersion is the only superblock version this binary reads or
 	// writes; no earlier format was released (FormatVersionError).
-	FormatVersion = 3
+	FormatVersion = 4
 	MaxBackings   = 64
 	sbSettingsTag = 0x53455454 // "SETT": the per-backing settings section
 	sbCacheIDTag  = 0x44494143 // "CAID": the cache device identity section
