@@ -334,6 +334,7 @@ type tierWriter interface {
 type instrumented struct {
 	b      nbd.Backend
 	async  nbd.AsyncReader        // b's, or nil
+	plug   nbd.Plugger            // b's, or nil
 	tiers  tierReader             // nil: reads are not split by tier
 	tier   [2]prometheus.Observer // read latency: backing, cache
 	wtiers tierWriter             // nil: writes are not split by tier
@@ -399,6 +400,19 @@ func (w *instrumented) StartReadAt(p []byte, off int64, done func(error, func(fu
 		}
 		done(err, later)
 	})
+}
+
+// Plug and Unplug pass a plug on to the wrapped backend's (nbd.Plugger).
+func (w *instrumented) Plug() {
+	if w.plug != nil {
+		w.plug.Plug()
+	}
+}
+
+func (w *instrumented) Unplug() {
+	if w.plug != nil {
+		w.plug.Unplug()
+	}
 }
 
 func (w *instrumented) WriteAt(p []byte, off int64, fua bool) error {
@@ -507,6 +521,7 @@ type base struct{ *instrumented }
 func (m *Metrics) Wrap(export string, b nbd.Backend) nbd.Backend {
 	w := &instrumented{b: b}
 	w.async, _ = b.(nbd.AsyncReader)
+	w.plug, _ = b.(nbd.Plugger)
 	if h, ok := b.(tierReader); ok {
 		w.tiers = h
 		w.tier[0] = m.reads.WithLabelValues(export, "backing")

@@ -394,10 +394,12 @@ const maxAsyncHit = 128 << 10
 // in one run on the cache device, and reports whether it did. done is then
 // called exactly once with what ReadAt would have returned (a nil error
 // means p is filled and verified), from a goroutine other than the
-// caller's; it must not block. It returns false, having changed nothing
+// caller's; it must not block. It does not wait for anything but s.mu, and
+// that only briefly. It returns false, having changed nothing
 // but the blocks' recency, when the read is not such a hit, is not
 // block-aligned, is longer than maxAsyncHit, or the cache device cannot
-// start reads asynchronously: the caller then uses ReadAt. The volume
+// start reads asynchronously, or a detach is waiting: the caller then
+// uses ReadAt. The volume
 // stays entered (a detach waits) until done returns. done's later is
 // device.AsyncReader's: what done gives it runs after the other
 // completions of the device's batch (a completion finished off the
@@ -408,7 +410,13 @@ func (v *Volume) StartReadAt(p []byte, off int64, done func(err error, later fun
 	if !ok || len(p) == 0 || len(p) > maxAsyncHit || off%blockSize != 0 || len(p)%blockSize != 0 || s.isFailed() {
 		return false
 	}
-	if v.enter() != nil {
+	// Not enter: StartReadAt must not wait, not even for a detach that
+	// waits for the reads a plug (Plug) holds back.
+	if !v.gate.TryRLock() {
+		return false // ReadAt waits for the detach
+	}
+	if v.gone {
+		v.exit()
 		return false // ReadAt reports it
 	}
 	if v.checkIO(off, int64(len(p))) != nil {
@@ -452,6 +460,24 @@ func (v *Volume) StartReadAt(p []byte, off int64, done func(err error, later fun
 		}()
 	}
 	return true
+}
+
+// Plug holds back the device submission of the reads StartReadAt starts
+// until Unplug (device.Plugger, when the cache device is one): a caller
+// with several reads at hand starts them all, then Unplug sends them to the
+// device together. Between the two the caller must not wait for one of
+// them.
+func (v *Volume) Plug() {
+	if p, ok := v.s.dev.(device.Plugger); ok {
+		p.Plug()
+	}
+}
+
+// Unplug ends a Plug.
+func (v *Volume) Unplug() {
+	if p, ok := v.s.dev.(device.Plugger); ok {
+		p.Unplug()
+	}
 }
 
 // finishHit completes a read StartReadAt started, whose device read ended

@@ -71,6 +71,11 @@ import (
 //     finished synchronously by its caller, as a short completion is. A
 //     cache appending many writers' blocks to one bucket turns them into
 //     one device request.
+//  8. While a.plugged > 0 (File.Plug), async requests are queued without
+//     being submitted, up to aioPlugMax of them; the last Unplug, a
+//     synchronous request (do), or the aioPlugMax-th held request
+//     submits everything pending. A plug holds back only async requests,
+//     whose starters do not wait for them.
 //  6. An async request (start) has no waiting goroutine: its r.async is
 //     called once, on the reaper (or, refused, on the submitter) without
 //     a.mu held, after its buffer is unpinned and its slot is free; the
@@ -81,6 +86,11 @@ import (
 
 // aioDepth bounds the requests of one File queued or in the kernel.
 const aioDepth = 256
+
+// aioPlugMax is the most async requests a plug holds back (invariant 8):
+// enough for one io_submit to carry a client's burst of reads, few enough
+// that the first of them does not wait long for the last.
+const aioPlugMax = 32
 
 const (
 	iocbCmdPread   = 0
@@ -173,6 +183,7 @@ type aio struct {
 	pending    []*aioReq  // queued, not yet submitted
 	spare      []*aioReq  // the other pending buffer
 	submitting bool       // a goroutine is draining pending
+	plugged    int        // Plug calls not yet matched by Unplug (invariant 8)
 	inflight   int        // submitted, completion not yet delivered
 	reaping    bool       // the reaper goroutine runs
 	closing    bool       // close waits for the reaper to exit
@@ -336,6 +347,10 @@ func (a *aio) queue(r *aioReq, cmd uint16, fd int, p []byte, off int64) {
 	r.base = unsafe.SliceData(p)
 	a.mu.Lock()
 	a.pending = append(a.pending, r)
+	if r.async != nil && a.plugged > 0 && len(a.pending) < aioPlugMax {
+		a.mu.Unlock() // held until Unplug (invariant 8)
+		return
+	}
 	if !a.submitting {
 		a.submitting = true
 		if a.inflight > 0 {
@@ -346,6 +361,28 @@ func (a *aio) queue(r *aioReq, cmd uint16, fd int, p []byte, off int64) {
 			runtime.Gosched()
 			a.mu.Lock()
 		}
+		a.submitLocked()
+	}
+	a.mu.Unlock()
+}
+
+// plug holds back the submission of async requests (invariant 8).
+func (a *aio) plug() {
+	a.mu.Lock()
+	a.plugged++
+	a.mu.Unlock()
+}
+
+// unplug ends a plug; the last one submits what the plugs held back.
+func (a *aio) unplug() {
+	a.mu.Lock()
+	a.plugged--
+	if a.plugged < 0 {
+		invariants.AssertionFailedf("device: Unplug without Plug")
+		a.plugged = 0
+	}
+	if a.plugged == 0 && len(a.pending) > 0 && !a.submitting {
+		a.submitting = true
 		a.submitLocked()
 	}
 	a.mu.Unlock()

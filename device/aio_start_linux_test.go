@@ -217,3 +217,78 @@ func TestStartReadAtClose(t *testing.T) {
 		t.Fatal("started on a closed File")
 	}
 }
+
+// TestPlug: reads StartReadAt starts under a Plug are queued, not
+// submitted, until the last Unplug (nested plugs hold them until the outer
+// one ends); they then complete with the right bytes. A plug holds at most
+// aioPlugMax-1 reads: the next one submits them all. A synchronous read
+// under a plug goes to the kernel at once, with the reads held.
+func TestPlug(t *testing.T) {
+	const bs = 4096
+	f, _ := openDirectAIO(t, 2*aioPlugMax*bs)
+	defer f.Close()
+	a := f.aio
+	pending := func() int {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		return len(a.pending)
+	}
+	var wg sync.WaitGroup
+	var bad atomic.Int32
+	start := func(i int) {
+		t.Helper()
+		p := alignedBuf(bs)
+		off := int64(i * bs)
+		wg.Add(1)
+		if !f.StartReadAt(p, off, func(got int, err error, _ func(func())) {
+			if got != bs || err != nil || !checkStamp(p, off) {
+				bad.Add(1)
+			}
+			wg.Done()
+		}) {
+			t.Fatalf("read %d not started", i)
+		}
+	}
+	f.Plug()
+	f.Plug()
+	for i := range 4 {
+		start(i)
+	}
+	if n := pending(); n != 4 {
+		t.Fatalf("plugged: %d reads pending, want the 4 started", n)
+	}
+	f.Unplug()
+	if n := pending(); n != 4 {
+		t.Fatalf("inner Unplug: %d reads pending, want 4 (the outer plug holds them)", n)
+	}
+	f.Unplug()
+	wg.Wait()
+	if n := pending(); n != 0 {
+		t.Fatalf("after the last Unplug: %d reads pending", n)
+	}
+
+	f.Plug()
+	for i := range aioPlugMax - 1 {
+		start(i)
+	}
+	if n := pending(); n != aioPlugMax-1 {
+		t.Fatalf("%d reads pending, want %d", n, aioPlugMax-1)
+	}
+	start(aioPlugMax)
+	if n := pending(); n != 0 {
+		t.Fatalf("the %dth read held: %d pending, want all submitted", aioPlugMax, n)
+	}
+	start(aioPlugMax + 1)
+	p := alignedBuf(bs)
+	if _, err := f.ReadAt(p, 3*bs); err != nil || !checkStamp(p, 3*bs) {
+		t.Fatalf("synchronous read under a plug: %v", err)
+	}
+	if n := pending(); n != 0 {
+		t.Fatalf("after a synchronous read: %d pending, want the held read submitted with it", n)
+	}
+	f.Unplug()
+	wg.Wait()
+	if bad.Load() != 0 {
+		t.Fatalf("%d reads completed wrong", bad.Load())
+	}
+}

@@ -86,6 +86,19 @@ type AsyncReader interface {
 	StartReadAt(p []byte, off int64, done func(n int, err error, later func(f func()))) bool
 }
 
+// Plugger is implemented by devices that can hold back the reads
+// AsyncReader's StartReadAt starts until the caller has started all it has
+// at hand, and then send them to the device together (File: one
+// io_submit). Every Plug must be matched by an Unplug, which submits what
+// was held once no Plug is left; a device may submit earlier (File: when
+// synchronous I/O arrives, or enough reads are held). A plug never holds
+// back a request that someone waits for: between Plug and Unplug the
+// caller must not wait for a read it started.
+type Plugger interface {
+	Plug()
+	Unplug()
+}
+
 // WithLater calls call with a later (as AsyncReader's done gets) that
 // runs what it is given after call returns: for a completion delivered
 // alone, off the device's batch.

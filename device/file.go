@@ -106,6 +106,10 @@ type File struct {
 	fd  int  // the I/O fd: O_DIRECT when direct
 	bfd int  // buffered fd for unaligned requests; == fd when !direct
 	aio *aio // native AIO for the direct fd (aio_linux.go); nil: pread/pwrite
+	// plugAIO is aio as opened, kept after Close: Plug and Unplug use it
+	// without f.mu (an Unplug must not wait behind a Close that waits for
+	// the reads the plug holds).
+	plugAIO *aio
 
 	// mu orders I/O against Close: an operation holds the read lock while
 	// it uses an fd, Close holds the write lock, so an fd number is never
@@ -120,6 +124,7 @@ var (
 	_ Discarder   = (*File)(nil)
 	_ Zeroer      = (*File)(nil)
 	_ AsyncReader = (*File)(nil)
+	_ Plugger     = (*File)(nil)
 )
 
 // pageSize is the granularity of the page cache; see the file comment for why
@@ -244,6 +249,7 @@ func (f *File) openDirect(flags int, st *unix.Stat_t) error {
 	}
 	f.fd, f.direct, f.dioAlign, f.memAlign = dfd, true, dioAlign, memAlign
 	f.aio = newAIO()
+	f.plugAIO = f.aio
 	keep = true
 	return nil
 }
@@ -433,6 +439,24 @@ func (f *File) StartReadAt(p []byte, off int64, done func(n int, err error, late
 		f.mu.RUnlock()
 	}
 	return ok
+}
+
+// Plug holds back the submission of the reads StartReadAt starts, from
+// any caller, until the matching Unplug (Plugger): reads started meanwhile
+// go to the kernel in one io_submit. Synchronous I/O still submits at once,
+// and everything held with it, as does a read that makes aioPlugMax held. Without AIO it
+// does nothing.
+func (f *File) Plug() {
+	if f.plugAIO != nil {
+		f.plugAIO.plug()
+	}
+}
+
+// Unplug ends a Plug; the last one submits what was held back.
+func (f *File) Unplug() {
+	if f.plugAIO != nil {
+		f.plugAIO.unplug()
+	}
 }
 
 // finishRead completes a read StartReadAt started, whose AIO result is res

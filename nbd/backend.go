@@ -35,6 +35,17 @@ type AsyncReader interface {
 	StartReadAt(p []byte, off int64, done func(err error, later func(func()))) bool
 }
 
+// Plugger is implemented by AsyncReaders that can hold back the device
+// I/O of the reads StartReadAt starts until Unplug, to send them to the
+// device together. The connection's reader plugs while it starts READs
+// that the client has already sent (they are in its read buffer), and
+// unplugs before it waits for anything: the socket, the in-flight budget,
+// a worker. Every Plug is matched by one Unplug.
+type Plugger interface {
+	Plug()
+	Unplug()
+}
+
 // Trimmer is implemented by backends that support NBD_CMD_TRIM. After a
 // successful Trim the range may read as zeroes or as the old data.
 type Trimmer interface {

@@ -24,6 +24,11 @@ package nbd
 //  5. serve closes the connection only after every worker has exited. A
 //     failed reply write or a forced Shutdown closes it earlier; that only
 //     makes the reader and later writes fail.
+//  6. The reader plugs the backend (Plugger) only to start a READ with
+//     another request already in its buffer, and unplugs before anything
+//     that may wait (reading the socket, the budget, a worker, a payload,
+//     writing a reply, the end of the connection): the reads it holds back
+//     are started, and nothing they need waits on the reader.
 
 import (
 	"bufio"
@@ -75,6 +80,7 @@ type conn struct {
 	hdr      [requestHeaderSize]byte
 	running  atomic.Int64  // requests dispatched and not yet replied to
 	lastTurn chan struct{} // reader-owned: the last dispatched write's turn
+	plugged  bool          // reader-owned: it holds c.x.plugger's plug (invariant 6)
 	draining atomic.Bool   // Shutdown began: refuse what is already buffered
 	// replyDead is set with werr: no reply can reach the client any more,
 	// so the reader stops instead of executing what the client left
@@ -197,6 +203,9 @@ func (c *conn) transmit() {
 		if c.replyDead.Load() {
 			break // the client is gone: its buffered requests have no one to answer
 		}
+		if c.br.Buffered() < requestHeaderSize {
+			c.unplug() // the next header may have to be waited for
+		}
 		if _, err := io.ReadFull(c.br, c.hdr[:]); err != nil {
 			if !c.quietReadErr(err) {
 				c.log.Debug("nbd: read request", "err", err)
@@ -213,6 +222,7 @@ func (c *conn) transmit() {
 			break
 		}
 		if c.draining.Load() {
+			c.unplug()
 			if !c.refuse(h) {
 				break
 			}
@@ -222,6 +232,7 @@ func (c *conn) transmit() {
 			break
 		}
 	}
+	c.unplug()
 	close(c.work)
 	c.wg.Wait()
 	if disc {
@@ -242,6 +253,10 @@ func (c *conn) quietReadErr(err error) bool {
 // It returns false when the connection must be closed.
 func (c *conn) dispatch(h requestHeader) bool {
 	errno, msg := c.validate(h)
+	async := errno == 0 && h.Type == cmdRead && h.Length > 0 && c.x.asyncReader != nil
+	if !async {
+		c.unplug() // what follows may wait (invariant 6)
+	}
 	if h.Type == cmdWrite && errno != 0 {
 		if h.Length > hardMaxPayload {
 			c.log.Warn("nbd: write payload too large, closing connection", "length", h.Length)
@@ -273,8 +288,11 @@ func (c *conn) dispatch(h requestHeader) bool {
 	if h.Type == cmdRead || h.Type == cmdWrite {
 		charge = max(charge, int64(h.Length))
 	}
-	if !c.sem.acquire(charge) {
-		return c.refuse(h) // shutting down
+	if !c.sem.tryAcquire(charge) {
+		c.unplug()
+		if !c.sem.acquire(charge) {
+			return c.refuse(h) // shutting down
+		}
 	}
 	r := requestPool.Get().(*request)
 	r.h = h
@@ -293,14 +311,22 @@ func (c *conn) dispatch(h requestHeader) bool {
 		c.lastTurn = r.turn
 	}
 	c.running.Add(1)
-	if h.Type == cmdRead && h.Length > 0 && c.x.asyncReader != nil {
+	if async {
 		// A read the backend serves without a goroutine (a cache hit)
-		// costs no hand-off to a worker and back.
+		// costs no hand-off to a worker and back. With more requests
+		// buffered, the backend holds its device read back until the
+		// reader has started theirs too (or must wait): one device
+		// submission for the lot.
+		if !c.plugged && c.x.plugger != nil && c.br.Buffered() >= requestHeaderSize {
+			c.x.plugger.Plug()
+			c.plugged = true
+		}
 		c.wg.Add(1)
 		if c.x.asyncReader.StartReadAt(*r.buf, int64(h.Offset), func(err error, later func(func())) { c.readDone(r, err, later) }) {
 			return true
 		}
 		c.wg.Done()
+		c.unplug() // the read goes to a worker, whom the reader may wait for
 	}
 	select {
 	case c.work <- r:
@@ -331,6 +357,14 @@ func (c *conn) refuse(h requestHeader) bool {
 	c.running.Add(1)
 	c.sendError(r, ESHUTDOWN, "server shutting down")
 	return c.writeOK()
+}
+
+// unplug ends the reader's plug, if it holds one (invariant 6).
+func (c *conn) unplug() {
+	if c.plugged {
+		c.plugged = false
+		c.x.plugger.Unplug()
+	}
 }
 
 func (c *conn) writeOK() bool {

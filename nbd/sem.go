@@ -76,18 +76,35 @@ func (s *byteSem) acquire(n int64) bool {
 		if s.closed {
 			return false
 		}
-		need := s.beyond(s.used+n) - s.beyond(s.used)
-		if (s.used == 0 || s.used+n <= s.max) && (need == 0 || b.used == 0 || b.used+need <= b.pool) {
-			s.used += n
-			b.used += need
-			b.total += n
-			b.peak = max(b.peak, b.total)
+		if s.takeLocked(n) {
 			return true
 		}
 		b.waiters[s] = struct{}{}
 		s.cond.Wait()
 		delete(b.waiters, s)
 	}
+}
+
+// tryAcquire is acquire without waiting: it reports whether it took n
+// bytes (false also when the semaphore was aborted).
+func (s *byteSem) tryAcquire(n int64) bool {
+	s.b.mu.Lock()
+	defer s.b.mu.Unlock()
+	return !s.closed && s.takeLocked(n)
+}
+
+// takeLocked takes n bytes if they fit now. REQUIRES: s.b.mu
+func (s *byteSem) takeLocked(n int64) bool {
+	b := s.b
+	need := s.beyond(s.used+n) - s.beyond(s.used)
+	if (s.used == 0 || s.used+n <= s.max) && (need == 0 || b.used == 0 || b.used+need <= b.pool) {
+		s.used += n
+		b.used += need
+		b.total += n
+		b.peak = max(b.peak, b.total)
+		return true
+	}
+	return false
 }
 
 func (s *byteSem) release(n int64) {

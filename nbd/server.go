@@ -109,6 +109,7 @@ type export struct {
 	zeroWriter  ZeroWriter
 	prefetcher  Prefetcher
 	asyncReader AsyncReader
+	plugger     Plugger // only with asyncReader
 }
 
 // NewServer returns a Server with cfg's defaults applied.
@@ -191,6 +192,9 @@ func (s *Server) AddExport(e Export) error {
 	x.zeroWriter, _ = e.Backend.(ZeroWriter)
 	x.prefetcher, _ = e.Backend.(Prefetcher)
 	x.asyncReader, _ = e.Backend.(AsyncReader)
+	if x.asyncReader != nil {
+		x.plugger, _ = e.Backend.(Plugger)
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if _, dup := s.mu.exports[e.Name]; dup {
