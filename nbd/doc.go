@@ -31,7 +31,11 @@
 //     payload is read into a pooled buffer before the request is handed
 //     on; an invalid WRITE's payload is read and discarded so the stream
 //     stays in sync. Only the reader touches the input stream, so request
-//     framing needs no lock.
+//     framing needs no lock. A READ the Backend can start without a
+//     goroutine waiting for it (AsyncReader: a cache hit) the reader starts
+//     itself; while more requests wait in its buffer it plugs the Backend
+//     (Plugger), which holds those reads' device I/O back and sends it
+//     together, and it unplugs before it waits for anything.
 //   - Workers (a per-connection pool, grown on demand up to
 //     Config.MaxWorkers and kept until the connection ends, so the steady
 //     state allocates nothing) execute requests against the Backend
