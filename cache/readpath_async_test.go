@@ -1,10 +1,13 @@
 package cache
 
 import (
+	"context"
 	"errors"
+	"runtime"
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/device"
@@ -297,5 +300,65 @@ func TestStartReadAtBatch(t *testing.T) {
 		if string(ps[i]) != string(want[lba*blockSize:(lba+1)*blockSize]) {
 			t.Errorf("block %d: wrong data", lba)
 		}
+	}
+}
+
+// TestStartReadAtDetachWaiting: while a started read keeps the volume
+// entered and a Detach waits for it, StartReadAt declines (false) instead
+// of waiting behind the detach: the NBD reader, holding a plug over the
+// reads it started, must never wait for what only those reads can end.
+// The detach then completes once the held reads are delivered.
+func TestStartReadAtDetachWaiting(t *testing.T) {
+	_, v, cache, _ := newAsyncSet(t, 64)
+	cache.mu.Lock()
+	cache.hold = true
+	cache.mu.Unlock()
+	var wg sync.WaitGroup
+	start := func(p []byte) bool {
+		wg.Add(1)
+		if v.StartReadAt(p, 8*blockSize, func(error, func(func())) { wg.Done() }) {
+			return true
+		}
+		wg.Done()
+		return false
+	}
+	if !start(make([]byte, blockSize)) {
+		t.Fatal("the first hit was not started")
+	}
+	detached := make(chan error, 1)
+	go func() { detached <- v.Detach(context.Background(), DetachOptions{}) }()
+	// Start hits until one is declined: the detach then waits for the
+	// gate. Had StartReadAt waited for the gate, this would never end.
+	declined := make(chan struct{})
+	go func() {
+		defer close(declined)
+		for start(make([]byte, blockSize)) {
+			runtime.Gosched()
+		}
+	}()
+	select {
+	case <-declined:
+	case err := <-detached:
+		t.Fatalf("Detach returned (%v) with a started read outstanding", err)
+	case <-time.After(time.Minute):
+		t.Fatal("StartReadAt waited behind a waiting Detach")
+	}
+	if v.gate.TryRLock() {
+		v.gate.RUnlock()
+		t.Fatal("StartReadAt declined, but no detach waits for the gate")
+	}
+	cache.mu.Lock()
+	held := cache.held
+	cache.held = nil
+	cache.hold = false
+	cache.mu.Unlock()
+	device.WithLater(func(later func(func())) {
+		for _, run := range held {
+			run(later)
+		}
+	})
+	wg.Wait()
+	if err := <-detached; err != nil {
+		t.Fatal(err)
 	}
 }
