@@ -41,6 +41,8 @@ type Config struct {
 	Timeout time.Duration
 	// Console, if set, receives the guest's console as it is printed.
 	Console io.Writer
+	// KernelArgs are appended to the kernel's command line.
+	KernelArgs string
 }
 
 // Result is how one boot ended.
@@ -79,7 +81,7 @@ func Run(ctx context.Context, cfg Config) (*Result, error) {
 		"-nic", "none", "-display", "none", "-monitor", "none", "-serial", "stdio",
 		"-no-reboot",
 		"-kernel", cfg.Image.Kernel, "-initrd", cfg.Image.Initrd,
-		"-append", "console=ttyS0 panic=-1 quiet loglevel=4 nbd.nbds_max=4",
+		"-append", strings.TrimSpace("console=ttyS0 panic=-1 quiet loglevel=4 nbd.nbds_max=4 " + cfg.KernelArgs),
 		"-virtfs", "local,path=" + cfg.Share + ",mount_tag=host,security_model=none,id=host",
 	}
 	for i, d := range cfg.Disks {

@@ -6,7 +6,8 @@
 # that it is cached), 4 KiB random reads (cache hits) and then 4 KiB random
 # writes at QD16, then a file-system job: ext4 (1 GiB of the device) and
 # fio 4 KiB random writes with an fsync after each, QD1, into a 64 MiB
-# file; fio's JSON goes to /host/SYSTEM-JOB-ROUND.json.
+# file; fio's JSON goes to /host/SYSTEM-JOB-ROUND.json. The guest's clock
+# source is printed first (kvm-bench boots it with tsc=reliable).
 set -u
 TC=/host/tiercache
 REGION=@REGION@
@@ -67,6 +68,15 @@ dmcache_round() { # ROUND
 	wipe
 }
 
+srvcpu() { awk '{print $14+$15}' /proc/$1/stat; }
+nbdreqs() { awk '{print $1+$5}' /sys/block/nbd0/stat; }
+measured() { # ROUND PID NAME CMD...
+	r=$1 p=$2 n=$3; shift 3
+	c0=$(srvcpu $p) q0=$(nbdreqs)
+	"$@" || return 1
+	echo "$n $c0 $(srvcpu $p) $q0 $(nbdreqs)" >>/host/tiercache-cpu-$r.txt
+}
+
 tiercache_round() { # ROUND
 	$TC format --cache /dev/vda --backing disk=/dev/vdb --mode writeback >/tmp/fmt.out 2>&1 || { cat /tmp/fmt.out; return 1; }
 	$TC serve --cache /dev/vda --listen unix:/run/tc.sock --admin /run/admin.sock >/tmp/tc.log 2>&1 &
@@ -74,14 +84,23 @@ tiercache_round() { # ROUND
 	for i in $(seq 1 100); do [ -S /run/tc.sock ] && [ -S /run/admin.sock ] && break; sleep 0.2; done
 	$TC set disk sequential_cutoff=0 --admin /run/admin.sock >/dev/null || return 1
 	nbd-client -unix /run/tc.sock /dev/nbd0 -N disk -b 4096 -C 2 >/dev/null || return 1
-	fill /dev/nbd0 && job tiercache-randread-$1 /dev/nbd0 randread && job tiercache-randwrite-$1 /dev/nbd0 randwrite &&
-		fsjob tiercache-fsync-$1 /dev/nbd0 || return 1
+	fill /dev/nbd0 || return 1
+	# The server's CPU (user + system, in clock ticks: 1/100 s) and nbd0's
+	# requests (reads + writes completed) around the jobs and around
+	# 10 s with the client connected and nothing to do:
+	# /host/tiercache-cpu-ROUND.txt, one "JOB CPU0 CPU1 REQ0 REQ1" a line.
+	: >/host/tiercache-cpu-$1.txt
+	measured $1 $pid idle sleep 10 &&
+		measured $1 $pid randread job tiercache-randread-$1 /dev/nbd0 randread &&
+		measured $1 $pid randwrite job tiercache-randwrite-$1 /dev/nbd0 randwrite &&
+		measured $1 $pid fsync fsjob tiercache-fsync-$1 /dev/nbd0 || return 1
 	nbd-client -d /dev/nbd0 >/dev/null
 	kill -TERM $pid && wait $pid || { echo "tiercache exit $?"; tail /tmp/tc.log; return 1; }
 	rm -f /run/tc.sock /run/admin.sock
 	wipe
 }
 
+echo "clocksource: $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"
 wipe
 for r in $(seq 1 @ROUNDS@); do
 	bcache_round $r || { echo "bcache round $r failed"; exit 1; }
