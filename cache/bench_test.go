@@ -121,7 +121,10 @@ func heapIndexFigure(t *testing.T, nblocks int, sorted bool, dirtyEvery int) {
 	// of 1/evictBatchMin of the buckets: its total time, and the mean time
 	// Set.mu is held per chunk of walkChunk entries.
 	start := time.Now()
-	found := s.entriesIn(func(loc int64) bool { return loc/bpb < max(nb/evictBatchMin, 1) })
+	found, err := s.entriesIn(func(loc int64) bool { return loc/bpb < max(nb/evictBatchMin, 1) })
+	if err != nil {
+		t.Fatal(err)
+	}
 	walk := time.Since(start)
 	chunks := (nblocks + walkChunk - 1) / walkChunk
 	t.Logf("  eviction walk: %d entries found in %v (%d chunks of %d entries, %v per hold of mu on average)",

@@ -71,7 +71,7 @@ func (s *Set) commit(target uint64) error {
 		// Passthrough: what is durable is what the backing devices hold.
 		return s.syncBackings()
 	}
-	if s.durable.Load() >= target && s.backingsSynced() {
+	if s.durable.Load() >= target && s.backingsSynced() && s.leafFaulted() == nil {
 		return nil
 	}
 	s.commitMu.Lock()
@@ -79,7 +79,7 @@ func (s *Set) commit(target uint64) error {
 	if s.isFailed() {
 		return s.syncBackings()
 	}
-	if s.durable.Load() >= target && s.backingsSynced() {
+	if s.durable.Load() >= target && s.backingsSynced() && s.leafFaulted() == nil {
 		return nil
 	}
 	return s.commitLocked(false)
@@ -95,7 +95,7 @@ func (s *Set) commitRecords(target uint64) error {
 	if s.isFailed() {
 		return s.syncBackings()
 	}
-	if s.durable.Load() >= target {
+	if s.durable.Load() >= target && s.leafFaulted() == nil {
 		return nil
 	}
 	s.commitMu.Lock()
@@ -103,7 +103,7 @@ func (s *Set) commitRecords(target uint64) error {
 	if s.isFailed() {
 		return s.syncBackings()
 	}
-	if s.durable.Load() >= target {
+	if s.durable.Load() >= target && s.leafFaulted() == nil {
 		return nil
 	}
 	return s.commitLocked(false)
@@ -153,6 +153,12 @@ func (s *Set) commitLocked(forceCkpt bool) error {
 		return s.syncBackings()
 	}
 	s.mu.Lock()
+	if err := s.leafFaulted(); err != nil {
+		// A write whose index leaf could not be loaded is not in the
+		// index: no commit may claim its record durable.
+		s.mu.Unlock()
+		return s.failLocked(err)
+	}
 	stream := s.mu.pending
 	s.mu.pending = nil
 	s.jr.taken = append(s.jr.taken, stream...)
@@ -264,6 +270,13 @@ func (s *Set) checkpointLocked(taken uint64) error {
 		// The trees and the epoch tables are copy-on-write.
 		vers[i] = ondisk.VerSnap{EpochOf: epochOf, Sup: v.idx.Sup.Clone(), Dirty: int(v.idx.Dirty)}
 	}
+	if err := s.leafFaulted(); err != nil {
+		// Checked after the snapshot, in the same hold of mu: a change
+		// an index leaf that could not be loaded kept out of the
+		// snapshot was found before any record of it was taken.
+		s.mu.Unlock()
+		return s.failLocked(err)
+	}
 	s.resetMarksLocked()
 	s.mu.Unlock()
 	if err := s.syncBackingsForCommit(); err != nil {
@@ -321,6 +334,11 @@ func (s *Set) commitLoop() {
 			case <-s.kickCommit:
 			}
 			t.Stop()
+		}
+		if err := s.leafFaulted(); err != nil && !s.isFailed() {
+			// onLeafFault kicked: fail over even with nothing to commit.
+			_ = s.failover(err)
+			continue
 		}
 		s.mu.Lock()
 		s.lapseMarksLocked(nowNanos())

@@ -125,8 +125,10 @@ const walkChunk = 4 * lockChunk
 // naming a cache block for which want is true (in LBA order per volume). Set.mu is taken per walkChunk entries: entries can change
 // between chunks, so callers re-check each one under mu before acting on
 // it; entries moving into a sealed bucket meanwhile are only those of
-// writes in flight, which pin the bucket.
-func (s *Set) entriesIn(want func(loc int64) bool) []located {
+// writes in flight, which pin the bucket. An index leaf that cannot be
+// loaded ends the walk with its error: the entries found are not all
+// (the set fails over: lazyleaves.go).
+func (s *Set) entriesIn(want func(loc int64) bool) ([]located, error) {
 	var out []located
 	for vi, v := range s.volList() {
 		from, more := uint64(0), true
@@ -145,10 +147,14 @@ func (s *Set) entriesIn(want func(loc int64) bool) []located {
 				}
 				return true
 			})
+			err := v.idx.Tree.TakeFault()
 			s.mu.Unlock()
+			if err != nil {
+				return nil, err
+			}
 		}
 	}
-	return out
+	return out, nil
 }
 
 // evictOne frees a batch of the cheapest sealed buckets (pickVictimsLocked):
@@ -171,7 +177,13 @@ func (s *Set) evictOne() bool {
 	}
 	found := map[int64][]located{}
 	if walk {
-		for _, l := range s.entriesIn(func(loc int64) bool { return isVictim[loc/s.bpb] }) {
+		ls, err := s.entriesIn(func(loc int64) bool { return isVictim[loc/s.bpb] })
+		if err != nil {
+			// The victims' entries are not all known: none is freed.
+			_ = s.failover(err)
+			return false
+		}
+		for _, l := range ls {
 			bi := int64(l.e.Block()) / s.bpb
 			found[bi] = append(found[bi], l)
 		}

@@ -191,6 +191,7 @@ func (s *Set) failLocked(cause error) error {
 		s.lostLocked(r, dropsDirty)
 	}
 	s.mu.dirtyInval = nil
+	s.fenceBadLeavesLocked()
 	type volReport struct {
 		name                     string
 		dirty, sup, lost, fences int64
@@ -203,8 +204,9 @@ func (s *Set) failLocked(cause error) error {
 	var reps []volReport
 	if first {
 		for _, v := range s.vols {
-			r := volReport{name: v.name, dirty: v.idx.Dirty, sup: v.idx.NSup, lost: v.fo.lost, fences: int64(len(v.fo.fence))}
+			r := volReport{name: v.name, dirty: v.idx.Dirty, sup: v.idx.NSup, lost: v.fo.lost}
 			r.ranges = v.dirtyRangesLocked(16)
+			r.fences = int64(len(v.fo.fence))
 			reps = append(reps, r)
 		}
 	}
@@ -324,21 +326,27 @@ func (v *Volume) fenceOverlapsLocked(lba, n uint64) bool {
 }
 
 // dirtyInLocked reports whether a block of [lba, lba+n) is dirty in the
-// index. REQUIRES: s.mu
+// index, or may be: in an index leaf that cannot be loaded.
+// REQUIRES: s.mu
 func (v *Volume) dirtyInLocked(lba, n uint64) bool {
 	dirty := false
 	v.idx.Tree.AscendRange(index.Ent{LBA: lba}, index.Ent{LBA: lba + n}, func(e index.Ent) bool {
 		dirty = e.Dirty()
 		return !dirty
 	})
+	if v.idx.Tree.TakeFault() != nil {
+		return true
+	}
 	return dirty
 }
 
-// dirtyRangesLocked lists up to max ranges of dirty blocks (for the log).
+// dirtyRangesLocked lists up to max ranges of dirty blocks of the
+// resident index leaves (for the log): it reads no leaf from the cache
+// device that has just failed.
 // REQUIRES: s.mu
 func (v *Volume) dirtyRangesLocked(limit int) []blockRange {
 	var out []blockRange
-	v.idx.Tree.Ascend(func(e index.Ent) bool {
+	v.idx.Tree.AscendResident(func(e index.Ent) bool {
 		if !e.Dirty() {
 			return true
 		}
@@ -367,7 +375,8 @@ func fmtRanges(rs []blockRange) string {
 }
 
 // readFailed serves a read after failover: from the backing device, unless a
-// block of the range is dirty in the (unreachable) cache.
+// block of the range is dirty in the (unreachable) cache, or in an index
+// leaf that cannot be loaded.
 func (v *Volume) readFailed(buf []byte, lba uint64, n int) error {
 	s := v.s
 	s.mu.Lock()
@@ -379,6 +388,10 @@ func (v *Volume) readFailed(buf []byte, lba uint64, n int) error {
 		}
 		return !found
 	})
+	var fe *index.FaultError
+	if err := v.idx.Tree.TakeFault(); errors.As(err, &fe) && !found {
+		bad, found = index.Ent{LBA: max(lba, fe.Lo)}, true
+	}
 	logIt := false
 	if found && time.Since(v.fo.lastLog) > time.Second {
 		v.fo.lastLog, logIt = time.Now(), true

@@ -1,6 +1,7 @@
 package cache
 
 import (
+	"fmt"
 	"sync"
 	"sync/atomic"
 
@@ -40,12 +41,24 @@ import (
 // (the replay needs every entry), of a mirrored set, with ColdClean, or
 // from a root without the volumes' dirty counts (written before
 // pagedVolDirty): those read every leaf (readPagedLeaves), as before.
-// Off in production (testingKnobs.lazyOpen) until leaf faults fail the
-// set over. Known limits of this step: a leaf that cannot be read or fails its
-// checks when an operation needs it panics the operation
-// (index.FaultError) instead of failing the set over; the leaves are read
-// under Set.mu; eviction, GC and Check walk the whole index and so load
-// every leaf (once: see lazyLeafCap).
+//
+// A leaf that cannot be read or fails its checks (an *index.FaultError)
+// fails the set over, as a failed commit does: its stub stays bad (every
+// operation that needs it finds the same error, without reading it
+// again, and changes nothing in it), onLeafFault records it and kicks the
+// commit loop, and the next commit, whoever runs it, fails the set over
+// before writing anything (leafFaulted). failLocked fences each bad
+// leaf's LBAs: its blocks may be dirty, and the volume's dirty count,
+// from the root, counts them among the unreachable ones. Until then the
+// operations that would act on a partial answer check TakeFault: a read
+// fails the set over itself and is served as after failover (a bad leaf
+// is unreachable data, EIO), a promotion is not made, eviction stops, a
+// write over a bad leaf is neither in the index nor durable (its record
+// is lost in the failover and counted lost). After failover a walk that
+// meets a bad leaf (readFailed, fencedLocked) treats its range as dirty.
+//
+// Known limits: the leaves are read under Set.mu; eviction, GC and Check
+// walk the whole index and so load every leaf (once: see lazyLeafCap).
 
 // lazyLeafCap bounds the loaded stub leaves a volume's tree keeps: 0, no
 // bound below its leaves. The trees can drop loaded leaves (index:
@@ -66,6 +79,72 @@ type lazyLeaves struct {
 	first index.Bitset
 	// reads counts the leaves read (tests: Open reads none).
 	reads atomic.Uint64
+	// faulted is the first leaf that could not be loaded (onLeafFault),
+	// nil while none: the set fails over at the next commit.
+	faulted atomic.Pointer[error]
+	// bad lists the leaves that could not be loaded and failLocked has
+	// not fenced yet (guarded by mu).
+	bad []badLeaf
+}
+
+// badLeaf is the range of LBAs [lo, hi) of volume slot vi whose leaf could
+// not be loaded.
+type badLeaf struct {
+	vi     int
+	lo, hi uint64
+}
+
+// onLeafFault returns volume slot vi's tree's OnFault: it records the bad
+// leaf for failLocked and, for the first, logs it and kicks the commit
+// loop, whose commit fails the set over. It runs inside the operation
+// that found the leaf bad, under Set.mu or not: it takes only lz.mu.
+func (s *Set) onLeafFault(vi int) func(*index.FaultError) {
+	lz := s.pg.lazy
+	name := s.vols[vi].name
+	return func(fe *index.FaultError) {
+		lz.mu.Lock()
+		lz.bad = append(lz.bad, badLeaf{vi, fe.Lo, fe.Hi})
+		lz.mu.Unlock()
+		err := fmt.Errorf("volume %s: index leaf of blocks [%d,%d): %w", name, fe.Lo, fe.Hi, fe)
+		if !lz.faulted.CompareAndSwap(nil, &err) {
+			return
+		}
+		s.log.Error("an index leaf cannot be read from the cache device: failing over", "volume", name,
+			"first_block", fe.Lo, "end_block", fe.Hi, "err", fe.Err)
+		select {
+		case s.kickCommit <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// leafFaulted returns the error of the first index leaf that could not be
+// loaded, or nil: a set with one fails over at its next commit.
+func (s *Set) leafFaulted() error {
+	if s.pg == nil || s.pg.lazy == nil {
+		return nil
+	}
+	if p := s.pg.lazy.faulted.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// fenceBadLeavesLocked fences the LBAs of every leaf that could not be
+// loaded since the last call (failLocked).
+// REQUIRES: s.mu
+func (s *Set) fenceBadLeavesLocked() {
+	if s.pg == nil || s.pg.lazy == nil {
+		return
+	}
+	lz := s.pg.lazy
+	lz.mu.Lock()
+	bad := lz.bad
+	lz.bad = nil
+	lz.mu.Unlock()
+	for _, b := range bad {
+		s.vols[b.vi].addFenceLocked(b.lo, b.hi-b.lo)
+	}
 }
 
 func stubRef(p pages.Ptr) index.StubRef {
@@ -80,7 +159,7 @@ func stubPtr(r index.StubRef) pages.Ptr {
 // stubs: a clean shutdown's root with nothing journaled since, its
 // volumes' dirty counts in its payload, no mirror.
 func lazyEligible(pr *pagedRoot, nrec int, policy cleanPolicy, mirrored bool, knobs testingKnobs) bool {
-	return knobs.lazyOpen && pr != nil && nrec == 0 && policy == cleanKeep && !mirrored && pr.dirty != nil && pr.flags&pagedCounts != 0
+	return !knobs.eagerOpen && pr != nil && nrec == 0 && policy == cleanKeep && !mirrored && pr.dirty != nil && pr.flags&pagedCounts != 0
 }
 
 // lazyLoader returns the loader of volume slot vi's stubs: it reads and
@@ -204,7 +283,7 @@ func (s *Set) openLazyLocked(pr *pagedRoot, cd *ondisk.CkptData) error {
 		if d := pr.dirty[vi]; d < 0 || d > int64(t.Len()) || (t.Len() > 0 && v.nblocks == 0) {
 			return bad("volume slot %d (%d blocks): %d entries, %d dirty", vi, v.nblocks, t.Len(), d)
 		}
-		v.idx.Tree = index.BuildLazyPtree(stubs, t.Len(), s.lazyLoader(vi, v.nblocks, cv.Epoch), capOf(len(stubs)))
+		v.idx.Tree = index.BuildLazyPtree(stubs, t.Len(), s.lazyLoader(vi, v.nblocks, cv.Epoch), capOf(len(stubs)), s.onLeafFault(vi))
 		v.idx.Cached = int64(t.Len())
 		v.idx.Dirty = pr.dirty[vi]
 		nlive += v.idx.Cached

@@ -68,7 +68,7 @@ func TestMeasureLazyOpen(t *testing.T) {
 		}
 		h0 := heap()
 		dev := &fileReadCounter{Device: cf, lo: sb.CkptOff[0], hi: sb.CkptOff[0] + 2*sb.CkptLen}
-		s, err := Open(dev, []BackingSpec{{Name: "hdd", Dev: bf, ID: sb.Backings[0].ID}}, OpenOptions{testing: testingKnobs{noBackground: true, lazyOpen: true}})
+		s, err := Open(dev, []BackingSpec{{Name: "hdd", Dev: bf, ID: sb.Backings[0].ID}}, OpenOptions{testing: testingKnobs{noBackground: true}})
 		if err != nil {
 			t.Fatal(err)
 		}

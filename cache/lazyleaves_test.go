@@ -89,7 +89,7 @@ func TestLazyOpenReadsNoLeaf(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	knobs := testingKnobs{noBackground: true, fixedJournal: true, lazyOpen: true}
+	knobs := testingKnobs{noBackground: true, fixedJournal: true}
 	s, err := Open(mem, specs, OpenOptions{testing: knobs})
 	if err != nil {
 		t.Fatal(err)

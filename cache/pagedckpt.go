@@ -280,7 +280,9 @@ func (s *Set) pagedBaseLocked(cd *ondisk.CkptData) error {
 			cur = s.vols[vi].idx.Tree.Clone()
 		}
 		b := s.newDiffApplier(p.st, uint16(vi), false, epochOf, count)
-		index.DiffSorted(old, cur, b.add)
+		if err := index.DiffSorted(old, cur, b.add); err != nil {
+			return err
+		}
 		if err := b.flush(); err != nil {
 			return err
 		}
@@ -323,13 +325,17 @@ type change struct {
 // leaves are read together first, and counts them (count).
 func (s *Set) applyDiff(st *pages.Store, id uint16, oldT, newT *index.Ptree, epochOf func(uint32) uint64, count func(index.Ent, bool, int)) error {
 	b := s.newDiffApplier(st, id, false, epochOf, count)
-	index.Diff(oldT, newT, b.add)
+	if err := index.Diff(oldT, newT, b.add); err != nil {
+		return err
+	}
 	return b.flush()
 }
 
 func (s *Set) applySupDiff(st *pages.Store, id uint16, oldS, newS *index.Stree, epochOf func(uint32) uint64, count func(index.Ent, bool, int)) error {
 	b := s.newDiffApplier(st, id, true, epochOf, count)
-	index.DiffSup(oldS, newS, b.add)
+	if err := index.DiffSup(oldS, newS, b.add); err != nil {
+		return err
+	}
 	return b.flush()
 }
 

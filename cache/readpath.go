@@ -434,7 +434,9 @@ func (v *Volume) StartReadAt(p []byte, off int64, done func(err error, later fun
 		hits = append(hits, e)
 		return true
 	})
-	if len(hits) != n {
+	if v.idx.Tree.TakeFault() != nil || len(hits) != n {
+		// Not such a hit, or an index leaf of it cannot be loaded
+		// (ReadAt meets it again and fails the set over).
 		s.mu.Unlock()
 		v.exit()
 		return false

@@ -196,7 +196,11 @@ func (s *Set) mirrorMapDirty() ([]mirror.BucketGen, error) {
 // a copy of every dirty block.
 func (s *Set) mirrorCheckCovered() error {
 	var bad []uint32
-	for _, l := range s.entriesIn(func(loc int64) bool { return !s.mir.Covers(s.cacheOff(uint32(loc))) }) {
+	ls, err := s.entriesIn(func(loc int64) bool { return !s.mir.Covers(s.cacheOff(uint32(loc))) })
+	if err != nil {
+		return err
+	}
+	for _, l := range ls {
 		if l.e.Dirty() {
 			bad = append(bad, l.e.Block())
 		}
@@ -247,7 +251,11 @@ func (s *Set) dropUncovered(ctx context.Context) error {
 			return nil
 		}
 		found := map[int64][]located{}
-		for _, l := range s.entriesIn(func(loc int64) bool { return victims[loc/s.bpb] }) {
+		ls, err := s.entriesIn(func(loc int64) bool { return victims[loc/s.bpb] })
+		if err != nil {
+			return err
+		}
+		for _, l := range ls {
 			bi := int64(l.e.Block()) / s.bpb
 			found[bi] = append(found[bi], l)
 		}

@@ -84,7 +84,10 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 		}
 		if start%win == 0 {
 			lo, hi := start, start+win
-			inWin = s.entriesIn(func(loc int64) bool { return loc >= lo && loc < hi })
+			var err error
+			if inWin, err = s.entriesIn(func(loc int64) bool { return loc >= lo && loc < hi }); err != nil {
+				return rep, err
+			}
 			slices.SortFunc(inWin, func(a, b located) int { return cmp.Compare(a.e.Block(), b.e.Block()) })
 		}
 		end := min(start+chunk, nblocks)

@@ -145,13 +145,10 @@ type testingKnobs struct {
 	// fixedDepth keeps writeback's queue depth at writeback.QueueDepth
 	// instead of adapting it; the remote-drain measurement compares.
 	fixedDepth bool
-	// lazyOpen lets a paged set's clean Open build its trees from stubs
-	// (lazyleaves.go). Off in production until a leaf that cannot be
-	// read fails the set over instead of panicking the operation that
-	// needed it: a failing cache device fails over by walking the dirty
-	// entries (dirtyRangesLocked), which would read the unloaded leaves
-	// from that device.
-	lazyOpen bool
+	// eagerOpen makes a paged set's clean Open read every leaf, as an
+	// Open after a crash does, instead of building its trees from stubs
+	// (lazyleaves.go): the measurement of a lazy Open compares.
+	eagerOpen bool
 	// lazyLeafCap, if not 0, replaces lazyLeafCap (the loaded leaves a
 	// lazily opened paged set keeps): the tests drop leaves often.
 	lazyLeafCap int

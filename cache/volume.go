@@ -374,6 +374,19 @@ func (v *Volume) readBlocksHit(buf []byte, lba uint64, n int, pm promoteMode) (h
 		a.atime = s.mu.tick // recency for eviction
 		return true
 	})
+	if err := v.idx.Tree.TakeFault(); err != nil {
+		// An index leaf of the range cannot be loaded: the set fails
+		// over, and the read is served as after it (the leaf's blocks
+		// are unreachable).
+		v.releaseHitsLocked(hits, nil)
+		s.mu.Unlock()
+		cause := s.leafFaulted()
+		if cause == nil {
+			cause = err
+		}
+		_ = s.failover(cause)
+		return false, v.readFailed(buf, lba, n)
+	}
 	muts := v.idx.mutations
 	busy := v.busyLocked(lba, uint64(n))
 	s.mu.Unlock()
@@ -475,6 +488,7 @@ func (v *Volume) promote(data []byte, lba uint64, muts uint64) {
 				ok = false
 				return false
 			})
+			ok = ok && v.idx.Tree.TakeFault() == nil // a leaf that cannot be loaded: the set fails over
 		}
 		if ok {
 			for i := 0; i < r.n; i++ {

@@ -7,14 +7,20 @@ package index
 // or leaf: copy-on-write never changes a node a clone can reach) are
 // skipped whole, so comparing a checkpoint's snapshot with the previous
 // one costs about the leaves changed between them, not the tree's size.
-// Either tree may be nil (empty). Neither may change during the call.
-func Diff(old, new *Ptree, fn func(o, n Ent, inOld, inNew bool)) { _ = diffTrees(old, new, fn) }
+// Either tree may be nil (empty). Neither may change during the call. A
+// leaf that cannot be loaded ends the comparison with its *FaultError
+// (fn has then seen only part of the differences).
+func Diff(old, new *Ptree, fn func(o, n Ent, inOld, inNew bool)) error {
+	_, err := diffTrees(old, new, fn)
+	return err
+}
 
 // DiffSorted is Diff with old given as its elements in increasing LBA
 // order (a checkpoint's entries as read) instead of a tree. It compares
 // every element of both; new may be nil (empty) and must not change
-// during the call.
-func DiffSorted(old []Ent, new *Ptree, fn func(o, n Ent, inOld, inNew bool)) {
+// during the call. A leaf of new that cannot be loaded ends it with its
+// *FaultError.
+func DiffSorted(old []Ent, new *Ptree, fn func(o, n Ent, inOld, inNew bool)) error {
 	i := 0
 	if new != nil {
 		new.Ascend(func(e Ent) bool {
@@ -31,17 +37,24 @@ func DiffSorted(old []Ent, new *Ptree, fn func(o, n Ent, inOld, inNew bool)) {
 			}
 			return true
 		})
+		if err := new.TakeFault(); err != nil {
+			return err
+		}
 	}
 	for ; i < len(old); i++ {
 		fn(old[i], Ent{}, true, false)
 	}
+	return nil
 }
 
 // DiffSup is Diff for trees of superseded versions.
-func DiffSup(old, new *Stree, fn func(o, n Ent, inOld, inNew bool)) { _ = diffTrees(old, new, fn) }
+func DiffSup(old, new *Stree, fn func(o, n Ent, inOld, inNew bool)) error {
+	_, err := diffTrees(old, new, fn)
+	return err
+}
 
 // diffTrees returns the number of elements it stepped over one by one.
-func diffTrees[L any, PL leafPtr[L, Ent]](a, b *bptree[Ent, L, PL], fn func(o, n Ent, inOld, inNew bool)) (steps int) {
+func diffTrees[L any, PL leafPtr[L, Ent]](a, b *bptree[Ent, L, PL], fn func(o, n Ent, inOld, inNew bool)) (steps int, err error) {
 	var ca, cb dcur[L, PL]
 	if a != nil {
 		ca.t = a
@@ -73,6 +86,13 @@ func diffTrees[L any, PL leafPtr[L, Ent]](a, b *bptree[Ent, L, PL], fn func(o, n
 			}
 		}
 		steps++
+		// Both current leaves are needed from here on.
+		if err := ca.loadErr(); err != nil {
+			return steps, err
+		}
+		if err := cb.loadErr(); err != nil {
+			return steps, err
+		}
 		switch {
 		case cb.id == nil || (ca.id != nil && pl.less(ca.cur(), cb.cur())):
 			fn(ca.cur(), Ent{}, true, false)
@@ -88,7 +108,7 @@ func diffTrees[L any, PL leafPtr[L, Ent]](a, b *bptree[Ent, L, PL], fn func(o, n
 			cb.next()
 		}
 	}
-	return steps
+	return steps, nil
 }
 
 // dcur is Diff's cursor: a position in a tree, the inner nodes above it
@@ -139,10 +159,26 @@ func (c *dcur[L, PL]) at(nd *bnode[Ent, L, PL], i int) {
 
 func (c *dcur[L, PL]) load() PL {
 	if c.leaf == nil {
-		f := c.stack[len(c.stack)-1]
-		c.leaf = c.t.leafAt(f.nd, f.i)
+		_ = c.loadErr() // an empty leaf if it fails: diffTrees checks first
 	}
 	return c.leaf
+}
+
+// loadErr loads the cursor's leaf if it is not yet (nothing past the
+// end), returning the *FaultError of a leaf that cannot be loaded (the
+// cursor then holds an empty leaf).
+func (c *dcur[L, PL]) loadErr() error {
+	if c.id == nil || c.leaf != nil {
+		return nil
+	}
+	f := c.stack[len(c.stack)-1]
+	l, err := c.t.fault(f.nd, f.i)
+	if err != nil {
+		c.leaf = PL(new(L))
+		return err
+	}
+	c.leaf = l
+	return nil
 }
 
 func (c *dcur[L, PL]) cur() Ent { return c.load().get(c.j) }

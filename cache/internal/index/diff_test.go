@@ -129,7 +129,7 @@ func TestDiffSkipsShared(t *testing.T) {
 		t.Fatalf("%d differences, want 1", n)
 	}
 	// A shared leaf or node is skipped without visiting its entries.
-	steps := diffTrees(old, a, func(_, _ Ent, _, _ bool) {})
+	steps, _ := diffTrees(old, a, func(_, _ Ent, _, _ bool) {})
 	if steps > 4*LeafCap {
 		t.Fatalf("Diff stepped over %d entries for one change in %d", steps, a.Len())
 	}

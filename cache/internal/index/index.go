@@ -184,10 +184,16 @@ func (b Bitset) Clear(i int)    { b[i/64] &^= 1 << (i % 64) }
 // (invariant 13). A clean insert means the backing device holds this data
 // (writethrough, promotion): every older dirty version of the block is
 // dropped, as writing one back later would put old data over it.
+//
+// If lba's leaf cannot be loaded (a lazy tree), nothing changes: the
+// tree's TakeFault reports it.
 func (ix *Index) Insert(vi int, lba uint64, loc uint32, crc uint32, dirty bool, epoch uint64, keepSup bool) {
 	ix.initVersions()
 	v := ix.Vols[vi]
 	e := Ent{LBA: lba, Loc: loc, CRC: crc}
+	if v.Tree.Fault(e) != nil {
+		return
+	}
 	b := &ix.Buckets[int64(loc)/ix.BPB]
 	agg := uint64(math.MaxUint64)
 	if dirty {

@@ -27,12 +27,19 @@ import (
 //
 // Loading happens inside the operation that needs it, under the caller's
 // lock (Diff, which runs on snapshots outside it, loads too: the stubs'
-// state is atomic and the cache has its own lock). An operation that
-// cannot load a leaf panics with a *FaultError; a caller that must not
-// panic faults the leaf in first (Fault) and handles the error there.
-// What a StubRef names must stay readable while a stub names it: package
-// cache keeps the page until the stub is loaded (its released pages).
-
+// state is atomic and the cache has its own lock). A leaf that cannot be
+// loaded (the loader's error, or ErrBadLeaf) never panics the operation:
+// its stub becomes bad for good (every later touch returns the same
+// *FaultError without calling the loader again), the tree's OnFault
+// callback hears of it once, the operation goes on as if the leaf held no
+// element (a change that falls in it is not made), and the operation's
+// caller finds the *FaultError in TakeFault. A caller that must not see
+// a partial answer faults the leaf in first (Fault) or checks TakeFault
+// after the operation. A change never loads a leaf but its own: the
+// neighbours a full leaf hands entries to, or a sparse leaf merges with,
+// are only those already resident. What a StubRef names must stay
+// readable while a stub names it: package cache keeps the page until the
+// stub is loaded (its released pages).
 // StubRef names a leaf that is not resident, for the tree's Loader.
 type StubRef struct{ A, B uint64 }
 
@@ -54,40 +61,51 @@ type Loader func(ref StubRef, dst []Ent) ([]Ent, error)
 // elements, out of order or outside its separators.
 var ErrBadLeaf = errors.New("index: loaded leaf does not fit its place in the tree")
 
-// FaultError is the panic of an operation that could not load a leaf.
+// FaultError is a leaf that could not be loaded: the stub's reference,
+// the LBAs [Lo, Hi) its elements lie in (its separators when the tree was
+// built: every element it holds is in them), and the loader's error (or
+// ErrBadLeaf).
 type FaultError struct {
-	Ref StubRef
-	Err error
+	Ref    StubRef
+	Lo, Hi uint64
+	Err    error
 }
 
-func (e *FaultError) Error() string { return fmt.Sprintf("index: loading leaf %+v: %v", e.Ref, e.Err) }
+func (e *FaultError) Error() string {
+	return fmt.Sprintf("index: loading the leaf of LBAs [%d,%d) (%+v): %v", e.Lo, e.Hi, e.Ref, e.Err)
+}
 func (e *FaultError) Unwrap() error { return e.Err }
 
 type stub[L any] struct {
 	ref    StubRef
+	lo, hi uint64 // the LBAs its elements lie in (FaultError)
 	leaf   atomic.Pointer[L]
-	used   atomic.Bool // touched since the cache's hand last passed it
-	pinned atomic.Bool // loaded for good (PinStubs): never dropped
+	bad    atomic.Pointer[FaultError] // its load failed: for good
+	used   atomic.Bool                // touched since the cache's hand last passed it
+	pinned atomic.Bool                // loaded for good (PinStubs): never dropped
 }
 
 // lazyState is a lazy tree's loader and cache of loaded stub leaves,
 // shared by its clones.
 type lazyState[L any] struct {
-	load   Loader
-	faults atomic.Uint64 // leaves loaded
-	mu     sync.Mutex
-	cap    int
-	ring   []*stub[L] // stubs whose leaf is loaded (or being dropped)
-	hand   int
+	load    Loader
+	onFault func(*FaultError) // once per bad stub (nil: none)
+	faults  atomic.Uint64     // leaves loaded
+	mu      sync.Mutex
+	cap     int
+	ring    []*stub[L] // stubs whose leaf is loaded (or being dropped)
+	hand    int
 }
 
 // BuildLazyPtree returns a tree of the leaves described by stubs (in key
 // order), holding length elements in all, none resident: load loads a leaf
 // when an operation first needs it, and at most capLeaves loaded leaves
-// are kept (at least 1).
-func BuildLazyPtree(stubs []LeafStub, length int, load Loader, capLeaves int) *Ptree {
+// are kept (at least 1). onFault, if not nil, is called once for each
+// stub whose leaf cannot be loaded, in the operation that found it (it
+// must not use the tree).
+func BuildLazyPtree(stubs []LeafStub, length int, load Loader, capLeaves int, onFault func(*FaultError)) *Ptree {
 	t := NewPtree()
-	t.lazy = &lazyState[pleaf]{load: load, cap: max(capLeaves, 1)}
+	t.lazy = &lazyState[pleaf]{load: load, onFault: onFault, cap: max(capLeaves, 1)}
 	if len(stubs) == 0 {
 		return t
 	}
@@ -96,13 +114,17 @@ func BuildLazyPtree(stubs []LeafStub, length int, load Loader, capLeaves int) *P
 		key Ent
 	}
 	var level []built
-	for _, s := range stubs {
+	for k, s := range stubs {
 		if len(level) == 0 || level[len(level)-1].nd.n == fanout {
 			level = append(level, built{&bnode[Ent, pleaf, *pleaf]{cow: t.cow, leaves: true}, s.Key})
 		}
 		nd := level[len(level)-1].nd
 		nd.insertChild(nd.n, s.Key, nil, nil, s.Agg)
-		nd.stubs[nd.n-1] = &stub[pleaf]{ref: s.Ref}
+		hi := uint64(MaxLBA)
+		if k+1 < len(stubs) {
+			hi = stubs[k+1].Key.LBA
+		}
+		nd.stubs[nd.n-1] = &stub[pleaf]{ref: s.Ref, lo: s.Key.LBA, hi: hi}
 	}
 	for len(level) > 1 {
 		var up []built
@@ -121,37 +143,110 @@ func BuildLazyPtree(stubs []LeafStub, length int, load Loader, capLeaves int) *P
 }
 
 // leafAt returns leaf child i of nd, loading it if it is a stub not
-// resident (a failure panics with a *FaultError).
+// resident. A leaf that cannot be loaded is noted for TakeFault and reads
+// as an empty leaf (a new one, which nothing else reaches).
 func (t *bptree[E, L, PL]) leafAt(nd *bnode[E, L, PL], i int) PL {
 	if l := nd.lvs[i]; l != nil {
 		return l
 	}
 	l, err := t.fault(nd, i)
 	if err != nil {
-		panic(&FaultError{Ref: nd.stubs[i].ref, Err: err})
+		t.noteFault(err)
+		return PL(new(L))
 	}
 	return l
 }
 
-// mutLeafAt returns leaf child i of nd (a node the tree owns) for
-// changing: the tree's own copy, which replaces a stub.
-func (t *bptree[E, L, PL]) mutLeafAt(nd *bnode[E, L, PL], i int) PL {
-	l := t.mutLeaf(t.leafAt(nd, i))
+// peekLeaf returns leaf child i of nd if it is resident (the tree's own
+// or a stub's loaded leaf), else nil: it loads nothing.
+func (t *bptree[E, L, PL]) peekLeaf(nd *bnode[E, L, PL], i int) PL {
+	if l := nd.lvs[i]; l != nil {
+		return l
+	}
+	if s := nd.stubs[i]; s != nil {
+		if l := s.leaf.Load(); l != nil {
+			s.used.Store(true)
+			return PL(l)
+		}
+	}
+	return nil
+}
+
+// ownLeaf makes l, the resident leaf child i of nd (a node the tree
+// owns), the tree's own for changing: a copy that replaces a stub.
+func (t *bptree[E, L, PL]) ownLeaf(nd *bnode[E, L, PL], i int, l PL) PL {
+	l = t.mutLeaf(l)
 	nd.lvs[i], nd.stubs[i] = l, nil
 	return l
 }
 
-// fault loads stub child i of nd, or returns its loaded leaf.
+// mutLeafAt returns leaf child i of nd (a node the tree owns) for
+// changing, loading it if it is a stub; nil if it cannot be loaded (noted
+// for TakeFault).
+func (t *bptree[E, L, PL]) mutLeafAt(nd *bnode[E, L, PL], i int) PL {
+	l := nd.lvs[i]
+	if l == nil {
+		var err error
+		if l, err = t.fault(nd, i); err != nil {
+			t.noteFault(err)
+			return nil
+		}
+	}
+	return t.ownLeaf(nd, i, l)
+}
+
+// noteFault records err, a leaf that could not be loaded, for TakeFault
+// (the first since the last TakeFault).
+func (t *bptree[E, L, PL]) noteFault(err error) {
+	if t.ferr == nil {
+		t.ferr = err
+	}
+}
+
+// TakeFault returns the first leaf that could not be loaded (a
+// *FaultError) by an operation on t since the last call, or nil, and
+// forgets it. A tree without stubs never has one.
+func (t *bptree[E, L, PL]) TakeFault() error {
+	err := t.ferr
+	t.ferr = nil
+	return err
+}
+
+// fault loads stub child i of nd, or returns its loaded leaf. A stub that
+// cannot be loaded is bad for good: its *FaultError, without another
+// load.
 func (t *bptree[E, L, PL]) fault(nd *bnode[E, L, PL], i int) (PL, error) {
 	s := nd.stubs[i]
 	if l := s.leaf.Load(); l != nil {
 		s.used.Store(true)
 		return PL(l), nil
 	}
+	if fe := s.bad.Load(); fe != nil {
+		return nil, fe
+	}
 	lz := t.lazy
 	if lz == nil {
-		return nil, fmt.Errorf("%w: a stub in a tree without a loader", ErrBadLeaf)
+		return nil, &FaultError{Ref: s.ref, Lo: s.lo, Hi: s.hi, Err: fmt.Errorf("%w: a stub in a tree without a loader", ErrBadLeaf)}
 	}
+	l, err := t.loadStub(nd, i)
+	if err != nil {
+		fe := &FaultError{Ref: s.ref, Lo: s.lo, Hi: s.hi, Err: err}
+		if !s.bad.CompareAndSwap(nil, fe) {
+			return nil, s.bad.Load()
+		}
+		if lz.onFault != nil {
+			lz.onFault(fe)
+		}
+		return nil, fe
+	}
+	return l, nil
+}
+
+// loadStub reads stub child i of nd with the tree's loader and checks the
+// leaf against its place in the tree.
+func (t *bptree[E, L, PL]) loadStub(nd *bnode[E, L, PL], i int) (PL, error) {
+	s := nd.stubs[i]
+	lz := t.lazy
 	es, err := lz.load(s.ref, nil)
 	if err != nil {
 		return nil, err
@@ -225,9 +320,10 @@ func (t *bptree[E, L, PL]) Faults() uint64 {
 }
 
 // Fault makes the leaf that holds or would hold e resident (loading it if
-// it is a stub), returning the loader's error instead of panicking.
+// it is a stub), returning its *FaultError if it cannot be loaded (also
+// noted for TakeFault).
 func (t *bptree[E, L, PL]) Fault(e E) error {
-	if t.root == nil {
+	if t.root == nil || t.lazy == nil {
 		return nil
 	}
 	nd := t.root
@@ -239,6 +335,9 @@ func (t *bptree[E, L, PL]) Fault(e E) error {
 		return nil
 	}
 	_, err := t.fault(nd, i)
+	if err != nil {
+		t.noteFault(err)
+	}
 	return err
 }
 

@@ -15,6 +15,7 @@ type leafStore struct {
 	leaves map[StubRef][]Ent
 	loads  int
 	fail   StubRef // 0: none
+	failed int     // loads of fail
 }
 
 func (ls *leafStore) load(ref StubRef, dst []Ent) ([]Ent, error) {
@@ -22,6 +23,7 @@ func (ls *leafStore) load(ref StubRef, dst []Ent) ([]Ent, error) {
 	defer ls.mu.Unlock()
 	ls.loads++
 	if ref == ls.fail {
+		ls.failed++
 		return nil, errors.New("injected read error")
 	}
 	es, ok := ls.leaves[ref]
@@ -86,7 +88,7 @@ func TestLazyPtreeModel(t *testing.T) {
 		if seed%3 == 0 {
 			capLeaves = len(stubs) + 1
 		}
-		tr := BuildLazyPtree(stubs, len(es), ls.load, capLeaves)
+		tr := BuildLazyPtree(stubs, len(es), ls.load, capLeaves, nil)
 		if ls.loads != 0 || tr.Faults() != 0 {
 			t.Fatalf("seed %d: building loaded %d leaves", seed, ls.loads)
 		}
@@ -191,7 +193,7 @@ func TestLazyDiffSkipsStubs(t *testing.T) {
 		ref[2*i] = Ent{LBA: 2 * i, Loc: uint32(i), CRC: uint32(i)}
 	}
 	ls, stubs := stubsOf(sortedEnts(ref), 170, testEpoch)
-	tr := BuildLazyPtree(stubs, len(ref), ls.load, 1<<20)
+	tr := BuildLazyPtree(stubs, len(ref), ls.load, 1<<20, nil)
 	snap := tr.Clone()
 	for _, lba := range []uint64{10, 50001, 123456, 199998} {
 		tr.ReplaceOrInsertAgg(Ent{LBA: lba, Loc: 1 << 30, CRC: 1}, math.MaxUint64)
@@ -203,7 +205,7 @@ func TestLazyDiffSkipsStubs(t *testing.T) {
 		t.Fatalf("Diff reported %d differences and loaded %d leaves (the changes %d), want 4, 0 and at most 4", n, ls.loads-before, before)
 	}
 	// And a clone of the snapshot without changes: nothing loaded at all.
-	a := BuildLazyPtree(stubs, len(ref), ls.load, 1<<20)
+	a := BuildLazyPtree(stubs, len(ref), ls.load, 1<<20, nil)
 	b := a.Clone()
 	before = ls.loads
 	Diff(a, b, func(o, nw Ent, inOld, inNew bool) { t.Fatal("a difference between a tree and its clone") })
@@ -212,32 +214,96 @@ func TestLazyDiffSkipsStubs(t *testing.T) {
 	}
 }
 
-// TestLazyFaults: a leaf the loader cannot read is an error from Fault
-// and a *FaultError panic from an operation that needs it; a loaded leaf
-// that does not fit its separators or is out of order is ErrBadLeaf.
+// TestLazyFaults: a leaf the loader cannot read is an error from Fault,
+// and every operation that needs it goes on without it instead of
+// panicking: a lookup misses, a walk skips it, a change in it is not made,
+// MinAgg does not see it, Check, CheckAgg and Diff return it, and
+// TakeFault reports it (its LBAs included) to the operation's caller; the
+// stub stays bad without being read again and OnFault hears of it once. A
+// loaded leaf that does not fit its separators or is out of order is
+// ErrBadLeaf.
 func TestLazyFaults(t *testing.T) {
 	ref := map[uint64]Ent{}
 	for i := range uint64(1000) {
-		ref[i] = Ent{LBA: i, Loc: uint32(i), CRC: 1}
+		ref[i] = Ent{LBA: i, Loc: uint32(i) | DirtyBit, CRC: 1}
 	}
 	ls, stubs := stubsOf(sortedEnts(ref), 100, testEpoch)
 	ls.fail = stubs[3].Ref
-	tr := BuildLazyPtree(stubs, len(ref), ls.load, 4)
+	var heard []*FaultError
+	tr := BuildLazyPtree(stubs, len(ref), ls.load, 4, func(fe *FaultError) { heard = append(heard, fe) })
 	if err := tr.Fault(Ent{LBA: 50}); err != nil {
 		t.Fatal(err)
 	}
 	if err := tr.Fault(Ent{LBA: 350}); err == nil {
 		t.Fatal("Fault of an unreadable leaf succeeded")
 	}
-	func() {
-		defer func() {
-			var fe *FaultError
-			if p := recover(); p == nil || !errors.As(p.(error), &fe) || fe.Ref != stubs[3].Ref {
-				t.Fatalf("Get of an unreadable leaf: panic %v", p)
-			}
-		}()
-		tr.Get(Ent{LBA: 350})
-	}()
+	failed := ls.failed
+	took := func(what string) {
+		t.Helper()
+		var fe *FaultError
+		if err := tr.TakeFault(); !errors.As(err, &fe) || fe.Ref != stubs[3].Ref || fe.Lo != 300 || fe.Hi != 400 {
+			t.Fatalf("%s over the unreadable leaf: TakeFault %v, want the leaf of [300,400)", what, err)
+		}
+		if err := tr.TakeFault(); err != nil {
+			t.Fatalf("%s: a second TakeFault %v", what, err)
+		}
+	}
+	if _, ok := tr.Get(Ent{LBA: 350}); ok {
+		t.Fatal("Get in an unreadable leaf found an entry")
+	}
+	took("Get")
+	n := 0
+	tr.Ascend(func(e Ent) bool {
+		if e.LBA >= 300 && e.LBA < 400 {
+			t.Fatalf("Ascend visited %d of the unreadable leaf", e.LBA)
+		}
+		n++
+		return true
+	})
+	if n != 900 {
+		t.Fatalf("Ascend visited %d entries, want the other 900", n)
+	}
+	took("Ascend")
+	if _, ok := tr.ReplaceOrInsertAgg(Ent{LBA: 333, Loc: 5, CRC: 5}, math.MaxUint64); ok {
+		t.Fatal("ReplaceOrInsert in an unreadable leaf replaced an entry")
+	}
+	took("ReplaceOrInsert")
+	if _, ok := tr.Get(Ent{LBA: 333}); ok || tr.Len() != 1000 {
+		t.Fatalf("a change in an unreadable leaf was made (length %d)", tr.Len())
+	}
+	took("Get after the change")
+	if _, ok := tr.Delete(Ent{LBA: 334}); ok {
+		t.Fatal("Delete in an unreadable leaf deleted")
+	}
+	took("Delete")
+	// Leaves 0..2 are the oldest epochs but for leaf 3's: MinAgg finds
+	// the minimum of the others.
+	want := uint64(math.MaxUint64)
+	for lba, e := range ref {
+		if lba < 300 || lba >= 400 {
+			want = min(want, testEpoch(e))
+		}
+	}
+	if m, ok := tr.MinAgg(testEpoch); !ok || m != want {
+		t.Fatalf("MinAgg %d %t, want %d", m, ok, want)
+	}
+	_ = tr.TakeFault() // whether MinAgg passed through leaf 3 depends on the bounds
+	if err := tr.Check(); err == nil {
+		t.Fatal("Check of a tree with an unreadable leaf passed")
+	}
+	if err := tr.CheckAgg(testEpoch); err == nil {
+		t.Fatal("CheckAgg of a tree with an unreadable leaf passed")
+	}
+	snap := tr.Clone()
+	if err := Diff(nil, snap, func(Ent, Ent, bool, bool) {}); err == nil {
+		t.Fatal("Diff over an unreadable leaf returned no error")
+	}
+	if ls.failed != failed {
+		t.Fatalf("the bad stub was read %d more times", ls.failed-failed)
+	}
+	if len(heard) != 1 || heard[0].Ref != stubs[3].Ref {
+		t.Fatalf("OnFault heard %v, want the one bad stub once", heard)
+	}
 	// A leaf holding an entry below its separator.
 	ls.fail = StubRef{}
 	ls.leaves[stubs[5].Ref] = append([]Ent{{LBA: 1}}, ls.leaves[stubs[5].Ref][1:]...)
@@ -260,7 +326,7 @@ func TestLazyPinStubs(t *testing.T) {
 		ref[i] = Ent{LBA: i, Loc: uint32(i), CRC: 1}
 	}
 	ls, stubs := stubsOf(sortedEnts(ref), 100, testEpoch)
-	tr := BuildLazyPtree(stubs, len(ref), ls.load, 1)
+	tr := BuildLazyPtree(stubs, len(ref), ls.load, 1, nil)
 	if err := tr.PinStubs(func(r StubRef) bool { return r == stubs[3].Ref }); err != nil {
 		t.Fatal(err)
 	}
@@ -272,5 +338,30 @@ func TestLazyPinStubs(t *testing.T) {
 	}
 	if own, loaded, st := tr.LeafCounts(); own != 0 || loaded > 2 || st != len(stubs)-loaded {
 		t.Fatalf("%d own, %d loaded, %d stubs", own, loaded, st)
+	}
+}
+
+// TestLazyAscendResident: AscendResident visits the elements of the
+// resident leaves only (the tree's own and the stubs' loaded ones) and
+// loads nothing.
+func TestLazyAscendResident(t *testing.T) {
+	ref := map[uint64]Ent{}
+	for i := range uint64(1000) {
+		ref[i] = Ent{LBA: i, Loc: uint32(i), CRC: 1}
+	}
+	ls, stubs := stubsOf(sortedEnts(ref), 100, testEpoch)
+	tr := BuildLazyPtree(stubs, len(ref), ls.load, 1<<20, nil)
+	if err := tr.Fault(Ent{LBA: 250}); err != nil {
+		t.Fatal(err)
+	}
+	tr.ReplaceOrInsertAgg(Ent{LBA: 777, Loc: 5, CRC: 5}, math.MaxUint64)
+	loads := ls.loads
+	var got []uint64
+	tr.AscendResident(func(e Ent) bool { got = append(got, e.LBA); return true })
+	if ls.loads != loads {
+		t.Fatalf("AscendResident loaded %d leaves", ls.loads-loads)
+	}
+	if len(got) != 200 || got[0] != 200 || got[99] != 299 || got[100] != 700 || got[199] != 799 {
+		t.Fatalf("AscendResident visited %d elements (%v...), want those of leaves 2 and 7", len(got), got[:min(len(got), 3)])
 	}
 }

@@ -303,6 +303,9 @@ type bptree[E, L any, PL leafPtr[L, E]] struct {
 	// lazy: the loader of the tree's stubs and its counters, shared by
 	// clones (nil: every leaf resident; lazy.go).
 	lazy *lazyState[L]
+	// ferr: the first leaf an operation could not load since the last
+	// TakeFault (lazy.go; not shared by clones).
+	ferr error
 }
 
 // Len returns the number of elements.
@@ -373,7 +376,11 @@ func (t *bptree[E, L, PL]) Min() (E, bool) {
 	for !nd.leaves {
 		nd = nd.kids[0]
 	}
-	return t.leafAt(nd, 0).get(0), true
+	l := t.leafAt(nd, 0)
+	if l.count() == 0 {
+		return zero, false // could not be loaded (TakeFault)
+	}
+	return l.get(0), true
 }
 
 type pathStep[E, L any, PL leafPtr[L, E]] struct {
@@ -382,7 +389,8 @@ type pathStep[E, L any, PL leafPtr[L, E]] struct {
 }
 
 // mutPath makes the path from the root to the leaf holding k writable and
-// returns it (the last step's node has leaf children) and the leaf.
+// returns it (the last step's node has leaf children) and the leaf: nil if
+// it cannot be loaded (TakeFault).
 func (t *bptree[E, L, PL]) mutPath(k E, path []pathStep[E, L, PL]) ([]pathStep[E, L, PL], PL) {
 	t.root = t.mutNode(t.root)
 	nd := t.root
@@ -420,6 +428,9 @@ func (t *bptree[E, L, PL]) ReplaceOrInsertAgg(e E, v uint64) (E, bool) {
 	}
 	var buf [8]pathStep[E, L, PL]
 	path, l := t.mutPath(e, buf[:0])
+	if l == nil {
+		return zero, false // not changed: its leaf cannot be loaded
+	}
 	for _, st := range path {
 		st.nd.agg[st.i] = min(st.nd.agg[st.i], v)
 	}
@@ -462,17 +473,31 @@ func (t *bptree[E, L, PL]) overflow(path []pathStep[E, L, PL], l PL, p int, e E)
 		}
 		return es
 	}
+	// Only resident neighbours: a change loads no leaf but its own.
+	var left, right PL
+	if i > 0 {
+		left = t.peekLeaf(parent, i-1)
+	}
+	if i+1 < parent.n {
+		right = t.peekLeaf(parent, i+1)
+	}
+	// The 2-to-3 split's pair: l and its right neighbour, or its left one
+	// for the last child.
+	a, sib := i, right
+	if i+1 == parent.n {
+		a, sib = i-1, left
+	}
 	switch {
-	case i+1 < parent.n && t.leafAt(parent, i+1).count() < c:
-		r := t.mutLeafAt(parent, i+1)
+	case right != nil && right.count() < c:
+		r := t.ownLeaf(parent, i+1, right)
 		es := merged(l, r)
 		h := len(es) / 2
 		fillLeaf(l, es[:h])
 		fillLeaf(r, es[h:])
 		parent.keys[i+1] = r.get(0)
 		parent.agg[i+1] = min(parent.agg[i+1], parent.agg[i])
-	case i > 0 && t.leafAt(parent, i-1).count() < c:
-		lf := t.mutLeafAt(parent, i-1)
+	case left != nil && left.count() < c:
+		lf := t.ownLeaf(parent, i-1, left)
 		es := merged(lf, l)
 		h := len(es) / 2
 		fillLeaf(lf, es[:h])
@@ -483,13 +508,12 @@ func (t *bptree[E, L, PL]) overflow(path []pathStep[E, L, PL], l PL, p int, e E)
 		nl := t.newLeaf()
 		nl.insertAt(0, e)
 		t.addChild(path, len(path)-1, i+1, e, nil, nl, parent.agg[i])
-	case parent.n > 1:
-		a := i
-		if i+1 == parent.n {
-			a = i - 1
+	case parent.n > 1 && sib != nil:
+		x, y := l, sib
+		if a < i {
+			x, y = sib, l
 		}
-		x := t.mutLeafAt(parent, a)
-		y := t.mutLeafAt(parent, a+1)
+		x, y = t.ownLeaf(parent, a, x), t.ownLeaf(parent, a+1, y)
 		es := merged(x, y)
 		n1 := len(es) / 3
 		n2 := (len(es) - n1) / 2
@@ -555,6 +579,10 @@ func (t *bptree[E, L, PL]) Delete(e E) (E, bool) {
 	}
 	var buf [8]pathStep[E, L, PL]
 	path, l := t.mutPath(e, buf[:0])
+	if l == nil {
+		var zero E
+		return zero, false // its leaf, dropped since Get, could not be loaded again (TakeFault)
+	}
 	p, _ := l.search(e)
 	old := l.get(p)
 	l.removeAt(p)
@@ -566,16 +594,24 @@ func (t *bptree[E, L, PL]) Delete(e E) (E, bool) {
 	case l.count() == 0:
 		t.removeChild(path, len(path)-1, i)
 	case l.count() < c/4:
-		// Merge a sparse leaf into a neighbour that has room for it.
-		if i+1 < parent.n && l.count()+t.leafAt(parent, i+1).count() <= c*3/4 {
-			r := t.leafAt(parent, i+1)
+		// Merge a sparse leaf into a resident neighbour that has room
+		// for it.
+		var left, right PL
+		if i > 0 {
+			left = t.peekLeaf(parent, i-1)
+		}
+		if i+1 < parent.n {
+			right = t.peekLeaf(parent, i+1)
+		}
+		if right != nil && l.count()+right.count() <= c*3/4 {
+			r := right
 			for x := 0; x < r.count(); x++ {
 				l.insertAt(l.count(), r.get(x))
 			}
 			parent.agg[i] = min(parent.agg[i], parent.agg[i+1])
 			t.removeChild(path, len(path)-1, i+1)
-		} else if i > 0 && l.count()+t.leafAt(parent, i-1).count() <= c*3/4 {
-			lf := t.mutLeafAt(parent, i-1)
+		} else if left != nil && l.count()+left.count() <= c*3/4 {
+			lf := t.ownLeaf(parent, i-1, left)
 			for x := 0; x < l.count(); x++ {
 				lf.insertAt(lf.count(), l.get(x))
 			}
@@ -607,23 +643,31 @@ func (t *bptree[E, L, PL]) removeChild(path []pathStep[E, L, PL], level, j int) 
 // Ascend calls fn for every element in order until fn returns false.
 func (t *bptree[E, L, PL]) Ascend(fn func(E) bool) {
 	var zero E
-	t.ascend(zero, false, zero, false, math.MaxUint64, fn)
+	t.ascend(zero, false, zero, false, math.MaxUint64, false, fn)
+}
+
+// AscendResident is Ascend over the resident leaves only: the elements
+// of a stub whose leaf is not loaded are skipped, and nothing is loaded.
+func (t *bptree[E, L, PL]) AscendResident(fn func(E) bool) {
+	var zero E
+	t.ascend(zero, false, zero, false, math.MaxUint64, true, fn)
 }
 
 // AscendGreaterOrEqual calls fn for the elements from e on.
 func (t *bptree[E, L, PL]) AscendGreaterOrEqual(e E, fn func(E) bool) {
 	var zero E
-	t.ascend(e, true, zero, false, math.MaxUint64, fn)
+	t.ascend(e, true, zero, false, math.MaxUint64, false, fn)
 }
 
 // AscendRange calls fn for the elements in [from, to).
 func (t *bptree[E, L, PL]) AscendRange(from, to E, fn func(E) bool) {
-	t.ascend(from, true, to, true, math.MaxUint64, fn)
+	t.ascend(from, true, to, true, math.MaxUint64, false, fn)
 }
 
 // ascend walks the elements from from (if hasFrom) to before stop (if
-// hasStop), skipping children whose summary is above bound.
-func (t *bptree[E, L, PL]) ascend(from E, hasFrom bool, stop E, hasStop bool, bound uint64, fn func(E) bool) {
+// hasStop), skipping children whose summary is above bound, and with
+// resident the leaves not resident (peekLeaf).
+func (t *bptree[E, L, PL]) ascend(from E, hasFrom bool, stop E, hasStop bool, bound uint64, resident bool, fn func(E) bool) {
 	if t.root == nil {
 		return
 	}
@@ -647,7 +691,14 @@ func (t *bptree[E, L, PL]) ascend(from E, hasFrom bool, stop E, hasStop bool, bo
 				}
 				continue
 			}
-			l := t.leafAt(nd, i)
+			var l PL
+			if resident {
+				if l = t.peekLeaf(nd, i); l == nil {
+					continue
+				}
+			} else {
+				l = t.leafAt(nd, i)
+			}
 			p := 0
 			if seek {
 				p, _ = l.search(from)
@@ -788,8 +839,14 @@ func (t *bptree[E, L, PL]) Check() error {
 			if (nd.lvs[i] == nil) == (nd.stubs[i] == nil) {
 				return fmt.Errorf("index: leaf child at depth %d is neither resident nor a stub, or both", depth)
 			}
-			l := t.leafAt(nd, i)
-			if l == nil || l.count() < 1 || l.count() > l.capacity() {
+			l := nd.lvs[i]
+			if l == nil {
+				var err error
+				if l, err = t.fault(nd, i); err != nil {
+					return err
+				}
+			}
+			if l.count() < 1 || l.count() > l.capacity() {
 				return fmt.Errorf("index: leaf at depth %d missing or with a bad count", depth)
 			}
 			if leafDepth < 0 {
@@ -878,7 +935,7 @@ func (t *bptree[E, L, PL]) MinAgg(sum func(E) uint64) (uint64, bool) {
 // is at most bound, and others of the same leaves), until fn returns false.
 func (t *bptree[E, L, PL]) AscendAggAtMost(from E, bound uint64, fn func(E) bool) {
 	var zero E
-	t.ascend(from, true, zero, false, bound, fn)
+	t.ascend(from, true, zero, false, bound, false, fn)
 }
 
 // checkAgg verifies that every summary is a lower bound of the values
@@ -893,7 +950,13 @@ func (t *bptree[E, L, PL]) CheckAgg(sum func(E) uint64) error {
 		for i := 0; i < nd.n; i++ {
 			c := uint64(math.MaxUint64)
 			if nd.leaves {
-				l := t.leafAt(nd, i)
+				l := nd.lvs[i]
+				if l == nil {
+					var err error
+					if l, err = t.fault(nd, i); err != nil {
+						return 0, err
+					}
+				}
 				for p := 0; p < l.count(); p++ {
 					c = min(c, sum(l.get(p)))
 				}
