@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/mirror"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/device/faultdev"
@@ -70,7 +71,7 @@ func TestDeviceFailureModel(t *testing.T) {
 				runFailSeed(t, target, uint64(*flagFailSeed))
 				return
 			}
-			var failovers, unreachable, fenced, lostFlush, injected, seqInjected, degraded atomic.Int64
+			var failovers, unreachable, fenced, lostFlush, injected, seqInjected, degraded, lazy, leafFaults atomic.Int64
 			var failed seedFailures
 			for seed := first; seed < first+seeds; seed++ {
 				ok := t.Run(fmt.Sprintf("seed=%d", seed), func(t *testing.T) {
@@ -80,6 +81,12 @@ func TestDeviceFailureModel(t *testing.T) {
 					}
 					if r.degraded {
 						degraded.Add(1)
+					}
+					if r.lazy {
+						lazy.Add(1)
+					}
+					if r.leafFault {
+						leafFaults.Add(1)
 					}
 					unreachable.Add(r.unreachableReads)
 					fenced.Add(r.fencedWrites)
@@ -97,6 +104,10 @@ func TestDeviceFailureModel(t *testing.T) {
 			}
 			t.Logf("seeds %d..%d: %d device operations failed; %d sets failed over; %d reads refused on unreachable dirty data, %d fenced writes, %d flushes refused for lost writes",
 				first, first+seeds-1, injected.Load(), failovers.Load(), unreachable.Load(), fenced.Load(), lostFlush.Load())
+			t.Logf("%d sets opened lazily under the fault (index pages, after a clean close), %d of them failed over on an index leaf they could not read", lazy.Load(), leafFaults.Load())
+			if target == "cache" && seeds >= 200 && leafFaults.Load() == 0 {
+				t.Errorf("no lazily opened set met an index leaf it could not read: the workload does not exercise leaf faults")
+			}
 			if target == "seq" {
 				t.Logf("seq: %d scheduled faults fired (run and reopen), every one returned or logged", seqInjected.Load())
 			}
@@ -129,6 +140,10 @@ type failRun struct {
 	wid        uint64
 	failedOver bool
 	degraded   bool // mirror: a member failed
+	// lazy: the set opened under the fault was opened lazily (a paged
+	// seed: its data written and closed cleanly first); leafFault: it
+	// found an index leaf it could not read.
+	lazy, leafFault bool
 	// counted for the summary
 	unreachableReads, fencedWrites, lostFlushes int64
 	injected                                    int64 // faults fired
@@ -178,7 +193,11 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	bs := int64(blockSize) * int64(2+rng.IntN(3))
 	nb := int64(minBuckets + rng.IntN(6))
 	nvols := 1 + rng.IntN(2)
-	cacheMem := device.NewMem(cacheSizeFor(nb, bs, minJournalLen, nvols))
+	// Paged seeds but the mirror's start from data written and closed
+	// cleanly, so that the Open under the fault is lazy: it reads the
+	// volumes' index leaves from the failing device when first needed.
+	paged := target != "mirror" && testIndexPages(seed)
+	cacheMem := device.NewMem(cacheSizeForPaged(nb, bs, minJournalLen, nvols, paged))
 	var specs, faultSpecs []BackingSpec
 	// The fault: dead from device operation deadAt on (of the given
 	// kinds), after transient errors with probability pTransient.
@@ -220,6 +239,11 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	if target == "mirror" {
 		deadAt = uint64(rng.IntN(620)) // from the first operation: in Open too
 	}
+	if paged && target == "cache" && seed%2 == 1 {
+		// Soon after the lazy Open, while most leaves are still to be
+		// read from the device.
+		deadAt = 8 + deadAt%40
+	}
 	if target == "cache" {
 		fdCache = faultdev.Wrap(cacheMem, inj)
 		cacheDev = fdCache
@@ -260,10 +284,18 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 		mf = newMirrorFault(r, cacheMem, specs, fopts, nb, inj)
 		fopts.Mirror, cacheDev, oopts.Mirror = mf.mem[mirror.B], mf.dev[mirror.A], mf.dev[mirror.B]
 	}
+	fopts.IndexPages = paged
 	if _, err := Format(cacheMem, specs, fopts); err != nil {
 		t.Fatal(err)
 	}
+	if paged {
+		r.lazyPrefix(cacheMem, specs)
+	}
 	s, err := Open(cacheDev, faultSpecs, oopts)
+	if err == nil && s.pg != nil && s.pg.lazy != nil {
+		r.lazy = true
+		defer func() { r.leafFault = s.leafFaulted() != nil }()
+	}
 	if err != nil {
 		if mf != nil {
 			s, err = mf.openMissing(r, faultSpecs, oopts, err)
@@ -294,7 +326,22 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	for i := 0; i < nops; i++ {
 		r.step()
 		if err := s.Check(); err != nil {
-			r.fatalf("after op %d: Check: %v", i, err)
+			// A lazily opened set's Check reads every leaf: one the
+			// dead device cannot give back is its error, and the set
+			// fails over at its next commit.
+			var fe *index.FaultError
+			if !r.lazy || !errors.As(err, &fe) {
+				r.fatalf("after op %d: Check: %v", i, err)
+			}
+			if s.isFailed() {
+				continue
+			}
+			ferr := s.Flush()
+			r.logf("check: %v; flush: %v", err, ferr)
+			r.noteErr(ferr)
+			if ferr == nil || !s.isFailed() {
+				r.fatalf("after op %d: Check met a leaf it could not read (%v), and the set did not fail over at the next Flush (%v)", i, err, ferr)
+			}
 		}
 	}
 	// Every block, one at a time.
@@ -414,6 +461,31 @@ func runFailSeed(t *testing.T, target string, seed uint64) *failRun {
 	}
 	r.failedOver = st.Failed
 	return r
+}
+
+// lazyPrefix writes blocks of every volume through a set on the bare
+// devices and closes it cleanly: every write is durable.
+func (r *failRun) lazyPrefix(cache device.Device, specs []BackingSpec) {
+	s, err := Open(cache, specs, OpenOptions{})
+	if err != nil {
+		r.fatalf("open for the lazy prefix: %v", err)
+	}
+	for range 4 * len(r.vols) {
+		vi := r.rng.IntN(len(r.vols))
+		off, n := r.randRange(vi)
+		r.wid++
+		p := make([]byte, n)
+		stamp(p, r.wid, vi, off)
+		err := s.vols[vi].WriteAt(p, off, false)
+		r.logf("prefix write w%d vol%d off=%d len=%d: %v", r.wid, vi, off, n, err)
+		if err != nil {
+			r.fatalf("prefix write: %v", err)
+		}
+		r.apply(vi, off, p, true, true) // durable: Close commits it
+	}
+	if err := s.Close(); err != nil {
+		r.fatalf("close after the lazy prefix: %v", err)
+	}
 }
 
 func (r *failRun) cands(l [][]byte) string {

@@ -42,6 +42,7 @@ package cache
 import (
 	"bytes"
 	"cmp"
+	"errors"
 	"fmt"
 	"log/slog"
 	"time"
@@ -975,6 +976,11 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	d := <-dch
 	if d.err != nil {
+		if jr.err != nil {
+			// Both: a journal block and a checkpoint or leaf page that
+			// could not be read.
+			return nil, fmt.Errorf("open: %w", errors.Join(d.err, fmt.Errorf("replaying journal: %w", jr.err)))
+		}
 		return nil, fmt.Errorf("open: %w", d.err)
 	}
 	if IsJournalLoss(jr.err) && opts.AcceptJournalLoss {
