@@ -14,9 +14,9 @@
 // (package cache) writes its checkpoints through a Store, under its own
 // lock, and reads the root back at Open. It keeps its index in memory and
 // looks nothing up through the page cache; the owner map (cache block to
-// entry) is not paged. Reading a leaf only when an operation first needs
-// it (LeafRefs, ReadLeaf) is built and tested, and off in production
-// Opens (the engine's testingKnobs.lazyOpen).
+// entry) is not paged. After a clean shutdown the engine reads a leaf
+// only when an operation first needs it (LeafRefs, ReadLeaf; package
+// cache, lazyleaves.go).
 //
 // # Page format
 //
