@@ -126,7 +126,7 @@ func (s *Set) allocLocked(n int, how allocHow) (run, error) {
 		}
 		if s.mu.open >= 0 {
 			b := &s.mu.alloc[s.mu.open]
-			if s.mir != nil {
+			if s.mir() != nil {
 				s.mirrorRetryLocked(s.mu.open, b.fill)
 			}
 			if int64(b.fill) < s.bpb {

@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
+	"sync/atomic"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/mirror"
@@ -13,7 +15,7 @@ import (
 
 // A mirrored set (FeatureMirror) keeps its metadata and dirty data on two
 // cache devices through a mirror.Mirror, which the Set uses as its cache
-// device (s.dev) and tells which buckets may hold dirty data (s.mir). This
+// device (s.dev) and tells which buckets may hold dirty data (s.mir()). This
 // file is the Set's side of it: mapping buckets to the mirror's slots as
 // they open, releasing slots once nothing dirty is left in them, the
 // resync after an unclean shutdown and the mirror's part of the stats.
@@ -60,7 +62,7 @@ func openMirror(a, b device.Device, allowMissing bool, log *slog.Logger) (*mirro
 		return nil, nil, err
 	}
 	if !sb.HasFeature(ondisk.FeatureMirror) {
-		return nil, nil, fmt.Errorf("open: %w: the set on the mirror's members is not mirrored", ErrInvalid)
+		return nil, nil, fmt.Errorf("open: %w: the set on the mirror's members is not mirrored (an attach-mirror that stopped before its first step was durable leaves it so: open the set on its cache device alone, and attach the mirror again)", ErrInvalid)
 	}
 	if err := m.Init(mirrorLayout(sb)); err != nil {
 		return nil, nil, fmt.Errorf("open: %w", err)
@@ -86,17 +88,17 @@ func (layoutSized) Size() int64 { return 1 << 62 }
 // mirrorDegraded reports whether the set is mirrored and runs on one
 // member: its dirty data has one copy, so writeback runs at full speed
 // to shrink what a second failure would lose (wbRate).
-func (s *Set) mirrorDegraded() bool { return s.mir != nil && !s.mir.Redundant() }
+func (s *Set) mirrorDegraded() bool { return s.mir() != nil && !s.mir().Redundant() }
 
 // mirrorWatch has a member failure wake every volume's writeback loop, so
 // that the full speed of a degraded set starts at once rather than at the
 // loop's next decision. The kick runs on its own goroutine: the failure
 // may be noticed under the set's locks.
 func (s *Set) mirrorWatch() {
-	if s.mir == nil {
+	if s.mir() == nil {
 		return
 	}
-	s.mir.OnFail(func(mirror.Member) {
+	s.mir().OnFail(func(mirror.Member) {
 		go func() {
 			if vols := s.volSnap.Load(); vols != nil {
 				for _, v := range *vols {
@@ -112,10 +114,10 @@ func (s *Set) mirrorWatch() {
 // only into a bucket mapped on B. REQUIRES: not s.mu (the mirror's own
 // lock is taken).
 func (s *Set) mirrorHolds(loc uint32) bool {
-	if s.mir == nil || !s.mir.WritesBoth() {
+	if s.mir() == nil || !s.mir().WritesBoth() {
 		return true
 	}
-	return s.mir.Covers(s.cacheOff(loc))
+	return s.mir().Covers(s.cacheOff(loc))
 }
 
 // mirrorOpenLocked maps bucket bi, being opened, on B. It reports false
@@ -124,7 +126,7 @@ func (s *Set) mirrorHolds(loc uint32) bool {
 // bucket opens and takes clean data only (mirrorHolds).
 // REQUIRES: s.mu
 func (s *Set) mirrorOpenLocked(bi int64) bool {
-	m := s.mir
+	m := s.mir()
 	if m == nil {
 		return true
 	}
@@ -144,7 +146,7 @@ func (s *Set) mirrorOpenLocked(bi int64) bool {
 // free (something was made durable since the last try).
 // REQUIRES: s.mu
 func (s *Set) mirrorRetryLocked(bi int64, fill uint32) {
-	m := s.mir
+	m := s.mir()
 	if m == nil || m.Mapped(bi) {
 		return
 	}
@@ -163,7 +165,7 @@ func (s *Set) mirrorRetryLocked(bi int64, fill uint32) {
 // noted) and released at a later one that finds that seq durable.
 // REQUIRES: s.mu
 func (s *Set) mirrorReclaimLocked() {
-	m := s.mir
+	m := s.mir()
 	var rel []int64
 	durable := s.durable.Load()
 	m.MappedBuckets(func(b int64) {
@@ -198,7 +200,7 @@ func (s *Set) mirrorLoadLocked() error {
 	for i := range s.mu.Buckets {
 		gens[i] = s.mu.Buckets[i].Gen
 	}
-	return s.mir.LoadSlots(gens)
+	return s.mir().LoadSlots(gens)
 }
 
 // mirrorResync makes B hold every dirty block. After an unclean shutdown
@@ -210,7 +212,7 @@ func (s *Set) mirrorLoadLocked() error {
 // copied in any case. It returns the blocks copied. With one member live
 // there is nothing to resync.
 func (s *Set) mirrorResync(verify bool) (int, error) {
-	m := s.mir
+	m := s.mir()
 	if m == nil || !m.Redundant() {
 		return 0, nil
 	}
@@ -311,10 +313,10 @@ type MirrorStats struct {
 }
 
 func (s *Set) mirrorStats() *MirrorStats {
-	if s.mir == nil {
+	if s.mir() == nil {
 		return nil
 	}
-	st := s.mir.Stats()
+	st := s.mir().Stats()
 	out := &MirrorStats{Slots: st.Slots, SlotsUsed: st.SlotsUsed, ReadRetries: st.ReadRetries, Repairs: st.Repairs, Gen: st.Gen,
 		WritethroughBlocks: s.stats.mirrorThrough.Load(), Resilver: resilverProgress(st.Resilver)}
 	for r, f := range st.Failed {
@@ -325,3 +327,75 @@ func (s *Set) mirrorStats() *MirrorStats {
 	}
 	return out
 }
+
+// mir returns the set's mirror, nil for a set on one cache device.
+func (s *Set) mir() *mirror.Mirror { return s.mirp.Load() }
+
+// setDev is the set's cache device, which an attach of a mirror replaces
+// (with the mirror over it) while the set serves: swap returns once every
+// write that went to the old device has completed, so that every write
+// after it goes through the mirror (which a resilver orders against its
+// copy). Reads and syncs need no such order: the old device stays the
+// mirror's member A.
+type setDev struct {
+	cur atomic.Pointer[setDevRef]
+}
+
+type setDevRef struct {
+	device.Device
+	ar device.AsyncReader // nil when the device has no asynchronous reads
+	// mu: writes hold the read side; swap takes the write side once to
+	// wait for the writes in flight and mark the device retired.
+	mu      sync.RWMutex
+	retired bool // REQUIRES: mu
+}
+
+func newSetDev(dev device.Device) *setDev {
+	d := &setDev{}
+	d.cur.Store(newSetDevRef(dev))
+	return d
+}
+
+func newSetDevRef(dev device.Device) *setDevRef {
+	r := &setDevRef{Device: dev}
+	r.ar, _ = dev.(device.AsyncReader)
+	return r
+}
+
+var _ device.Device = (*setDev)(nil)
+
+// get returns the device under the set now.
+func (d *setDev) get() device.Device { return d.cur.Load().Device }
+
+func (d *setDev) asyncReader() (device.AsyncReader, bool) {
+	ar := d.cur.Load().ar
+	return ar, ar != nil
+}
+
+// swap puts dev in the old device's place, and returns once no write is
+// in flight on the old one.
+func (d *setDev) swap(dev device.Device) {
+	old := d.cur.Swap(newSetDevRef(dev))
+	old.mu.Lock()
+	old.retired = true
+	old.mu.Unlock()
+}
+
+func (d *setDev) ReadAt(p []byte, off int64) (int, error) { return d.cur.Load().ReadAt(p, off) }
+
+func (d *setDev) WriteAt(p []byte, off int64) (int, error) {
+	for {
+		r := d.cur.Load()
+		r.mu.RLock()
+		if !r.retired {
+			n, err := r.Device.WriteAt(p, off)
+			r.mu.RUnlock()
+			return n, err
+		}
+		r.mu.RUnlock()
+	}
+}
+
+func (d *setDev) Sync() error  { return d.cur.Load().Sync() }
+func (d *setDev) Size() int64  { return d.cur.Load().Size() }
+func (d *setDev) Close() error { return d.cur.Load().Close() }

@@ -336,7 +336,7 @@ func (v *Volume) verifyHits(buf []byte, lba uint64, hits []index.Ent, fromBackin
 			continue
 		}
 		v.st.checksumErrors.Add(1)
-		if s.mir != nil && s.mir.RepairFrom(p, s.cacheOff(e.Block()), func(q []byte) bool { return ondisk.CRC32C(q) == e.CRC }) {
+		if s.mir() != nil && s.mir().RepairFrom(p, s.cacheOff(e.Block()), func(q []byte) bool { return ondisk.CRC32C(q) == e.CRC }) {
 			v.st.checksumRepairs.Add(1)
 			continue
 		}
@@ -406,7 +406,7 @@ const maxAsyncHit = 128 << 10
 // device's goroutine is a batch of one).
 func (v *Volume) StartReadAt(p []byte, off int64, done func(err error, later func(func()))) bool {
 	s := v.s
-	ar, ok := s.dev.(device.AsyncReader)
+	ar, ok := s.dev.asyncReader()
 	if !ok || len(p) == 0 || len(p) > maxAsyncHit || off%blockSize != 0 || len(p)%blockSize != 0 || s.isFailed() {
 		return false
 	}

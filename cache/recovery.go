@@ -856,6 +856,13 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		if label, labelled, err = mirror.ReadLabel(cacheDev); err != nil {
 			return nil, fmt.Errorf("open: %w", err)
 		}
+		if labelled && label.Role == mirror.A {
+			// An attach of a mirror that stopped before the superblock
+			// said FeatureMirror leaves a label on a set on one device.
+			if sb0, _, err := ondisk.ReadSuperblock(cacheDev); err == nil && !sb0.HasFeature(ondisk.FeatureMirror) {
+				labelled = false
+			}
+		}
 	}
 	switch {
 	case opts.Mirror != nil || cacheDev == nil:
@@ -886,7 +893,9 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		byName[b.Name] = b
 	}
 	s := newSet(cacheDev, sb, log)
-	s.mir = mir
+	if mir != nil {
+		s.mirp.Store(mir)
+	}
 	s.mirrorWatch()
 	if err := s.loadLostWrites(); err != nil {
 		return nil, fmt.Errorf("open: %w", err)

@@ -8,6 +8,7 @@ import (
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/mirror"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -59,16 +60,16 @@ func resilverProgress(st *mirror.ResilverStats) *ResilverProgress {
 // SetResilverRate changes the rate limit of the resilver running to
 // bytesPerSec (0: no limit); the copy sees it within 100 ms.
 func (s *Set) SetResilverRate(bytesPerSec int64) error {
-	if s.mir == nil {
+	if s.mir() == nil {
 		return fmt.Errorf("%w: this cache set is not mirrored: no resilver runs", ErrInvalid)
 	}
 	if bytesPerSec < 0 {
 		return fmt.Errorf("%w: a rate of %d bytes a second: give a positive rate, or 0 for no limit", ErrInvalid, bytesPerSec)
 	}
-	if _, ok := s.mir.Resilvering(); !ok {
+	if _, ok := s.mir().Resilvering(); !ok {
 		return fmt.Errorf("%w: no resilver is running (start one with replace)", ErrInvalid)
 	}
-	s.mir.SetResilverRate(bytesPerSec)
+	s.mir().SetResilverRate(bytesPerSec)
 	return nil
 }
 
@@ -77,15 +78,23 @@ func (s *Set) SetResilverRate(bytesPerSec int64) error {
 // "B") once both are in sync. On an error the set stays degraded on its
 // survivor and dev is not trusted (a crash at any point opens the same
 // way). Refusals (errors.Is ErrInvalid) say what was expected and found.
+//
+// On a set on one cache device it attaches dev as the set's mirror,
+// member B (attachMirror), and resilvers it the same way.
 func (s *Set) ReplaceMirrorMember(ctx context.Context, dev device.Device, opts ResilverOptions) (string, error) {
-	if s.mir == nil {
-		return "", fmt.Errorf("%w: replace: this cache set is not mirrored (it was formatted on one cache device): there is no member to replace; a mirror is chosen at format (--cache-mirror)", ErrInvalid)
-	}
 	if err := s.err(); err != nil {
 		return "", fmt.Errorf("replace: the cache set has failed over: %w", err)
 	}
-	s.mir.SetResilverRate(opts.Rate)
-	r, err := s.mir.BeginResilver(dev, opts.Force)
+	if s.mir() == nil {
+		if err := s.attachMirror(dev, opts.Force); err != nil {
+			if errors.Is(err, mirror.ErrRefused) {
+				return "", fmt.Errorf("%w: attach-mirror: %v", ErrInvalid, err)
+			}
+			return "", fmt.Errorf("attach-mirror: %w", err)
+		}
+	}
+	s.mir().SetResilverRate(opts.Rate)
+	r, err := s.mir().BeginResilver(dev, opts.Force)
 	if err != nil {
 		if errors.Is(err, mirror.ErrRefused) {
 			return "", fmt.Errorf("%w: replace: %v", ErrInvalid, err)
@@ -93,19 +102,63 @@ func (s *Set) ReplaceMirrorMember(ctx context.Context, dev device.Device, opts R
 		return "", fmt.Errorf("replace: %w", err)
 	}
 	if err := s.resilver(ctx, r, opts); err != nil {
-		s.mir.AbortResilver(err)
+		s.mir().AbortResilver(err)
 		return "", fmt.Errorf("replace: member %v: %w", r, err)
 	}
-	if err := s.mir.FinishResilver(); err != nil {
-		s.mir.AbortResilver(err)
+	if err := s.mir().FinishResilver(); err != nil {
+		s.mir().AbortResilver(err)
 		return "", fmt.Errorf("replace: member %v: %w", r, err)
 	}
 	s.log.Warn("mirrored cache set redundant again", "member_replaced", r.String())
 	return r.String(), nil
 }
 
+// attachMirror makes the set on one cache device a mirrored set whose
+// member B, dev, is failed (not in sync): the device labelled member A of
+// a new mirror, then the superblock's FeatureMirror made durable, then the
+// mirror put in the device's place (s.dev.swap: from its return on every
+// write goes through the mirror). A crash before the superblock says
+// FeatureMirror opens the set on one device (A's label is a leftover Open
+// ignores); after it, as a mirror degraded on A. dev is checked first
+// (mirror.CheckAttach), so a refusal changes nothing.
+func (s *Set) attachMirror(dev device.Device, force bool) error {
+	s.attachMu.Lock()
+	defer s.attachMu.Unlock()
+	if s.mir() != nil {
+		return nil // attached by a call before: replace it (BeginResilver refuses a second)
+	}
+	a := s.dev.get()
+	s.sbMu.Lock()
+	lay := mirrorLayout(s.sb)
+	s.sbMu.Unlock()
+	if err := mirror.CheckAttach(a, dev, lay, force); err != nil {
+		return err
+	}
+	if err := mirror.AttachLabel(a, lay.Nonce); err != nil {
+		return err
+	}
+	s.sbMu.Lock()
+	err := s.updateSuperblockLocked(func(nsb *Superblock) error { nsb.Features |= ondisk.FeatureMirror; return nil })
+	s.sbMu.Unlock()
+	if err != nil {
+		return err
+	}
+	m, err := mirror.Assemble(a, nil, false, s.log)
+	if err != nil {
+		return err
+	}
+	if err := m.Init(lay); err != nil {
+		return err
+	}
+	s.mirp.Store(m)
+	s.mirrorWatch()
+	s.dev.swap(m)
+	s.log.Warn("mirror attached: the cache set is a mirror degraded on A until the resilver of B ends")
+	return nil
+}
+
 func (s *Set) resilver(ctx context.Context, r mirror.Member, opts ResilverOptions) error {
-	m := s.mir
+	m := s.mir()
 	progress := func() {
 		if opts.Progress != nil {
 			if p := resilverProgress(m.Stats().Resilver); p != nil {
@@ -158,7 +211,7 @@ func (s *Set) resilver(ctx context.Context, r mirror.Member, opts ResilverOption
 // hold dirty data: with dirty or superseded entries, open, or with writes
 // in flight. It returns the buckets it mapped now.
 func (s *Set) mirrorMapDirty() ([]mirror.BucketGen, error) {
-	m := s.mir
+	m := s.mir()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	sup := map[int64]bool{}
@@ -196,7 +249,7 @@ func (s *Set) mirrorMapDirty() ([]mirror.BucketGen, error) {
 // a copy of every dirty block.
 func (s *Set) mirrorCheckCovered() error {
 	var bad []uint32
-	ls, err := s.entriesIn(func(loc int64) bool { return !s.mir.Covers(s.cacheOff(uint32(loc))) })
+	ls, err := s.entriesIn(func(loc int64) bool { return !s.mir().Covers(s.cacheOff(uint32(loc))) })
 	if err != nil {
 		return err
 	}
@@ -219,7 +272,7 @@ func (s *Set) mirrorCheckCovered() error {
 // whatever fill it has. A bucket in use is retried; one that stays so
 // fails the resilver.
 func (s *Set) dropUncovered(ctx context.Context) error {
-	m := s.mir
+	m := s.mir()
 	covered := func(bi int64) bool { return m.Covers(s.cacheOff(uint32(bi * s.bpb))) }
 	for range 3 {
 		if err := ctx.Err(); err != nil {

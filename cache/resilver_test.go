@@ -297,7 +297,7 @@ func resilverCrash(t *testing.T, lost mirror.Member) {
 }
 
 // TestResilverRefusals: replace refuses, saying what it expected and
-// found, a set that is not mirrored, a mirror that is not degraded, a
+// found, a mirror that is not degraded, a
 // device too small, the survivor itself or a copy of it, another set's
 // member and a device holding data (the last two are taken with Force).
 func TestResilverRefusals(t *testing.T) {
@@ -310,10 +310,6 @@ func TestResilverRefusals(t *testing.T) {
 		}
 		t.Logf("refused: %v", err)
 	}
-	t.Run("not mirrored", func(t *testing.T) {
-		s, _, _ := newFaultSet(t, func(faultdev.Op) faultdev.Fault { return faultdev.Fault{} })
-		refused(t, s, device.NewMem(64<<20), false, "not mirrored")
-	})
 	r := newMirrorRig(t, 16, 64<<10, 8, 1024)
 	r.write(1, 1)
 	if err := r.vol.Flush(); err != nil {

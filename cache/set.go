@@ -20,11 +20,16 @@ import (
 // Volume.rmw, then Set.commitMu, then Set.sbMu, then Set.mu. No device I/O
 // is done while holding Set.mu.
 type Set struct {
-	dev device.Device
-	// mir is dev when the set is mirrored (FeatureMirror), else nil
-	// (mirror.go).
-	mir *mirror.Mirror
-	lay *Superblock // layout; immutable after Open (modes live in sb)
+	// dev is the cache device: the device Open was given, or the mirror
+	// (mirp) put in its place by Open or by an attach (mirror.go).
+	dev *setDev
+	// mirp is the mirror when the set is mirrored (FeatureMirror), else
+	// nil; it becomes non-nil once, by an attach of a mirror while the set
+	// serves (s.mir()).
+	mirp atomic.Pointer[mirror.Mirror]
+	// attachMu serializes attaches of a mirror (resilver.go).
+	attachMu sync.Mutex
+	lay      *Superblock // layout; immutable after Open (modes live in sb)
 	// pg is the page store of a paged set (FeaturePagedIndex; nil
 	// otherwise), guarded by commitMu (pagedckpt.go).
 	pg    *pagedIndex
@@ -164,7 +169,7 @@ type setStats struct {
 // newSet builds the Set of the superblock sb read from dev: no volume, an
 // empty index, nothing started.
 func newSet(dev device.Device, sb *Superblock, log *slog.Logger) *Set {
-	s := &Set{dev: dev, lay: sb.Clone(), sb: sb, nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(), log: log,
+	s := &Set{dev: newSetDev(dev), lay: sb.Clone(), sb: sb, nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(), log: log,
 		kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1),
 		commitDue: make(chan struct{}, 1), stop: make(chan struct{})}
 	s.mu.cond = sync.NewCond(&s.mu.Mutex)

@@ -199,19 +199,9 @@ func (m *Mirror) beginLocked(dev device.Device, force bool) (Member, error) {
 	case labelled && old.Nonce == m.label.Nonce:
 		// A former member of this set (the failed one back, or an
 		// earlier replacement): its content is stale and overwritten.
-	case labelled && !force:
-		return 0, fmt.Errorf("%w: the device given is member %v of another mirrored cache set (its mirror label names set nonce %#x, this set is %#x): if that set is gone for good, force to overwrite it", ErrRefused, old.Role, old.Nonce, m.label.Nonce)
-	case !labelled && !force:
-		buf := make([]byte, min(metaCheckLen, dev.Size()))
-		if _, err := dev.ReadAt(buf, 0); err != nil {
-			return 0, fmt.Errorf("mirror: reading the new device: %w", err)
-		}
-		if i := bytes.IndexFunc(buf, func(c rune) bool { return c != 0 }); i >= 0 {
-			what := "data"
-			if string(buf[:len(ondisk.SBMagic)]) == ondisk.SBMagic {
-				what = "a tiercache superblock (another cache set's device)"
-			}
-			return 0, fmt.Errorf("%w: the device given holds %s in its first %d KiB (byte %d is not zero): a cache set's member must be a device nothing else uses; if its content is not needed, force to overwrite it (or zero its start)", ErrRefused, what, metaCheckLen>>10, i)
+	default:
+		if err := checkUnused(dev, old, labelled, m.label.Nonce, force); err != nil {
+			return 0, err
 		}
 	}
 
@@ -262,6 +252,70 @@ func (m *Mirror) beginLocked(dev device.Device, force bool) (Member, error) {
 	m.copyMu.Unlock()
 	m.log.Warn("mirror: resilver started", "member", r.String(), "gen", l.Gen)
 	return r, nil
+}
+
+// checkUnused refuses, unless force, a device that carries another set's
+// mirror label (old, when labelled) or, unlabelled, any data in its first
+// 128 KiB. A label of the set with the given nonce is accepted: a former
+// member, stale.
+func checkUnused(dev device.Device, old Label, labelled bool, nonce uint64, force bool) error {
+	switch {
+	case force || labelled && old.Nonce == nonce:
+		return nil
+	case labelled:
+		return fmt.Errorf("%w: the device given is member %v of another mirrored cache set (its mirror label names set nonce %#x, this set is %#x): if that set is gone for good, force to overwrite it", ErrRefused, old.Role, old.Nonce, nonce)
+	}
+	buf := make([]byte, min(metaCheckLen, dev.Size()))
+	if _, err := dev.ReadAt(buf, 0); err != nil {
+		return fmt.Errorf("mirror: reading the new device: %w", err)
+	}
+	if i := bytes.IndexFunc(buf, func(c rune) bool { return c != 0 }); i >= 0 {
+		what := "data"
+		if string(buf[:len(ondisk.SBMagic)]) == ondisk.SBMagic {
+			what = "a tiercache superblock (another cache set's device)"
+		}
+		return fmt.Errorf("%w: the device given holds %s in its first %d KiB (byte %d is not zero): a cache set's member must be a device nothing else uses; if its content is not needed, force to overwrite it (or zero its start)", ErrRefused, what, metaCheckLen>>10, i)
+	}
+	return nil
+}
+
+// CheckAttach checks dev as the mirror (member B) about to be attached to
+// the set of layout lay on its one cache device a: what BeginResilver
+// would refuse, checked before a is labelled (AttachLabel).
+func CheckAttach(a, dev device.Device, lay Layout, force bool) error {
+	if dev == a {
+		return fmt.Errorf("%w: the device given is the set's cache device itself: give a second device for the mirror", ErrRefused)
+	}
+	if err := CheckSize(lay, dev.Size()); err != nil {
+		return fmt.Errorf("%w: %v", ErrRefused, err)
+	}
+	old, labelled, err := ReadLabel(dev)
+	if err != nil {
+		return fmt.Errorf("mirror: reading the new device: %w", err)
+	}
+	return checkUnused(dev, old, labelled, lay.Nonce, force)
+}
+
+// AttachLabel makes a, the one cache device of the set with the given
+// nonce, member A of a new mirror whose member B is failed (not in sync
+// yet): Assemble(a, nil) then opens the degraded mirror a resilver of B
+// completes. The set's superblock must not say FeatureMirror before this
+// label is durable; a label on a device whose superblock does not say it
+// is a leftover of an attach that stopped, and means nothing.
+func AttachLabel(a device.Device, nonce uint64) error {
+	l, err := NewLabel(nonce)
+	if err != nil {
+		return err
+	}
+	l.Failed[B] = true
+	old, _, err := ReadLabel(a)
+	if err != nil {
+		return err
+	}
+	if err := writeLabel(a, l, A, old.Counter); err != nil {
+		return fmt.Errorf("mirror: writing the label of member A: %w", err)
+	}
+	return nil
 }
 
 // failSurvivorLocked: writing the survivor's label failed: the survivor

@@ -1,0 +1,323 @@
+package cache
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/tiercache/tiercache/cache/internal/mirror"
+	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/device"
+	"github.com/tiercache/tiercache/device/faultdev"
+)
+
+// newSingleRig is a mirrorRig whose set is on one cache device (r.a; r.b
+// nil until an attach): nBuckets buckets of bucketSize, one backing
+// device of backBlocks blocks.
+func newSingleRig(t *testing.T, nBuckets, bucketSize, backBlocks int64) *mirrorRig {
+	t.Helper()
+	jl := int64(minJournalLen)
+	aMem := device.NewMem(cacheSizeFor(nBuckets, bucketSize, jl, 1))
+	back := device.NewMem(backBlocks * blockSize)
+	r := &mirrorRig{t: t, a: newMember(aMem), back: back, specs: []BackingSpec{{Name: "a", Dev: back}}}
+	if _, err := Format(r.a, r.specs, FormatOptions{BucketSize: bucketSize, JournalSize: jl}); err != nil {
+		t.Fatal(err)
+	}
+	r.open(r.a, nil, false)
+	return r
+}
+
+// newB returns an empty device for member B with slots slots.
+func (r *mirrorRig) newB(slots int64) *member {
+	return newMember(device.NewMem(r.set.lay.BucketsOff + slots*(r.set.lay.BucketSize+blockSize)))
+}
+
+// TestAttachMirrorUnderWrites: a set on one cache device takes a mirror
+// while a writer keeps writing (dirty data in writeback mode, some
+// flushed); status says DEGRADED (B failed, resilvering) during the copy
+// and redundant after it; then A is pulled and every block reads back
+// from B alone, in the running set and after reopening B alone.
+func TestAttachMirrorUnderWrites(t *testing.T) {
+	r := newSingleRig(t, 32, 64<<10, 2048)
+	rng := rand.New(rand.NewPCG(21, 1))
+	want := map[uint64]uint64{}
+	id := uint64(0)
+	for range 300 {
+		id++
+		lba := rng.Uint64N(2048)
+		r.write(lba, id)
+		want[lba] = id
+		if id == 200 {
+			if err := r.vol.Flush(); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if st := r.set.Stats(); st.Mirror != nil || st.DirtyBlocks == 0 {
+		t.Fatalf("before the attach: mirror %+v, %d dirty blocks; want no mirror and dirty data", st.Mirror, st.DirtyBlocks)
+	}
+	b := r.newB(32)
+	var mu sync.Mutex
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var written atomic.Int64
+	wrote := make(chan struct{})
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		wrng := rand.New(rand.NewPCG(22, 1))
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			mu.Lock()
+			id++
+			myID := id
+			mu.Unlock()
+			lba := wrng.Uint64N(2048)
+			if err := r.vol.WriteAt(mstamp(lba, myID), int64(lba)*blockSize, false); err != nil {
+				t.Errorf("write during the attach: %v", err)
+				return
+			}
+			mu.Lock()
+			if want[lba] < myID {
+				want[lba] = myID
+			}
+			mu.Unlock()
+			written.Add(1)
+			select {
+			case wrote <- struct{}{}:
+			default:
+			}
+			if i%50 == 49 {
+				if err := r.vol.Flush(); err != nil {
+					t.Errorf("flush during the attach: %v", err)
+					return
+				}
+			}
+		}
+	}()
+	var progress []ResilverProgress
+	var during []*MirrorStats
+	got, err := r.set.ReplaceMirrorMember(context.Background(), b, ResilverOptions{Progress: func(p ResilverProgress) {
+		progress = append(progress, p)
+		during = append(during, r.set.Stats().Mirror)
+		<-wrote // writes interleave with every step of the copy
+	}})
+	close(stop)
+	wg.Wait()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != "B" {
+		t.Fatalf("attached member %s, want B", got)
+	}
+	if len(progress) == 0 || progress[0].Total == 0 || progress[len(progress)-1].Done != progress[len(progress)-1].Total {
+		t.Fatalf("progress reports %+v", progress)
+	}
+	for i, st := range during {
+		if st == nil || !st.Degraded || st.Failed != "B" || st.Resilver == nil || st.Resilver.Member != "B" {
+			t.Fatalf("status during the attach (report %d): %+v; want DEGRADED, B failed and resilvering", i, st)
+		}
+	}
+	if st := r.set.Stats().Mirror; st == nil || st.Degraded || st.Resilver != nil || st.SlotsUsed == 0 {
+		t.Fatalf("after the attach: %+v", st)
+	}
+	sb, _, err := ondisk.ReadSuperblock(r.a.mem)
+	if err != nil || !sb.HasFeature(ondisk.FeatureMirror) {
+		t.Fatalf("A's superblock after the attach: %v, mirrored %v", err, err == nil && sb.HasFeature(ondisk.FeatureMirror))
+	}
+	t.Logf("%d writes during the attach, %d progress reports, total %d bytes", written.Load(), len(progress), progress[len(progress)-1].Total)
+	for range 50 {
+		id++
+		lba := rng.Uint64N(2048)
+		r.write(lba, id)
+		want[lba] = id
+	}
+	if err := r.vol.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	if r.set.Stats().DirtyBlocks == 0 {
+		t.Fatal("no dirty data left when A is pulled: the test proves nothing")
+	}
+	r.a.pulled.Store(true)
+	r.verify(want)
+	if err := r.set.Close(); err != nil {
+		t.Fatal(err)
+	}
+	r.open(nil, b, false)
+	r.verify(want)
+}
+
+// TestAttachMirrorCrash: a crash before each step of an attach (A's
+// label, the superblock's FeatureMirror, each label write of the
+// resilver), in the metadata copy, in the bucket copy and after the end:
+// nothing flushed is lost. Until FeatureMirror is durable the set opens
+// on A as a set on one device (A's label ignored); then as a mirror
+// degraded on A, B refused alone (not trusted) until its in-sync label is
+// durable; after the end on both, and on B alone.
+func TestAttachMirrorCrash(t *testing.T) {
+	r := newSingleRig(t, 16, 64<<10, 1024)
+	rng := rand.New(rand.NewPCG(23, 1))
+	want := map[uint64]uint64{}
+	id := uint64(0)
+	for range 300 {
+		id++
+		lba := rng.Uint64N(1024)
+		r.write(lba, id)
+		want[lba] = id
+	}
+	if err := r.vol.Flush(); err != nil {
+		t.Fatal(err)
+	}
+	type point struct {
+		name string
+		devs []*device.Mem // A, B, backing
+	}
+	var points []point
+	b := r.newB(12)
+	labels, sbSeen, inMeta, inBuckets := 0, false, false, false
+	bucketsOff := r.set.lay.BucketsOff
+	clone := func(name string) {
+		c := device.CrashCloneAll(device.CrashConfig{UnsyncedKeep: 0.5, TornProb: 0.1, Rand: rand.New(rand.NewPCG(uint64(len(points)), 24))}, r.a.mem, b.mem, r.back)
+		points = append(points, point{name, c})
+	}
+	isLabel := func(op faultdev.Op) bool {
+		return op.Kind == faultdev.Write && op.Len == blockSize && (op.Offset == mirror.LabelOff(0) || op.Offset == mirror.LabelOff(1))
+	}
+	var hmu sync.Mutex
+	hook := func(who string) *func(faultdev.Op) {
+		f := func(op faultdev.Op) {
+			hmu.Lock()
+			defer hmu.Unlock()
+			switch {
+			case isLabel(op):
+				labels++
+				clone(fmt.Sprintf("before label write %d (%s)", labels, who))
+			case who == "A" && op.Kind == faultdev.Write && labels == 1 && !sbSeen && (op.Offset == 0 || op.Offset == ondisk.SBCopySize):
+				sbSeen = true
+				clone("before the superblock says FeatureMirror")
+			case who == "B" && op.Kind == faultdev.Write && labels == 3 && !inMeta && op.Offset < bucketsOff:
+				inMeta = true
+				clone("in the metadata copy")
+			case who == "B" && op.Kind == faultdev.Write && labels == 3 && inMeta && !inBuckets && op.Offset >= bucketsOff && op.Len > blockSize:
+				inBuckets = true
+				clone("in the bucket copy")
+			}
+		}
+		return &f
+	}
+	r.a.hook.Store(hook("A"))
+	b.hook.Store(hook("B"))
+	if _, err := r.set.ReplaceMirrorMember(context.Background(), b, ResilverOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	hmu.Lock()
+	clone("after the attach")
+	hmu.Unlock()
+	r.a.hook.Store(nil)
+	b.hook.Store(nil)
+	// Labels: A's attach label, then the resilver's four (B, A, A, B).
+	if labels != 5 || !sbSeen || !inMeta || !inBuckets || len(points) != 9 {
+		t.Fatalf("%d label writes, superblock seen %v, metadata copy seen %v, bucket copy seen %v, %d crash points: the test misses steps", labels, sbSeen, inMeta, inBuckets, len(points))
+	}
+	r.set.crashStop()
+	for i, p := range points {
+		t.Run(fmt.Sprintf("%d", i), func(t *testing.T) {
+			r.t = t
+			a, nb := newMember(p.devs[0]), newMember(p.devs[1])
+			r.specs = []BackingSpec{{Name: "a", Dev: p.devs[2]}}
+			switch {
+			case i <= 1: // no FeatureMirror: a set on one device
+				r.open(a, nil, false)
+				if st := r.set.Stats().Mirror; st != nil {
+					t.Fatalf("%s: opened A alone: mirror %+v, want a set on one device", p.name, st)
+				}
+				r.verify(want)
+				r.set.crashStop()
+				if _, err := Open(a, r.specs, OpenOptions{Mirror: nb}); err == nil {
+					t.Fatalf("%s: opened with a mirror that was never attached", p.name)
+				} else {
+					t.Logf("%s: A with B: %v", p.name, err)
+				}
+			case i == 2: // FeatureMirror durable, B not labelled yet
+				if _, err := Open(a, r.specs, OpenOptions{Mirror: nb}); err == nil || !strings.Contains(err.Error(), "no mirror label") {
+					t.Fatalf("%s: opened on both: %v, want a refusal of the unlabelled B", p.name, err)
+				}
+				r.open(a, nil, false)
+				if st := r.set.Stats().Mirror; st == nil || !st.Degraded || st.Failed != "B" {
+					t.Fatalf("%s: opened A alone: mirror %+v, want degraded, B failed", p.name, st)
+				}
+				r.verify(want)
+				r.set.crashStop()
+			default:
+				trusted := i == len(points)-1
+				r.open(a, nb, false)
+				st := r.set.Stats().Mirror
+				if st == nil || st.Degraded == trusted || (!trusted && st.Failed != "B") {
+					t.Fatalf("%s: opened on both: mirror %+v, want B trusted: %v", p.name, st, trusted)
+				}
+				r.verify(want)
+				if trusted {
+					a.pulled.Store(true)
+					r.verify(want)
+				}
+				r.set.crashStop()
+				s, err := Open(nil, r.specs, OpenOptions{Mirror: nb, MirrorMissing: true})
+				if trusted != (err == nil) {
+					t.Fatalf("%s: B alone: open error %v, want an error: %v", p.name, err, !trusted)
+				}
+				if err == nil {
+					s.crashStop()
+				} else {
+					t.Logf("%s: B alone: %v", p.name, err)
+				}
+			}
+		})
+	}
+}
+
+// TestAttachMirrorRefusals: an attach refuses, before it changes anything
+// (the set stays on one device, A carries no label), a mirror device too
+// small, the cache device itself and a device holding data (taken with
+// Force).
+func TestAttachMirrorRefusals(t *testing.T) {
+	ctx := context.Background()
+	r := newSingleRig(t, 16, 64<<10, 1024)
+	r.write(1, 1)
+	refused := func(dev device.Device, force bool, want string) {
+		t.Helper()
+		_, err := r.set.ReplaceMirrorMember(ctx, dev, ResilverOptions{Force: force})
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Fatalf("attach: %v; want a refusal saying %q", err, want)
+		}
+		if st := r.set.Stats().Mirror; st != nil {
+			t.Fatalf("after a refusal: mirror %+v", st)
+		}
+		if _, ok, _ := mirror.ReadLabel(r.a.mem); ok {
+			t.Fatal("after a refusal: A carries a mirror label")
+		}
+		t.Logf("refused: %v", err)
+	}
+	refused(r.newB(2), false, "at least")
+	refused(r.set.dev.get(), false, "cache device itself")
+	junk := r.newB(8)
+	if _, err := junk.WriteAt([]byte{0xab}, 8192); err != nil {
+		t.Fatal(err)
+	}
+	refused(junk, false, "force to overwrite")
+	if _, err := r.set.ReplaceMirrorMember(ctx, junk, ResilverOptions{Force: true}); err != nil {
+		t.Fatalf("forced over a device holding data: %v", err)
+	}
+	if st := r.set.Stats().Mirror; st == nil || st.Degraded {
+		t.Fatalf("after the forced attach: %+v", st)
+	}
+	r.a.pulled.Store(true)
+	r.verify(map[uint64]uint64{1: 1})
+}
