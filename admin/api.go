@@ -14,7 +14,7 @@
 //	POST /v1/attach                   add a backing device as a new volume and export: AttachRequest -> ExportInfo
 //	POST /v1/check                    verify index and every cached block; streams Progress
 //	POST /v1/lost-writes/ack          acknowledge failovers' lost writes: LostWritesAck -> LostWritesReply
-//	POST /v1/mirror/replace           resilver a new device as a degraded mirror's failed member: ReplaceRequest; streams Progress
+//	POST /v1/mirror/replace           resilver a new device as a degraded mirror's failed member, or attach it as the mirror of a set on one device: ReplaceRequest; streams Progress
 //	POST /v1/mirror/resilver-rate     change the running resilver's rate limit: ResilverRate
 //	GET  /metrics                     Prometheus text exposition
 //
@@ -94,7 +94,9 @@ type MirrorInfo struct {
 // ResilverInfo is the progress of a resilver ('tiercache replace'): the
 // member being brought in and the bytes copied of those to copy.
 type ResilverInfo struct {
-	Member     string  `json:"member"`
+	Member string `json:"member"`
+	// Path is the device being brought in (as the replace named it).
+	Path       string  `json:"path,omitempty"`
 	Done       int64   `json:"done"`
 	Total      int64   `json:"total"`
 	ETASeconds float64 `json:"eta_seconds,omitempty"`
@@ -103,7 +105,8 @@ type ResilverInfo struct {
 }
 
 // ReplaceRequest is the body of POST /v1/mirror/replace: the device that
-// replaces the failed member of the degraded mirrored set. Force accepts
+// replaces the failed member of the degraded mirrored set, or, for a set
+// on one cache device, that is attached as its mirror (member B). Force accepts
 // a device that holds data or another set's mirror label. Rate limits the
 // copy to that many bytes a second (0: no limit).
 type ReplaceRequest struct {

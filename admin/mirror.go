@@ -17,11 +17,17 @@ func (s *Server) memberPaths() [2]string {
 	return s.mu.paths
 }
 
-func resilverInfo(p *cache.ResilverProgress) *ResilverInfo {
+func (s *Server) resilveringPath() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.mu.resilvering
+}
+
+func resilverInfo(p *cache.ResilverProgress, path string) *ResilverInfo {
 	if p == nil {
 		return nil
 	}
-	return &ResilverInfo{Member: p.Member, Done: p.Done, Total: p.Total, ETASeconds: p.ETA.Seconds(), Rate: p.Rate}
+	return &ResilverInfo{Member: p.Member, Path: path, Done: p.Done, Total: p.Total, ETASeconds: p.ETA.Seconds(), Rate: p.Rate}
 }
 
 func (s *Server) handleResilverRate(w http.ResponseWriter, r *http.Request) {
@@ -63,13 +69,31 @@ func (s *Server) handleReplace(w http.ResponseWriter, r *http.Request) {
 		writeError(w, http.StatusBadRequest, "", fmt.Sprintf("replace: a rate of %d bytes a second: give a positive rate, or 0 for no limit", req.Rate))
 		return
 	}
+	attach := s.cfg.Set.Stats().Mirror == nil
 	for i, p := range s.memberPaths() {
-		if p != "" && p == req.Path {
+		switch {
+		case p != "" && p == req.Path && attach:
+			writeError(w, http.StatusConflict, "", fmt.Sprintf("%s is the set's cache device: give a second device for the mirror", req.Path))
+			return
+		case p != "" && p == req.Path:
 			writeError(w, http.StatusConflict, "", fmt.Sprintf("%s is member %c of the set already: give the new device that replaces the failed member", req.Path, 'A'+i))
 			return
 		}
 	}
 	// A second replace is refused by the mirror (one resilver at a time).
+	s.mu.Lock()
+	mine := s.mu.resilvering == ""
+	if mine {
+		s.mu.resilvering = req.Path
+	}
+	s.mu.Unlock()
+	if mine {
+		defer func() {
+			s.mu.Lock()
+			s.mu.resilvering = ""
+			s.mu.Unlock()
+		}()
+	}
 	st := newStreamer(w)
 	var last cache.ResilverProgress
 	member, path, err := s.cfg.ReplaceMember(r.Context(), req, func(p cache.ResilverProgress) {
@@ -98,6 +122,9 @@ func (s *Server) handleReplace(w http.ResponseWriter, r *http.Request) {
 	s.mu.paths[i] = path
 	s.mu.Unlock()
 	final.Message = fmt.Sprintf("member %s is now %s: the mirror is in sync again", member, path)
+	if attach {
+		final.Message = fmt.Sprintf("%s is attached as the mirror (member B): the metadata and dirty data are on both devices now", path)
+	}
 	s.log.Info("replace", "member", member, "path", path)
 	st.send(final, true)
 }

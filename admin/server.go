@@ -110,6 +110,8 @@ type Server struct {
 		// paths of the mirrored set's members A (the cache device) and
 		// B (cfg.CachePath, cfg.MirrorPath until a replace)
 		paths [2]string
+		// resilvering: the path of the device a replace running brings in
+		resilvering string
 	}
 }
 
@@ -399,7 +401,10 @@ func (s *Server) status() Status {
 			if m.Degraded {
 				mi.State, st.Set.State = "degraded", "degraded"
 			}
-			mi.Resilver = resilverInfo(m.Resilver)
+			mi.Resilver = resilverInfo(m.Resilver, s.resilveringPath())
+			if mi.Path == "" && mi.Resilver != nil && mi.Resilver.Member == "B" {
+				mi.Path = mi.Resilver.Path // an attach running
+			}
 			st.Set.Mirror = mi
 		}
 		if ss.Failed {

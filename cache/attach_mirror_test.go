@@ -38,8 +38,9 @@ func (r *mirrorRig) newB(slots int64) *member {
 
 // TestAttachMirrorUnderWrites: a set on one cache device takes a mirror
 // while a writer keeps writing (dirty data in writeback mode, some
-// flushed); status says DEGRADED (B failed, resilvering) during the copy
-// and redundant after it; then A is pulled and every block reads back
+// flushed); status says DEGRADED (B failed, resilvering) during the copy,
+// without the full-speed writeback of a degraded set, and redundant after
+// it; then A is pulled and every block reads back
 // from B alone, in the running set and after reopening B alone.
 func TestAttachMirrorUnderWrites(t *testing.T) {
 	r := newSingleRig(t, 32, 64<<10, 2048)
@@ -108,6 +109,9 @@ func TestAttachMirrorUnderWrites(t *testing.T) {
 	got, err := r.set.ReplaceMirrorMember(context.Background(), b, ResilverOptions{Progress: func(p ResilverProgress) {
 		progress = append(progress, p)
 		during = append(during, r.set.Stats().Mirror)
+		if r.set.mirrorDegraded() {
+			t.Error("writeback runs at the full speed of a degraded set during an attach")
+		}
 		<-wrote // writes interleave with every step of the copy
 	}})
 	close(stop)

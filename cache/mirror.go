@@ -88,7 +88,19 @@ func (layoutSized) Size() int64 { return 1 << 62 }
 // mirrorDegraded reports whether the set is mirrored and runs on one
 // member: its dirty data has one copy, so writeback runs at full speed
 // to shrink what a second failure would lose (wbRate).
-func (s *Set) mirrorDegraded() bool { return s.mir() != nil && !s.mir().Redundant() }
+// An attach running is not degraded in this sense: the dirty data had one
+// copy before it, and the attach is what makes a second.
+func (s *Set) mirrorDegraded() bool {
+	m := s.mir()
+	return m != nil && !m.Redundant() && !s.attaching.Load()
+}
+
+// MirrorUses reports whether dev is a member device of the set's mirror
+// (the caller must keep it open while the set is).
+func (s *Set) MirrorUses(dev device.Device) bool {
+	m := s.mir()
+	return m != nil && (m.Device(mirror.A) == dev || m.Device(mirror.B) == dev)
+}
 
 // mirrorWatch has a member failure wake every volume's writeback loop, so
 // that the full speed of a degraded set starts at once rather than at the

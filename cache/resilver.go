@@ -86,6 +86,8 @@ func (s *Set) ReplaceMirrorMember(ctx context.Context, dev device.Device, opts R
 		return "", fmt.Errorf("replace: the cache set has failed over: %w", err)
 	}
 	if s.mir() == nil {
+		s.attaching.Store(true)
+		defer s.attaching.Store(false)
 		if err := s.attachMirror(dev, opts.Force); err != nil {
 			if errors.Is(err, mirror.ErrRefused) {
 				return "", fmt.Errorf("%w: attach-mirror: %v", ErrInvalid, err)

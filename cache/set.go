@@ -27,9 +27,12 @@ type Set struct {
 	// nil; it becomes non-nil once, by an attach of a mirror while the set
 	// serves (s.mir()).
 	mirp atomic.Pointer[mirror.Mirror]
-	// attachMu serializes attaches of a mirror (resilver.go).
-	attachMu sync.Mutex
-	lay      *Superblock // layout; immutable after Open (modes live in sb)
+	// attachMu serializes attaches of a mirror; attaching is set while
+	// one runs, from the mirror's attach to the end of its resilver
+	// (resilver.go).
+	attachMu  sync.Mutex
+	attaching atomic.Bool
+	lay       *Superblock // layout; immutable after Open (modes live in sb)
 	// pg is the page store of a paged set (FeaturePagedIndex; nil
 	// otherwise), guarded by commitMu (pagedckpt.go).
 	pg    *pagedIndex

@@ -27,10 +27,17 @@ func (h *openedSet) replaceMember(ctx context.Context, req admin.ReplaceRequest,
 		return "", "", fmt.Errorf("new mirror member: %w", err)
 	}
 	member, err := h.set.ReplaceMirrorMember(ctx, dev, cache.ResilverOptions{Force: req.Force, Progress: fn, Rate: req.Rate})
+	if !h.set.MirrorUses(dev) {
+		// Refused before the mirror took it (or the resilver put it
+		// aside): free for a retry (with --force, say) at once.
+		dev.Close()
+		release()
+		return member, req.Path, err
+	}
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	// Closed only when the server stops: on an error the mirror may
-	// still hold it as the failed member's device.
+	// Closed only when the server stops: the mirror holds it as a member
+	// (on an error, as the failed member's device).
 	h.replaced = append(h.replaced, func() { dev.Close(); release() })
 	return member, req.Path, err
 }
@@ -41,7 +48,7 @@ func newReplaceCmd(g *globals) *cobra.Command {
 	cmd := &cobra.Command{
 		Use:     "replace [DEVICE]",
 		Aliases: []string{"attach-mirror"},
-		Short:   "Bring a new device into a degraded mirrored cache set as its failed member, while it serves",
+		Short:   "Bring a new device into a degraded mirrored cache set as its failed member, or attach a mirror to a set on one device, while it serves",
 		Long: `Resilver DEVICE into the running server's mirrored cache set as the member
 that failed (status says which: DEGRADED, member A or B failed), with a
 progress bar and ETA. The set keeps serving: every write goes to both the
@@ -49,13 +56,20 @@ survivor and DEVICE while the metadata and the buckets that need a copy
 (for a new B: those holding dirty data; for a new A: what B holds) are
 copied. When it ends the set is redundant again.
 
-A crash or a stop at any point leaves the set degraded on the survivor,
-with DEVICE marked not in sync (it is not trusted): run replace again.
+On a set on one cache device (attach-mirror) DEVICE becomes its mirror,
+member B: the set turns into a mirrored set whose B has failed (status:
+DEGRADED, member B being resilvered) and B is resilvered as above. From
+then on the set is mirrored: restart the server with --cache-mirror DEVICE.
 
-Refused: a set that is not mirrored or not degraded, a DEVICE too small
-for the member (B needs the metadata region and the buckets holding dirty
-data; A the set's whole layout), the survivor itself, and, unless
---force, a DEVICE that holds data or another set's mirror label.
+A crash or a stop at any point leaves the set degraded on the survivor,
+with DEVICE marked not in sync (it is not trusted): run replace again. An
+attach stopped before its first step was durable leaves the set on one
+device.
+
+Refused: a mirrored set that is not degraded, a DEVICE too small for the
+member (B needs the metadata region and the buckets holding dirty data; A
+the set's whole layout), the survivor (or the cache device) itself, and,
+unless --force, a DEVICE that holds data or another set's mirror label.
 
 --rate limits the copy (bytes a second); without DEVICE it changes the
 limit of the replace running.`,
@@ -89,12 +103,12 @@ limit of the replace running.`,
 				return nil
 			}
 			start := time.Now()
-			pl := newProgressLine(g.stderr, "replace", human)
+			pl := newProgressLine(g.stderr, cmd.CalledAs(), human)
 			pl.quiet = asJSON
 			fin, err := s.c.Replace(ctx, admin.ReplaceRequest{Path: args[0], Force: force, Rate: bps}, pl.update)
 			pl.done()
 			if err != nil {
-				return fmt.Errorf("replace: %w", g.apiErr(err))
+				return fmt.Errorf("%s: %w", cmd.CalledAs(), g.apiErr(err))
 			}
 			if asJSON {
 				return writeServerJSON(g.stdout, s.id, fin)

@@ -82,6 +82,9 @@ func printStatus(out io.Writer, s *session) error {
 				failed, survivor = "A, the cache device", "the mirror device"
 			}
 			state = fmt.Sprintf("DEGRADED: member %s failed; serving in writeback on %s alone, whose failure would fail the set over (replace the failed device)", failed, survivor)
+			if rs := c.Mirror.Resilver; rs != nil && rs.Member == c.Mirror.Failed {
+				state = fmt.Sprintf("DEGRADED: member %s, is being resilvered (not in sync yet); serving on %s alone until the copy ends", failed, survivor)
+			}
 		default:
 			state = strings.ToUpper(c.State) + ": " + c.FailCause + " (every export is served from its backing device)"
 		}
@@ -92,7 +95,11 @@ func printStatus(out io.Writer, s *session) error {
 			if rs.Rate > 0 {
 				limit = ", limited to " + human(rs.Rate) + "/s"
 			}
-			fmt.Fprintf(w, "resilver\tmember %s: %s of %s copied (%.0f%%)%s, ETA %s\n", rs.Member, human(rs.Done), human(rs.Total), 100*float64(rs.Done)/float64(rs.Total), limit, humanDur(rs.ETASeconds))
+			who := rs.Member
+			if rs.Path != "" {
+				who += " (" + rs.Path + ")"
+			}
+			fmt.Fprintf(w, "resilver\tmember %s: %s of %s copied (%.0f%%)%s, ETA %s\n", who, human(rs.Done), human(rs.Total), 100*float64(rs.Done)/float64(rs.Total), limit, humanDur(rs.ETASeconds))
 		}
 		for _, l := range c.LostWrites {
 			fmt.Fprintf(w, "LOST WRITES\t%s\n", l)

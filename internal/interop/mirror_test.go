@@ -277,3 +277,128 @@ func mirrorReplace(t *testing.T, lost string) {
 	verify("after SIGKILL, restarted on both, the old survivor stale")
 	backDisk.set(t, backDisk.writeT, false) // the server's cleanup stops it
 }
+
+// TestAttachMirrorThroughBinary formats a cache set on one device, writes
+// flushed data that stays dirty (the backing device refuses writes), then
+// runs `tiercache attach-mirror` on the live server while fio keeps
+// writing: status shows the set DEGRADED with member B being resilvered
+// (progress, the device's path) and then mirrored. After SIGKILL during
+// unflushed writes the server restarts on the new mirror alone and every
+// flushed block verifies (B holds all the dirty data and metadata); after
+// another SIGKILL, on both, the cache device is stale (B served alone
+// since) and not used.
+func TestAttachMirrorThroughBinary(t *testing.T) {
+	need(t, "fio", "qemu-io")
+	t.Parallel() // self-contained: its own files, sockets and processes
+	backDisk := newFaultyDisk(t, 64*mib, false)
+	dir := t.TempDir()
+	a, b := sparseFile(t, dir, "a.img", 48*mib), sparseFile(t, dir, "b.img", 20*mib)
+	run(t, time.Minute, bin, "format", "--cache", a, "--backing", "a="+backDisk.path, "--bucket-size", "256K", "--mode", "writeback", "--trust-path")
+	backDisk.set(t, backDisk.writeT, true)
+	dd := filepath.Join(dir, "data")
+	s := startServer(t, "--cache", a, "--data-dir", dd)
+	// Every region stays dirty: at most 7 MiB and 2 MiB of noise, within
+	// the ~70 slots of B.
+	const regionSize = 1 * mib
+	const maxRegions = 6
+	region := func(i int, extra ...string) []string {
+		return append([]string{
+			"--name=flushed", "--ioengine=nbd", "--uri=" + s.uri("a"),
+			"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=8",
+			fmt.Sprintf("--offset=%d", int64(i)*regionSize), fmt.Sprintf("--size=%d", regionSize), fmt.Sprintf("--randseed=%d", 2000+i),
+			"--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json",
+		}, extra...)
+	}
+	regions := 0
+	write := func() {
+		t.Helper()
+		checkFio(t, run(t, 5*time.Minute, "fio", region(regions, "--do_verify=0", "--fsync=16", "--end_fsync=1")...))
+		run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "flush", s.uri("a"))
+		regions++
+	}
+	verify := func(how string) {
+		t.Helper()
+		for j := range regions {
+			out, err := runErr(5*time.Minute, "fio", region(j, "--verify_only=1")...)
+			if err != nil {
+				t.Fatalf("%s: flushed fio region %d of %d does not verify: %v\n%s\nserver log:\n%s", how, j, regions, err, out, s.log)
+			}
+			checkFio(t, out)
+		}
+	}
+	status := func() string { return run(t, time.Minute, bin, "status", "--data-dir", dd) }
+
+	write()
+	if st := status(); strings.Contains(st, "mirror device") || strings.Contains(st, "DEGRADED") {
+		t.Fatalf("status of a set on one device:\n%s", st)
+	}
+	acmd, aout, adone := background(t, bin, "attach-mirror", "--data-dir", dd, "--rate", "512K", b)
+	defer acmd.Process.Kill()
+	var running string
+	for deadline := time.Now().Add(time.Minute); running == ""; {
+		select {
+		case err := <-adone:
+			t.Fatalf("attach-mirror ended before status showed it running: %v\n%s\nserver log:\n%s", err, aout, s.log)
+		default:
+		}
+		if st := status(); regexp.MustCompile(`(?m)^resilver\s+member B \(` + regexp.QuoteMeta(b) + `\): .* copied`).MatchString(st) {
+			running = st
+		} else if time.Now().After(deadline) {
+			t.Fatalf("status never showed the attach's resilver:\n%s", st)
+		}
+	}
+	t.Logf("status during the attach:\n%s", running)
+	if !strings.Contains(running, "DEGRADED: member B, the mirror device, is being resilvered") {
+		t.Fatalf("status during the attach does not say DEGRADED, B being resilvered:\n%s", running)
+	}
+	during := 0
+	var aerr error
+	for attached := false; !attached; {
+		write()
+		during++
+		select {
+		case aerr = <-adone:
+			attached = true
+		default:
+			if regions == maxRegions {
+				aerr, attached = <-adone, true
+			}
+		}
+	}
+	if aerr != nil || !strings.Contains(aout.String(), "is attached as the mirror") {
+		t.Fatalf("attach-mirror: %v\n%s\nserver log:\n%s", aerr, aout, s.log)
+	}
+	t.Logf("%d fio regions written during the attach: %s", during, strings.TrimSpace(aout.String()))
+	st := status()
+	if strings.Contains(st, "DEGRADED") || regexp.MustCompile(`(?m)^resilver\s`).MatchString(st) || !regexp.MustCompile(`(?m)^mirror device\s+`+regexp.QuoteMeta(b)).MatchString(st) {
+		t.Fatalf("status after the attach:\n%s", st)
+	}
+	t.Logf("status after the attach:\n%s", st)
+	write() // mirrored
+	if !strings.Contains(status(), "dirty") || strings.Contains(status(), " 0 B dirty") {
+		t.Fatalf("no dirty data: the test would prove nothing\n%s", status())
+	}
+
+	kill := func() {
+		t.Helper()
+		noise, _, ndone := background(t, "fio", "--thread", "--name=noise", "--ioengine=nbd", "--uri="+s.uri("a"),
+			"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", fmt.Sprintf("--offset=%d", int64(maxRegions+1)*regionSize),
+			fmt.Sprintf("--size=%d", 2*mib), "--time_based", "--runtime=60s")
+		time.Sleep(500 * time.Millisecond)
+		s.cmd.Process.Signal(syscall.SIGKILL)
+		<-s.done
+		s.waited = nil
+		noise.Process.Kill()
+		<-ndone
+	}
+	kill()
+	s = startServer(t, "--cache", b, "--mirror-missing", "--data-dir", dd)
+	verify("after SIGKILL, restarted on the attached mirror alone")
+	kill()
+	s = startServer(t, "--cache", a, "--cache-mirror", b, "--data-dir", dd)
+	if st := status(); !strings.Contains(st, "DEGRADED: member A") {
+		t.Fatalf("status after the restart on both, B having served alone: the stale A is used:\n%s", st)
+	}
+	verify("after SIGKILL, restarted on both, A stale")
+	backDisk.set(t, backDisk.writeT, false) // the server's cleanup stops it
+}
