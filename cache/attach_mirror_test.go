@@ -165,12 +165,14 @@ func TestAttachMirrorUnderWrites(t *testing.T) {
 // nothing flushed is lost. Until FeatureMirror is durable the set opens
 // on A as a set on one device (A's label ignored); then as a mirror
 // degraded on A, B refused alone (not trusted) until its in-sync label is
-// durable; after the end on both, and on B alone.
+// durable; after the end on both, and on B alone with every block.
 func TestAttachMirrorCrash(t *testing.T) {
 	r := newSingleRig(t, 16, 64<<10, 1024)
 	rng := rand.New(rand.NewPCG(23, 1))
 	want := map[uint64]uint64{}
 	id := uint64(0)
+	// More blocks than the cache holds: buckets are written back,
+	// evicted and reused while the attach runs.
 	for range 300 {
 		id++
 		lba := rng.Uint64N(1024)
@@ -185,7 +187,7 @@ func TestAttachMirrorCrash(t *testing.T) {
 		devs []*device.Mem // A, B, backing
 	}
 	var points []point
-	b := r.newB(12)
+	b := r.newB(16) // one slot per bucket: no attach refused for too few
 	labels, sbSeen, inMeta, inBuckets := 0, false, false, false
 	bucketsOff := r.set.lay.BucketsOff
 	clone := func(name string) {
@@ -262,6 +264,17 @@ func TestAttachMirrorCrash(t *testing.T) {
 				r.set.crashStop()
 			default:
 				trusted := i == len(points)-1
+				if trusted {
+					// B alone first (a copy of the point): opened on
+					// both, B would be resynced from A.
+					c := device.CrashCloneAll(device.CrashConfig{UnsyncedKeep: 1}, p.devs...)
+					specs := r.specs
+					r.specs = []BackingSpec{{Name: "a", Dev: c[2]}}
+					r.open(nil, newMember(c[1]), true)
+					r.verify(want)
+					r.set.crashStop()
+					r.specs = specs
+				}
 				r.open(a, nb, false)
 				st := r.set.Stats().Mirror
 				if st == nil || st.Degraded == trusted || (!trusted && st.Failed != "B") {
@@ -278,6 +291,9 @@ func TestAttachMirrorCrash(t *testing.T) {
 					t.Fatalf("%s: B alone: open error %v, want an error: %v", p.name, err, !trusted)
 				}
 				if err == nil {
+					r.set = s
+					r.vol, _ = s.Volume("a")
+					r.verify(want)
 					s.crashStop()
 				} else {
 					t.Logf("%s: B alone: %v", p.name, err)

@@ -219,9 +219,11 @@ func (s *Set) mirrorLoadLocked() error {
 // (verify) the members agree on what was synced, but the journal replayed
 // from A may hold dirty inserts whose data reached A and not B before the
 // crash: each dirty entry is checked on B by checksum and copied from A
-// where B's copy differs. A bucket with dirty data and no slot (which
-// only a damaged slot header leaves) is mapped and its dirty blocks
-// copied in any case. It returns the blocks copied. With one member live
+// where B's copy differs. A bucket with dirty data and no slot (a damaged
+// slot header, or a slot reused just before the crash whose new header
+// was not durable: the old one names a bucket with nothing dirty left) is
+// mapped, taking the slot of a bucket with nothing dirty when none is
+// free, and its dirty blocks copied in any case. It returns the blocks copied. With one member live
 // there is nothing to resync.
 func (s *Set) mirrorResync(verify bool) (int, error) {
 	m := s.mir()
@@ -247,6 +249,26 @@ func (s *Set) mirrorResync(verify bool) (int, error) {
 			return true
 		})
 	}
+	need := map[int64]bool{} // buckets holding dirty or superseded blocks
+	for _, b := range blks {
+		need[int64(b.loc)/s.bpb] = true
+	}
+	// release frees the slot of a mapped bucket that holds no dirty or
+	// superseded block: a slot header left from before the crash (the
+	// header of the bucket that reused the slot was not durable yet).
+	release := func() bool {
+		victim := int64(-1)
+		m.MappedBuckets(func(b int64) {
+			if victim < 0 && !need[b] {
+				victim = b
+			}
+		})
+		if victim < 0 {
+			return false
+		}
+		m.Release(victim)
+		return true
+	}
 	unmapped := map[int64]bool{}
 	for i := range blks {
 		b := &blks[i]
@@ -258,7 +280,9 @@ func (s *Set) mirrorResync(verify bool) (int, error) {
 		unmapped[bi], b.check = true, true
 		if !m.Map(bi, s.mu.Buckets[bi].Gen, 0) {
 			s.mirrorReclaimLocked()
-			if !m.Map(bi, s.mu.Buckets[bi].Gen, 0) {
+			for !m.Map(bi, s.mu.Buckets[bi].Gen, 0) && release() {
+			}
+			if !m.Mapped(bi) {
 				s.mu.Unlock()
 				return 0, fmt.Errorf("mirror: no slot on B for bucket %d's dirty data (B too small for the dirty data recovered)", bi)
 			}

@@ -211,11 +211,28 @@ func (s *Set) resilver(ctx context.Context, r mirror.Member, opts ResilverOption
 
 // mirrorMapDirty maps on B, during a resilver of B, every bucket that may
 // hold dirty data: with dirty or superseded entries, open, or with writes
-// in flight. It returns the buckets it mapped now.
+// in flight. It returns the buckets it mapped now, once the records
+// appended before it looked are durable: a bucket it found clean may have
+// been cleaned by a record not durable yet, and a recovery from B must
+// not find it dirty without a copy there (writes made dirty after it
+// looked go to mapped buckets only: mirrorHolds).
 func (s *Set) mirrorMapDirty() ([]mirror.BucketGen, error) {
-	m := s.mir()
 	s.mu.Lock()
-	defer s.mu.Unlock()
+	seen := s.mu.seq
+	mapped, err := s.mirrorMapDirtyLocked()
+	s.mu.Unlock()
+	if err != nil {
+		return nil, err
+	}
+	if err := s.commitRecords(seen); err != nil {
+		return nil, err
+	}
+	return mapped, nil
+}
+
+// REQUIRES: s.mu
+func (s *Set) mirrorMapDirtyLocked() ([]mirror.BucketGen, error) {
+	m := s.mir()
 	sup := map[int64]bool{}
 	for _, v := range s.vols {
 		v.idx.Sup.Ascend(func(e index.Ent) bool {

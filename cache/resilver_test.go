@@ -242,6 +242,7 @@ func resilverCrash(t *testing.T, lost mirror.Member) {
 	r.set.crashStop()
 	for i, p := range points {
 		t.Run(fmt.Sprintf("%d", i), func(t *testing.T) {
+			r.t = t
 			trusted := i == len(points)-1
 			sv, nm := newMember(p.devs[0]), newMember(p.devs[1])
 			r.specs = []BackingSpec{{Name: "a", Dev: p.devs[2]}}
@@ -263,6 +264,21 @@ func resilverCrash(t *testing.T, lost mirror.Member) {
 				r.verify(want)
 				r.set.crashStop()
 				return
+			}
+			if trusted {
+				// The new member alone first (a copy of the point):
+				// opened on both, it would be resynced from the other.
+				c := device.CrashCloneAll(device.CrashConfig{UnsyncedKeep: 1}, p.devs...)
+				specs := r.specs
+				r.specs = []BackingSpec{{Name: "a", Dev: c[2]}}
+				if lost == mirror.A {
+					r.open(newMember(c[1]), nil, true)
+				} else {
+					r.open(nil, newMember(c[1]), true)
+				}
+				r.verify(want)
+				r.set.crashStop()
+				r.specs = specs
 			}
 			r.open(a, b, false)
 			st := r.set.Stats().Mirror
