@@ -395,6 +395,9 @@ func newSetDev(dev device.Device) *setDev {
 func newSetDevRef(dev device.Device) *setDevRef {
 	r := &setDevRef{Device: dev}
 	r.ar, _ = dev.(device.AsyncReader)
+	if m, ok := dev.(*mirror.Mirror); ok && !m.ReadsAsync() {
+		r.ar = nil // the sync path, rather than a refused start
+	}
 	return r
 }
 

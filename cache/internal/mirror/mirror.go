@@ -155,7 +155,10 @@ type Mirror struct {
 	free      []int32
 }
 
-var _ device.Device = (*Mirror)(nil)
+var (
+	_ device.Device      = (*Mirror)(nil)
+	_ device.AsyncReader = (*Mirror)(nil)
+)
 
 // Assemble decides, from their labels, which of a and b (either may be
 // nil: missing) are current members, and returns a mirror that is not yet
@@ -686,6 +689,39 @@ func (m *Mirror) readExtent(e extent) error {
 	}
 	m.repairs.Add(1)
 	return nil
+}
+
+// ReadsAsync reports whether A's device starts reads asynchronously
+// (StartReadAt can start any).
+func (m *Mirror) ReadsAsync() bool {
+	_, ok := m.d(A).(device.AsyncReader)
+	return ok
+}
+
+// StartReadAt is device.AsyncReader's: a read that A serves is started
+// on A's device when that device reads asynchronously (the bucket region
+// and the metadata region lie at the same offsets on A as on the mirror).
+// An error there is handled as ReadAt handles it (served from B, A
+// repaired or failed), on a goroutine of its own. It returns false, having
+// done nothing, when A is not live or cannot start the read.
+func (m *Mirror) StartReadAt(p []byte, off int64, done func(n int, err error, later func(func()))) bool {
+	if !m.live(A) || device.CheckRange(off, int64(len(p)), m.Size()) != nil {
+		return false
+	}
+	ar, ok := m.d(A).(device.AsyncReader)
+	if !ok {
+		return false
+	}
+	return ar.StartReadAt(p, off, func(n int, err error, later func(func())) {
+		if err == nil {
+			done(n, nil, later)
+			return
+		}
+		go func() {
+			n, err := m.ReadAt(p, off)
+			device.WithLater(func(later func(func())) { done(n, err, later) })
+		}()
+	})
 }
 
 func (m *Mirror) memberOff(r Member, e extent) int64 {
