@@ -251,6 +251,12 @@ func (s *Set) mirrorMapDirtyLocked() ([]mirror.BucketGen, error) {
 	for _, bi := range want {
 		gen := s.mu.Buckets[bi].Gen
 		if m.Mapped(bi) {
+			// A bucket open before the resilver began, mapped since
+			// from its fill then (mirrorRetryLocked): its blocks
+			// before that may be dirty.
+			if m.CoverAll(bi, gen) {
+				mapped = append(mapped, mirror.BucketGen{Bucket: bi, Gen: gen})
+			}
 			continue
 		}
 		if !m.Map(bi, gen, 0) {

@@ -106,6 +106,8 @@ type slot struct {
 	// nil until the first write into the slot starts writing it.
 	hdr    chan struct{}
 	hdrErr error
+	// rehdr: the header on B names a later from than the slot's (CoverAll)
+	rehdr bool
 }
 
 // Stats are the mirror's counters.
@@ -426,6 +428,23 @@ func (m *Mirror) Map(bucket int64, gen uint32, from uint32) bool {
 	return true
 }
 
+// CoverAll makes the slot of bucket (mapped at generation gen) cover the
+// whole bucket, from its first block (its header is written again by the
+// resilver's copy of the bucket, CopyBuckets). It reports whether the slot covered less before.
+// For a resilver, which copies the whole bucket after.
+func (m *Mirror) CoverAll(bucket int64, gen uint32) bool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	j := m.slotOf[bucket]
+	if j < 0 || m.slots[j].gen != gen || m.slots[j].from == 0 {
+		return false
+	}
+	// A header written (or being written) says the old from: the copy
+	// writes it again, with no write in flight (rewriteHeader).
+	m.slots[j].from, m.slots[j].rehdr = 0, m.slots[j].hdr != nil
+	return true
+}
+
 // Mapped reports whether bucket has a slot on B.
 func (m *Mirror) Mapped(bucket int64) bool {
 	m.mu.Lock()
@@ -628,6 +647,29 @@ func (m *Mirror) slotHeader(j int32) error {
 		m.mu.Unlock()
 		return err
 	}
+	ch := make(chan struct{})
+	sl.hdr = ch
+	h := slotHdr{nonce: m.lay.Nonce, bucket: uint64(sl.bucket), gen: sl.gen, from: sl.from}
+	m.mu.Unlock()
+	_, err := m.d(B).WriteAt(h.encode(), m.slotOff(j))
+	m.mu.Lock()
+	m.slots[j].hdrErr = err
+	m.mu.Unlock()
+	close(ch)
+	return err
+}
+
+// rewriteHeader writes slot j's header again if CoverAll changed it, else
+// is slotHeader. REQUIRES: copyMu's write side (no write in flight, none
+// writing the old header).
+func (m *Mirror) rewriteHeader(j int32) error {
+	m.mu.Lock()
+	sl := &m.slots[j]
+	if !sl.rehdr {
+		m.mu.Unlock()
+		return m.slotHeader(j)
+	}
+	sl.rehdr = false
 	ch := make(chan struct{})
 	sl.hdr = ch
 	h := slotHdr{nonce: m.lay.Nonce, bucket: uint64(sl.bucket), gen: sl.gen, from: sl.from}

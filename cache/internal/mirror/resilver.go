@@ -475,7 +475,7 @@ func (m *Mirror) CopyBuckets(ctx context.Context, buckets []BucketGen, progress 
 			if ok {
 				if _, rerr = m.d(o).ReadAt(e.p, m.memberOff(o, e)); rerr == nil {
 					if r == B {
-						hdrErr = m.slotHeader(e.sl)
+						hdrErr = m.rewriteHeader(e.sl)
 					}
 					if hdrErr != nil {
 						m.rsFail(r, hdrErr)
