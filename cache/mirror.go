@@ -380,6 +380,11 @@ type setDev struct {
 type setDevRef struct {
 	device.Device
 	ar device.AsyncReader // nil when the device has no asynchronous reads
+	pl device.Plugger     // nil when the device is none
+	// plugs: Plugs not yet matched by an Unplug; prev: the device this
+	// one replaced (swap), for an Unplug of a Plug made before the swap
+	plugs atomic.Int64
+	prev  *setDevRef
 	// mu: writes hold the read side; swap takes the write side once to
 	// wait for the writes in flight and mark the device retired.
 	mu      sync.RWMutex
@@ -398,7 +403,38 @@ func newSetDevRef(dev device.Device) *setDevRef {
 	if m, ok := dev.(*mirror.Mirror); ok && !m.ReadsAsync() {
 		r.ar = nil // the sync path, rather than a refused start
 	}
+	r.pl, _ = dev.(device.Plugger)
 	return r
+}
+
+// Plug is device.Plugger's, on the device now (none for a mirror).
+func (d *setDev) Plug() {
+	if r := d.cur.Load(); r.pl != nil {
+		r.plugs.Add(1)
+		r.pl.Plug()
+	}
+}
+
+// Unplug matches a Plug: on the oldest device with Plugs outstanding, so
+// that a device swapped out holds back nothing (each device gets as many
+// Unplugs as Plugs, an Unplug of a caller's perhaps before its own Plug's
+// device: early, which a Plugger allows).
+func (d *setDev) Unplug() {
+	for {
+		var oldest *setDevRef
+		for r := d.cur.Load(); r != nil; r = r.prev {
+			if r.plugs.Load() > 0 {
+				oldest = r
+			}
+		}
+		if oldest == nil {
+			return
+		}
+		if n := oldest.plugs.Load(); n > 0 && oldest.plugs.CompareAndSwap(n, n-1) {
+			oldest.pl.Unplug()
+			return
+		}
+	}
 }
 
 var _ device.Device = (*setDev)(nil)
@@ -414,7 +450,9 @@ func (d *setDev) asyncReader() (device.AsyncReader, bool) {
 // swap puts dev in the old device's place, and returns once no write is
 // in flight on the old one.
 func (d *setDev) swap(dev device.Device) {
-	old := d.cur.Swap(newSetDevRef(dev))
+	r := newSetDevRef(dev)
+	r.prev = d.cur.Load()
+	old := d.cur.Swap(r)
 	old.mu.Lock()
 	old.retired = true
 	old.mu.Unlock()

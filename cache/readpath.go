@@ -469,18 +469,10 @@ func (v *Volume) StartReadAt(p []byte, off int64, done func(err error, later fun
 // with several reads at hand starts them all, then Unplug sends them to the
 // device together. Between the two the caller must not wait for one of
 // them.
-func (v *Volume) Plug() {
-	if p, ok := v.s.dev.(device.Plugger); ok {
-		p.Plug()
-	}
-}
+func (v *Volume) Plug() { v.s.dev.Plug() }
 
 // Unplug ends a Plug.
-func (v *Volume) Unplug() {
-	if p, ok := v.s.dev.(device.Plugger); ok {
-		p.Unplug()
-	}
-}
+func (v *Volume) Unplug() { v.s.dev.Unplug() }
 
 // finishHit completes a read StartReadAt started, whose device read ended
 // with readErr: it verifies and releases here when the read succeeded,
