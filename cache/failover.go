@@ -389,8 +389,10 @@ func (v *Volume) readFailed(buf []byte, lba uint64, n int) error {
 		return !found
 	})
 	var fe *index.FaultError
+	cause := s.err()
 	if err := v.idx.Tree.TakeFault(); errors.As(err, &fe) && !found {
 		bad, found = index.Ent{LBA: max(lba, fe.Lo)}, true
+		cause = fmt.Errorf("%w; %w", cause, fe) // this leaf's error, which may not be the failover's
 	}
 	logIt := false
 	if found && time.Since(v.fo.lastLog) > time.Second {
@@ -400,7 +402,7 @@ func (v *Volume) readFailed(buf []byte, lba uint64, n int) error {
 	if found {
 		v.st.unreachableReads.Add(1)
 		err := fmt.Errorf("volume %s: reading %d bytes at %d: block at %d: %w (%w)", v.name, n*blockSize,
-			int64(lba)*blockSize, int64(bad.LBA)*blockSize, ErrDirtyUnreachable, s.err())
+			int64(lba)*blockSize, int64(bad.LBA)*blockSize, ErrDirtyUnreachable, cause)
 		if logIt {
 			s.log.Error("read of dirty data on the failed cache device: I/O error to the client (logged at most once a second per volume)",
 				"volume", v.name, "offset", int64(bad.LBA)*blockSize, "unreachable_reads_so_far", v.st.unreachableReads.Load())
