@@ -567,14 +567,23 @@ func settingsMap(st cache.Settings) map[string]string {
 	return out
 }
 
-func (s *Server) handleGetSettings(w http.ResponseWriter, r *http.Request) {
-	name := r.PathValue("name")
+// settingsVolume is the cached volume of the export a settings call names;
+// it writes the refusal, and reports false, for an unknown or plain export.
+func (s *Server) settingsVolume(w http.ResponseWriter, name string) (*cache.Volume, bool) {
 	if _, ok := s.export(w, name); !ok {
-		return
+		return nil, false
 	}
 	v := s.volume(name)
 	if v == nil {
 		writeError(w, http.StatusConflict, "", fmt.Sprintf("export %q is a plain export (no cache): it has no settings", name))
+		return nil, false
+	}
+	return v, true
+}
+
+func (s *Server) handleGetSettings(w http.ResponseWriter, r *http.Request) {
+	v, ok := s.settingsVolume(w, r.PathValue("name"))
+	if !ok {
 		return
 	}
 	writeJSON(w, http.StatusOK, settingsMap(v.Settings()))
@@ -582,12 +591,8 @@ func (s *Server) handleGetSettings(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) handlePutSettings(w http.ResponseWriter, r *http.Request) {
 	name := r.PathValue("name")
-	if _, ok := s.export(w, name); !ok {
-		return
-	}
-	v := s.volume(name)
-	if v == nil {
-		writeError(w, http.StatusConflict, "", fmt.Sprintf("export %q is a plain export (no cache): it has no settings", name))
+	v, ok := s.settingsVolume(w, name)
+	if !ok {
 		return
 	}
 	var req map[string]string

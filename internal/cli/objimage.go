@@ -90,6 +90,17 @@ func (o s3Defaults) location(spec string) (objstore.Location, error) {
 	return l.WithEnv(), nil
 }
 
+// imageLocation is the image an image command's URI argument names, with
+// the command's flags, then the config file, then the environment filling
+// in what the URI does not say.
+func (g *globals) imageLocation(flags s3Defaults, spec string) (objstore.Location, error) {
+	d, err := g.s3Defaults(flags)
+	if err != nil {
+		return objstore.Location{}, err
+	}
+	return d.location(spec)
+}
+
 // objImageSpec is the canonical form of an image URI, recorded as the
 // backing's path (as given, when it does not parse: opening says why).
 func objImageSpec(spec string) string {
@@ -171,11 +182,7 @@ file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE); they are never printed.`,
 		Short: "Create an all-zero image (checks the bucket, credentials and conditional writes first)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			d, err := g.s3Defaults(*flags)
-			if err != nil {
-				return err
-			}
-			l, err := d.location(args[0])
+			l, err := g.imageLocation(*flags, args[0])
 			if err != nil {
 				return err
 			}
@@ -203,11 +210,7 @@ file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE); they are never printed.`,
 		Short: "List the images under a prefix",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			d, err := g.s3Defaults(*flags)
-			if err != nil {
-				return err
-			}
-			l, err := d.location(args[0])
+			l, err := g.imageLocation(*flags, args[0])
 			if err != nil {
 				return err
 			}
@@ -234,11 +237,7 @@ file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE); they are never printed.`,
 		Short: "Describe an image: size, newest complete epoch and when, space, owner",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			d, err := g.s3Defaults(*flags)
-			if err != nil {
-				return err
-			}
-			l, err := d.location(args[0])
+			l, err := g.imageLocation(*flags, args[0])
 			if err != nil {
 				return err
 			}
@@ -278,11 +277,7 @@ file (AWS_SHARED_CREDENTIALS_FILE, AWS_PROFILE); they are never printed.`,
 		Short: "Delete an image and all its objects (refused while a live lease names an owner)",
 		Args:  cobra.ExactArgs(1),
 		RunE: func(cmd *cobra.Command, args []string) error {
-			d, err := g.s3Defaults(*flags)
-			if err != nil {
-				return err
-			}
-			l, err := d.location(args[0])
+			l, err := g.imageLocation(*flags, args[0])
 			if err != nil {
 				return err
 			}
