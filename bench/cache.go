@@ -154,7 +154,7 @@ func cacheMain(args []string) int {
 	fs.StringVar(&o.Workdir, "workdir", "", "directory for images, sockets, logs and fio JSON (default: a new directory under /dev/shm, removed at the end)")
 	fs.BoolVar(&o.Keep, "keep", false, "keep the temporary workdir")
 	fs.StringVar(&o.Out, "out", "", "report directory (default: bench/out/cache in the module)")
-	fs.BoolVar(&o.Publish, "publish", false, "copy CACHE_RESULTS.md, cache-results.json and the charts into docs/bench in the module, replacing the published run (a run of S7-S9 alone: CLIFF_RESULTS.md, cliff-*, beside the whole suite's)")
+	fs.BoolVar(&o.Publish, "publish", false, "copy CACHE_RESULTS.md, cache-results.json, bars.png and the charts of the scenarios run into docs/bench in the module (a run of S7-S9 alone: CLIFF_RESULTS.md, cliff-*, beside the whole suite's report)")
 	fs.StringVar(&o.Tiercache, "tiercache", "", "use this tiercache binary instead of building ./cmd/tiercache")
 	fs.StringVar(&o.Rev, "tiercache-rev", "", "with --tiercache: the commit the binary was built from, for the report")
 	fs.StringVar(&only, "only", "", "comma-separated scenarios to run (S1..S10), in this order; default all")
@@ -415,15 +415,8 @@ func RunCache(ctx context.Context, o CacheOptions, stdout io.Writer) (err error)
 			return fmt.Errorf("--publish: %w", rootErr)
 		}
 		dst := filepath.Join(root, "docs", "bench")
-		if err := publishFiles(o.Out, dst, c.names.files()); err != nil {
+		if err := publishRun(o.Out, dst, c.names, scen); err != nil {
 			return err
-		}
-		if !c.names.cliff {
-			// This run's report holds whatever it ran of S7-S9: a separate
-			// S7-S9 run published earlier is no longer the latest.
-			if err := removeFiles(dst, reportSet{cliff: true}.files()); err != nil {
-				return err
-			}
 		}
 		fmt.Fprintf(stdout, "tcbench cache: published to %s\n", dst)
 	}

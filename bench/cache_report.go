@@ -66,15 +66,38 @@ func (r reportSet) chart(name string) string {
 	return name
 }
 
-// files are every file of the set, for publishing.
+// files are every file of the set.
 func (r reportSet) files() []string {
 	fs := []string{r.md(), r.json()}
 	for _, c := range cacheCharts {
-		if !r.cliff || c == "bars.png" || slices.Contains(cliffScenarios, strings.ToUpper(strings.TrimSuffix(c, ".png"))) {
+		if !r.cliff || c == "bars.png" || slices.Contains(cliffScenarios, chartScenario(c)) {
 			fs = append(fs, r.chart(c))
 		}
 	}
 	return fs
+}
+
+// ranFiles are the files of the set that a run of scen writes: the report,
+// its JSON and bars chart, and the charts of the scenarios in scen.
+func (r reportSet) ranFiles(scen []string) []string {
+	var fs []string
+	for _, f := range r.files() {
+		c := strings.TrimPrefix(f, "cliff-")
+		if s := chartScenario(c); s == "" || slices.Contains(scen, s) {
+			fs = append(fs, f)
+		}
+	}
+	return fs
+}
+
+// chartScenario is the scenario a per-scenario chart (s7.png) draws, or ""
+// for any other file.
+func chartScenario(name string) string {
+	n, ok := strings.CutSuffix(name, ".png")
+	if !ok || !strings.HasPrefix(n, "s") {
+		return ""
+	}
+	return strings.ToUpper(n)
 }
 
 func (c *cacheRunner) chartPath(name string) string {
@@ -533,9 +556,30 @@ func removeFiles(dir string, names []string) error {
 	return nil
 }
 
-// publishFiles copies names from src into dst, replacing the published
-// run: a name src lacks (a scenario left out with --only) is removed from
-// dst, so dst never mixes one run's report with another run's charts.
+// publishRun copies the report of a run of scen in set from src into dst
+// (docs/bench). It replaces only what the run measured: the set's report,
+// JSON and bars chart, and the charts of the scenarios in scen; the charts
+// of scenarios it did not run, and the other set, stay as published. A run
+// of the whole suite's set that ran every one of S7-S9 also removes the
+// S7-S9 set: its own report holds newer figures for all of them.
+func publishRun(src, dst string, set reportSet, scen []string) error {
+	if err := publishFiles(src, dst, set.ranFiles(scen)); err != nil {
+		return err
+	}
+	if set.cliff {
+		return nil
+	}
+	for _, s := range cliffScenarios {
+		if !slices.Contains(scen, s) {
+			return nil
+		}
+	}
+	return removeFiles(dst, reportSet{cliff: true}.files())
+}
+
+// publishFiles copies names from src into dst: a name src lacks (a
+// scenario that ran and drew no chart) is removed from dst, so that no
+// file of an earlier run stands for one this run replaced.
 func publishFiles(src, dst string, names []string) error {
 	if err := os.MkdirAll(dst, 0o755); err != nil {
 		return fmt.Errorf("publish: %w", err)
