@@ -96,27 +96,53 @@ func (z cliffSizes) line() string {
 // suite's tiercache binary or (bin) the --ab one.
 type cliffTarget struct{ name, order, bin string }
 
-var cliffTargets = []cliffTarget{{"HDD model", "", ""}, {"tiercache epoch", "epoch", ""}, {"tiercache lba", "lba", ""}}
+// bare reports whether t is the plain HDD model.
+func (t cliffTarget) bare() bool { return t.order == "" }
 
-// cliffTargets are the round's targets: cliffTargets, and with --ab the
-// second binary in both orders, after the first binary's targets in odd
-// rounds and before them in even ones (the machine's load drifts within
-// a round). The plain HDD model always runs first: its times set the
-// caps.
+var (
+	hddBefore     = cliffTarget{"HDD model", "", ""}
+	hddAfter      = cliffTarget{"HDD model, again", "", ""}
+	tiercacheRuns = []cliffTarget{{"tiercache epoch", "epoch", ""}, {"tiercache lba", "lba", ""}}
+)
+
+// cliffTargets are the round's targets: the plain HDD model, tiercache in
+// each writeback order (with --ab the second binary in both orders too,
+// after the first binary's targets in odd rounds and before them in even
+// ones), and the plain HDD model again. The machine's load drifts within
+// a round by more than the differences measured, so each tiercache run is
+// compared with the mean of the plain runs that bracket it (cliffBase). The
+// first plain run's times set the caps.
 func (c *cacheRunner) cliffTargets() []cliffTarget {
 	if c.abBin == "" {
-		return cliffTargets
+		return slices.Concat([]cliffTarget{hddBefore}, tiercacheRuns, []cliffTarget{hddAfter})
 	}
 	b := "B"
 	if c.abRev != "" {
 		b += " " + c.abRev
 	}
-	a := cliffTargets[1:]
+	a := tiercacheRuns
 	bt := []cliffTarget{{"tiercache epoch (" + b + ")", "epoch", c.abBin}, {"tiercache lba (" + b + ")", "lba", c.abBin}}
 	if c.round%2 == 0 {
 		a, bt = bt, a
 	}
-	return slices.Concat(cliffTargets[:1], a, bt)
+	return slices.Concat([]cliffTarget{hddBefore}, a, bt, []cliffTarget{hddAfter})
+}
+
+// cliffBase is what a case's tiercache runs are compared with: the mean of
+// the plain HDD model's runs before and after them (runs[0] and the last
+// run), or the one of them that ran.
+func cliffBase(runs []cliffRun) cliffRun {
+	b, a := runs[0], runs[len(runs)-1]
+	switch {
+	case len(runs) < 2 || a.skipped != "":
+		return b
+	case b.skipped != "":
+		return a
+	}
+	m := b
+	m.value = (b.value + a.value) / 2
+	m.p999Ms, m.maxMs = max(b.p999Ms, a.p999Ms), max(b.maxMs, a.maxMs)
+	return m
 }
 
 // cliffRun is one job's result on one target.
@@ -387,7 +413,7 @@ func (c *cacheRunner) s7(ctx context.Context) error {
 			RW: "randrw", MixRead: 30, BS: 4096, BSSplit: "4k/25:64k/25:1m/50", QD: 16, Size: z.MixRegion, IOSize: z.MixRW * 10 / 7 / (1 << 20) << 20, FsyncN: 32, EndSync: true, Seed: 15, Metric: MetricMiBps},
 	}
 	var cases []cliffCase
-	var seqRef *cliffRun
+	var seqRuns []cliffRun
 	for ji, j := range jobs {
 		if !c.s7Runs(s7JobNames[ji]) && (ji != 0 || !c.s7Runs("drain")) || !c.s7Sized(s7JobNames[ji]) {
 			continue
@@ -400,14 +426,18 @@ func (c *cacheRunner) s7(ctx context.Context) error {
 				return err
 			}
 			v0, _ := c.quickStats(ctx, srv)
-			r, err := c.cliffFio(ctx, srv, j, fmt.Sprintf("s7-%d", ti), limit)
+			lim := limit
+			if t.bare() {
+				lim = 0
+			}
+			r, err := c.cliffFio(ctx, srv, j, fmt.Sprintf("s7-%d", ti), lim)
 			if err != nil {
 				_ = c.discard(srv)
 				return err
 			}
 			if ti == 0 {
 				limit = c.capFor(r.secs)
-			} else if !r.stalled {
+			} else if !t.bare() && !r.stalled {
 				v1, s1 := c.quickStats(ctx, srv)
 				r.tc = tcCounters(v0, v1, s1)
 			}
@@ -418,12 +448,12 @@ func (c *cacheRunner) s7(ctx context.Context) error {
 			cc.runs = append(cc.runs, r)
 		}
 		if ji == 0 {
-			seqRef = &cc.runs[0]
+			seqRuns = cc.runs
 		}
 		cases = append(cases, cc)
 	}
 	if c.s7Runs("drain") {
-		dr, err := c.s7Drain(ctx, *seqRef)
+		dr, err := c.s7Drain(ctx, seqRuns)
 		if err != nil {
 			return err
 		}
@@ -487,7 +517,7 @@ func (c *cacheRunner) s7RandDrain(ctx context.Context) (cliffCase, error) {
 		}
 		r := cliffRun{unit: "MB/s", p999Ms: math.NaN(), maxMs: math.NaN()}
 		err = func() error {
-			if t.order == "" {
+			if t.bare() {
 				t0 := time.Now()
 				fr, err := c.fio(ctx, srv, fill, "s7-randdrain-hdd")
 				if err != nil {
@@ -515,18 +545,21 @@ func (c *cacheRunner) s7RandDrain(ctx context.Context) (cliffCase, error) {
 // s7Drain fills the cache with sequential dirty data (sequential_cutoff
 // off, background writeback held) and times `tiercache flush` in each
 // writeback order, against the plain HDD model's sequential write rate
-// (seq, the first case's run).
-func (c *cacheRunner) s7Drain(ctx context.Context, seq cliffRun) (cliffCase, error) {
+// (seq, the first case's runs: its plain runs bracket the drains here).
+func (c *cacheRunner) s7Drain(ctx context.Context, seq []cliffRun) (cliffCase, error) {
 	z := c.sz.Cliff
 	cc := cliffCase{title: fmt.Sprintf("drain of %d MiB of sequential dirty data (tiercache flush) / the plain HDD model's sequential write", z.DrainFill>>20), bar: 0.8, drain: true,
 		seed: "target: writeback keeps up, ≥ 80 % of the drive's sequential rate"}
 	fill := job{Name: "s7-drain-fill", RW: "write", BS: 1 << 20, QD: 4, Size: z.DrainFill, IOSize: z.DrainFill, EndSync: true, Metric: MetricMiBps}
-	ref := seq
-	ref.tc = "the sequential write above (the drive's sequential rate)"
-	ref.p999Ms, ref.maxMs = math.NaN(), math.NaN()
-	cc.runs = append(cc.runs, ref)
-	c.progress("S7", "HDD model "+cc.title, fmt.Sprintf("%.0f MB/s (the sequential write above)", seq.value))
-	for ti, t := range c.cliffTargets()[1:] {
+	ref := func(r cliffRun) cliffRun {
+		r.tc = "the sequential write above (the drive's sequential rate)"
+		r.p999Ms, r.maxMs = math.NaN(), math.NaN()
+		return r
+	}
+	cc.runs = append(cc.runs, ref(seq[0]))
+	c.progress("S7", "HDD model "+cc.title, fmt.Sprintf("%.0f MB/s (the sequential write above)", seq[0].value))
+	tgs := c.cliffTargets()
+	for ti, t := range tgs[1 : len(tgs)-1] {
 		srv, err := c.cliffServer(ctx, fmt.Sprintf("s7-drain-%d", ti), t, "")
 		if err != nil {
 			return cc, err
@@ -542,6 +575,8 @@ func (c *cacheRunner) s7Drain(ctx context.Context, seq cliffRun) (cliffCase, err
 		c.cliffFigure("S7", t, cc.title, r)
 		cc.runs = append(cc.runs, r)
 	}
+	cc.runs = append(cc.runs, ref(seq[len(seq)-1]))
+	c.progress("S7", hddAfter.name+" "+cc.title, fmt.Sprintf("%.0f MB/s (the sequential write above)", seq[len(seq)-1].value))
 	return cc, nil
 }
 
@@ -606,12 +641,16 @@ func (c *cacheRunner) s7Fillrandom(ctx context.Context) (cliffCase, error) {
 		r, err := c.onExt4(ctx, fmt.Sprintf("s7-rocks-%d", ti), tg, golden, func(srv *server, mnt string) (cliffRun, error) {
 			v0, _ := c.quickStats(ctx, srv)
 			l0 := c.writeLat(ctx, srv)
-			r, err := c.fillrandom(ctx, t, srv, filepath.Join(mnt, "rocks"), limit)
+			lim := limit
+			if tg.bare() {
+				lim = 0
+			}
+			r, err := c.fillrandom(ctx, t, srv, filepath.Join(mnt, "rocks"), lim)
 			if err == nil && !r.cut {
 				err = c.syncFS(ctx, mnt)
 			}
 			if err == nil && !r.stalled {
-				if tg.order != "" {
+				if !tg.bare() {
 					v1, s1 := c.quickStats(ctx, srv)
 					r.tc = tcCounters(v0, v1, s1)
 				}
@@ -673,7 +712,7 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 		_, err := c.onExt4(ctx, fmt.Sprintf("s8-%d", ti), tg, golden, func(srv *server, mnt string) (cliffRun, error) {
 			h := hist
 			lim := time.Duration(0)
-			if tg.order == "" {
+			if tg.bare() {
 				h.Runtime = z.HistHDDTime // in place: how many it gets does not change what follows
 			} else {
 				lim = max(z.CapMin, 3*z.HistHDDTime)
@@ -689,7 +728,7 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 				return r, nil
 			}
 			v1, s1 := c.quickStats(ctx, srv)
-			if tg.order != "" {
+			if !tg.bare() {
 				r.tc = tcCounters(v0, v1, s1)
 			}
 			r.unit = "MB/s"
@@ -699,13 +738,17 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 
 			s := seq
 			s.File = filepath.Join(mnt, "sequential")
-			r, err = c.cliffFio(ctx, srv, s, fmt.Sprintf("s8-%d", ti), limSeq)
+			lim = limSeq
+			if tg.bare() {
+				lim = 0
+			}
+			r, err = c.cliffFio(ctx, srv, s, fmt.Sprintf("s8-%d", ti), lim)
 			if err != nil {
 				return r, err
 			}
-			if tg.order == "" {
+			if ti == 0 {
 				limSeq = c.capFor(r.secs)
-			} else if !r.stalled {
+			} else if !tg.bare() && !r.stalled {
 				v2, s2 := c.quickStats(ctx, srv)
 				r.tc = tcCounters(v1, v2, s2)
 				v1 = v2
@@ -722,7 +765,11 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 				return r, nil
 			}
 			l0 := c.writeLat(ctx, srv)
-			r, err = c.fillrandom(ctx, tools, srv, filepath.Join(mnt, "rocks"), limRocks)
+			lim = limRocks
+			if tg.bare() {
+				lim = 0
+			}
+			r, err = c.fillrandom(ctx, tools, srv, filepath.Join(mnt, "rocks"), lim)
 			if err == nil && !r.cut {
 				err = c.syncFS(ctx, mnt)
 			}
@@ -730,9 +777,9 @@ func (c *cacheRunner) s8(ctx context.Context) error {
 				return r, err
 			}
 			l1 := c.writeLat(ctx, srv)
-			if tg.order == "" {
+			if ti == 0 {
 				limRocks = c.capFor(r.secs)
-			} else if !r.stalled {
+			} else if !tg.bare() && !r.stalled {
 				v2, s2 := c.quickStats(ctx, srv)
 				r.tc = tcCounters(v1, v2, s2)
 				if tg.order == "epoch" { // lba order never reports the backing device consistent
@@ -969,11 +1016,14 @@ func (c *cacheRunner) cliffReport(scen, title string, cases []cliffCase, notes [
 	rows := [][]string{{"Job", "Target", "Result", "x HDD model", "p99.9 write", "Slowest write", "Run", "What tiercache did"}}
 	var groups []string
 	tgs := c.cliffTargets()
-	ratios := make([][]float64, len(tgs)-1)
+	ratios := make([][]float64, len(tgs)-2)
 	for ci, cc := range cases {
-		base := cc.runs[0]
+		base := cliffBase(cc.runs)
+		before, after := cc.runs[0], cc.runs[len(cc.runs)-1]
 		groups = append(groups, fmt.Sprintf("%s.%d", scen, ci+1))
 		for ti, r := range cc.runs {
+			// A plain run's ratio is to the mean of the two: how far the
+			// machine moved the same job within the round.
 			ratio := ratioOf(r.value, base.value)
 			if r.skipped != "" || base.skipped != "" {
 				ratio = math.NaN()
@@ -985,11 +1035,11 @@ func (c *cacheRunner) cliffReport(scen, title string, cases []cliffCase, notes [
 			run := r.status()
 			if r.cap > 0 && !r.cut && !r.stalled {
 				run = fmt.Sprintf("done in %.1f s (cap %v)", r.secs, r.cap)
-			} else if ti == 0 && r.skipped == "" {
+			} else if tgs[ti].bare() && r.skipped == "" {
 				run = fmt.Sprintf("done in %.1f s", r.secs)
 			}
 			rows = append(rows, []string{cc.title, tgs[ti].name, res, ratioText(ratio), msText(r.p999Ms), msText(r.maxMs), run, r.tc})
-			if ti == 0 {
+			if tgs[ti].bare() {
 				continue
 			}
 			ratios[ti-1] = append(ratios[ti-1], ratio)
@@ -1003,7 +1053,8 @@ func (c *cacheRunner) cliffReport(scen, title string, cases []cliffCase, notes [
 			if math.IsNaN(ratio) {
 				met = dash
 			}
-			c.checks = append(c.checks, Check{Scenario: scen, What: what, Seed: cmp.Or(cc.seed, "target: never slower than no cache (1.0x, less 5 % noise)"), Ours: fmt.Sprintf("%s vs %s %s (%s)", formatValue(r.value), formatValue(base.value), r.unit, run),
+			c.checks = append(c.checks, Check{Scenario: scen, What: what, Seed: cmp.Or(cc.seed, "target: never slower than no cache (1.0x, less 5 % noise)"),
+				Ours:  fmt.Sprintf("%s vs %s %s (%s; HDD model before %s, after %s)", formatValue(r.value), formatValue(base.value), r.unit, run, formatValue(before.value), formatValue(after.value)),
 				Ratio: ratio, Bar: fmt.Sprintf("≥ %.2g", bar), Met: met})
 			if cc.drain {
 				continue
@@ -1022,7 +1073,7 @@ func (c *cacheRunner) cliffReport(scen, title string, cases []cliffCase, notes [
 	}
 	c.details = append(c.details, detail{Scenario: scen, Title: title, Rows: rows, Notes: notes})
 	var series []string
-	for _, t := range tgs[1:] {
+	for _, t := range tgs[1 : len(tgs)-1] {
 		series = append(series, t.name+" / HDD")
 	}
 	return chartGroupsLabelled(c.chartPath(strings.ToLower(scen)+".png"), scen+": tiercache / the plain HDD model (≥ 1: never slower than no cache)", "x HDD model",

@@ -74,19 +74,20 @@ rocksdb.remote.compact.write.bytes COUNT : 7
 
 func TestCachePlannedSteps(t *testing.T) {
 	c := &cacheRunner{sz: fullSizes()}
-	// S1 5+2*3, S2 16, S3 9, S4 6, S5 1+2*2*3, S6 1+4+2*3, S7 7*3+1 (fillrandom
-	// with no device), S8 3*3, S9 2, S10 1+3*(3*3+3+2).
-	if n := c.plannedSteps(scenarioNames); n != 142 {
-		t.Errorf("full suite steps = %d, want 142", n)
+	// S1 5+2*3, S2 16, S3 9, S4 6, S5 1+2*2*3, S6 1+4+2*3, S7 7*4+1 (four
+	// targets: the plain HDD model before and after; fillrandom with no
+	// device), S8 3*4, S9 2, S10 1+3*(3*3+3+2).
+	if n := c.plannedSteps(scenarioNames); n != 152 {
+		t.Errorf("full suite steps = %d, want 152", n)
 	}
 	c.s7jobs = []string{"drain"} // and seqwrite, its reference
-	if n := c.plannedSteps([]string{"S7"}); n != 2*3 {
-		t.Errorf("S7 steps with --s7 drain = %d, want 6", n)
+	if n := c.plannedSteps([]string{"S7"}); n != 2*4 {
+		t.Errorf("S7 steps with --s7 drain = %d, want 8", n)
 	}
 	c.s7jobs = nil
 	c.abBin = "other" // S8 and S7 run two more targets
-	if n := c.plannedSteps([]string{"S7", "S8"}); n != 7*5+1+3*5 {
-		t.Errorf("S7, S8 steps with --ab = %d, want %d", n, 7*5+1+3*5)
+	if n := c.plannedSteps([]string{"S7", "S8"}); n != 7*6+1+3*6 {
+		t.Errorf("S7, S8 steps with --ab = %d, want %d", n, 7*6+1+3*6)
 	}
 	c.abBin = ""
 	c.s6lba = true // S6 1+5+2*3
@@ -105,9 +106,9 @@ func TestCachePlannedSteps(t *testing.T) {
 	if n := c.plannedSteps([]string{"S10"}); n != 1+14 {
 		t.Errorf("quick S10 steps = %d, want 15", n)
 	}
-	// The quick run has no 5x sequential write: S7 6*3+1.
-	if n := c.plannedSteps([]string{"S7"}); n != 6*3+1 {
-		t.Errorf("quick S7 steps = %d, want %d", n, 6*3+1)
+	// The quick run has no 5x sequential write: S7 6*4+1.
+	if n := c.plannedSteps([]string{"S7"}); n != 6*4+1 {
+		t.Errorf("quick S7 steps = %d, want %d", n, 6*4+1)
 	}
 }
 
