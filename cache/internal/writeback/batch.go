@@ -6,6 +6,7 @@ package writeback
 import (
 	"errors"
 	"fmt"
+	"math/bits"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -22,14 +23,34 @@ type report struct {
 	resume uint64
 }
 
-// bufs holds run buffers (wbMaxRun blocks each) for write. Reusing them
-// keeps a sequential writeback from allocating and zeroing a fresh 2 MiB
-// buffer per run, and the garbage collector from running for it. Large
-// allocations are page-aligned, as O_DIRECT devices need.
-var bufs = sync.Pool{New: func() any {
-	b := make([]byte, wbMaxRun*blockSize)
-	return &b
-}}
+// bufs holds run buffers for write, one pool per size: bufs[k] holds
+// buffers of 1<<k blocks, up to wbMaxRun. Reusing them keeps writeback
+// from allocating and zeroing a fresh buffer per run, and the garbage
+// collector from running for it; sizing them to the run keeps a batch of
+// one-block runs (random dirty blocks) at the queue depth's blocks rather
+// than the queue depth's 2 MiB. Buffers of a power-of-two multiple of 4 KiB
+// are 4 KiB-aligned (Go's size classes; page-aligned above 32 KiB), as
+// O_DIRECT devices need.
+var bufs [runBufSizes]sync.Pool
+
+// runBufSizes: buffers of 1, 2, 4 ... wbMaxRun blocks.
+const runBufSizes = 10
+
+// runBuf returns a pooled buffer of at least n blocks (1 <= n <= wbMaxRun);
+// putRunBuf returns it to its pool.
+func runBuf(n int) *[]byte {
+	k := bits.Len(uint(n - 1))
+	pb, _ := bufs[k].Get().(*[]byte)
+	if pb == nil {
+		b := make([]byte, blockSize<<k)
+		pb = &b
+	}
+	return pb
+}
+
+func putRunBuf(pb *[]byte) {
+	bufs[bits.Len(uint(cap(*pb)/blockSize-1))].Put(pb)
+}
 
 // blockRange is a range of items: [at, at+n).
 type blockRange struct{ at, n int }
@@ -143,8 +164,8 @@ func (w *Writer) write(items []Item, rep *report, stop func() bool) (int, error)
 		if c.Claim(its, valid) {
 			defer c.Unclaim(its)
 		}
-		pb := bufs.Get().(*[]byte)
-		defer bufs.Put(pb)
+		pb := runBuf(len(its))
+		defer putRunBuf(pb)
 		buf := (*pb)[:len(its)*blockSize]
 		var rerr error
 		for i := 0; i < len(its) && rerr == nil; {

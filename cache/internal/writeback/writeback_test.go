@@ -113,3 +113,31 @@ func TestThrottleAccrues(t *testing.T) {
 		t.Errorf("slept %v plus %v still owed, want %v accrued", time.Duration(total.Load()), time.Duration(w.throttleDebt.Load()), time.Duration(want))
 	}
 }
+
+// TestRunBuf: a run's buffer holds the run, is the smallest power-of-two
+// size that does (a batch of one-block runs must not take a 2 MiB buffer
+// per run in flight), and goes back to the pool of its size. The largest
+// size is wbMaxRun blocks.
+func TestRunBuf(t *testing.T) {
+	if 1<<(runBufSizes-1) != wbMaxRun {
+		t.Fatalf("largest run buffer %d blocks, wbMaxRun %d", 1<<(runBufSizes-1), wbMaxRun)
+	}
+	for _, tc := range []struct{ n, blocks int }{
+		{1, 1}, {2, 2}, {3, 4}, {4, 4}, {5, 8}, {100, 128}, {257, 512}, {wbMaxRun, wbMaxRun},
+	} {
+		pb := runBuf(tc.n)
+		if len(*pb) != tc.blocks*blockSize || cap(*pb) != tc.blocks*blockSize {
+			t.Errorf("run of %d blocks: buffer len %d cap %d, want %d blocks", tc.n, len(*pb), cap(*pb), tc.blocks)
+		}
+		putRunBuf(pb)
+	}
+	// A returned buffer lands in its own size's pool: a later run of that
+	// size may reuse it, one of another size never gets it.
+	pb := runBuf(3)
+	putRunBuf(pb)
+	for range 4 {
+		if q := runBuf(2); cap(*q) != 2*blockSize {
+			t.Fatalf("run of 2 blocks got a buffer of %d bytes", cap(*q))
+		}
+	}
+}
