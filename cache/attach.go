@@ -11,6 +11,7 @@ import (
 	"slices"
 
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/pages"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
 
@@ -251,8 +252,8 @@ func (s *Set) Attach(spec BackingSpec, opts AttachOptions) (*Volume, error) {
 	s.mu.Lock()
 	nvols := max(len(s.vols), nslots) // the checkpoint writes every in-memory slot
 	s.mu.Unlock()
-	if s.lay.HasFeature(ondisk.FeaturePagedIndex) && nvols > maxPagedVolumes {
-		return nil, fmt.Errorf("attach %s: %w: a set with index pages holds at most %d backing devices", spec.Name, ErrInvalid, maxPagedVolumes)
+	if s.lay.HasFeature(ondisk.FeaturePagedIndex) && nvols > pages.MaxVolumes {
+		return nil, fmt.Errorf("attach %s: %w: a set with index pages holds at most %d backing devices", spec.Name, ErrInvalid, pages.MaxVolumes)
 	}
 	if need := ondisk.CkptSlotLen(s.lay.NBuckets, s.bpb, nvols); need > s.lay.CkptLen {
 		return nil, fmt.Errorf("attach %s: %w: the checkpoint slots of this set (%d bytes) cannot hold %d backing devices (%d bytes); format a new set",

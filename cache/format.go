@@ -8,6 +8,7 @@ import (
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/mirror"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/pages"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -223,16 +224,16 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	per := bs + 2*(4+bpb*(ondisk.CkptEntrySize+ondisk.CkptEpochExtra))
 	slotLen := func(n int64) int64 { return ondisk.CkptSlotLen(n, bpb, ondisk.MaxBackings) }
 	if opts.IndexPages {
-		if len(backings) > maxPagedVolumes {
-			return nil, fmt.Errorf("%w: %d backing devices (a set with index pages holds at most %d)", ErrInvalid, len(backings), maxPagedVolumes)
+		if len(backings) > pages.MaxVolumes {
+			return nil, fmt.Errorf("%w: %d backing devices (a set with index pages holds at most %d)", ErrInvalid, len(backings), pages.MaxVolumes)
 		}
-		if bpb > maxPagedBucketBlocks {
-			return nil, fmt.Errorf("%w: bucket size %d (a set with index pages takes buckets of at most %d bytes: the bucket table counts blocks in 16 bits)", ErrInvalid, bs, maxPagedBucketBlocks*blockSize)
+		if bpb > pages.MaxBucketBlocks {
+			return nil, fmt.Errorf("%w: bucket size %d (a set with index pages takes buckets of at most %d bytes: the bucket table counts blocks in 16 bits)", ErrInvalid, bs, pages.MaxBucketBlocks*blockSize)
 		}
 		sb.Features |= ondisk.FeaturePagedIndex
-		slotLen = func(n int64) int64 { return pagedSlotLen(n, bpb) }
-		fixed = sb.JournalOff + jl + 2*pagedSlotLen(0, bpb) + bs
-		per = bs + (2*(pagedSlotLen(1024, bpb)-pagedSlotLen(0, bpb))+1023)/1024
+		slotLen = func(n int64) int64 { return pages.SlotLen(n, bpb) }
+		fixed = sb.JournalOff + jl + 2*pages.SlotLen(0, bpb) + bs
+		per = bs + (2*(pages.SlotLen(1024, bpb)-pages.SlotLen(0, bpb))+1023)/1024
 	}
 	n := (devSize - fixed) / per
 	for ; n >= minBuckets; n-- {
@@ -308,7 +309,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	}
 	h := ondisk.CkptHeader{Nonce: sb.Nonce(), Gen: 1}
 	if sb.HasFeature(ondisk.FeaturePagedIndex) {
-		if err := formatPaged(cacheDev, sb, len(backings)); err != nil {
+		if err := pages.FormatSet(cacheDev, sb, len(backings)); err != nil {
 			return nil, fmt.Errorf("format: %w", err)
 		}
 	} else if err := ondisk.WriteCheckpoint(cacheDev, sb, h, make([]uint32, n), make([]uint64, len(backings)), trees, nil); err != nil {

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/pages"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -34,14 +35,14 @@ func TestFormatMinimumSize(t *testing.T) {
 
 // TestFormatPagedLimits: a set with index pages counts a bucket's live
 // and dirty blocks in 16 bits (the bucket table) and names at most
-// maxPagedVolumes volume slots in a root, so format refuses a bucket of
+// pages.MaxVolumes volume slots in a root, so format refuses a bucket of
 // more than 65,535 blocks or more backing devices, saying why and
 // writing nothing; the largest bucket it takes formats and opens, and a
 // set without index pages takes the larger bucket.
 func TestFormatPagedLimits(t *testing.T) {
-	const limit = maxPagedBucketBlocks * blockSize // 65,535 blocks
-	if maxPagedBucketBlocks != 65535 {
-		t.Fatalf("maxPagedBucketBlocks = %d, the table's counts are 16 bits", maxPagedBucketBlocks)
+	const limit = pages.MaxBucketBlocks * blockSize // 65,535 blocks
+	if pages.MaxBucketBlocks != 65535 {
+		t.Fatalf("pages.MaxBucketBlocks = %d, the table's counts are 16 bits", pages.MaxBucketBlocks)
 	}
 	back := []BackingSpec{{Name: "a", Dev: device.NewMem(1 << 30)}}
 	for _, bs := range []int64{limit + blockSize, 1 << 30} {
@@ -69,7 +70,7 @@ func TestFormatPagedLimits(t *testing.T) {
 	if err != nil {
 		t.Fatalf("bucket of 65,535 blocks with index pages: %v", err)
 	}
-	if !sb.HasFeature(ondisk.FeaturePagedIndex) || sb.BlocksPerBucket() != maxPagedBucketBlocks {
+	if !sb.HasFeature(ondisk.FeaturePagedIndex) || sb.BlocksPerBucket() != pages.MaxBucketBlocks {
 		t.Fatalf("formatted %d blocks a bucket, paged %t", sb.BlocksPerBucket(), sb.HasFeature(ondisk.FeaturePagedIndex))
 	}
 	s, err := Open(dev, back, OpenOptions{})
@@ -92,13 +93,13 @@ func TestFormatPagedLimits(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	many := make([]BackingSpec, maxPagedVolumes+1)
+	many := make([]BackingSpec, pages.MaxVolumes+1)
 	for i := range many {
 		many[i] = BackingSpec{Name: fmt.Sprintf("v%d", i), Dev: device.NewMem(1 << 20)}
 	}
 	dev = device.NewMem(cacheSizeForPaged(minBuckets, 1<<20, minJournalLen, len(many), true))
 	_, err = Format(dev, many, FormatOptions{BucketSize: 1 << 20, JournalSize: minJournalLen, IndexPages: true})
-	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), fmt.Sprintf("%d backing devices (a set with index pages holds at most %d)", len(many), maxPagedVolumes)) {
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), fmt.Sprintf("%d backing devices (a set with index pages holds at most %d)", len(many), pages.MaxVolumes)) {
 		t.Errorf("%d backing devices with index pages: %v", len(many), err)
 	}
 }

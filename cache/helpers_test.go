@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/pages"
 	"github.com/tiercache/tiercache/cache/internal/writeback"
 	"github.com/tiercache/tiercache/device"
 )
@@ -20,7 +21,7 @@ func cacheSizeForPaged(n, bs, journal int64, nvols int, paged bool) int64 {
 	bpb := bs / blockSize
 	ckpt := ondisk.CkptSlotLen(n, bpb, ondisk.MaxBackings) // Format sizes slots for every slot; nvols kept for callers
 	if paged {
-		ckpt = pagedSlotLen(n, bpb)
+		ckpt = pages.SlotLen(n, bpb)
 	}
 	off := 2*ondisk.SBCopySize + journal + 2*ckpt
 	align := min(bs, 1<<20)

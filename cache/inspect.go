@@ -47,7 +47,7 @@ func ReadCheckpointSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
 
 func readRootSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
 	var out [2]CheckpointSlot
-	lay := pagedLayout(sb)
+	lay := pages.SetLayout(sb)
 	rs, err := pages.ReadRoots(dev, lay)
 	for i := range out {
 		out[i] = CheckpointSlot{Index: i, Offset: lay.Off + int64(i)*pages.PageSize, IndexRoot: true}
@@ -57,7 +57,7 @@ func readRootSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
 		}
 		r := rs[i]
 		if r.Err == nil {
-			out[i].JournalBlock, _, _, r.Err = decodePagedPayload(r.Root.Payload, sb)
+			out[i].JournalBlock, _, _, r.Err = pages.DecodePayload(r.Root.Payload, sb)
 		}
 		if r.Err != nil {
 			out[i].Err = r.Err
@@ -112,7 +112,7 @@ func ReadIndexPages(dev device.Device, sb *Superblock) (*IndexPages, error) {
 	if !sb.HasFeature(ondisk.FeaturePagedIndex) {
 		return nil, nil
 	}
-	st, _, err := pages.Open(dev, pagedLayout(sb), 1)
+	st, _, err := pages.Open(dev, pages.SetLayout(sb), 1)
 	if err != nil {
 		return nil, err
 	}

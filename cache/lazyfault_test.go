@@ -103,7 +103,7 @@ func TestLazyLeafFaultFailsOver(t *testing.T) {
 	s.crashStop()
 	k := len(refs) / 2
 	lo, hi := refs[k].Key.LBA, refs[k+1].Key.LBA
-	pageOff := pagedLayout(sb).Off + int64(2+refs[k].Ptr.Page)*pages.PageSize
+	pageOff := pages.SetLayout(sb).Off + int64(2+refs[k].Ptr.Page)*pages.PageSize
 	pick := func(from, to uint64, wantDirty bool) int64 {
 		for b := int64(from); b < int64(to); b++ {
 			if seq, ok := m.want[b]; ok && seq != 0 && dirty[b] == wantDirty {

@@ -23,8 +23,8 @@ import (
 // stays resident.
 //
 // What Open took from the root instead of the leaves: the buckets' live
-// and dirty counts (the bucket table, pagedCounts), each volume's dirty
-// count (the root's payload, pagedVolDirty) and entry count (the root).
+// and dirty counts (the bucket table, pages.FlagCounts), each volume's dirty
+// count (the root's payload, pages.FlagVolDirty) and entry count (the root).
 // A dirty block's flush epoch is in its leaf slot: it enters the bucket's
 // epoch table when the leaf is loaded the first time (lazyLeaves.first),
 // which happens under Set.mu (every operation that can load a leaf it has
@@ -38,9 +38,8 @@ import (
 // good) before the root is durable, so no stub outlives its page.
 //
 // Not lazy: an Open after a crash or with journal records since the root
-// (the replay needs every entry), of a mirrored set, with ColdClean, or
-// from a root without the volumes' dirty counts (written before
-// pagedVolDirty): those read every leaf (readPagedLeaves), as before.
+// (the replay needs every entry), of a mirrored set, or with ColdClean:
+// those read every leaf (pages.SetRoot.ReadCheckpoint).
 //
 // A leaf that cannot be read or fails its checks (an *index.FaultError)
 // fails the set over, as a failed commit does: its stub stays bad (every
@@ -158,15 +157,15 @@ func stubPtr(r index.StubRef) pages.Ptr {
 // lazyEligible reports whether Open may build the volumes' trees from
 // stubs: a clean shutdown's root with nothing journaled since, its
 // volumes' dirty counts in its payload, no mirror.
-func lazyEligible(pr *pagedRoot, nrec int, policy cleanPolicy, mirrored bool, knobs testingKnobs) bool {
-	return !knobs.eagerOpen && pr != nil && nrec == 0 && policy == cleanKeep && !mirrored && pr.dirty != nil && pr.flags&pagedCounts != 0
+func lazyEligible(pr *pages.SetRoot, nrec int, policy cleanPolicy, mirrored bool, knobs testingKnobs) bool {
+	return !knobs.eagerOpen && pr != nil && nrec == 0 && policy == cleanKeep && !mirrored && pr.Dirty != nil && pr.Flags&pages.FlagCounts != 0
 }
 
 // lazyLoader returns the loader of volume slot vi's stubs: it reads and
-// verifies the leaf, checks each slot as readPagedLeaves does (cache
-// block in range, no bucket generation, an epoch exactly on a dirty
-// block and at most the volume's epoch at the root, volEpoch; an LBA of
-// the volume), and on the leaf's first load puts its dirty blocks'
+// verifies the leaf, checks each slot as pages.SetRoot.ReadCheckpoint
+// does (cache block in range, no bucket generation, an epoch exactly on a
+// dirty block and at most the volume's epoch at the root, volEpoch; an
+// LBA of the volume), and on the leaf's first load puts its dirty blocks'
 // epochs into the bucket tables.
 // REQUIRES (of the loads): s.mu for a leaf's first load
 func (s *Set) lazyLoader(vi int, nblocks, volEpoch uint64) index.Loader {
@@ -210,14 +209,14 @@ func (s *Set) lazyLoader(vi int, nblocks, volEpoch uint64) index.Loader {
 }
 
 // openLazyLocked builds the index of a lazy Open from the root pr and
-// cd, its superseded versions (readPagedLeaves with supOnly): the
+// cd, its superseded versions (pages.SetRoot.ReadCheckpoint with supOnly): the
 // buckets' generations and counts from the bucket table, each volume's
 // tree of stubs, its counts and epoch, the superseded versions and their
 // epochs. It checks what it can without the leaves: the counts agree with
 // each other, the superseded versions' ranges and order (and, in
 // invariants builds, each against the live entry of its LBA).
 // REQUIRES: exclusive access (Open)
-func (s *Set) openLazyLocked(pr *pagedRoot, cd *ondisk.CkptData) error {
+func (s *Set) openLazyLocked(pr *pages.SetRoot, cd *ondisk.CkptData) error {
 	bad := func(format string, args ...any) error {
 		return ondisk.Corruptf("index root", s.lay.CkptOff[0], 2*pages.PageSize, format, args...)
 	}
@@ -228,14 +227,14 @@ func (s *Set) openLazyLocked(pr *pagedRoot, cd *ondisk.CkptData) error {
 	s.mu.open = -1
 	var live, dirty int64
 	for i := range s.mu.Buckets {
-		r := pr.tab.Get(i)
+		r := pr.Table.Get(i)
 		s.mu.Buckets[i] = index.Bucket{Gen: r.Gen, Live: uint32(r.Live), Dirty: uint32(r.Dirty)}
 		live += int64(r.Live)
 		dirty += int64(r.Dirty)
 	}
-	s.pg.lazy = &lazyLeaves{first: index.NewBitset(int(pr.st.Alloc().Pages()))}
+	s.pg.lazy = &lazyLeaves{first: index.NewBitset(int(pr.Store.Alloc().Pages()))}
 	has := map[uint16]bool{}
-	for _, id := range pr.st.TreeIDs() {
+	for _, id := range pr.Store.TreeIDs() {
 		has[id] = true
 	}
 	leafCap := lazyLeafCap
@@ -266,12 +265,12 @@ func (s *Set) openLazyLocked(pr *pagedRoot, cd *ondisk.CkptData) error {
 		nlive += v.idx.NSup
 		ndirty += v.idx.NSup
 		if !has[uint16(vi)] {
-			if pr.dirty[vi] != 0 {
-				return bad("volume slot %d: no tree but %d dirty entries", vi, pr.dirty[vi])
+			if pr.Dirty[vi] != 0 {
+				return bad("volume slot %d: no tree but %d dirty entries", vi, pr.Dirty[vi])
 			}
 			continue
 		}
-		t := pr.st.Tree(uint16(vi))
+		t := pr.Store.Tree(uint16(vi))
 		refs, err := t.LeafRefs()
 		if err != nil {
 			return err
@@ -280,12 +279,12 @@ func (s *Set) openLazyLocked(pr *pagedRoot, cd *ondisk.CkptData) error {
 		for i, r := range refs {
 			stubs[i] = index.LeafStub{Key: index.Ent{LBA: r.Key.LBA}, Agg: r.Agg, Ref: stubRef(r.Ptr)}
 		}
-		if d := pr.dirty[vi]; d < 0 || d > int64(t.Len()) || (t.Len() > 0 && v.nblocks == 0) {
+		if d := pr.Dirty[vi]; d < 0 || d > int64(t.Len()) || (t.Len() > 0 && v.nblocks == 0) {
 			return bad("volume slot %d (%d blocks): %d entries, %d dirty", vi, v.nblocks, t.Len(), d)
 		}
 		v.idx.Tree = index.BuildLazyPtree(stubs, t.Len(), s.lazyLoader(vi, v.nblocks, cv.Epoch), capOf(len(stubs)), s.onLeafFault(vi))
 		v.idx.Cached = int64(t.Len())
-		v.idx.Dirty = pr.dirty[vi]
+		v.idx.Dirty = pr.Dirty[vi]
 		nlive += v.idx.Cached
 		ndirty += v.idx.Dirty
 	}
@@ -293,7 +292,7 @@ func (s *Set) openLazyLocked(pr *pagedRoot, cd *ondisk.CkptData) error {
 		return bad("the bucket table counts %d live and %d dirty blocks, the trees and the root %d and %d", live, dirty, nlive, ndirty)
 	}
 	s.mu.BuildEpochTables(vers)
-	// Invariant 13, as checkPagedData checks it: each superseded version
+	// Invariant 13, as the pages package checks it: each superseded version
 	// in range, of a block named once, in order; in invariants builds
 	// also older than the dirty live entry of its LBA.
 	total := uint64(nb * s.bpb)

@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"testing"
 
+	"github.com/tiercache/tiercache/cache/internal/pages"
 	"github.com/tiercache/tiercache/device"
 )
 
@@ -152,7 +153,7 @@ func TestLazyOpenReadsNoLeaf(t *testing.T) {
 	}
 	// As if every free page had been written since: a stub naming one
 	// reads another page.
-	al, lay := s.pg.st.Alloc(), pagedLayout(sb)
+	al, lay := s.pg.st.Alloc(), pages.SetLayout(sb)
 	for p := range al.Pages() {
 		if !al.InUse(p) {
 			if _, err := mem.WriteAt(make([]byte, blockSize), lay.Off+int64(2+p)*blockSize); err != nil {

@@ -179,7 +179,7 @@ func metaSet(t *testing.T, dir string, n, cacheBlocks int64) (cachePath string, 
 	vers := []ondisk.VerSnap{{EpochOf: epochOf, Dirty: int(n)}}
 	if sb.HasIndexPages() {
 		// Root 2 naming the entries, as a paged checkpoint writes it.
-		st, _, err := pages.Open(cdev, pagedLayout(sb), pagedCachePages)
+		st, _, err := pages.Open(cdev, pages.SetLayout(sb), pages.OpenCachePages)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -203,7 +203,7 @@ func metaSet(t *testing.T, dir string, n, cacheBlocks int64) (cachePath string, 
 		if perr != nil {
 			t.Fatal(perr)
 		}
-		if err := st.Checkpoint(encodePagedPayload(0, []uint64{volEpoch}, []int64{n})); err != nil {
+		if err := st.Checkpoint(pages.EncodePayload(0, []uint64{volEpoch}, []int64{n})); err != nil {
 			t.Fatal(err)
 		}
 	} else if err := ondisk.WriteCheckpoint(cdev, sb, h, make([]uint32, sb.NBuckets), []uint64{volEpoch}, []*index.Ptree{tree}, vers); err != nil {

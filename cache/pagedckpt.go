@@ -1,10 +1,7 @@
 package cache
 
 import (
-	"cmp"
-	"encoding/binary"
 	"fmt"
-	"slices"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
@@ -33,19 +30,6 @@ import (
 // The index is in RAM (its leaves loaded, after a lazy Open, as they are
 // needed): the pages are its durable form.
 
-// pagedCachePages is the store's page cache: the leaves a checkpoint
-// changes are read through it (a leaf changed since the last checkpoint
-// is held by its tree until written).
-const pagedCachePages = 256
-
-// maxPagedVolumes bounds the volume slots of a paged set: a root names
-// two trees a slot and carries each slot's flush epoch in one 4 KiB block.
-const maxPagedVolumes = 40
-
-// maxPagedBucketBlocks bounds the blocks of a paged set's bucket: the
-// bucket table counts a bucket's live and dirty blocks in 16 bits.
-const maxPagedBucketBlocks = 1<<16 - 1
-
 // pagedIndex is a paged set's page store and the snapshot its durable
 // root holds. Guarded by commitMu (checkpointLocked), like the slots.
 type pagedIndex struct {
@@ -59,89 +43,10 @@ type pagedIndex struct {
 	lazy *lazyLeaves
 }
 
-// pagedLayout is the page area of a paged set: both checkpoint slots.
-func pagedLayout(sb *Superblock) pages.Layout {
-	return pages.Layout{Off: sb.CkptOff[0], Pages: uint32(2*sb.CkptLen/pages.PageSize - 2), Nonce: sb.Nonce()}
-}
-
-// pagedSlotLen is the checkpoint slot length of a paged set of nbuckets
-// buckets of bpb blocks: half its page area (pages.AreaPages), at least
-// an ordinary slot's.
-func pagedSlotLen(nbuckets, bpb int64) int64 {
-	area := (2 + pages.AreaPages(nbuckets*bpb, nbuckets, 2*maxPagedVolumes)) * pages.PageSize
-	half := (area/2 + blockSize - 1) / blockSize * blockSize
-	return max(half, ondisk.CkptSlotLen(nbuckets, bpb, ondisk.MaxBackings))
-}
-
-// The root's payload: the journal block the generation starts at, each
-// volume slot's flush epoch, the flags (always pagedFlags: a payload with
-// other flags is corruption), then each volume slot's count of dirty live
-// entries.
-//
-//	jblk u64 | nvols u16 | epoch u64 × nvols | flags u64 | dirty u64 × nvols
-const (
-	// pagedCounts: the bucket table's live and dirty counts are the
-	// root's trees' (each bucket's entries and superseded versions, and
-	// the dirty ones among them).
-	pagedCounts = 1 << 0
-	// pagedVolDirty: the payload ends with the dirty live entries of each
-	// volume slot's tree, which an Open that loads leaves lazily takes
-	// instead of counting them.
-	pagedVolDirty = 1 << 1
-	pagedFlags    = pagedCounts | pagedVolDirty
-)
-
-// encodePagedPayload encodes a payload: dirty has one count a volume slot.
-func encodePagedPayload(jblk int64, epochs []uint64, dirty []int64) []byte {
-	b := make([]byte, 18+16*len(epochs))
-	binary.LittleEndian.PutUint64(b, uint64(jblk))
-	binary.LittleEndian.PutUint16(b[8:], uint16(len(epochs)))
-	for i, e := range epochs {
-		binary.LittleEndian.PutUint64(b[10+8*i:], e)
-	}
-	binary.LittleEndian.PutUint64(b[10+8*len(epochs):], pagedFlags)
-	for i := range epochs {
-		binary.LittleEndian.PutUint64(b[18+8*len(epochs)+8*i:], uint64(dirty[i]))
-	}
-	return b
-}
-
-// decodePagedDirty returns the volume slots' dirty counts of a payload
-// decodePagedPayload accepted.
-func decodePagedDirty(b []byte, nvols int) []int64 {
-	d := make([]int64, nvols)
-	for i := range d {
-		d[i] = int64(binary.LittleEndian.Uint64(b[18+8*nvols+8*i:]))
-	}
-	return d
-}
-
-func decodePagedPayload(b []byte, sb *Superblock) (jblk int64, epochs []uint64, flags uint64, err error) {
-	bad := func(format string, args ...any) (int64, []uint64, uint64, error) {
-		return 0, nil, 0, ondisk.Corruptf("index root payload", sb.CkptOff[0], 2*pages.PageSize, format, args...)
-	}
-	if len(b) < 10 {
-		return bad("%d bytes", len(b))
-	}
-	j := binary.LittleEndian.Uint64(b)
-	n := int(binary.LittleEndian.Uint16(b[8:]))
-	if j >= uint64(sb.JournalLen/blockSize) || n > maxPagedVolumes || len(b) != 18+16*n {
-		return bad("journal block %d, %d volume slots in %d bytes", j, n, len(b))
-	}
-	epochs = make([]uint64, n)
-	for i := range epochs {
-		epochs[i] = binary.LittleEndian.Uint64(b[10+8*i:])
-	}
-	if flags = binary.LittleEndian.Uint64(b[10+8*n:]); flags != pagedFlags {
-		return bad("flags %#x, want %#x", flags, pagedFlags)
-	}
-	return int64(j), epochs, flags, nil
-}
-
-// formatPaged writes the first root (generation 1: no entries, the
-// journal from block 0) of a paged set.
-func formatPaged(dev device.Device, sb *Superblock, nvols int) error {
-	return pages.Format(dev, pagedLayout(sb), encodePagedPayload(0, make([]uint64, nvols), make([]int64, nvols)))
+// newPagedIndex is the paged index of a store just read: its superseded
+// versions' trees, the volumes' trees to come (pagedBaseLocked).
+func newPagedIndex(st *pages.Store, sups []*index.Stree) *pagedIndex {
+	return &pagedIndex{st: st, trees: make([]*index.Ptree, len(sups)), sups: sups}
 }
 
 // writePagedCheckpoint is checkpointLocked's write for a paged set: the
@@ -157,8 +62,8 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 	if h.Gen != st.Gen()+1 {
 		return fmt.Errorf("%w: paged checkpoint of generation %d after root %d", ErrInvalid, h.Gen, st.Gen())
 	}
-	if len(trees) > maxPagedVolumes {
-		return fmt.Errorf("%w: %d volume slots in a paged set (at most %d)", ErrInvalid, len(trees), maxPagedVolumes)
+	if len(trees) > pages.MaxVolumes {
+		return fmt.Errorf("%w: %d volume slots in a paged set (at most %d)", ErrInvalid, len(trees), pages.MaxVolumes)
 	}
 	p0, b0 := st.PagesWritten, st.BytesWritten
 	tab, err := st.Table(len(gens))
@@ -202,7 +107,7 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 	for vi := range dirty {
 		dirty[vi] = int64(vers[vi].Dirty)
 	}
-	if err := st.Checkpoint(encodePagedPayload(h.JPos.Blk, epochs, dirty)); err != nil {
+	if err := st.Checkpoint(pages.EncodePayload(h.JPos.Blk, epochs, dirty)); err != nil {
 		return err
 	}
 	p.trees, p.sups = trees, sups
@@ -222,7 +127,7 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 
 // pagedCounter moves the bucket table's live and dirty counts by one
 // difference applied to the page trees: the durable root's counts are its
-// trees' (pagedCounts), so they follow the differences.
+// trees' (pages.FlagCounts), so they follow the differences.
 func pagedCounter(tab *pages.Table, bpb int64) func(e index.Ent, dirty bool, d int) {
 	return func(e index.Ent, dirty bool, d int) {
 		b := int(int64(e.Block()) / bpb)
@@ -466,246 +371,22 @@ func (p *pagedIndex) check(gens []uint32, bpb int64) error {
 			p.sups[vi].Ascend(func(e index.Ent) bool { cd.Vols[vi].Sup = append(cd.Vols[vi].Sup, index.Ver{Loc: e.Loc}); return true })
 		}
 	}
-	return pagedCountsOf(cd, bpb, tab)
-}
-
-// readPagedCheckpoint is ReadCheckpoint for a paged set: the newest valid
-// root and every page of its trees, as the checkpoint they stand for, with
-// the store for the next checkpoint (openPagedRoot, then readPagedLeaves).
-// Damage is a corruption error (IsCorruption), never a panic.
-func readPagedCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (ondisk.CkptHeader, *ondisk.CkptData, *pagedIndex, string, error) {
-	pr, err := openPagedRoot(dev, sb)
-	if err != nil {
-		return ondisk.CkptHeader{}, nil, nil, "", err
-	}
-	cd, p, err := readPagedLeaves(pr, sb, volBlocks, false)
-	if err != nil {
-		return ondisk.CkptHeader{}, nil, nil, "", err
-	}
-	return pr.hdr, cd, p, pr.warn, nil
-}
-
-// pagedRoot is what a paged Open reads first: the newest valid root, its
-// inner pages and bucket table (pages.Open), and its payload.
-type pagedRoot struct {
-	st     *pages.Store
-	hdr    ondisk.CkptHeader
-	epochs []uint64 // each volume slot's flush epoch
-	dirty  []int64  // each volume slot's dirty live entries; nil: the root does not say
-	flags  uint64
-	tab    *pages.Table
-	warn   string // the other root is not intact
-}
-
-func openPagedRoot(dev device.Device, sb *Superblock) (*pagedRoot, error) {
-	st, payload, err := pages.Open(dev, pagedLayout(sb), pagedCachePages)
-	if err != nil {
-		return nil, err
-	}
-	jblk, epochs, flags, err := decodePagedPayload(payload, sb)
-	if err != nil {
-		return nil, err
-	}
-	tab, err := st.Table(int(sb.NBuckets))
-	if err != nil {
-		return nil, ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "%v", err)
-	}
-	for _, id := range st.TreeIDs() {
-		if vi := int(id &^ pages.SupTree); vi >= len(epochs) {
-			return nil, ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "tree %#x beyond the root's %d volume slots", id, len(epochs))
-		}
-	}
-	pr := &pagedRoot{st: st, epochs: epochs, dirty: decodePagedDirty(payload, len(epochs)), flags: flags, tab: tab,
-		hdr: ondisk.CkptHeader{Nonce: sb.Nonce(), Gen: st.Gen(), JPos: ondisk.JournalPos{Blk: jblk}}}
-	if _, perr := st.Previous(); perr != nil {
-		pr.warn = fmt.Sprintf("the other index root is not intact (%v): recovered from root generation %d", perr, st.Gen())
-	}
-	return pr, nil
-}
-
-// readPagedLeaves reads the leaves of the root pr as the checkpoint they
-// stand for: in page order with few large reads (pages.Tree.ReadLeaves),
-// decoded straight into the checkpoint's entries, which pass the checks a
-// checkpoint slot's body passes (checkPagedData). With supOnly it reads
-// only the trees of superseded versions (a lazy Open: lazyleaves.go), and
-// the checks that need every entry are left to the leaves' loads and to
-// `check`.
-func readPagedLeaves(pr *pagedRoot, sb *Superblock, volBlocks []uint64, supOnly bool) (*ondisk.CkptData, *pagedIndex, error) {
-	fail := func(err error) (*ondisk.CkptData, *pagedIndex, error) { return nil, nil, err }
-	st, tab, epochs := pr.st, pr.tab, pr.epochs
-	nv := len(epochs)
-	total := uint32(sb.NBuckets * sb.BlocksPerBucket())
-	cd := &ondisk.CkptData{Gens: make([]uint32, sb.NBuckets), Vols: make([]ondisk.CkptVol, nv)}
-	for i := range cd.Gens {
-		cd.Gens[i] = tab.Get(i).Gen
-	}
-	var epochOf []uint64
-	if !supOnly {
-		epochOf = make([]uint64, total)
-	}
-	p := &pagedIndex{st: st, trees: make([]*index.Ptree, nv), sups: make([]*index.Stree, nv)}
-	for vi := range cd.Vols {
-		cd.Vols[vi].Epoch, cd.Vols[vi].EpochOf = epochs[vi], epochOf
-	}
-	for _, id := range st.TreeIDs() {
-		vi := int(id &^ pages.SupTree)
-		sup := id&pages.SupTree != 0
-		if supOnly && !sup {
-			continue
-		}
-		t := st.Tree(id)
-		leaves := make([][]index.Ent, t.Leaves())
-		var eps [][]uint64 // superseded versions' epochs, by leaf
-		if sup {
-			eps = make([][]uint64, len(leaves))
-		}
-		err := t.ReadLeaves(func(i int, pg *pages.Page) error {
-			es := make([]index.Ent, pg.Count())
-			for j := range es {
-				sl := pg.Slot(j)
-				b := sl.Loc &^ index.DirtyBit
-				if b >= total || sl.BGen != 0 || (sup && sl.Loc&index.DirtyBit == 0) || (sl.Loc&index.DirtyBit == 0 && sl.Epoch != 0) {
-					return ondisk.Corruptf("index page", -1, pages.PageSize, "tree %#x: slot %+v names cache block %d of %d, a bucket generation, or an epoch for a clean block", id, sl, b, total)
-				}
-				es[j] = index.Ent{LBA: sl.LBA, Loc: sl.Loc, CRC: sl.CRC}
-				if sup {
-					es[j].Loc = b
-					if j == 0 {
-						eps[i] = make([]uint64, len(es))
-					}
-					eps[i][j] = sl.Epoch
-				} else if sl.Loc&index.DirtyBit != 0 {
-					epochOf[b] = sl.Epoch
-				}
-			}
-			leaves[i] = es
-			return nil
-		})
-		if err != nil {
-			return fail(err)
-		}
-		n := 0
-		for _, l := range leaves {
-			n += len(l)
-		}
-		if n != t.Len() {
-			return fail(ondisk.Corruptf("index root", sb.CkptOff[0], 2*pages.PageSize, "tree %#x: the root says %d slots, its leaves hold %d", id, t.Len(), n))
-		}
-		ents := make([]index.Ent, 0, n)
-		for i, l := range leaves {
-			ents = append(ents, l...)
-			leaves[i] = nil
-		}
-		cv := &cd.Vols[vi]
-		if !sup {
-			cv.Ents = ents // p.trees: pagedBaseLocked
-			continue
-		}
-		sp := index.NewStree()
-		var vers []index.Ver
-		k := 0
-		for _, ep := range eps {
-			for _, e := range ep {
-				x := ents[k]
-				vers = append(vers, index.Ver{Epoch: e, LBA: x.LBA, Loc: x.Loc, CRC: x.CRC})
-				sp.ReplaceOrInsert(x)
-				k++
-			}
-		}
-		slices.SortFunc(vers, index.CmpVer)
-		cv.Sup = vers
-		p.sups[vi] = sp
-	}
-	if supOnly {
-		return cd, p, nil
-	}
-	if err := checkPagedData(cd, sb, volBlocks); err != nil {
-		return fail(ondisk.Placed(err, sb.CkptOff[0], 2*sb.CkptLen))
-	}
-	if err := pagedCountsOf(cd, sb.BlocksPerBucket(), tab); err != nil {
-		return fail(err)
-	}
-	return cd, p, nil
-}
-
-// pagedCountsOf counts each bucket's live blocks (entries and superseded
-// versions) and dirty ones in cd: a bucket table that says otherwise is
-// corruption.
-func pagedCountsOf(cd *ondisk.CkptData, bpb int64, tab *pages.Table) error {
-	live := make([]uint16, tab.Len())
-	dirty := make([]uint16, tab.Len())
-	for _, cv := range cd.Vols {
-		for _, e := range cv.Ents {
-			b := int64(e.Block()) / bpb
-			live[b]++
-			if e.Dirty() {
-				dirty[b]++
-			}
-		}
-		for _, x := range cv.Sup {
-			b := int64(x.Loc) / bpb
-			live[b]++
-			dirty[b]++
-		}
-	}
-	for i := range live {
-		r := tab.Get(i)
-		if r.Live != live[i] || r.Dirty != dirty[i] {
-			return ondisk.Corruptf("index page", -1, pages.PageSize, "bucket table: bucket %d counts %d live and %d dirty blocks, the trees name %d and %d", i, r.Live, r.Dirty, live[i], dirty[i])
-		}
-	}
-	return nil
-}
-
-// checkPagedData checks the checkpoint read from pages as
-// ondisk.DecodeCkptBody checks a checkpoint slot's body: every entry of
-// a volume slot the superblock lists, in strictly increasing LBA order,
-// naming a cache block of the set that nothing else names; a dirty
-// entry's epoch at most its volume's; superseded versions in (epoch, lba)
-// order, each of a block nothing else names and older than the dirty
-// live entry of its LBA (invariant 13).
-func checkPagedData(cd *ondisk.CkptData, sb *Superblock, volBlocks []uint64) error {
-	total := uint64(sb.NBuckets * sb.BlocksPerBucket())
-	seen := index.NewBitset(int(total))
-	blocksOf := func(v int) uint64 {
-		if v < len(volBlocks) {
-			return volBlocks[v]
-		}
-		return 0
-	}
-	for vi := range cd.Vols {
-		cv := &cd.Vols[vi]
-		for i, x := range cv.Ents {
-			if x.LBA >= blocksOf(vi) || uint64(x.Block()) >= total || (i > 0 && x.LBA <= cv.Ents[i-1].LBA) || seen.Get(int(x.Block())) {
-				return ondisk.Badf("index pages", "volume %d entry %d (lba %d loc %d) out of order or out of range", vi, i, x.LBA, x.Block())
-			}
-			if x.Dirty() && cv.EpochOf[x.Block()] > cv.Epoch {
-				return ondisk.Badf("index pages", "volume %d: epoch %d for cache block %d beyond the volume's epoch %d", vi, cv.EpochOf[x.Block()], x.Block(), cv.Epoch)
-			}
-			seen.Set(int(x.Block()))
-		}
-	}
-	for vi := range cd.Vols {
-		cv := &cd.Vols[vi]
-		for i, x := range cv.Sup {
-			if x.LBA >= blocksOf(vi) || uint64(x.Loc) >= total || seen.Get(int(x.Loc)) || x.Epoch > cv.Epoch {
-				return ondisk.Badf("index pages", "volume %d: superseded version %+v out of range or owned twice", vi, x)
-			}
-			j, found := slices.BinarySearchFunc(cv.Ents, x.LBA, func(e index.Ent, lba uint64) int { return cmp.Compare(e.LBA, lba) })
-			if (i > 0 && !index.VerLess(cv.Sup[i-1], x)) || !found || !cv.Ents[j].Dirty() || cv.EpochOf[cv.Ents[j].Block()] <= x.Epoch {
-				return ondisk.Badf("index pages", "volume %d: superseded version %+v out of order or not older than a dirty entry", vi, x)
-			}
-			seen.Set(int(x.Loc))
-		}
-	}
-	return nil
+	return pages.CountsOf(cd, bpb, tab)
 }
 
 // readCheckpoint reads the set's newest checkpoint: a checkpoint slot, or
 // for a paged set the newest root and its pages (pg then holds them).
 func readCheckpoint(dev device.Device, sb *Superblock, volBlocks []uint64) (h ondisk.CkptHeader, cd *ondisk.CkptData, pg *pagedIndex, warn string, err error) {
 	if sb.HasFeature(ondisk.FeaturePagedIndex) {
-		return readPagedCheckpoint(dev, sb, volBlocks)
+		pr, err := pages.OpenSet(dev, sb)
+		if err != nil {
+			return ondisk.CkptHeader{}, nil, nil, "", err
+		}
+		cd, sups, err := pr.ReadCheckpoint(sb, volBlocks, false)
+		if err != nil {
+			return ondisk.CkptHeader{}, nil, nil, "", err
+		}
+		return pr.Hdr, cd, newPagedIndex(pr.Store, sups), pr.Warn, nil
 	}
 	h, cd, warn, err = ondisk.ReadCheckpoint(dev, sb, volBlocks)
 	return h, cd, nil, warn, err

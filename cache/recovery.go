@@ -55,6 +55,7 @@ import (
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/mirror"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/pages"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/invariants"
 )
@@ -935,17 +936,17 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	dch := make(chan decoded, 1)
 	var hdr ondisk.CkptHeader
-	var pr *pagedRoot
+	var pr *pages.SetRoot
 	if sb.HasFeature(ondisk.FeaturePagedIndex) {
 		// The root, its inner pages and bucket table (pagedckpt.go);
 		// the leaves once the journal is read: all of them, or for a
 		// lazy Open those of the superseded versions (lazyleaves.go).
-		if pr, err = openPagedRoot(cacheDev, sb); err != nil {
+		if pr, err = pages.OpenSet(cacheDev, sb); err != nil {
 			return nil, fmt.Errorf("open: %w", err)
 		}
-		hdr = pr.hdr
-		if pr.warn != "" {
-			log.Warn("recovering without the previous index root", "why", pr.warn)
+		hdr = pr.Hdr
+		if pr.Warn != "" {
+			log.Warn("recovering without the previous index root", "why", pr.Warn)
 		}
 	} else {
 		var body []byte
@@ -979,8 +980,10 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	lazy := jr.err == nil && lazyEligible(pr, jr.n, policy, mir != nil, opts.testing)
 	if pr != nil {
-		cd, pg, err := readPagedLeaves(pr, sb, volBlocks, lazy)
-		s.pg = pg
+		cd, sups, err := pr.ReadCheckpoint(sb, volBlocks, lazy)
+		if err == nil {
+			s.pg = newPagedIndex(pr.Store, sups)
+		}
 		dch <- decoded{cd, err}
 	}
 	d := <-dch
