@@ -63,7 +63,7 @@ func reopen(t *testing.T, s *Set) (*Set, error) {
 	for _, v := range s.vols {
 		specs = append(specs, BackingSpec{Name: v.name, Dev: v.back})
 	}
-	s2, err := Open(s.dev.get(), specs, OpenOptions{})
+	s2, err := Open(s.dev.Get(), specs, OpenOptions{})
 	if err == nil {
 		t.Cleanup(s2.crashStop)
 		checkAfter(t, s2)
@@ -115,7 +115,7 @@ func TestJournalTailDamage(t *testing.T) {
 		for _, v := range s.vols {
 			specs = append(specs, BackingSpec{Name: v.name, Dev: v.back})
 		}
-		s2, err := Open(s.dev.get(), specs, OpenOptions{AcceptJournalLoss: true})
+		s2, err := Open(s.dev.Get(), specs, OpenOptions{AcceptJournalLoss: true})
 		if err != nil {
 			t.Fatalf("zero=%t: open accepting the loss: %v", zero, err)
 		}
@@ -133,7 +133,7 @@ func damageBlock(t *testing.T, s *Set, off int64, zero bool) {
 		if _, err := s.dev.WriteAt(make([]byte, blockSize), off); err != nil {
 			t.Fatal(err)
 		}
-	} else if err := s.dev.get().(interface{ Corrupt(int64, int) error }).Corrupt(off+700, 3); err != nil {
+	} else if err := s.dev.Get().(interface{ Corrupt(int64, int) error }).Corrupt(off+700, 3); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -160,7 +160,7 @@ func rollBackHead(t *testing.T, s *Set) {
 // was durable once: Open reports corruption with offset and checksums.
 func TestJournalCorruption(t *testing.T) {
 	s, _, _, off1, _ := journalSetup(t)
-	if err := s.dev.get().(interface{ Corrupt(int64, int) error }).Corrupt(off1+200, 1); err != nil {
+	if err := s.dev.Get().(interface{ Corrupt(int64, int) error }).Corrupt(off1+200, 1); err != nil {
 		t.Fatal(err)
 	}
 	_, err := reopen(t, s)

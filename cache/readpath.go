@@ -406,7 +406,7 @@ const maxAsyncHit = 128 << 10
 // device's goroutine is a batch of one).
 func (v *Volume) StartReadAt(p []byte, off int64, done func(err error, later func(func()))) bool {
 	s := v.s
-	ar, ok := s.dev.asyncReader()
+	ar, ok := s.dev.AsyncReader()
 	if !ok || len(p) == 0 || len(p) > maxAsyncHit || off%blockSize != 0 || len(p)%blockSize != 0 || s.isFailed() {
 		return false
 	}

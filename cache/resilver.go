@@ -129,7 +129,7 @@ func (s *Set) attachMirror(dev device.Device, force bool) error {
 	if s.mir() != nil {
 		return nil // attached by a call before: replace it (BeginResilver refuses a second)
 	}
-	a := s.dev.get()
+	a := s.dev.Get()
 	s.sbMu.Lock()
 	lay := mirrorLayout(s.sb)
 	s.sbMu.Unlock()
@@ -154,7 +154,7 @@ func (s *Set) attachMirror(dev device.Device, force bool) error {
 	}
 	s.mirp.Store(m)
 	s.mirrorWatch()
-	s.dev.swap(m)
+	s.dev.Swap(m)
 	s.log.Warn("mirror attached: the cache set is a mirror degraded on A until the resilver of B ends")
 	return nil
 }

@@ -22,7 +22,7 @@ import (
 type Set struct {
 	// dev is the cache device: the device Open was given, or the mirror
 	// (mirp) put in its place by Open or by an attach (mirror.go).
-	dev *setDev
+	dev *mirror.Swappable
 	// mirp is the mirror when the set is mirrored (FeatureMirror), else
 	// nil; it becomes non-nil once, by an attach of a mirror while the set
 	// serves (s.mir()).
@@ -172,7 +172,7 @@ type setStats struct {
 // newSet builds the Set of the superblock sb read from dev: no volume, an
 // empty index, nothing started.
 func newSet(dev device.Device, sb *Superblock, log *slog.Logger) *Set {
-	s := &Set{dev: newSetDev(dev), lay: sb.Clone(), sb: sb, nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(), log: log,
+	s := &Set{dev: mirror.NewSwappable(dev), lay: sb.Clone(), sb: sb, nonce: sb.Nonce(), bpb: sb.BlocksPerBucket(), log: log,
 		kickGC: make(chan struct{}, 1), kickCommit: make(chan struct{}, 1),
 		commitDue: make(chan struct{}, 1), stop: make(chan struct{})}
 	s.mu.cond = sync.NewCond(&s.mu.Mutex)
