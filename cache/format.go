@@ -65,7 +65,7 @@ func ParseSetting(s *Settings, key, value string) error { return ondisk.ParseSet
 func ReadSuperblock(cacheDev device.Device) (*Superblock, error) {
 	sb, _, err := ondisk.ReadSuperblock(cacheDev)
 	if err != nil && IsCorruption(err) && MirrorMember(cacheDev) == "B" {
-		sb, _, err = ondisk.ReadSuperblock(layoutSized{cacheDev})
+		sb, _, err = ondisk.ReadSuperblock(mirror.LayoutSized{Device: cacheDev})
 	}
 	return sb, err
 }
@@ -259,7 +259,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 		return nil, fmt.Errorf("format: computed layout invalid: %w", err)
 	}
 	if opts.Mirror != nil {
-		if err := mirror.CheckSize(mirrorLayout(sb), opts.Mirror.Size()); err != nil {
+		if err := mirror.CheckSize(mirror.LayoutOf(sb), opts.Mirror.Size()); err != nil {
 			return nil, fmt.Errorf("%w: %v", ErrInvalid, err)
 		}
 		sb.Features |= ondisk.FeatureMirror
@@ -296,7 +296,7 @@ func Format(cacheDev device.Device, backings []BackingSpec, opts FormatOptions) 
 	}
 	if opts.Mirror != nil {
 		// From here on the metadata goes to both members.
-		m, err := formatMirror(cacheDev, opts.Mirror, sb)
+		m, err := mirror.Format(cacheDev, opts.Mirror, sb)
 		if err != nil {
 			return nil, fmt.Errorf("format: %w", err)
 		}

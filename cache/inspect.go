@@ -40,37 +40,9 @@ type CheckpointSlot = ondisk.CheckpointSlot
 // or for a set formatted with index pages both roots.
 func ReadCheckpointSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
 	if sb.HasFeature(ondisk.FeaturePagedIndex) {
-		return readRootSlots(dev, sb)
+		return pages.ReadSetRootSlots(dev, sb)
 	}
 	return ondisk.ReadCheckpointSlots(dev, sb)
-}
-
-func readRootSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
-	var out [2]CheckpointSlot
-	lay := pages.SetLayout(sb)
-	rs, err := pages.ReadRoots(dev, lay)
-	for i := range out {
-		out[i] = CheckpointSlot{Index: i, Offset: lay.Off + int64(i)*pages.PageSize, IndexRoot: true}
-		if err != nil {
-			out[i].Err = err
-			continue
-		}
-		r := rs[i]
-		if r.Err == nil {
-			out[i].JournalBlock, _, _, r.Err = pages.DecodePayload(r.Root.Payload, sb)
-		}
-		if r.Err != nil {
-			out[i].Err = r.Err
-			continue
-		}
-		out[i].Generation = r.Root.Gen
-		for _, t := range r.Root.Trees {
-			if t.ID != pages.TableTree {
-				out[i].Trees++
-			}
-		}
-	}
-	return out
 }
 
 // IndexPages describes the page area of a set formatted with index pages

@@ -3,7 +3,6 @@ package cache
 import (
 	"errors"
 	"fmt"
-	"log/slog"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/mirror"
@@ -19,55 +18,6 @@ import (
 // resync after an unclean shutdown and the mirror's part of the stats.
 // docs/DESIGN.md, "Mirrored cache devices".
 
-func mirrorLayout(sb *Superblock) mirror.Layout {
-	return mirror.Layout{Nonce: sb.Nonce(), BucketsOff: sb.BucketsOff, BucketSize: sb.BucketSize, NBuckets: sb.NBuckets}
-}
-
-// formatMirror writes the labels of a new mirror of sb's set on a and b
-// and returns the mirror, every slot free.
-func formatMirror(a, b device.Device, sb *Superblock) (*mirror.Mirror, error) {
-	l, err := mirror.NewLabel(sb.Nonce())
-	if err != nil {
-		return nil, err
-	}
-	if err := mirror.WriteNew(a, b, l); err != nil {
-		return nil, err
-	}
-	m, err := mirror.Assemble(a, b, false, nil)
-	if err != nil {
-		return nil, err
-	}
-	return m, m.Init(mirrorLayout(sb))
-}
-
-// openMirror assembles the mirror of the set on a and b (either may be
-// nil when missing) and returns it with the set's superblock, read from
-// its primary member.
-func openMirror(a, b device.Device, allowMissing bool, log *slog.Logger) (*mirror.Mirror, *Superblock, error) {
-	m, err := mirror.Assemble(a, b, allowMissing, log)
-	if err != nil {
-		return nil, nil, fmt.Errorf("open: %w", err)
-	}
-	// Through the mirror, so that a read error on A is served from B's
-	// copy (and A repaired or failed) rather than failing the open.
-	var sbDev device.Device = m
-	if m.Primary() == mirror.B {
-		// B is smaller than the layout its superblock describes (A's).
-		sbDev = layoutSized{m.Device(mirror.B)}
-	}
-	sb, _, err := ondisk.ReadSuperblock(sbDev)
-	if err != nil {
-		return nil, nil, err
-	}
-	if !sb.HasFeature(ondisk.FeatureMirror) {
-		return nil, nil, fmt.Errorf("open: %w: the set on the mirror's members is not mirrored (an attach-mirror that stopped before its first step was durable leaves it so: open the set on its cache device alone, and attach the mirror again)", ErrInvalid)
-	}
-	if err := m.Init(mirrorLayout(sb)); err != nil {
-		return nil, nil, fmt.Errorf("open: %w", err)
-	}
-	return m, sb, nil
-}
-
 // refuseMirrored refuses an offline change written to one cache device
 // when the set is mirrored: the other member would go stale unnoticed.
 func refuseMirrored(sb *Superblock, what string) error {
@@ -76,12 +26,6 @@ func refuseMirrored(sb *Superblock, what string) error {
 	}
 	return nil
 }
-
-// layoutSized is member B read for its superblock, which describes A's
-// layout: the size check against the device is A's to pass.
-type layoutSized struct{ device.Device }
-
-func (layoutSized) Size() int64 { return 1 << 62 }
 
 // mirrorDegraded reports whether the set is mirrored and runs on one
 // member: its dirty data has one copy, so writeback runs at full speed

@@ -867,16 +867,16 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	}
 	switch {
 	case opts.Mirror != nil || cacheDev == nil:
-		mir, sb, err = openMirror(cacheDev, opts.Mirror, opts.MirrorMissing, log)
+		mir, sb, err = mirror.Open(cacheDev, opts.Mirror, opts.MirrorMissing, log)
 	case labelled:
-		// One member of a mirrored set alone (openMirror checks the
+		// One member of a mirrored set alone (mirror.Open checks the
 		// superblock says so). It may be stale: its label must say the
 		// other failed, or MirrorMissing accept it.
 		a, b := cacheDev, device.Device(nil)
 		if label.Role == mirror.B {
 			a, b = nil, cacheDev
 		}
-		mir, sb, err = openMirror(a, b, opts.MirrorMissing, log)
+		mir, sb, err = mirror.Open(a, b, opts.MirrorMissing, log)
 	default:
 		sb, _, err = ondisk.ReadSuperblock(cacheDev)
 		if err == nil && sb.HasFeature(ondisk.FeatureMirror) {

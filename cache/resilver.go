@@ -131,7 +131,7 @@ func (s *Set) attachMirror(dev device.Device, force bool) error {
 	}
 	a := s.dev.Get()
 	s.sbMu.Lock()
-	lay := mirrorLayout(s.sb)
+	lay := mirror.LayoutOf(s.sb)
 	s.sbMu.Unlock()
 	if err := mirror.CheckAttach(a, dev, lay, force); err != nil {
 		return err

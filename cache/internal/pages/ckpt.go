@@ -336,3 +336,34 @@ func checkData(cd *ondisk.CkptData, sb *ondisk.Superblock, volBlocks []uint64) e
 	}
 	return nil
 }
+
+// ReadSetRootSlots reads both root slots of a paged set for inspection,
+// as ondisk.ReadCheckpointSlots reads a set's checkpoint slots: each
+// slot's generation, journal block and trees, or why it is not valid.
+func ReadSetRootSlots(dev device.Device, sb *ondisk.Superblock) [2]ondisk.CheckpointSlot {
+	var out [2]ondisk.CheckpointSlot
+	lay := SetLayout(sb)
+	rs, err := ReadRoots(dev, lay)
+	for i := range out {
+		out[i] = ondisk.CheckpointSlot{Index: i, Offset: lay.Off + int64(i)*PageSize, IndexRoot: true}
+		if err != nil {
+			out[i].Err = err
+			continue
+		}
+		r := rs[i]
+		if r.Err == nil {
+			out[i].JournalBlock, _, _, r.Err = DecodePayload(r.Root.Payload, sb)
+		}
+		if r.Err != nil {
+			out[i].Err = r.Err
+			continue
+		}
+		out[i].Generation = r.Root.Gen
+		for _, t := range r.Root.Trees {
+			if t.ID != TableTree {
+				out[i].Trees++
+			}
+		}
+	}
+	return out
+}
