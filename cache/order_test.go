@@ -4,6 +4,8 @@ import (
 	"context"
 	"maps"
 	"math/rand/v2"
+	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -419,5 +421,59 @@ func TestRestoreWaitsForStreams(t *testing.T) {
 	}
 	if vs := v.Stats(); !vs.BackingConsistent || vs.WritebackDegrades != 1 {
 		t.Fatalf("catchUpAfter after the stream: consistent %v, %d degrades; want yes, 1", vs.BackingConsistent, vs.WritebackDegrades)
+	}
+}
+
+// TestRestoreOrderWaitsForBackingWrites: a degraded volume with no dirty
+// data but a backing write in flight (a claim of a passthrough write or of
+// a writeback batch) returns to epoch order once that write ends:
+// restoreOrder waits for the claim and then restores. Before 0fa6c03 it
+// gave up while any claim was held (and while writeback had versions in
+// flight), so the volume stayed degraded until the loop looked again.
+func TestRestoreOrderWaitsForBackingWrites(t *testing.T) {
+	s, _, _ := newTestSetKnobs(t, testingKnobs{noBackground: true}, 16, 1<<20, 64<<20)
+	v := s.vols[0]
+	st := v.Settings()
+	st.WritebackOrder = OrderEpoch
+	if err := v.SetSettings(st); err != nil {
+		t.Fatal(err)
+	}
+	v.degrade(degradeSequential)
+	if st := v.Stats(); st.BackingConsistent || st.DirtyBlocks != 0 {
+		t.Fatalf("after the degrade: consistent %v, %d dirty; want not consistent, none dirty", st.BackingConsistent, st.DirtyBlocks)
+	}
+	claim := blockRange{0, 8}
+	s.mu.Lock()
+	v.idx.busy = append(v.idx.busy, claim)
+	s.mu.Unlock()
+	done := make(chan bool, 1)
+	go func() { done <- v.restoreOrder() }()
+	// Until this test's goroutine waits in restoreOrder for the claim
+	// (its stack says so; no other goroutine runs restoreOrder here).
+	waiting := func() bool {
+		buf := make([]byte, 1<<20)
+		for _, g := range strings.Split(string(buf[:runtime.Stack(buf, true)]), "\n\n") {
+			if strings.Contains(g, "TestRestoreOrderWaitsForBackingWrites.func") && strings.Contains(g, "sync.(*Cond).Wait") {
+				return true
+			}
+		}
+		return false
+	}
+	for !waiting() {
+		select {
+		case ok := <-done:
+			t.Fatalf("restoreOrder returned %v with a backing write in flight; want it to wait for the write", ok)
+		default:
+			runtime.Gosched()
+		}
+	}
+	s.mu.Lock()
+	v.releaseLocked([]blockRange{claim})
+	s.mu.Unlock()
+	if !<-done {
+		t.Fatal("restoreOrder: not restored once the backing write ended")
+	}
+	if st := v.Stats(); !st.BackingConsistent || !st.InconsistentSince.IsZero() {
+		t.Fatalf("after the restore: consistent %v, inconsistent since %v; want consistent", st.BackingConsistent, st.InconsistentSince)
 	}
 }
