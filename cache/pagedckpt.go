@@ -75,7 +75,7 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 		r.Gen = g
 		tab.Set(i, r) // an unchanged record changes no page
 	}
-	count := pagedCounter(tab, s.bpb)
+	count := pages.TableCounter(tab, s.bpb)
 	released := len(st.Alloc().ReleasedPages())
 	var applied int
 	counted := func(e index.Ent, dirty bool, d int) { applied++; count(e, dirty, d) }
@@ -91,10 +91,10 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 			newT, newS, epochOf = trees[vi], vers[vi].Sup, vers[vi].EpochOf
 			sups[vi] = newS
 		}
-		if err := s.applyDiff(st, uint16(vi), oldT, newT, epochOf, counted); err != nil {
+		if err := pages.ApplyDiff(st, uint16(vi), oldT, newT, epochOf, counted); err != nil {
 			return err
 		}
-		if err := s.applySupDiff(st, uint16(vi)|pages.SupTree, oldS, newS, epochOf, counted); err != nil {
+		if err := pages.ApplySupDiff(st, uint16(vi)|pages.SupTree, oldS, newS, epochOf, counted); err != nil {
 			return err
 		}
 	}
@@ -125,27 +125,12 @@ func (s *Set) writePagedCheckpoint(h ondisk.CkptHeader, gens []uint32, epochs []
 	return nil
 }
 
-// pagedCounter moves the bucket table's live and dirty counts by one
-// difference applied to the page trees: the durable root's counts are its
-// trees' (pages.FlagCounts), so they follow the differences.
-func pagedCounter(tab *pages.Table, bpb int64) func(e index.Ent, dirty bool, d int) {
-	return func(e index.Ent, dirty bool, d int) {
-		b := int(int64(e.Block()) / bpb)
-		r := tab.Get(b)
-		r.Live = uint16(int(r.Live) + d)
-		if dirty {
-			r.Dirty = uint16(int(r.Dirty) + d)
-		}
-		tab.Set(b, r)
-	}
-}
-
 // pagedBaseLocked is Open's step between recovery and its first
 // checkpoint for a paged set. The page trees hold the checkpoint cd
 // (read from them); recovery has rebuilt the index from cd and the
 // journal. It applies the differences between cd's entries and the
 // recovered trees to the page trees (their leaves read together,
-// diffApplier) and takes the recovered trees' copy-on-write clones as
+// pages.ApplyDiffSorted) and takes the recovered trees' copy-on-write clones as
 // the snapshot the page trees hold (pagedIndex.trees). So the page trees
 // need no index tree of their own built at Open, and the checkpoint that
 // follows compares trees that share every node recovery did not change.
@@ -169,7 +154,7 @@ func (s *Set) pagedBaseLocked(cd *ondisk.CkptData) error {
 	if err != nil {
 		return err
 	}
-	count := pagedCounter(tab, s.bpb)
+	count := pages.TableCounter(tab, s.bpb)
 	epochOf := s.mu.SnapshotEpochs()
 	p.trees = make([]*index.Ptree, max(len(cd.Vols), len(s.vols)))
 	for len(p.sups) < len(p.trees) {
@@ -184,140 +169,11 @@ func (s *Set) pagedBaseLocked(cd *ondisk.CkptData) error {
 		if vi < len(s.vols) {
 			cur = s.vols[vi].idx.Tree.Clone()
 		}
-		b := s.newDiffApplier(p.st, uint16(vi), false, epochOf, count)
-		if err := index.DiffSorted(old, cur, b.add); err != nil {
-			return err
-		}
-		if err := b.flush(); err != nil {
+		if err := pages.ApplyDiffSorted(p.st, uint16(vi), old, cur, epochOf, count); err != nil {
 			return err
 		}
 		p.trees[vi] = cur
 	}
-	return nil
-}
-
-// slotOf is the leaf slot of entry e (live, or a superseded version).
-// The slot's bucket generation is written 0: the engine drops a reused
-// bucket's entries from the index itself, and an entry the same after
-// its bucket was reused (same block, LBA and checksum) is no difference
-// to Diff, so a generation written with the entry would go stale. The
-// table holds the generations.
-func (s *Set) slotOf(e index.Ent, sup bool, epochOf func(uint32) uint64) pages.Slot {
-	sl := pages.Slot{LBA: e.LBA, Loc: e.Loc, CRC: e.CRC}
-	if sup {
-		sl.Loc |= index.DirtyBit
-	}
-	if sl.Loc&index.DirtyBit != 0 && epochOf != nil {
-		sl.Epoch = epochOf(e.Block())
-	}
-	return sl
-}
-
-// diffBatch is the most differences applyDiff collects before applying
-// them: the leaves they touch are read first, together (pages.Tree.Hold),
-// rather than one read per leaf as Put and Delete would; the batch
-// bounds what that costs in memory (~50 B a difference).
-const diffBatch = 1 << 14
-
-// change is one difference Diff reported.
-type change struct {
-	o, n         index.Ent
-	inOld, inNew bool
-}
-
-// applyDiff applies the differences between the snapshots oldT (the
-// durable root's) and newT to page tree id, in batches of diffBatch whose
-// leaves are read together first, and counts them (count).
-func (s *Set) applyDiff(st *pages.Store, id uint16, oldT, newT *index.Ptree, epochOf func(uint32) uint64, count func(index.Ent, bool, int)) error {
-	b := s.newDiffApplier(st, id, false, epochOf, count)
-	if err := index.Diff(oldT, newT, b.add); err != nil {
-		return err
-	}
-	return b.flush()
-}
-
-func (s *Set) applySupDiff(st *pages.Store, id uint16, oldS, newS *index.Stree, epochOf func(uint32) uint64, count func(index.Ent, bool, int)) error {
-	b := s.newDiffApplier(st, id, true, epochOf, count)
-	if err := index.DiffSup(oldS, newS, b.add); err != nil {
-		return err
-	}
-	return b.flush()
-}
-
-type diffApplier struct {
-	s       *Set
-	st      *pages.Store
-	id      uint16
-	sup     bool
-	epochOf func(uint32) uint64
-	count   func(index.Ent, bool, int)
-	t       *pages.Tree
-	batch   []change
-	keys    []pages.Key
-	err     error
-}
-
-func (s *Set) newDiffApplier(st *pages.Store, id uint16, sup bool, epochOf func(uint32) uint64, count func(index.Ent, bool, int)) *diffApplier {
-	return &diffApplier{s: s, st: st, id: id, sup: sup, epochOf: epochOf, count: count}
-}
-
-func (b *diffApplier) key(e index.Ent) pages.Key {
-	if b.sup {
-		return pages.Key{LBA: e.LBA, Sub: e.Block()}
-	}
-	return pages.Key{LBA: e.LBA}
-}
-
-func (b *diffApplier) add(o, n index.Ent, inOld, inNew bool) {
-	if b.err != nil {
-		return
-	}
-	b.batch = append(b.batch, change{o, n, inOld, inNew})
-	if len(b.batch) == diffBatch {
-		b.err = b.flush()
-	}
-}
-
-// flush applies the batch: its leaves are held (read together), then
-// each difference is put or deleted.
-func (b *diffApplier) flush() error {
-	if b.err != nil || len(b.batch) == 0 {
-		return b.err
-	}
-	if b.t == nil {
-		b.t = b.st.Tree(b.id)
-	}
-	b.keys = b.keys[:0]
-	for _, c := range b.batch {
-		if c.inOld {
-			b.keys = append(b.keys, b.key(c.o))
-		}
-		if c.inNew {
-			b.keys = append(b.keys, b.key(c.n))
-		}
-	}
-	if err := b.t.Hold(b.keys); err != nil {
-		return err
-	}
-	for _, c := range b.batch {
-		if c.inOld {
-			b.count(c.o, b.sup || c.o.Dirty(), -1)
-		}
-		var err error
-		switch {
-		case c.inNew:
-			b.count(c.n, b.sup || c.n.Dirty(), +1)
-			_, _, err = b.t.Put(b.s.slotOf(c.n, b.sup, b.epochOf))
-		case b.sup:
-			_, _, err = b.t.DeleteKey(b.key(c.o))
-		default:
-			_, _, err = b.t.Delete(c.o.LBA)
-		}
-		if err != nil {
-			return err
-		}
-	}
-	b.batch = b.batch[:0]
 	return nil
 }
 
