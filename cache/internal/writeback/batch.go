@@ -254,19 +254,36 @@ func (w *Writer) write(items []Item, rep *report, stop func() bool) (int, error)
 // parallel runs f(0..n-1) with at most qd() calls in flight (asked again
 // before each call starts: the depth adapts while a batch runs), started
 // in order; after a call fails, or once done (if set) says true, no new one
-// starts. It returns every error
-// of the calls that ran (errors.Join): two runs of a batch can fail on the
-// backing device at once, and each failure must reach the caller's log,
-// not only the first.
+// starts. It returns every error of the calls that ran (errors.Join): two
+// runs of a batch can fail on the backing device at once, and each failure
+// must reach the caller's log, not only the first. A goroutine that
+// finished a call takes the next one to start, if any: a batch of many
+// short runs starts a goroutine (and grows its stack) per call in flight,
+// not per call.
 func parallel(n int, qd func() int, done func() bool, f func(i int) error) error {
 	if n == 1 {
 		return f(0)
 	}
 	var wg sync.WaitGroup
-	var mu sync.Mutex // guards inflight and errs
+	var mu sync.Mutex // guards inflight, idle and errs
 	cond := sync.NewCond(&mu)
-	inflight := 0
+	inflight, idle := 0, 0
 	var errs []error
+	next := make(chan int) // the next call, to an idle goroutine
+	run := func(i int) {
+		defer wg.Done()
+		for ok := true; ok; i, ok = <-next {
+			err := f(i)
+			mu.Lock()
+			inflight--
+			idle++
+			if err != nil {
+				errs = append(errs, err)
+			}
+			cond.Signal()
+			mu.Unlock()
+		}
+	}
 	for i := 0; i < n; i++ {
 		mu.Lock()
 		for inflight >= qd() && len(errs) == 0 {
@@ -277,20 +294,19 @@ func parallel(n int, qd func() int, done func() bool, f func(i int) error) error
 			break
 		}
 		inflight++
+		reuse := idle > 0
+		if reuse {
+			idle--
+		}
 		mu.Unlock()
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			err := f(i)
-			mu.Lock()
-			inflight--
-			if err != nil {
-				errs = append(errs, err)
-			}
-			cond.Signal()
-			mu.Unlock()
-		}()
+		if reuse {
+			next <- i
+		} else {
+			wg.Add(1)
+			go run(i)
+		}
 	}
+	close(next)
 	wg.Wait()
 	return errors.Join(errs...)
 }

@@ -1,6 +1,8 @@
 package writeback
 
 import (
+	"errors"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -139,5 +141,75 @@ func TestRunBuf(t *testing.T) {
 		if q := runBuf(2); cap(*q) != 2*blockSize {
 			t.Fatalf("run of 2 blocks got a buffer of %d bytes", cap(*q))
 		}
+	}
+}
+
+// TestParallel: parallel runs every call once with at most qd() in
+// flight, qd changing while it runs; stops starting calls once done says
+// so or a call fails, and returns every failure.
+func TestParallel(t *testing.T) {
+	const n = 2000
+	var ran [n]atomic.Int32
+	var inflight, most, started atomic.Int32
+	f := func(i int) error {
+		started.Add(1)
+		k := inflight.Add(1)
+		for m := most.Load(); k > m && !most.CompareAndSwap(m, k); m = most.Load() {
+		}
+		ran[i].Add(1)
+		if i%7 == 0 {
+			runtime.Gosched()
+		}
+		inflight.Add(-1)
+		return nil
+	}
+	var asked atomic.Int32
+	qd := func() int { return 1 + int(asked.Add(1)%8) } // 1..8
+	if err := parallel(n, qd, nil, f); err != nil {
+		t.Fatal(err)
+	}
+	for i := range ran {
+		if got := ran[i].Load(); got != 1 {
+			t.Fatalf("call %d ran %d times", i, got)
+		}
+	}
+	if m := most.Load(); m < 1 || m > 8 {
+		t.Fatalf("%d calls in flight at once, want 1..8", m)
+	}
+
+	started.Store(0)
+	if err := parallel(n, func() int { return 4 }, func() bool { return started.Load() >= 50 }, func(int) error {
+		started.Add(1)
+		return nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if got := started.Load(); got < 50 || got > 50+4 {
+		t.Fatalf("done after 50 calls: %d started", got)
+	}
+
+	// Two calls in flight fail, the first after the second: both
+	// failures are returned, and no call starts after the first of them
+	// (a call's slot frees with its failure recorded).
+	errA, errB := errors.New("a"), errors.New("b")
+	started.Store(0)
+	gate := make(chan struct{})
+	err := parallel(n, func() int { return 2 }, nil, func(i int) error {
+		started.Add(1)
+		switch i {
+		case 0:
+			<-gate
+			return errA
+		case 1:
+			defer close(gate)
+			return errB
+		}
+		return nil
+	})
+	if !errors.Is(err, errA) || !errors.Is(err, errB) {
+		t.Fatalf("parallel returned %v, want both failures", err)
+	}
+	if got := started.Load(); got != 2 {
+		t.Fatalf("%d calls started, want 2 (none after a failure)", got)
 	}
 }
