@@ -55,46 +55,46 @@ var scenarioNames = []string{"S1", "S2", "S3", "S4", "S5", "S6", "S7", "S8", "S9
 // seeds' shapes where the time budget (15 minutes on 2 cores, models on the
 // real clock) allows and says where it does not.
 type cacheSizes struct {
-	Backing      int64         // the data region at the start of each HDD image, where every workload runs
-	Disk         int64         // each HDD image (sparse past Backing): the model's whole disk
-	S1Writes     int64         // bytes of 4 KiB fsync'd random writes through tiercache (seed: 64 MiB)
-	S1HDDTime    time.Duration // cap on the same job on the plain HDD model (~135 writes/s)
-	S1AfterPairs int           // reads after the writes, per target, alternating
-	Runtime      time.Duration // measured time of time-based runs (S2, S3)
-	Ramp         time.Duration
-	S2Cache      int64
-	S3Region     int64 // working set of S3, read once to warm the cache
-	S3Cache      int64
-	S4Writes     int64
-	S5Region     int64
-	S5Rounds     int
-	S5Runtime    time.Duration
-	S5Ramp       time.Duration
-	SmallCache   int64 // S1 and S4 cache images
-	FioMaxRetry  int
-	Apps         appSizes   // S6
-	Cliff        cliffSizes // S7-S9
-	Hit          hitSizes   // S10
+	Backing     int64         // the data region at the start of each HDD image, where every workload runs
+	Disk        int64         // each HDD image (sparse past Backing): the model's whole disk
+	S1Writes    int64         // bytes of 4 KiB fsync'd random writes through tiercache (seed: 64 MiB)
+	S1HDDTime   time.Duration // cap on the same job on the plain HDD model (~135 writes/s)
+	S1Pairs     int           // reads before and after the writes, per target, alternating between the two
+	Runtime     time.Duration // measured time of time-based runs (S2, S3)
+	Ramp        time.Duration
+	S2Cache     int64
+	S3Region    int64 // working set of S3, read once to warm the cache
+	S3Cache     int64
+	S4Writes    int64
+	S5Region    int64
+	S5Rounds    int
+	S5Runtime   time.Duration
+	S5Ramp      time.Duration
+	SmallCache  int64 // S1 and S4 cache images
+	FioMaxRetry int
+	Apps        appSizes   // S6
+	Cliff       cliffSizes // S7-S9
+	Hit         hitSizes   // S10
 }
 
 func fullSizes() cacheSizes {
 	return cacheSizes{
-		Backing:      1 << 30,
-		Disk:         8 << 30, // 1 GiB at the outer edge reads at ~139 MB/s, as the seed's 137
-		S1Writes:     64 << 20,
-		S1HDDTime:    15 * time.Second,
-		S1AfterPairs: 3,
-		Runtime:      6 * time.Second,
-		Ramp:         2 * time.Second, // past the HDD model's 16 MiB write-cache burst (~1 s)
-		S2Cache:      512 << 20,
-		S3Region:     256 << 20,
-		S3Cache:      2 << 30, // 8x the working set: see docs/BENCHMARKS.md, S3 (a 512 MiB cache ran out of free buckets under 64 KiB randrw)
-		S4Writes:     8 << 20, // 2,048 fsync'd writes: epoch-order drain ~17 s, QD1 replay ~17 s
-		S5Region:     256 << 20,
-		S5Rounds:     2,
-		S5Runtime:    5 * time.Second,
-		S5Ramp:       time.Second, // RAM devices: nothing to skip but the connection's start
-		SmallCache:   256 << 20,
+		Backing:    1 << 30,
+		Disk:       8 << 30, // 1 GiB at the outer edge reads at ~139 MB/s, as the seed's 137
+		S1Writes:   64 << 20,
+		S1HDDTime:  15 * time.Second,
+		S1Pairs:    3,
+		Runtime:    6 * time.Second,
+		Ramp:       2 * time.Second, // past the HDD model's 16 MiB write-cache burst (~1 s)
+		S2Cache:    512 << 20,
+		S3Region:   256 << 20,
+		S3Cache:    2 << 30, // 8x the working set: see docs/BENCHMARKS.md, S3 (a 512 MiB cache ran out of free buckets under 64 KiB randrw)
+		S4Writes:   8 << 20, // 2,048 fsync'd writes: epoch-order drain ~17 s, QD1 replay ~17 s
+		S5Region:   256 << 20,
+		S5Rounds:   2,
+		S5Runtime:  5 * time.Second,
+		S5Ramp:     time.Second, // RAM devices: nothing to skip but the connection's start
+		SmallCache: 256 << 20,
 		Apps: appSizes{FS: 2 << 30, Cache: 1 << 30, PgScale: 10, PgClients: 10, PgTime: 30 * time.Second,
 			RocksKeys: 300000, RocksTime: 10 * time.Second},
 		Cliff: fullCliffSizes(),
@@ -104,21 +104,21 @@ func fullSizes() cacheSizes {
 
 func quickSizes() cacheSizes {
 	return cacheSizes{
-		Backing:      64 << 20,
-		Disk:         512 << 20,
-		S1Writes:     1 << 20,
-		S1HDDTime:    3 * time.Second,
-		S1AfterPairs: 1,
-		Runtime:      time.Second,
-		Ramp:         0,
-		S2Cache:      64 << 20,
-		S3Region:     16 << 20,
-		S3Cache:      64 << 20,
-		S4Writes:     1 << 20,
-		S5Region:     16 << 20,
-		S5Rounds:     1,
-		S5Runtime:    time.Second,
-		SmallCache:   64 << 20,
+		Backing:    64 << 20,
+		Disk:       512 << 20,
+		S1Writes:   1 << 20,
+		S1HDDTime:  3 * time.Second,
+		S1Pairs:    1,
+		Runtime:    time.Second,
+		Ramp:       0,
+		S2Cache:    64 << 20,
+		S3Region:   16 << 20,
+		S3Cache:    64 << 20,
+		S4Writes:   1 << 20,
+		S5Region:   16 << 20,
+		S5Rounds:   1,
+		S5Runtime:  time.Second,
+		SmallCache: 64 << 20,
 		Apps: appSizes{FS: 256 << 20, Cache: 128 << 20, PgScale: 1, PgClients: 4, PgTime: 2 * time.Second,
 			RocksKeys: 10000, RocksTime: 1 * time.Second},
 		Cliff: quickCliffSizes(),
@@ -456,7 +456,7 @@ func (c *cacheRunner) plannedSteps(scen []string) int {
 	for _, s := range scen {
 		switch s {
 		case "S1":
-			n += 5 + 2*c.sz.S1AfterPairs // HDD: read, writes; tiercache: read, writes, drain; then the reads after, alternating
+			n += 3 + 4*c.sz.S1Pairs // the reads before, alternating; HDD: writes; tiercache: writes, drain; the reads after, alternating
 		case "S2":
 			n += 4 * len(s2Jobs(c.sz))
 		case "S3":
