@@ -2,6 +2,8 @@ package bench
 
 import (
 	"math"
+	"os"
+	"os/exec"
 	"strings"
 	"testing"
 )
@@ -59,5 +61,35 @@ func TestCliffBracket(t *testing.T) {
 	rows := c.details[0].Rows
 	if len(rows) != 1+len(cases)*len(tgs) || rows[1][1] != "HDD model" || rows[1][3] != "1.20" || rows[4][1] != "HDD model, again" || rows[4][3] != "0.80" {
 		t.Errorf("table rows %q", rows)
+	}
+}
+
+// TestCliffServerCPU: a run's note gives the server's CPU time during the
+// job, read from /proc (here of the test's own process), and leaves it out
+// when it is unknown.
+func TestCliffServerCPU(t *testing.T) {
+	srv := &server{p: &process{cmd: &exec.Cmd{Process: &os.Process{Pid: os.Getpid()}}}}
+	c0, ok0 := serverCPU(srv)
+	if !ok0 {
+		t.Fatal("no CPU time for a live process")
+	}
+	var r cliffRun
+	x := uint64(1)
+	for r.cpu <= 0 { // burn CPU until the kernel has counted a tick of it
+		for range 1 << 20 {
+			x = x*6364136223846793005 + 1442695040888963407
+		}
+		r.cpuSince(srv, c0, ok0)
+	}
+	if !strings.Contains(r.note(), "server CPU ") {
+		t.Errorf("note %q lacks the server's CPU time (%v, %d)", r.note(), r.cpu, x)
+	}
+	if _, ok := serverCPU(nil); ok {
+		t.Error("CPU time of no server")
+	}
+	var none cliffRun
+	none.cpuSince(nil, c0, ok0)
+	if none.cpu != 0 || strings.Contains(none.note(), "CPU") {
+		t.Errorf("unknown CPU time reported: %v, %q", none.cpu, none.note())
 	}
 }
