@@ -241,6 +241,14 @@ func TestAttachMirrorCrash(t *testing.T) {
 			r.specs = []BackingSpec{{Name: "a", Dev: p.devs[2]}}
 			switch {
 			case i <= 1: // no FeatureMirror: a set on one device
+				// A's label, written before the crash at point 1, is a
+				// leftover that says nothing about A.
+				if _, ok, err := mirror.ReadLabel(a); err != nil || ok != (i == 1) {
+					t.Fatalf("%s: A's label: present %v (%v), want %v", p.name, ok, err, i == 1)
+				}
+				if got := MirrorMember(a); got != "" {
+					t.Fatalf("%s: MirrorMember(A) = %q on a set on one device, want \"\"", p.name, got)
+				}
 				r.open(a, nil, false)
 				if st := r.set.Stats().Mirror; st != nil {
 					t.Fatalf("%s: opened A alone: mirror %+v, want a set on one device", p.name, st)
@@ -253,6 +261,9 @@ func TestAttachMirrorCrash(t *testing.T) {
 					t.Logf("%s: A with B: %v", p.name, err)
 				}
 			case i == 2: // FeatureMirror durable, B not labelled yet
+				if got := MirrorMember(a); got != "A" {
+					t.Fatalf("%s: MirrorMember(A) = %q, want \"A\"", p.name, got)
+				}
 				if _, err := Open(a, r.specs, OpenOptions{Mirror: nb}); err == nil || !strings.Contains(err.Error(), "no mirror label") {
 					t.Fatalf("%s: opened on both: %v, want a refusal of the unlabelled B", p.name, err)
 				}

@@ -73,10 +73,25 @@ func ReadSuperblock(cacheDev device.Device) (*Superblock, error) {
 // MirrorMember returns "A" or "B" when dev is that member of a mirrored
 // set (by its mirror label), else "".
 func MirrorMember(dev device.Device) string {
-	if l, ok, _ := mirror.ReadLabel(dev); ok {
+	if l, ok, _ := memberLabel(dev); ok {
 		return l.Role.String()
 	}
 	return ""
+}
+
+// memberLabel returns dev's mirror label; labelled is false when dev holds
+// none, or only the one an attach of a mirror left on the set's one cache
+// device when it stopped before the superblock said FeatureMirror
+// (mirror.AttachLabel): that label means nothing. Errors are the device's.
+func memberLabel(dev device.Device) (l mirror.Label, labelled bool, err error) {
+	l, labelled, err = mirror.ReadLabel(dev)
+	if err != nil || !labelled || l.Role != mirror.A {
+		return l, labelled, err
+	}
+	if sb, _, err := ondisk.ReadSuperblock(dev); err == nil && !sb.HasFeature(ondisk.FeatureMirror) {
+		return l, false, nil
+	}
+	return l, true, nil
 }
 
 // BackingSpec names a backing device supplied to Format or Open.

@@ -854,15 +854,8 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 	var label mirror.Label
 	var labelled bool
 	if cacheDev != nil && opts.Mirror == nil && cacheDev.Size() >= 2*ondisk.SBCopySize {
-		if label, labelled, err = mirror.ReadLabel(cacheDev); err != nil {
+		if label, labelled, err = memberLabel(cacheDev); err != nil {
 			return nil, fmt.Errorf("open: %w", err)
-		}
-		if labelled && label.Role == mirror.A {
-			// An attach of a mirror that stopped before the superblock
-			// said FeatureMirror leaves a label on a set on one device.
-			if sb0, _, err := ondisk.ReadSuperblock(cacheDev); err == nil && !sb0.HasFeature(ondisk.FeatureMirror) {
-				labelled = false
-			}
 		}
 	}
 	switch {
