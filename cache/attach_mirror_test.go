@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"strings"
-	"sync"
-	"sync/atomic"
 	"testing"
 
 	"github.com/tiercache/tiercache/cache/internal/mirror"
@@ -62,60 +60,20 @@ func TestAttachMirrorUnderWrites(t *testing.T) {
 		t.Fatalf("before the attach: mirror %+v, %d dirty blocks; want no mirror and dirty data", st.Mirror, st.DirtyBlocks)
 	}
 	b := r.newB(32)
-	var mu sync.Mutex
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	var written atomic.Int64
-	wrote := make(chan struct{})
-	wg.Add(1)
-	go func() {
-		defer wg.Done()
-		wrng := rand.New(rand.NewPCG(22, 1))
-		for i := 0; ; i++ {
-			select {
-			case <-stop:
-				return
-			default:
-			}
-			mu.Lock()
-			id++
-			myID := id
-			mu.Unlock()
-			lba := wrng.Uint64N(2048)
-			if err := r.vol.WriteAt(mstamp(lba, myID), int64(lba)*blockSize, false); err != nil {
-				t.Errorf("write during the attach: %v", err)
-				return
-			}
-			mu.Lock()
-			if want[lba] < myID {
-				want[lba] = myID
-			}
-			mu.Unlock()
-			written.Add(1)
-			select {
-			case wrote <- struct{}{}:
-			default:
-			}
-			if i%50 == 49 {
-				if err := r.vol.Flush(); err != nil {
-					t.Errorf("flush during the attach: %v", err)
-					return
-				}
-			}
-		}
-	}()
+	var got string
+	var err error
 	var progress []ResilverProgress
 	var during []*MirrorStats
-	got, err := r.set.ReplaceMirrorMember(context.Background(), b, ResilverOptions{Progress: func(p ResilverProgress) {
-		progress = append(progress, p)
-		during = append(during, r.set.Stats().Mirror)
-		if r.set.mirrorDegraded() {
-			t.Error("writeback runs at the full speed of a degraded set during an attach")
-		}
-		<-wrote // writes interleave with every step of the copy
-	}})
-	close(stop)
-	wg.Wait()
+	written := r.writeDuring(rand.New(rand.NewPCG(22, 1)), 2048, want, &id, func(wrote <-chan struct{}) {
+		got, err = r.set.ReplaceMirrorMember(context.Background(), b, ResilverOptions{Progress: func(p ResilverProgress) {
+			progress = append(progress, p)
+			during = append(during, r.set.Stats().Mirror)
+			if r.set.mirrorDegraded() {
+				t.Error("writeback runs at the full speed of a degraded set during an attach")
+			}
+			<-wrote // writes interleave with every step of the copy
+		}})
+	})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -137,7 +95,7 @@ func TestAttachMirrorUnderWrites(t *testing.T) {
 	if err != nil || !sb.HasFeature(ondisk.FeatureMirror) {
 		t.Fatalf("A's superblock after the attach: %v, mirrored %v", err, err == nil && sb.HasFeature(ondisk.FeatureMirror))
 	}
-	t.Logf("%d writes during the attach, %d progress reports, total %d bytes", written.Load(), len(progress), progress[len(progress)-1].Total)
+	t.Logf("%d writes during the attach, %d progress reports, total %d bytes", written, len(progress), progress[len(progress)-1].Total)
 	for range 50 {
 		id++
 		lba := rng.Uint64N(2048)
@@ -182,51 +140,22 @@ func TestAttachMirrorCrash(t *testing.T) {
 	if err := r.vol.Flush(); err != nil {
 		t.Fatal(err)
 	}
-	type point struct {
-		name string
-		devs []*device.Mem // A, B, backing
-	}
-	var points []point
 	b := r.newB(16) // one slot per bucket: no attach refused for too few
-	labels, sbSeen, inMeta, inBuckets := 0, false, false, false
-	bucketsOff := r.set.lay.BucketsOff
-	clone := func(name string) {
-		c := device.CrashCloneAll(device.CrashConfig{UnsyncedKeep: 0.5, TornProb: 0.1, Rand: rand.New(rand.NewPCG(uint64(len(points)), 24))}, r.a.mem, b.mem, r.back)
-		points = append(points, point{name, c})
-	}
-	isLabel := func(op faultdev.Op) bool {
-		return op.Kind == faultdev.Write && op.Len == blockSize && (op.Offset == mirror.LabelOff(0) || op.Offset == mirror.LabelOff(1))
-	}
-	var hmu sync.Mutex
-	hook := func(who string) *func(faultdev.Op) {
-		f := func(op faultdev.Op) {
-			hmu.Lock()
-			defer hmu.Unlock()
-			switch {
-			case isLabel(op):
-				labels++
-				clone(fmt.Sprintf("before label write %d (%s)", labels, who))
-			case who == "A" && op.Kind == faultdev.Write && labels == 1 && !sbSeen && (op.Offset == 0 || op.Offset == ondisk.SBCopySize):
-				sbSeen = true
-				clone("before the superblock says FeatureMirror")
-			case who == "B" && op.Kind == faultdev.Write && labels == 3 && !inMeta && op.Offset < bucketsOff:
-				inMeta = true
-				clone("in the metadata copy")
-			case who == "B" && op.Kind == faultdev.Write && labels == 3 && inMeta && !inBuckets && op.Offset >= bucketsOff && op.Len > blockSize:
-				inBuckets = true
-				clone("in the bucket copy")
-			}
+	// Devices: A, B, backing.
+	c := &crashPoints{seed: 24, devs: []*device.Mem{r.a.mem, b.mem, r.back}, copyLabels: 3, bucketsOff: r.set.lay.BucketsOff}
+	sbSeen := false
+	r.a.hook.Store(c.hook("A", false, func(op faultdev.Op, labels int) string {
+		if op.Kind == faultdev.Write && labels == 1 && !sbSeen && (op.Offset == 0 || op.Offset == ondisk.SBCopySize) {
+			sbSeen = true
+			return "before the superblock says FeatureMirror"
 		}
-		return &f
-	}
-	r.a.hook.Store(hook("A"))
-	b.hook.Store(hook("B"))
+		return ""
+	}))
+	b.hook.Store(c.hook("B", true, nil))
 	if _, err := r.set.ReplaceMirrorMember(context.Background(), b, ResilverOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	hmu.Lock()
-	clone("after the attach")
-	hmu.Unlock()
+	labels, inMeta, inBuckets, points := c.end("after the attach")
 	r.a.hook.Store(nil)
 	b.hook.Store(nil)
 	// Labels: A's attach label, then the resilver's four (B, A, A, B).

@@ -16,6 +16,115 @@ import (
 	"github.com/tiercache/tiercache/device/faultdev"
 )
 
+// writeDuring runs do while a writer writes random blocks of [0, nblocks)
+// with ids after *id, recorded in want, and flushes every 50 writes; wrote
+// receives once per write completed (and is closed when the writer
+// stops), so that do's progress reports can wait for one and writes
+// interleave with every step of a copy. It returns the writes made; want
+// and *id are the writer's until it does.
+func (r *mirrorRig) writeDuring(rng *rand.Rand, nblocks uint64, want map[uint64]uint64, id *uint64, do func(wrote <-chan struct{})) int64 {
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	wrote := make(chan struct{})
+	var written int64
+	go func() {
+		defer close(done)
+		defer close(wrote)
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			*id++
+			lba := rng.Uint64N(nblocks)
+			if err := r.vol.WriteAt(mstamp(lba, *id), int64(lba)*blockSize, false); err != nil {
+				r.t.Errorf("write during the copy: %v", err)
+				return
+			}
+			want[lba] = *id
+			written++
+			select {
+			case wrote <- struct{}{}:
+			default:
+			}
+			if i%50 == 49 {
+				if err := r.vol.Flush(); err != nil {
+					r.t.Errorf("flush during the copy: %v", err)
+					return
+				}
+			}
+		}
+	}()
+	do(wrote)
+	close(stop)
+	<-done
+	return written
+}
+
+// crashPoints records the crash points of a resilver (or an attach): a
+// crash clone of devs before each label write on a hooked member, and
+// before the first write of the new member's metadata copy and of its
+// bucket copy (after copyLabels label writes).
+type crashPoints struct {
+	seed       uint64 // of each clone's random choices, with its index
+	devs       []*device.Mem
+	copyLabels int
+	bucketsOff int64
+
+	mu                sync.Mutex
+	labels            int
+	inMeta, inBuckets bool
+	points            []crashPoint
+}
+
+type crashPoint struct {
+	name string
+	devs []*device.Mem // clones of crashPoints.devs
+}
+
+// REQUIRES: c.mu
+func (c *crashPoints) clone(name string) {
+	cl := device.CrashCloneAll(device.CrashConfig{UnsyncedKeep: 0.5, TornProb: 0.1, Rand: rand.New(rand.NewPCG(uint64(len(c.points)), c.seed))}, c.devs...)
+	c.points = append(c.points, crashPoint{name, cl})
+}
+
+// end takes the last point, named name, and returns the label writes
+// seen, whether the two copies were, and the points.
+func (c *crashPoints) end(name string) (labels int, inMeta, inBuckets bool, points []crashPoint) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.clone(name)
+	return c.labels, c.inMeta, c.inBuckets, c.points
+}
+
+// hook returns the hook of member who (isNew: the one being brought in).
+// extra, if set, sees every operation too (with the label writes so far)
+// and names a point to take before it, or "".
+func (c *crashPoints) hook(who string, isNew bool, extra func(op faultdev.Op, labels int) string) *func(faultdev.Op) {
+	f := func(op faultdev.Op) {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		write := op.Kind == faultdev.Write
+		switch {
+		case write && op.Len == blockSize && (op.Offset == mirror.LabelOff(0) || op.Offset == mirror.LabelOff(1)):
+			c.labels++
+			c.clone(fmt.Sprintf("before label write %d (%s)", c.labels, who))
+		case isNew && write && c.labels == c.copyLabels && !c.inMeta && op.Offset < c.bucketsOff:
+			c.inMeta = true
+			c.clone("in the metadata copy")
+		case isNew && write && c.labels == c.copyLabels && c.inMeta && !c.inBuckets && op.Offset >= c.bucketsOff && op.Len > blockSize:
+			c.inBuckets = true
+			c.clone("in the bucket copy")
+		case extra != nil:
+			if name := extra(op, c.labels); name != "" {
+				c.clone(name)
+			}
+		}
+	}
+	return &f
+}
+
 // replacement returns a new empty device the size of the member lost.
 func (r *mirrorRig) replacement(lost mirror.Member) *member {
 	if lost == mirror.A {
@@ -56,57 +165,17 @@ func TestResilverUnderWrites(t *testing.T) {
 				want[lba] = id
 			}
 			nw := r.replacement(lost)
-			var mu sync.Mutex
-			stop := make(chan struct{})
-			var wg sync.WaitGroup
-			var written atomic.Int64
-			wrote := make(chan struct{}) // each write done, when the resilver waits for one
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				wrng := rand.New(rand.NewPCG(6, uint64(lost)))
-				for i := 0; ; i++ {
-					select {
-					case <-stop:
-						return
-					default:
-					}
-					mu.Lock()
-					id++
-					myID := id
-					mu.Unlock()
-					lba := wrng.Uint64N(2048)
-					if err := r.vol.WriteAt(mstamp(lba, myID), int64(lba)*blockSize, false); err != nil {
-						t.Errorf("write during the resilver: %v", err)
-						return
-					}
-					mu.Lock()
-					if want[lba] < myID {
-						want[lba] = myID
-					}
-					mu.Unlock()
-					written.Add(1)
-					select {
-					case wrote <- struct{}{}:
-					default:
-					}
-					if i%50 == 49 {
-						if err := r.vol.Flush(); err != nil {
-							t.Errorf("flush during the resilver: %v", err)
-							return
-						}
-					}
-				}
-			}()
+			var got string
+			var err error
 			var progress []ResilverProgress
-			// Each progress report waits for a write to complete, so
-			// that writes interleave with every step of the copy.
-			got, err := r.set.ReplaceMirrorMember(context.Background(), nw, ResilverOptions{Progress: func(p ResilverProgress) {
-				progress = append(progress, p)
-				<-wrote
-			}})
-			close(stop)
-			wg.Wait()
+			written := r.writeDuring(rand.New(rand.NewPCG(6, uint64(lost))), 2048, want, &id, func(wrote <-chan struct{}) {
+				// Each progress report waits for a write to complete, so
+				// that writes interleave with every step of the copy.
+				got, err = r.set.ReplaceMirrorMember(context.Background(), nw, ResilverOptions{Progress: func(p ResilverProgress) {
+					progress = append(progress, p)
+					<-wrote
+				}})
+			})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -119,7 +188,7 @@ func TestResilverUnderWrites(t *testing.T) {
 			if len(progress) == 0 || progress[len(progress)-1].Done != progress[len(progress)-1].Total || progress[0].Total == 0 {
 				t.Fatalf("progress reports %+v", progress)
 			}
-			t.Logf("%d writes during the resilver, %d progress reports, total %d bytes", written.Load(), len(progress), progress[len(progress)-1].Total)
+			t.Logf("%d writes during the resilver, %d progress reports, total %d bytes", written, len(progress), progress[len(progress)-1].Total)
 			for range 50 { // after: redundant again
 				id++
 				lba := rng.Uint64N(2048)
@@ -191,54 +260,20 @@ func resilverCrash(t *testing.T, lost mirror.Member) {
 	}
 	old.pulled.Store(true)
 	write(100)
-	type point struct {
-		name string
-		devs []*device.Mem // survivor, new member, backing
-	}
-	var points []point
-	var nwMem *device.Mem
-	labels, inMeta, inBuckets := 0, false, false
-	bucketsOff := r.set.lay.BucketsOff
-	clone := func(name string) {
-		c := device.CrashCloneAll(device.CrashConfig{UnsyncedKeep: 0.5, TornProb: 0.1, Rand: rand.New(rand.NewPCG(uint64(len(points)), 10))}, survivor.mem, nwMem, r.back)
-		points = append(points, point{name, c})
-	}
-	isLabel := func(op faultdev.Op) bool {
-		return op.Kind == faultdev.Write && op.Len == blockSize && (op.Offset == mirror.LabelOff(0) || op.Offset == mirror.LabelOff(1))
-	}
-	var hmu sync.Mutex
-	hook := func(who string) *func(faultdev.Op) {
-		f := func(op faultdev.Op) {
-			hmu.Lock()
-			defer hmu.Unlock()
-			switch {
-			case isLabel(op):
-				labels++
-				clone(fmt.Sprintf("before label write %d (%s)", labels, who))
-			case who == "new" && op.Kind == faultdev.Write && labels == 2 && !inMeta && op.Offset < bucketsOff:
-				inMeta = true
-				clone("in the metadata copy")
-			case who == "new" && op.Kind == faultdev.Write && labels == 2 && inMeta && !inBuckets && op.Offset >= bucketsOff && op.Len > blockSize:
-				inBuckets = true
-				clone("in the bucket copy")
-			}
-		}
-		return &f
-	}
 	nw := r.replacement(lost)
-	nwMem = nw.mem
-	nw.hook.Store(hook("new"))
-	survivor.hook.Store(hook("survivor"))
+	// Devices: survivor, new member, backing.
+	c := &crashPoints{seed: 10, devs: []*device.Mem{survivor.mem, nw.mem, r.back}, copyLabels: 2, bucketsOff: r.set.lay.BucketsOff}
+	nw.hook.Store(c.hook("new", true, nil))
+	survivor.hook.Store(c.hook("survivor", false, nil))
 	if _, err := r.set.ReplaceMirrorMember(context.Background(), nw, ResilverOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	hmu.Lock()
-	clone("after the resilver")
-	hmu.Unlock()
+	labels, inMeta, inBuckets, points := c.end("after the resilver")
+	survivor.hook.Store(nil)
+	nw.hook.Store(nil)
 	if labels != 4 || !inMeta || !inBuckets || len(points) != 7 {
 		t.Fatalf("%d label writes, metadata copy seen %v, bucket copy seen %v, %d crash points: the test misses steps", labels, inMeta, inBuckets, len(points))
 	}
-	survivor.hook.Store(nil)
 	r.set.crashStop()
 	for i, p := range points {
 		t.Run(fmt.Sprintf("%d", i), func(t *testing.T) {
