@@ -635,41 +635,29 @@ func (m *Mirror) split(out []extent, p []byte, off int64) []extent {
 
 // slotHeader makes sure slot j's header is written (by this call or one
 // before it) before data written into the slot can be made durable.
-func (m *Mirror) slotHeader(j int32) error {
-	m.mu.Lock()
-	sl := &m.slots[j]
-	if sl.hdr != nil {
-		ch := sl.hdr
-		m.mu.Unlock()
-		<-ch
-		m.mu.Lock()
-		err := m.slots[j].hdrErr
-		m.mu.Unlock()
-		return err
-	}
-	ch := make(chan struct{})
-	sl.hdr = ch
-	h := slotHdr{nonce: m.lay.Nonce, bucket: uint64(sl.bucket), gen: sl.gen, from: sl.from}
-	m.mu.Unlock()
-	_, err := m.d(B).WriteAt(h.encode(), m.slotOff(j))
-	m.mu.Lock()
-	m.slots[j].hdrErr = err
-	m.mu.Unlock()
-	close(ch)
-	return err
-}
+func (m *Mirror) slotHeader(j int32) error { return m.writeSlotHeader(j, false) }
 
 // rewriteHeader writes slot j's header again if CoverAll changed it, else
 // is slotHeader. REQUIRES: copyMu's write side (no write in flight, none
 // writing the old header).
-func (m *Mirror) rewriteHeader(j int32) error {
+func (m *Mirror) rewriteHeader(j int32) error { return m.writeSlotHeader(j, true) }
+
+// writeSlotHeader writes slot j's header, or waits for the write of it
+// that started first and returns that write's result; again (rewriteHeader)
+// drops a header written before CoverAll changed the slot.
+func (m *Mirror) writeSlotHeader(j int32, again bool) error {
 	m.mu.Lock()
 	sl := &m.slots[j]
-	if !sl.rehdr {
-		m.mu.Unlock()
-		return m.slotHeader(j)
+	if again && sl.rehdr {
+		sl.rehdr, sl.hdr = false, nil
 	}
-	sl.rehdr = false
+	if ch := sl.hdr; ch != nil {
+		m.mu.Unlock()
+		<-ch
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		return m.slots[j].hdrErr
+	}
 	ch := make(chan struct{})
 	sl.hdr = ch
 	h := slotHdr{nonce: m.lay.Nonce, bucket: uint64(sl.bucket), gen: sl.gen, from: sl.from}
