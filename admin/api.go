@@ -80,10 +80,13 @@ type MirrorInfo struct {
 	Slots  int64  `json:"slots"`
 	// SlotsUsed: B's slots holding a copy of a bucket with dirty data.
 	SlotsUsed int64 `json:"slots_used"`
-	// ReadRetries: reads that failed on one member and were served by the
-	// other; Repairs: copies rewritten from the other member.
-	ReadRetries uint64 `json:"read_retries"`
-	Repairs     uint64 `json:"repairs"`
+	// Reads: the reads each member served (A, B; a block both hold is
+	// read from each in turn). ReadRetries: reads that failed on one
+	// member and were served by the other; Repairs: copies rewritten from
+	// the other member.
+	Reads       [2]uint64 `json:"reads"`
+	ReadRetries uint64    `json:"read_retries"`
+	Repairs     uint64    `json:"repairs"`
 	// WritethroughBytes: writeback writes sent to the backing device too
 	// because B had no free slot.
 	WritethroughBytes uint64 `json:"writethrough_bytes"`

@@ -52,7 +52,7 @@ var volumeMetrics = map[string]metricDef{
 	"PromoteBytes":           {name: "tiercache_promote_bytes_total", help: "Read misses copied into the cache.", kind: counter},
 	"WritebackBytes":         {name: "tiercache_writeback_bytes_total", help: "Dirty bytes written back to the backing device.", kind: counter},
 	"ChecksumErrors":         {name: "tiercache_checksum_errors_total", help: "Cached blocks that failed checksum verification.", kind: counter},
-	"ChecksumRepairs":        {name: "tiercache_checksum_repairs_total", help: "Clean blocks that failed verification and were re-read from the backing device.", kind: counter},
+	"ChecksumRepairs":        {name: "tiercache_checksum_repairs_total", help: "Cached blocks that failed verification and were served intact: clean ones re-read from the backing device, a mirrored set's from the other copy.", kind: counter},
 	"CachedBlocks":           {name: "tiercache_cached_bytes", help: "Bytes of the export held in the cache.", kind: gauge, scale: blockBytes},
 	"DirtyBlocks":            {name: "tiercache_dirty_bytes", help: "Bytes held in the cache and not yet written back.", kind: gauge, scale: blockBytes},
 	"ReadHitOps":             {name: "tiercache_read_hit_requests_total", help: "Reads served entirely from the cache.", kind: counter},

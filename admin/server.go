@@ -397,7 +397,7 @@ func (s *Server) status() Status {
 			CachedBytes: ss.CachedBlocks * blockBytes, DirtyBytes: ss.DirtyBlocks * blockBytes}
 		if m := ss.Mirror; m != nil {
 			mi := &MirrorInfo{Path: paths[1], State: "ok", Failed: m.Failed, Slots: m.Slots, SlotsUsed: m.SlotsUsed,
-				ReadRetries: m.ReadRetries, Repairs: m.Repairs, WritethroughBytes: m.WritethroughBlocks * blockBytes}
+				Reads: m.Reads, ReadRetries: m.ReadRetries, Repairs: m.Repairs, WritethroughBytes: m.WritethroughBlocks * blockBytes}
 			if m.Degraded {
 				mi.State, st.Set.State = "degraded", "degraded"
 			}
@@ -999,6 +999,9 @@ func (s *Server) handleCheck(w http.ResponseWriter, r *http.Request) {
 		final.Error = interrupted(r.Context(), err).Error()
 	}
 	final.Message = fmt.Sprintf("%d cached blocks verified (%d dirty), %d bad", rep.Blocks, rep.DirtyBlocks, rep.Bad)
+	if rep.Repaired > 0 {
+		final.Message += fmt.Sprintf(", %d repaired from the mirror's other copy", rep.Repaired)
+	}
 	s.log.Info("check", "blocks", rep.Blocks, "bad", rep.Bad, "problems", len(final.Problems))
 	st.send(final, true)
 }

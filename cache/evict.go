@@ -322,7 +322,7 @@ func (s *Set) gcMove(bi int64, found []located) {
 			s.cacheIOError("GC move read", err)
 			continue // left for writeback, which reports it
 		}
-		if ondisk.CRC32C(buf) != it.e.CRC {
+		if ondisk.CRC32C(buf) != it.e.CRC && !s.mirrorRepair(buf, it.e.Block(), it.e.CRC) {
 			continue // left for writeback, which reports it
 		}
 		r, err := s.alloc(1, allocNoWait)

@@ -147,6 +147,14 @@ func (s *Set) mirrorReclaimLocked() {
 	}
 }
 
+// mirrorRepair replaces p, cache block loc read with a checksum other than
+// crc, with the mirror's other copy when that one has it, rewriting the bad
+// copy (mirror.RepairFrom); it reports whether p holds the block now. The
+// caller holds loc's bucket pinned.
+func (s *Set) mirrorRepair(p []byte, loc, crc uint32) bool {
+	return s.mir() != nil && s.mir().RepairFrom(p, s.cacheOff(loc), func(q []byte) bool { return ondisk.CRC32C(q) == crc })
+}
+
 // mirrorLoadLocked finds the mappings on B for the recovered buckets'
 // generations. REQUIRES: s.mu (no I/O runs yet: Open)
 func (s *Set) mirrorLoadLocked() error {
@@ -159,9 +167,10 @@ func (s *Set) mirrorLoadLocked() error {
 
 // mirrorResync makes B hold every dirty block. After an unclean shutdown
 // (verify) the members agree on what was synced, but the journal replayed
-// from A may hold dirty inserts whose data reached A and not B before the
-// crash: each dirty entry is checked on B by checksum and copied from A
-// where B's copy differs. A bucket with dirty data and no slot (a damaged
+// from A may hold inserts whose data reached A and not B before the
+// crash: each dirty entry, and each clean one B covers (reads go to
+// either copy), is checked on B by checksum and copied from A where B's
+// copy differs. A bucket with dirty data and no slot (a damaged
 // slot header, or a slot reused just before the crash whose new header
 // was not durable: the old one names a bucket with nothing dirty left) is
 // mapped, taking the slot of a bucket with nothing dirty when none is
@@ -230,6 +239,18 @@ func (s *Set) mirrorResync(verify bool) (int, error) {
 			}
 		}
 	}
+	if verify {
+		// Clean blocks B covers too: a read would find a stale copy by
+		// its checksum and repair it, but count it as damage.
+		for _, v := range s.vols {
+			v.idx.Tree.Ascend(func(e index.Ent) bool {
+				if !e.Dirty() && m.Covers(s.cacheOff(e.Block())) {
+					blks = append(blks, blk{loc: e.Block(), crc: e.CRC, check: true})
+				}
+				return true
+			})
+		}
+	}
 	s.mu.Unlock()
 	buf := make([]byte, blockSize)
 	copied := 0
@@ -275,9 +296,11 @@ type MirrorStats struct {
 	Failed string
 	// Slots and SlotsUsed: B's bucket slots and those holding a copy.
 	Slots, SlotsUsed int64
-	// ReadRetries: reads that failed on one member and were served by
-	// the other; Repairs: copies rewritten from the other member (after a
-	// read error or a checksum failure).
+	// Reads: the reads each member served (A, B); a block both hold is
+	// read from each in turn. ReadRetries: reads that failed on one
+	// member and were served by the other; Repairs: copies rewritten from
+	// the other member (after a read error or a checksum failure).
+	Reads                [2]uint64
 	ReadRetries, Repairs uint64
 	// Gen is the mirror generation (bumped at each member failure and
 	// twice per resilver).
@@ -295,7 +318,7 @@ func (s *Set) mirrorStats() *MirrorStats {
 		return nil
 	}
 	st := s.mir().Stats()
-	out := &MirrorStats{Slots: st.Slots, SlotsUsed: st.SlotsUsed, ReadRetries: st.ReadRetries, Repairs: st.Repairs, Gen: st.Gen,
+	out := &MirrorStats{Slots: st.Slots, SlotsUsed: st.SlotsUsed, Reads: st.Reads, ReadRetries: st.ReadRetries, Repairs: st.Repairs, Gen: st.Gen,
 		WritethroughBlocks: s.stats.mirrorThrough.Load(), Resilver: resilverProgress(st.Resilver)}
 	for r, f := range st.Failed {
 		if f {

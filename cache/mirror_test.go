@@ -2,6 +2,7 @@ package cache
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -209,13 +210,34 @@ func TestMirrorSmallB(t *testing.T) {
 	}
 }
 
-// TestMirrorChecksumRepair: a dirty block damaged on A is read from B,
-// verified and written back over A's copy.
+// TestMirrorChecksumRepair: a dirty block whose copy fails its checksum
+// on the member a read, a writeback or a scrub reads it from is served
+// from the other member's copy, and the bad copy rewritten and counted.
+// The copy damaged is the first one read; the members take turns, and a
+// read of another block first makes it the other member's.
 func TestMirrorChecksumRepair(t *testing.T) {
+	for _, path := range []string{"read", "writeback", "scrub"} {
+		var seen [2]bool
+		for _, before := range []int{0, 1} {
+			t.Run(fmt.Sprintf("%s/reads-before=%d", path, before), func(t *testing.T) {
+				seen[mirrorChecksumRepair(t, path, before)] = true
+			})
+		}
+		if !t.Failed() && seen != [2]bool{true, true} {
+			t.Fatalf("%s: damaged on A %v, on B %v: one member's copy was never the one read", path, seen[0], seen[1])
+		}
+	}
+}
+
+func mirrorChecksumRepair(t *testing.T, path string, before int) mirror.Member {
 	r := newMirrorRig(t, 16, 64<<10, 16, 1024)
 	r.write(7, 1)
+	r.write(8, 1)
 	if err := r.vol.Flush(); err != nil {
 		t.Fatal(err)
+	}
+	for range before {
+		r.verify(map[uint64]uint64{8: 1})
 	}
 	r.set.mu.Lock()
 	e, ok := r.vol.idx.Tree.Get(index.Ent{LBA: 7})
@@ -223,19 +245,69 @@ func TestMirrorChecksumRepair(t *testing.T) {
 	if !ok || !e.Dirty() {
 		t.Fatal("lba 7 not dirty in the cache")
 	}
-	off := r.set.cacheOff(e.Block())
-	if err := r.a.mem.Corrupt(off+100, 8); err != nil {
-		t.Fatal(err)
+	want := mstamp(7, 1)
+	offs := [2]int64{r.set.cacheOff(e.Block()), memOffset(t, r.b.mem, want)}
+	var damaged atomic.Int32
+	damaged.Store(-1)
+	for i, m := range []*member{r.a, r.b} {
+		f := func(op faultdev.Op) {
+			if op.Kind == faultdev.Read && op.Offset <= offs[i] && offs[i] < op.Offset+op.Len && damaged.CompareAndSwap(-1, int32(i)) {
+				if err := m.mem.Corrupt(offs[i]+100, 8); err != nil {
+					t.Error(err)
+				}
+			}
+		}
+		m.hook.Store(&f)
 	}
-	r.verify(map[uint64]uint64{7: 1})
+	switch path {
+	case "read":
+		r.verify(map[uint64]uint64{7: 1})
+	case "writeback":
+		if err := r.vol.DrainDirty(context.Background(), nil); err != nil {
+			t.Fatal(err)
+		}
+		got := make([]byte, blockSize)
+		if _, err := r.back.ReadAt(got, 7*blockSize); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("lba 7 not written back intact (%v)", err)
+		}
+	case "scrub":
+		rep, err := r.set.Scrub(context.Background(), nil)
+		if err != nil || !rep.OK() || rep.Repaired != 1 {
+			t.Fatalf("scrub: %v, report %+v; want OK with 1 repaired", err, rep)
+		}
+	}
+	d := damaged.Load()
+	if d < 0 {
+		t.Fatal("lba 7 was never read from the cache: the test damages nothing")
+	}
 	vs, ms := r.vol.Stats(), r.set.Stats().Mirror
-	if vs.ChecksumErrors != 1 || vs.ChecksumRepairs != 1 || ms.Repairs != 1 {
-		t.Fatalf("checksum errors %d, repairs %d, mirror repairs %d; want 1 each", vs.ChecksumErrors, vs.ChecksumRepairs, ms.Repairs)
+	t.Logf("damaged on %v; reads A %d, B %d", mirror.Member(d), ms.Reads[0], ms.Reads[1])
+	if vs.ChecksumErrors != 1 || vs.ChecksumRepairs != 1 || ms.Repairs != 1 || ms.Degraded {
+		t.Fatalf("checksum errors %d, repairs %d, mirror %+v; want 1 each, not degraded", vs.ChecksumErrors, vs.ChecksumRepairs, ms)
 	}
-	got := make([]byte, blockSize)
-	if _, err := r.a.mem.ReadAt(got, off); err != nil || !bytes.Equal(got, mstamp(7, 1)) {
-		t.Fatalf("A's copy not repaired (%v)", err)
+	for i, m := range []*member{r.a, r.b} {
+		got := make([]byte, blockSize)
+		if _, err := m.mem.ReadAt(got, offs[i]); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("%v's copy not intact after the repair (%v)", mirror.Member(i), err)
+		}
 	}
+	return mirror.Member(d)
+}
+
+// memOffset returns the offset of the 4 KiB block of dev that holds want.
+func memOffset(t *testing.T, dev *device.Mem, want []byte) int64 {
+	t.Helper()
+	p := make([]byte, blockSize)
+	for off := int64(0); off < dev.Size(); off += blockSize {
+		if _, err := dev.ReadAt(p, off); err != nil {
+			t.Fatal(err)
+		}
+		if bytes.Equal(p, want) {
+			return off
+		}
+	}
+	t.Fatal("block not found on the device")
+	return 0
 }
 
 // TestMirrorRefusesHalf: a member alone whose label says the other is in

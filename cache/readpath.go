@@ -336,7 +336,7 @@ func (v *Volume) verifyHits(buf []byte, lba uint64, hits []index.Ent, fromBackin
 			continue
 		}
 		v.st.checksumErrors.Add(1)
-		if s.mir() != nil && s.mir().RepairFrom(p, s.cacheOff(e.Block()), func(q []byte) bool { return ondisk.CRC32C(q) == e.CRC }) {
+		if s.mirrorRepair(p, e.Block(), e.CRC) {
 			v.st.checksumRepairs.Add(1)
 			continue
 		}

@@ -1035,7 +1035,7 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 			return nil, fmt.Errorf("open: resyncing the mirror: %w", err)
 		}
 		if n > 0 {
-			log.Warn("mirror resynced after an unclean shutdown", "dirty_blocks_copied_to_B", n)
+			log.Warn("mirror resynced after an unclean shutdown", "blocks_copied_to_B", n)
 		}
 	}
 	replayed := time.Now()

@@ -9,7 +9,8 @@ package cache
 // the block was rewritten or evicted meanwhile and the mismatch is not
 // real). A clean block that fails is dropped from the index, as a client
 // read would do (the next read goes to the backing device); a dirty one is
-// reported and kept (it exists nowhere else).
+// reported and kept (it exists nowhere else). On a mirrored set a block
+// whose other copy passes is repaired from it instead (Repaired).
 
 import (
 	"cmp"
@@ -32,11 +33,14 @@ const maxReported = 100
 
 // ScrubReport is the result of a scrub.
 type ScrubReport struct {
-	Blocks        int64    // cached blocks verified
-	DirtyBlocks   int64    // of those, dirty
-	Bad           int64    // blocks whose checksum did not match
-	BadDirty      int64    // of those, dirty (data loss if the cache is dropped)
-	ReadErrors    int64    // blocks the cache device failed to read
+	Blocks      int64 // cached blocks verified
+	DirtyBlocks int64 // of those, dirty
+	Bad         int64 // blocks whose checksum did not match
+	BadDirty    int64 // of those, dirty (data loss if the cache is dropped)
+	ReadErrors  int64 // blocks the cache device failed to read
+	// Repaired: blocks whose copy failed its checksum on one member of a
+	// mirrored set and was rewritten from the other (not problems).
+	Repaired      int64
 	Problems      []string // the first maxReported problems
 	ProblemsTotal int64
 }
@@ -126,6 +130,13 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 				}
 			}
 			if got := ondisk.CRC32C(p); got != it.e.CRC {
+				if s.mirrorRepair(p, it.e.Block(), it.e.CRC) {
+					rep.Repaired++
+					v := s.vols[it.vi]
+					v.st.checksumErrors.Add(1)
+					v.st.checksumRepairs.Add(1)
+					continue
+				}
 				bads = append(bads, bad{item: it, got: got})
 			}
 		}

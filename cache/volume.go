@@ -114,7 +114,7 @@ type VolumeStats struct {
 	// around the cache; unbounded in epoch order, where it may not).
 	SpaceWaitNanos  uint64
 	ChecksumErrors  uint64 // cached blocks that failed verification (clean ones were repaired)
-	ChecksumRepairs uint64 // of those, clean blocks re-read from the backing device
+	ChecksumRepairs uint64 // of those, served intact: clean ones re-read from the backing device, a mirrored set's from the other copy
 	CachedBlocks    int64
 	DirtyBlocks     int64
 	// SupersededBlocks are older dirty versions kept for epoch-ordered

@@ -310,10 +310,15 @@ func (h *wbHost) Unpin(run []writeback.Item, valid []bool) {
 	s.mu.Unlock()
 }
 
-func (h *wbHost) Corrupt(it writeback.Item, got uint32) {
+func (h *wbHost) Corrupt(it writeback.Item, p []byte, got uint32) bool {
 	h.st.checksumErrors.Add(1)
+	if h.s.mirrorRepair(p, it.Loc, it.CRC) {
+		h.st.checksumRepairs.Add(1)
+		return true
+	}
 	h.s.log.Error("dirty block fails its checksum; not written back", "volume", h.name,
 		"lba", it.LBA, "cache_offset", h.s.cacheOff(it.Loc), "expected", it.CRC, "actual", got)
+	return false
 }
 
 func (h *wbHost) WriteBacking(p []byte, lba uint64) error { return h.vol().writeBackingNoMark(p, lba) }

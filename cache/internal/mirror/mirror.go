@@ -17,12 +17,19 @@
 // block `from` on the slot holds; a header of another set (nonce) or an
 // older generation of its bucket is not a mapping.
 //
+// Reads: a piece in the bucket region that both live members hold a copy
+// of is read from each member in turn; every other read goes to the
+// primary (A unless A failed), the metadata region included: after a
+// crash the members may differ in what was not synced, and recovery reads
+// the primary's.
+//
 // Failure: a write or sync error on one member fails it (its flag in a new
 // label, written and synced on the survivor before the failing call
 // returns); the mirror then runs on the survivor alone. A read error on
 // one member is served from the other and the bad copy rewritten; when
 // the other holds no copy (a clean block only on A), or the rewrite
-// fails, the member is failed too.
+// fails, the member is failed too. A copy that fails the caller's check
+// is replaced by the other's (RepairFrom).
 // Concurrency: as device.Device; Map, Release and Mapped may be called
 // under the caller's locks (they do no I/O).
 package mirror
@@ -116,6 +123,7 @@ type Stats struct {
 	Gen         uint64
 	Slots       int64 // B's slots
 	SlotsUsed   int64
+	Reads       [2]uint64      // pieces of reads each member served
 	ReadRetries uint64         // reads that failed on one member and were served by the other
 	Repairs     uint64         // copies rewritten from the other member
 	Resilver    *ResilverStats // nil when no resilver runs
@@ -130,6 +138,10 @@ type Mirror struct {
 	failed  [2]atomic.Bool
 	retries atomic.Uint64
 	repairs atomic.Uint64
+	// turn picks the member of the next read that either may serve
+	// (reader); reads counts the reads each member served.
+	turn  atomic.Uint32
+	reads [2]atomic.Uint64
 
 	// lmu serializes label updates; labelWait is closed when the label
 	// of the last member failure is durable (nil when none is pending).
@@ -389,7 +401,8 @@ func (m *Mirror) setDev(r Member, dev device.Device) {
 	m.dev[r].Store(&devRef{dev})
 }
 
-// Primary returns the member reads go to: A unless A failed.
+// Primary returns the member that reads of what only one member holds,
+// and of the metadata region, go to: A unless A failed.
 func (m *Mirror) Primary() Member {
 	if m.live(A) {
 		return A
@@ -515,6 +528,7 @@ func (m *Mirror) Stats() Stats {
 	m.lmu.Unlock()
 	st.Failed = [2]bool{!m.live(A), !m.live(B)}
 	st.ReadRetries, st.Repairs = m.retries.Load(), m.repairs.Load()
+	st.Reads = [2]uint64{m.reads[A].Load(), m.reads[B].Load()}
 	st.Resilver = m.resilverStats()
 	return st
 }
@@ -670,8 +684,9 @@ func (m *Mirror) writeSlotHeader(j int32, again bool) error {
 	return err
 }
 
-// ReadAt reads from the primary member; an error there is served from the
-// other member's copy (and that copy written over the failed one).
+// ReadAt reads each piece from the member reader picks; an error there is
+// served from the other member's copy (and that copy written over the
+// failed one).
 func (m *Mirror) ReadAt(p []byte, off int64) (int, error) {
 	if err := device.CheckRange(off, int64(len(p)), m.Size()); err != nil {
 		return 0, device.RangeError("read", off, int64(len(p)), m.Size())
@@ -684,11 +699,35 @@ func (m *Mirror) ReadAt(p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
-func (m *Mirror) readExtent(e extent) error {
-	r := m.Primary()
+// readFrom is ReadAt with every piece read from member r first.
+func (m *Mirror) readFrom(r Member, p []byte, off int64) (int, error) {
+	for _, e := range m.split(make([]extent, 0, 2), p, off) {
+		if err := m.readExtentFrom(e, r); err != nil {
+			return 0, err
+		}
+	}
+	return len(p), nil
+}
+
+// reader returns the member to read e from: in the bucket region, where
+// both members are live and B holds a copy, each in turn; else the
+// primary.
+func (m *Mirror) reader(e extent) Member {
+	if e.sl >= 0 && m.Redundant() {
+		return Member(m.turn.Add(1) & 1)
+	}
+	return m.Primary()
+}
+
+func (m *Mirror) readExtent(e extent) error { return m.readExtentFrom(e, m.reader(e)) }
+
+// readExtentFrom reads e from member r, and on an error there from the
+// other member, rewriting r's copy with it (or failing r).
+func (m *Mirror) readExtentFrom(e extent, r Member) error {
 	if r == B && e.bOff < 0 {
 		return ErrNoCopy
 	}
+	m.reads[r].Add(1)
 	_, err := m.d(r).ReadAt(e.p, m.memberOff(r, e))
 	if err == nil {
 		return nil
@@ -728,30 +767,45 @@ func (m *Mirror) ReadsAsync() bool {
 	return ok
 }
 
-// StartReadAt is device.AsyncReader's: a read that A serves is started
-// on A's device when that device reads asynchronously (the bucket region
-// and the metadata region lie at the same offsets on A as on the mirror).
-// An error there is handled as ReadAt handles it (served from B, A
-// repaired or failed), on a goroutine of its own. It returns false, having
-// done nothing, when A is not live or cannot start the read.
+// StartReadAt is device.AsyncReader's: a read in one piece is started on
+// the device of the member reader picks, when that device reads
+// asynchronously (A at the mirror's offsets, B at its slot's), else on
+// A's. An error there is handled as ReadAt handles one on that member
+// (read again, then served from the other member, the copy repaired or
+// the member failed), on a goroutine of its own. It returns false, having done nothing, when A is not live
+// or no member can start the read.
 func (m *Mirror) StartReadAt(p []byte, off int64, done func(n int, err error, later func(func()))) bool {
 	if !m.live(A) || device.CheckRange(off, int64(len(p)), m.Size()) != nil {
 		return false
 	}
-	ar, ok := m.d(A).(device.AsyncReader)
+	r, at := A, off
+	var one [2]extent
+	if m.Redundant() {
+		if es := m.split(one[:0], p, off); len(es) == 1 && m.reader(es[0]) == B {
+			if _, ok := m.d(B).(device.AsyncReader); ok {
+				r, at = B, es[0].bOff
+			}
+		}
+	}
+	ar, ok := m.d(r).(device.AsyncReader)
 	if !ok {
 		return false
 	}
-	return ar.StartReadAt(p, off, func(n int, err error, later func(func())) {
+	m.reads[r].Add(1)
+	started := ar.StartReadAt(p, at, func(n int, err error, later func(func())) {
 		if err == nil {
 			done(n, nil, later)
 			return
 		}
 		go func() {
-			n, err := m.ReadAt(p, off)
+			n, err := m.readFrom(r, p, off)
 			device.WithLater(func(later func(func())) { done(n, err, later) })
 		}()
 	})
+	if !started {
+		m.reads[r].Add(^uint64(0))
+	}
+	return started
 }
 
 func (m *Mirror) memberOff(r Member, e extent) int64 {
@@ -761,36 +815,45 @@ func (m *Mirror) memberOff(r Member, e extent) int64 {
 	return e.bOff
 }
 
-// RepairFrom re-reads [off, off+len(p)) from the member that is not the
-// primary; if good(p) accepts what it read, the copy is written over the
-// primary's and RepairFrom reports true (p holds the good data). For a
-// block that failed its checksum on the primary.
+// RepairFrom is for a read of [off, off+len(p)) whose data failed the
+// caller's check: the read may have come from either member (reader), so
+// it reads each member's copy, and when good accepts one it reports true
+// with p holding it, having written it over the other copy if good refused
+// that one. It reports false, p undefined, when no copy passes or the
+// mirror is not redundant. A copy that cannot be read is left to the next
+// read (ReadAt serves and repairs it); a member whose rewrite fails is
+// failed.
 func (m *Mirror) RepairFrom(p []byte, off int64, good func([]byte) bool) bool {
-	r := m.Primary()
-	o := r.other()
-	if !m.live(o) {
+	if !m.Redundant() {
 		return false
 	}
-	exts := m.split(make([]extent, 0, 2), p, off)
-	for _, e := range exts {
-		if o == B && e.bOff < 0 {
-			return false
-		}
-		if _, err := m.d(o).ReadAt(e.p, m.memberOff(o, e)); err != nil {
-			return false
-		}
+	bufs := [2][]byte{p, make([]byte, len(p))}
+	var read, ok [2]bool
+	for r := range bufs {
+		read[r] = m.ReadMember(Member(r), bufs[r], off) == nil
+		ok[r] = read[r] && good(bufs[r])
 	}
-	if !good(p) {
+	from := A
+	switch {
+	case ok[A]:
+	case ok[B]:
+		from = B
+		copy(p, bufs[B])
+	default:
 		return false
 	}
-	for _, e := range exts {
-		if _, err := m.d(r).WriteAt(e.p, m.memberOff(r, e)); err != nil {
-			_ = m.fail(r, err)
-			return true // p is good; the primary is failed now
+	to := from.other()
+	if !read[to] || ok[to] {
+		return true
+	}
+	for _, e := range m.split(make([]extent, 0, 2), p, off) {
+		if _, err := m.d(to).WriteAt(e.p, m.memberOff(to, e)); err != nil {
+			_ = m.fail(to, err)
+			return true // p is good; the member is failed now
 		}
 	}
 	m.repairs.Add(1)
-	m.log.Warn("mirror: block that failed its checksum repaired from the other member", "repaired", r.String(), "offset", off, "len", len(p))
+	m.log.Warn("mirror: copy that failed its check repaired from the other member", "repaired", to.String(), "offset", off, "len", len(p))
 	return true
 }
 

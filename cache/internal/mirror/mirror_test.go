@@ -242,7 +242,8 @@ func TestFailA(t *testing.T) {
 }
 
 // TestReadRetryAndRepair: a read error on A is served by B and A's copy
-// rewritten; RepairFrom replaces a copy that fails its check.
+// rewritten; RepairFrom replaces a copy that fails its check, on either
+// member.
 func TestReadRetryAndRepair(t *testing.T) {
 	a := device.NewMem(testLayout.BucketsOff + testLayout.NBuckets*testLayout.BucketSize)
 	b := device.NewMem(testLayout.BucketsOff + 4*testLayout.slotLen())
@@ -265,28 +266,161 @@ func TestReadRetryAndRepair(t *testing.T) {
 	}
 	failReads.Store(true)
 	p := make([]byte, 2*blockSize)
-	if _, err := m.ReadAt(p, bucketOff(1)); err != nil || !bytes.Equal(p, d) {
-		t.Fatalf("read with A failing reads: %v", err)
+	for range 2 { // the members take turns: one of the two reads goes to A
+		if _, err := m.ReadAt(p, bucketOff(1)); err != nil || !bytes.Equal(p, d) {
+			t.Fatalf("read with A failing reads: %v", err)
+		}
 	}
 	failReads.Store(false)
 	if st := m.Stats(); st.ReadRetries != 1 || st.Repairs != 1 || st.Failed[A] {
 		t.Fatalf("stats %+v", st)
 	}
-	if err := a.Corrupt(bucketOff(1), 16); err != nil {
+	good := func(q []byte) bool { return bytes.Equal(q, d) }
+	for i, bad := range []*device.Mem{a, b} {
+		off := bucketOff(1)
+		if bad == b {
+			off = m.slotOff(m.slotOf[1]) + blockSize
+		}
+		if err := bad.Corrupt(off, 16); err != nil {
+			t.Fatal(err)
+		}
+		r := Member(i)
+		if err := m.ReadMember(r, p, bucketOff(1)); err != nil || bytes.Equal(p, d) {
+			t.Fatalf("%v's corrupt copy read back intact (%v): the test corrupts nothing", r, err)
+		}
+		if !m.RepairFrom(p, bucketOff(1), good) || !bytes.Equal(p, d) {
+			t.Fatalf("RepairFrom with %v's copy bad failed", r)
+		}
+		if !bytes.Equal(readDev(t, bad, off, 2*blockSize), d) {
+			t.Fatalf("%v's copy not repaired", r)
+		}
+		if st := m.Stats(); st.Repairs != uint64(2+i) {
+			t.Fatalf("after repairing %v: %d repairs, want %d", r, st.Repairs, 2+i)
+		}
+	}
+	if err := a.Corrupt(bucketOff(9), 16); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := m.ReadAt(p, bucketOff(1)); err != nil || bytes.Equal(p, d) {
-		t.Fatalf("corrupt block read back intact (%v): the test corrupts nothing", err)
+	if m.RepairFrom(p, bucketOff(9), func([]byte) bool { return false }) {
+		t.Fatal("RepairFrom of a block only A holds, whose copy fails")
 	}
-	if !m.RepairFrom(p, bucketOff(1), func(q []byte) bool { return bytes.Equal(q, d) }) {
-		t.Fatal("RepairFrom failed")
+}
+
+// TestReadsSpread: reads of what both members hold (a mapped bucket) go
+// to each in turn, on the synchronous and the asynchronous path; the
+// metadata region and a bucket only A holds are read from A; with a
+// member failed every read goes to the survivor.
+func TestReadsSpread(t *testing.T) {
+	a := &asyncMem{Mem: device.NewMem(testLayout.BucketsOff + testLayout.NBuckets*testLayout.BucketSize)}
+	b := &asyncMem{Mem: device.NewMem(testLayout.BucketsOff + 4*testLayout.slotLen())}
+	l, _ := NewLabel(testLayout.Nonce)
+	if err := WriteNew(a, b, l); err != nil {
+		t.Fatal(err)
 	}
-	if !bytes.Equal(readDev(t, a, bucketOff(1), 2*blockSize), d) {
-		t.Fatal("A's copy not repaired")
+	m := assemble(t, a, b, nil)
+	m.Map(1, 1, 0)
+	d, c, meta := fill(blockSize, 'd'), fill(blockSize, 'c'), fill(blockSize, 'm')
+	if _, err := m.WriteAt(meta, 128<<10); err != nil {
+		t.Fatal(err)
 	}
-	if m.RepairFrom(p, bucketOff(9), func([]byte) bool { return true }) {
-		t.Fatal("RepairFrom of an unmapped bucket")
+	if _, err := m.WriteAt(d, bucketOff(1)); err != nil {
+		t.Fatal(err)
 	}
+	if _, err := m.WriteAt(c, bucketOff(2)); err != nil {
+		t.Fatal(err)
+	}
+	reads := func() [2]uint64 { return m.Stats().Reads }
+	p := make([]byte, blockSize)
+	read := func(off int64, want []byte) {
+		t.Helper()
+		if _, err := m.ReadAt(p, off); err != nil || !bytes.Equal(p, want) {
+			t.Fatalf("read at %d: %v", off, err)
+		}
+	}
+	startRead := func(off int64, want []byte) {
+		t.Helper()
+		done := make(chan error, 1)
+		if !m.StartReadAt(p, off, func(_ int, err error, _ func(func())) { done <- err }) {
+			t.Fatal("StartReadAt refused")
+		}
+		if err := <-done; err != nil || !bytes.Equal(p, want) {
+			t.Fatalf("asynchronous read at %d: %v", off, err)
+		}
+	}
+	base := reads()
+	for range 10 {
+		read(bucketOff(1), d)
+	}
+	for range 10 {
+		startRead(bucketOff(1), d)
+	}
+	got := reads()
+	if a, b := got[A]-base[A], got[B]-base[B]; a != 10 || b != 10 {
+		t.Fatalf("20 reads of a block on both: %d from A, %d from B; want 10 each", a, b)
+	}
+	if ab := a.async.Load() + b.async.Load(); ab != 10 || b.async.Load() != 5 {
+		t.Fatalf("10 asynchronous reads: %d started on A's device, %d on B's; want 5 each", a.async.Load(), b.async.Load())
+	}
+	base = got
+	for range 5 {
+		read(bucketOff(2), c)
+		read(128<<10, meta)
+		startRead(bucketOff(2), c)
+	}
+	if got := reads(); got[B] != base[B] {
+		t.Fatalf("reads of the metadata region and of a bucket only A holds: %d went to B", got[B]-base[B])
+	}
+	b.dead.Store(true)
+	if _, err := m.WriteAt(d, bucketOff(1)); err != nil { // fails B
+		t.Fatal(err)
+	}
+	base = reads()
+	for range 4 {
+		read(bucketOff(1), d)
+	}
+	if got := reads(); got[A]-base[A] != 4 {
+		t.Fatalf("with B failed: %d of 4 reads from A", got[A]-base[A])
+	}
+}
+
+// asyncMem is a memory device that starts reads asynchronously (on a
+// goroutine) and counts them; every operation fails once dead is set.
+type asyncMem struct {
+	*device.Mem
+	dead  atomic.Bool
+	async atomic.Int64
+}
+
+var errDead = errors.New("dead")
+
+func (d *asyncMem) ReadAt(p []byte, off int64) (int, error) {
+	if d.dead.Load() {
+		return 0, errDead
+	}
+	return d.Mem.ReadAt(p, off)
+}
+
+func (d *asyncMem) WriteAt(p []byte, off int64) (int, error) {
+	if d.dead.Load() {
+		return 0, errDead
+	}
+	return d.Mem.WriteAt(p, off)
+}
+
+func (d *asyncMem) Sync() error {
+	if d.dead.Load() {
+		return errDead
+	}
+	return d.Mem.Sync()
+}
+
+func (d *asyncMem) StartReadAt(p []byte, off int64, done func(n int, err error, later func(func()))) bool {
+	d.async.Add(1)
+	go func() {
+		n, err := d.ReadAt(p, off)
+		device.WithLater(func(later func(func())) { done(n, err, later) })
+	}()
+	return true
 }
 
 // TestAssembleRefusals: a missing member is accepted only when the

@@ -178,21 +178,24 @@ func (w *Writer) write(items []Item, rep *report, stop func() bool) (int, error)
 			}
 			i = j
 		}
-		c.Unpin(its, valid)
 		if rerr != nil {
+			c.Unpin(its, valid)
 			return rerr
 		}
+		// Checked while pinned: Corrupt may repair a block from its other
+		// copy, which must still be the block's.
 		for i := range its {
 			if !valid[i] {
 				continue
 			}
-			if got := ondisk.CRC32C(buf[i*blockSize : (i+1)*blockSize]); got != its[i].CRC {
+			p := buf[i*blockSize : (i+1)*blockSize]
+			if got := ondisk.CRC32C(p); got != its[i].CRC && !c.Corrupt(its[i], p, got) {
 				its[i].bad = true
-				c.Corrupt(its[i], got)
 				continue
 			}
 			its[i].ok = true
 		}
+		c.Unpin(its, valid)
 		for i := 0; i < len(its) && rerr == nil; {
 			if !its[i].ok {
 				i++

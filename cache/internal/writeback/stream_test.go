@@ -124,8 +124,8 @@ func (v *streamVol) ReadCache(p []byte, _ uint32) error {
 	return nil
 }
 
-func (v *streamVol) Unpin([]Item, []bool) {}
-func (v *streamVol) Corrupt(Item, uint32) {}
+func (v *streamVol) Unpin([]Item, []bool)              {}
+func (v *streamVol) Corrupt(Item, []byte, uint32) bool { return false }
 
 func (v *streamVol) WriteBacking(p []byte, lba uint64) error {
 	v.once.Do(func() { close(v.entered) })

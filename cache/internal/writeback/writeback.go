@@ -125,8 +125,10 @@ type Volume interface {
 	ReadCache(p []byte, loc uint32) error
 	// Unpin drops the pins Claim took for the valid items.
 	Unpin(run []Item, valid []bool)
-	// Corrupt reports an item whose cached copy has checksum got.
-	Corrupt(it Item, got uint32)
+	// Corrupt reports an item whose cached copy p has checksum got. It
+	// reports true when it replaced p with a good copy (the item is then
+	// written back from p). The item is still pinned.
+	Corrupt(it Item, p []byte, got uint32) bool
 	// WriteBacking writes p to the backing device at block lba.
 	WriteBacking(p []byte, lba uint64) error
 	// SyncBacking makes the backing device's writes durable.
