@@ -143,64 +143,18 @@ func mirrorReplace(t *testing.T, lost string) {
 	s := startServer(t, "--cache", a, "--cache-mirror", b, "--data-dir", dd)
 	// Every region stays dirty: at most 7 MiB and 2 MiB of noise, within
 	// the 60 buckets of the smaller member.
-	const regionSize = 1 * mib
-	// Regions [0, 7 MiB): up to maxRegions before the replace ends, one
-	// after; the noise writes [7 MiB, 9 MiB).
-	const maxRegions = 6
-	region := func(i int, extra ...string) []string {
-		return append([]string{
-			"--name=flushed", "--ioengine=nbd", "--uri=" + s.uri("a"),
-			"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=8",
-			fmt.Sprintf("--offset=%d", int64(i)*regionSize), fmt.Sprintf("--size=%d", regionSize), fmt.Sprintf("--randseed=%d", 1000+i),
-			"--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json",
-		}, extra...)
-	}
-	regions := 0
-	write := func() {
-		t.Helper()
-		out := run(t, 5*time.Minute, "fio", region(regions, "--do_verify=0", "--fsync=16", "--end_fsync=1")...)
-		checkFio(t, out)
-		// One FLUSH after every write completed (TestKillCyclesFio: fio's
-		// last FLUSH may be sent before its last writes complete).
-		run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "flush", s.uri("a"))
-		regions++
-	}
-	verify := func(how string) {
-		t.Helper()
-		for j := range regions {
-			out, err := runErr(5*time.Minute, "fio", region(j, "--verify_only=1")...)
-			if err != nil {
-				t.Fatalf("%s: flushed fio region %d of %d does not verify: %v\n%s\nserver log:\n%s", how, j, regions, err, out, s.log)
-			}
-			checkFio(t, out)
-		}
-	}
-	status := func() string { return run(t, time.Minute, bin, "status", "--data-dir", dd) }
+	f := &mirrorFio{t: t, s: &s, dd: dd, seed: 1000}
 
-	write()
+	f.write()
 	disk.set(t, disk.readT, true)
 	disk.set(t, disk.writeT, true)
-	write() // notices the pulled member
-	if st := status(); !strings.Contains(st, "DEGRADED: member "+lost) {
+	f.write() // notices the pulled member
+	if st := f.status(); !strings.Contains(st, "DEGRADED: member "+lost) {
 		t.Fatalf("status with %s pulled:\n%s", lost, st)
 	}
 
 	// The replace, limited so that its copy takes seconds.
-	rcmd, rout, rdone := background(t, bin, "replace", "--data-dir", dd, "--rate", "512K", nw)
-	defer rcmd.Process.Kill()
-	var running string
-	for deadline := time.Now().Add(time.Minute); running == ""; {
-		select {
-		case err := <-rdone:
-			t.Fatalf("replace ended before status showed it running: %v\n%s\nserver log:\n%s", err, rout, s.log)
-		default:
-		}
-		if st := status(); regexp.MustCompile(`(?m)^resilver\s+member ` + lost).MatchString(st) {
-			running = st
-		} else if time.Now().After(deadline) {
-			t.Fatalf("status never showed the resilver:\n%s", st)
-		}
-	}
+	running, rout, rdone := f.startResilver(regexp.MustCompile(`(?m)^resilver\s+member `+lost), "replace", "--data-dir", dd, "--rate", "512K", nw)
 	t.Logf("status during the replace:\n%s", running)
 	if !strings.Contains(running, "limited to 512 KiB/s") {
 		t.Fatalf("status does not show the resilver's rate limit:\n%s", running)
@@ -210,32 +164,19 @@ func mirrorReplace(t *testing.T, lost string) {
 	if out := run(t, time.Minute, bin, "replace", "--data-dir", dd, "--rate", "256K"); !strings.Contains(out, "rate limit is now 256 KiB/s") {
 		t.Fatalf("replace --rate without a device:\n%s", out)
 	}
-	if st := status(); !strings.Contains(st, "limited to 256 KiB/s") {
+	if st := f.status(); !strings.Contains(st, "limited to 256 KiB/s") {
 		t.Fatalf("status after replace --rate 256K:\n%s\nreplace: %s", st, rout)
 	}
-	during := 0
-	var rerr error
-	for replaced := false; !replaced; {
-		write()
-		during++
-		select {
-		case rerr = <-rdone:
-			replaced = true
-		default:
-			if regions == maxRegions {
-				rerr, replaced = <-rdone, true
-			}
-		}
-	}
+	during, rerr := f.writeUntil(rdone)
 	if rerr != nil || !strings.Contains(rout.String(), "in sync again") {
 		t.Fatalf("replace: %v\n%s\nserver log:\n%s", rerr, rout, s.log)
 	}
 	t.Logf("%d fio regions written during the replace: %s", during, strings.TrimSpace(rout.String()))
-	if st := status(); strings.Contains(st, "DEGRADED") || regexp.MustCompile(`(?m)^resilver\s`).MatchString(st) {
+	if st := f.status(); strings.Contains(st, "DEGRADED") || regexp.MustCompile(`(?m)^resilver\s`).MatchString(st) {
 		t.Fatalf("status after the replace:\n%s", st)
 	}
-	write() // redundant again
-	for _, l := range strings.Split(status(), "\n") {
+	f.write() // redundant again
+	for _, l := range strings.Split(f.status(), "\n") {
 		if strings.HasPrefix(l, "state") {
 			t.Logf("before the first SIGKILL: %s", l)
 			if strings.Contains(l, " 0 B dirty") {
@@ -245,25 +186,13 @@ func mirrorReplace(t *testing.T, lost string) {
 	}
 
 	// SIGKILL during unflushed writes.
-	kill := func() {
-		t.Helper()
-		noise, _, ndone := background(t, "fio", "--thread", "--name=noise", "--ioengine=nbd", "--uri="+s.uri("a"),
-			"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", fmt.Sprintf("--offset=%d", int64(maxRegions+1)*regionSize),
-			fmt.Sprintf("--size=%d", 2*mib), "--time_based", "--runtime=60s")
-		time.Sleep(time.Duration(200+rng.IntN(800)) * time.Millisecond)
-		s.cmd.Process.Signal(syscall.SIGKILL)
-		<-s.done
-		s.waited = nil
-		noise.Process.Kill()
-		<-ndone
-	}
-	kill()
+	f.kill(time.Duration(200+rng.IntN(800)) * time.Millisecond)
 	// The new member alone first: a restart on both would resync B from
 	// A's dirty blocks (after an unclean shutdown) and hide a copy the
 	// resilver missed.
 	s = startServer(t, "--cache", nw, "--mirror-missing", "--data-dir", dd)
-	verify("after SIGKILL, restarted on the new member alone")
-	kill()
+	f.verify("after SIGKILL, restarted on the new member alone")
+	f.kill(time.Duration(200+rng.IntN(800)) * time.Millisecond)
 	// Both again: the old survivor is stale now (the new member served
 	// alone since) and must not be used.
 	newA, newB, survivor := a, nw, "A"
@@ -271,10 +200,10 @@ func mirrorReplace(t *testing.T, lost string) {
 		newA, newB, survivor = nw, b, "B"
 	}
 	s = startServer(t, "--cache", newA, "--cache-mirror", newB, "--data-dir", dd)
-	if st := status(); !strings.Contains(st, "DEGRADED: member "+survivor) {
+	if st := f.status(); !strings.Contains(st, "DEGRADED: member "+survivor) {
 		t.Fatalf("status after the restart on both, the new member having served alone: the stale %s is used:\n%s", survivor, st)
 	}
-	verify("after SIGKILL, restarted on both, the old survivor stale")
+	f.verify("after SIGKILL, restarted on both, the old survivor stale")
 	backDisk.set(t, backDisk.writeT, false) // the server's cleanup stops it
 }
 
@@ -299,106 +228,147 @@ func TestAttachMirrorThroughBinary(t *testing.T) {
 	s := startServer(t, "--cache", a, "--data-dir", dd)
 	// Every region stays dirty: at most 7 MiB and 2 MiB of noise, within
 	// the ~70 slots of B.
-	const regionSize = 1 * mib
-	const maxRegions = 6
-	region := func(i int, extra ...string) []string {
-		return append([]string{
-			"--name=flushed", "--ioengine=nbd", "--uri=" + s.uri("a"),
-			"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=8",
-			fmt.Sprintf("--offset=%d", int64(i)*regionSize), fmt.Sprintf("--size=%d", regionSize), fmt.Sprintf("--randseed=%d", 2000+i),
-			"--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json",
-		}, extra...)
-	}
-	regions := 0
-	write := func() {
-		t.Helper()
-		checkFio(t, run(t, 5*time.Minute, "fio", region(regions, "--do_verify=0", "--fsync=16", "--end_fsync=1")...))
-		run(t, time.Minute, "qemu-io", "-f", "raw", "-c", "flush", s.uri("a"))
-		regions++
-	}
-	verify := func(how string) {
-		t.Helper()
-		for j := range regions {
-			out, err := runErr(5*time.Minute, "fio", region(j, "--verify_only=1")...)
-			if err != nil {
-				t.Fatalf("%s: flushed fio region %d of %d does not verify: %v\n%s\nserver log:\n%s", how, j, regions, err, out, s.log)
-			}
-			checkFio(t, out)
-		}
-	}
-	status := func() string { return run(t, time.Minute, bin, "status", "--data-dir", dd) }
+	f := &mirrorFio{t: t, s: &s, dd: dd, seed: 2000}
 
-	write()
-	if st := status(); strings.Contains(st, "mirror device") || strings.Contains(st, "DEGRADED") {
+	f.write()
+	if st := f.status(); strings.Contains(st, "mirror device") || strings.Contains(st, "DEGRADED") {
 		t.Fatalf("status of a set on one device:\n%s", st)
 	}
-	acmd, aout, adone := background(t, bin, "attach-mirror", "--data-dir", dd, "--rate", "512K", b)
-	defer acmd.Process.Kill()
-	var running string
-	for deadline := time.Now().Add(time.Minute); running == ""; {
-		select {
-		case err := <-adone:
-			t.Fatalf("attach-mirror ended before status showed it running: %v\n%s\nserver log:\n%s", err, aout, s.log)
-		default:
-		}
-		if st := status(); regexp.MustCompile(`(?m)^resilver\s+member B \(` + regexp.QuoteMeta(b) + `\): .* copied`).MatchString(st) {
-			running = st
-		} else if time.Now().After(deadline) {
-			t.Fatalf("status never showed the attach's resilver:\n%s", st)
-		}
-	}
+	running, aout, adone := f.startResilver(regexp.MustCompile(`(?m)^resilver\s+member B \(`+regexp.QuoteMeta(b)+`\): .* copied`), "attach-mirror", "--data-dir", dd, "--rate", "512K", b)
 	t.Logf("status during the attach:\n%s", running)
 	if !strings.Contains(running, "DEGRADED: member B, the mirror device, is being resilvered") {
 		t.Fatalf("status during the attach does not say DEGRADED, B being resilvered:\n%s", running)
 	}
-	during := 0
-	var aerr error
-	for attached := false; !attached; {
-		write()
-		during++
-		select {
-		case aerr = <-adone:
-			attached = true
-		default:
-			if regions == maxRegions {
-				aerr, attached = <-adone, true
-			}
-		}
-	}
+	during, aerr := f.writeUntil(adone)
 	if aerr != nil || !strings.Contains(aout.String(), "is attached as the mirror") {
 		t.Fatalf("attach-mirror: %v\n%s\nserver log:\n%s", aerr, aout, s.log)
 	}
 	t.Logf("%d fio regions written during the attach: %s", during, strings.TrimSpace(aout.String()))
-	st := status()
+	st := f.status()
 	if strings.Contains(st, "DEGRADED") || regexp.MustCompile(`(?m)^resilver\s`).MatchString(st) || !regexp.MustCompile(`(?m)^mirror device\s+`+regexp.QuoteMeta(b)).MatchString(st) {
 		t.Fatalf("status after the attach:\n%s", st)
 	}
 	t.Logf("status after the attach:\n%s", st)
-	write() // mirrored
-	if !strings.Contains(status(), "dirty") || strings.Contains(status(), " 0 B dirty") {
-		t.Fatalf("no dirty data: the test would prove nothing\n%s", status())
+	f.write() // mirrored
+	if st := f.status(); !strings.Contains(st, "dirty") || strings.Contains(st, " 0 B dirty") {
+		t.Fatalf("no dirty data: the test would prove nothing\n%s", st)
 	}
 
-	kill := func() {
-		t.Helper()
-		noise, _, ndone := background(t, "fio", "--thread", "--name=noise", "--ioengine=nbd", "--uri="+s.uri("a"),
-			"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", fmt.Sprintf("--offset=%d", int64(maxRegions+1)*regionSize),
-			fmt.Sprintf("--size=%d", 2*mib), "--time_based", "--runtime=60s")
-		time.Sleep(500 * time.Millisecond)
-		s.cmd.Process.Signal(syscall.SIGKILL)
-		<-s.done
-		s.waited = nil
-		noise.Process.Kill()
-		<-ndone
-	}
-	kill()
+	f.kill(500 * time.Millisecond)
 	s = startServer(t, "--cache", b, "--mirror-missing", "--data-dir", dd)
-	verify("after SIGKILL, restarted on the attached mirror alone")
-	kill()
+	f.verify("after SIGKILL, restarted on the attached mirror alone")
+	f.kill(500 * time.Millisecond)
 	s = startServer(t, "--cache", a, "--cache-mirror", b, "--data-dir", dd)
-	if st := status(); !strings.Contains(st, "DEGRADED: member A") {
+	if st := f.status(); !strings.Contains(st, "DEGRADED: member A") {
 		t.Fatalf("status after the restart on both, B having served alone: the stale A is used:\n%s", st)
 	}
-	verify("after SIGKILL, restarted on both, A stale")
+	f.verify("after SIGKILL, restarted on both, A stale")
 	backDisk.set(t, backDisk.writeT, false) // the server's cleanup stops it
+}
+
+// mirrorFio is the fio workload of the resilver tests through the binary
+// on the server *s (a restart puts the new one there), data dir dd:
+// regions of 1 MiB from offset 0, up to mirrorMaxRegions, each written by
+// fio with crc32c verify headers and FLUSHes, then one FLUSH after all its
+// writes completed (TestKillCyclesFio: fio's last FLUSH may be sent before
+// its last writes complete), and verified later (fio --verify_only);
+// noise writes in the 2 MiB after the regions.
+type mirrorFio struct {
+	t       *testing.T
+	s       **server
+	dd      string
+	seed    int // fio's randseed of region 0
+	regions int // written so far
+}
+
+const (
+	mirrorRegion     = 1 * mib
+	mirrorMaxRegions = 6
+)
+
+func (f *mirrorFio) args(i int, extra ...string) []string {
+	return append([]string{
+		"--name=flushed", "--ioengine=nbd", "--uri=" + (*f.s).uri("a"),
+		"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=8",
+		fmt.Sprintf("--offset=%d", int64(i)*mirrorRegion), fmt.Sprintf("--size=%d", mirrorRegion), fmt.Sprintf("--randseed=%d", f.seed+i),
+		"--verify=crc32c", "--verify_fatal=1", "--verify_state_save=0", "--output-format=json",
+	}, extra...)
+}
+
+// write writes and flushes the next region.
+func (f *mirrorFio) write() {
+	f.t.Helper()
+	checkFio(f.t, run(f.t, 5*time.Minute, "fio", f.args(f.regions, "--do_verify=0", "--fsync=16", "--end_fsync=1")...))
+	run(f.t, time.Minute, "qemu-io", "-f", "raw", "-c", "flush", (*f.s).uri("a"))
+	f.regions++
+}
+
+// verify checks every region written.
+func (f *mirrorFio) verify(how string) {
+	f.t.Helper()
+	for j := range f.regions {
+		out, err := runErr(5*time.Minute, "fio", f.args(j, "--verify_only=1")...)
+		if err != nil {
+			f.t.Fatalf("%s: flushed fio region %d of %d does not verify: %v\n%s\nserver log:\n%s", how, j, f.regions, err, out, (*f.s).log)
+		}
+		checkFio(f.t, out)
+	}
+}
+
+func (f *mirrorFio) status() string { return run(f.t, time.Minute, bin, "status", "--data-dir", f.dd) }
+
+// startResilver runs the tiercache command args (a replace or an
+// attach-mirror) in the background and returns the first status that
+// running matches, with the command's output and its end.
+func (f *mirrorFio) startResilver(running *regexp.Regexp, args ...string) (string, *syncBuffer, <-chan error) {
+	f.t.Helper()
+	cmd, out, done := background(f.t, bin, args...)
+	f.t.Cleanup(func() { cmd.Process.Kill() })
+	for deadline := time.Now().Add(time.Minute); ; {
+		select {
+		case err := <-done:
+			f.t.Fatalf("%s ended before status showed it running: %v\n%s\nserver log:\n%s", args[0], err, out, (*f.s).log)
+		default:
+		}
+		st := f.status()
+		if running.MatchString(st) {
+			return st, out, done
+		}
+		if time.Now().After(deadline) {
+			f.t.Fatalf("status never showed the %s running:\n%s", args[0], st)
+		}
+	}
+}
+
+// writeUntil writes regions until done (a startResilver's) reports, or
+// the last region is written and then waits for it; it returns the
+// regions written and done's error.
+func (f *mirrorFio) writeUntil(done <-chan error) (int, error) {
+	f.t.Helper()
+	for n := 1; ; n++ {
+		f.write()
+		select {
+		case err := <-done:
+			return n, err
+		default:
+			if f.regions == mirrorMaxRegions {
+				return n, <-done
+			}
+		}
+	}
+}
+
+// kill SIGKILLs the server after delay of noise writes (unflushed).
+func (f *mirrorFio) kill(delay time.Duration) {
+	f.t.Helper()
+	s := *f.s
+	noise, _, ndone := background(f.t, "fio", "--thread", "--name=noise", "--ioengine=nbd", "--uri="+s.uri("a"),
+		"--rw=randwrite", "--bsrange=4k-64k", "--iodepth=16", fmt.Sprintf("--offset=%d", int64(mirrorMaxRegions+1)*mirrorRegion),
+		fmt.Sprintf("--size=%d", 2*mib), "--time_based", "--runtime=60s")
+	time.Sleep(delay)
+	s.cmd.Process.Signal(syscall.SIGKILL)
+	<-s.done
+	s.waited = nil
+	noise.Process.Kill()
+	<-ndone
 }
