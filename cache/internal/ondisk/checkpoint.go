@@ -386,12 +386,19 @@ func ReadCheckpointBody(dev device.Device, sb *Superblock) (CkptHeader, []byte, 
 			// stale data. Only a damaged (torn) header is skipped.
 			return CkptHeader{}, nil, "", fmt.Errorf("reading checkpoint slot %d at %d: %w", i, sb.CkptOff[i], err)
 		}
-		h, err := DecodeCkptHeader(buf, sb.CkptOff[i])
-		if err == nil && (h.Nonce != sb.Nonce() || h.Gen%2 != uint64(i)) {
-			err = Corruptf("checkpoint header", sb.CkptOff[i], BlockSize, "slot %d holds generation %d of another set", i, h.Gen)
+		decode := func(b []byte) (CkptHeader, error) {
+			h, err := DecodeCkptHeader(b, sb.CkptOff[i])
+			if err == nil && (h.Nonce != sb.Nonce() || h.Gen%2 != uint64(i)) {
+				err = Corruptf("checkpoint header", sb.CkptOff[i], BlockSize, "slot %d holds generation %d of another set", i, h.Gen)
+			}
+			if err == nil && (h.BodyLen > uint64(sb.CkptLen-BlockSize) || h.JPos.Blk < 0 || h.JPos.Blk >= sb.JournalLen/BlockSize) {
+				err = Corruptf("checkpoint header", sb.CkptOff[i], BlockSize, "body length %d, journal block %d", h.BodyLen, h.JPos.Blk)
+			}
+			return h, err
 		}
-		if err == nil && (h.BodyLen > uint64(sb.CkptLen-BlockSize) || h.JPos.Blk < 0 || h.JPos.Blk >= sb.JournalLen/BlockSize) {
-			err = Corruptf("checkpoint header", sb.CkptOff[i], BlockSize, "body length %d, journal block %d", h.BodyLen, h.JPos.Blk)
+		h, err := decode(buf)
+		if err != nil && !IsZero(buf) && repair(dev, buf, sb.CkptOff[i], func(b []byte) bool { _, err := decode(b); return err == nil }) {
+			h, err = decode(buf)
 		}
 		if err != nil {
 			errs[i] = err
@@ -413,6 +420,11 @@ func ReadCheckpointBody(dev device.Device, sb *Superblock) (CkptHeader, []byte, 
 	body := make([]byte, best.BodyLen)
 	if _, err := dev.ReadAt(body, slot+BlockSize); err != nil {
 		return CkptHeader{}, nil, "", fmt.Errorf("reading checkpoint body: %w", err)
+	}
+	if _, ok := dev.(Repairer); ok && CRC32C(body) != best.BodyCRC {
+		// Damaged: the other member of a mirror may hold it intact
+		// (DecodeCheckpoint reports it otherwise).
+		repair(dev, body, slot+BlockSize, func(b []byte) bool { return CRC32C(b) == best.BodyCRC })
 	}
 	other := int((best.Gen + 1) % 2)
 	return *best, body, checkpointFallback(raw[other], sb.CkptOff[other], other, errs[other], best.Gen), nil

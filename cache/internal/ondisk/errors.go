@@ -3,6 +3,8 @@ package ondisk
 import (
 	"errors"
 	"fmt"
+
+	"github.com/tiercache/tiercache/device"
 )
 
 // ErrCorrupt marks metadata on the cache device that fails validation:
@@ -91,4 +93,18 @@ func (e *FormatVersionError) Error() string {
 	}
 	return fmt.Sprintf("cache: superblock at %d is format version %d, this build reads only version %d: "+
 		"the set was made by a newer build; open it with that build", e.Offset, e.Found, FormatVersion)
+}
+
+// Repairer is a cache device that holds a second copy of the metadata
+// region (a mirrored set's two members): a metadata block that fails its
+// check is read from the other copy. RepairFrom reports whether p holds a
+// copy good accepts now, the bad copy having been rewritten with it.
+type Repairer interface {
+	RepairFrom(p []byte, off int64, good func([]byte) bool) bool
+}
+
+// repair is dev's RepairFrom, false when dev has no second copy.
+func repair(dev device.Device, p []byte, off int64, good func([]byte) bool) bool {
+	r, ok := dev.(Repairer)
+	return ok && r.RepairFrom(p, off, good)
 }

@@ -310,6 +310,17 @@ func replayJournalBlocks(dev device.Device, sb *Superblock, gen uint64, start Jo
 			d := decoded{off: sb.JournalOff + ((start.Blk+n)%jblocks)*BlockSize}
 			if _, d.err = dev.ReadAt(rbuf, d.off); d.err == nil {
 				d.h, d.recs, d.st, d.want, d.got, d.derr = DecodeJournalBlock(rbuf, nonce, gen)
+				// Damage or the end of the log: the other member of a
+				// mirror may hold the block (damaged here, or written
+				// there only before a crash; either is a block of the
+				// log).
+				seq := start.Seq + uint64(n)
+				if d.st != BlockOK && repair(dev, rbuf, d.off, func(b []byte) bool {
+					h, _, st, _, _, _ := DecodeJournalBlock(b, nonce, gen)
+					return st == BlockOK && h.Seq == seq
+				}) {
+					d.h, d.recs, d.st, d.want, d.got, d.derr = DecodeJournalBlock(rbuf, nonce, gen)
+				}
 			}
 			select {
 			case blocks <- d:

@@ -443,9 +443,22 @@ func ReadSuperblock(dev device.Device) (*Superblock, int, error) {
 			// the set to older settings. Refuse instead.
 			return nil, 0, fmt.Errorf("reading superblock copy %d at %d: %w", i, off, err)
 		}
-		sb, err := DecodeSuperblock(buf, off)
-		if err == nil {
-			err = sb.ValidateAt(dev.Size(), off)
+		decode := func(b []byte) (*Superblock, error) {
+			sb, err := DecodeSuperblock(b, off)
+			if err == nil {
+				err = sb.ValidateAt(dev.Size(), off)
+			}
+			return sb, err
+		}
+		sb, err := decode(buf)
+		if err != nil && !errors.Is(err, ErrNotFormatted) {
+			// A damaged copy: the other member of a mirror may hold it
+			// intact (read at the longest encoding: the length in a
+			// damaged header may be wrong).
+			all := make([]byte, SBMaxEncoded/BlockSize*BlockSize)
+			if repair(dev, all, off, func(b []byte) bool { _, err := decode(b); return err == nil }) {
+				sb, err = decode(all)
+			}
 		}
 		if err != nil {
 			errs[i] = err
