@@ -335,6 +335,7 @@ type instrumented struct {
 	b      nbd.Backend
 	async  nbd.AsyncReader        // b's, or nil
 	plug   nbd.Plugger            // b's, or nil
+	hits   nbd.HitReader          // b's, or nil
 	tiers  tierReader             // nil: reads are not split by tier
 	tier   [2]prometheus.Observer // read latency: backing, cache
 	wtiers tierWriter             // nil: writes are not split by tier
@@ -392,14 +393,32 @@ func (w *instrumented) StartReadAt(p []byte, off int64, done func(error, func(fu
 	}
 	t := time.Now()
 	return w.async.StartReadAt(p, off, func(err error, later func(func())) {
-		d := time.Since(t)
-		err = w.observeDur(opRead, d, err)
-		if err == nil && w.tiers != nil {
-			w.tier[1].Observe(d.Seconds()) // tier[] is backing, cache
-			w.tierLat[1].observe(d)
-		}
-		done(err, later)
+		done(w.observeHit(time.Since(t), err), later)
 	})
+}
+
+// observeHit records a cache hit read that took d, and returns err.
+func (w *instrumented) observeHit(d time.Duration, err error) error {
+	err = w.observeDur(opRead, d, err)
+	if err == nil && w.tiers != nil {
+		w.tier[1].Observe(d.Seconds()) // tier[] is backing, cache
+		w.tierLat[1].observe(d)
+	}
+	return err
+}
+
+// ReadHitAt passes a read on to the wrapped backend's ReadHitAt, if it has
+// one (else it serves nothing), timed as a cache hit like StartReadAt.
+func (w *instrumented) ReadHitAt(p []byte, off int64) (bool, error) {
+	if w.hits == nil {
+		return false, nil
+	}
+	t := time.Now()
+	ok, err := w.hits.ReadHitAt(p, off)
+	if !ok {
+		return false, nil
+	}
+	return true, w.observeHit(time.Since(t), err)
 }
 
 // Plug and Unplug pass a plug on to the wrapped backend's (nbd.Plugger).
@@ -522,6 +541,7 @@ func (m *Metrics) Wrap(export string, b nbd.Backend) nbd.Backend {
 	w := &instrumented{b: b}
 	w.async, _ = b.(nbd.AsyncReader)
 	w.plug, _ = b.(nbd.Plugger)
+	w.hits, _ = b.(nbd.HitReader)
 	if h, ok := b.(tierReader); ok {
 		w.tiers = h
 		w.tier[0] = m.reads.WithLabelValues(export, "backing")

@@ -383,9 +383,10 @@ func (v *Volume) releaseHitsLocked(hits, drop []index.Ent) {
 // a contended set mutex) moves to a new goroutine, which finishes exactly
 // as readBlocksHit does: the reaper serves every read of the device and
 // must not wait, least of all for s.mu, whose holders may wait for a
-// device I/O the reaper delivers.
+// device I/O the reaper delivers. A caller with nothing else to do can
+// have the same reads served on its own goroutine instead (ReadHitAt).
 
-// maxAsyncHit is the longest read StartReadAt serves: its checksums are
+// maxAsyncHit is the longest read StartReadAt (and ReadHitAt) serves: its checksums are
 // computed on the reaper, which delays every other completion meanwhile
 // (128 KiB: about 10 µs of crc32c).
 const maxAsyncHit = 128 << 10
@@ -407,21 +408,65 @@ const maxAsyncHit = 128 << 10
 func (v *Volume) StartReadAt(p []byte, off int64, done func(err error, later func(func()))) bool {
 	s := v.s
 	ar, ok := s.dev.AsyncReader()
-	if !ok || len(p) == 0 || len(p) > maxAsyncHit || off%blockSize != 0 || len(p)%blockSize != 0 || s.isFailed() {
+	if !ok {
 		return false
+	}
+	hits, ok := v.pinHit(p, off)
+	if !ok {
+		return false
+	}
+	lba := uint64(off >> blockShift)
+	coff := s.cacheOff(hits[0].Block())
+	finish := func(_ int, err error, later func(func())) { v.finishHit(p, lba, hits, err, later, done) }
+	if !ar.StartReadAt(p, coff, finish) {
+		// The device has no room for it now: read on a goroutine of its
+		// own rather than unwind (the pins and counters are taken).
+		go func() {
+			_, err := s.dev.ReadAt(p, coff)
+			device.WithLater(func(later func(func())) { finish(0, err, later) })
+		}()
+	}
+	return true
+}
+
+// ReadHitAt reads len(p) bytes at off, waiting for the device, if
+// StartReadAt would start them (but on any cache device), and reports
+// whether it did; err is then what ReadAt would have returned. It returns
+// false, having changed nothing but the blocks' recency, otherwise: the
+// caller then uses StartReadAt or ReadAt. A caller with nothing else to do
+// meanwhile (an NBD connection with one request in flight) saves the
+// hand-offs between goroutines that an asynchronous read costs, and the
+// cache device, idle, serves the read with one pread (device.File).
+func (v *Volume) ReadHitAt(p []byte, off int64) (bool, error) {
+	hits, ok := v.pinHit(p, off)
+	if !ok {
+		return false, nil
+	}
+	_, err := v.s.dev.ReadAt(p, v.s.cacheOff(hits[0].Block()))
+	return true, v.endHit(p, uint64(off>>blockShift), hits, err)
+}
+
+// pinHit enters the volume and pins the blocks of a read StartReadAt or
+// ReadHitAt serves (see there), counting the read, and returns them; or
+// returns false having changed nothing but the blocks' recency. The caller
+// ends the read with finishHit or endHit.
+func (v *Volume) pinHit(p []byte, off int64) ([]index.Ent, bool) {
+	s := v.s
+	if len(p) == 0 || len(p) > maxAsyncHit || off%blockSize != 0 || len(p)%blockSize != 0 || s.isFailed() {
+		return nil, false
 	}
 	// Not enter: StartReadAt must not wait, not even for a detach that
 	// waits for the reads a plug (Plug) holds back.
 	if !v.gate.TryRLock() {
-		return false // ReadAt waits for the detach
+		return nil, false // ReadAt waits for the detach
 	}
 	if v.gone {
 		v.exit()
-		return false // ReadAt reports it
+		return nil, false // ReadAt reports it
 	}
 	if v.checkIO(off, int64(len(p))) != nil {
 		v.exit()
-		return false
+		return nil, false
 	}
 	lba, n := uint64(off>>blockShift), len(p)/blockSize
 	hits := make([]index.Ent, 0, n)
@@ -439,7 +484,7 @@ func (v *Volume) StartReadAt(p []byte, off int64, done func(err error, later fun
 		// (ReadAt meets it again and fails the set over).
 		s.mu.Unlock()
 		v.exit()
-		return false
+		return nil, false
 	}
 	for _, e := range hits {
 		a := &s.mu.alloc[int64(e.Block())/s.bpb]
@@ -451,17 +496,7 @@ func (v *Volume) StartReadAt(p []byte, off int64, done func(err error, later fun
 	v.st.readBytes.Add(uint64(len(p)))
 	v.touch()
 	v.seqRead(off, int64(len(p))) // the stream detector sees every read
-	coff := s.cacheOff(hits[0].Block())
-	finish := func(_ int, err error, later func(func())) { v.finishHit(p, lba, hits, err, later, done) }
-	if !ar.StartReadAt(p, coff, finish) {
-		// The device has no room for it now: read on a goroutine of its
-		// own rather than unwind (the pins and counters are taken).
-		go func() {
-			_, err := s.dev.ReadAt(p, coff)
-			device.WithLater(func(later func(func())) { finish(0, err, later) })
-		}()
-	}
-	return true
+	return hits, true
 }
 
 // Plug holds back the device submission of the reads StartReadAt starts
@@ -498,10 +533,17 @@ func (v *Volume) finishHit(p []byte, lba uint64, hits []index.Ent, readErr error
 	done(nil, later)
 }
 
-// finishHitSlow is finishHit's path for what may block; it ends the read
-// as readBlocksHit does: after a device error (readErr) it reads around
-// the cache, then verifies and repairs every block read from the cache.
+// finishHitSlow is finishHit's path for what may block (endHit).
 func (v *Volume) finishHitSlow(p []byte, lba uint64, hits []index.Ent, readErr error, done func(error, func(func()))) {
+	err := v.endHit(p, lba, hits, readErr)
+	device.WithLater(func(later func(func())) { done(err, later) })
+}
+
+// endHit ends a read pinHit pinned, whose device read ended with readErr,
+// as readBlocksHit does, and returns its outcome: after a device error it
+// reads around the cache, then verifies and repairs every block read from
+// the cache, unpins and leaves the volume.
+func (v *Volume) endHit(p []byte, lba uint64, hits []index.Ent, readErr error) error {
 	s := v.s
 	fromBacking, err := v.runRead(p, hits, readErr)
 	var drop []index.Ent
@@ -515,7 +557,7 @@ func (v *Volume) finishHitSlow(p []byte, lba uint64, hits []index.Ent, readErr e
 		v.countHit(len(hits))
 	}
 	v.exit()
-	device.WithLater(func(later func(func())) { done(err, later) })
+	return err
 }
 
 // countHit counts a client read of n blocks served wholly by the cache.

@@ -362,3 +362,92 @@ func TestStartReadAtDetachWaiting(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestReadHitAt: ReadHitAt serves the reads StartReadAt starts, on the
+// caller's goroutine with the device's synchronous ReadAt (nothing is
+// started), counted as hits; it refuses the others, changing no counter.
+// Its end is readBlocksHit's: a corrupt clean block is re-read from the
+// backing device and dropped, a corrupt dirty one fails with ErrChecksum,
+// a failed device read is served around the cache, and a dirty block that
+// cannot be read fails with ErrDirtyUnreachable. Set.Check (checkAfter)
+// finds no pin left.
+func TestReadHitAt(t *testing.T) {
+	s, v, cache, want := newAsyncSet(t, 64)
+	for _, c := range []struct {
+		off, n int64
+		serve  bool
+	}{
+		{8 * blockSize, 4 * blockSize, true},
+		{9 * blockSize, blockSize, true},
+		{16 * blockSize, 4 * blockSize, true},
+		{0, blockSize, false},                  // miss
+		{7 * blockSize, 2 * blockSize, false},  // partial
+		{11 * blockSize, 6 * blockSize, false}, // two runs with a gap
+		{9*blockSize + 512, blockSize, false},  // unaligned
+		{8 * blockSize, maxAsyncHit + blockSize, false},
+	} {
+		before := v.Stats()
+		p := make([]byte, c.n)
+		served, err := v.ReadHitAt(p, c.off)
+		if served != c.serve {
+			t.Fatalf("%d at %d: served %v", c.n, c.off, served)
+		}
+		after := v.Stats()
+		if !served {
+			if err != nil || after.ReadOps != before.ReadOps || after.ReadHitOps != before.ReadHitOps {
+				t.Fatalf("%d at %d: not served, but %v or counted", c.n, c.off, err)
+			}
+			continue
+		}
+		if err != nil || string(p) != string(want[c.off:c.off+c.n]) {
+			t.Fatalf("%d at %d: %v or wrong data", c.n, c.off, err)
+		}
+		if after.ReadOps != before.ReadOps+1 || after.ReadHitOps != before.ReadHitOps+1 ||
+			after.ReadHitBytes != before.ReadHitBytes+uint64(c.n) {
+			t.Fatalf("%d at %d: counters %+v -> %+v", c.n, c.off, before, after)
+		}
+	}
+	cache.mu.Lock()
+	started := cache.started
+	cache.mu.Unlock()
+	if started != 0 {
+		t.Fatalf("%d device reads started asynchronously", started)
+	}
+
+	corrupt := func(lba uint64) {
+		e, ok := v.idx.Tree.Get(index.Ent{LBA: lba})
+		if !ok {
+			t.Fatalf("lba %d not cached", lba)
+		}
+		if err := cache.Corrupt(s.cacheOff(e.Block())+7, 1); err != nil {
+			t.Fatal(err)
+		}
+	}
+	corrupt(9)
+	p := make([]byte, 4*blockSize)
+	if served, err := v.ReadHitAt(p, 8*blockSize); !served || err != nil || string(p) != string(want[8*blockSize:12*blockSize]) {
+		t.Fatalf("corrupt clean block: served %v, %v or wrong data", served, err)
+	}
+	if st := v.Stats(); st.ChecksumErrors != 1 || st.ChecksumRepairs != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+	if _, ok := v.idx.Tree.Get(index.Ent{LBA: 9}); ok {
+		t.Fatal("the corrupt clean copy is still indexed")
+	}
+	corrupt(18)
+	if served, err := v.ReadHitAt(p, 16*blockSize); !served || !errors.Is(err, ErrChecksum) {
+		t.Fatalf("corrupt dirty block: served %v, %v", served, err)
+	}
+
+	cache.mu.Lock()
+	cache.fail = func(int64) bool { return true }
+	cache.failSync = true
+	cache.mu.Unlock()
+	p = make([]byte, 2*blockSize)
+	if served, err := v.ReadHitAt(p, 10*blockSize); !served || err != nil || string(p) != string(want[10*blockSize:12*blockSize]) {
+		t.Fatalf("failed read of clean blocks: served %v, %v or wrong data", served, err)
+	}
+	if served, err := v.ReadHitAt(make([]byte, blockSize), 16*blockSize); !served || !errors.Is(err, ErrDirtyUnreachable) {
+		t.Fatalf("unreadable dirty block: served %v, %v", served, err)
+	}
+}

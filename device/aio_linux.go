@@ -16,7 +16,8 @@ import (
 )
 
 // Direct reads and writes of a File go through Linux native AIO
-// (io_submit/io_getevents) on the O_DIRECT fd, not pread/pwrite.
+// (io_submit/io_getevents) on the O_DIRECT fd, not pread/pwrite, except
+// a read that finds the File idle (invariant 9).
 //
 // A blocking pread holds an OS thread for the whole device access, so N
 // requests in flight cost N threads, each parked in the kernel and woken
@@ -83,6 +84,13 @@ import (
 //     finish of a short or refused read to a new goroutine). What the
 //     functions of one reaper pass leave to later runs after the last of
 //     them (AsyncReader's batch).
+//  9. A synchronous read (do) while nothing is pending, submitted or
+//     being read this way is a plain pread on the caller's thread
+//     (a.preading set meanwhile): one syscall, where io_submit costs the
+//     eventfd, a reaper wake-up and a hand-off back to the caller. At
+//     most one such read runs at a time, so they hold at most one thread
+//     beyond AIO's; everything else goes through the ring, as does a read
+//     that finds a plug holding requests back (its io_submit takes them).
 
 // aioDepth bounds the requests of one File queued or in the kernel.
 const aioDepth = 256
@@ -191,6 +199,8 @@ type aio struct {
 	heads      []*aioReq  // the submitter's: the request each of cbs stands for
 	iov        []unix.Iovec
 	followers  uint64 // requests submitted as followers of a run (invariant 7)
+	preading   bool   // a synchronous read runs as a pread (invariant 9)
+	preads     uint64 // synchronous reads done as a pread (invariant 9)
 }
 
 // newAIO sets up an AIO context, or returns nil if the kernel refuses
@@ -292,6 +302,13 @@ func (a *aio) close() {
 // offset, length and buffer are aligned. It returns the bytes transferred
 // or an error, as preadFull and pwriteFull do.
 func (a *aio) do(cmd uint16, fd int, p []byte, off int64) (int, error) {
+	if cmd == iocbCmdPread && a.claimIdle() {
+		n, err := preadFull(fd, p, off)
+		a.mu.Lock()
+		a.preading = false
+		a.mu.Unlock()
+		return n, err
+	}
 	slot := <-a.slots
 	r := a.reqs[slot]
 	r.pin.Pin(unsafe.SliceData(p))
@@ -318,6 +335,19 @@ func (a *aio) do(cmd uint16, fd int, p []byte, off int64) (int, error) {
 		n, err = pwriteFull(fd, p[done:], off+int64(done))
 	}
 	return done + n, err
+}
+
+// claimIdle reports whether nothing is queued, submitted or being read
+// with pread, and if so marks a pread running (invariant 9).
+func (a *aio) claimIdle() bool {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.inflight > 0 || len(a.pending) > 0 || a.submitting || a.preading {
+		return false
+	}
+	a.preading = true
+	a.preads++
+	return true
 }
 
 // start queues a read (cmd iocbCmdPread) or write of p at off on fd, as

@@ -292,3 +292,48 @@ func TestPlug(t *testing.T) {
 		t.Fatalf("%d reads completed wrong", bad.Load())
 	}
 }
+
+// TestReadIdlePread: a direct ReadAt on a File with nothing else in
+// flight is one pread (invariant 9), not an AIO request; one that finds a
+// plug holding a read back goes through AIO and submits it too. Both read
+// the right bytes.
+func TestReadIdlePread(t *testing.T) {
+	const bs = 4096
+	f, _ := openDirectAIO(t, 8*bs)
+	defer f.Close()
+	a := f.aio
+	counts := func() (preads uint64, pending int) {
+		a.mu.Lock()
+		defer a.mu.Unlock()
+		return a.preads, len(a.pending)
+	}
+	p := alignedBuf(2 * bs)
+	if n, err := f.ReadAt(p, bs); n != len(p) || err != nil || !checkStamp(p, bs) {
+		t.Fatalf("idle read: %d, %v or wrong data", n, err)
+	}
+	if preads, _ := counts(); preads != 1 {
+		t.Fatalf("idle read: %d preads, want 1", preads)
+	}
+
+	f.Plug()
+	q := alignedBuf(bs)
+	done := make(chan error, 1)
+	if !f.StartReadAt(q, 5*bs, func(n int, err error, _ func(func())) {
+		if err == nil && (n != bs || !checkStamp(q, 5*bs)) {
+			err = errors.New("wrong data")
+		}
+		done <- err
+	}) {
+		t.Fatal("read not started")
+	}
+	if n, err := f.ReadAt(p, 2*bs); n != len(p) || err != nil || !checkStamp(p, 2*bs) {
+		t.Fatalf("read under a plug: %d, %v or wrong data", n, err)
+	}
+	if preads, pending := counts(); preads != 1 || pending != 0 {
+		t.Fatalf("read under a plug: %d preads (want 1), %d pending (want 0)", preads, pending)
+	}
+	if err := <-done; err != nil {
+		t.Fatalf("held read: %v", err)
+	}
+	f.Unplug()
+}

@@ -330,7 +330,8 @@ func (f *File) bufAligned(p []byte) bool {
 
 // ReadAt reads len(p) bytes at off. It returns len(p), nil or an error
 // (wrapping ErrOutOfRange, ErrClosed, a syscall.Errno or io.EOF if the file
-// was truncated under the device).
+// was truncated under the device). A direct read while the File has no
+// other direct I/O in flight is one pread (aio_linux.go, invariant 9).
 func (f *File) ReadAt(p []byte, off int64) (int, error) {
 	f.mu.RLock()
 	defer f.mu.RUnlock()

@@ -180,3 +180,113 @@ func TestAsyncReadBeforeDisc(t *testing.T) {
 		t.Fatal("DISC's flush ran before the started reads completed")
 	}
 }
+
+// hitBackend is an asyncBackend that also serves reads while the caller
+// waits (HitReader), except those at offsets refuseHit reports; its
+// served receives a token per read it serves.
+type hitBackend struct {
+	*asyncBackend
+	refuseHit func(off int64) bool
+	served    chan struct{}
+}
+
+func (h *hitBackend) ReadHitAt(p []byte, off int64) (bool, error) {
+	if h.refuseHit(off) {
+		return false, nil
+	}
+	h.served <- struct{}{}
+	return true, h.memBackend.ReadAt(p, off)
+}
+
+// TestReadNow: a READ that arrives alone, with nothing in flight, is
+// served by the backend's ReadHitAt on the reader (no read started), and a
+// failing one is answered with its errno; a READ ReadHitAt refuses is
+// started instead, and so are READs that arrive together (buffered, or
+// with others in flight).
+func TestReadNow(t *testing.T) {
+	mem := newMem(1 << 20)
+	rng := rand.New(rand.NewPCG(7, 8))
+	for i := range mem.data {
+		mem.data[i] = byte(rng.Uint32())
+	}
+	mem.readHook = func(off int64, n int) error {
+		if off == 2*4096 {
+			return fmt.Errorf("disk on fire: %w", syscall.EIO)
+		}
+		return nil
+	}
+	ab := &asyncBackend{memBackend: mem}
+	hb := &hitBackend{asyncBackend: ab, refuseHit: func(off int64) bool { return off == 5*4096 }, served: make(chan struct{}, 16)}
+	ts := startServer(t, Config{}, Export{Name: "d", Backend: hb})
+	r := ts.raw(t)
+	r.greet(flagCFixedNewstyle | flagCNoZeroes)
+	r.goExport("d")
+	got := make([]byte, 4096)
+	for i := range 6 {
+		off := uint64(i) * 4096
+		r.request(requestHeader{Type: cmdRead, Handle: uint64(i), Offset: off, Length: 4096}, nil)
+		errno, handle := r.simpleReply()
+		if handle != uint64(i) {
+			t.Fatalf("read %d: reply for handle %d", i, handle)
+		}
+		if i == 2 {
+			if errno != EIO {
+				t.Fatalf("failing read: errno %d, want EIO", errno)
+			}
+			continue
+		}
+		if errno != 0 {
+			t.Fatalf("read %d: errno %d", i, errno)
+		}
+		r.read(got)
+		if !bytes.Equal(got, mem.data[off:off+4096]) {
+			t.Fatalf("read %d: wrong data", i)
+		}
+	}
+	if h, s := len(hb.served), ab.started.Load(); h != 5 || s != 1 {
+		t.Fatalf("lone reads: %d served by ReadHitAt (want 5), %d started (want the refused one)", h, s)
+	}
+	for range 5 {
+		<-hb.served
+	}
+
+	// Four READs in one write: the first three find more in the buffer,
+	// the last finds the others in flight (their completions held).
+	ab.mu.Lock()
+	ab.holding, ab.onHold = true, make(chan struct{}, 4)
+	ab.mu.Unlock()
+	var burst []byte
+	for i := range 4 {
+		var b [requestHeaderSize]byte
+		encodeRequest(b[:], requestHeader{Type: cmdRead, Handle: uint64(10 + i), Offset: uint64(8+i) * 4096, Length: 4096})
+		burst = append(burst, b[:]...)
+	}
+	r.write(burst)
+	for range 4 {
+		select {
+		case <-ab.onHold:
+		case <-hb.served:
+			t.Fatal("a read of the burst was served by ReadHitAt")
+		}
+	}
+	ab.mu.Lock()
+	held := ab.held
+	ab.held, ab.holding = nil, false
+	ab.mu.Unlock()
+	runBatch(func(later func(func())) {
+		for _, f := range held {
+			f(later)
+		}
+	})
+	for range 4 {
+		errno, handle := r.simpleReply()
+		if errno != 0 || handle < 10 || handle > 13 {
+			t.Fatalf("burst: errno %d, handle %d", errno, handle)
+		}
+		off := (handle - 2) * 4096
+		r.read(got)
+		if !bytes.Equal(got, mem.data[off:off+4096]) {
+			t.Fatalf("burst read %d: wrong data", handle)
+		}
+	}
+}

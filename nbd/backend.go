@@ -35,6 +35,18 @@ type AsyncReader interface {
 	StartReadAt(p []byte, off int64, done func(err error, later func(func()))) bool
 }
 
+// HitReader is implemented by AsyncReaders that can also serve the reads
+// StartReadAt would start while the caller waits. The connection's reader
+// serves a READ that arrived alone, with no other request buffered or in
+// flight, with ReadHitAt on its own goroutine: such a client waits for the
+// reply before it sends more, so a hand-off to another goroutine and back
+// would only add wake-ups. ReadHitAt returns false, having done nothing,
+// when the read is not one it serves (the READ then goes to StartReadAt);
+// else true and what ReadAt would have returned.
+type HitReader interface {
+	ReadHitAt(p []byte, off int64) (bool, error)
+}
+
 // Plugger is implemented by AsyncReaders that can hold back the device
 // I/O of the reads StartReadAt starts until Unplug, to send them to the
 // device together. The connection's reader plugs while it starts READs

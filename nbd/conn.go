@@ -14,7 +14,8 @@ package nbd
 //     backend's goroutine, which must not block) queues its reply; one
 //     flushReplies after the backend's batch of completions tries a
 //     non-blocking writev of them all, and what the socket does not take
-//     goes to a new writer goroutine.
+//     goes to a new writer goroutine. A READ the reader served itself
+//     (readNow) is replied to the same way, by the reader.
 //  3. A success reply is written only after the backend call returned nil;
 //     a READ's data is complete before its header is sent.
 //  4. Every request dispatched to a worker, and every error reply sent by
@@ -311,6 +312,13 @@ func (c *conn) dispatch(h requestHeader) bool {
 		c.lastTurn = r.turn
 	}
 	c.running.Add(1)
+	if async && c.x.hitReader != nil && c.br.Buffered() == 0 && c.running.Load() == 1 {
+		// Alone: the client waits for this reply (HitReader).
+		c.unplug()
+		if c.readNow(r) {
+			return true
+		}
+	}
 	if async {
 		// A read the backend serves without a goroutine (a cache hit)
 		// costs no hand-off to a worker and back. With more requests
@@ -444,15 +452,36 @@ func (c *conn) worker(r *request) {
 // that completed it.
 func (c *conn) readDone(r *request, err error, later func(func())) {
 	defer c.wg.Done()
+	c.prepReadReply(r, err)
+	c.queueReplyLater(r, later)
+}
+
+// readNow serves a READ with the backend's ReadHitAt on the reader's
+// goroutine and reports whether it did; it replies as a StartReadAt
+// completion does, with one non-blocking writev (flushReplies).
+func (c *conn) readNow(r *request) bool {
+	ok, err := c.x.hitReader.ReadHitAt(*r.buf, int64(r.h.Offset))
+	if !ok {
+		return false
+	}
+	c.prepReadReply(r, err)
+	if c.queueReplyFlush(r) {
+		c.flushReplies()
+	}
+	return true
+}
+
+// prepReadReply sets r.bufs to READ's reply for the backend's outcome err,
+// logging an error.
+func (c *conn) prepReadReply(r *request, err error) {
 	if err != nil {
 		h := &r.h
 		errno := errnoFor(err)
 		c.log.Error("nbd: backend error", "cmd", cmdName(h.Type), "offset", h.Offset, "length", h.Length, "errno", errno, "err", err)
 		c.prepError(r, errno, errnoString(errno))
-	} else {
-		c.prepRead(r)
+		return
 	}
-	c.queueReplyLater(r, later)
+	c.prepRead(r)
 }
 
 // handle executes one request and replies.
@@ -711,18 +740,25 @@ func (c *conn) wroteLocked(batch []*request, err error) {
 // flushReplies once the backend's batch of completions is delivered, so
 // that the replies of one batch leave in one writev.
 func (c *conn) queueReplyLater(r *request, later func(func())) {
-	c.running.Add(-1)
-	c.wmu.Lock()
-	c.wq = append(c.wq, r)
-	flush := !c.writing && !c.flushLater
-	if flush {
-		c.flushLater = true
-		c.wg.Add(1)
-	}
-	c.wmu.Unlock()
-	if flush {
+	if c.queueReplyFlush(r) {
 		later(c.flushReplies)
 	}
+}
+
+// queueReplyFlush queues r, with r.bufs ready, for the writer and reports
+// whether the caller must run flushReplies for it: no goroutine is
+// writing, and no earlier flushReplies is due (c.flushLater, now set).
+func (c *conn) queueReplyFlush(r *request) bool {
+	c.running.Add(-1)
+	c.wmu.Lock()
+	defer c.wmu.Unlock()
+	c.wq = append(c.wq, r)
+	if c.writing || c.flushLater {
+		return false
+	}
+	c.flushLater = true
+	c.wg.Add(1)
+	return true
 }
 
 // flushReplies writes what is queued, as the writer, if no goroutine is

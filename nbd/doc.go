@@ -35,7 +35,10 @@
 //     goroutine waiting for it (AsyncReader: a cache hit) the reader starts
 //     itself; while more requests wait in its buffer it plugs the Backend
 //     (Plugger), which holds those reads' device I/O back and sends it
-//     together, and it unplugs before it waits for anything.
+//     together, and it unplugs before it waits for anything. A READ that
+//     arrived alone, with no other request in flight, the reader serves
+//     itself, waiting for the backend (HitReader: a cache hit): its client
+//     waits for the reply before sending more.
 //   - Workers (a per-connection pool, grown on demand up to
 //     Config.MaxWorkers and kept until the connection ends, so the steady
 //     state allocates nothing) execute requests against the Backend

@@ -109,7 +109,8 @@ type export struct {
 	zeroWriter  ZeroWriter
 	prefetcher  Prefetcher
 	asyncReader AsyncReader
-	plugger     Plugger // only with asyncReader
+	plugger     Plugger   // only with asyncReader
+	hitReader   HitReader // only with asyncReader
 }
 
 // NewServer returns a Server with cfg's defaults applied.
@@ -194,6 +195,7 @@ func (s *Server) AddExport(e Export) error {
 	x.asyncReader, _ = e.Backend.(AsyncReader)
 	if x.asyncReader != nil {
 		x.plugger, _ = e.Backend.(Plugger)
+		x.hitReader, _ = e.Backend.(HitReader)
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
