@@ -11,18 +11,30 @@
 set -u
 TC=/host/tiercache
 REGION=@REGION@
+# The requests the SSD, the HDD and the system's own device (DEV)
+# completed during a fio run, its ramp included: /host/devstat.txt, one
+# "NAME DEV VDA VDB" line a job, each device as READS WRITES FLUSHES
+# (/sys/block/X/stat fields 1, 5 and 16).
+devstat() { awk '{printf " %d %d %d", $1, $5, $16}' /sys/block/vda/stat /sys/block/vdb/stat /sys/block/$(basename $(readlink -f $1))/stat; }
+devdelta() { # NAME DEV BEFORE
+	echo "$1 $(basename $(readlink -f $2)) $(echo "$3 $(devstat $2)" | awk '{for (i = 1; i <= 9; i++) printf " %d", $(i+9) - $i}')" >>/host/devstat.txt
+}
 job() { # NAME DEV RW
+	d0=$(devstat $2)
 	fio --name=$1 --filename=$2 --rw=$3 --bs=4k --ioengine=libaio --iodepth=16 --direct=1 --size=$REGION \
-		--time_based --runtime=@RUNTIME@ --ramp_time=2 --randrepeat=0 --output-format=json --output=/host/$1.json >/dev/null \
+		--time_based --runtime=@RUNTIME@ --ramp_time=@RAMP@ --randrepeat=0 --output-format=json --output=/host/$1.json >/dev/null \
 		|| { echo "fio $1 failed"; return 1; }
+	devdelta $1 $2 "$d0"
 	echo "job $1 done"
 }
 fsjob() { # NAME DEV
 	mkfs.ext4 -q -F -E lazy_itable_init=1,lazy_journal_init=1 $2 1G || { echo "mkfs of $2 failed"; return 1; }
 	mkdir -p /mnt/b && mount -o noinit_itable $2 /mnt/b || { echo "mount of $2 failed"; return 1; }
+	d0=$(devstat $2)
 	fio --name=$1 --filename=/mnt/b/f --rw=randwrite --bs=4k --ioengine=psync --fsync=1 --size=64M \
-		--time_based --runtime=@RUNTIME@ --ramp_time=2 --randrepeat=0 --output-format=json --output=/host/$1.json >/dev/null \
+		--time_based --runtime=@RUNTIME@ --ramp_time=@RAMP@ --randrepeat=0 --output-format=json --output=/host/$1.json >/dev/null \
 		|| { echo "fio $1 failed"; umount /mnt/b; return 1; }
+	devdelta $1 $2 "$d0"
 	umount /mnt/b || return 1
 	echo "job $1 done"
 }

@@ -102,7 +102,7 @@ func run(rounds, runtime int, region, bin, keep string) error {
 		}
 	}
 	load0, _ := os.ReadFile("/proc/loadavg")
-	script := strings.NewReplacer("@REGION@", region, "@RUNTIME@", strconv.Itoa(runtime), "@ROUNDS@", strconv.Itoa(rounds)).Replace(guestScript)
+	script := strings.NewReplacer("@RAMP@", strconv.Itoa(ramp), "@REGION@", region, "@RUNTIME@", strconv.Itoa(runtime), "@ROUNDS@", strconv.Itoa(rounds)).Replace(guestScript)
 	fmt.Fprintf(os.Stderr, "kvm-bench: booting the guest (%d rounds, %d s per job, region %s)\n", rounds, runtime, region)
 	res, err := kvm.Run(context.Background(), kvm.Config{
 		Image: img, Share: dir, Script: script, MemMiB: 1536, Timeout: time.Duration(rounds) * 30 * time.Minute,
@@ -163,6 +163,33 @@ func run(rounds, runtime int, region, bin, keep string) error {
 		}
 	}
 	fmt.Println()
+	ds, err := devStats(filepath.Join(dir, "devstat.txt"))
+	if err != nil {
+		return err
+	}
+	fmt.Printf("Requests the disks completed during each job, its %d s ramp included (the guest's /sys/block/X/stat): reads / writes / flushes of the system's own device, the SSD and the HDD, and per fio I/O, counting fio's IOPS over the ramp too\n\n", ramp)
+	fmt.Println("| round | job | system | own device r / w / flush | SSD r / w / flush | HDD r / w / flush | SSD writes per I/O | SSD flushes per I/O | HDD flushes per I/O |")
+	fmt.Println("|---|---|---|---|---|---|---|---|---|")
+	for r := 1; r <= rounds; r++ {
+		for _, j := range jobs {
+			for _, sys := range []string{"bcache", "dmcache", "tiercache"} {
+				name := fmt.Sprintf("%s-%s-%d", sys, j, r)
+				d, ok := ds[name]
+				if !ok {
+					return fmt.Errorf("devstat.txt: no line for %s", name)
+				}
+				v, err := iops(filepath.Join(dir, name+".json"))
+				if err != nil {
+					return err
+				}
+				n := v * float64(runtime+ramp)
+				fmt.Printf("| %d | %s | %s | %s %d / %d / %d | %d / %d / %d | %d / %d / %d | %.2f | %.2f | %.2f |\n", r, j, sys,
+					d.dev, d.top.reads, d.top.writes, d.top.flushes, d.ssd.reads, d.ssd.writes, d.ssd.flushes, d.hdd.reads, d.hdd.writes, d.hdd.flushes,
+					float64(d.ssd.writes)/n, float64(d.ssd.flushes)/n, float64(d.hdd.flushes)/n)
+			}
+		}
+	}
+	fmt.Println()
 	fmt.Println("tiercache server CPU (user + system, /proc/PID/stat) and nbd0's requests over each job, its 2 s ramp included (fsync: mkfs, mount and umount too); idle: 10 s with the client connected, no I/O")
 	fmt.Println()
 	fmt.Println("| round | job | requests | server CPU s | CPU per request ms |")
@@ -181,6 +208,42 @@ func run(rounds, runtime int, region, bin, keep string) error {
 		}
 	}
 	return nil
+}
+
+// ramp is guest.sh's fio --ramp_time, in seconds.
+const ramp = 2
+
+// diskReqs is what one disk completed over a job.
+type diskReqs struct{ reads, writes, flushes int64 }
+
+// jobDisks is one line of guest.sh's devstat.txt.
+type jobDisks struct {
+	dev           string // the system's own device (bcache0, dm-2, nbd0)
+	ssd, hdd, top diskReqs
+}
+
+// devStats parses guest.sh's devstat.txt: one "NAME DEV" line a job
+// followed by reads, writes and flushes of the SSD, the HDD and DEV.
+func devStats(path string) (map[string]jobDisks, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]jobDisks{}
+	for i, l := range strings.Split(strings.TrimSpace(string(b)), "\n") {
+		f := strings.Fields(l)
+		if len(f) != 11 {
+			return nil, fmt.Errorf("%s:%d: %q: want NAME DEV and 9 counts", path, i+1, l)
+		}
+		var n [9]int64
+		for j := range n {
+			if n[j], err = strconv.ParseInt(f[j+2], 10, 64); err != nil || n[j] < 0 {
+				return nil, fmt.Errorf("%s:%d: %q: count %d is not a count", path, i+1, l, j+1)
+			}
+		}
+		out[f[0]] = jobDisks{dev: f[1], ssd: diskReqs{n[0], n[1], n[2]}, hdd: diskReqs{n[3], n[4], n[5]}, top: diskReqs{n[6], n[7], n[8]}}
+	}
+	return out, nil
 }
 
 // clocksource returns the guest's clock source as guest.sh prints it.

@@ -39,3 +39,30 @@ func TestClocksource(t *testing.T) {
 		t.Errorf("got %q", got)
 	}
 }
+
+func TestDevStats(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "devstat.txt")
+	os.WriteFile(p, []byte("tiercache-fsync-1 nbd0 0 1229 564 4 1961 0 18 309 101\nbcache-fsync-1 bcache0 18 1268 690 4 313 313 21 1693 0\n"), 0o644)
+	ds, err := devStats(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]jobDisks{
+		"tiercache-fsync-1": {"nbd0", diskReqs{0, 1229, 564}, diskReqs{4, 1961, 0}, diskReqs{18, 309, 101}},
+		"bcache-fsync-1":    {"bcache0", diskReqs{18, 1268, 690}, diskReqs{4, 313, 313}, diskReqs{21, 1693, 0}},
+	}
+	if len(ds) != len(want) {
+		t.Fatalf("got %v, want %v", ds, want)
+	}
+	for k, w := range want {
+		if ds[k] != w {
+			t.Errorf("%s: got %+v, want %+v", k, ds[k], w)
+		}
+	}
+	for _, bad := range []string{"x nbd0 1 2 3\n", "x nbd0 1 2 3 4 5 6 7 8 y\n", "x nbd0 1 2 3 4 5 6 7 8 -1\n"} {
+		os.WriteFile(p, []byte(bad), 0o644)
+		if _, err := devStats(p); err == nil {
+			t.Errorf("%q: no error", bad)
+		}
+	}
+}
