@@ -28,8 +28,11 @@ package writeback
 //   - nothing, whatever else holds, while a write stream of the volume
 //     bypasses the cache to the backing device (until it pauses for
 //     wbIdle) and dirty data is below the full-speed level: the stream and
-//     writeback share the disk's head. A batch already running when the
-//     stream starts stops issuing at its next run (yieldToStream).
+//     writeback share the disk's head.
+//
+// A batch already running when the decision changes to nothing (the
+// client is busy again with dirty data under the target, or a stream
+// starts) stops issuing at its next run (yieldToClient).
 //
 // Epoch order (writeback_order=epoch, the default): the loop (and every
 // other writeback of the volume: eviction, Help, Drain) takes the next
@@ -186,7 +189,7 @@ func (w *Writer) Run() {
 		}
 		start := time.Now()
 		before := c.DirtyVersions()
-		done, err := w.sweep(n, w.yieldToStream)
+		done, err := w.sweep(n, w.yieldToClient)
 		if err != nil {
 			// A failing or full backing device: retry with backoff.
 			if !sleep(w.retry.Failed(err), false, nil) {
@@ -223,14 +226,23 @@ func (w *Writer) Run() {
 	}
 }
 
-// yieldToStream is a background batch's stop (Writer.write): true once a
-// write stream of the volume bypasses the cache and the rate decision,
-// asked again then, says to wait for it (RateIn.Stream). A batch started
-// at full speed while the volume was idle is up to wbBatch blocks, seconds
-// of the disk; without this it would go on moving the disk's head off the
-// stream and back until its end.
-func (w *Writer) yieldToStream() bool {
-	return w.c.Streaming() && w.c.Rate() == 0
+// yieldToClient is a background batch's stop (Writer.write): true once
+// the rate decision, asked again, says to write nothing now: the volume's
+// client is busy again and its dirty data is under the target, or a write
+// stream bypasses the cache (RateIn.Stream). A batch started at full
+// speed while the volume was idle is up to wbBatch blocks, seconds of the
+// disk (of scattered blocks on an HDD, minutes); without this it would go
+// on under the client's requests until its end, moving the disk's head off
+// a stream and back, and taking cache-device reads and CPU from the
+// client's requests while nothing needs the writeback yet. While the
+// client stays idle and no stream bypasses, the decision is full speed and
+// is not asked (it takes the set's lock).
+func (w *Writer) yieldToClient() bool {
+	c := w.c
+	if nowNanos()-c.LastIO() > int64(wbIdle) && !c.Streaming() {
+		return false
+	}
+	return c.Rate() == 0
 }
 
 func nowNanos() int64 { return time.Now().UnixNano() }
