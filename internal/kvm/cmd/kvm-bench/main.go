@@ -1,15 +1,17 @@
 // Command kvm-bench measures tiercache against bcache and dm-cache inside
 // the test guest of package internal/kvm (Debian's kernel under qemu TCG),
-// on the same virtual disks: a 2 GiB SSD (an unthrottled virtio disk) and
-// an 8 GiB HDD (the same, throttled by qemu to 200 operations per second).
-// bcache runs in writeback mode on /dev/bcache0; dm-cache (smq, writeback,
-// 32 KiB blocks, metadata in the SSD's first 64 MiB) on /dev/mapper/dmc;
-// tiercache in writeback mode, served in the guest and reached through the
-// kernel NBD client with 2 connections. Each system fills a region
+// each system on its own pair of like virtual disks: a 2 GiB SSD (an
+// unthrottled virtio disk) and an 8 GiB HDD (the same, throttled by qemu
+// to 200 operations per second). bcache runs in writeback mode on
+// /dev/bcache0; dm-cache (smq, writeback, 32 KiB blocks, metadata in the
+// SSD's first 64 MiB) on /dev/mapper/dmc; tiercache in writeback mode,
+// served in the guest and reached through the kernel NBD client with 2
+// connections. All three are set up at once and each fills a region
 // sequentially (sequential_cutoff 0 in bcache and tiercache, so the fill is
 // cached; dm-cache's smq policy decides itself what it promotes, and the
-// console log has its hit counters), then fio runs 4 KiB random reads and
-// 4 KiB random writes at QD16 over it, and then, on an ext4 made on the
+// console log has its hit counters). Then the systems take turns, job by
+// job and round by round: fio 4 KiB random reads and 4 KiB random writes
+// at QD16 over the region, and after those, on an ext4 made on the
 // device's first GiB, 4 KiB random writes into a 64 MiB file with an fsync
 // after each (a database's commit pattern: FLUSH through every layer). It
 // prints each figure and tiercache's ratios to bcache and to dm-cache.
@@ -85,20 +87,27 @@ func run(rounds, runtime int, region, bin, keep string) error {
 			return fmt.Errorf("building tiercache for the guest: %v\n%s", err, out)
 		}
 	}
-	ssd, hdd := filepath.Join(dir, "ssd.img"), filepath.Join(dir, "hdd.img")
-	for _, d := range []struct {
-		path string
-		size int64
-	}{{ssd, 2 << 30}, {hdd, 8 << 30}} {
-		os.Remove(d.path)
-		f, err := os.Create(d.path)
-		if err != nil {
-			return err
-		}
-		err = f.Truncate(d.size)
-		f.Close()
-		if err != nil {
-			return err
+	// Each system's SSD and HDD, in guest.sh's order (vda, vdb for
+	// bcache; vdc, vdd for dm-cache; vde, vdf for tiercache). Sparse.
+	var disks []kvm.Disk
+	for _, sys := range systems {
+		for _, d := range []struct {
+			name string
+			size int64
+			iops int
+		}{{"ssd", 2 << 30, 0}, {"hdd", 8 << 30, 200}} {
+			path := filepath.Join(dir, sys+"-"+d.name+".img")
+			os.Remove(path)
+			f, err := os.Create(path)
+			if err != nil {
+				return err
+			}
+			err = f.Truncate(d.size)
+			f.Close()
+			if err != nil {
+				return err
+			}
+			disks = append(disks, kvm.Disk{Path: path, IOPS: d.iops})
 		}
 	}
 	load0, _ := os.ReadFile("/proc/loadavg")
@@ -106,7 +115,7 @@ func run(rounds, runtime int, region, bin, keep string) error {
 	fmt.Fprintf(os.Stderr, "kvm-bench: booting the guest (%d rounds, %d s per job, region %s)\n", rounds, runtime, region)
 	res, err := kvm.Run(context.Background(), kvm.Config{
 		Image: img, Share: dir, Script: script, MemMiB: 1536, Timeout: time.Duration(rounds) * 30 * time.Minute,
-		Disks: []kvm.Disk{{Path: ssd}, {Path: hdd, IOPS: 200}},
+		Disks: disks,
 		// Under TCG the kernel finds the vCPUs' TSCs unsynchronized and
 		// falls back to the HPET, an emulated device: every clock read
 		// (the block layer's accounting; clock_gettime, which the vDSO
@@ -124,7 +133,7 @@ func run(rounds, runtime int, region, bin, keep string) error {
 		return fmt.Errorf("guest script exit status %d; console:\n%s", res.Status, res.Log)
 	}
 	load1, _ := os.ReadFile("/proc/loadavg")
-	fmt.Printf("kvm-bench: Debian %s guest under qemu TCG, 2 vCPUs, clock source %s; SSD 2 GiB virtio, HDD 8 GiB virtio at 200 IOPS; region %s; fio 4 KiB QD16 libaio O_DIRECT, %d s per job; guest %v; host load average before %s, after %s\n\n",
+	fmt.Printf("kvm-bench: Debian %s guest under qemu TCG, 2 vCPUs, clock source %s; per system an SSD of 2 GiB (virtio) and an HDD of 8 GiB (virtio at 200 IOPS); systems in turns, job by job; region %s; fio 4 KiB QD16 libaio O_DIRECT, %d s per job; guest %v; host load average before %s, after %s\n\n",
 		img.KernelVersion, clocksource(res.Log), region, runtime, res.Elapsed.Round(time.Second), strings.Join(strings.Fields(string(load0))[:3], " "), strings.Join(strings.Fields(string(load1))[:3], " "))
 	fmt.Println("| round | job | bcache IOPS | dm-cache IOPS | tiercache IOPS | tiercache / bcache | tiercache / dm-cache |")
 	fmt.Println("|---|---|---|---|---|---|---|")
@@ -167,12 +176,12 @@ func run(rounds, runtime int, region, bin, keep string) error {
 	if err != nil {
 		return err
 	}
-	fmt.Printf("Requests the disks completed during each job, its %d s ramp included (the guest's /sys/block/X/stat): reads / writes / flushes of the system's own device, the SSD and the HDD, and per fio I/O, counting fio's IOPS over the ramp too\n\n", ramp)
+	fmt.Printf("Requests the disks completed during each job, its %d s ramp included (the guest's /sys/block/X/stat): reads / writes / flushes of the system's own device, its SSD and its HDD, and per fio I/O, counting fio's IOPS over the ramp too\n\n", ramp)
 	fmt.Println("| round | job | system | own device r / w / flush | SSD r / w / flush | HDD r / w / flush | SSD writes per I/O | SSD flushes per I/O | HDD flushes per I/O |")
 	fmt.Println("|---|---|---|---|---|---|---|---|---|")
 	for r := 1; r <= rounds; r++ {
 		for _, j := range jobs {
-			for _, sys := range []string{"bcache", "dmcache", "tiercache"} {
+			for _, sys := range systems {
 				name := fmt.Sprintf("%s-%s-%d", sys, j, r)
 				d, ok := ds[name]
 				if !ok {
@@ -209,6 +218,9 @@ func run(rounds, runtime int, region, bin, keep string) error {
 	}
 	return nil
 }
+
+// systems are the caches guest.sh compares, in the order of their disks.
+var systems = []string{"bcache", "dmcache", "tiercache"}
 
 // ramp is guest.sh's fio --ramp_time, in seconds.
 const ramp = 2
