@@ -56,8 +56,15 @@ import (
 // is lost in the failover and counted lost). After failover a walk that
 // meets a bad leaf (readFailed, fencedLocked) treats its range as dirty.
 //
-// Known limits: the leaves are read under Set.mu; eviction, GC and Check
-// walk the whole index and so load every leaf (once: see lazyLeafCap).
+// Client reads, writes into the cache and passthrough writes read the
+// leaves they need without Set.mu (loadLeavesLocked) and load them under
+// it from memory; a read served asynchronously (StartReadAt) looks only
+// at resident leaves and leaves the rest to ReadAt.
+//
+// Known limits: every other operation (eviction, GC, writeback's scans,
+// Check, a failover's walks) reads the leaves it needs under Set.mu;
+// eviction, GC and Check walk the whole index and so load every leaf
+// (once: see lazyLeafCap).
 
 // lazyLeafCap bounds the loaded stub leaves a volume's tree keeps: 0, no
 // bound below its leaves. The trees can drop loaded leaves (index:
@@ -78,6 +85,12 @@ type lazyLeaves struct {
 	first index.Bitset
 	// reads counts the leaves read (tests: Open reads none).
 	reads atomic.Uint64
+	// pre holds leaves read and verified without Set.mu for a load under
+	// it (loadLeavesLocked), by the pointer they were read for (guarded
+	// by mu): a page's contents at a pointer, which carries the page's
+	// generation and checksum, never change, so the loader takes one
+	// instead of reading the device.
+	pre map[pages.Ptr]*pages.Page
 	// faulted is the first leaf that could not be loaded (onLeafFault),
 	// nil while none: the set fails over at the next commit.
 	faulted atomic.Pointer[error]
@@ -154,6 +167,102 @@ func stubPtr(r index.StubRef) pages.Ptr {
 	return pages.Ptr{Page: uint32(r.A), CRC: uint32(r.A >> 32), Gen: r.B}
 }
 
+// maxUnlockedLeaves bounds the leaves one operation reads without
+// Set.mu (loadLeavesLocked); an operation over more loads the rest under
+// it.
+const maxUnlockedLeaves = 64
+
+// loadLeavesLocked makes resident the leaves of v's tree that an
+// operation on [lba, lba+n) would load, reading them from the cache
+// device without s.mu: it finds their stubs, releases s.mu, reads and
+// verifies their pages, takes s.mu again and loads them (lazyLoader:
+// the slots' checks and, on a leaf's first load, its epochs into the
+// bucket tables, under s.mu as always), so other requests do not wait
+// behind the reads. A page it cannot read or verify is left to the load
+// under s.mu, which reads it again and, if it fails again, fails the set
+// over as any load does. It does nothing for a set that is not lazy or
+// whose leaves are all loaded. Because it may release s.mu, its caller
+// calls it right after taking s.mu, before reading anything s.mu guards.
+// A leaf the tree drops again before the operation reaches it (a bounded
+// leaf cache) is read under s.mu.
+// REQUIRES: s.mu, the volume entered
+func (v *Volume) loadLeavesLocked(lba, n uint64) {
+	s := v.s
+	if s.pg == nil || s.pg.lazy == nil || v.idx.Tree.Unloaded() == 0 {
+		return
+	}
+	from, to := index.Ent{LBA: lba}, index.Ent{LBA: lba + n}
+	refs := v.idx.Tree.StubsIn(from, to, maxUnlockedLeaves)
+	if len(refs) == 0 {
+		return
+	}
+	v.readLeavesUnlocked(from, to, refs)
+}
+
+// readLeavesUnlocked releases s.mu, reads and verifies the pages of refs
+// (stubs of v's tree among the leaves of [from, to)) into the lazy
+// state's pre, takes s.mu again and loads the stubs of the range it read
+// (their loads take the pages), dropping what no load took.
+// REQUIRES: s.mu, the set lazy, the volume entered
+func (v *Volume) readLeavesUnlocked(from, to index.Ent, refs []index.StubRef) {
+	s := v.s
+	lz, st, id := s.pg.lazy, s.pg.st, uint16(v.vi)
+	s.mu.Unlock()
+	read := make(map[index.StubRef]bool, len(refs))
+	for _, r := range refs {
+		ptr := stubPtr(r)
+		lz.reads.Add(1)
+		pg, err := st.ReadLeaf(ptr, id)
+		if err != nil {
+			continue
+		}
+		lz.mu.Lock()
+		if lz.pre == nil {
+			lz.pre = map[pages.Ptr]*pages.Page{}
+		}
+		lz.pre[ptr] = pg
+		lz.mu.Unlock()
+		read[r] = true
+	}
+	s.mu.Lock()
+	if len(read) == 0 {
+		return
+	}
+	v.idx.Tree.LoadStubsIn(from, to, func(r index.StubRef) bool { return read[r] })
+	// What no load took (a stub loaded meanwhile, or no longer in the
+	// range) is dropped.
+	lz.mu.Lock()
+	for r := range read {
+		delete(lz.pre, stubPtr(r))
+	}
+	lz.mu.Unlock()
+}
+
+// maxOldestTries bounds the leaves oldestEpochLocked reads without
+// s.mu for one answer (each try loads one; a bounded leaf cache may drop
+// one before the next try reaches it).
+const maxOldestTries = 8
+
+// oldestEpochLocked is s.mu.OldestEpoch(v.vi), the oldest flush epoch of
+// the volume's dirty versions, with the leaves it needs read without
+// s.mu (readLeavesUnlocked) when the set is lazy. Because it may release
+// s.mu, its caller calls it right after taking s.mu.
+// REQUIRES: s.mu, the volume entered
+func (v *Volume) oldestEpochLocked() (uint64, bool) {
+	s := v.s
+	for range maxOldestTries {
+		if s.pg == nil || s.pg.lazy == nil || v.idx.Tree.Unloaded() == 0 {
+			break
+		}
+		e, ok, need := s.mu.OldestEpochResident(v.vi)
+		if need == nil {
+			return e, ok
+		}
+		v.readLeavesUnlocked(need.At, need.At, []index.StubRef{need.Ref})
+	}
+	return s.mu.OldestEpoch(v.vi)
+}
+
 // lazyEligible reports whether Open may build the volumes' trees from
 // stubs: a clean shutdown's root with nothing journaled since, its
 // volumes' dirty counts in its payload, no mirror.
@@ -175,14 +284,18 @@ func (s *Set) lazyLoader(vi int, nblocks, volEpoch uint64) index.Loader {
 	total := uint32(int64(len(s.mu.Buckets)) * s.bpb)
 	return func(ref index.StubRef, dst []index.Ent) ([]index.Ent, error) {
 		ptr := stubPtr(ref)
-		lz.reads.Add(1)
-		pg, err := p.st.ReadLeaf(ptr, id)
-		if err != nil {
-			return nil, err
-		}
 		lz.mu.Lock()
+		pg := lz.pre[ptr]
+		delete(lz.pre, ptr)
 		first := !lz.first.Get(int(ptr.Page))
 		lz.mu.Unlock()
+		if pg == nil {
+			lz.reads.Add(1)
+			var err error
+			if pg, err = p.st.ReadLeaf(ptr, id); err != nil {
+				return nil, err
+			}
+		}
 		n := len(dst)
 		for j := range pg.Count() {
 			sl := pg.Slot(j)

@@ -397,7 +397,8 @@ const maxAsyncHit = 128 << 10
 // means p is filled and verified), from a goroutine other than the
 // caller's; it must not block. It does not wait for anything but s.mu, and
 // that only briefly. It returns false, having changed nothing
-// but the blocks' recency, when the read is not such a hit, is not
+// but the blocks' recency, when the read is not such a hit (or an index
+// leaf of it is not resident), is not
 // block-aligned, is longer than maxAsyncHit, or the cache device cannot
 // start reads asynchronously, or a detach is waiting: the caller then
 // uses ReadAt. The volume
@@ -472,16 +473,19 @@ func (v *Volume) pinHit(p []byte, off int64) ([]index.Ent, bool) {
 	hits := make([]index.Ent, 0, n)
 	s.mu.Lock()
 	s.mu.tick++
-	v.idx.Tree.AscendRange(index.Ent{LBA: lba}, index.Ent{LBA: lba + uint64(n)}, func(e index.Ent) bool {
+	// Resident leaves only: a leaf to load is read by ReadAt, without
+	// s.mu (loadLeavesLocked), not on this goroutine under it.
+	v.idx.Tree.AscendRangeResident(index.Ent{LBA: lba}, index.Ent{LBA: lba + uint64(n)}, func(e index.Ent) bool {
 		if e.LBA != lba+uint64(len(hits)) || len(hits) > 0 && e.Block() != hits[len(hits)-1].Block()+1 {
 			return false
 		}
 		hits = append(hits, e)
 		return true
 	})
-	if v.idx.Tree.TakeFault() != nil || len(hits) != n {
-		// Not such a hit, or an index leaf of it cannot be loaded
-		// (ReadAt meets it again and fails the set over).
+	if len(hits) != n {
+		// Not such a hit, or an index leaf of it is not resident
+		// (ReadAt loads it, or meets a leaf that cannot be loaded and
+		// fails the set over).
 		s.mu.Unlock()
 		v.exit()
 		return nil, false

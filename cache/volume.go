@@ -317,7 +317,7 @@ func (v *Volume) olderEpochsDirty() bool {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	oldest, ok := s.mu.OldestEpoch(v.vi)
+	oldest, ok := v.oldestEpochLocked()
 	return ok && oldest < v.idx.epoch
 }
 
@@ -366,6 +366,7 @@ func (v *Volume) readBlocksHit(buf []byte, lba uint64, n int, pm promoteMode) (h
 	}
 	var hits []index.Ent
 	s.mu.Lock()
+	v.loadLeavesLocked(lba, uint64(n))
 	s.mu.tick++
 	v.idx.Tree.AscendRange(index.Ent{LBA: lba}, index.Ent{LBA: lba + uint64(n)}, func(e index.Ent) bool {
 		hits = append(hits, e)
@@ -830,6 +831,7 @@ func (v *Volume) writeCache(buf []byte, lba uint64, writeback bool) (Tier, error
 			}
 		}
 		s.mu.Lock()
+		v.loadLeavesLocked(at, uint64(r.n))
 		// A clean insert over a dirty block: if its record is lost in a
 		// failover, the device still holds the dirty version (failover.go).
 		// So does a clean insert over a fenced block when the set failed
@@ -948,6 +950,7 @@ func (v *Volume) passthrough(lba, n uint64, op func() error) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err == nil {
+		v.loadLeavesLocked(lba, n)
 		dropsDirty := v.dirtyInLocked(lba, n)
 		had := v.idx.Cached + v.idx.NSup // the volume's entries before the drop
 		s.mu.Invalidate(v.vi, lba, n)

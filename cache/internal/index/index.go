@@ -251,6 +251,21 @@ func (ix *Index) OldestEpoch(vi int) (uint64, bool) {
 	return e, ok
 }
 
+// OldestEpochResident is OldestEpoch without loading a leaf of the
+// volume's tree (index.MinAggResident): when the answer needs a leaf that
+// is not resident, it returns the leaf's stub instead.
+func (ix *Index) OldestEpochResident(vi int) (uint64, bool, *StubAt[Ent]) {
+	v := ix.Vols[vi]
+	e, ok, need := v.Tree.MinAggResident(ix.EntEpoch)
+	if need != nil {
+		return 0, false, need
+	}
+	if x, sok := v.Sup.MinAgg(ix.SupEpoch); sok && (!ok || x < e) {
+		return x, true, nil
+	}
+	return e, ok, nil
+}
+
 // Epochs holds the flush epochs of a bucket's dirty blocks (only
 // dirty blocks have one). It is allocated with the bucket's first dirty
 // block and dropped with its last, so a clean cache pays nothing for epochs.

@@ -27,7 +27,10 @@ import (
 //
 // Loading happens inside the operation that needs it, under the caller's
 // lock (Diff, which runs on snapshots outside it, loads too: the stubs'
-// state is atomic and the cache has its own lock). A leaf that cannot be
+// state is atomic and the cache has its own lock). A caller that must not
+// wait for the loader's I/O under its lock finds the stubs of a range
+// under it (StubsIn), has the loader's source read them without it, and
+// loads them under it again (LoadStubsIn) before the operation. A leaf that cannot be
 // loaded (the loader's error, or ErrBadLeaf) never panics the operation:
 // its stub becomes bad for good (every later touch returns the same
 // *FaultError without calling the loader again), the tree's OnFault
@@ -91,10 +94,14 @@ type lazyState[L any] struct {
 	load    Loader
 	onFault func(*FaultError) // once per bad stub (nil: none)
 	faults  atomic.Uint64     // leaves loaded
-	mu      sync.Mutex
-	cap     int
-	ring    []*stub[L] // stubs whose leaf is loaded (or being dropped)
-	hand    int
+	// unloaded counts the stubs (of the tree and its clones) whose leaf
+	// is not loaded, bad ones included: 0 once every stub's leaf is
+	// resident, so a caller can skip looking for stubs (Unloaded).
+	unloaded atomic.Int64
+	mu       sync.Mutex
+	cap      int
+	ring     []*stub[L] // stubs whose leaf is loaded (or being dropped)
+	hand     int
 }
 
 // BuildLazyPtree returns a tree of the leaves described by stubs (in key
@@ -106,6 +113,7 @@ type lazyState[L any] struct {
 func BuildLazyPtree(stubs []LeafStub, length int, load Loader, capLeaves int, onFault func(*FaultError)) *Ptree {
 	t := NewPtree()
 	t.lazy = &lazyState[pleaf]{load: load, onFault: onFault, cap: max(capLeaves, 1)}
+	t.lazy.unloaded.Store(int64(len(stubs)))
 	if len(stubs) == 0 {
 		return t
 	}
@@ -270,6 +278,7 @@ func (t *bptree[E, L, PL]) loadStub(nd *bnode[E, L, PL], i int) (PL, error) {
 		return PL(s.leaf.Load()), nil // loaded meanwhile (Diff, concurrently)
 	}
 	lz.faults.Add(1)
+	lz.unloaded.Add(-1)
 	lz.admit(s)
 	return l, nil
 }
@@ -305,6 +314,7 @@ func (lz *lazyState[L]) admit(s *stub[L]) {
 			continue
 		}
 		v.leaf.Store(nil)
+		lz.unloaded.Add(1)
 		lz.ring[lz.hand] = s
 		lz.hand = (lz.hand + 1) % len(lz.ring)
 		return
@@ -339,6 +349,88 @@ func (t *bptree[E, L, PL]) Fault(e E) error {
 		t.noteFault(err)
 	}
 	return err
+}
+
+// Unloaded returns how many stubs of the tree and its clones have no
+// leaf loaded (bad ones included); 0 when none has, or the tree has no
+// stubs. A stub a clone no longer reaches still counts: the count is an
+// upper bound of the tree's own.
+func (t *bptree[E, L, PL]) Unloaded() int64 {
+	if t.lazy == nil {
+		return 0
+	}
+	return t.lazy.unloaded.Load()
+}
+
+// eachLeafIn calls fn for each leaf child (nd, i) of the leaves that
+// hold or would hold the elements in [from, to), in order, until fn
+// returns false: the leaf of from first, even if to is not above from.
+// It loads nothing.
+func (t *bptree[E, L, PL]) eachLeafIn(from, to E, fn func(nd *bnode[E, L, PL], i int) bool) {
+	if t.root == nil {
+		return
+	}
+	var pl PL
+	var walk func(nd *bnode[E, L, PL], seek bool) bool
+	walk = func(nd *bnode[E, L, PL], seek bool) bool {
+		i := 0
+		if seek {
+			i = nd.childIndex(from)
+		}
+		for ; i < nd.n; i, seek = i+1, false {
+			if !seek && i > 0 && !pl.less(nd.keys[i], to) {
+				return false
+			}
+			if !nd.leaves {
+				if !walk(nd.kids[i], seek) {
+					return false
+				}
+				continue
+			}
+			if !fn(nd, i) {
+				return false
+			}
+		}
+		return true
+	}
+	walk(t.root, true)
+}
+
+// StubsIn returns the references of the first max stubs, among the
+// leaves that hold or would hold the elements in [from, to), whose leaf
+// is neither loaded nor bad: what an operation on the range would load.
+// It loads nothing. Its caller may read them without its lock (the
+// loader's reads may run concurrently) and have an operation under the
+// lock find them read (LoadStubsIn).
+func (t *bptree[E, L, PL]) StubsIn(from, to E, max int) []StubRef {
+	if t.lazy == nil || t.lazy.unloaded.Load() == 0 {
+		return nil
+	}
+	var refs []StubRef
+	t.eachLeafIn(from, to, func(nd *bnode[E, L, PL], i int) bool {
+		if s := nd.stubs[i]; nd.lvs[i] == nil && s.leaf.Load() == nil && s.bad.Load() == nil {
+			refs = append(refs, s.ref)
+		}
+		return len(refs) < max
+	})
+	return refs
+}
+
+// LoadStubsIn loads the leaf of each stub, among the leaves that hold or
+// would hold the elements in [from, to), whose reference want accepts
+// and whose leaf is not loaded. A leaf that cannot be loaded makes its
+// stub bad, as in any operation, but is not noted for TakeFault: the
+// operation on the range that follows meets it and notes it.
+func (t *bptree[E, L, PL]) LoadStubsIn(from, to E, want func(StubRef) bool) {
+	if t.lazy == nil {
+		return
+	}
+	t.eachLeafIn(from, to, func(nd *bnode[E, L, PL], i int) bool {
+		if s := nd.stubs[i]; nd.lvs[i] == nil && s.leaf.Load() == nil && want(s.ref) {
+			_, _ = t.fault(nd, i)
+		}
+		return true
+	})
 }
 
 // PinStubs loads, for good, the leaf of every stub of the tree whose

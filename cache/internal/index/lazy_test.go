@@ -365,3 +365,77 @@ func TestLazyAscendResident(t *testing.T) {
 		t.Fatalf("AscendResident visited %d elements (%v...), want those of leaves 2 and 7", len(got), got[:min(len(got), 3)])
 	}
 }
+
+// TestLazyLoadOutsideLock: the pieces a caller uses to read leaves
+// without its lock. StubsIn names the stubs a range's operation would
+// load (none resident or bad, at most max, the leaf of the range's
+// start even for an empty range) and loads nothing; LoadStubsIn loads
+// only those its filter accepts; AscendRangeResident skips the rest;
+// MinAggResident names the leaf the oldest epoch is in while it is not
+// resident and answers as MinAgg once it is; Unloaded counts down to 0
+// as leaves load and up again as the cache drops them.
+func TestLazyLoadOutsideLock(t *testing.T) {
+	ref := map[uint64]Ent{}
+	for i := range uint64(1000) {
+		// Dirty, epochs falling with the LBA: the oldest is in the
+		// last leaf.
+		ref[i] = Ent{LBA: i, Loc: uint32(i) | DirtyBit, CRC: uint32(1999 - i)}
+	}
+	ls, stubs := stubsOf(sortedEnts(ref), 100, testEpoch)
+	tr := BuildLazyPtree(stubs, len(ref), ls.load, 1<<20, nil)
+	if n := tr.Unloaded(); n != 10 {
+		t.Fatalf("Unloaded %d of a tree of 10 stubs, want 10", n)
+	}
+	refsIn := func(from, to uint64, max int) []StubRef {
+		t.Helper()
+		loads := ls.loads
+		rs := tr.StubsIn(Ent{LBA: from}, Ent{LBA: to}, max)
+		if ls.loads != loads {
+			t.Fatalf("StubsIn loaded %d leaves", ls.loads-loads)
+		}
+		return rs
+	}
+	if rs := refsIn(150, 420, 64); len(rs) != 4 || rs[0] != stubs[1].Ref || rs[3] != stubs[4].Ref {
+		t.Fatalf("StubsIn [150,420): %v, want the stubs of leaves 1-4", rs)
+	}
+	if rs := refsIn(150, 420, 2); len(rs) != 2 || rs[1] != stubs[2].Ref {
+		t.Fatalf("StubsIn [150,420) max 2: %v, want leaves 1-2", rs)
+	}
+	if rs := refsIn(300, 300, 64); len(rs) != 1 || rs[0] != stubs[3].Ref {
+		t.Fatalf("StubsIn [300,300): %v, want leaf 3", rs)
+	}
+	// Only leaf 2 of [150,420) loaded.
+	tr.LoadStubsIn(Ent{LBA: 150}, Ent{LBA: 420}, func(r StubRef) bool { return r == stubs[2].Ref })
+	if ls.loads != 1 || tr.Unloaded() != 9 {
+		t.Fatalf("LoadStubsIn of one stub: %d loads, %d unloaded, want 1 and 9", ls.loads, tr.Unloaded())
+	}
+	if rs := refsIn(150, 420, 64); len(rs) != 3 || rs[1] != stubs[3].Ref {
+		t.Fatalf("StubsIn [150,420) with leaf 2 loaded: %v, want leaves 1, 3, 4", rs)
+	}
+	var got []uint64
+	tr.AscendRangeResident(Ent{LBA: 150}, Ent{LBA: 420}, func(e Ent) bool { got = append(got, e.LBA); return true })
+	if ls.loads != 1 || len(got) != 100 || got[0] != 200 || got[99] != 299 {
+		t.Fatalf("AscendRangeResident [150,420): %d elements from %v, %d loads; want leaf 2's, none", len(got), got[:min(len(got), 1)], ls.loads)
+	}
+	// The oldest epoch (LBA 999's, 0) is in leaf 9, not resident.
+	_, _, need := tr.MinAggResident(testEpoch)
+	if need == nil || need.Ref != stubs[9].Ref || ls.loads != 1 {
+		t.Fatalf("MinAggResident with leaf 9 not resident: %+v, %d loads; want leaf 9's stub, no load", need, ls.loads)
+	}
+	tr.LoadStubsIn(need.At, need.At, func(StubRef) bool { return true })
+	m, ok, need := tr.MinAggResident(testEpoch)
+	if want, wok := tr.Clone().MinAgg(testEpoch); need != nil || !ok || m != want || !wok {
+		t.Fatalf("MinAggResident with leaf 9 resident: %d %v %+v, want %d (MinAgg)", m, ok, need, want)
+	}
+	// A cache of 2 leaves: a load over it drops one.
+	ls2, stubs2 := stubsOf(sortedEnts(ref), 100, testEpoch)
+	tr2 := BuildLazyPtree(stubs2, len(ref), ls2.load, 2, nil)
+	tr2.LoadStubsIn(Ent{LBA: 0}, Ent{LBA: 300}, func(StubRef) bool { return true })
+	if ls2.loads != 3 || tr2.Unloaded() != 8 {
+		t.Fatalf("3 loads into a cache of 2: %d loads, %d unloaded, want 3 and 8", ls2.loads, tr2.Unloaded())
+	}
+	tr.LoadStubsIn(Ent{LBA: 0}, Ent{LBA: 1000}, func(StubRef) bool { return true })
+	if tr.Unloaded() != 0 || tr.StubsIn(Ent{}, Ent{LBA: 1000}, 64) != nil {
+		t.Fatalf("every leaf loaded: %d unloaded", tr.Unloaded())
+	}
+}

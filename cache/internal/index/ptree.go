@@ -664,6 +664,13 @@ func (t *bptree[E, L, PL]) AscendRange(from, to E, fn func(E) bool) {
 	t.ascend(from, true, to, true, math.MaxUint64, false, fn)
 }
 
+// AscendRangeResident is AscendRange over the resident leaves only: the
+// elements of a stub whose leaf is not loaded are skipped, and nothing is
+// loaded.
+func (t *bptree[E, L, PL]) AscendRangeResident(from, to E, fn func(E) bool) {
+	t.ascend(from, true, to, true, math.MaxUint64, true, fn)
+}
+
 // ascend walks the elements from from (if hasFrom) to before stop (if
 // hasStop), skipping children whose summary is above bound, and with
 // resident the leaves not resident (peekLeaf).
@@ -887,8 +894,29 @@ func (t *bptree[E, L, PL]) Check() error {
 // to the exact minimum of its children's bounds), so the work done is
 // paid for by earlier removals.
 func (t *bptree[E, L, PL]) MinAgg(sum func(E) uint64) (uint64, bool) {
+	m, ok, _ := t.minAgg(sum, false)
+	return m, ok
+}
+
+// StubAt names a stub an operation needs and did not load: its reference
+// and a key of its leaf's range (for LoadStubsIn(At, At, ...)).
+type StubAt[E any] struct {
+	Ref StubRef
+	At  E
+}
+
+// MinAggResident is MinAgg without loading a leaf: when the smallest
+// bound leads to a leaf that is not resident, it returns that leaf's
+// stub (need not nil) instead of an answer, having raised only bounds
+// it found stale on the way (as MinAgg does). A bad stub's leaf is
+// loaded as MinAgg loads it (a fault, noted for TakeFault).
+func (t *bptree[E, L, PL]) MinAggResident(sum func(E) uint64) (m uint64, ok bool, need *StubAt[E]) {
+	return t.minAgg(sum, true)
+}
+
+func (t *bptree[E, L, PL]) minAgg(sum func(E) uint64, resident bool) (uint64, bool, *StubAt[E]) {
 	if t.root == nil {
-		return 0, false
+		return 0, false, nil
 	}
 	var buf [8]pathStep[E, L, PL]
 	for {
@@ -898,12 +926,16 @@ func (t *bptree[E, L, PL]) MinAgg(sum func(E) uint64) (uint64, bool) {
 		path := buf[:0]
 		t.root = t.mutNode(t.root)
 		nd := t.root
+		var at E // a key of the leaf's range: its separator, or the zero key (the smallest)
 		for {
 			i := 0
 			for j := 1; j < nd.n; j++ {
 				if nd.agg[j] < nd.agg[i] {
 					i = j
 				}
+			}
+			if i > 0 {
+				at = nd.keys[i]
 			}
 			path = append(path, pathStep[E, L, PL]{nd, i})
 			if nd.leaves {
@@ -913,13 +945,22 @@ func (t *bptree[E, L, PL]) MinAgg(sum func(E) uint64) (uint64, bool) {
 			nd.kids[i] = c
 			nd = c
 		}
-		l := t.leafAt(nd, path[len(path)-1].i)
+		li := path[len(path)-1].i
+		var l PL
+		if resident {
+			if l = t.peekLeaf(nd, li); l == nil && nd.stubs[li].bad.Load() == nil {
+				return 0, false, &StubAt[E]{Ref: nd.stubs[li].ref, At: at}
+			}
+		}
+		if l == nil {
+			l = t.leafAt(nd, li)
+		}
 		m := uint64(math.MaxUint64)
 		for p := 0; p < l.count(); p++ {
 			m = min(m, sum(l.get(p)))
 		}
 		if m == bound {
-			return m, m != math.MaxUint64
+			return m, m != math.MaxUint64, nil
 		}
 		last := path[len(path)-1]
 		last.nd.agg[last.i] = max(last.nd.agg[last.i], m)
