@@ -333,8 +333,8 @@ func (t *bptree[E, L, PL]) Faults() uint64 {
 // it is a stub), returning its *FaultError if it cannot be loaded (also
 // noted for TakeFault).
 func (t *bptree[E, L, PL]) Fault(e E) error {
-	if t.root == nil || t.lazy == nil {
-		return nil
+	if t.root == nil || t.lazy == nil || t.lazy.unloaded.Load() == 0 {
+		return nil // every leaf resident: no descent
 	}
 	nd := t.root
 	for !nd.leaves {
