@@ -118,6 +118,9 @@ turn() { # SYSTEM JOB ROUND
 	if [ $1 = tiercache ]; then
 		kill -CONT $pid
 		measured $3 $2 $f $1 $2 $3 || return 1
+		# The server's counters after each of its jobs (writeback, bypass,
+		# latencies): /host/tiercache-stats-JOB-ROUND.txt.
+		$TC stats --admin /run/admin.sock >/host/tiercache-stats-$2-$3.txt 2>&1
 		kill -STOP $pid
 	else
 		$f $1 $2 $3
