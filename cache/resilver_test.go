@@ -261,6 +261,12 @@ func resilverCrash(t *testing.T, lost mirror.Member) {
 	old.pulled.Store(true)
 	write(100)
 	nw := r.replacement(lost)
+	if lost == mirror.B {
+		// One slot per bucket: a replace refused for too few slots (the
+		// survivor's dirty data in more buckets than the lost B had
+		// slots, when writeback lags) would test nothing here.
+		nw = newMember(device.NewMem(r.set.lay.BucketsOff + 16*(r.set.lay.BucketSize+blockSize)))
+	}
 	// Devices: survivor, new member, backing.
 	c := &crashPoints{seed: 10, devs: []*device.Mem{survivor.mem, nw.mem, r.back}, copyLabels: 2, bucketsOff: r.set.lay.BucketsOff}
 	nw.hook.Store(c.hook("new", true, nil))
