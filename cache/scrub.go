@@ -20,6 +20,7 @@ import (
 	"slices"
 
 	"github.com/tiercache/tiercache/cache/internal/index"
+	"github.com/tiercache/tiercache/cache/internal/mirror"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
 	"github.com/tiercache/tiercache/device"
 )
@@ -67,13 +68,9 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 	nblocks := s.mu.CacheBlocks()
 	s.mu.Unlock()
 	const chunk = 256 // cache blocks per read (1 MiB)
-	buf := make([]byte, chunk*blockSize)
-	type item struct {
-		vi int
-		e  index.Ent
-	}
+	buf, bbuf := make([]byte, chunk*blockSize), make([]byte, chunk*blockSize)
 	type bad struct {
-		item
+		scrubItem
 		got      uint32
 		readFail error
 	}
@@ -98,7 +95,7 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 		for len(inWin) > 0 && int64(inWin[0].e.Block()) < start {
 			inWin = inWin[1:]
 		}
-		var items []item
+		var items []scrubItem
 		s.mu.Lock()
 		for len(inWin) > 0 && int64(inWin[0].e.Block()) < end {
 			it := inWin[0]
@@ -107,7 +104,7 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 			if !ok || e != it.e {
 				continue // changed since the walk
 			}
-			items = append(items, item{it.vi, e})
+			items = append(items, scrubItem{it.vi, e})
 			s.mu.alloc[int64(e.Block())/s.bpb].pins++
 		}
 		s.mu.Unlock()
@@ -117,7 +114,16 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 		first := int64(items[0].e.Block())
 		last := int64(items[len(items)-1].e.Block())
 		run := buf[:(last-first+1)*blockSize]
-		_, rerr := s.dev.ReadAt(run, s.cacheOff(uint32(first)))
+		m := s.mir()
+		both := m != nil && m.Redundant()
+		var rerr error
+		if both {
+			// Reads take either copy: each member's is verified, A's
+			// here and B's below.
+			_, rerr = m.ReadFrom(mirror.A, run, s.cacheOff(uint32(first)))
+		} else {
+			_, rerr = s.dev.ReadAt(run, s.cacheOff(uint32(first)))
+		}
 		var bads []bad
 		for _, it := range items {
 			at := (int64(it.e.Block()) - first) * blockSize
@@ -125,7 +131,7 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 			if rerr != nil {
 				// Find which blocks of the chunk fail, one by one.
 				if _, err := s.dev.ReadAt(p, s.cacheOff(it.e.Block())); err != nil {
-					bads = append(bads, bad{item: it, readFail: err})
+					bads = append(bads, bad{scrubItem: it, readFail: err})
 					continue
 				}
 			}
@@ -137,8 +143,11 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 					v.st.checksumRepairs.Add(1)
 					continue
 				}
-				bads = append(bads, bad{item: it, got: got})
+				bads = append(bads, bad{scrubItem: it, got: got})
 			}
+		}
+		if both {
+			rep.Repaired += s.scrubMirrorB(bbuf, first, items)
 		}
 		s.mu.Lock()
 		for _, it := range items {
@@ -190,6 +199,48 @@ func (s *Set) Scrub(ctx context.Context, progress func(done, total int64)) (Scru
 		progress(rep.Blocks, rep.Blocks)
 	}
 	return rep, nil
+}
+
+// scrubItem is a cached block a scrub verifies: volume vi's entry e.
+type scrubItem struct {
+	vi int
+	e  index.Ent
+}
+
+// scrubMirrorB verifies B's copies of the items (pinned, in cache block
+// order from block first on, A's copies verified) that B holds, read into
+// buf, and rewrites a copy that fails its checksum from the other member's
+// (mirror.CheckCopies). It returns the copies rewritten.
+func (s *Set) scrubMirrorB(buf []byte, first int64, items []scrubItem) int64 {
+	m := s.mir()
+	last := int64(items[len(items)-1].e.Block())
+	run := buf[:(last-first+1)*blockSize]
+	_, err := m.ReadFrom(mirror.B, run, s.cacheOff(uint32(first)))
+	whole := err == nil // else block by block: B may hold part of the chunk
+	var n int64
+	for _, it := range items {
+		off := s.cacheOff(it.e.Block())
+		at := (int64(it.e.Block()) - first) * blockSize
+		p := run[at : at+blockSize]
+		if !whole {
+			if !m.Covers(off) {
+				continue
+			}
+			if _, err := m.ReadFrom(mirror.B, p, off); err != nil {
+				continue // B failed, or A could not serve it either: its scrub reports it
+			}
+		}
+		if ondisk.CRC32C(p) == it.e.CRC {
+			continue
+		}
+		if _, rewrote := m.CheckCopies(p, off, func(q []byte) bool { return ondisk.CRC32C(q) == it.e.CRC }); rewrote {
+			n++
+			v := s.vols[it.vi]
+			v.st.checksumErrors.Add(1)
+			v.st.checksumRepairs.Add(1)
+		}
+	}
+	return n
 }
 
 // CheckReport is the result of an offline check.

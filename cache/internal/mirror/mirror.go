@@ -699,8 +699,9 @@ func (m *Mirror) ReadAt(p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
-// readFrom is ReadAt with every piece read from member r first.
-func (m *Mirror) readFrom(r Member, p []byte, off int64) (int, error) {
+// ReadFrom is ReadAt with every piece read from member r first (ErrNoCopy
+// when r holds none of a piece).
+func (m *Mirror) ReadFrom(r Member, p []byte, off int64) (int, error) {
 	for _, e := range m.split(make([]extent, 0, 2), p, off) {
 		if err := m.readExtentFrom(e, r); err != nil {
 			return 0, err
@@ -798,7 +799,7 @@ func (m *Mirror) StartReadAt(p []byte, off int64, done func(n int, err error, la
 			return
 		}
 		go func() {
-			n, err := m.readFrom(r, p, off)
+			n, err := m.ReadFrom(r, p, off)
 			device.WithLater(func(later func(func())) { done(n, err, later) })
 		}()
 	})
@@ -819,42 +820,50 @@ func (m *Mirror) memberOff(r Member, e extent) int64 {
 // caller's check: the read may have come from either member (reader), so
 // it reads each member's copy, and when good accepts one it reports true
 // with p holding it, having written it over the other copy if good refused
-// that one. It reports false, p undefined, when no copy passes or the
-// mirror is not redundant. A copy that cannot be read is left to the next
-// read (ReadAt serves and repairs it); a member whose rewrite fails is
-// failed.
+// that one (CheckCopies). It reports false, p undefined, when no copy
+// passes or the mirror is not redundant.
 func (m *Mirror) RepairFrom(p []byte, off int64, good func([]byte) bool) bool {
+	ok, _ := m.CheckCopies(p, off, good)
+	return ok
+}
+
+// CheckCopies reads both members' copies of [off, off+len(p)); when good
+// accepts one, p holds it (ok) and the other copy, if good refuses it, is
+// rewritten with it (rewrote) and counted. Both are false when the mirror
+// is not redundant. A copy that cannot be read is left to the next read
+// (ReadAt serves and repairs it); a member whose rewrite fails is failed.
+func (m *Mirror) CheckCopies(p []byte, off int64, good func([]byte) bool) (ok, rewrote bool) {
 	if !m.Redundant() {
-		return false
+		return false, false
 	}
 	bufs := [2][]byte{p, make([]byte, len(p))}
-	var read, ok [2]bool
+	var read, pass [2]bool
 	for r := range bufs {
 		read[r] = m.ReadMember(Member(r), bufs[r], off) == nil
-		ok[r] = read[r] && good(bufs[r])
+		pass[r] = read[r] && good(bufs[r])
 	}
 	from := A
 	switch {
-	case ok[A]:
-	case ok[B]:
+	case pass[A]:
+	case pass[B]:
 		from = B
 		copy(p, bufs[B])
 	default:
-		return false
+		return false, false
 	}
 	to := from.other()
-	if !read[to] || ok[to] {
-		return true
+	if !read[to] || pass[to] {
+		return true, false
 	}
 	for _, e := range m.split(make([]extent, 0, 2), p, off) {
 		if _, err := m.d(to).WriteAt(e.p, m.memberOff(to, e)); err != nil {
 			_ = m.fail(to, err)
-			return true // p is good; the member is failed now
+			return true, false // p is good; the member is failed now
 		}
 	}
 	m.repairs.Add(1)
 	m.log.Warn("mirror: copy that failed its check repaired from the other member", "repaired", to.String(), "offset", off, "len", len(p))
-	return true
+	return true, true
 }
 
 // ReadMember reads [off, off+len(p)) of member r's copy; ErrNoCopy when r
