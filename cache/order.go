@@ -169,7 +169,7 @@ func (v *Volume) restoreWait() time.Duration {
 	if !v.ord.degraded.Load() || v.ord.cut.Load() != 0 {
 		return 0
 	}
-	at := v.pol.streamAt.Load()
+	at := v.pol.StreamAt.Load()
 	if at == 0 {
 		return 0
 	}

@@ -326,17 +326,17 @@ func TestCatchUpWaitsForStreams(t *testing.T) {
 	}
 	// Degraded long ago, the stream's last bypass just now: no cut.
 	v.ord.at.Store(time.Now().Add(-2 * catchUpAfter).UnixNano())
-	v.pol.streamAt.Store(time.Now().UnixNano())
+	v.pol.StreamAt.Store(time.Now().UnixNano())
 	if v.catchUp() {
 		t.Fatal("cut to catch up while a write stream bypasses the cache")
 	}
 	// The stream's last bypass a little less than catchUpAfter ago: no cut.
-	v.pol.streamAt.Store(time.Now().Add(-catchUpAfter + time.Second).UnixNano())
+	v.pol.StreamAt.Store(time.Now().Add(-catchUpAfter + time.Second).UnixNano())
 	if v.catchUp() {
 		t.Fatal("cut to catch up within catchUpAfter of a stream's bypass")
 	}
 	// No stream for catchUpAfter: random writes go on, and it cuts.
-	v.pol.streamAt.Store(time.Now().Add(-catchUpAfter).UnixNano())
+	v.pol.StreamAt.Store(time.Now().Add(-catchUpAfter).UnixNano())
 	if err := v.WriteAt(make([]byte, blockSize), 3000*blockSize, false); err != nil {
 		t.Fatal(err)
 	}
@@ -399,7 +399,7 @@ func TestRestoreWaitsForStreams(t *testing.T) {
 	}
 	// The stream's last bypass just now: no return, and a look again
 	// within catchUpAfter.
-	v.pol.streamAt.Store(time.Now().UnixNano())
+	v.pol.StreamAt.Store(time.Now().UnixNano())
 	if d := h.CheckOrder(); d <= 0 || d > catchUpAfter {
 		t.Errorf("clean, stream just now: look again in %v; want in (0, %v]", d, catchUpAfter)
 	}
@@ -407,7 +407,7 @@ func TestRestoreWaitsForStreams(t *testing.T) {
 		t.Fatal("back in epoch order while a write stream bypasses the cache")
 	}
 	// A little less than catchUpAfter ago: still no return.
-	v.pol.streamAt.Store(time.Now().Add(-catchUpAfter + time.Second).UnixNano())
+	v.pol.StreamAt.Store(time.Now().Add(-catchUpAfter + time.Second).UnixNano())
 	if d := h.CheckOrder(); d <= 0 || d > time.Second {
 		t.Errorf("clean, stream %v ago: look again in %v; want in (0, 1s]", catchUpAfter-time.Second, d)
 	}
@@ -415,7 +415,7 @@ func TestRestoreWaitsForStreams(t *testing.T) {
 		t.Fatal("back in epoch order within catchUpAfter of a stream's bypass")
 	}
 	// No stream for catchUpAfter: it returns, with no write needed.
-	v.pol.streamAt.Store(time.Now().Add(-catchUpAfter).UnixNano())
+	v.pol.StreamAt.Store(time.Now().Add(-catchUpAfter).UnixNano())
 	if d := h.CheckOrder(); d != 0 {
 		t.Errorf("returned: look again in %v; want 0", d)
 	}

@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/tiercache/tiercache/cache/internal/policy"
 )
 
 var flagRewrite = flagBool("rewrite", false, "regenerate the golden policy traces in testdata/policy from the reference model")
@@ -185,8 +187,9 @@ func engineWrite(t *testing.T, v *Volume, lba uint64, n int) string {
 	return "cache"
 }
 
-// refPolicy is the reference model: the rules of policy.go's comment
-// written as plainly as possible, over maps of cached and dirty blocks.
+// refPolicy is the reference model: the rules of package policy's doc
+// and policy.go's comment written as plainly as possible, over maps of
+// cached and dirty blocks.
 type refPolicy struct {
 	st      Settings
 	cached  map[uint64]bool
@@ -199,7 +202,7 @@ type refPolicy struct {
 
 // refStream: a stream's byte range, its bytes, and the runs of blocks it
 // has not written between its start and its end (holes, oldest first, at
-// most seqHoles).
+// most policy.Holes).
 type refStream struct {
 	start, next, seen int64
 	holes             [][2]int64 // [lo, hi) byte ranges
@@ -221,9 +224,9 @@ func (r *refPolicy) room() int64 {
 func (r *refPolicy) setRoom() int64 { return r.blocks*7/10 - int64(len(r.dirty)) - r.other }
 
 // seq: the most recently used remembered stream that the request belongs
-// to takes it: starting at its end or at most seqWindow ahead and no more
+// to takes it: starting at its end or at most policy.Window ahead and no more
 // than the stream holds (the gap becomes a hole), filling part of a hole however far behind its
-// end (the hole shrinks), or rewriting up to seqWindow behind its end (adds nothing, and is not sequential). Otherwise the request
+// end (the hole shrinks), or rewriting up to policy.Window behind its end (adds nothing, and is not sequential). Otherwise the request
 // starts a new stream, forgetting the least recently used of 16. It
 // bypasses if it is as large as the cutoff, or once its stream holds the
 // cutoff and covers at least half of its span. The cutoff of a write in
@@ -240,12 +243,12 @@ func (r *refPolicy) seq(lba uint64, n int, write bool) bool {
 	}
 	for i := len(r.streams) - 1; i >= 0; i-- {
 		s := r.streams[i]
-		w := seqWindow(ln)
+		w := policy.Window(ln)
 		switch {
 		case off >= s.next && off-s.next <= w && off-s.next <= s.seen:
 			if off > s.next {
 				s.holes = append(s.holes, [2]int64{s.next, off})
-				if len(s.holes) > seqHoles {
+				if len(s.holes) > policy.Holes {
 					s.holes = s.holes[1:]
 				}
 			}
@@ -274,8 +277,8 @@ func (r *refPolicy) seq(lba uint64, n int, write bool) bool {
 				}
 			}
 			s.holes = left
-			if len(s.holes) > seqHoles {
-				s.holes = s.holes[len(s.holes)-seqHoles:]
+			if len(s.holes) > policy.Holes {
+				s.holes = s.holes[len(s.holes)-policy.Holes:]
 			}
 			s.next = max(s.next, off+ln)
 			if len(s.holes) == before && s.seen == seen {
@@ -289,7 +292,7 @@ func (r *refPolicy) seq(lba uint64, n int, write bool) bool {
 		r.streams = append(append(r.streams[:i:i], r.streams[i+1:]...), s)
 		return cutoff > 0 && ln >= cutoff || long(s)
 	}
-	if len(r.streams) == seqStreams {
+	if len(r.streams) == policy.Streams {
 		r.streams = r.streams[1:]
 	}
 	r.streams = append(r.streams, refStream{start: off, next: off + ln, seen: ln})
@@ -447,11 +450,11 @@ func TestSequentialDetection(t *testing.T) {
 		}(), 0, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var p policy
+			var p policy.State
 			var total, seq int64
 			for _, r := range tc.reqs {
 				total += r.n
-				if seqBypass(p.sequential(r.off, r.n), cutoff, 0) {
+				if policy.Bypass(p.Sequential(r.off, r.n), cutoff, 0) {
 					seq += r.n
 				}
 			}
@@ -474,7 +477,7 @@ func TestSequentialDetection(t *testing.T) {
 //     alternate 1 MiB pieces of a 64 MiB file (TestKernelNBD's
 //     c4-seq-bypass): at least 56 MiB (all but the first sequential_cutoff
 //     and a little). Its writers drift more than 8 MiB apart; when a
-//     late request had to be within seqWindow of the stream's end to fill
+//     late request had to be within policy.Window of the stream's end to fill
 //     a hole, the one behind built a stream of its own, half holes, never
 //     dense, and 33 MiB were found.
 func TestSequentialKernelTrace(t *testing.T) {
@@ -492,7 +495,7 @@ func TestSequentialKernelTrace(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer fh.Close()
-			var p policy
+			var p policy.State
 			var file, seq int64
 			sc := bufio.NewScanner(fh)
 			for sc.Scan() {
@@ -508,7 +511,7 @@ func TestSequentialKernelTrace(t *testing.T) {
 				if err1 != nil || err2 != nil {
 					t.Fatalf("bad line %q", sc.Text())
 				}
-				isSeq := seqBypass(p.sequential(lba*blockSize, n*blockSize), DefaultSettings().SequentialCutoff, 0)
+				isSeq := policy.Bypass(p.Sequential(lba*blockSize, n*blockSize), DefaultSettings().SequentialCutoff, 0)
 				if tc.file(lba, n) {
 					file += n * blockSize
 					if isSeq {
@@ -546,8 +549,8 @@ func TestSeqBypass(t *testing.T) {
 		{run: 1 << 30, cutoff: 0, room: 0, want: false}, // disabled
 		{run: 1 << 30, cutoff: 0, room: 64 << 20, want: false},
 	} {
-		if got := seqBypass(tc.run, tc.cutoff, tc.room); got != tc.want {
-			t.Errorf("seqBypass(run %d, cutoff %d, room %d) = %v, want %v", tc.run, tc.cutoff, tc.room, got, tc.want)
+		if got := policy.Bypass(tc.run, tc.cutoff, tc.room); got != tc.want {
+			t.Errorf("policy.Bypass(run %d, cutoff %d, room %d) = %v, want %v", tc.run, tc.cutoff, tc.room, got, tc.want)
 		}
 	}
 }
@@ -662,8 +665,8 @@ func TestStreamYieldRecorded(t *testing.T) {
 		}
 	}
 	vs := v.Stats()
-	if vs.BypassSequentialBytes == 0 || v.pol.streamAt.Load() == 0 {
-		t.Fatalf("%d bytes bypassed as sequential, stream recorded at %d: want both", vs.BypassSequentialBytes, v.pol.streamAt.Load())
+	if vs.BypassSequentialBytes == 0 || v.pol.StreamAt.Load() == 0 {
+		t.Fatalf("%d bytes bypassed as sequential, stream recorded at %d: want both", vs.BypassSequentialBytes, v.pol.StreamAt.Load())
 	}
 	// Bypassing within writeback.IdleAfter (200 ms) of the last write:
 	// asked again right after a write of the stream.

@@ -9,6 +9,7 @@ import (
 
 	"github.com/tiercache/tiercache/cache/internal/index"
 	"github.com/tiercache/tiercache/cache/internal/ondisk"
+	"github.com/tiercache/tiercache/cache/internal/policy"
 	"github.com/tiercache/tiercache/cache/internal/writeback"
 	"github.com/tiercache/tiercache/device"
 	"github.com/tiercache/tiercache/internal/invariants"
@@ -54,7 +55,7 @@ type Volume struct {
 	// cfg: the settings the superblock holds (the mode included), replaced
 	// whole after each superblock update that changes them, under rmw.
 	cfg    atomic.Pointer[Settings]
-	pol    policy
+	pol    policy.State
 	lastIO atomic.Int64     // unix nanos of the last client request (idle detection)
 	wb     writeback.Writer // the volume's writeback (package writeback)
 	ord    orderState       // epoch order degraded or not (order.go)
@@ -436,7 +437,7 @@ func (v *Volume) readBlocksHit(buf []byte, lba uint64, n int, pm promoteMode) (h
 		// block's miss counted once).
 		yes := make([]bool, m.n)
 		for i := range yes {
-			yes[i] = pm == promoteForce || v.pol.promoteMiss(m.lba+uint64(i), need)
+			yes[i] = pm == promoteForce || v.pol.PromoteMiss(m.lba+uint64(i), need)
 		}
 		for i := uint64(0); i < m.n; {
 			if !yes[i] {
