@@ -47,35 +47,7 @@ func ReadCheckpointSlots(dev device.Device, sb *Superblock) [2]CheckpointSlot {
 
 // IndexPages describes the page area of a set formatted with index pages
 // (ondisk.FeaturePagedIndex) as its newest valid root names it.
-type IndexPages struct {
-	AreaPages  uint32 // pages in the area, after the two root slots
-	Generation uint64 // the newest valid root's
-	Trees      int    // trees it names: a volume slot's entries, its superseded versions
-	Inner      int64  // inner pages of the trees
-	Leaves     int64  // leaf pages
-	Table      int64  // bucket table pages and their directory
-	Slots      int64  // leaf slots: entries and superseded versions
-	// Kept: pages only the root before it names (kept until the next
-	// root is durable); Free: the others.
-	Kept, Free int64
-	// Previous is the generation of the root in the other slot, 0 if there
-	// is none intact (PreviousErr says why; nil: never written).
-	Previous    uint64
-	PreviousErr error
-}
-
-// Pages returns the pages the newest root names.
-func (ip *IndexPages) Pages() int64 { return ip.Inner + ip.Leaves + ip.Table }
-
-func (p *pagedIndex) describe() *IndexPages {
-	c := p.st.Counts()
-	a := p.st.Alloc()
-	ip := &IndexPages{AreaPages: a.Pages(), Generation: p.st.Gen(), Trees: c.Trees, Inner: c.Inner, Leaves: c.Leaves,
-		Table: c.Table, Slots: c.Slots, Kept: int64(a.Kept())}
-	ip.Free = int64(a.Pages()) - int64(a.Used())
-	ip.Previous, ip.PreviousErr = p.st.Previous()
-	return ip
-}
+type IndexPages = pages.Summary
 
 // ReadIndexPages reads the newest root of a set formatted with index pages
 // and the inner pages of its trees (not the leaves) and counts what it
@@ -88,7 +60,7 @@ func ReadIndexPages(dev device.Device, sb *Superblock) (*IndexPages, error) {
 	if err != nil {
 		return nil, err
 	}
-	return (&pagedIndex{st: st}).describe(), nil
+	return st.Summary(), nil
 }
 
 // Image is a cache set rebuilt read-only from a cache device.
@@ -142,7 +114,7 @@ func OpenImage(dev device.Device, opts ImageOptions) (*Image, error) {
 		return im, err
 	}
 	if pg != nil {
-		im.pg, im.Pages = pg, pg.describe()
+		im.pg, im.Pages = pg, pg.st.Summary()
 	}
 	im.Generation = hdr.Gen
 	if warn != "" {

@@ -367,3 +367,37 @@ func ReadSetRootSlots(dev device.Device, sb *ondisk.Superblock) [2]ondisk.Checkp
 	}
 	return out
 }
+
+// Summary describes the page area of a set formatted with index pages
+// (ondisk.FeaturePagedIndex) as the store's root names it (inspection).
+type Summary struct {
+	AreaPages  uint32 // pages in the area, after the two root slots
+	Generation uint64 // the newest valid root's
+	Trees      int    // trees it names: a volume slot's entries, its superseded versions
+	Inner      int64  // inner pages of the trees
+	Leaves     int64  // leaf pages
+	Table      int64  // bucket table pages and their directory
+	Slots      int64  // leaf slots: entries and superseded versions
+	// Kept: pages only the root before it names (kept until the next
+	// root is durable); Free: the others.
+	Kept, Free int64
+	// Previous is the generation of the root in the other slot, 0 if there
+	// is none intact (PreviousErr says why; nil: never written).
+	Previous    uint64
+	PreviousErr error
+}
+
+// Pages returns the pages the newest root names.
+func (ip *Summary) Pages() int64 { return ip.Inner + ip.Leaves + ip.Table }
+
+// Summary counts what the store's root names, from the resident inner
+// nodes and the allocation (no reads).
+func (st *Store) Summary() *Summary {
+	c := st.Counts()
+	a := st.Alloc()
+	ip := &Summary{AreaPages: a.Pages(), Generation: st.Gen(), Trees: c.Trees, Inner: c.Inner, Leaves: c.Leaves,
+		Table: c.Table, Slots: c.Slots, Kept: int64(a.Kept())}
+	ip.Free = int64(a.Pages()) - int64(a.Used())
+	ip.Previous, ip.PreviousErr = st.Previous()
+	return ip
+}
