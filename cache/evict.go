@@ -128,7 +128,8 @@ const walkChunk = 4 * lockChunk
 // it; entries moving into a sealed bucket meanwhile are only those of
 // writes in flight, which pin the bucket. An index leaf that cannot be
 // loaded ends the walk with its error: the entries found are not all
-// (the set fails over: lazyleaves.go).
+// (the set fails over: lazyleaves.go). The leaves a chunk loads are read
+// without Set.mu (loadLeavesLocked).
 func (s *Set) entriesIn(want func(loc int64) bool) ([]located, error) {
 	var out []located
 	for vi, v := range s.volList() {
@@ -137,6 +138,9 @@ func (s *Set) entriesIn(want func(loc int64) bool) ([]located, error) {
 			more = false
 			visited := 0
 			s.mu.Lock()
+			// The next leaves to load, read without s.mu (a chunk
+			// visits fewer leaves than maxUnlockedLeaves).
+			v.loadLeavesLocked(from, index.MaxLBA-from)
 			v.idx.Tree.AscendGreaterOrEqual(index.Ent{LBA: from}, func(e index.Ent) bool {
 				if visited == walkChunk {
 					from, more = e.LBA, true

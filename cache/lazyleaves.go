@@ -56,15 +56,15 @@ import (
 // is lost in the failover and counted lost). After failover a walk that
 // meets a bad leaf (readFailed, fencedLocked) treats its range as dirty.
 //
-// Client reads, writes into the cache and passthrough writes read the
-// leaves they need without Set.mu (loadLeavesLocked) and load them under
-// it from memory; a read served asynchronously (StartReadAt) looks only
-// at resident leaves and leaves the rest to ReadAt.
+// Client reads, writes into the cache and passthrough writes, and the
+// index walks of eviction, GC and scrub (entriesIn), read the leaves they
+// need without Set.mu (loadLeavesLocked) and load them under it from
+// memory; a read served asynchronously (StartReadAt) looks only at
+// resident leaves and leaves the rest to ReadAt.
 //
-// Known limits: every other operation (eviction, GC, writeback's scans,
-// Check, a failover's walks) reads the leaves it needs under Set.mu;
-// eviction, GC and Check walk the whole index and so load every leaf
-// (once: see lazyLeafCap).
+// Known limits: writeback's scans, Check and a failover's walks read the
+// leaves they need under Set.mu; eviction, GC and Check walk the whole
+// index and so load every leaf (once: see lazyLeafCap).
 
 // lazyLeafCap bounds the loaded stub leaves a volume's tree keeps: 0, no
 // bound below its leaves. The trees can drop loaded leaves (index:
@@ -168,8 +168,8 @@ func stubPtr(r index.StubRef) pages.Ptr {
 }
 
 // maxUnlockedLeaves bounds the leaves one operation reads without
-// Set.mu (loadLeavesLocked); an operation over more loads the rest under
-// it.
+// Set.mu (loadLeavesLocked: the stubs among the first maxUnlockedLeaves
+// leaves of its range); an operation over more loads the rest under it.
 const maxUnlockedLeaves = 64
 
 // loadLeavesLocked makes resident the leaves of v's tree that an
@@ -184,8 +184,10 @@ const maxUnlockedLeaves = 64
 // whose leaves are all loaded. Because it may release s.mu, its caller
 // calls it right after taking s.mu, before reading anything s.mu guards.
 // A leaf the tree drops again before the operation reaches it (a bounded
-// leaf cache) is read under s.mu.
-// REQUIRES: s.mu, the volume entered
+// leaf cache) is read under s.mu. The volume need not be entered: a
+// detached volume's tree stays (its stubs' pages, if reused since, fail
+// their verification and are left to a load that never comes).
+// REQUIRES: s.mu
 func (v *Volume) loadLeavesLocked(lba, n uint64) {
 	s := v.s
 	if s.pg == nil || s.pg.lazy == nil || v.idx.Tree.Unloaded() == 0 {
@@ -203,7 +205,7 @@ func (v *Volume) loadLeavesLocked(lba, n uint64) {
 // (stubs of v's tree among the leaves of [from, to)) into the lazy
 // state's pre, takes s.mu again and loads the stubs of the range it read
 // (their loads take the pages), dropping what no load took.
-// REQUIRES: s.mu, the set lazy, the volume entered
+// REQUIRES: s.mu, the set lazy
 func (v *Volume) readLeavesUnlocked(from, to index.Ent, refs []index.StubRef) {
 	s := v.s
 	lz, st, id := s.pg.lazy, s.pg.st, uint16(v.vi)

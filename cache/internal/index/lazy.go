@@ -396,10 +396,11 @@ func (t *bptree[E, L, PL]) eachLeafIn(from, to E, fn func(nd *bnode[E, L, PL], i
 	walk(t.root, true)
 }
 
-// StubsIn returns the references of the first max stubs, among the
-// leaves that hold or would hold the elements in [from, to), whose leaf
-// is neither loaded nor bad: what an operation on the range would load.
-// It loads nothing. Its caller may read them without its lock (the
+// StubsIn returns the references of the stubs whose leaf is neither
+// loaded nor bad among the first max leaves that hold or would hold the
+// elements in [from, to): what an operation on the range would load
+// (its start, for a range of more leaves). It loads nothing, and visits
+// at most max leaves. Its caller may read them without its lock (the
 // loader's reads may run concurrently) and have an operation under the
 // lock find them read (LoadStubsIn).
 func (t *bptree[E, L, PL]) StubsIn(from, to E, max int) []StubRef {
@@ -407,11 +408,13 @@ func (t *bptree[E, L, PL]) StubsIn(from, to E, max int) []StubRef {
 		return nil
 	}
 	var refs []StubRef
+	seen := 0
 	t.eachLeafIn(from, to, func(nd *bnode[E, L, PL], i int) bool {
 		if s := nd.stubs[i]; nd.lvs[i] == nil && s.leaf.Load() == nil && s.bad.Load() == nil {
 			refs = append(refs, s.ref)
 		}
-		return len(refs) < max
+		seen++
+		return seen < max
 	})
 	return refs
 }

@@ -368,8 +368,8 @@ func TestLazyAscendResident(t *testing.T) {
 
 // TestLazyLoadOutsideLock: the pieces a caller uses to read leaves
 // without its lock. StubsIn names the stubs a range's operation would
-// load (none resident or bad, at most max, the leaf of the range's
-// start even for an empty range) and loads nothing; LoadStubsIn loads
+// load (none resident or bad, among the first max leaves, the leaf of
+// the range's start even for an empty range) and loads nothing; LoadStubsIn loads
 // only those its filter accepts; AscendRangeResident skips the rest;
 // MinAggResident names the leaf the oldest epoch is in while it is not
 // resident and answers as MinAgg once it is; Unloaded counts down to 0
@@ -411,6 +411,9 @@ func TestLazyLoadOutsideLock(t *testing.T) {
 	}
 	if rs := refsIn(150, 420, 64); len(rs) != 3 || rs[1] != stubs[3].Ref {
 		t.Fatalf("StubsIn [150,420) with leaf 2 loaded: %v, want leaves 1, 3, 4", rs)
+	}
+	if rs := refsIn(150, 1000, 3); len(rs) != 2 || rs[1] != stubs[3].Ref {
+		t.Fatalf("StubsIn [150,1000) max 3 with leaf 2 loaded: %v, want leaves 1, 3 (of leaves 1-3)", rs)
 	}
 	var got []uint64
 	tr.AscendRangeResident(Ent{LBA: 150}, Ent{LBA: 420}, func(e Ent) bool { got = append(got, e.LBA); return true })
