@@ -230,7 +230,7 @@ func (v *Volume) readLeavesUnlocked(from, to index.Ent, refs []index.StubRef) {
 	if len(read) == 0 {
 		return
 	}
-	v.idx.Tree.LoadStubsIn(from, to, func(r index.StubRef) bool { return read[r] })
+	v.idx.Tree.LoadStubsIn(from, to, maxUnlockedLeaves, func(r index.StubRef) bool { return read[r] })
 	// What no load took (a stub loaded meanwhile, or no longer in the
 	// range) is dropped.
 	lz.mu.Lock()

@@ -419,20 +419,23 @@ func (t *bptree[E, L, PL]) StubsIn(from, to E, max int) []StubRef {
 	return refs
 }
 
-// LoadStubsIn loads the leaf of each stub, among the leaves that hold or
-// would hold the elements in [from, to), whose reference want accepts
-// and whose leaf is not loaded. A leaf that cannot be loaded makes its
-// stub bad, as in any operation, but is not noted for TakeFault: the
-// operation on the range that follows meets it and notes it.
-func (t *bptree[E, L, PL]) LoadStubsIn(from, to E, want func(StubRef) bool) {
+// LoadStubsIn loads the leaf of each stub, among the first max leaves
+// that hold or would hold the elements in [from, to), whose reference
+// want accepts and whose leaf is not loaded; it visits at most max
+// leaves. A leaf that cannot be loaded makes its stub bad, as in any
+// operation, but is not noted for TakeFault: the operation on the range
+// that follows meets it and notes it.
+func (t *bptree[E, L, PL]) LoadStubsIn(from, to E, max int, want func(StubRef) bool) {
 	if t.lazy == nil {
 		return
 	}
+	seen := 0
 	t.eachLeafIn(from, to, func(nd *bnode[E, L, PL], i int) bool {
 		if s := nd.stubs[i]; nd.lvs[i] == nil && s.leaf.Load() == nil && want(s.ref) {
 			_, _ = t.fault(nd, i)
 		}
-		return true
+		seen++
+		return seen < max
 	})
 }
 
