@@ -934,7 +934,9 @@ func Open(cacheDev device.Device, backings []BackingSpec, opts OpenOptions) (*Se
 		// The root, its inner pages and bucket table (pagedckpt.go);
 		// the leaves once the journal is read: all of them, or for a
 		// lazy Open those of the superseded versions (lazyleaves.go).
-		if pr, err = pages.OpenSet(cacheDev, sb); err != nil {
+		// Through the set's device: the pages written later must reach
+		// a mirror attached since (attach-mirror swaps that device).
+		if pr, err = pages.OpenSet(s.dev, sb); err != nil {
 			return nil, fmt.Errorf("open: %w", err)
 		}
 		hdr = pr.Hdr
