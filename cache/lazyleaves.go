@@ -2,6 +2,7 @@ package cache
 
 import (
 	"fmt"
+	"math"
 	"sync"
 	"sync/atomic"
 
@@ -62,8 +63,12 @@ import (
 // memory; a read served asynchronously (StartReadAt) looks only at
 // resident leaves and leaves the rest to ReadAt.
 //
-// Known limits: writeback's scans, Check and a failover's walks read the
-// leaves they need under Set.mu; eviction, GC and Check walk the whole
+// Writeback's epoch-order scans do the same for the leaves their epoch
+// bound admits (loadLeavesAtMostLocked) and for the oldest epoch
+// (oldestEpochLocked).
+//
+// Known limits: writeback's lba-order lookups, Check and a failover's
+// walks read the leaves they need under Set.mu; eviction, GC and Check walk the whole
 // index and so load every leaf (once: see lazyLeafCap).
 
 // lazyLeafCap bounds the loaded stub leaves a volume's tree keeps: 0, no
@@ -189,24 +194,33 @@ const maxUnlockedLeaves = 64
 // their verification and are left to a load that never comes).
 // REQUIRES: s.mu
 func (v *Volume) loadLeavesLocked(lba, n uint64) {
+	v.loadLeavesAtMostLocked(lba, lba+n, math.MaxUint64)
+}
+
+// loadLeavesAtMostLocked is loadLeavesLocked for [from, to) and the
+// leaves whose epoch bound is at most bound, those an AscendAggAtMost
+// with that bound visits (writeback's scans).
+// REQUIRES: s.mu
+func (v *Volume) loadLeavesAtMostLocked(from, to, bound uint64) {
 	s := v.s
 	if s.pg == nil || s.pg.lazy == nil || v.idx.Tree.Unloaded() == 0 {
 		return
 	}
-	from, to := index.Ent{LBA: lba}, index.Ent{LBA: lba + n}
-	refs := v.idx.Tree.StubsIn(from, to, maxUnlockedLeaves)
+	f, t := index.Ent{LBA: from}, index.Ent{LBA: min(to, index.MaxLBA)}
+	refs := v.idx.Tree.StubsIn(f, t, bound, maxUnlockedLeaves)
 	if len(refs) == 0 {
 		return
 	}
-	v.readLeavesUnlocked(from, to, refs)
+	v.readLeavesUnlocked(f, t, bound, refs)
 }
 
 // readLeavesUnlocked releases s.mu, reads and verifies the pages of refs
-// (stubs of v's tree among the leaves of [from, to)) into the lazy
+// (stubs of v's tree among the leaves of [from, to) with an epoch bound
+// at most bound) into the lazy
 // state's pre, takes s.mu again and loads the stubs of the range it read
 // (their loads take the pages), dropping what no load took.
 // REQUIRES: s.mu, the set lazy
-func (v *Volume) readLeavesUnlocked(from, to index.Ent, refs []index.StubRef) {
+func (v *Volume) readLeavesUnlocked(from, to index.Ent, bound uint64, refs []index.StubRef) {
 	s := v.s
 	lz, st, id := s.pg.lazy, s.pg.st, uint16(v.vi)
 	s.mu.Unlock()
@@ -230,7 +244,7 @@ func (v *Volume) readLeavesUnlocked(from, to index.Ent, refs []index.StubRef) {
 	if len(read) == 0 {
 		return
 	}
-	v.idx.Tree.LoadStubsIn(from, to, maxUnlockedLeaves, func(r index.StubRef) bool { return read[r] })
+	v.idx.Tree.LoadStubsIn(from, to, bound, maxUnlockedLeaves, func(r index.StubRef) bool { return read[r] })
 	// What no load took (a stub loaded meanwhile, or no longer in the
 	// range) is dropped.
 	lz.mu.Lock()
@@ -260,7 +274,7 @@ func (v *Volume) oldestEpochLocked() (uint64, bool) {
 		if need == nil {
 			return e, ok
 		}
-		v.readLeavesUnlocked(need.At, need.At, []index.StubRef{need.Ref})
+		v.readLeavesUnlocked(need.At, need.At, math.MaxUint64, []index.StubRef{need.Ref})
 	}
 	return s.mu.OldestEpoch(v.vi)
 }

@@ -41,9 +41,10 @@ func (d *leafGateDev) ReadAt(p []byte, off int64) (int, error) {
 }
 
 // TestLeafLoadWithoutSetMu: in a lazily opened set, a client read, a
-// write into the cache, a write of zeroes and eviction's index walk (of a
-// set written back) that need index leaves not resident read them from
-// the cache device without holding Set.mu. While
+// write into the cache, a write of zeroes, eviction's index walk (of a
+// set written back) and a batch of epoch-order writeback that need index
+// leaves not resident read them from the cache device without holding
+// Set.mu. While
 // that read is held at the device, Set.mu is free and a read of a block
 // whose leaf is resident is served (synchronously and by StartReadAt);
 // once released, the held operation completes having read the leaf once
@@ -84,7 +85,7 @@ func TestLeafLoadWithoutSetMu(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	for _, op := range []string{"read", "write", "zeroes", "eviction"} {
+	for _, op := range []string{"read", "write", "zeroes", "eviction", "writeback"} {
 		t.Run(op, func(t *testing.T) {
 			img, back := memCopy(t, mem), memCopy(t, backImg)
 			if op == "eviction" {
@@ -166,6 +167,14 @@ func TestLeafLoadWithoutSetMu(t *testing.T) {
 					done <- v.WriteAt(b, cold*blockSize, false)
 				case "zeroes":
 					done <- v.WriteZeroes(cold*blockSize, blockSize, false, false, false)
+				case "writeback":
+					// One batch of the background loop: the oldest
+					// epoch, then a scan from the cursor.
+					if _, err := s.writebackSweep(v, 1<<20); err != nil {
+						done <- err
+						return
+					}
+					done <- s.Flush()
 				case "eviction":
 					if !s.evictOne() {
 						done <- errors.New("eviction freed no bucket")

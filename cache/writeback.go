@@ -158,7 +158,7 @@ func (h *wbHost) TakeEpoch(n int, cursor *atomic.Uint64) []writeback.Item {
 func (s *Set) takeEpochBatchFrom(vi, n int, cursor *atomic.Uint64) []writeback.Item {
 	v := s.vol(vi)
 	s.mu.Lock()
-	oldest, ok := s.mu.OldestEpoch(vi)
+	oldest, ok := v.oldestEpochLocked()
 	if !ok {
 		s.mu.Unlock()
 		return nil
@@ -188,12 +188,16 @@ func (s *Set) takeEpochBatchFrom(vi, n int, cursor *atomic.Uint64) []writeback.I
 // leaves whose summary admits them), merged in LBA order with the
 // superseded versions of those epochs in the LBA range the chunk covered.
 // The oldest epoch cannot get older between chunks (new versions take the
-// current epoch, GC moves keep theirs).
-// REQUIRES: s.mu (dropped and retaken between chunks)
+// current epoch, GC moves keep theirs). Each chunk first reads the index
+// leaves it will visit without mu (loadLeavesAtMostLocked: mu is dropped
+// there too).
+// REQUIRES: s.mu (dropped and retaken between chunks and before each)
 func (s *Set) takeEpochRangeLocked(vi int, hi, from, limit uint64, n int, items []writeback.Item) (_ []writeback.Item, next uint64, more bool) {
 	v := s.vols[vi]
 	var cand []index.Ver
 	for {
+		// The leaves the chunk will visit, read without s.mu.
+		v.loadLeavesAtMostLocked(from, limit, hi)
 		cand = cand[:0]
 		visited := 0
 		next, more = 0, false

@@ -1,6 +1,7 @@
 package index
 
 import (
+	"math"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -49,7 +50,7 @@ func BenchmarkInsert(b *testing.B) {
 			ls, stubs := stubsOf(es, 176, func(Ent) uint64 { return ^uint64(0) })
 			v.Tree = BuildLazyPtree(stubs, len(es), ls.load, len(stubs), nil)
 			last := stubs[len(stubs)-1].Ref
-			v.Tree.LoadStubsIn(Ent{}, Ent{LBA: MaxLBA}, 1<<30, func(r StubRef) bool {
+			v.Tree.LoadStubsIn(Ent{}, Ent{LBA: MaxLBA}, math.MaxUint64, 1<<30, func(r StubRef) bool {
 				return variant == "lazy-all-loaded" || r != last
 			})
 			if want := map[bool]int64{true: 0, false: 1}[variant == "lazy-all-loaded"]; v.Tree.Unloaded() != want {

@@ -365,8 +365,9 @@ func (t *bptree[E, L, PL]) Unloaded() int64 {
 // eachLeafIn calls fn for each leaf child (nd, i) of the leaves that
 // hold or would hold the elements in [from, to), in order, until fn
 // returns false: the leaf of from first, even if to is not above from.
-// It loads nothing.
-func (t *bptree[E, L, PL]) eachLeafIn(from, to E, fn func(nd *bnode[E, L, PL], i int) bool) {
+// It skips the children whose summary bound is above bound, as
+// AscendAggAtMost does. It loads nothing.
+func (t *bptree[E, L, PL]) eachLeafIn(from, to E, bound uint64, fn func(nd *bnode[E, L, PL], i int) bool) {
 	if t.root == nil {
 		return
 	}
@@ -380,6 +381,9 @@ func (t *bptree[E, L, PL]) eachLeafIn(from, to E, fn func(nd *bnode[E, L, PL], i
 		for ; i < nd.n; i, seek = i+1, false {
 			if !seek && i > 0 && !pl.less(nd.keys[i], to) {
 				return false
+			}
+			if nd.agg[i] > bound {
+				continue
 			}
 			if !nd.leaves {
 				if !walk(nd.kids[i], seek) {
@@ -398,18 +402,19 @@ func (t *bptree[E, L, PL]) eachLeafIn(from, to E, fn func(nd *bnode[E, L, PL], i
 
 // StubsIn returns the references of the stubs whose leaf is neither
 // loaded nor bad among the first max leaves that hold or would hold the
-// elements in [from, to): what an operation on the range would load
-// (its start, for a range of more leaves). It loads nothing, and visits
-// at most max leaves. Its caller may read them without its lock (the
+// elements in [from, to) and whose summary bound is at most bound
+// (math.MaxUint64: every leaf; else the leaves AscendAggAtMost visits):
+// what an operation on the range would load (its start, for a range of
+// more leaves). It loads nothing, and visits at most max leaves. Its caller may read them without its lock (the
 // loader's reads may run concurrently) and have an operation under the
 // lock find them read (LoadStubsIn).
-func (t *bptree[E, L, PL]) StubsIn(from, to E, max int) []StubRef {
+func (t *bptree[E, L, PL]) StubsIn(from, to E, bound uint64, max int) []StubRef {
 	if t.lazy == nil || t.lazy.unloaded.Load() == 0 {
 		return nil
 	}
 	var refs []StubRef
 	seen := 0
-	t.eachLeafIn(from, to, func(nd *bnode[E, L, PL], i int) bool {
+	t.eachLeafIn(from, to, bound, func(nd *bnode[E, L, PL], i int) bool {
 		if s := nd.stubs[i]; nd.lvs[i] == nil && s.leaf.Load() == nil && s.bad.Load() == nil {
 			refs = append(refs, s.ref)
 		}
@@ -420,17 +425,17 @@ func (t *bptree[E, L, PL]) StubsIn(from, to E, max int) []StubRef {
 }
 
 // LoadStubsIn loads the leaf of each stub, among the first max leaves
-// that hold or would hold the elements in [from, to), whose reference
-// want accepts and whose leaf is not loaded; it visits at most max
-// leaves. A leaf that cannot be loaded makes its stub bad, as in any
+// that hold or would hold the elements in [from, to) with a summary bound
+// at most bound (as StubsIn), whose reference want accepts and whose
+// leaf is not loaded; it visits at most max leaves. A leaf that cannot be loaded makes its stub bad, as in any
 // operation, but is not noted for TakeFault: the operation on the range
 // that follows meets it and notes it.
-func (t *bptree[E, L, PL]) LoadStubsIn(from, to E, max int, want func(StubRef) bool) {
+func (t *bptree[E, L, PL]) LoadStubsIn(from, to E, bound uint64, max int, want func(StubRef) bool) {
 	if t.lazy == nil {
 		return
 	}
 	seen := 0
-	t.eachLeafIn(from, to, func(nd *bnode[E, L, PL], i int) bool {
+	t.eachLeafIn(from, to, bound, func(nd *bnode[E, L, PL], i int) bool {
 		if s := nd.stubs[i]; nd.lvs[i] == nil && s.leaf.Load() == nil && want(s.ref) {
 			_, _ = t.fault(nd, i)
 		}

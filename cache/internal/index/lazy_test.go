@@ -390,7 +390,7 @@ func TestLazyLoadOutsideLock(t *testing.T) {
 	refsIn := func(from, to uint64, max int) []StubRef {
 		t.Helper()
 		loads := ls.loads
-		rs := tr.StubsIn(Ent{LBA: from}, Ent{LBA: to}, max)
+		rs := tr.StubsIn(Ent{LBA: from}, Ent{LBA: to}, math.MaxUint64, max)
 		if ls.loads != loads {
 			t.Fatalf("StubsIn loaded %d leaves", ls.loads-loads)
 		}
@@ -406,7 +406,7 @@ func TestLazyLoadOutsideLock(t *testing.T) {
 		t.Fatalf("StubsIn [300,300): %v, want leaf 3", rs)
 	}
 	// Only leaf 2 of [150,420) loaded.
-	tr.LoadStubsIn(Ent{LBA: 150}, Ent{LBA: 420}, 1<<30, func(r StubRef) bool { return r == stubs[2].Ref })
+	tr.LoadStubsIn(Ent{LBA: 150}, Ent{LBA: 420}, math.MaxUint64, 1<<30, func(r StubRef) bool { return r == stubs[2].Ref })
 	if ls.loads != 1 || tr.Unloaded() != 9 {
 		t.Fatalf("LoadStubsIn of one stub: %d loads, %d unloaded, want 1 and 9", ls.loads, tr.Unloaded())
 	}
@@ -426,7 +426,7 @@ func TestLazyLoadOutsideLock(t *testing.T) {
 	if need == nil || need.Ref != stubs[9].Ref || ls.loads != 1 {
 		t.Fatalf("MinAggResident with leaf 9 not resident: %+v, %d loads; want leaf 9's stub, no load", need, ls.loads)
 	}
-	tr.LoadStubsIn(need.At, need.At, 1<<30, func(StubRef) bool { return true })
+	tr.LoadStubsIn(need.At, need.At, math.MaxUint64, 1<<30, func(StubRef) bool { return true })
 	m, ok, need := tr.MinAggResident(testEpoch)
 	if want, wok := tr.Clone().MinAgg(testEpoch); need != nil || !ok || m != want || !wok {
 		t.Fatalf("MinAggResident with leaf 9 resident: %d %v %+v, want %d (MinAgg)", m, ok, need, want)
@@ -434,19 +434,19 @@ func TestLazyLoadOutsideLock(t *testing.T) {
 	// A cache of 2 leaves: a load over it drops one.
 	ls2, stubs2 := stubsOf(sortedEnts(ref), 100, testEpoch)
 	tr2 := BuildLazyPtree(stubs2, len(ref), ls2.load, 2, nil)
-	tr2.LoadStubsIn(Ent{LBA: 0}, Ent{LBA: 300}, 1<<30, func(StubRef) bool { return true })
+	tr2.LoadStubsIn(Ent{LBA: 0}, Ent{LBA: 300}, math.MaxUint64, 1<<30, func(StubRef) bool { return true })
 	if ls2.loads != 3 || tr2.Unloaded() != 8 {
 		t.Fatalf("3 loads into a cache of 2: %d loads, %d unloaded, want 3 and 8", ls2.loads, tr2.Unloaded())
 	}
 	// LoadStubsIn visits at most max leaves.
 	ls3, stubs3 := stubsOf(sortedEnts(ref), 100, testEpoch)
 	tr3 := BuildLazyPtree(stubs3, len(ref), ls3.load, 1<<20, nil)
-	tr3.LoadStubsIn(Ent{LBA: 0}, Ent{LBA: 1000}, 3, func(StubRef) bool { return true })
+	tr3.LoadStubsIn(Ent{LBA: 0}, Ent{LBA: 1000}, math.MaxUint64, 3, func(StubRef) bool { return true })
 	if ls3.loads != 3 || tr3.Unloaded() != 7 {
 		t.Fatalf("LoadStubsIn of 10 leaves with max 3: %d loads, %d unloaded, want 3 and 7", ls3.loads, tr3.Unloaded())
 	}
-	tr.LoadStubsIn(Ent{LBA: 0}, Ent{LBA: 1000}, 1<<30, func(StubRef) bool { return true })
-	if tr.Unloaded() != 0 || tr.StubsIn(Ent{}, Ent{LBA: 1000}, 64) != nil {
+	tr.LoadStubsIn(Ent{LBA: 0}, Ent{LBA: 1000}, math.MaxUint64, 1<<30, func(StubRef) bool { return true })
+	if tr.Unloaded() != 0 || tr.StubsIn(Ent{}, Ent{LBA: 1000}, math.MaxUint64, 64) != nil {
 		t.Fatalf("every leaf loaded: %d unloaded", tr.Unloaded())
 	}
 }
