@@ -91,17 +91,24 @@ type lazyLeaves struct {
 	// reads counts the leaves read (tests: Open reads none).
 	reads atomic.Uint64
 	// pre holds leaves read and verified without Set.mu for a load under
-	// it (loadLeavesLocked), by the pointer they were read for (guarded
-	// by mu): a page's contents at a pointer, which carries the page's
-	// generation and checksum, never change, so the loader takes one
-	// instead of reading the device.
-	pre map[pages.Ptr]*pages.Page
+	// it (loadLeavesLocked), or the read's error, by the pointer they
+	// were read for (guarded by mu): a page's contents at a pointer,
+	// which carries the page's generation and checksum, never change
+	// while a stub that is not loaded names it, so the loader takes the
+	// page or the error instead of reading the device.
+	pre map[pages.Ptr]preRead
 	// faulted is the first leaf that could not be loaded (onLeafFault),
 	// nil while none: the set fails over at the next commit.
 	faulted atomic.Pointer[error]
 	// bad lists the leaves that could not be loaded and failLocked has
 	// not fenced yet (guarded by mu).
 	bad []badLeaf
+}
+
+// preRead is a leaf's page read without Set.mu, or the read's error.
+type preRead struct {
+	pg  *pages.Page
+	err error
 }
 
 // badLeaf is the range of LBAs [lo, hi) of volume slot vi whose leaf could
@@ -183,9 +190,10 @@ const maxUnlockedLeaves = 64
 // verifies their pages, takes s.mu again and loads them (lazyLoader:
 // the slots' checks and, on a leaf's first load, its epochs into the
 // bucket tables, under s.mu as always), so other requests do not wait
-// behind the reads. A page it cannot read or verify is left to the load
-// under s.mu, which reads it again and, if it fails again, fails the set
-// over as any load does. It does nothing for a set that is not lazy or
+// behind the reads. A page it cannot read or verify is the load's
+// error, as if the load had read it: the set fails over, as after any
+// load that fails (the error is not dropped for a second read, which
+// might hide it). It does nothing for a set that is not lazy or
 // whose leaves are all loaded. Because it may release s.mu, its caller
 // calls it right after taking s.mu, before reading anything s.mu guards.
 // A leaf the tree drops again before the operation reaches it (a bounded
@@ -229,24 +237,19 @@ func (v *Volume) readLeavesUnlocked(from, to index.Ent, bound uint64, refs []ind
 		ptr := stubPtr(r)
 		lz.reads.Add(1)
 		pg, err := st.ReadLeaf(ptr, id)
-		if err != nil {
-			continue
-		}
 		lz.mu.Lock()
 		if lz.pre == nil {
-			lz.pre = map[pages.Ptr]*pages.Page{}
+			lz.pre = map[pages.Ptr]preRead{}
 		}
-		lz.pre[ptr] = pg
+		lz.pre[ptr] = preRead{pg, err}
 		lz.mu.Unlock()
 		read[r] = true
 	}
 	s.mu.Lock()
-	if len(read) == 0 {
-		return
-	}
 	v.idx.Tree.LoadStubsIn(from, to, bound, maxUnlockedLeaves, func(r index.StubRef) bool { return read[r] })
 	// What no load took (a stub loaded meanwhile, or no longer in the
-	// range) is dropped.
+	// range: its page may have been reused since, and its read failed) is
+	// dropped.
 	lz.mu.Lock()
 	for r := range read {
 		delete(lz.pre, stubPtr(r))
@@ -301,16 +304,17 @@ func (s *Set) lazyLoader(vi int, nblocks, volEpoch uint64) index.Loader {
 	return func(ref index.StubRef, dst []index.Ent) ([]index.Ent, error) {
 		ptr := stubPtr(ref)
 		lz.mu.Lock()
-		pg := lz.pre[ptr]
+		pre, ok := lz.pre[ptr]
 		delete(lz.pre, ptr)
 		first := !lz.first.Get(int(ptr.Page))
 		lz.mu.Unlock()
-		if pg == nil {
+		pg, err := pre.pg, pre.err
+		if !ok {
 			lz.reads.Add(1)
-			var err error
-			if pg, err = p.st.ReadLeaf(ptr, id); err != nil {
-				return nil, err
-			}
+			pg, err = p.st.ReadLeaf(ptr, id)
+		}
+		if err != nil {
+			return nil, err
 		}
 		n := len(dst)
 		for j := range pg.Count() {
