@@ -33,8 +33,8 @@ type streamVol struct {
 	once    sync.Once
 	loopOne sync.Once
 
-	// again is what CheckOrder returns (ns); checks, if set, is sent to on
-	// each CheckOrder.
+	// again is what CheckOrder returns (ns), as it is when the call
+	// begins; checks, if set, is sent to on each CheckOrder.
 	again  atomic.Int64
 	checks chan struct{}
 }
@@ -180,10 +180,14 @@ func (v *streamVol) CheckOrder() time.Duration {
 	if v.clean {
 		v.loopOne.Do(func() { close(v.looped) })
 	}
+	// again is read before the send: a test that changes it once it has
+	// received a call's signal changes what later calls return, never
+	// the call it received from.
+	d := time.Duration(v.again.Load())
 	if v.checks != nil {
 		v.checks <- struct{}{}
 	}
-	return time.Duration(v.again.Load())
+	return d
 }
 
 // Rate: full speed (an idle client) while anything is dirty, nothing while
