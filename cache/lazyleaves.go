@@ -241,20 +241,43 @@ func (v *Volume) readLeavesUnlocked(from, to index.Ent, bound uint64, refs []ind
 		if lz.pre == nil {
 			lz.pre = map[pages.Ptr]preRead{}
 		}
-		lz.pre[ptr] = preRead{pg, err}
+		_, dup := lz.pre[ptr]
+		if !dup {
+			lz.pre[ptr] = preRead{pg, err}
+			read[r] = true
+		}
 		lz.mu.Unlock()
-		read[r] = true
+		if dup && err != nil {
+			// Another operation's read of the page is there for the
+			// load: this error would reach no one.
+			v.undeliveredLeafError(err)
+		}
 	}
 	s.mu.Lock()
 	v.idx.Tree.LoadStubsIn(from, to, bound, maxUnlockedLeaves, func(r index.StubRef) bool { return read[r] })
 	// What no load took (a stub loaded meanwhile, or no longer in the
 	// range: its page may have been reused since, and its read failed) is
 	// dropped.
+	var lost []error
 	lz.mu.Lock()
 	for r := range read {
+		if x, ok := lz.pre[stubPtr(r)]; ok && x.err != nil {
+			lost = append(lost, x.err)
+		}
 		delete(lz.pre, stubPtr(r))
 	}
 	lz.mu.Unlock()
+	for _, err := range lost {
+		v.undeliveredLeafError(err)
+	}
+}
+
+// undeliveredLeafError logs and counts a failed read of a leaf's page
+// that no load returned (the leaf was loaded, or found bad, by another
+// operation meanwhile): every cache device error is returned or logged.
+func (v *Volume) undeliveredLeafError(err error) {
+	v.s.stats.cacheErrors.Add(1)
+	v.s.log.Warn("cache device I/O error", "op", "index leaf read (the leaf was loaded meanwhile)", "volume", v.name, "err", err)
 }
 
 // maxOldestTries bounds the leaves oldestEpochLocked reads without
