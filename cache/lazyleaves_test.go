@@ -74,6 +74,28 @@ func (m *lazyModel) verify(v *Volume) {
 	}
 }
 
+// writtenLazySet is a paged set of nb buckets of bs bytes whose volume
+// "a" had every even block below 2*nblk written once, in the order
+// rand.NewPCG(seed, seed+1) gives, through a set opened with knobs, and
+// was closed cleanly; m holds what was written.
+func writtenLazySet(t *testing.T, nb, bs, nblk int64, seed uint64, knobs testingKnobs) (*device.Mem, []BackingSpec, *lazyModel) {
+	t.Helper()
+	_, mem, specs := pagedSet(t, nb, bs, 4*nblk*blockSize)
+	s, err := Open(mem, specs, OpenOptions{testing: knobs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	v, _ := s.Volume("a")
+	m := &lazyModel{t: t, want: map[int64]uint32{}}
+	for _, blk := range rand.New(rand.NewPCG(seed, seed+1)).Perm(int(nblk)) {
+		m.write(v, 2*int64(blk))
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	return mem, specs, m
+}
+
 // TestLazyOpenReadsNoLeaf: a paged set opened after a clean shutdown
 // reads its root, inner pages and bucket table and no leaf of its
 // volume's tree (counted at the device and by the loader); the leaves
@@ -85,28 +107,16 @@ func (m *lazyModel) verify(v *Volume) {
 // after another clean restart too.
 func TestLazyOpenReadsNoLeaf(t *testing.T) {
 	const bs, nb, nblk = 32 << 10, 1000, 6000
-	_, mem, specs := pagedSet(t, nb, bs, 4*nblk*blockSize)
+	knobs := testingKnobs{noBackground: true, fixedJournal: true}
+	mem, specs, m := writtenLazySet(t, nb, bs, nblk, 5, knobs)
 	sb, err := ReadSuperblock(mem)
 	if err != nil {
-		t.Fatal(err)
-	}
-	knobs := testingKnobs{noBackground: true, fixedJournal: true}
-	s, err := Open(mem, specs, OpenOptions{testing: knobs})
-	if err != nil {
-		t.Fatal(err)
-	}
-	v, _ := s.Volume("a")
-	m := &lazyModel{t: t, want: map[int64]uint32{}}
-	for _, blk := range rand.New(rand.NewPCG(5, 6)).Perm(nblk) {
-		m.write(v, 2*int64(blk))
-	}
-	if err := s.Close(); err != nil {
 		t.Fatal(err)
 	}
 
 	dev := &readCountingDev{Mem: mem, lo: sb.CkptOff[0], hi: sb.CkptOff[0] + 2*sb.CkptLen}
 	knobs.lazyLeafCap = 2
-	s, err = Open(dev, specs, OpenOptions{testing: knobs})
+	s, err := Open(dev, specs, OpenOptions{testing: knobs})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -125,7 +135,7 @@ func TestLazyOpenReadsNoLeaf(t *testing.T) {
 	if s.pg.lazy.reads.Load() != 0 || read >= int64(leaves)/2 {
 		t.Fatalf("Open read %d pages of the page area and loaded %d leaves, of %d leaves", read, s.pg.lazy.reads.Load(), leaves)
 	}
-	v, _ = s.Volume("a")
+	v, _ := s.Volume("a")
 	m.verify(v)
 	if n := s.pg.lazy.reads.Load(); n < uint64(leaves) {
 		t.Fatalf("reading every block loaded %d leaves of %d (with a cache of 2)", n, leaves)

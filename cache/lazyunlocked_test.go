@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -53,20 +52,8 @@ func (d *leafGateDev) ReadAt(p []byte, off int64) (int, error) {
 // resident without reading anything.
 func TestLeafLoadWithoutSetMu(t *testing.T) {
 	const bs, nb, nblk = 32 << 10, 400, 3000
-	_, mem, specs := pagedSet(t, nb, bs, 4*nblk*blockSize)
 	knobs := testingKnobs{noBackground: true, fixedJournal: true}
-	s, err := Open(mem, specs, OpenOptions{testing: knobs})
-	if err != nil {
-		t.Fatal(err)
-	}
-	v, _ := s.Volume("a")
-	m := &lazyModel{t: t, want: map[int64]uint32{}}
-	for _, blk := range rand.New(rand.NewPCG(21, 22)).Perm(nblk) {
-		m.write(v, 2*int64(blk))
-	}
-	if err := s.Close(); err != nil {
-		t.Fatal(err)
-	}
+	mem, specs, m := writtenLazySet(t, nb, bs, nblk, 21, knobs)
 	sb, err := ReadSuperblock(mem)
 	if err != nil {
 		t.Fatal(err)
@@ -74,7 +61,7 @@ func TestLeafLoadWithoutSetMu(t *testing.T) {
 	backImg := specs[0].Dev.(*device.Mem)
 	// The same set written back (for eviction, which takes clean buckets).
 	cleanMem, cleanBack := memCopy(t, mem), memCopy(t, backImg)
-	s, err = Open(cleanMem, []BackingSpec{{Name: "a", Dev: cleanBack}}, OpenOptions{testing: knobs})
+	s, err := Open(cleanMem, []BackingSpec{{Name: "a", Dev: cleanBack}}, OpenOptions{testing: knobs})
 	if err != nil {
 		t.Fatal(err)
 	}
